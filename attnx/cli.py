@@ -1,0 +1,67 @@
+"""The attnx command line: a thin layer, each subcommand calls one public function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from attnx.errors import AttnxError
+
+# Subcommands, in the order --help lists them: each module has add_parser() and run().
+COMMANDS = ["export", "optimize", "parity", "bench", "build", "verify", "run", "inspect"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnx", description="Multi-head attention from PyTorch to ONNX Runtime, verified number by number."
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=f"attnx {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"attnx.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"attnx.commands.{name}":
+                continue  # a command not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("attnx")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse exits 2 on bad usage
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if not args.debug:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(3)  # ORT's C++ log: errors only
+    try:
+        return args.run(args)
+    except AttnxError as e:
+        if args.debug:
+            raise
+        print(f"attnx {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"attnx {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

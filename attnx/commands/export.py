@@ -1,0 +1,49 @@
+"""attnx export: torch -> ONNX with dynamic batch/seq, lowered, checked."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnx.commands._common import Progress, add_model_args, check_output_path, format_table, load_model_args
+
+HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from attnx.export import EXPORT_DTYPES, LOWERINGS
+
+    p = sub.add_parser("export", help=HELP, description=HELP)
+    add_model_args(p)
+    p.add_argument("--attention", choices=LOWERINGS, default="decomposed", help="lowering of the attention core")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
+    p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
+    p.add_argument("--opset", type=int, help="ONNX opset (default 18; 23 for --attention onnx)")
+    p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
+    p.add_argument("--out", required=True, metavar="MODEL.onnx")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnx.export import export_model
+
+    check_output_path(args.out)
+    progress = Progress()
+    config, weights = load_model_args(args, progress)
+    report = export_model(
+        config,
+        args.out,
+        weights,
+        attention=args.attention,
+        dtype=args.dtype,
+        opset=args.opset,
+        keep_io_fp32=args.keep_io_fp32,
+        validate=not args.no_validate,
+        progress=progress,
+    )
+    for line in report.passes:
+        print(line)
+    if report.validation:
+        rows = [(c.name, "pass" if c else "FAIL", c.max_abs, c.atol, c.cosine) for c in report.validation]
+        print(format_table(["check vs torch", "status", "max_abs", "atol", "cosine"], rows))
+    print(f"wrote {', '.join(report.files)} ({report.attention}, {report.dtype}, opset {report.opset})")
+    return 0

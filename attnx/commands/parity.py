@@ -1,0 +1,72 @@
+"""attnx parity: every backend against the reference, case by case."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from attnx.commands._common import Progress, add_model_args, format_table, int_list, load_model_args, str_list
+
+HELP = "compare backends (torch, ONNX Runtime, reference) case by case"
+DEFAULT_BACKENDS = "reference,torch,ort-cpu,ort-cuda,torch-cuda"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_SEQS
+
+    p = sub.add_parser("parity", help=HELP, description=HELP)
+    add_model_args(p)
+    p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model for ort-* (default: export one now)")
+    p.add_argument("--backends", type=str_list, default=str_list(DEFAULT_BACKENDS), help=f"default {DEFAULT_BACKENDS}")
+    p.add_argument("--require", type=str_list, default=[], help="backends that must be available (else exit 2)")
+    p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES))
+    p.add_argument("--seq", type=int_list, default=list(DEFAULT_SEQS))
+    p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default 9)")
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnx.runtimes import ModelSource, create_runner
+    from attnx.runtimes.parity import run_parity
+
+    progress = Progress()
+    config, weights = load_model_args(args, progress)
+    for name in args.require:  # ProviderUnavailable exits 2 with the backend's reason
+        if name not in args.backends:
+            args.backends.append(name)
+    with tempfile.TemporaryDirectory(prefix="attnx-parity-") as tmp:
+        model = args.model
+        needs_model = any(b.startswith("ort-") for b in args.backends)
+        if needs_model and model is None:
+            from attnx.export import export_model
+
+            model = os.path.join(tmp, "model.onnx")
+            export_model(config, model, weights, dtype=args.dtype, validate=False, progress=progress)
+        source = ModelSource(config, weights, model, args.dtype)
+        for name in args.require:
+            with create_runner(name, source):
+                pass
+        report = run_parity(
+            source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
+        )
+    rows = [
+        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine)
+        for c in report.cases
+    ]
+    headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "status", "max_abs", "max_rel", "atol", "cosine"]
+    print(format_table(headers, rows))
+    reasons = {c.backend: c.reason for c in report.cases if c.status == "skipped"}
+    for backend, reason in reasons.items():
+        print(f"skipped {backend}: {reason}")
+    for c in report.cases:
+        if c.status == "fail":
+            print(f"FAIL {c.backend} batch={c.batch} seq={c.seq}: {c.reason}")
+    if args.json:
+        report.write_json(args.json)
+    counts = {s: sum(c.status == s for c in report.cases) for s in ("pass", "fail", "skipped")}
+    print(f"parity {'PASSED' if report.passed else 'FAILED'}: {counts['pass']} passed, {counts['fail']} failed, "
+          f"{counts['skipped']} skipped")  # fmt: skip
+    return 0 if report.passed else 1

@@ -1,0 +1,227 @@
+"""torch -> ONNX through the dynamo exporter, with the contract's dynamic dims."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.errors import ExportError, UsageError
+from attnx.model.config import AttentionConfig
+
+__all__ = [
+    "LOWERINGS",
+    "IR_VERSION",
+    "CONFIG_METADATA_KEY",
+    "EXTERNAL_DATA_THRESHOLD",
+    "default_opset",
+    "export_onnx",
+    "save_model",
+    "contract_dims",
+    "quiet",
+]
+
+logger = logging.getLogger(__name__)
+
+# --attention values. "decomposed" and "onnx" come straight from the exporter; the
+# others are graph passes over its output (attnx.export.passes).
+LOWERINGS = ("decomposed", "onnx", "ort-fused", "auto")
+
+# IR version written into every model: onnxruntime-gpu 1.31 reads at most 13, and onnx
+# 1.23's helpers would write 14. 10 is what the exporter writes and every ORT since 1.16 reads.
+IR_VERSION = 10
+CONFIG_METADATA_KEY = "attnx.config"
+# Above this many bytes of initializers the model is saved with external data (protobuf's
+# 2 GB limit).
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
+# Sizes of the example inputs the exporter traces with: none is 0 or 1 (which torch.export
+# would specialise) and no two are equal (which it could unify).
+EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_MEM_SEQ = 2, 5, 6
+
+
+def default_opset(attention: str) -> int:
+    # The standard Attention op needs opset 23; the decomposed form runs on any opset and
+    # 18 is the oldest every pinned tool handles well.
+    return 23 if attention == "onnx" else 18
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[io.StringIO]:
+    """Hold back what the dynamo exporter prints (stdout, stderr, warnings, torch logs)."""
+    buf = io.StringIO()
+    loggers = [logging.getLogger(n) for n in ("torch", "torch.onnx", "torch.export", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield buf
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def contract_dims(config: AttentionConfig) -> dict[str, list[int | str]]:
+    """Each graph input's and output's shape in the contract (DESIGN.md section 4)."""
+    specs = config.inputs() + config.outputs()
+    return {s.name: list(s.shape) for s in specs}
+
+
+def _example_inputs(config: AttentionConfig) -> tuple[tuple, dict]:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    kwargs: dict[str, torch.Tensor] = {}
+    x = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, config.d_model, generator=gen)
+    kv_len = EXAMPLE_SEQ
+    if config.cross:
+        kwargs["memory"] = torch.randn(EXAMPLE_BATCH, EXAMPLE_MEM_SEQ, config.kv_dim, generator=gen)
+        kv_len = EXAMPLE_MEM_SEQ
+    if config.key_padding_mask:
+        kwargs["key_padding_mask"] = torch.zeros(EXAMPLE_BATCH, kv_len, dtype=torch.bool)
+    return (x,), kwargs
+
+
+def _dynamic_shapes(config: AttentionConfig) -> dict[str, dict[int, object]]:
+    from torch.export import Dim
+
+    dims = {name: Dim(name) for name in ("batch", "seq", "mem_seq")}
+    shapes: dict[str, dict[int, object]] = {}
+    for spec in config.inputs():
+        shapes[spec.name] = {axis: dims[d] for axis, d in enumerate(spec.shape) if isinstance(d, str)}
+    return shapes
+
+
+def export_onnx(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray] | None = None,
+    *,
+    seed: int = 0,
+    attention: str = "decomposed",
+    opset: int | None = None,
+) -> ir.Model:
+    """Export the attnx module for `config` to an onnx-ir Model with dynamic batch/seq.
+
+    attention is "decomposed" or "onnx" here; the fused lowerings are graph passes applied
+    to this output (attnx.export.build_model runs the whole pipeline).
+    """
+    import torch
+
+    from attnx.model.module import build_module
+
+    if attention not in ("decomposed", "onnx"):
+        raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
+    opset = opset if opset is not None else default_opset(attention)
+    if attention == "onnx" and opset < 23:
+        raise UsageError(f"--attention onnx needs opset 23 or newer (the standard Attention op), got --opset {opset}")
+    module = build_module(config, weights, seed=seed, attention="sdpa" if attention == "onnx" else "decomposed")
+    args, kwargs = _example_inputs(config)
+    logger.info("exporting %s attention at opset %d", attention, opset)
+    with quiet() as log, torch.inference_mode(False), torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                module,
+                args,
+                kwargs=kwargs,
+                dynamic_shapes=_dynamic_shapes(config),
+                input_names=config.input_names(),
+                output_names=["y"],
+                opset_version=opset,
+                dynamo=True,
+                optimize=True,
+            )
+        except Exception as e:
+            logger.debug("exporter output:\n%s", log.getvalue())
+            raise ExportError(f"torch.onnx.export failed: {str(e).strip().splitlines()[0]}") from e
+    model = program.model
+    name_contract_dims(model, config)
+    model.ir_version = IR_VERSION
+    model.producer_name = "attnx"
+    model.metadata_props[CONFIG_METADATA_KEY] = config.to_json()
+    model.metadata_props["attnx.attention"] = attention
+    return model
+
+
+def name_contract_dims(model: ir.Model, config: AttentionConfig) -> None:
+    """Check that every dynamic dim of the graph's inputs and outputs is symbolic and give
+    it its contract name everywhere in the graph.
+
+    An exporter that specialised a dim (wrote a number where the contract has batch, seq or
+    mem_seq) produced a model that only runs at one size: that is an error, not a warning.
+    The exporter may name a dim s77 instead of seq; the symbol is renamed, consistently.
+    """
+    expected = contract_dims(config)
+    graph_values = {v.name: v for v in [*model.graph.inputs, *model.graph.outputs]}
+    if set(graph_values) != set(expected):
+        raise ExportError(f"exported graph has inputs/outputs {sorted(graph_values)}, expected {sorted(expected)}")
+    rename: dict[str, str] = {}
+    for name, dims in expected.items():
+        shape = graph_values[name].shape
+        if shape is None or len(shape) != len(dims):
+            raise ExportError(f"exported {name!r} has shape {shape}, expected {dims}")
+        for axis, (got, want) in enumerate(zip(shape, dims)):
+            if isinstance(want, int):
+                if got != want:
+                    raise ExportError(f"exported {name!r} has size {got} on axis {axis}, expected {want}")
+                continue
+            if isinstance(got, int):
+                raise ExportError(f"the export specialised dim {want!r} of {name!r} (axis {axis}) to {got}")
+            symbol = got.value
+            if symbol is None:
+                raise ExportError(f"dim {want!r} of {name!r} (axis {axis}) came out unnamed")
+            if rename.setdefault(symbol, want) != want:
+                raise ExportError(
+                    f"the export unified dims {rename[symbol]!r} and {want!r} into one symbol {symbol!r}"
+                )
+    for value in _all_values(model.graph):
+        if value.shape is None:
+            continue
+        dims = [ir.SymbolicDim(rename.get(d.value, d.value)) if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
+        if any(isinstance(d, ir.SymbolicDim) and d.value in rename for d in value.shape):
+            value.shape = ir.Shape(dims)
+
+
+def _all_values(graph: ir.Graph) -> Iterator[ir.Value]:
+    yield from graph.inputs
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        yield from node.outputs
+
+
+def initializer_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> list[str]:
+    """Write the model atomically: into a temporary folder beside `path`, then renamed.
+
+    Models whose initializers pass 2 GB (or external_data=True) get one data file
+    `<name>.onnx.data` beside them, with a relative location. Returns the files written.
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise UsageError(f"output folder {parent!r} does not exist")
+    model.ir_version = IR_VERSION
+    if external_data is None:
+        external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    name = os.path.basename(path)
+    data_name = f"{name}.data" if external_data else None
+    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
+        ir.save(model, os.path.join(tmp, name), external_data=data_name)
+        written = []
+        if data_name:  # the data first: a model never points at a missing data file
+            os.replace(os.path.join(tmp, data_name), os.path.join(parent, data_name))
+            written.append(os.path.join(parent, data_name))
+        elif os.path.exists(os.path.join(parent, f"{name}.data")):
+            os.remove(os.path.join(parent, f"{name}.data"))  # a stale one from an earlier save
+        os.replace(os.path.join(tmp, name), path)
+        written.insert(0, path)
+    return written

@@ -1,0 +1,80 @@
+"""export_model: export, lower, save and check, the one function `attnx export` calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from attnx.errors import UsageError
+from attnx.export._check import check_model_file, validate_against_torch
+from attnx.export._export import LOWERINGS, export_onnx, save_model
+from attnx.model.config import AttentionConfig
+from attnx.model.tolerance import Comparison
+from attnx.model.weights import init_weights
+
+__all__ = ["ExportReport", "export_model", "EXPORT_DTYPES"]
+
+logger = logging.getLogger(__name__)
+
+EXPORT_DTYPES = ("fp32", "fp16")
+
+
+@dataclasses.dataclass
+class ExportReport:
+    path: str
+    files: list[str]
+    attention: str
+    dtype: str
+    opset: int
+    validation: list[Comparison]
+    passes: list[str] = dataclasses.field(default_factory=list)  # one line per graph pass
+
+
+def export_model(
+    config: AttentionConfig,
+    out: str | os.PathLike[str],
+    weights: Mapping[str, np.ndarray] | None = None,
+    *,
+    seed: int = 0,
+    attention: str = "decomposed",
+    dtype: str = "fp32",
+    opset: int | None = None,
+    keep_io_fp32: bool = False,
+    validate: bool = True,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> ExportReport:
+    """Export `config` to `out`, then check the written file: onnx checker, contract dims,
+    loads in onnxruntime, and (validate) agrees with torch at shapes the export never saw."""
+    if attention not in LOWERINGS:
+        raise UsageError(f"unknown --attention {attention!r} (known: {', '.join(LOWERINGS)})")
+    if dtype not in EXPORT_DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r} (known: {', '.join(EXPORT_DTYPES)})")
+    if weights is None:
+        progress(f"drawing seeded weights (seed {seed}, {config.n_params:,} parameters)")
+        weights = init_weights(config, seed)
+    base = "onnx" if attention == "onnx" else "decomposed"
+    progress(f"exporting ({base} attention)")
+    model = export_onnx(config, weights, attention=base, opset=opset)
+    pass_lines: list[str] = []
+    if attention in ("ort-fused", "auto") or dtype != "fp32":
+        from attnx.export.passes import lower_model  # graph passes (ort-fused, fp16)
+
+        progress("running graph passes")
+        model, pass_lines = lower_model(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32)
+    opset_used = model.opset_imports.get("", 0)
+    progress(f"saving {os.fspath(out)}")
+    files = save_model(model, out)
+    del model
+    progress("checking the saved model (onnx checker, dims, onnxruntime load)")
+    check_model_file(out, config)
+    validation: list[Comparison] = []
+    if validate:
+        progress("validating against torch at new shapes")
+        validation = validate_against_torch(
+            out, config, weights, dtype=dtype, io_dtype="fp32" if keep_io_fp32 else dtype
+        )
+    return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, pass_lines)

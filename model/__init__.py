@@ -1,0 +1,46 @@
+"""attnx.model: the config, presets, torch module, numpy reference and weight I/O.
+
+Torch is imported only when the torch module is asked for, so that the reference and
+weight I/O work on a deployment machine without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnx.model.config import PRESETS, AttentionConfig, load_config, preset
+from attnx.model.reference import reference_attention
+from attnx.model.weights import (
+    check_weights,
+    from_torch_mha_state_dict,
+    init_weights,
+    load_weights,
+    save_weights,
+    weight_shapes,
+)
+
+__all__ = [
+    "AttentionConfig",
+    "PRESETS",
+    "preset",
+    "load_config",
+    "reference_attention",
+    "weight_shapes",
+    "init_weights",
+    "check_weights",
+    "load_weights",
+    "save_weights",
+    "from_torch_mha_state_dict",
+    "MultiHeadAttention",
+    "build_module",
+]
+
+_TORCH_NAMES = {"MultiHeadAttention", "build_module", "ATTENTION_IMPLS"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from attnx.model import module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'attnx.model' has no attribute {name!r}")

@@ -1,0 +1,184 @@
+"""AttentionConfig: the one description of the model that every part of attnx shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from attnx.errors import ConfigError
+
+__all__ = ["AttentionConfig", "TensorSpec", "DTYPES", "PRESETS", "preset", "load_config"]
+
+
+# Names of the dtypes attnx speaks of, and their numpy types.
+DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bool": "bool", "int32": "int32", "fp64": "float64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: name, dtype name (a key of DTYPES), shape with dim names."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Multi-head attention: y = concat_n(softmax(scale * q k^T + mask) v) Wo + bo.
+
+    head_dim defaults to d_model / n_heads, v_head_dim to head_dim and kv_dim (width of
+    memory for cross-attention) to d_model. scale None means 1/sqrt(head_dim).
+    """
+
+    d_model: int
+    n_heads: int
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    kv_dim: int | None = None
+    bias: bool = True
+    causal: bool = False
+    cross: bool = False
+    key_padding_mask: bool = False
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "n_heads"):
+            _check_int(key, getattr(self, key))
+        for key in ("head_dim", "v_head_dim", "kv_dim"):
+            if getattr(self, key) is not None:
+                _check_int(key, getattr(self, key))
+        for key in ("bias", "causal", "cross", "key_padding_mask"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"config key {key!r} must be true or false, got {getattr(self, key)!r}")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"config key 'head_dim' is required: d_model {self.d_model} is not divisible "
+                    f"by n_heads {self.n_heads}"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.kv_dim is None:
+            object.__setattr__(self, "kv_dim", self.d_model)
+        if self.causal and self.cross:
+            raise ConfigError("config keys 'causal' and 'cross' cannot both be true: the causal mask is for self-attention")
+        if not self.cross and self.kv_dim != self.d_model:
+            raise ConfigError(
+                f"config key 'kv_dim' ({self.kv_dim}) must equal d_model ({self.d_model}) without 'cross'"
+            )
+        if self.scale is not None:
+            if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+                raise ConfigError(f"config key 'scale' must be a number or null, got {self.scale!r}")
+            if not (math.isfinite(self.scale) and self.scale > 0):
+                raise ConfigError(f"config key 'scale' must be a finite positive number, got {self.scale!r}")
+            object.__setattr__(self, "scale", float(self.scale))
+
+    # Derived sizes, named once so no caller recomputes them.
+    @property
+    def q_dim(self) -> int:
+        """Width of the concatenated q (and k) heads: N * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the concatenated v heads: N * v_head_dim."""
+        return self.n_heads * self.v_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def n_params(self) -> int:
+        n = self.q_dim * self.d_model + self.q_dim * self.kv_dim + self.v_dim * self.kv_dim + self.d_model * self.v_dim
+        if self.bias:
+            n += self.q_dim * 2 + self.v_dim + self.d_model
+        return n
+
+    def input_names(self) -> list[str]:
+        return [spec.name for spec in self.inputs()]
+
+    def kv_len_dim(self) -> str:
+        """Symbolic name of the key/value length: mem_seq for cross-attention, else seq."""
+        return "mem_seq" if self.cross else "seq"
+
+    def inputs(self, dtype: str = "fp32") -> list[TensorSpec]:
+        """The model's inputs as in DESIGN.md section 4, with the contract's dim names."""
+        specs = [TensorSpec("x", dtype, ("batch", "seq", self.d_model))]
+        if self.cross:
+            specs.append(TensorSpec("memory", dtype, ("batch", "mem_seq", self.kv_dim)))
+        if self.key_padding_mask:
+            specs.append(TensorSpec("key_padding_mask", "bool", ("batch", self.kv_len_dim())))
+        return specs
+
+    def outputs(self, dtype: str = "fp32") -> list[TensorSpec]:
+        return [TensorSpec("y", dtype, ("batch", "seq", self.d_model))]
+
+    # JSON round trip. Every key is written, resolved defaults included, so a stored
+    # config does not depend on the defaults of the attnx version that reads it.
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AttentionConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+        missing = [k for k in ("d_model", "n_heads") if k not in data]
+        if missing:
+            raise ConfigError(f"config key {missing[0]!r} is required")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> AttentionConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+
+def _check_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"config key {key!r} must be positive, got {value}")
+
+
+PRESETS: dict[str, AttentionConfig] = {
+    "tiny": AttentionConfig(d_model=64, n_heads=4),
+    "base": AttentionConfig(d_model=512, n_heads=8),
+    "large": AttentionConfig(d_model=1024, n_heads=16),
+    # The seed's numbers: GPT-3's layer, 96 heads of 128 (604M weights, 2.4 GB in fp32).
+    "gpt3": AttentionConfig(d_model=12288, n_heads=96, head_dim=128),
+}
+
+
+def preset(name: str) -> AttentionConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> AttentionConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {os.fspath(path)!r}: {e.strerror}") from None
+    return AttentionConfig.from_json(text)

@@ -1,0 +1,41 @@
+"""Seeded example inputs for a config: what parity, export checks, bench and golden files feed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnx.model.config import DTYPES, AttentionConfig
+
+__all__ = ["make_inputs"]
+
+
+def make_inputs(
+    config: AttentionConfig,
+    batch: int,
+    seq: int,
+    mem_seq: int | None = None,
+    dtype: str = "fp32",
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """x ~ N(0, 1) (and memory for cross-attention), plus a key padding mask when the model
+    takes one: batch element 0 hides about a third of its keys (never all), element 1 hides
+    every key (the fully masked row: y must be the output bias there), others hide half."""
+    if config.cross and mem_seq is None:
+        raise ValueError("cross-attention inputs need mem_seq")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    np_dtype = np.dtype(DTYPES[dtype]) if dtype in DTYPES else np.dtype(np.float32)
+    feeds = {"x": rng.standard_normal((batch, seq, config.d_model), dtype=np.float32).astype(np_dtype)}
+    kv_len = seq
+    if config.cross:
+        feeds["memory"] = rng.standard_normal((batch, mem_seq, config.kv_dim), dtype=np.float32).astype(np_dtype)
+        kv_len = mem_seq
+    if config.key_padding_mask:
+        mask = np.zeros((batch, kv_len), dtype=bool)
+        for b in range(batch):
+            if b == 1:
+                mask[b] = True
+                continue
+            mask[b] = rng.random(kv_len) < (1 / 3 if b == 0 else 1 / 2)
+            mask[b, rng.integers(kv_len)] = False  # at least one visible key
+        feeds["key_padding_mask"] = mask
+    return feeds

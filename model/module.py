@@ -1,0 +1,125 @@
+"""The torch module: scaled dot-product multi-head attention, self or cross, with masks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnx.errors import UsageError
+from attnx.model.config import AttentionConfig
+from attnx.model.weights import check_weights, init_weights
+
+__all__ = ["MultiHeadAttention", "ATTENTION_IMPLS", "build_module"]
+
+# How the attention core is written in torch. Each exports to a different ONNX form:
+# "decomposed": MatMul, Softmax, MatMul (any opset); "sdpa": F.scaled_dot_product_attention,
+# which the dynamo exporter turns into the standard Attention op at opset 23.
+ATTENTION_IMPLS = ("decomposed", "sdpa")
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, config: AttentionConfig, attention: str = "decomposed") -> None:
+        super().__init__()
+        if attention not in ATTENTION_IMPLS:
+            raise UsageError(f"unknown attention implementation {attention!r} (known: {', '.join(ATTENTION_IMPLS)})")
+        self.config = config
+        self.attention = attention
+        c = config
+        self.q_proj = nn.Linear(c.d_model, c.q_dim, bias=c.bias)
+        self.k_proj = nn.Linear(c.kv_dim, c.q_dim, bias=c.bias)
+        self.v_proj = nn.Linear(c.kv_dim, c.v_dim, bias=c.bias)
+        self.out_proj = nn.Linear(c.v_dim, c.d_model, bias=c.bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        m = memory if c.cross else x
+        S = m.shape[1]
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, N, T, hd)
+        k = self.k_proj(m).view(B, S, c.n_heads, c.head_dim).transpose(1, 2)  # (B, N, S, hd)
+        v = self.v_proj(m).view(B, S, c.n_heads, c.v_head_dim).transpose(1, 2)  # (B, N, S, vhd)
+
+        hidden = self._hidden_keys(x, T, S, key_padding_mask)  # (B|1, 1, T|1, S) bool or None
+        if self.attention == "sdpa":
+            z = self._sdpa(q, k, v, hidden)
+        else:
+            z = self._decomposed(q, k, v, hidden)
+        if hidden is not None:
+            # A query whose keys are all hidden gets z = 0 (DESIGN.md section 1). torch.where
+            # rather than a product, so that a NaN from a backend's softmax cannot leak through.
+            any_visible = ~hidden.all(dim=-1, keepdim=True)  # (B|1, 1, T|1, 1)
+            z = torch.where(any_visible, z, torch.zeros((), dtype=z.dtype))
+        z = z.transpose(1, 2).reshape(B, T, c.v_dim)  # (B, T, N*vhd), heads concatenated
+        return self.out_proj(z)
+
+    def _hidden_keys(
+        self, x: torch.Tensor, T: int, S: int, key_padding_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """True where key j is hidden from query i, broadcastable to (B, N, T, S)."""
+        c = self.config
+        hidden = None
+        if c.causal:
+            i = torch.arange(T, device=x.device)
+            hidden = (i[None, :] > i[:, None])[None, None]  # (1, 1, T, S=T): key j > query i
+        if c.key_padding_mask:
+            if key_padding_mask is None:
+                raise UsageError("this model takes a key_padding_mask input")
+            kpm = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, S)
+            hidden = kpm if hidden is None else hidden | kpm
+        return hidden
+
+    def _decomposed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.config.softmax_scale  # (B, N, T, S)
+        if hidden is not None:
+            # The dtype's lowest finite value, not -inf: exp(lowest - max) is exactly 0 for a
+            # hidden key, and a fully hidden row stays finite (fp16 included).
+            scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+        p = torch.softmax(scores, dim=-1)
+        return torch.matmul(p, v)  # (B, N, T, vhd)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        scale = self.config.softmax_scale
+        if hidden is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        if self.config.causal and not self.config.key_padding_mask:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        # The mask is expanded to (B, 1, T, S): ONNX Runtime's Attention op does not
+        # broadcast a query axis of size 1 in attn_mask.
+        B, _, T, _ = q.shape
+        S = k.shape[2]
+        attend = (~hidden).expand(B, 1, T, S)  # SDPA's boolean mask: True = attend
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=scale)
+
+    @torch.no_grad()
+    def load_numpy_weights(self, weights: Mapping[str, np.ndarray]) -> MultiHeadAttention:
+        check_weights(self.config, weights)
+        state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in weights.items()}
+        self.load_state_dict(state, strict=True)
+        return self
+
+
+def build_module(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+    attention: str = "decomposed",
+) -> MultiHeadAttention:
+    """The module in eval mode with the given weights, or seeded ones."""
+    # Build on the meta device: the seeded numpy weights replace torch's own init, which
+    # for the gpt3 preset would otherwise cost seconds and 2.4 GB for nothing.
+    with torch.device("meta"):
+        module = MultiHeadAttention(config, attention)
+    module = module.to_empty(device="cpu")
+    module.load_numpy_weights(weights if weights is not None else init_weights(config, seed))
+    return module.eval()

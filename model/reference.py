@@ -1,0 +1,62 @@
+"""The numpy reference: section 1 of DESIGN.md, written to be read, not to be fast.
+
+float64 throughout, one head and one query at a time, so that it shares no code and no
+numerical shortcut with the torch module or the ONNX graph it checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from attnx.model.config import AttentionConfig
+
+__all__ = ["reference_attention"]
+
+
+def reference_attention(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    memory: np.ndarray | None = None,
+    key_padding_mask: np.ndarray | None = None,
+) -> np.ndarray:
+    """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]."""
+    c = config
+    w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+
+    def linear(inp: np.ndarray, name: str) -> np.ndarray:
+        out = inp @ w[f"{name}.weight"].T  # torch Linear convention: W is [out, in]
+        if c.bias:
+            out = out + w[f"{name}.bias"]
+        return out
+
+    x = np.asarray(x, dtype=np.float64)
+    m = np.asarray(memory, dtype=np.float64) if c.cross else x
+    batch, t, _ = x.shape
+    s = m.shape[1]
+    y = np.zeros((batch, t, c.d_model))
+    for b in range(batch):
+        q = linear(x[b], "q_proj")  # (t, N*hd)
+        k = linear(m[b], "k_proj")  # (s, N*hd)
+        v = linear(m[b], "v_proj")  # (s, N*vhd)
+        z = np.zeros((t, c.v_dim))
+        for n in range(c.n_heads):
+            qn = q[:, n * c.head_dim : (n + 1) * c.head_dim]
+            kn = k[:, n * c.head_dim : (n + 1) * c.head_dim]
+            vn = v[:, n * c.v_head_dim : (n + 1) * c.v_head_dim]
+            for i in range(t):
+                visible = np.ones(s, dtype=bool)
+                if c.causal:
+                    visible[i + 1 :] = False  # key j > query i is hidden
+                if key_padding_mask is not None:
+                    visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
+                if not visible.any():
+                    continue  # every key hidden: z_i = 0 by definition
+                scores = c.softmax_scale * (kn[visible] @ qn[i])
+                p = np.exp(scores - scores.max())
+                p /= p.sum()
+                z[i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
+        y[b] = linear(z, "out_proj")
+    return y

@@ -1,0 +1,125 @@
+"""The tolerance table: how far two computations of the same formula may differ.
+
+One rule, set from each dtype's precision and the problem size, never tuned per test:
+
+    atol = ulps[dtype] * eps[dtype] * sqrt(K) * scale       rtol = ulps[dtype] * eps[dtype]
+
+K is the longest reduction in the formula (the widest projection input or the number of
+keys): rounding errors of a K-term sum grow like sqrt(K) ulps. scale is the reference
+output's RMS, so the rule holds for weights of any magnitude (those made outside attnx
+included). A pair passes when |out - ref| <= atol + rtol * |ref| everywhere.
+ulps counts the roundings that stack along the chain (four matmuls, a softmax, and for
+half precision the rounding of inputs, weights and every stored intermediate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from attnx.model.config import AttentionConfig
+
+__all__ = ["Tolerance", "TOLERANCES", "tolerance_for", "reduction_length", "Comparison", "compare_arrays"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    dtype: str
+    eps: float  # machine epsilon of the compute dtype
+    ulps: float  # how many eps of error the chain may stack up
+
+    def atol(self, k: int, scale: float) -> float:
+        return self.ulps * self.eps * math.sqrt(k) * scale
+
+    @property
+    def rtol(self) -> float:
+        return self.ulps * self.eps
+
+
+# The table. Keyed by the compute dtype; a (dtype, backend) key overrides where a backend
+# must differ (none needs to yet: TF32 is switched off for parity runs on CUDA).
+TOLERANCES: dict[str | tuple[str, str], Tolerance] = {
+    "fp64": Tolerance("fp64", float(np.finfo(np.float64).eps), ulps=8.0),
+    "fp32": Tolerance("fp32", float(np.finfo(np.float32).eps), ulps=8.0),
+    "fp16": Tolerance("fp16", float(np.finfo(np.float16).eps), ulps=4.0),
+    "bf16": Tolerance("bf16", 2.0**-7, ulps=4.0),
+}
+
+
+def tolerance_for(dtype: str, backend: str | None = None) -> Tolerance:
+    if backend is not None and (dtype, backend) in TOLERANCES:
+        return TOLERANCES[(dtype, backend)]
+    return TOLERANCES[dtype]
+
+
+def reduction_length(config: AttentionConfig, kv_len: int) -> int:
+    """K: the longest sum in the formula for this config and number of keys."""
+    return max(config.d_model, config.kv_dim, config.q_dim, config.v_dim, kv_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How one output compares with its reference. bool() is pass/fail; str() says the
+    tolerance that would have been needed."""
+
+    name: str
+    passed: bool
+    max_abs: float
+    mean_abs: float
+    p99_abs: float
+    max_rel: float
+    cosine: float
+    atol: float
+    rtol: float
+    needed_atol: float  # the smallest atol that passes with this rtol
+    shape_error: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        if self.shape_error:
+            return f"{self.name}: {self.shape_error}"
+        verdict = "PASS" if self.passed else "FAIL"
+        return (
+            f"{self.name}: {verdict} max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}; "
+            f"would need atol>={self.needed_atol:.3g}) max_rel={self.max_rel:.3g} cos={self.cosine:.9f}"
+        )
+
+
+def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, k: int) -> Comparison:
+    """Compare `out` with `ref` under the tolerance rule above (in float64)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        nan = float("nan")
+        return Comparison(
+            name, False, nan, nan, nan, nan, nan, 0.0, tol.rtol, nan,
+            shape_error=f"shape {list(out.shape)} differs from the reference's {list(ref.shape)}",
+        )  # fmt: skip
+    o = np.asarray(out, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
+    atol = tol.atol(k, max(scale, np.finfo(np.float32).tiny))
+    diff = np.abs(o - r)
+    finite = bool(np.isfinite(o).all())
+    if not finite:
+        diff = np.where(np.isfinite(o), diff, np.inf)
+    bound = tol.rtol * np.abs(r)
+    passed = finite and bool((diff <= atol + bound).all())
+    needed = float(np.max(diff - bound)) if diff.size else 0.0
+    rel = diff / np.maximum(np.abs(r), scale)  # relative to the value, floored at the RMS
+    denom = float(np.linalg.norm(o) * np.linalg.norm(r))
+    cosine = float(np.sum(o * r) / denom) if denom > 0 and finite else (1.0 if np.array_equal(o, r) else 0.0)
+    return Comparison(
+        name=name,
+        passed=passed,
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        mean_abs=float(diff.mean()) if diff.size else 0.0,
+        p99_abs=float(np.percentile(diff, 99)) if diff.size else 0.0,
+        max_rel=float(rel.max()) if rel.size else 0.0,
+        cosine=cosine,
+        atol=atol,
+        rtol=tol.rtol,
+        needed_atol=max(needed, 0.0),
+    )

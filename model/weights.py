@@ -1,0 +1,137 @@
+"""Weights: the safetensors key contract, seeded initialisation and converters.
+
+Weights are held as a dict of numpy float32 arrays in the torch Linear convention
+(y = x W^T + b), so that the numpy reference and a deployment machine need no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import WeightsError
+from attnx.model.config import AttentionConfig
+
+__all__ = ["weight_shapes", "init_weights", "check_weights", "load_weights", "save_weights", "from_torch_mha_state_dict"]
+
+
+def weight_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a config's weights file must hold, in a fixed order."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, out_f, in_f in (
+        ("q_proj", c.q_dim, c.d_model),
+        ("k_proj", c.q_dim, c.kv_dim),
+        ("v_proj", c.v_dim, c.kv_dim),
+        ("out_proj", c.d_model, c.v_dim),
+    ):
+        shapes[f"{name}.weight"] = (out_f, in_f)
+        if c.bias:
+            shapes[f"{name}.bias"] = (out_f,)
+    return shapes
+
+
+def init_weights(config: AttentionConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded weights, the same on every machine: numpy's PCG64 drawn tensor by tensor.
+
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as torch.nn.Linear, so activations keep their scale.
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    shapes = weight_shapes(config)
+    weights = {}
+    for name, shape in shapes.items():
+        fan_in = shapes[name.replace(".bias", ".weight")][1]
+        bound = np.float32(1.0 / np.sqrt(fan_in))
+        w = rng.random(shape, dtype=np.float32)  # [0, 1)
+        w *= 2 * bound
+        w -= bound
+        weights[name] = w
+    return weights
+
+
+def check_weights(config: AttentionConfig, weights: Mapping[str, Any], source: str = "weights") -> None:
+    """Raise WeightsError naming the first missing, extra or mis-shaped tensor."""
+    expected = weight_shapes(config)
+    for name, shape in expected.items():
+        if name not in weights:
+            raise WeightsError(f"{source}: tensor {name!r} is missing (expected shape {list(shape)})")
+        got = tuple(weights[name].shape)
+        if got != shape:
+            raise WeightsError(f"{source}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise WeightsError(f"{source}: unexpected tensor {extra[0]!r} (this config expects {', '.join(expected)})")
+
+
+def load_weights(path: str | os.PathLike[str], config: AttentionConfig) -> dict[str, np.ndarray]:
+    """Read a safetensors file (never a pickle) and check it against the config."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    source = os.fspath(path)
+    if not os.path.isfile(source):
+        raise WeightsError(f"weights file {source!r} does not exist")
+    try:
+        raw = load_file(source)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise WeightsError(f"weights file {source!r} is not a readable safetensors file: {e}") from None
+    check_weights(config, raw, source)
+    out = {}
+    for name, array in raw.items():
+        if not np.issubdtype(array.dtype, np.floating):
+            raise WeightsError(f"{source}: tensor {name!r} has dtype {array.dtype}, expected a float dtype")
+        out[name] = np.ascontiguousarray(array, dtype=np.float32)
+    return out
+
+
+def save_weights(weights: Mapping[str, np.ndarray], path: str | os.PathLike[str]) -> None:
+    """Write safetensors atomically: a temporary name, then rename."""
+    from safetensors.numpy import save_file
+
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def from_torch_mha_state_dict(state_dict: Mapping[str, Any], config: AttentionConfig) -> dict[str, np.ndarray]:
+    """Convert torch.nn.MultiheadAttention's state dict (packed in_proj or separate q/k/v)."""
+
+    def arr(t: Any) -> np.ndarray:
+        return t.detach().cpu().float().numpy() if hasattr(t, "detach") else np.asarray(t, dtype=np.float32)
+
+    unsupported = sorted(k for k in state_dict if k in ("bias_k", "bias_v"))
+    if unsupported:
+        raise WeightsError(f"nn.MultiheadAttention with add_bias_kv ({unsupported[0]!r}) has no equivalent in attnx")
+    out: dict[str, np.ndarray] = {}
+    if "in_proj_weight" in state_dict:
+        w = arr(state_dict["in_proj_weight"])
+        q, k = config.q_dim, config.q_dim
+        if w.shape[0] != q + k + config.v_dim:
+            raise WeightsError(f"in_proj_weight has {w.shape[0]} rows, expected {q + k + config.v_dim}")
+        out["q_proj.weight"], out["k_proj.weight"], out["v_proj.weight"] = np.split(w, [q, q + k])
+    else:
+        for name in ("q", "k", "v"):
+            key = f"{name}_proj_weight"
+            if key not in state_dict:
+                raise WeightsError(f"state dict has neither 'in_proj_weight' nor {key!r}")
+            out[f"{name}_proj.weight"] = arr(state_dict[key])
+    if "out_proj.weight" not in state_dict:
+        raise WeightsError("state dict has no 'out_proj.weight'")
+    out["out_proj.weight"] = arr(state_dict["out_proj.weight"])
+    if config.bias:
+        if "in_proj_bias" not in state_dict or "out_proj.bias" not in state_dict:
+            raise WeightsError("config has bias=true but the state dict has no 'in_proj_bias'/'out_proj.bias'")
+        b = arr(state_dict["in_proj_bias"])
+        out["q_proj.bias"], out["k_proj.bias"], out["v_proj.bias"] = np.split(b, [config.q_dim, 2 * config.q_dim])
+        out["out_proj.bias"] = arr(state_dict["out_proj.bias"])
+    out = {k: np.ascontiguousarray(v) for k, v in out.items()}
+    check_weights(config, out, "nn.MultiheadAttention state dict")
+    return out

@@ -1,0 +1,218 @@
+"""Parity: every backend against a reference backend, case by case, with error statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import ProviderUnavailable, UsageError
+from attnx.model.inputs import make_inputs
+from attnx.model.tolerance import compare_arrays, reduction_length, tolerance_for
+from attnx.runtimes.base import ModelSource, Runner, create_runner
+
+__all__ = ["ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCHES = (1, 3)
+DEFAULT_SEQS = (1, 7, 128)
+DEFAULT_MEM_SEQS = (9,)
+
+
+@dataclasses.dataclass
+class ParityCase:
+    backend: str
+    reference: str
+    dtype: str
+    batch: int
+    seq: int
+    mem_seq: int | None
+    status: str  # "pass" | "fail" | "skipped"
+    reason: str | None
+    max_abs: float | None
+    max_rel: float | None
+    atol: float
+    rtol: float
+    mean_abs: float | None = None
+    p99_abs: float | None = None
+    cosine: float | None = None
+    needed_atol: float | None = None  # the atol that would have passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ParityReport:
+    cases: list[ParityCase]
+
+    @property
+    def passed(self) -> bool:
+        """No case failed and at least one ran."""
+        return any(c.status == "pass" for c in self.cases) and not any(c.status == "fail" for c in self.cases)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "cases": [c.to_dict() for c in self.cases]}
+
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParityReport:
+        return cls([ParityCase(**c) for c in data["cases"]])
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """{backend: {status: count}}."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.cases:
+            out.setdefault(c.backend, {"pass": 0, "fail": 0, "skipped": 0})[c.status] += 1
+        return out
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, allow_nan=False, default=_json_default)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _case(
+    backend: str,
+    reference: str,
+    dtype: str,
+    batch: int,
+    seq: int,
+    mem_seq: int | None,
+    runner: Runner | str,
+    feeds: dict[str, np.ndarray],
+    ref_y: np.ndarray,
+    k: int,
+) -> ParityCase:
+    """Run one backend on one case and compare; a str runner is the reason it is skipped."""
+    tol = tolerance_for(dtype, backend)
+    common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq)
+    if isinstance(runner, str):
+        return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
+                          rtol=tol.rtol)  # fmt: skip
+    cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, k)
+    return ParityCase(
+        **common,
+        status="pass" if cmp else "fail",
+        reason=None if cmp else str(cmp),
+        max_abs=_finite(cmp.max_abs),
+        max_rel=_finite(cmp.max_rel),
+        atol=cmp.atol,
+        rtol=cmp.rtol,
+        mean_abs=_finite(cmp.mean_abs),
+        p99_abs=_finite(cmp.p99_abs),
+        cosine=_finite(cmp.cosine),
+        needed_atol=_finite(cmp.needed_atol),
+    )
+
+
+def run_parity(
+    source: ModelSource,
+    backends: Sequence[str],
+    *,
+    reference: str = "reference",
+    batches: Iterable[int] = DEFAULT_BATCHES,
+    seqs: Iterable[int] = DEFAULT_SEQS,
+    mem_seqs: Iterable[int] | None = None,
+    seed: int = 0,
+    runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> ParityReport:
+    """Compare each backend's y with the reference backend's on the same inputs.
+
+    A backend that cannot run here is reported skipped with its reason in every case. The
+    reference's outputs are computed once per shape.
+    """
+    config = source.config
+    if config is None:
+        raise UsageError("parity needs the model's config")
+    # Naming the reference among the backends checks the reference itself: against the
+    # torch module run in float64, an independent implementation of the same formula.
+    check_reference = reference in backends
+    backends = [b for b in backends if b != reference]
+    mem_list: list[int | None] = list(mem_seqs or DEFAULT_MEM_SEQS) if config.cross else [None]
+    shapes = list(itertools.product(list(batches), list(seqs), mem_list))
+    for batch, seq, mem_seq in shapes:
+        if batch < 1 or seq < 1 or (mem_seq is not None and mem_seq < 1):
+            raise UsageError(f"batch, seq and mem_seq must be positive, got batch={batch} seq={seq} mem_seq={mem_seq}")
+    dtype = source.dtype
+
+    ref_runner = runner_factory(reference, source)
+    ref_runner.load()  # a reference that cannot run is an error, not a skip
+    runners: dict[str, Runner | str] = {}
+    for name in backends:
+        runner = runner_factory(name, source)
+        try:
+            runners[name] = runner.load()
+        except ProviderUnavailable as e:
+            runners[name] = str(e)
+            logger.info("%s", e)
+
+    fp64_source = dataclasses.replace(source, dtype="fp64")
+    if check_reference:
+        runner = runner_factory("torch", fp64_source)
+        try:
+            runners[reference] = runner.load()
+        except ProviderUnavailable as e:
+            runners[reference] = f"cannot check the reference: {e}"
+
+    cases: list[ParityCase] = []
+    try:
+        for i, (batch, seq, mem_seq) in enumerate(shapes):
+            progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else ""))
+            feeds = make_inputs(config, batch, seq, mem_seq, dtype=dtype, seed=seed + i)
+            ref_y = ref_runner.run(feeds)["y"]
+            k = reduction_length(config, mem_seq or seq)
+            if check_reference:
+                f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
+                cases.append(_case(reference, "torch-fp64", "fp64", batch, seq, mem_seq, runners[reference],
+                                   f64, ref_y, k))  # fmt: skip
+            for name in backends:
+                cases.append(_case(name, reference, dtype, batch, seq, mem_seq, runners[name], feeds, ref_y, k))
+    finally:
+        ref_runner.close()
+        for runner in runners.values():
+            if isinstance(runner, Runner):
+                runner.close()
+    return ParityReport(cases)
+
+
+def write_npy_atomic(path: str | os.PathLike[str], array: np.ndarray) -> None:
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}.npy"
+    try:
+        np.save(tmp, array, allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

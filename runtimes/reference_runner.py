@@ -1,0 +1,31 @@
+"""`reference`: the numpy float64 formula of DESIGN.md section 1."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from attnx.model.reference import reference_attention
+from attnx.runtimes.base import Runner, register_backend, require_source
+
+__all__ = ["ReferenceRunner"]
+
+
+@register_backend("reference")
+class ReferenceRunner(Runner):
+    def load_impl(self) -> None:
+        require_source(self, config=True, weights=True)
+        cfg = self.source.config
+        self.inputs = cfg.inputs(self.source.dtype)
+        self.outputs = [s.__class__(s.name, "fp64", s.shape) for s in cfg.outputs()]
+
+    def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        y = reference_attention(
+            self.source.config,
+            self.source.weights,
+            feeds["x"],
+            memory=feeds.get("memory"),
+            key_padding_mask=feeds.get("key_padding_mask"),
+        )
+        return {"y": y}
