@@ -1,0 +1,45 @@
+"""Shared fixtures: one registry of small models and a cache of their exports."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from attnx.model import AttentionConfig, init_weights
+
+# The registry of small models every test draws from: each feature of the contract once.
+CONFIGS: dict[str, AttentionConfig] = {
+    "self": AttentionConfig(d_model=32, n_heads=4),
+    "cross": AttentionConfig(d_model=32, n_heads=4, cross=True, kv_dim=24, v_head_dim=6),
+    "causal": AttentionConfig(d_model=32, n_heads=2, causal=True),
+    "kpm": AttentionConfig(d_model=32, n_heads=4, key_padding_mask=True),
+    "causal_kpm": AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True, scale=0.2),
+    "cross_kpm": AttentionConfig(
+        d_model=32, n_heads=2, head_dim=12, v_head_dim=20, cross=True, kv_dim=40, key_padding_mask=True, bias=False
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """exported(name, attention="decomposed", dtype="fp32") -> path of a checked export, cached."""
+    from attnx.export import export_model
+
+    cache: dict[tuple[str, str, str], str] = {}
+    root = tmp_path_factory.mktemp("exports")
+
+    def get(name: str, attention: str = "decomposed", dtype: str = "fp32") -> str:
+        key = (name, attention, dtype)
+        if key not in cache:
+            path = os.path.join(root, f"{name}-{attention}-{dtype}.onnx")
+            config = CONFIGS[name]
+            export_model(config, path, init_weights(config, seed=1), seed=1, attention=attention, dtype=dtype)
+            cache[key] = path
+        return cache[key]
+
+    return get
+
+
+def weights_for(name: str):
+    return init_weights(CONFIGS[name], seed=1)
