@@ -1,1 +1,69 @@
+"""attnx: one multi-head attention model from PyTorch to ONNX Runtime, verified number by number.
 
+The public API, re-exported lazily: `import attnx` imports neither torch nor onnxruntime,
+so a deployment machine with only numpy and onnxruntime can use the runtime side.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from attnx.errors import (
+    AttnxError,
+    CheckFailed,
+    ConfigError,
+    ExportError,
+    InputError,
+    ModelFileError,
+    PackageError,
+    ProviderUnavailable,
+    UsageError,
+    WeightsError,
+)
+
+# name -> module that defines it
+_EXPORTS = {
+    "AttentionConfig": "attnx.model",
+    "PRESETS": "attnx.model",
+    "preset": "attnx.model",
+    "load_config": "attnx.model",
+    "init_weights": "attnx.model",
+    "load_weights": "attnx.model",
+    "save_weights": "attnx.model",
+    "from_torch_mha_state_dict": "attnx.model",
+    "reference_attention": "attnx.model",
+    "MultiHeadAttention": "attnx.model",
+    "build_module": "attnx.model",
+    "export_model": "attnx.export",
+    "export_onnx": "attnx.export",
+    "create_runner": "attnx.runtimes",
+    "ModelSource": "attnx.runtimes",
+    "backend_names": "attnx.runtimes",
+    "run_parity": "attnx.runtimes.parity",
+    "load": "attnx.runtimes.package",
+}
+
+__all__ = [
+    "AttnxError",
+    "CheckFailed",
+    "ConfigError",
+    "ExportError",
+    "InputError",
+    "ModelFileError",
+    "PackageError",
+    "ProviderUnavailable",
+    "UsageError",
+    "WeightsError",
+    *_EXPORTS,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'attnx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -12,7 +12,7 @@ import onnx
 from attnx.errors import CheckFailed, ExportError, ModelFileError
 from attnx.model.config import AttentionConfig
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import Comparison, compare_arrays, reduction_length, tolerance_for
+from attnx.model.tolerance import Comparison, compare_arrays, problem_size, tolerance_for
 
 __all__ = ["VALIDATION_SHAPES", "check_model_file", "check_dims", "validate_against_torch", "ort_session"]
 
@@ -90,9 +90,8 @@ def validate_against_torch(
             t_feeds = {k: torch.from_numpy(v) for k, v in make_inputs(
                 config, batch, seq, mem_seq if config.cross else None, dtype=dtype, seed=seq).items()}
             ref = module(**t_feeds).float().numpy()
-        kv_len = mem_seq if config.cross else seq
-        cmp = compare_arrays(f"y[batch={batch},seq={seq}{f',mem_seq={mem_seq}' if config.cross else ''}]",
-                             y, ref, tol, reduction_length(config, kv_len))  # fmt: skip
+        label = f"y[batch={batch},seq={seq}{f',mem_seq={mem_seq}' if config.cross else ''}]"
+        cmp = compare_arrays(label, y, ref, tol, problem_size(config, weights, feeds))
         logger.info("%s", cmp)
         results.append(cmp)
         if not cmp:

@@ -14,7 +14,7 @@ import numpy as np
 
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import compare_arrays, reduction_length, tolerance_for
+from attnx.model.tolerance import ProblemSize, compare_arrays, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 
 __all__ = ["ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS"]
@@ -112,7 +112,7 @@ def _case(
     runner: Runner | str,
     feeds: dict[str, np.ndarray],
     ref_y: np.ndarray,
-    k: int,
+    k: ProblemSize,
 ) -> ParityCase:
     """Run one backend on one case and compare; a str runner is the reason it is skipped."""
     tol = tolerance_for(dtype, backend)
@@ -192,7 +192,7 @@ def run_parity(
             progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else ""))
             feeds = make_inputs(config, batch, seq, mem_seq, dtype=dtype, seed=seed + i)
             ref_y = ref_runner.run(feeds)["y"]
-            k = reduction_length(config, mem_seq or seq)
+            k = problem_size(config, source.weights, feeds)
             if check_reference:
                 f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
                 cases.append(_case(reference, "torch-fp64", "fp64", batch, seq, mem_seq, runners[reference],
