@@ -1,0 +1,112 @@
+"""The CLI: exit codes, one-line errors, outputs. Run in-process except where the real
+process boundary (stderr, exit status) is the point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from attnx.cli import main
+from attnx.model import AttentionConfig, init_weights, save_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "m.onnx"
+    assert main(["export", "--preset", "tiny", "--out", str(path)]) == 0
+    return path
+
+
+def attnx(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnx.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_export_then_parity_json(tiny_model, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(["parity", "--preset", "tiny", "--model", str(tiny_model), "--seq", "1,9", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    statuses = {}
+    for c in data["cases"]:
+        statuses.setdefault(c["backend"], set()).add(c["status"])
+    assert statuses == {"reference": {"pass"}, "torch": {"pass"}, "ort-cpu": {"pass"}, "ort-cuda": {"skipped"},
+                        "torch-cuda": {"skipped"}}  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "parity PASSED" in printed and "skipped ort-cuda: backend 'ort-cuda' is unavailable" in printed
+
+
+def test_parity_exports_a_model_when_none_is_given(capsys):
+    assert main(["parity", "--preset", "tiny", "--backends", "ort-cpu", "--seq", "2", "--batch", "1"]) == 0
+    assert "1 passed, 0 failed, 0 skipped" in capsys.readouterr().out
+
+
+def test_require_unavailable_backend_exits_2_with_the_reason(tiny_model):
+    r = attnx("parity", "--preset", "tiny", "--model", str(tiny_model), "--require", "ort-cuda", "--seq", "2")
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("attnx")]
+    assert len(lines) == 1 and "ort-cuda" in lines[0] and "unavailable" in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        (lambda d: (d / "c.json").write_text('{"d_model": 8, "n_heads": 2, "heads": 3}'),
+         ["export", "--config", "{d}/c.json", "--out", "{d}/m.onnx"], "unknown config key 'heads'"),
+        (lambda d: None, ["export", "--config", "{d}/none.json", "--out", "{d}/m.onnx"], "cannot read config"),
+        (lambda d: save_weights({**init_weights(AttentionConfig(d_model=8, n_heads=2)),
+                                 "q_proj.weight": np.zeros((8, 7), np.float32)}, d / "w.safetensors"),
+         ["export", "--config", "{d}/c8.json", "--weights", "{d}/w.safetensors", "--out", "{d}/m.onnx"],
+         "'q_proj.weight' has shape [8, 7], expected [8, 8]"),
+        (lambda d: None, ["export", "--preset", "tiny", "--out", "{d}/no/such/dir/m.onnx"], "does not exist"),
+        (lambda d: None, ["run", "{d}/none.onnx", "--input", "{d}/x.npy", "--output", "{d}/y.npy"], "does not exist"),
+        (lambda d: (d / "bad.onnx").write_bytes(b"junk"), ["inspect", "{d}/bad.onnx"], "not an ONNX model"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(tmp_path, setup, args, message):
+    (tmp_path / "c8.json").write_text('{"d_model": 8, "n_heads": 2}')
+    setup(tmp_path)
+    r = attnx(*[a.format(d=tmp_path) for a in args])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert not (tmp_path / "m.onnx").exists()  # nothing half-written
+
+
+def test_run_checks_feeds_and_writes_output(tiny_model, tmp_path, capsys):
+    x = np.random.default_rng(0).standard_normal((2, 5, 64)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    args = ["run", str(tiny_model), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]
+    assert main(args) == 0
+    y = np.load(tmp_path / "y.npy")
+    assert y.shape == (2, 5, 64) and np.isfinite(y).all()
+    np.save(tmp_path / "x.npy", x[0])  # wrong rank
+    assert main(args) == 2
+    assert "'x' has rank 2" in capsys.readouterr().err
+    np.save(tmp_path / "x.npy", x.astype(np.float64))  # wrong dtype
+    assert main(args) == 2
+    assert "dtype fp64, expected fp32" in capsys.readouterr().err
+    np.save(tmp_path / "x.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)  # a pickle: refused
+    assert main(args) == 2
+    assert "not a plain .npy array" in capsys.readouterr().err
+
+
+def test_inspect_describes_the_model(tiny_model, capsys):
+    assert main(["inspect", str(tiny_model), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"]["d_model"] == 64 and info["ir_version"] == 10
+    assert info["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", "seq", 64]}]
+    assert info["operators"]["Softmax"] == 1
+
+
+def test_export_output_is_clean(tmp_path):
+    """The dynamo exporter's chatter stays out of the CLI's stdout."""
+    r = attnx("export", "--preset", "tiny", "--out", str(tmp_path / "m.onnx"), "--no-validate")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("wrote ")
+    assert "torchvision" not in r.stdout + r.stderr and "Translate the graph" not in r.stdout + r.stderr
+    assert os.path.exists(tmp_path / "m.onnx")

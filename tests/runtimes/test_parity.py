@@ -1,0 +1,101 @@
+"""Parity over the skeleton's matrix: torch, ORT CPU and the reference agree."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from attnx.errors import ProviderUnavailable
+from attnx.runtimes import ModelSource, Runner
+from attnx.runtimes.parity import ParityReport, run_parity
+from tests.conftest import CONFIGS, weights_for
+
+CONTRACT_KEYS = {"backend", "reference", "dtype", "batch", "seq", "mem_seq", "status", "reason", "max_abs",
+                 "max_rel", "atol", "rtol"}  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["decomposed", "onnx"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parity_matrix(exported, name, attention):
+    config = CONFIGS[name]
+    source = ModelSource(config, weights_for(name), exported(name, attention))
+    report = run_parity(source, ["reference", "torch", "ort-cpu"], batches=(1, 3), seqs=(1, 7, 128),
+                        mem_seqs=(5,) if config.cross else None)  # fmt: skip
+    assert report.passed, [c.reason for c in report.cases if c.status != "pass"]
+    assert len(report.cases) == 3 * 2 * 3
+    assert {c.status for c in report.cases} == {"pass"}
+    if config.cross:
+        assert {c.mem_seq for c in report.cases} == {5}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cross_kpm", "causal_kpm"])
+def test_parity_long_sequence(exported, name):
+    config = CONFIGS[name]
+    source = ModelSource(config, weights_for(name), exported(name))
+    report = run_parity(source, ["torch", "ort-cpu"], batches=(2,), seqs=(1100,), mem_seqs=(1030,))
+    assert report.passed, [c.reason for c in report.cases]
+
+
+def test_report_json_follows_the_contract(exported, tmp_path):
+    source = ModelSource(CONFIGS["self"], weights_for("self"), exported("self"))
+    report = run_parity(source, ["reference", "ort-cpu", "ort-cuda", "torch-cuda"], batches=(1,), seqs=(3,))
+    path = tmp_path / "p.json"
+    report.write_json(path)
+    data = json.loads(path.read_text())
+    assert data["passed"] is True
+    for case in data["cases"]:
+        assert CONTRACT_KEYS <= set(case)
+    by_backend = {c["backend"]: c for c in data["cases"]}
+    assert by_backend["reference"]["reference"] == "torch-fp64" and by_backend["reference"]["status"] == "pass"
+    assert by_backend["ort-cpu"]["status"] == "pass" and by_backend["ort-cpu"]["max_abs"] < by_backend["ort-cpu"]["atol"]
+    for gpu in ("ort-cuda", "torch-cuda"):  # no GPU on CI: skipped, with the reason
+        assert by_backend[gpu]["status"] == "skipped"
+        assert gpu in by_backend[gpu]["reason"] and "unavailable" in by_backend[gpu]["reason"]
+    assert ParityReport.from_dict(data).to_dict() == data
+
+
+class _WrongRunner(Runner):
+    """A backend that computes the wrong thing: parity must fail it."""
+
+    name = "wrong"
+
+    def load_impl(self) -> None:
+        self.inputs = self.source.config.inputs()
+
+    def run_impl(self, feeds):
+        from attnx.model import reference_attention
+
+        y = reference_attention(self.source.config, self.source.weights, **feeds)
+        y[0, 0, 0] += 1e-3 * np.sqrt(np.mean(y * y))  # one element, a thousandth of the RMS off
+        return {"y": y.astype(np.float32)}
+
+
+class _MissingRunner(Runner):
+    name = "missing"
+
+    def load_impl(self) -> None:
+        raise ProviderUnavailable("backend 'missing' is unavailable: no such device")
+
+
+def test_parity_fails_a_wrong_backend_and_skips_a_missing_one():
+    from attnx.runtimes import create_runner
+
+    def factory(name, source):
+        return {"wrong": _WrongRunner, "missing": _MissingRunner}.get(name, lambda s: create_runner(name, s))(source)
+
+    source = ModelSource(CONFIGS["kpm"], weights_for("kpm"))
+    report = run_parity(source, ["wrong", "missing"], batches=(1,), seqs=(4,), runner_factory=factory)
+    assert not report.passed
+    by = {c.backend: c for c in report.cases}
+    assert by["wrong"].status == "fail" and "would need atol" in by["wrong"].reason
+    assert by["wrong"].max_abs > by["wrong"].atol
+    assert by["missing"].status == "skipped" and by["missing"].reason.endswith("no such device")
+
+
+def test_all_skipped_is_not_a_pass():
+    source = ModelSource(CONFIGS["self"], weights_for("self"))
+    report = run_parity(source, ["torch-cuda"], batches=(1,), seqs=(2,))
+    assert not report.passed and {c.status for c in report.cases} == {"skipped"}
