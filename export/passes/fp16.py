@@ -1,0 +1,237 @@
+"""ConvertToFloat16: an onnx-ir pass that turns a float32 attention graph into float16.
+
+Why a pass of our own rather than onnxruntime.transformers.float16 (the onnxconverter-common
+converter that ships inside onnxruntime-gpu)? Both were tried on the three graphs attnx
+writes (decomposed, opset-23 Attention, com.microsoft MultiHeadAttention). The library
+works on a ModelProto, so the onnx-ir pipeline would round-trip through protobuf; it
+converts a tensor only when its bytes are in raw_data, so a model with external data (the
+gpt3 preset) would come out typed float16 over float32 bytes; it appends its boundary Cast
+nodes at the end of the node list (not topologically sorted, which the onnx checker
+rejects); and it clamps *every* value into the float16 range, which hides a weight that
+does not fit. What this graph needs is small and explicit: retype float values, convert
+constants, rewrite Cast targets, saturate the mask fill value, and optionally keep float32
+at the boundary. The onnx-ir pass does exactly that on the in-memory model (lazy and
+external tensors included) and checks its result.
+
+The mask: the decomposed export fills hidden scores with float32's lowest finite value
+(torch's masked_fill with finfo(float32).min). Cast to float16 that is -inf, and a query
+whose keys are all hidden would get softmax(-inf, ..., -inf) = NaN. Rewritten to float16's
+lowest finite value (-65504) the row's softmax stays finite (uniform) and the Where after
+the attention core zeroes it, as the contract asks (y = out bias there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.errors import ExportError
+
+__all__ = ["ConvertToFloat16", "FP16_MAX"]
+
+logger = logging.getLogger(__name__)
+
+FLOAT = ir.DataType.FLOAT
+FLOAT16 = ir.DataType.FLOAT16
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+# Ops whose attribute names the dtype of what they produce (standard domain). Cast is the
+# one the exported graphs use; the others would silently keep producing float32.
+_DTYPE_ATTRIBUTES = {
+    "Cast": "to",
+    "EyeLike": "dtype",
+    "RandomNormal": "dtype",
+    "RandomNormalLike": "dtype",
+    "RandomUniform": "dtype",
+    "RandomUniformLike": "dtype",
+    "Bernoulli": "dtype",
+}
+
+
+class ConvertToFloat16(ir.passes.InPlacePass):
+    """Convert every float32 tensor of the model to float16, in place.
+
+    Initializers, Constant and ConstantOfShape values, Cast targets, value types and the
+    graph's inputs and outputs become float16; integer and bool tensors (shapes, the
+    key padding mask, MultiHeadAttention's int32 mask) are left alone. With keep_io_fp32
+    the float inputs and outputs stay float32 and Cast nodes convert at the boundary.
+    """
+
+    def __init__(self, keep_io_fp32: bool = False) -> None:
+        super().__init__()
+        self.keep_io_fp32 = keep_io_fp32
+        self._boundary: set[ir.Value] = set()  # float32 values the pass itself put at the boundary
+
+    def requires(self, model: ir.Model) -> None:
+        if model.functions:
+            # Function bodies carry no value types to check; the exporter inlines them.
+            raise ir.passes.PreconditionError(
+                f"ConvertToFloat16 converts graphs only; inline the model's {len(model.functions)} functions first"
+            )
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self._boundary = set()
+        counts = {"values": 0, "tensors": 0, "casts": 0, "saturated": 0}
+        for graph in _graphs(model.graph):
+            self._convert_graph(graph, counts)
+        if self.keep_io_fp32:
+            counts["boundary"] = self._keep_io_fp32(model.graph)
+        modified = any(counts.values())
+        if modified:
+            model.metadata_props["attnx.dtype"] = "fp16"
+            model.metadata_props["attnx.io_dtype"] = "fp32" if self.keep_io_fp32 else "fp16"
+        logger.info(
+            "fp16: %d values retyped, %d tensors converted, %d casts retargeted, %d mask/fill values saturated",
+            counts["values"], counts["tensors"], counts["casts"], counts["saturated"],
+        )  # fmt: skip
+        return ir.passes.PassResult(model, modified)
+
+    def ensures(self, model: ir.Model) -> None:
+        """No float32 is left but the boundary values this pass made; every constant's
+        tensor has its value's dtype."""
+        for graph in _graphs(model.graph):
+            for value in _values(graph):
+                if value.dtype == FLOAT and value not in self._boundary:
+                    raise ir.passes.PostconditionError(f"value {value.name!r} is still float32")
+                if value.const_value is not None and value.dtype is not None and value.const_value.dtype != value.dtype:
+                    raise ir.passes.PostconditionError(
+                        f"initializer {value.name!r} is typed {value.dtype} but holds {value.const_value.dtype}"
+                    )
+            for node in graph:
+                attr = node.attributes.get(_DTYPE_ATTRIBUTES.get(node.op_type, "")) if node.domain == "" else None
+                if attr is not None and attr.value == FLOAT and node.outputs[0] not in self._boundary:
+                    raise ir.passes.PostconditionError(f"{node.op_type} node {node.name!r} still produces float32")
+
+    # The conversion --------------------------------------------------------------------
+    def _convert_graph(self, graph: ir.Graph, counts: dict[str, int]) -> None:
+        for value in _values(graph):
+            if value.dtype == FLOAT:
+                value.dtype = FLOAT16
+                counts["values"] += 1
+            tensor = value.const_value
+            if tensor is not None and tensor.dtype == FLOAT:
+                value.const_value = _to_fp16(tensor, value.name, counts)
+                counts["tensors"] += 1
+        for node in graph:
+            if node.domain != "":
+                continue  # contrib ops (MultiHeadAttention) have float tensors only as inputs
+            if node.op_type == "Constant":
+                self._convert_constant(node, counts)
+            elif node.op_type == "ConstantOfShape":
+                attr = node.attributes.get("value")
+                if attr is None:  # the default fill is a float32 zero
+                    node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.zeros(1, np.float16)))
+                    counts["tensors"] += 1
+                elif attr.value.dtype == FLOAT:
+                    node.attributes["value"] = ir.AttrTensor("value", _to_fp16(attr.value, node.name, counts))
+                    counts["tensors"] += 1
+            elif node.op_type in _DTYPE_ATTRIBUTES:
+                name = _DTYPE_ATTRIBUTES[node.op_type]
+                attr = node.attributes.get(name)
+                if attr is not None and attr.value == FLOAT:
+                    node.attributes[name] = ir.AttrInt64(name, FLOAT16)
+                    counts["casts"] += 1
+
+    def _convert_constant(self, node: ir.Node, counts: dict[str, int]) -> None:
+        attrs = node.attributes
+        if "value" in attrs and attrs["value"].value.dtype == FLOAT:
+            attrs["value"] = ir.AttrTensor("value", _to_fp16(attrs["value"].value, node.name, counts))
+        elif "value_float" in attrs:  # a float32 scalar by definition: becomes a float16 tensor
+            array = np.array(attrs.pop("value_float").value, dtype=np.float32)
+            attrs["value"] = ir.AttrTensor("value", _to_fp16(ir.tensor(array), node.name, counts))
+        elif "value_floats" in attrs:
+            array = np.array(attrs.pop("value_floats").value, dtype=np.float32)
+            attrs["value"] = ir.AttrTensor("value", _to_fp16(ir.tensor(array), node.name, counts))
+        else:
+            return
+        counts["tensors"] += 1
+
+    def _keep_io_fp32(self, graph: ir.Graph) -> int:
+        """Give the graph float32 inputs and outputs again, with Casts at the boundary. The
+        names of the graph's inputs and outputs do not change."""
+        taken = {v.name for v in _values(graph)}
+        n = 0
+        for i, inner in enumerate(list(graph.inputs)):
+            if inner.dtype != FLOAT16:
+                continue
+            outer = ir.Value(name=inner.name, type=ir.TensorType(FLOAT), shape=inner.shape)
+            inner.name = _fresh(f"{outer.name}_fp16", taken)
+            graph.inputs[i] = outer  # inner is now an ordinary value: the Cast produces it
+            cast = ir.Node("", "Cast", [outer], {"to": ir.AttrInt64("to", FLOAT16)}, name=f"{outer.name}_to_fp16")
+            inner.replace_all_uses_with(cast.outputs[0])
+            cast.outputs[0].name, cast.outputs[0].dtype, cast.outputs[0].shape = inner.name, FLOAT16, inner.shape
+            graph.insert_before(graph[0], cast)
+            self._boundary.add(outer)
+            n += 1
+        for i, inner in enumerate(list(graph.outputs)):
+            if inner.dtype != FLOAT16:
+                continue
+            name = inner.name
+            inner.name = _fresh(f"{name}_fp16", taken)
+            cast = ir.Node("", "Cast", [inner], {"to": ir.AttrInt64("to", FLOAT)}, name=f"{name}_to_fp32")
+            outer = cast.outputs[0]
+            outer.name, outer.dtype, outer.shape = name, FLOAT, inner.shape
+            graph.outputs[i] = outer
+            graph.append(cast)
+            self._boundary.add(outer)
+            n += 1
+        return n
+
+
+def _to_fp16(tensor: ir.TensorProtocol, name: str | None, counts: dict[str, int]) -> ir.Tensor:
+    """The tensor in float16. A finite value beyond float16's range would become inf: that
+    is right only for fill values that mean "as large as there is" (float32's lowest or
+    largest finite value anywhere, or a lone scalar constant such as -1e9), which are
+    saturated to +-65504. Anything else that does not fit (a weight) is an error."""
+    array = tensor.numpy()
+    over = np.isfinite(array) & (np.abs(array) > FP16_MAX)
+    if over.any():
+        sentinel = np.abs(array) == _FP32_MAX
+        if array.size > 1 and not sentinel[over].all():
+            worst = float(np.abs(array[over & ~sentinel]).max())
+            raise ExportError(
+                f"tensor {name!r} has {int((over & ~sentinel).sum())} values outside float16's range "
+                f"(largest magnitude {worst:.4g} > {FP16_MAX:g}): it cannot be stored in fp16"
+            )
+        array = np.where(over, np.sign(array) * FP16_MAX, array)
+        counts["saturated"] += int(over.sum())
+        logger.debug("fp16: saturated %d values of %r to +-%g", int(over.sum()), name, FP16_MAX)
+    return ir.Tensor(array.astype(np.float16), name=tensor.name, doc_string=tensor.doc_string)
+
+
+def _graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """The graph and every subgraph inside it (If/Loop/Scan bodies)."""
+    yield graph
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from _graphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield from _graphs(sub)
+
+
+def _values(graph: ir.Graph) -> Iterator[ir.Value]:
+    """Every value defined in this graph (not its subgraphs): inputs, initializers, node outputs."""
+    seen: set[ir.Value] = set()
+    for value in [*graph.inputs, *graph.initializers.values()]:
+        if value not in seen:
+            seen.add(value)
+            yield value
+    for node in graph:
+        for value in node.outputs:
+            if value not in seen:
+                seen.add(value)
+                yield value
+
+
+def _fresh(name: str, taken: set[str | None]) -> str:
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate

@@ -1,0 +1,265 @@
+"""ConvertToFloat16: fp16 graphs that load, stay finite on a fully masked row, and agree
+with the float64 reference under the fp16 row of the tolerance table."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from attnx.errors import ExportError
+from attnx.export import IR_VERSION, check_model_file, export_onnx, save_model, validate_against_torch
+from attnx.export.passes.fp16 import FP16_MAX, ConvertToFloat16
+from attnx.model import AttentionConfig, init_weights, reference_attention
+from attnx.model.inputs import make_inputs
+from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+from tests.conftest import CONFIGS, weights_for
+
+LOWERINGS = ["decomposed", "onnx"]
+# (batch, seq, mem_seq): seq 1, a batch of 3 with the fully masked element 1, a longer one.
+SHAPES = [(1, 1, 3), (3, 7, 5), (2, 33, 17)]
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+# Helpers ---------------------------------------------------------------------------------
+_FP32_EXPORTS: dict[tuple[str, str], bytes] = {}
+
+
+def _fp32_export(name: str, attention: str) -> ir.Model:
+    """A fresh copy of the float32 export (the pass works in place; exporting is the slow part)."""
+    key = (name, attention)
+    if key not in _FP32_EXPORTS:
+        model = export_onnx(CONFIGS[name], weights_for(name), attention=attention)
+        _FP32_EXPORTS[key] = ir.to_proto(model).SerializeToString()
+    return ir.from_proto(onnx.load_from_string(_FP32_EXPORTS[key]))
+
+
+@pytest.fixture(scope="module")
+def fp16_model(tmp_path_factory):
+    """fp16_model(name, attention, keep_io_fp32) -> path of the converted, saved model."""
+    root = tmp_path_factory.mktemp("fp16")
+    cache: dict[tuple[str, str, bool], str] = {}
+
+    def get(name: str, attention: str, keep: bool) -> str:
+        key = (name, attention, keep)
+        if key not in cache:
+            result = ConvertToFloat16(keep_io_fp32=keep)(_fp32_export(name, attention))
+            assert result.modified
+            path = os.path.join(root, f"{name}-{attention}-{'io32' if keep else 'io16'}.onnx")
+            save_model(result.model, path)
+            cache[key] = path
+        return cache[key]
+
+    return get
+
+
+def _session_with_every_float_value(path: str) -> ort.InferenceSession:
+    """A session whose outputs are y and every float intermediate, to look for NaN/inf
+    inside the graph (a NaN the final Where hides is still a NaN on another backend)."""
+    proto = onnx.shape_inference.infer_shapes(onnx.load(path))
+    outputs = {o.name for o in proto.graph.output}
+    for info in proto.graph.value_info:
+        if info.name not in outputs and info.type.tensor_type.elem_type in FLOAT_TYPES:
+            proto.graph.output.append(info)
+            outputs.add(info.name)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _check_runs(path: str, config: AttentionConfig, weights: dict, io_dtype: str) -> None:
+    """At every shape: nothing non-finite anywhere in the graph, y agrees with the
+    reference under the fp16 tolerance, and a fully masked query gets exactly the fp16
+    out bias."""
+    session = _session_with_every_float_value(path)
+    names = [o.name for o in session.get_outputs()]
+    assert len(names) > 5, "the instrumented session should expose the graph's intermediates"
+    bias = weights["out_proj.bias"] if config.bias else np.zeros(config.d_model, np.float32)
+    for batch, seq, mem_seq in SHAPES:
+        feeds = make_inputs(config, batch, seq, mem_seq if config.cross else None, dtype=io_dtype, seed=seq)
+        values = dict(zip(names, session.run(None, feeds)))
+        bad = [n for n, v in values.items() if not np.isfinite(v).all()]
+        assert not bad, f"non-finite values at batch={batch} seq={seq}: {bad}"
+        y = values["y"]
+        assert y.dtype == np.dtype(np.float32 if io_dtype == "fp32" else np.float16)
+        ref = reference_attention(config, weights, **feeds)
+        cmp = compare_arrays("y", y, ref, tolerance_for("fp16"), problem_size(config, weights, feeds))
+        assert cmp, f"batch={batch} seq={seq}: {cmp}"
+        if config.key_padding_mask and batch > 1:  # make_inputs hides every key of element 1
+            np.testing.assert_array_equal(y[1], np.broadcast_to(bias.astype(np.float16), y[1].shape))
+
+
+# The exported graphs ---------------------------------------------------------------------
+@pytest.mark.parametrize("keep", [False, True], ids=["io16", "io32"])
+@pytest.mark.parametrize("attention", LOWERINGS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp16_export_loads_and_agrees(fp16_model, name, attention, keep):
+    config = CONFIGS[name]
+    path = fp16_model(name, attention, keep)
+    check_model_file(path, config)  # onnx checker, contract dims, onnxruntime loads it
+    proto = onnx.load(path)
+    assert proto.ir_version == IR_VERSION
+    assert not [t.name for t in proto.graph.initializer if t.data_type == TensorProto.FLOAT]
+    io_type = TensorProto.FLOAT if keep else TensorProto.FLOAT16
+    io = {v.name: v.type.tensor_type.elem_type for v in [*proto.graph.input, *proto.graph.output]}
+    for spec in config.inputs() + config.outputs():
+        assert io[spec.name] == (TensorProto.BOOL if spec.dtype == "bool" else io_type), spec.name
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["attnx.dtype"] == "fp16" and meta["attnx.io_dtype"] == ("fp32" if keep else "fp16")
+    _check_runs(path, config, weights_for(name), "fp32" if keep else "fp16")
+
+
+@pytest.mark.parametrize("attention", LOWERINGS)
+@pytest.mark.parametrize("name", ["cross_kpm", "causal_kpm"])
+def test_fp16_export_agrees_with_torch_fp16(fp16_model, name, attention):
+    # The lead's check that export_model runs for --dtype fp16: torch's own fp16 module on
+    # CPU, at the validation shapes (seq 1 and 1031 among them).
+    config = CONFIGS[name]
+    results = validate_against_torch(fp16_model(name, attention, False), config, weights_for(name), dtype="fp16")
+    assert results and all(results)
+    results = validate_against_torch(
+        fp16_model(name, attention, True), config, weights_for(name), dtype="fp16", io_dtype="fp32"
+    )
+    assert results and all(results)
+
+
+def test_mask_fill_becomes_fp16_lowest_and_inf_would_be_caught(tmp_path):
+    """The decomposed graph's masked_fill value (float32's lowest) is -65504 after the pass.
+    Put -inf back (what a plain cast gives) and the check of every intermediate sees it: the
+    masked scores are -inf, and the fully masked row's softmax is NaN."""
+    config = CONFIGS["kpm"]
+    model = ConvertToFloat16()(_fp32_export("kpm", "decomposed")).model
+    (where,) = [n for n in model.graph if n.op_type == "Where" and n.inputs[1].const_value is not None
+                and n.inputs[1].const_value.numpy().size == 1 and n.inputs[1].const_value.numpy() < 0]  # fmt: skip
+    fill = where.inputs[1].const_value.numpy()
+    assert fill.dtype == np.float16 and float(fill) == -FP16_MAX
+    save_model(model, tmp_path / "ok.onnx")
+    _check_runs(str(tmp_path / "ok.onnx"), config, weights_for("kpm"), "fp16")
+
+    where.inputs[1].const_value = ir.tensor(np.array(-np.inf, dtype=np.float16))
+    save_model(model, tmp_path / "inf.onnx")
+    with pytest.raises(AssertionError, match="non-finite values at batch=1 seq=1"):
+        _check_runs(str(tmp_path / "inf.onnx"), config, weights_for("kpm"), "fp16")
+
+
+def test_weight_outside_fp16_range_is_an_error():
+    model = _fp32_export("self", "decomposed")
+    bias = model.graph.initializers["q_proj.bias"]
+    array = bias.const_value.numpy().copy()
+    array[3] = 1e5  # does not fit in fp16: saturating it would silently change the model
+    bias.const_value = ir.tensor(array, name="q_proj.bias")
+    with pytest.raises(ExportError, match=r"tensor 'q_proj.bias' has 1 values outside float16's range"):
+        ConvertToFloat16()(model)
+
+
+def test_constant_nodes_casts_and_fill_scalars(tmp_path):
+    """The forms the exporter does not use today but a rewritten graph may: Constant with
+    value_float(s) and a tensor, ConstantOfShape's float32 default, Cast to float, a
+    scalar fill of -1e9 (saturated), and a second run that finds nothing to do."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])
+    nodes = [
+        helper.make_node("Constant", [], ["two"], value_float=2.0),
+        helper.make_node("Constant", [], ["half"], value_floats=[0.5]),
+        helper.make_node("Constant", [], ["fill"], value=helper.make_tensor("f", TensorProto.FLOAT, [], [-1e9])),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        helper.make_node("Add", ["x", "two"], ["a"]),
+        helper.make_node("Add", ["a", "zeros"], ["b"]),
+        helper.make_node("Cast", ["b"], ["i"], to=TensorProto.INT64),
+        helper.make_node("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Less", ["x", "zeros"], ["neg"]),
+        helper.make_node("Where", ["neg", "fill", "f"], ["g"]),
+        helper.make_node("Mul", ["g", "half"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], [y])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = ir.from_proto(proto)
+    assert ConvertToFloat16()(model).modified
+    assert not ConvertToFloat16()(model).modified  # already fp16: nothing to do
+    save_model(model, tmp_path / "c.onnx")
+    session = ort.InferenceSession(str(tmp_path / "c.onnx"), providers=["CPUExecutionProvider"])
+    feed = np.array([-1.0, 0.25, 3.5], np.float16)
+    (out,) = session.run(None, {"x": feed})
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, np.array([-FP16_MAX / 2, 1.0, 2.5], np.float16))
+
+
+# A com.microsoft MultiHeadAttention graph, as the ort-fused lowering writes ---------------
+def _mha_model(config: AttentionConfig, weights: dict) -> ir.Model:
+    """y = (MHA(x Wq, m Wk, m Wv, bias, key_padding_mask as int32 keep-mask), zeroed where
+    every key is hidden) Wo + bo. Causal configs use unidirectional=1 (no padding mask)."""
+    assert not (config.causal and config.key_padding_mask)
+    c = config
+    inputs = [helper.make_tensor_value_info(s.name, TensorProto.BOOL if s.dtype == "bool" else TensorProto.FLOAT,
+                                            list(s.shape)) for s in c.inputs()]  # fmt: skip
+    mem = "memory" if c.cross else "x"
+    # torch Linear's W is [out, in]; MatMul wants [in, out].
+    inits = [helper.make_tensor(f"W{p}", TensorProto.FLOAT, weights[f"{p}_proj.weight"].T.shape,
+                                np.ascontiguousarray(weights[f"{p}_proj.weight"].T).ravel())
+             for p in ("q", "k", "v", "out")]  # fmt: skip
+    nodes = [
+        helper.make_node("MatMul", ["x", "Wq"], ["q"]),
+        helper.make_node("MatMul", [mem, "Wk"], ["k"]),
+        helper.make_node("MatMul", [mem, "Wv"], ["v"]),
+    ]
+    mha_inputs = ["q", "k", "v", ""]
+    if c.bias:
+        packed = np.concatenate([weights["q_proj.bias"], weights["k_proj.bias"], weights["v_proj.bias"]])
+        inits.append(helper.make_tensor("qkv_bias", TensorProto.FLOAT, packed.shape, packed))
+        mha_inputs[3] = "qkv_bias"
+    attention_out = "z"
+    if c.key_padding_mask:
+        inits += [helper.make_tensor("last", TensorProto.INT64, [1], [-1]),
+                  helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])]  # fmt: skip
+        nodes += [
+            helper.make_node("Not", ["key_padding_mask"], ["keep"]),
+            helper.make_node("Cast", ["keep"], ["keep_i32"], to=TensorProto.INT32),  # MHA's mask: 1 = attend
+            helper.make_node("ReduceMax", ["keep_i32", "last"], ["any_i32"], keepdims=1),  # (B, 1)
+            helper.make_node("Cast", ["any_i32"], ["any"], to=TensorProto.BOOL),
+            helper.make_node("Unsqueeze", ["any", "last"], ["any3"]),  # (B, 1, 1)
+        ]
+        mha_inputs.append("keep_i32")
+        attention_out = "z_raw"
+    nodes.append(helper.make_node("MultiHeadAttention", mha_inputs, [attention_out], domain="com.microsoft",
+                                  num_heads=c.n_heads, scale=c.softmax_scale, unidirectional=int(c.causal)))  # fmt: skip
+    if c.key_padding_mask:
+        nodes.append(helper.make_node("Where", ["any3", "z_raw", "zero"], ["z"]))
+    nodes.append(helper.make_node("MatMul", ["z", "Wout"], ["zo"] if c.bias else ["y"]))
+    if c.bias:
+        ob = weights["out_proj.bias"]
+        inits.append(helper.make_tensor("bo", TensorProto.FLOAT, ob.shape, ob))
+        nodes.append(helper.make_node("Add", ["zo", "bo"], ["y"]))
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", c.d_model])
+    infos = [helper.make_tensor_value_info(attention_out, TensorProto.FLOAT, ["batch", "seq", c.v_dim])]
+    graph = helper.make_graph(nodes, "mha", inputs, [y], inits, value_info=infos)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto))  # typed, as the exporter's graphs are
+
+
+@pytest.mark.parametrize("name", ["self", "cross", "causal", "kpm", "cross_kpm"])
+def test_fp16_multi_head_attention_graph(tmp_path, name):
+    config, weights = CONFIGS[name], weights_for(name)
+    fp32_path = tmp_path / "mha32.onnx"
+    save_model(_mha_model(config, weights), fp32_path)
+    session = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"])
+    feeds = make_inputs(config, 3, 7, 5 if config.cross else None)
+    ref = reference_attention(config, weights, **feeds)  # the builder itself is right in fp32
+    assert compare_arrays("y", session.run(None, feeds)[0], ref, tolerance_for("fp32"), problem_size(config, weights, feeds))
+
+    for keep in (False, True):
+        model = ConvertToFloat16(keep_io_fp32=keep)(_mha_model(config, weights)).model
+        (mha,) = [n for n in model.graph if n.op_type == "MultiHeadAttention"]
+        assert mha.domain == "com.microsoft" and mha.attributes["num_heads"].value == config.n_heads
+        if config.key_padding_mask:
+            mask = mha.inputs[4]  # stays int32, and so does the Cast that makes it
+            assert mask.dtype == ir.DataType.INT32 and mask.producer().attributes["to"].value == ir.DataType.INT32
+        path = tmp_path / f"mha16-{keep}.onnx"
+        save_model(model, path)
+        assert onnx.load(path).ir_version == IR_VERSION
+        _check_runs(str(path), config, weights, "fp32" if keep else "fp16")
