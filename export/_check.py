@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -12,9 +13,18 @@ import onnx
 from attnx.errors import CheckFailed, ExportError, ModelFileError
 from attnx.model.config import AttentionConfig
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import Comparison, compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import Comparison, ProblemSize, compare_arrays, problem_size, tolerance_for
 
-__all__ = ["VALIDATION_SHAPES", "check_model_file", "check_dims", "validate_against_torch", "ort_session"]
+__all__ = [
+    "VALIDATION_SHAPES",
+    "Expected",
+    "check_model_file",
+    "check_dims",
+    "validate_against_torch",
+    "torch_expected",
+    "check_against_expected",
+    "ort_session",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +69,77 @@ def check_model_file(path: str | os.PathLike[str], config: AttentionConfig) -> N
     ort_session(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """The torch module's output at one validation shape, and the size the tolerance needs."""
+
+    batch: int
+    seq: int
+    mem_seq: int | None
+    y: np.ndarray
+    size: ProblemSize
+
+    @property
+    def label(self) -> str:
+        return f"y[batch={self.batch},seq={self.seq}{f',mem_seq={self.mem_seq}' if self.mem_seq else ''}]"
+
+
+def torch_expected(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    dtype: str = "fp32",
+    shapes: tuple[tuple[int, int, int], ...] = VALIDATION_SHAPES,
+    io_dtype: str | None = None,
+) -> list[Expected]:
+    """The torch module's outputs at `shapes` (inputs: make_inputs with seed=seq)."""
+    import torch
+
+    from attnx.model.module import build_module
+
+    io_dtype = io_dtype or dtype
+    module = build_module(config, weights).to(getattr(torch, {"fp32": "float32", "fp16": "float16"}[dtype]))
+    expected = []
+    for batch, seq, mem_seq in shapes:
+        mem = mem_seq if config.cross else None
+        feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=seq)
+        with torch.inference_mode():
+            y = module(**{k: torch.from_numpy(v) for k, v in feeds.items()}).float().numpy()
+        size = problem_size(config, weights, make_inputs(config, batch, seq, mem, dtype=io_dtype, seed=seq))
+        expected.append(Expected(batch, seq, mem, y, size))
+    return expected
+
+
+def check_against_expected(
+    path: str | os.PathLike[str],
+    config: AttentionConfig,
+    expected: list[Expected],
+    dtype: str = "fp32",
+    io_dtype: str | None = None,
+) -> list[Comparison]:
+    """Run the model on ORT CPU at each expected shape and compare. Every shape is checked
+    and logged; one CheckFailed lists all failures."""
+    io_dtype = io_dtype or dtype
+    session = ort_session(os.fspath(path))
+    tol = tolerance_for(dtype, "ort-cpu")
+    results, failures = [], []
+    for e in expected:
+        feeds = make_inputs(config, e.batch, e.seq, e.mem_seq, dtype=io_dtype, seed=e.seq)
+        try:
+            (y,) = session.run(["y"], feeds)
+        except Exception as err:  # ORT's own error types: a shape the graph cannot run
+            raise CheckFailed(
+                f"{os.fspath(path)} fails at batch={e.batch} seq={e.seq}: {str(err).strip().splitlines()[0][:300]}"
+            ) from None
+        cmp = compare_arrays(e.label, y, e.y, tol, e.size)
+        logger.info("%s", cmp)
+        results.append(cmp)
+        if not cmp:
+            failures.append(str(cmp))
+    if failures:
+        raise CheckFailed(f"{os.fspath(path)} disagrees with torch: " + "; ".join(failures))
+    return results
+
+
 def validate_against_torch(
     path: str | os.PathLike[str],
     config: AttentionConfig,
@@ -69,33 +150,7 @@ def validate_against_torch(
 ) -> list[Comparison]:
     """Run the model on ORT CPU at shapes the export never saw and compare with the torch
     module. Every shape is checked and logged; one CheckFailed lists all failures."""
-    import torch
-
-    from attnx.model.module import build_module
-
-    io_dtype = io_dtype or dtype
-    session = ort_session(os.fspath(path))
-    module = build_module(config, weights).to(getattr(torch, {"fp32": "float32", "fp16": "float16"}[dtype]))
-    tol = tolerance_for(dtype, "ort-cpu")
-    results, failures = [], []
-    for batch, seq, mem_seq in shapes:
-        feeds = make_inputs(config, batch, seq, mem_seq if config.cross else None, dtype=io_dtype, seed=seq)
-        try:
-            (y,) = session.run(["y"], feeds)
-        except Exception as e:  # ORT's own error types: a shape the graph cannot run
-            raise CheckFailed(
-                f"{os.fspath(path)} fails at batch={batch} seq={seq}: {str(e).strip().splitlines()[0][:300]}"
-            ) from None
-        with torch.inference_mode():
-            t_feeds = {k: torch.from_numpy(v) for k, v in make_inputs(
-                config, batch, seq, mem_seq if config.cross else None, dtype=dtype, seed=seq).items()}
-            ref = module(**t_feeds).float().numpy()
-        label = f"y[batch={batch},seq={seq}{f',mem_seq={mem_seq}' if config.cross else ''}]"
-        cmp = compare_arrays(label, y, ref, tol, problem_size(config, weights, feeds))
-        logger.info("%s", cmp)
-        results.append(cmp)
-        if not cmp:
-            failures.append(str(cmp))
-    if failures:
-        raise CheckFailed(f"{os.fspath(path)} disagrees with torch: " + "; ".join(failures))
-    return results
+    # torch first, then ORT: the torch module is gone before the session loads, so the
+    # two never hold the weights at the same time (2.4 GB each for the gpt3 preset).
+    expected = torch_expected(config, weights, dtype, shapes, io_dtype)
+    return check_against_expected(path, config, expected, dtype, io_dtype)
