@@ -64,7 +64,7 @@ class ConvertToFloat16(ir.passes.InPlacePass):
     def __init__(self, keep_io_fp32: bool = False) -> None:
         super().__init__()
         self.keep_io_fp32 = keep_io_fp32
-        self._boundary: set[ir.Value] = set()  # float32 values the pass itself put at the boundary
+        self.notes: list[str] = []  # one line per kind of change, for the pipeline's report
 
     def requires(self, model: ir.Model) -> None:
         if model.functions:
@@ -74,7 +74,11 @@ class ConvertToFloat16(ir.passes.InPlacePass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self._boundary = set()
+        self.notes = []
+        if model.metadata_props.get("attnx.dtype") == "fp16":
+            # Converting again would retype the float32 boundary this pass may have made.
+            self.notes.append("the model is float16 already (metadata attnx.dtype): nothing to do")
+            return ir.passes.PassResult(model, False)
         counts = {"values": 0, "tensors": 0, "casts": 0, "saturated": 0}
         for graph in _graphs(model.graph):
             self._convert_graph(graph, counts)
@@ -84,18 +88,24 @@ class ConvertToFloat16(ir.passes.InPlacePass):
         if modified:
             model.metadata_props["attnx.dtype"] = "fp16"
             model.metadata_props["attnx.io_dtype"] = "fp32" if self.keep_io_fp32 else "fp16"
-        logger.info(
-            "fp16: %d values retyped, %d tensors converted, %d casts retargeted, %d mask/fill values saturated",
-            counts["values"], counts["tensors"], counts["casts"], counts["saturated"],
-        )  # fmt: skip
+        self.notes = [
+            f"{counts['values']} float32 values retyped and {counts['tensors']} tensors converted to float16",
+            f"{counts['casts']} Cast targets float32 -> float16",
+            f"{counts['saturated']} fill values beyond float16's range (the mask's float32 lowest) set to "
+            f"+-{FP16_MAX:g}",
+        ]
+        if self.keep_io_fp32:
+            self.notes.append(f"float32 inputs and outputs kept, {counts['boundary']} Casts at the boundary")
+        for note in self.notes:
+            logger.info("fp16: %s", note)
         return ir.passes.PassResult(model, modified)
 
     def ensures(self, model: ir.Model) -> None:
-        """No float32 is left but the boundary values this pass made; every constant's
-        tensor has its value's dtype."""
+        """No float32 is left but a kept boundary (an input only cast to float16, an output
+        cast from float16); every constant's tensor has its value's dtype."""
         for graph in _graphs(model.graph):
             for value in _values(graph):
-                if value.dtype == FLOAT and value not in self._boundary:
+                if value.dtype == FLOAT and not _is_boundary(value):
                     raise ir.passes.PostconditionError(f"value {value.name!r} is still float32")
                 if value.const_value is not None and value.dtype is not None and value.const_value.dtype != value.dtype:
                     raise ir.passes.PostconditionError(
@@ -103,7 +113,7 @@ class ConvertToFloat16(ir.passes.InPlacePass):
                     )
             for node in graph:
                 attr = node.attributes.get(_DTYPE_ATTRIBUTES.get(node.op_type, "")) if node.domain == "" else None
-                if attr is not None and attr.value == FLOAT and node.outputs[0] not in self._boundary:
+                if attr is not None and attr.value == FLOAT and not _is_boundary(node.outputs[0]):
                     raise ir.passes.PostconditionError(f"{node.op_type} node {node.name!r} still produces float32")
 
     # The conversion --------------------------------------------------------------------
@@ -150,7 +160,8 @@ class ConvertToFloat16(ir.passes.InPlacePass):
             return
         counts["tensors"] += 1
 
-    def _keep_io_fp32(self, graph: ir.Graph) -> int:
+    @staticmethod
+    def _keep_io_fp32(graph: ir.Graph) -> int:
         """Give the graph float32 inputs and outputs again, with Casts at the boundary. The
         names of the graph's inputs and outputs do not change."""
         taken = {v.name for v in _values(graph)}
@@ -165,7 +176,6 @@ class ConvertToFloat16(ir.passes.InPlacePass):
             inner.replace_all_uses_with(cast.outputs[0])
             cast.outputs[0].name, cast.outputs[0].dtype, cast.outputs[0].shape = inner.name, FLOAT16, inner.shape
             graph.insert_before(graph[0], cast)
-            self._boundary.add(outer)
             n += 1
         for i, inner in enumerate(list(graph.outputs)):
             if inner.dtype != FLOAT16:
@@ -177,7 +187,6 @@ class ConvertToFloat16(ir.passes.InPlacePass):
             outer.name, outer.dtype, outer.shape = name, FLOAT, inner.shape
             graph.outputs[i] = outer
             graph.append(cast)
-            self._boundary.add(outer)
             n += 1
         return n
 
@@ -201,6 +210,21 @@ def _to_fp16(tensor: ir.TensorProtocol, name: str | None, counts: dict[str, int]
         counts["saturated"] += int(over.sum())
         logger.debug("fp16: saturated %d values of %r to +-%g", int(over.sum()), name, FP16_MAX)
     return ir.Tensor(array.astype(np.float16), name=tensor.name, doc_string=tensor.doc_string)
+
+
+def _is_boundary(value: ir.Value) -> bool:
+    """A float32 graph input whose every use is a Cast to float16, or a float32 graph
+    output made by a Cast from float16: what keep_io_fp32 leaves."""
+    if value.is_graph_input():
+        return all(u.node.op_type == "Cast" and u.node.attributes["to"].value == FLOAT16 for u in value.uses())
+    producer = value.producer()
+    return (
+        value.is_graph_output()
+        and producer is not None
+        and producer.op_type == "Cast"
+        and producer.inputs[0] is not None
+        and producer.inputs[0].dtype == FLOAT16
+    )
 
 
 def _graphs(graph: ir.Graph) -> Iterator[ir.Graph]:

@@ -1,0 +1,349 @@
+"""ORT offline optimization: save the graph ONNX Runtime builds for one provider, and time it.
+
+ONNX Runtime optimizes every model when a session is created (constant folding, fusions
+such as MatMul+Add and MatMul+Scale -> FusedMatMul, layout changes at level "all").
+`optimize_for_provider` runs that once and saves the result
+(SessionOptions.optimized_model_filepath), so a deployment can load the optimized graph
+with optimizations off and skip that work at start-up.
+
+The saved graph is only valid for the provider (and, at level "all", the hardware) it was
+optimized for: ORT may put provider-specific fused ops (com.microsoft FusedMatMul, NCHWc
+layouts, CUDA-only kernels) in it. So the provider, level and ORT version are recorded in
+the model's metadata_props (key `attnx.ort_optimized`, JSON) and returned to the caller.
+
+`compare_speed` times two models on the same feeds: both sessions are created first (the
+creation time is reported, it is what offline optimization saves), warmed up, then run in
+alternation so that the drift of a shared machine hits both alike; only session.run is
+inside the timer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
+from attnx.export._export import EXTERNAL_DATA_THRESHOLD, IR_VERSION
+
+__all__ = [
+    "PROVIDERS",
+    "LEVELS",
+    "OFFLINE_METADATA_KEY",
+    "OfflineResult",
+    "SpeedResult",
+    "SpeedComparison",
+    "optimize_for_provider",
+    "compare_speed",
+]
+
+logger = logging.getLogger(__name__)
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# Names of onnxruntime.GraphOptimizationLevel members, by the short names attnx uses.
+LEVELS = {
+    "disabled": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+OFFLINE_METADATA_KEY = "attnx.ort_optimized"
+# With external data, tensors smaller than this stay inside the model file (shape
+# constants, biases): only the weights go to the data file.
+EXTERNAL_MIN_BYTES = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineResult:
+    """What optimize_for_provider wrote, and for what."""
+
+    path: str
+    files: list[str]  # the model first, then its data file when there is one
+    provider: str  # "cpu" or "cuda"
+    level: str
+    ort_version: str
+    external_data: bool
+    optimize_s: float  # session creation with optimization and saving, as ORT did it
+    ops_before: dict[str, int]
+    ops_after: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def optimize_for_provider(
+    model_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    provider: str = "cpu",
+    level: str = "extended",
+    *,
+    external_data: bool | None = None,
+) -> OfflineResult:
+    """Save the model as ONNX Runtime optimizes it for `provider` at `level`, atomically.
+
+    external_data None means: when the initializers pass 2 GB (protobuf's limit), as
+    attnx.export.save_model does; the data file is `<name>.data` beside the model. The
+    written model is loaded again in this onnxruntime, with the same provider, before it
+    replaces anything at out_path. Raises ProviderUnavailable when the provider does not
+    really start (ORT falls back to CPU silently).
+    """
+    import onnx
+    import onnxruntime as ort
+
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    if level not in LEVELS or level == "disabled":
+        raise UsageError(f"unknown optimization level {level!r} (known: basic, extended, all)")
+    model_path = os.path.abspath(os.fspath(model_path))
+    out_path = os.path.abspath(os.fspath(out_path))
+    if not os.path.isfile(model_path):
+        raise ModelFileError(f"model file {model_path!r} does not exist")
+    if out_path == model_path:
+        raise UsageError(f"the optimized model would overwrite its source {model_path!r}: choose another --out")
+    parent, name = os.path.dirname(out_path), os.path.basename(out_path)
+    if not os.path.isdir(parent):
+        raise UsageError(f"output folder {parent!r} does not exist")
+
+    source = onnx.load(model_path, load_external_data=False)
+    if external_data is None:
+        external_data = _initializer_bytes(source) > EXTERNAL_DATA_THRESHOLD
+    ops_before = _count_ops(source)
+    del source
+    data_name = f"{name}.data" if external_data else None
+
+    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
+        tmp_model = os.path.join(tmp, name)
+        opts = _session_options(level)
+        opts.optimized_model_filepath = tmp_model
+        if data_name:
+            opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", data_name)
+            opts.add_session_config_entry(
+                "session.optimized_model_external_initializers_min_size_in_bytes", str(EXTERNAL_MIN_BYTES)
+            )
+        start = time.perf_counter()
+        session = _create_session(model_path, opts, provider)
+        optimize_s = time.perf_counter() - start
+        del session
+        if not os.path.isfile(tmp_model):
+            raise ModelFileError(f"onnxruntime {ort.__version__} did not write the optimized model for {model_path!r}")
+
+        # Record what the graph is valid for, and hold it to the IR version attnx writes.
+        proto = onnx.load(tmp_model, load_external_data=False)
+        if proto.ir_version != IR_VERSION:
+            logger.info("onnxruntime wrote IR version %d; setting %d", proto.ir_version, IR_VERSION)
+            proto.ir_version = IR_VERSION
+        meta = {p.key: p.value for p in proto.metadata_props}
+        meta[OFFLINE_METADATA_KEY] = json.dumps(
+            {"provider": provider, "level": level, "onnxruntime": ort.__version__}, sort_keys=True
+        )
+        del proto.metadata_props[:]
+        for key, value in meta.items():
+            proto.metadata_props.add(key=key, value=value)
+        ops_after = _count_ops(proto)
+        # Only the graph is rewritten: tensors keep their external data references.
+        with open(tmp_model, "wb") as f:
+            f.write(proto.SerializeToString())
+        del proto
+
+        # It must load again, in this ORT, on this provider, as a deployment would load it.
+        _create_session(tmp_model, _session_options("disabled"), provider)
+
+        written = []
+        if data_name:  # the data first: a model never points at a missing data file
+            os.replace(os.path.join(tmp, data_name), os.path.join(parent, data_name))
+            written.append(os.path.join(parent, data_name))
+        elif os.path.exists(os.path.join(parent, f"{name}.data")):
+            os.remove(os.path.join(parent, f"{name}.data"))  # a stale one from an earlier run
+        os.replace(tmp_model, out_path)
+        written.insert(0, out_path)
+    result = OfflineResult(
+        out_path, written, provider, level, ort.__version__, bool(data_name), optimize_s, ops_before, ops_after
+    )
+    logger.info("optimized %s for %s at level %s in %.2f s -> %s", model_path, provider, level, optimize_s, out_path)
+    return result
+
+
+# Timing -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SpeedResult:
+    path: str
+    level: str  # the session's optimization level when it was loaded
+    load_s: float  # session creation (optimization included)
+    runs_s: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.runs_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.runs_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "median_s": self.median_s, "min_s": self.min_s}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedComparison:
+    a: SpeedResult
+    b: SpeedResult
+    provider: str
+    threads: int | None
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster b runs than a (median over median)."""
+        return self.a.median_s / self.b.median_s
+
+    @property
+    def load_speedup(self) -> float:
+        return self.a.load_s / self.b.load_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a.to_dict(),
+            "b": self.b.to_dict(),
+            "provider": self.provider,
+            "threads": self.threads,
+            "speedup": self.speedup,
+            "load_speedup": self.load_speedup,
+        }
+
+    def __str__(self) -> str:
+        rows = [
+            f"{'model':<12} {'level':<9} {'load ms':>9} {'median ms':>10} {'min ms':>9}",
+            *(
+                f"{label:<12} {r.level:<9} {r.load_s * 1e3:>9.1f} {r.median_s * 1e3:>10.2f} {r.min_s * 1e3:>9.2f}"
+                for label, r in (("a", self.a), ("b", self.b))
+            ),
+            f"b runs {self.speedup:.2f}x as fast as a (median), loads {self.load_speedup:.2f}x as fast",
+        ]
+        return "\n".join(rows)
+
+
+def compare_speed(
+    a_path: str | os.PathLike[str],
+    b_path: str | os.PathLike[str],
+    feeds: Mapping[str, np.ndarray],
+    repeat: int = 20,
+    *,
+    warmup: int = 3,
+    provider: str = "cpu",
+    threads: int | None = None,
+    a_level: str = "all",
+    b_level: str = "disabled",
+) -> SpeedComparison:
+    """Time a and b on the same feeds: warm-up, then `repeat` runs of each, alternating,
+    with only session.run inside the timer. The defaults compare an original model as ORT
+    loads it by default (optimizing at level "all") with an offline-optimized one loaded
+    as a deployment would, optimizations off."""
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    for label, level in (("a_level", a_level), ("b_level", b_level)):
+        if level not in LEVELS:
+            raise UsageError(f"unknown {label} {level!r} (known: {', '.join(LEVELS)})")
+    if repeat < 1 or warmup < 0:
+        raise UsageError(f"repeat must be at least 1 and warmup at least 0, got repeat={repeat} warmup={warmup}")
+    feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
+    sessions, loads = [], []
+    for path, level in ((a_path, a_level), (b_path, b_level)):
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ModelFileError(f"model file {path!r} does not exist")
+        start = time.perf_counter()
+        sessions.append(_create_session(path, _session_options(level, threads), provider))
+        loads.append(time.perf_counter() - start)
+    for session, path in zip(sessions, (a_path, b_path)):
+        for _ in range(max(warmup, 1)):  # at least one: a bad feed fails here, not in the timer
+            _run(session, feeds, os.fspath(path))
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for session, times in zip(sessions, runs):
+            start = time.perf_counter()
+            session.run(None, feeds)
+            times.append(time.perf_counter() - start)
+    a = SpeedResult(os.fspath(a_path), a_level, loads[0], runs[0])
+    b = SpeedResult(os.fspath(b_path), b_level, loads[1], runs[1])
+    return SpeedComparison(a, b, provider, threads)
+
+
+# Sessions ---------------------------------------------------------------------------------
+def _session_options(level: str, threads: int | None = None) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3  # errors only
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    return opts
+
+
+def _create_session(path: str, opts: Any, provider: str) -> Any:
+    """A session on `provider` that really runs there, or ProviderUnavailable."""
+    import onnxruntime as ort
+
+    wanted = PROVIDERS[provider]
+    providers: list[Any] = [wanted] if provider == "cpu" else [(wanted, {"device_id": 0}), PROVIDERS["cpu"]]
+    try:
+        session = ort.InferenceSession(path, opts, providers=providers)
+    except Exception as e:  # ORT's own Fail/InvalidGraph/... types
+        text = str(e).strip()
+        raise ModelFileError(
+            f"onnxruntime {ort.__version__} cannot load {path!r} on {wanted}: {text.splitlines()[0] if text else e!r}"
+        ) from None
+    got = session.get_providers()
+    if not got or got[0] != wanted:
+        # ORT builds a CPU session when the CUDA provider cannot start, and lists CUDA in
+        # get_available_providers() whenever onnxruntime-gpu is installed.
+        reason = _cuda_reason(provider) or f"onnxruntime did not start {wanted} (session providers: {', '.join(got)})"
+        raise ProviderUnavailable(f"cannot use provider {provider!r}: {reason}")
+    return session
+
+
+def _cuda_reason(provider: str) -> str | None:
+    """ORT's own reason for a failed CUDA start (a missing library, a driver), when the GPU
+    backend's probe can give it; the provider check in _create_session stands without it."""
+    if provider != "cuda":
+        return None
+    try:
+        from attnx.runtimes.cuda import ort_cuda_unavailable_reason
+    except ImportError:
+        return None
+    return ort_cuda_unavailable_reason()
+
+
+def _run(session: Any, feeds: Mapping[str, np.ndarray], path: str) -> None:
+    try:
+        session.run(None, feeds)
+    except Exception as e:  # ORT's InvalidArgument for a wrong name, dtype or shape
+        text = str(e).strip()
+        raise InputError(f"the feeds do not fit {path!r}: {text.splitlines()[0] if text else e!r}") from None
+
+
+def _initializer_bytes(proto: Any) -> int:
+    """Bytes of the model's initializers, from their shapes (external data included)."""
+    from onnx import helper
+
+    total = 0
+    for tensor in proto.graph.initializer:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    return total
+
+
+def _count_ops(proto: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in proto.graph.node:
+        op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        counts[op] = counts.get(op, 0) + 1
+    return counts
