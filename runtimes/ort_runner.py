@@ -2,22 +2,62 @@
 
 The provider a session asked for is checked against the providers the session really
 got: ORT silently falls back to CPU when the CUDA provider cannot start, and
-get_available_providers() lists CUDA whenever onnxruntime-gpu is installed.
+get_available_providers() lists CUDA whenever onnxruntime-gpu is installed. For ort-cuda
+the check goes further (runtimes/cuda.py): ORT's own reason for a failed start is captured
+from its C++ log, the provider options are read back, and no compute node may sit on CPU.
+
+ort-cuda runs through IOBinding: inputs and outputs live on the device, a torch CUDA
+tensor is bound by its data pointer (no copy), a numpy array is copied to the device
+once, and outputs come back to the host only when asked (`run` fetches; `run_on_device`
+does not).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
+import sys
+import tempfile
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from attnx.errors import ModelFileError, ProviderUnavailable
-from attnx.model.config import TensorSpec
+from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
+from attnx.model.config import DTYPES, TensorSpec
 from attnx.runtimes.base import Runner, register_backend, require_source
+from attnx.runtimes.cuda import (
+    ASSIGNMENT_INFO_KEY,
+    CPU_PROVIDER,
+    CUDA_PROVIDER,
+    CudaOptions,
+    NodePlacement,
+    capture_native_stderr,
+    ort_build_cuda_reason,
+    ort_cuda_build_hint,
+    ort_cuda_failure_reason,
+    placement_problems,
+    placements_from_assignment_info,
+    placements_from_profile,
+    provider_option_mismatches,
+    unreported_options,
+)
 
-__all__ = ["OrtCpuRunner", "OrtCudaRunner", "ort_tensor_specs", "ORT_TYPES"]
+__all__ = [
+    "OrtRunner",
+    "OrtCpuRunner",
+    "OrtCudaRunner",
+    "IoBinder",
+    "DeviceOutputs",
+    "ort_tensor_specs",
+    "resolve_shape",
+    "ORT_TYPES",
+]
+
+logger = logging.getLogger(__name__)
 
 # ORT's type strings to attnx dtype names.
 ORT_TYPES = {
@@ -30,6 +70,11 @@ ORT_TYPES = {
     "tensor(int64)": "int64",
 }
 
+# numpy element types of the dtypes a binding can name (numpy has no bfloat16).
+_ELEMENT_TYPES: dict[str, Any] = {name: np.dtype(t).type for name, t in {**DTYPES, "int64": "int64"}.items()}
+_TORCH_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.float64": "fp64", "torch.bool": "bool",
+                      "torch.int32": "int32", "torch.int64": "int64", "torch.bfloat16": "bf16"}  # fmt: skip
+
 
 def ort_tensor_specs(args: list[Any]) -> list[TensorSpec]:
     """TensorSpecs from a session's get_inputs()/get_outputs()."""
@@ -39,10 +84,29 @@ def ort_tensor_specs(args: list[Any]) -> list[TensorSpec]:
     ]
 
 
+def resolve_shape(spec: TensorSpec, dims: Mapping[str, int]) -> tuple[int, ...] | None:
+    """The concrete shape of `spec` given the sizes of its symbolic dims, or None when one
+    of them is unknown (ORT then allocates the output itself)."""
+    out = []
+    for dim in spec.shape:
+        if isinstance(dim, int):
+            out.append(dim)
+        elif dim in dims:
+            out.append(dims[dim])
+        else:
+            return None
+    return tuple(out)
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: a torch tensor means torch is loaded
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 class OrtRunner(Runner):
     """Shared session handling. Subclasses give the providers they ask for."""
 
-    provider = "CPUExecutionProvider"
+    provider = CPU_PROVIDER
 
     def __init__(self, source: Any, threads: int | None = None, session_options: Any = None) -> None:
         super().__init__(source)
@@ -63,19 +127,22 @@ class OrtRunner(Runner):
 
     def load_impl(self) -> None:
         require_source(self, model_path=True)
-        import onnxruntime as ort
-
         path = self.source.model_path
         if not os.path.isfile(path):
             raise ModelFileError(f"model file {path!r} does not exist")
-        try:
-            self.session = ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
-        except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types
-            raise ModelFileError(f"onnxruntime cannot load {path!r}: {_first_line(e)}") from None
+        self.session = self.create_session(path)
         self.check_providers()
         self.inputs = ort_tensor_specs(self.session.get_inputs())
         self.outputs = ort_tensor_specs(self.session.get_outputs())
         self.output_names = [o.name for o in self.outputs]
+
+    def create_session(self, path: str) -> Any:
+        import onnxruntime as ort
+
+        try:
+            return ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
+        except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types
+            raise ModelFileError(f"onnxruntime cannot load {path!r}: {_first_line(e)}") from None
 
     def check_providers(self) -> None:
         got = self.session.get_providers()
@@ -86,11 +153,17 @@ class OrtRunner(Runner):
             )
 
     def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outs = self.session.run(self.output_names, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        outs = self.session.run(self.output_names, {k: _host_array(v) for k, v in feeds.items()})
         return dict(zip(self.output_names, outs))
 
     def close_impl(self) -> None:
         del self.session
+
+
+def _host_array(value: Any) -> np.ndarray:
+    if _is_torch_tensor(value):
+        return np.ascontiguousarray(value.detach().cpu().numpy())
+    return np.ascontiguousarray(value)
 
 
 def _first_line(e: BaseException) -> str:
@@ -100,14 +173,428 @@ def _first_line(e: BaseException) -> str:
 
 @register_backend("ort-cpu")
 class OrtCpuRunner(OrtRunner):
-    provider = "CPUExecutionProvider"
+    provider = CPU_PROVIDER
+
+
+# IOBinding ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DeviceOutputs:
+    """Outputs of one bound run, left where the run wrote them. `values` holds ORT OrtValues
+    on the device, or the caller's own tensors where it passed output buffers. numpy()
+    copies them to the host: the only fetch."""
+
+    names: list[str]
+    values: dict[str, Any]
+    binder: IoBinder
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        return self.binder.fetch()
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+
+class _StaticBuffer:
+    """One input kept at a fixed device address for CUDA graph replay: an OrtValue (filled
+    from numpy with update_inplace) or a torch tensor of our own (filled with copy_)."""
+
+    def __init__(self, value: Any, ort_value: Any = None, tensor: Any = None) -> None:
+        self.shape = tuple(value.shape)
+        self.dtype = _value_dtype(value)
+        self.ort_value = ort_value
+        self.tensor = tensor
+
+    def write(self, value: Any) -> None:
+        if self.tensor is not None:
+            if not _is_torch_tensor(value):
+                value = sys.modules["torch"].from_numpy(np.ascontiguousarray(value))
+            self.tensor.copy_(value)
+        else:
+            self.ort_value.update_inplace(_host_array(value))
+
+
+def _value_dtype(value: Any) -> str:
+    if _is_torch_tensor(value):
+        return _TORCH_DTYPE_NAMES.get(str(value.dtype), str(value.dtype))
+    return {np.dtype(t): n for n, t in DTYPES.items()}.get(np.asarray(value).dtype, str(np.asarray(value).dtype))
+
+
+class IoBinder:
+    """Binds one session's inputs and outputs on one device through ORT's IOBinding.
+
+    device_type is "cuda" for ort-cuda; "cpu" works the same way (what the tests without a
+    GPU exercise). A torch tensor already on the device is bound by its data pointer (no
+    copy; made contiguous first if it is not); a numpy array or a torch CPU tensor becomes
+    an OrtValue on the device (one copy). With static=True (CUDA graphs) the first run's
+    buffers are kept and later runs copy into them: ORT replays a captured graph on the
+    same addresses, so every later run must have the first run's shapes.
+    """
+
+    def __init__(self, session: Any, device_type: str, device_id: int = 0, *, static: bool = False) -> None:
+        self.session = session
+        self.device_type = device_type
+        self.device_id = device_id
+        self.static = static
+        self.binding = session.io_binding()
+        self._keep: list[Any] = []  # buffers bound by pointer: alive until the next bind
+        self._static_inputs: dict[str, _StaticBuffer] = {}
+        self._static_outputs: dict[str, Any] = {}
+        self._torch_devices: set[Any] = set()
+
+    # Inputs -------------------------------------------------------------------------------
+    def bind_inputs(self, feeds: Mapping[str, Any]) -> None:
+        self._torch_devices = set()
+        if self.static and self._static_inputs:
+            self._write_static(feeds)
+            return
+        self.binding.clear_binding_inputs()
+        self._keep = []
+        for name, value in feeds.items():
+            if self.static:
+                self._bind_static_input(name, value)
+            else:
+                self._bind_input(name, value)
+
+    def _on_device(self, tensor: Any) -> bool:
+        dev = tensor.device
+        if dev.type != self.device_type:
+            return False
+        return self.device_type == "cpu" or (dev.index if dev.index is not None else 0) == self.device_id
+
+    def _bind_input(self, name: str, value: Any) -> None:
+        import onnxruntime as ort
+
+        if _is_torch_tensor(value):
+            if self._on_device(value):
+                self._bind_tensor_pointer(name, value)
+                return
+            if value.device.type != "cpu":
+                raise InputError(
+                    f"input {name!r} is on {value.device}, this runner binds on {self.device_type}:{self.device_id}"
+                )
+            value = value.detach().numpy()
+        array = np.ascontiguousarray(value)
+        ort_value = ort.OrtValue.ortvalue_from_numpy(array, self.device_type, self.device_id)
+        self._keep.append((array, ort_value))
+        self.binding.bind_ortvalue_input(name, ort_value)
+
+    def _bind_tensor_pointer(self, name: str, tensor: Any) -> None:
+        dtype = _value_dtype(tensor)
+        if dtype not in _ELEMENT_TYPES:
+            raise InputError(f"input {name!r} has dtype {dtype}, which cannot be bound by pointer")
+        if not tensor.is_contiguous():
+            logger.debug("input %r is not contiguous: bound through a contiguous copy", name)
+            tensor = tensor.contiguous()
+        self._keep.append(tensor)
+        if tensor.device.type == "cuda":
+            self._torch_devices.add(tensor.device)
+        self.binding.bind_input(
+            name, self.device_type, self.device_id, _ELEMENT_TYPES[dtype], tuple(tensor.shape), tensor.data_ptr()
+        )
+
+    def _bind_static_input(self, name: str, value: Any) -> None:
+        import onnxruntime as ort
+
+        if _is_torch_tensor(value) and self._on_device(value):
+            own = value.detach().clone(memory_format=sys.modules["torch"].contiguous_format)
+            self._static_inputs[name] = _StaticBuffer(value, tensor=own)
+            self._bind_tensor_pointer(name, own)
+            return
+        array = _host_array(value)
+        ort_value = ort.OrtValue.ortvalue_from_shape_and_type(
+            array.shape, array.dtype.type, self.device_type, self.device_id
+        )
+        ort_value.update_inplace(array)
+        self._static_inputs[name] = _StaticBuffer(array, ort_value=ort_value)
+        self.binding.bind_ortvalue_input(name, ort_value)
+
+    def _write_static(self, feeds: Mapping[str, Any]) -> None:
+        for name, value in feeds.items():
+            buf = self._static_inputs.get(name)
+            if buf is None:
+                raise UsageError(f"input {name!r} was not bound in the first run of this CUDA graph")
+            if tuple(value.shape) != buf.shape:
+                raise UsageError(
+                    f"CUDA graphs replay fixed shapes: input {name!r} was captured as {list(buf.shape)}, "
+                    f"got {list(value.shape)} (load a new runner for a new shape)"
+                )
+            buf.write(value)
+            if buf.tensor is not None and buf.tensor.device.type == "cuda":
+                self._torch_devices.add(buf.tensor.device)
+
+    # Outputs ------------------------------------------------------------------------------
+    def bind_outputs(
+        self, specs: list[TensorSpec], dims: Mapping[str, int], out: Mapping[str, Any] | None = None
+    ) -> None:
+        """Bind every output on the device: into out[name] (a torch tensor on the device, by
+        pointer) where given, else into a buffer of the shape the inputs imply, else into
+        one ORT allocates."""
+        import onnxruntime as ort
+
+        out = dict(out or {})
+        unknown = set(out) - {s.name for s in specs}
+        if unknown:
+            raise UsageError(f"output buffers for unknown outputs: {', '.join(sorted(unknown))}")
+        if self.static and self._static_outputs:
+            if out:
+                raise UsageError("a CUDA graph runner keeps its own output buffers; pass none after the first run")
+            return
+        self.binding.clear_binding_outputs()
+        for spec in specs:
+            shape = resolve_shape(spec, dims)
+            if spec.name in out:
+                self._bind_output_tensor(spec, shape, out[spec.name])
+            elif self.static:
+                if shape is None:
+                    raise UsageError(f"CUDA graphs need output {spec.name!r}'s shape from the inputs ({spec.shape})")
+                ort_value = ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, _ELEMENT_TYPES[spec.dtype], self.device_type, self.device_id
+                )
+                self._static_outputs[spec.name] = ort_value
+                self.binding.bind_ortvalue_output(spec.name, ort_value)
+            else:
+                self.binding.bind_output(spec.name, self.device_type, self.device_id)
+
+    def _bind_output_tensor(self, spec: TensorSpec, shape: tuple[int, ...] | None, tensor: Any) -> None:
+        if not _is_torch_tensor(tensor) or not self._on_device(tensor):
+            raise UsageError(
+                f"output buffer {spec.name!r} must be a torch tensor on {self.device_type}:{self.device_id}"
+            )
+        dtype = _value_dtype(tensor)
+        if dtype != spec.dtype:
+            raise UsageError(f"output buffer {spec.name!r} has dtype {dtype}, the model writes {spec.dtype}")
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise UsageError(
+                f"output buffer {spec.name!r} has shape {list(tensor.shape)}, the run writes {list(shape)}"
+            )
+        if not tensor.is_contiguous():
+            raise UsageError(f"output buffer {spec.name!r} must be contiguous")
+        self._keep.append(tensor)
+        if self.static:
+            self._static_outputs[spec.name] = tensor
+        self.binding.bind_output(
+            spec.name, self.device_type, self.device_id, _ELEMENT_TYPES[dtype], tuple(tensor.shape), tensor.data_ptr()
+        )
+
+    # Run ----------------------------------------------------------------------------------
+    def run(self, names: list[str], out: Mapping[str, Any] | None = None) -> DeviceOutputs:
+        torch = sys.modules.get("torch")
+        for device in self._torch_devices:
+            # torch wrote these inputs on its own stream; ORT reads them on its stream.
+            torch.cuda.current_stream(device).synchronize()
+        self.session.run_with_iobinding(self.binding)  # ORT synchronizes its stream at the end
+        if out:
+            values = {n: out[n] for n in names if n in out}
+        else:
+            values = {}
+        if len(values) < len(names):
+            ort_values = self.binding.get_outputs()
+            for name, value in zip(names, ort_values):
+                values.setdefault(name, value)
+        return DeviceOutputs(names, values, self)
+
+    def fetch(self) -> dict[str, np.ndarray]:
+        """The outputs of the last run, copied to the host."""
+        arrays = self.binding.copy_outputs_to_cpu()
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, arrays))
+
+
+# ort-cuda ---------------------------------------------------------------------------------------
+_dlls_preloaded = False
 
 
 @register_backend("ort-cuda")
 class OrtCudaRunner(OrtRunner):
-    provider = "CUDAExecutionProvider"
+    """ONNX Runtime on CUDAExecutionProvider, through IOBinding.
+
+    load() refuses a session that did not really start CUDA (session providers, provider
+    options read back, no compute node on CPU) with ProviderUnavailable and ORT's reason.
+    """
+
+    provider = CUDA_PROVIDER
+    binding_device = "cuda"  # where IOBinding puts inputs and outputs
+
+    def __init__(
+        self,
+        source: Any,
+        threads: int | None = None,
+        session_options: Any = None,
+        *,
+        options: CudaOptions | None = None,
+    ) -> None:
+        super().__init__(source, threads, session_options)
+        self.options = options or CudaOptions()
+        self.binder: IoBinder | None = None
+        self.placements: list[NodePlacement] = []
 
     def provider_list(self) -> list[Any]:
-        # CPU stays in the list so shape ops may live there; check_providers() refuses a
-        # session where CUDA itself did not start.
-        return [(self.provider, {"device_id": 0, "use_tf32": 0}), "CPUExecutionProvider"]
+        # CPU stays in the list so shape ops may live there (ORT puts them there on purpose);
+        # check_placement() refuses a session whose compute nodes went to CPU.
+        return [(self.provider, self.options.provider_options()), CPU_PROVIDER]
+
+    def make_session_options(self) -> Any:
+        opts = super().make_session_options()
+        opts.add_session_config_entry(ASSIGNMENT_INFO_KEY, "1")
+        return opts
+
+    def unavailable(self, reason: str) -> ProviderUnavailable:
+        return ProviderUnavailable(f"backend {self.name!r} is unavailable: {reason}")
+
+    def create_session(self, path: str) -> Any:
+        import onnxruntime as ort
+
+        reason = ort_build_cuda_reason(ort)
+        if reason is not None:
+            raise self.unavailable(reason)
+        self._preload_dlls(ort)
+        self.ort_log = ""
+        # Severity 2 for the creation alone: ORT logs "Require cuDNN .. and CUDA .." as a
+        # warning; capture_native_stderr puts the caller's severity back after.
+        with capture_native_stderr(ort_severity=2) as log, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                session = ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
+            except Exception as e:
+                error = e
+            else:
+                error = None
+        self.ort_log = log.text + "".join(f"{w.message}\n" for w in caught)
+        if error is not None:
+            text = _first_line(error)
+            lowered = text.lower()
+            if "cuda" in lowered or "cudnn" in lowered or "cublas" in lowered:
+                # A CUDA failure at creation (bad device id, CUDA graph refused, driver
+                # error): the provider is what failed, not the model file.
+                logged = ort_cuda_failure_reason(self.ort_log)
+                raise self.unavailable(
+                    f"onnxruntime could not create a {self.provider} session: {text}"
+                    + (f" ({logged})" if logged and logged not in text else "")
+                ) from None
+            raise ModelFileError(f"onnxruntime cannot load {path!r}: {text}") from None
+        return session
+
+    def _preload_dlls(self, ort: Any) -> None:
+        global _dlls_preloaded
+        if not self.options.preload_dlls or _dlls_preloaded or not hasattr(ort, "preload_dlls"):
+            return
+        _dlls_preloaded = True
+        import contextlib
+        import io
+
+        # preload_dlls prints what it could not load; that is a hint, the session
+        # creation's log is the reason. Keep it off the terminal, in the debug log.
+        text = io.StringIO()
+        with capture_native_stderr(), contextlib.redirect_stdout(text):
+            try:
+                ort.preload_dlls()
+            except Exception as e:  # it raises for a directory that does not exist
+                print(f"preload_dlls failed: {e}", file=text)
+        if text.getvalue().strip():
+            logger.debug("onnxruntime.preload_dlls():\n%s", text.getvalue().rstrip())
+
+    def check_providers(self) -> None:
+        got = self.session.get_providers()
+        if not got or got[0] != self.provider:
+            import onnxruntime as ort
+
+            reason = ort_cuda_failure_reason(self.ort_log) or (
+                "onnxruntime logged no reason (its default logger severity may be above errors; "
+                "attnx --debug shows ORT's log)"
+            )
+            hint = ort_cuda_build_hint(ort)
+            raise self.unavailable(
+                f"onnxruntime did not start {self.provider}: {reason}"
+                + (f" ({hint})" if hint and "needs cuDNN" not in reason else "")
+                + f" [session providers: {', '.join(got)}]"
+            )
+        asked = self.options.provider_options()
+        reported = self.session.get_provider_options().get(self.provider)
+        mismatches = provider_option_mismatches(asked, reported)
+        if mismatches:
+            raise self.unavailable(f"{self.provider} did not take its options: {'; '.join(mismatches)}")
+        unreported = unreported_options(asked, reported)
+        if unreported:
+            logger.debug("%s does not report options %s", self.provider, ", ".join(unreported))
+        self.placements = self.session_placements()
+        problems = placement_problems(self.placements, self.provider)
+        if problems:
+            raise self.unavailable(
+                f"onnxruntime placed compute nodes off the GPU for {os.path.basename(self.source.model_path)}: "
+                f"{', '.join(problems[:5])}" + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+            )
+        off_gpu = [p for p in self.placements if p.provider != self.provider]
+        if off_gpu:
+            logger.debug("nodes on other providers (shape arithmetic): %s",
+                         ", ".join(f"{p.op_type}@{p.provider}" for p in off_gpu))  # fmt: skip
+
+    def session_placements(self) -> list[NodePlacement]:
+        """Which EP each node of the optimized graph got: ORT's assignment record, or on an
+        ORT without it, one profiled run of a throwaway session."""
+        if hasattr(self.session, "get_provider_graph_assignment_info"):
+            return placements_from_assignment_info(self.session.get_provider_graph_assignment_info())
+        return self._placements_by_profiling()
+
+    def _placements_by_profiling(self) -> list[NodePlacement]:
+        import onnxruntime as ort
+
+        with tempfile.TemporaryDirectory(prefix="attnx-profile-") as tmp:
+            opts = ort.SessionOptions()  # a fresh one: the caller's session_options stay untouched
+            opts.log_severity_level = 3
+            opts.enable_profiling = True
+            opts.profile_file_prefix = os.path.join(tmp, "placement")
+            with capture_native_stderr():
+                probe = ort.InferenceSession(self.source.model_path, opts, providers=self.provider_list())
+            probe.run(None, _smallest_feeds(ort_tensor_specs(probe.get_inputs())))
+            with open(probe.end_profiling(), encoding="utf-8") as f:
+                events = json.load(f)
+            del probe
+        return placements_from_profile(events)
+
+    # Runs ---------------------------------------------------------------------------------
+    def load_impl(self) -> None:
+        super().load_impl()
+        self.binder = IoBinder(
+            self.session, self.binding_device, self.options.device_id, static=self.options.cuda_graph
+        )
+
+    def run_impl(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._bound_run(feeds, None).numpy()
+
+    def run_on_device(self, feeds: Mapping[str, Any], out: Mapping[str, Any] | None = None) -> DeviceOutputs:
+        """Run with inputs and outputs on the GPU and leave the outputs there. out: torch
+        CUDA tensors to write the outputs into (no copy), by output name."""
+        if not self.is_loaded:
+            raise UsageError(f"runner {self.name!r} is not loaded: call load() or use it as a context manager")
+        self.check_feeds(feeds)
+        return self._bound_run(feeds, out)
+
+    def _bound_run(self, feeds: Mapping[str, Any], out: Mapping[str, Any] | None) -> DeviceOutputs:
+        assert self.binder is not None
+        self.binder.bind_inputs(feeds)
+        self.binder.bind_outputs(self.outputs, self._dims(feeds), out)
+        return self.binder.run(self.output_names, out)
+
+    def _dims(self, feeds: Mapping[str, Any]) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for spec in self.inputs:
+            for dim, size in zip(spec.shape, feeds[spec.name].shape):
+                if isinstance(dim, str):
+                    dims[dim] = int(size)
+        return dims
+
+    def close_impl(self) -> None:
+        self.binder = None
+        super().close_impl()
+
+
+def _smallest_feeds(specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """Feeds of size 1 on every symbolic dim: enough for a run that shows node placement."""
+    feeds = {}
+    for spec in specs:
+        shape = tuple(d if isinstance(d, int) else 1 for d in spec.shape)
+        dtype = _ELEMENT_TYPES.get(spec.dtype)
+        if dtype is None:
+            raise UsageError(f"cannot make a placement-check feed for input {spec.name!r} of dtype {spec.dtype}")
+        feeds[spec.name] = np.zeros(shape, dtype=dtype)
+    return feeds

@@ -1,0 +1,374 @@
+"""What the GPU backends share: ORT CUDA provider options, ORT's own failure reason, and
+the check that a session really placed its work on the GPU.
+
+Three facts about onnxruntime-gpu shape this module:
+
+- `get_available_providers()` lists CUDAExecutionProvider whenever onnxruntime-gpu is
+  installed, GPU or not. When the provider library cannot start (no driver, CUDA or cuDNN
+  missing or of the wrong major version) ORT logs the reason through its C++ logger on the
+  process's stderr and silently builds a CPU-only session. So the reason is captured from
+  file descriptor 2 around session creation (`capture_native_stderr`), turned into one line
+  (`ort_cuda_failure_reason`), and kept off the user's terminal.
+- That reason is logged by ORT's *default* logger (the session's log_severity_level does
+  not reach it): the error line at severity 3, the "Require cuDNN .. and CUDA .." hint at
+  severity 2. `set_ort_log_severity` records what the caller chose, so that the capture can
+  lower the severity to warnings for the creation alone and put the caller's back after.
+- A session that did start CUDA can still place nodes on CPU (an op or dtype without a CUDA
+  kernel). `placement_problems` is a pure function over (op type, provider) pairs; the pairs
+  come from ORT's EP graph assignment record (ORT >= 1.23: session config entry
+  `session.record_ep_graph_assignment_info`) or, on an older ORT, from a profiling run's
+  node events (`placements_from_profile`).
+
+No torch and no onnx at module level: a deployment machine may have only numpy and
+onnxruntime (`ort_cuda_unavailable_reason` imports onnx inside, to build its probe model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "CUDA_PROVIDER",
+    "CPU_PROVIDER",
+    "COMPUTE_OPS",
+    "CudaOptions",
+    "NodePlacement",
+    "CapturedOutput",
+    "capture_native_stderr",
+    "set_ort_log_severity",
+    "ort_cuda_failure_reason",
+    "ort_build_cuda_reason",
+    "provider_option_mismatches",
+    "unreported_options",
+    "placement_problems",
+    "placements_from_assignment_info",
+    "placements_from_profile",
+    "ort_cuda_unavailable_reason",
+    "ASSIGNMENT_INFO_KEY",
+]
+
+logger = logging.getLogger(__name__)
+
+CUDA_PROVIDER = "CUDAExecutionProvider"
+CPU_PROVIDER = "CPUExecutionProvider"
+
+# The session config entry that makes ORT record which EP each node was assigned to.
+ASSIGNMENT_INFO_KEY = "session.record_ep_graph_assignment_info"
+
+# Ops that hold the model's arithmetic: one of these on CPU means the GPU session does the
+# heavy work on the host (and copies activations both ways), which is never what a
+# `ort-cuda` run claims to measure. Shape arithmetic (Shape, Gather of shapes, Concat of
+# int64 dims, Range) is placed on CPU by ORT on purpose and is not listed.
+COMPUTE_OPS: frozenset[str] = frozenset(
+    {
+        "MatMul",
+        "Gemm",
+        "FusedMatMul",
+        "Einsum",
+        "Softmax",
+        "Attention",  # ONNX opset 23 and com.microsoft's packed-qkv op share the name
+        "MultiHeadAttention",
+        "GroupQueryAttention",
+        "PackedAttention",
+        "PackedMultiHeadAttention",
+        "SkipLayerNormalization",
+        "LayerNormalization",
+    }
+)
+
+
+# Provider options -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CudaOptions:
+    """How a GPU backend is set up. Every field is set on purpose, never left to ORT's or
+    torch's defaults, because each changes results or timings:
+
+    device_id:  which GPU.
+    use_tf32:   TF32 rounds float32 matmul inputs to 10 mantissa bits (float16's), which
+                breaks float32 parity: off unless a benchmark asks for it.
+    cuda_graph: ORT captures the whole run in a CUDA graph and replays it (less launch
+                overhead). Needs fixed shapes and every node on the GPU; the runner then
+                keeps its input and output buffers at fixed device addresses.
+    preload_dlls: let onnxruntime load CUDA and cuDNN from the nvidia-* pip packages
+                (onnxruntime.preload_dlls) before the first session, as a torch+CUDA
+                environment has them; its messages are captured, not printed.
+    """
+
+    device_id: int = 0
+    use_tf32: bool = False
+    cuda_graph: bool = False
+    preload_dlls: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
+            from attnx.errors import UsageError
+
+            raise UsageError(f"CUDA device id must be a non-negative integer, got {self.device_id!r}")
+
+    def provider_options(self) -> dict[str, str]:
+        """The CUDAExecutionProvider options, as the strings ORT takes and reports back."""
+        return {
+            "device_id": str(self.device_id),
+            "use_tf32": "1" if self.use_tf32 else "0",
+            "enable_cuda_graph": "1" if self.cuda_graph else "0",
+        }
+
+
+def provider_option_mismatches(asked: Mapping[str, str], got: Mapping[str, str] | None) -> list[str]:
+    """The options a session reports with another value than asked, e.g.
+    ["use_tf32: asked 0, session has 1"]. An option the session does not report is not a
+    mismatch: ORT rejects an option it does not know when the session is created, so an
+    unreported one was parsed; unreported_options() names those for the debug log."""
+    got = got or {}
+    return [f"{k}: asked {v}, session has {got[k]}" for k, v in asked.items() if k in got and str(got[k]) != str(v)]
+
+
+def unreported_options(asked: Mapping[str, str], got: Mapping[str, str] | None) -> list[str]:
+    """The asked options a session's get_provider_options() does not list."""
+    return [k for k in asked if k not in (got or {})]
+
+
+# ORT's log: capture and severity ------------------------------------------------------------
+_ORT_DEFAULT_SEVERITY = 2  # onnxruntime's own default for its default logger (warnings)
+_ort_severity = _ORT_DEFAULT_SEVERITY
+
+
+def set_ort_log_severity(level: int) -> None:
+    """Set ORT's default logger severity (0 verbose .. 4 fatal) and remember it, so that a
+    capture that lowers it for one session creation puts this level back afterwards
+    (onnxruntime has no getter for it)."""
+    global _ort_severity
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(level)
+    _ort_severity = level
+
+
+def ort_log_severity() -> int:
+    """The ORT default logger severity last set through set_ort_log_severity."""
+    return _ort_severity
+
+
+@dataclasses.dataclass
+class CapturedOutput:
+    """What native code wrote to stderr inside a capture_native_stderr block (filled in when
+    the block ends). `captured` is False where fd 2 could not be redirected."""
+
+    text: str = ""
+    captured: bool = True
+
+
+@contextlib.contextmanager
+def capture_native_stderr(ort_severity: int | None = None) -> Iterator[CapturedOutput]:
+    """Send file descriptor 2 to a temporary file for the block: what C++ (ORT's logger)
+    writes there is caught, instead of reaching the terminal. With ort_severity, ORT's
+    default logger severity is set to it for the block and put back after.
+
+    fd 2 is process-wide: another thread's stderr output inside the block lands in the
+    capture too; it is logged at DEBUG afterwards, not lost."""
+    out = CapturedOutput()
+    if ort_severity is not None:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(ort_severity)
+    saved: int | None = None
+    tmp = None
+    try:
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            tmp = tempfile.TemporaryFile()
+            os.dup2(tmp.fileno(), 2)
+        except (OSError, ValueError, AttributeError):
+            # No usable fd 2 (an embedded interpreter): run the block uncaptured.
+            out.captured = False
+            if saved is not None:
+                os.close(saved)
+                saved = None
+        yield out
+    finally:
+        if saved is not None:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        if tmp is not None:
+            tmp.seek(0)
+            out.text = tmp.read().decode("utf-8", errors="replace")
+            tmp.close()
+        if ort_severity is not None:
+            import onnxruntime
+
+            onnxruntime.set_default_logger_severity(_ort_severity)
+        if out.text.strip():
+            logger.debug("captured native stderr:\n%s", out.text.rstrip())
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LOAD_FAILURE = re.compile(r"Failed to load library (\S+) with error: (.+)")
+_REQUIREMENT = re.compile(r"Require (cuDNN \S+ and CUDA \S+?)\.?(?:\s|$)")
+# ORT's log line: "<time> [E:onnxruntime:<logid>, <file>:<line> <function>] <message>"
+_LOG_LINE = re.compile(r"\[([VIWEF]):onnxruntime:[^\]]*\]\s*(.*)")
+_MAX_PART = 240
+
+
+def ort_cuda_failure_reason(log_text: str) -> str | None:
+    """One line from what ORT logged while it failed to start the CUDA provider, or None
+    when the log holds no reason. Known lines first ("Failed to load library X with error:
+    Y", "Require cuDNN 9.* and CUDA 13.*"); otherwise ORT's error lines about CUDA."""
+    text = _ANSI.sub("", log_text)
+    parts: list[str] = []
+    for match in _LOAD_FAILURE.finditer(text):
+        library, error = match.group(1), match.group(2).strip()
+        parts.append(f"cannot load {os.path.basename(library)}: {error}")
+    for match in _REQUIREMENT.finditer(text):
+        parts.append(f"onnxruntime needs {match.group(1)}")
+    if not parts:
+        for line in text.splitlines():
+            m = _LOG_LINE.search(line)
+            if m and m.group(1) in "EF" and ("CUDA" in m.group(2) or "cuda" in m.group(2)):
+                parts.append(_strip_ort_prefix(m.group(2)))
+    parts = [_shorten(p) for p in dict.fromkeys(parts)]  # dedupe, keep order
+    return "; ".join(parts) if parts else None
+
+
+def _strip_ort_prefix(message: str) -> str:
+    # "/onnxruntime_src/...cc:2043 onnxruntime::Provider& ...Get() [ONNXRuntimeError] : 1 : FAIL : real text"
+    if "[ONNXRuntimeError]" in message:
+        message = message.split("[ONNXRuntimeError]", 1)[1]
+        message = re.sub(r"^\s*:\s*\d+\s*:\s*[A-Z_]+\s*:\s*", "", message)
+    return message.strip()
+
+
+def _shorten(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_PART else text[: _MAX_PART - 3] + "..."
+
+
+def ort_build_cuda_reason(ort: Any) -> str | None:
+    """Why this onnxruntime build cannot have the CUDA provider at all, else None. This is
+    the one use of get_available_providers(): its absence is conclusive, its presence is not."""
+    if CUDA_PROVIDER in ort.get_available_providers():
+        return None
+    info = getattr(getattr(ort, "capi", None), "build_and_package_info", None)
+    package = getattr(info, "package_name", "onnxruntime")
+    return (
+        f"this onnxruntime build ({package} {ort.__version__}) has no {CUDA_PROVIDER} "
+        f"(it offers: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu"
+    )
+
+
+def ort_cuda_build_hint(ort: Any) -> str | None:
+    """What ORT's build info says of its CUDA, e.g. "onnxruntime-gpu 1.31.1 is built for CUDA 13.0"."""
+    info = getattr(getattr(ort, "capi", None), "build_and_package_info", None)
+    cuda = getattr(info, "cuda_version", None)
+    if cuda:
+        return f"{getattr(info, 'package_name', 'onnxruntime')} {ort.__version__} is built for CUDA {cuda}"
+    return None
+
+
+# Placement ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class NodePlacement:
+    """One node of the optimized graph and the execution provider ORT assigned it to."""
+
+    op_type: str
+    provider: str
+    name: str = ""
+    domain: str = ""
+
+
+def placement_problems(
+    placements: Iterable[NodePlacement],
+    provider: str = CUDA_PROVIDER,
+    compute_ops: frozenset[str] = COMPUTE_OPS,
+) -> list[str]:
+    """Descriptions of the compute nodes (COMPUTE_OPS) that did not land on `provider`, e.g.
+    ["MatMul 'node_3' on CPUExecutionProvider"]. An empty list of placements is a problem
+    of its own: a check that saw no nodes has checked nothing."""
+    seen = list(placements)
+    if not seen:
+        return ["onnxruntime reported no node placements to check"]
+    if not any(p.op_type in compute_ops for p in seen):
+        return ["onnxruntime reported no compute node (MatMul, Softmax, attention) to check"]
+    problems = []
+    for p in seen:
+        if p.op_type in compute_ops and p.provider != provider:
+            label = f"{p.domain}.{p.op_type}" if p.domain and p.domain not in ("ai.onnx", "") else p.op_type
+            problems.append(f"{label} {p.name!r} on {p.provider}" if p.name else f"{label} on {p.provider}")
+    return problems
+
+
+def placements_from_assignment_info(subgraphs: Iterable[Any]) -> list[NodePlacement]:
+    """NodePlacements from InferenceSession.get_provider_graph_assignment_info() (objects with
+    ep_name and get_nodes(), each node with name, op_type, domain)."""
+    out = []
+    for subgraph in subgraphs:
+        for node in subgraph.get_nodes():
+            out.append(NodePlacement(node.op_type, subgraph.ep_name, node.name, node.domain))
+    return out
+
+
+def placements_from_profile(events: Sequence[Mapping[str, Any]]) -> list[NodePlacement]:
+    """NodePlacements from ORT profile JSON events: each node's kernel event
+    (cat "Node", name "<node>_kernel_time") carries args.op_name and args.provider."""
+    out: dict[str, NodePlacement] = {}
+    for event in events:
+        if event.get("cat") != "Node":
+            continue
+        args = event.get("args") or {}
+        name = str(event.get("name", ""))
+        if not name.endswith("_kernel_time") or "provider" not in args or "op_name" not in args:
+            continue
+        node = name[: -len("_kernel_time")]
+        out.setdefault(node, NodePlacement(str(args["op_name"]), str(args["provider"]), node))
+    return list(out.values())
+
+
+# Probe ----------------------------------------------------------------------------------------
+@functools.cache
+def ort_cuda_unavailable_reason(device_id: int = 0) -> str | None:
+    """Why an ort-cuda session cannot run here, or None when it can: it really creates one
+    on a one-MatMul model through OrtCudaRunner (providers and placement checked, one run),
+    never trusting get_available_providers(). Cached for the process."""
+    import numpy as np
+
+    from attnx.errors import ProviderUnavailable
+    from attnx.runtimes.base import ModelSource
+    from attnx.runtimes.ort_runner import OrtCudaRunner
+
+    with tempfile.TemporaryDirectory(prefix="attnx-cuda-probe-") as tmp:
+        path = os.path.join(tmp, "probe.onnx")
+        _write_probe_model(path)
+        try:
+            with OrtCudaRunner(ModelSource(model_path=path), options=CudaOptions(device_id=device_id)) as runner:
+                y = runner.run({"x": np.ones((2, 8), dtype=np.float32)})["y"]
+        except ProviderUnavailable as e:
+            return str(e)
+    if not np.allclose(y, 8.0):  # x (ones) @ W (ones): every entry is 8
+        return f"the probe MatMul on {CUDA_PROVIDER} returned wrong values (max {float(np.max(y))}, expected 8)"
+    return None
+
+
+def _write_probe_model(path: str) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from attnx.export import IR_VERSION
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], [1.0] * 64)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="probe_matmul")], "probe", [x],
+                              [y], [w])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
+    onnx.save(model, path)
