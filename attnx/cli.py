@@ -48,9 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     if not args.debug:
-        import onnxruntime
+        from attnx.runtimes.cuda import set_ort_log_severity
 
-        onnxruntime.set_default_logger_severity(3)  # ORT's C++ log: errors only
+        set_ort_log_severity(3)  # ORT's C++ log: errors only (recorded: ort-cuda's log capture restores it)
     try:
         return args.run(args)
     except AttnxError as e:
