@@ -1,0 +1,133 @@
+"""Reading a lowered graph back: which lowering it is, and its q/k projection weights.
+
+lowering_of() names the form of the attention core a graph holds, from the graph itself,
+so the metadata never claims a fusion that did not happen. qk_weights() finds the q and k
+projections that feed the core (in any of the forms attnx writes) and returns them in the
+torch convention of the weights file: the tolerance of a parity check depends on the
+largest attention score (attnx.model.tolerance.problem_size), and a model file is all
+`attnx optimize` has.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export.passes._base import MS_DOMAIN
+from attnx.export.passes._masks import const_array
+
+__all__ = ["lowering_of", "qk_weights"]
+
+_STD = ("", "ai.onnx")
+
+
+def _is(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = _STD) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in domain
+
+
+def lowering_of(model: ir.Model) -> str:
+    """'ort-attention', 'ort-fused-packed', 'ort-fused', 'onnx' or 'decomposed'."""
+    nodes = list(model.graph)
+    if any(_is(n, "Attention", (MS_DOMAIN,)) for n in nodes):
+        return "ort-attention"
+    mhas = [n for n in nodes if _is(n, "MultiHeadAttention", (MS_DOMAIN,))]
+    if mhas:
+        return "ort-fused-packed" if all(_is(n.inputs[0].producer(), "Split") for n in mhas) else "ort-fused"
+    if any(_is(n, "Attention") for n in nodes):
+        return "onnx"
+    return "decomposed"
+
+
+def _strip_layout(value: ir.Value) -> ir.Value:
+    """Back through the Reshapes and Transposes that split a projection into heads."""
+    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Transpose") and node.domain in _STD:
+        value = node.inputs[0]
+    return value
+
+
+def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(W [in, out], bias or None) for value = [Add(] MatMul(x, W) [, b)], or a column slice
+    of a packed MatMul through Split."""
+    bias = None
+    node = value.producer()
+    if _is(node, "Add"):
+        for i in (0, 1):
+            b = const_array(node.inputs[1 - i])
+            if b is not None and b.ndim == 1:
+                bias, value, node = b, node.inputs[i], node.inputs[i].producer()
+                break
+        else:
+            return None
+    if _is(node, "Split"):
+        index = list(node.outputs).index(value)
+        sizes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        packed = _projection(node.inputs[0])
+        if sizes is None or packed is None:
+            return None
+        start = int(np.sum(sizes[:index]))
+        w, b = packed
+        cols = slice(start, start + int(sizes[index]))
+        return w[:, cols], (b[cols] if b is not None else bias)
+    if not _is(node, "MatMul"):
+        return None
+    w = const_array(node.inputs[1])
+    return (w, bias) if w is not None and w.ndim == 2 else None
+
+
+def _scores_operand(value: ir.Value) -> ir.Value:
+    """From a Softmax input back to q k^T: through the mask's Where and the scaling."""
+    while (node := value.producer()) is not None and node.domain in _STD:
+        if node.op_type == "Where":
+            value = node.inputs[2]
+        elif node.op_type in ("Mul", "Div"):
+            value = node.inputs[0] if const_array(node.inputs[0]) is None else node.inputs[1]
+        else:
+            break
+    return value
+
+
+def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
+    """((Wq, bq), (Wk, bk)) of the first attention core found."""
+    for node in model.graph:
+        if _is(node, "MultiHeadAttention", (MS_DOMAIN,)):
+            q, k = _projection(node.inputs[0]), _projection(node.inputs[1])
+            if q is None or k is None:
+                return None
+            bias = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+            if bias is not None:  # the op's packed bias: [Dq | Dk | Dv]
+                dq = q[0].shape[1]
+                q, k = (q[0], bias[:dq]), (k[0], bias[dq : 2 * dq])
+            return q, k
+        if _is(node, "Attention", (MS_DOMAIN,)):
+            w = const_array(node.inputs[1])
+            b = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+            if w is None:
+                return None
+            sizes = node.attributes.get_ints("qkv_hidden_sizes", None) or [w.shape[1] // 3] * 3
+            dq = sizes[0]
+            return (w[:, :dq], b[:dq] if b is not None else None), (
+                w[:, dq : 2 * dq], b[dq : 2 * dq] if b is not None else None)  # fmt: skip
+        if _is(node, "Attention"):
+            q, k = _projection(_strip_layout(node.inputs[0])), _projection(_strip_layout(node.inputs[1]))
+            return (q, k) if q is not None and k is not None else None
+        if _is(node, "Softmax"):
+            scores = _scores_operand(node.inputs[0]).producer()
+            if not _is(scores, "MatMul"):
+                return None
+            q, k = _projection(_strip_layout(scores.inputs[0])), _projection(_strip_layout(scores.inputs[1]))
+            return (q, k) if q is not None and k is not None else None
+    return None
+
+
+def qk_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
+    """The q and k projections feeding the attention core, as {"q_proj.weight" [out, in],
+    "q_proj.bias", "k_proj.weight", "k_proj.bias"} (torch's Linear convention), or None
+    when the graph is not one attnx recognises."""
+    found = _core_qk(model)
+    if found is None:
+        return None
+    out: dict[str, np.ndarray] = {}
+    for name, (w, b) in zip(("q_proj", "k_proj"), found):
+        out[f"{name}.weight"] = np.asarray(w, dtype=np.float32).T
+        out[f"{name}.bias"] = np.asarray(b if b is not None else np.zeros(w.shape[1]), dtype=np.float32)
+    return out
