@@ -1,0 +1,220 @@
+"""attnx bench: latency, throughput, roofline ratio and peak memory, backend by backend."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import IO, Any
+
+from attnx.commands._common import check_output_path, format_table, int_list, str_list
+from attnx.errors import UsageError
+
+__all__ = ["add_parser", "run", "ProgressBar", "report_table"]
+
+HELP = "time backends x lowerings x shapes: latency, tokens/s, GFLOP/s, roofline ratio, peak memory"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS
+
+    p = sub.add_parser(
+        "bench",
+        help=HELP,
+        description=HELP + ". Each case runs in a process of its own, after warm-up; the roofline ratio "
+        "is a case's GFLOP/s over a GEMM of the model's projection size measured through the same runtime.",
+    )
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--preset", help="a preset: tiny, base, large, gpt3")
+    group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
+    group.add_argument("--model", metavar="M.onnx", help="bench this attnx ONNX file on the ort-* backends")
+    p.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated weights (default 0)")
+    p.add_argument(
+        "--backends", type=str_list, default=list(DEFAULT_BACKENDS), help=f"default {','.join(DEFAULT_BACKENDS)}"
+    )
+    p.add_argument(
+        "--attention",
+        type=str_list,
+        default=None,
+        help="lowerings to time, each where its backend has it: torch decomposed,sdpa; ort-* decomposed,onnx,"
+        "ort-fused,auto (default: all but auto)",
+    )
+    p.add_argument("--batch", type=int_list, default=[1], help="default 1")
+    p.add_argument(
+        "--seq", type=int_list, default=list(DEFAULT_SEQS), help=f"default {','.join(map(str, DEFAULT_SEQS))}"
+    )
+    p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default: = seq)")
+    p.add_argument("--dtype", type=str_list, default=None, help="fp32 and/or fp16 (default fp32, or the --model's)")
+    p.add_argument("--repeat", type=int, default=10, help="timed calls per case (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before them (default 2)")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="ORT intra-op and torch threads (default: all cores)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="time budget per case in seconds (default 600)"
+    )
+    p.add_argument(
+        "--max-mem-gb", type=float, default=None, help="skip cases estimated to need more (default: memory available)"
+    )
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON, rewritten after every case")
+    p.add_argument("--plot", metavar="FILE.png", help="plot latency and peak memory against seq (needs matplotlib)")
+    p.set_defaults(run=run)
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from attnx.bench import BenchPlan, describe_onnx_model
+    from attnx.model import load_config, preset
+
+    dtypes = args.dtype or ["fp32"]
+    if args.model:
+        if args.weights:
+            raise UsageError("--weights does not go with --model: the model file holds its weights")
+        if not os.path.isfile(args.model):
+            raise UsageError(f"--model {args.model!r} does not exist")
+        config, _, model_dtype = describe_onnx_model(args.model)
+        if args.dtype and args.dtype != [model_dtype]:
+            raise UsageError(f"--model {args.model!r} is {model_dtype}; --dtype {','.join(args.dtype)} does not apply")
+        dtypes = [model_dtype]
+    else:
+        config = preset(args.preset) if args.preset else load_config(args.config)
+        if args.weights and not os.path.isfile(args.weights):
+            raise UsageError(f"--weights {args.weights!r} does not exist")
+    return BenchPlan(
+        config=config,
+        backends=args.backends,
+        attentions=args.attention,
+        batches=args.batch,
+        seqs=args.seq,
+        mem_seqs=args.mem_seq,
+        dtypes=dtypes,
+        repeat=args.repeat,
+        warmup=args.warmup,
+        threads=args.threads,
+        timeout_s=args.timeout,
+        max_mem_gb=args.max_mem_gb,
+        weights_path=args.weights,
+        seed=args.seed,
+        model_path=args.model,
+        preset=args.preset,
+    )
+
+
+class ProgressBar:
+    """A bar redrawn in place on a terminal; one line per step when stderr is a file or a pipe."""
+
+    def __init__(self, stream: IO[str] | None = None, width: int = 24) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.width = width
+        self.start = time.perf_counter()
+        self.drawn = False
+
+    def __call__(self, done: int, total: int, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        if not self.tty:
+            print(f"[{elapsed:7.1f}s] {done}/{total} {message}", file=self.stream, flush=True)
+            return
+        filled = self.width * done // total if total else self.width
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {elapsed:6.0f}s  {message}"
+        columns = shutil.get_terminal_size((100, 20)).columns
+        self.stream.write("\r\033[K" + line[: columns - 1])
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.tty and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _num(value: float | None) -> float | int | None:
+    """Big numbers as whole ones (12345, not 1.23e+04); small ones keep 3 significant digits."""
+    if value is None:
+        return None
+    return int(round(value)) if abs(value) >= 1000 else value
+
+
+def report_table(report: Any) -> str:
+    """The cases as an aligned table. A series skipped at every shape for one reason (an
+    unavailable backend, a lowering that does not export) is one row."""
+    cross = any(c.mem_seq is not None for c in report.cases)
+    headers = ["backend", "attention", "dtype", "batch", "seq"] + (["mem_seq"] if cross else [])
+    headers += ["median_ms", "p10_ms", "p90_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "status"]
+    series: dict[tuple, list[Any]] = {}
+    for c in report.cases:
+        series.setdefault((c.backend, c.attention, c.dtype), []).append(c)
+    rows, skipped_rows = [], []
+    for c in report.cases:
+        same = series[(c.backend, c.attention, c.dtype)]
+        if len(same) > 1 and all(s.status == "skipped" and s.reason == c.reason for s in same):
+            if c is same[0]:  # one row for the series, after the measured ones
+                skipped_rows.append([c.backend, c.attention, c.dtype] + [None] * (len(headers) - 4) + [c.status])
+            continue
+        rows.append(
+            [c.backend, c.attention, c.dtype, c.batch, c.seq] + ([c.mem_seq] if cross else [])
+            + [_num(v) for v in (c.median_ms, c.p10_ms, c.p90_ms, c.tokens_per_s, c.gflops)]
+            + [c.roofline, _num(c.peak_mem_mb), c.status]
+        )  # fmt: skip
+    rows += skipped_rows
+    return format_table(headers, rows)
+
+
+def _notes(report: Any) -> list[str]:
+    lines = []
+    for g in report.gemm:
+        if g.status == "ok":
+            lines.append(
+                f"GEMM {g.m}x{g.k}x{g.n} {g.dtype} on {g.backend}: {g.gflops:.1f} GFLOP/s ({g.median_ms:.3g} ms)"
+            )
+        elif g.status != "skipped":
+            lines.append(f"GEMM on {g.backend} ({g.dtype}) {g.status}: {g.reason} (no roofline for its cases)")
+    # One line per reason: an unavailable backend is said once, not once per lowering.
+    reasons: dict[tuple, list[Any]] = {}
+    for c in report.cases:
+        if c.status != "ok":
+            reasons.setdefault((c.backend, c.status, c.reason), []).append(c)
+    for (backend, status, reason), cases in reasons.items():
+        lowerings = list(dict.fromkeys(c.attention for c in cases))
+        where = f" at batch {cases[0].batch} seq {cases[0].seq}" if len(cases) == 1 else ""
+        lines.append(f"{status} {backend}/{','.join(lowerings)}{where}: {reason}")
+    for r in report.ratios():  # baseline over target: above 1, the target is faster or smaller
+        base = r["baseline"] if r["baseline"] == r["baseline_case"] else f"{r['baseline']} ({r['baseline_case']})"
+        memory = f", peak memory {r['memory_ratio']:.2f}x" if r["memory_ratio"] else ""
+        lines.append(
+            f"seq {r['seq']} batch {r['batch']} {r['dtype']}: {base} / {r['target']}: time {r['speedup']:.2f}x{memory}"
+        )
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnx.bench import check_plot_path, plot_report, run_bench
+
+    if args.json:
+        check_output_path(args.json)
+    if args.plot:
+        check_plot_path(args.plot)  # before the sweep: a missing matplotlib is said now, not in an hour
+    plan = _plan(args)
+    bar = ProgressBar()
+    try:
+        report = run_bench(plan, json_path=args.json, progress=bar, meta={"command": "attnx " + " ".join(sys.argv[1:])})
+    finally:
+        bar.close()
+    print(format_report(report))
+    if args.plot:
+        plot_report(report, args.plot)
+    for path in filter(None, (args.json, args.plot)):
+        print(f"wrote {path}")
+    if report.interrupted:
+        print(f"attnx bench: interrupted: kept {len(report.cases)} measured cases", file=sys.stderr)
+        return 130
+    failed = [c for c in report.cases if c.status == "failed"]
+    if failed or not any(c.status == "ok" for c in report.cases):
+        return 1
+    return 0
+
+
+def format_report(report: Any) -> str:
+    return "\n".join([report_table(report), "", *_notes(report)]).rstrip()

@@ -1,0 +1,252 @@
+"""The sweep's parts: the plan, the worker and its memory, the GEMM model, ratios, skips,
+timeouts and Ctrl-C. Small models, short sequences, one thread, few repeats."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from attnx.bench import (
+    BenchCase,
+    BenchPlan,
+    BenchReport,
+    compare_lowerings,
+    describe_onnx_model,
+    estimate_peak_bytes,
+    run_bench,
+)
+from attnx.bench._sweep import run_worker, write_gemm_model
+from attnx.bench._worker import run_spec
+from attnx.errors import UsageError
+from attnx.model import preset
+from tests.conftest import CONFIGS
+
+FAST = {"repeat": 2, "warmup": 1, "threads": 1}
+
+
+# The plan --------------------------------------------------------------------------------------
+def test_plan_series_default_and_filtered():
+    plan = BenchPlan(CONFIGS["self"], backends=["torch", "ort-cpu"])
+    assert plan.series() == [
+        ("torch", "decomposed"), ("torch", "sdpa"),
+        ("ort-cpu", "decomposed"), ("ort-cpu", "onnx"), ("ort-cpu", "ort-fused"),
+    ]  # fmt: skip
+    plan = BenchPlan(CONFIGS["self"], backends=["torch", "ort-cpu"], attentions=["sdpa", "onnx"])
+    assert plan.series() == [("torch", "sdpa"), ("ort-cpu", "onnx")]
+
+
+def test_plan_shapes_shortest_first_and_cross_memory_defaults_to_seq():
+    assert BenchPlan(CONFIGS["self"], seqs=[64, 8], batches=[1, 2]).shapes() == [
+        (1, 8, None), (2, 8, None), (1, 64, None), (2, 64, None)
+    ]  # fmt: skip
+    assert BenchPlan(CONFIGS["cross"], seqs=[4, 8]).shapes() == [(1, 4, 4), (1, 8, 8)]
+    assert BenchPlan(CONFIGS["cross"], seqs=[4], mem_seqs=[3, 5]).shapes() == [(1, 4, 3), (1, 4, 5)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"backends": ["tpu"]}, "unknown --backends value 'tpu'"),
+        ({"backends": ["reference"]}, "unknown --backends value 'reference'"),
+        ({"attentions": ["flash"]}, "unknown --attention value 'flash'"),
+        ({"dtypes": ["int8"]}, "unknown --dtype value 'int8'"),
+        ({"mem_seqs": [4]}, "--mem-seq is for cross-attention"),
+        ({"seqs": []}, "--seq is empty"),
+        ({"repeat": 0}, "--repeat"),
+        ({"timeout_s": 0}, "--timeout must be positive"),
+        ({"backends": ["torch"], "attentions": ["onnx"]}, "nothing to run"),
+    ],
+)
+def test_plan_rejects_bad_values_with_one_clear_error(kwargs, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        BenchPlan(CONFIGS["self"], **kwargs).validate()
+
+
+# Ratios and estimates ----------------------------------------------------------------------------
+def _case(backend, attention, seq, median_ms, peak_mem_mb):
+    return BenchCase(backend, attention, "fp32", 1, seq, None, "ok", median_ms=median_ms, peak_mem_mb=peak_mem_mb)
+
+
+def test_compare_lowerings_uses_the_better_torch_core_and_the_own_decomposed():
+    cases = [
+        _case("torch", "decomposed", 512, 40.0, 300.0),
+        _case("torch", "sdpa", 512, 30.0, 280.0),
+        _case("ort-cpu", "decomposed", 512, 15.0, 200.0),
+        _case("ort-cpu", "ort-fused", 512, 10.0, 100.0),
+        _case("ort-cpu", "decomposed", 8192, 8000.0, 9000.0),
+        _case("ort-cpu", "ort-fused", 8192, 1000.0, 400.0),
+        BenchCase("torch", "sdpa", "fp32", 1, 8192, None, "timeout"),
+    ]
+    ratios = {(r["seq"], r["baseline"]): r for r in compare_lowerings(cases)}
+    assert set(ratios) == {(512, "torch eager"), (512, "ort-cpu/decomposed"), (8192, "ort-cpu/decomposed")}
+    eager = ratios[(512, "torch eager")]
+    assert eager["baseline_case"] == "torch/sdpa" and eager["speedup"] == pytest.approx(3.0)
+    assert eager["memory_ratio"] == pytest.approx(2.8)
+    long = ratios[(8192, "ort-cpu/decomposed")]
+    assert long["speedup"] == pytest.approx(8.0) and long["memory_ratio"] == pytest.approx(22.5)
+
+
+def test_estimate_matches_the_measured_peaks_of_design_section_7():
+    # Measured on the large preset at seq 8192: decomposed 8.96 GB, Attention-23 8.7 GB,
+    # MultiHeadAttention 0.38 GB peak RSS. The guard's estimate must be of that size.
+    gb = 1024**3
+    large = preset("large")
+    assert 0.7 < estimate_peak_bytes(large, "ort-cpu", "decomposed", 1, 8192, None, "fp32") / (8.96 * gb) < 1.3
+    assert 0.7 < estimate_peak_bytes(large, "ort-cpu", "onnx", 1, 8192, None, "fp32") / (8.7 * gb) < 1.3
+    assert estimate_peak_bytes(large, "ort-cpu", "ort-fused", 1, 8192, None, "fp32") < 1 * gb
+
+
+# The GEMM model and the worker -----------------------------------------------------------------
+def test_gemm_model_is_a_real_matmul_at_attnx_ir_version(tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    from attnx.export import IR_VERSION
+
+    path = str(tmp_path / "gemm.onnx")
+    write_gemm_model(path, 8, 16, 4, "fp32")
+    proto = onnx.load(path)
+    assert proto.ir_version == IR_VERSION
+    w = onnx.numpy_helper.to_array(proto.graph.initializer[0])
+    a = np.random.default_rng(0).standard_normal((8, 16), dtype=np.float32)
+    (y,) = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"a": a})
+    np.testing.assert_allclose(y, a @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_worker_gemm_result(tmp_path):
+    path = str(tmp_path / "gemm.onnx")
+    write_gemm_model(path, 64, 32, 32, "fp32")
+    spec = {"kind": "gemm", "backend": "ort-cpu", "dtype": "fp32", "m": 64, "k": 32, "n": 32, "model_path": path,
+            "repeat": 3, "warmup": 1, "threads": 1}  # fmt: skip
+    result = run_spec(spec)
+    assert result["status"] == "ok", result
+    assert len(result["times_ms"]) == 3 and all(t > 0 for t in result["times_ms"])
+    assert result["threads"] == 1
+    assert 0 < result["import_rss_mb"] <= result["load_rss_mb"] <= result["peak_rss_mb"]
+
+
+def test_worker_reports_an_unavailable_backend_as_skipped_with_the_reason(tmp_path):
+    path = str(tmp_path / "gemm.onnx")
+    write_gemm_model(path, 4, 4, 4, "fp32")
+    spec = {"kind": "gemm", "backend": "ort-cuda", "dtype": "fp32", "m": 4, "k": 4, "n": 4, "model_path": path,
+            "repeat": 1, "warmup": 0, "threads": 1}  # fmt: skip
+    result = run_spec(spec)
+    if result["status"] == "ok":
+        pytest.skip("the CUDA execution provider is usable here")
+    assert result["status"] == "skipped" and "ort-cuda" in result["reason"]
+
+
+def test_case_peak_memory_is_the_childs_own_not_the_parents(tmp_path):
+    # Linux charges a child's ru_maxrss with the parent's RSS when it exec's from a vfork:
+    # the worker must report its own high-water mark. Hold 400 MB here while it runs.
+    ballast = np.ones(400 * 1024**2 // 8)
+    path = str(tmp_path / "gemm.onnx")
+    write_gemm_model(path, 16, 16, 16, "fp32")
+    spec = {"kind": "gemm", "backend": "ort-cpu", "dtype": "fp32", "m": 16, "k": 16, "n": 16, "model_path": path,
+            "repeat": 1, "warmup": 0, "threads": 1}  # fmt: skip
+    result = run_worker(spec, str(tmp_path), "gemm", timeout_s=120)
+    assert result["status"] == "ok", result
+    assert 10 < result["peak_rss_mb"] < 300  # onnxruntime and a 16x16 GEMM: tens of MB
+    assert ballast.sum() > 0
+
+
+def test_worker_past_its_budget_is_killed_and_reported_as_timeout(tmp_path):
+    spec = {"kind": "gemm", "backend": "torch", "dtype": "fp32", "m": 4, "k": 4, "n": 4,
+            "repeat": 1, "warmup": 0, "threads": 1}  # fmt: skip
+    result = run_worker(spec, str(tmp_path), "slow", timeout_s=0.05)  # cannot even import torch in time
+    assert result == {"status": "timeout", "reason": "ran past the 0.05 s budget per case (--timeout)"}
+
+
+# Reading an attnx model ----------------------------------------------------------------------------
+def test_describe_onnx_model_reads_config_lowering_and_dtype(exported, tmp_path):
+    config, lowering, dtype = describe_onnx_model(exported("cross"))
+    assert (config, lowering, dtype) == (CONFIGS["cross"], "decomposed", "fp32")
+    plain = tmp_path / "plain.onnx"
+    write_gemm_model(str(plain), 2, 2, 2, "fp32")
+    with pytest.raises(UsageError, match="no 'attnx.config' metadata"):
+        describe_onnx_model(str(plain))
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    with pytest.raises(UsageError, match="not a readable ONNX model"):
+        describe_onnx_model(str(tmp_path / "junk.onnx"))
+
+
+# Whole sweeps, small -------------------------------------------------------------------------------
+def test_sweep_of_a_model_file_measures_ort_and_skips_torch_with_the_reason(exported, tmp_path):
+    out = tmp_path / "b.json"
+    plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu", "torch"], seqs=[8, 16], model_path=exported("self"), **FAST)
+    report = run_bench(plan, json_path=out)
+    assert report.complete and not report.interrupted
+    by = {(c.label, c.seq): c for c in report.cases}
+    assert set(by) == {
+        (label, seq) for label in ("ort-cpu/decomposed", "torch/decomposed", "torch/sdpa") for seq in (8, 16)
+    }
+    for seq in (8, 16):
+        ort_case, torch_case = by[("ort-cpu/decomposed", seq)], by[("torch/sdpa", seq)]
+        assert ort_case.status == "ok" and ort_case.attention == "decomposed" and ort_case.runs == 2
+        assert ort_case.p10_ms <= ort_case.median_ms <= ort_case.p90_ms
+        assert ort_case.gflops == pytest.approx(ort_case.flops / (ort_case.median_ms * 1e-3) / 1e9)
+        assert ort_case.roofline == pytest.approx(ort_case.gflops / ort_case.peak_gflops)
+        assert torch_case.status == "skipped" and "--model gives only an ONNX file" in torch_case.reason
+    data = json.loads(out.read_text())
+    assert data["complete"] is True and len(data["cases"]) == 6
+    assert BenchReport.from_dict(data).to_dict() == data  # the file round-trips
+    # torch's GEMM ran (it is a different runtime), so the roofline of each backend is its own
+    assert {g["backend"] for g in data["gemm"] if g["status"] == "ok"} == {"ort-cpu", "torch"}
+
+
+def test_a_lowering_that_fails_to_export_is_skipped_with_the_reason(monkeypatch, tmp_path):
+    import attnx.export
+
+    real = attnx.export.export_model
+
+    def export_model(config, out, weights=None, *, attention="decomposed", **kw):
+        if attention == "onnx":
+            raise RuntimeError("no Attention op today\nsecond line")
+        return real(config, out, weights, attention=attention, **kw)
+
+    monkeypatch.setattr(attnx.export, "export_model", export_model)
+    plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu"], attentions=["decomposed", "onnx"], seqs=[8], **FAST)
+    report = run_bench(plan)
+    by = {c.attention: c for c in report.cases}
+    assert by["decomposed"].status == "ok"
+    assert by["onnx"].status == "skipped"
+    assert by["onnx"].reason == "export failed: RuntimeError: no Attention op today"
+
+
+def test_after_a_timeout_the_longer_sequences_of_the_series_are_not_started(exported):
+    plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu"], seqs=[8, 16, 32], model_path=exported("self"), **FAST)
+    plan.timeout_s = 0.01  # the GEMM and every case run past it
+    report = run_bench(plan)
+    assert [c.status for c in report.cases] == ["timeout", "skipped", "skipped"]
+    assert report.cases[1].reason == "not run: seq 8 of this series timed out"
+    assert report.gemm[0].status == "timeout" and report.peak_gflops is None
+
+
+def test_the_memory_guard_skips_a_case_that_would_not_fit(exported):
+    plan = BenchPlan(
+        CONFIGS["self"], backends=["ort-cpu"], seqs=[8], model_path=exported("self"), max_mem_gb=1e-6, **FAST
+    )
+    (case,) = run_bench(plan).cases
+    assert case.status == "skipped" and case.reason.startswith("not run: needs about")
+
+
+def test_ctrl_c_keeps_what_was_measured(exported, tmp_path):
+    out = tmp_path / "b.json"
+    plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu"], seqs=[8, 16, 32], model_path=exported("self"), **FAST)
+
+    pressed = []
+
+    def progress(done: int, total: int, message: str) -> None:
+        if done == 1 and not pressed:  # as if Ctrl-C came while the second case was starting
+            pressed.append(message)
+            raise KeyboardInterrupt
+
+    report = run_bench(plan, json_path=out, progress=progress)
+    assert report.interrupted and not report.complete
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and [c["seq"] for c in data["cases"]] == [8]
+    assert data["cases"][0]["status"] == "ok"
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
