@@ -1,0 +1,74 @@
+"""attnx build: export, check and package the model into a folder to ship."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from attnx.commands._common import Progress, add_model_args, format_table, str_list
+
+HELP = "export, check and package the model: a folder that verifies itself on the deployment machine"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from attnx.export import EXPORT_DTYPES, LOWERINGS
+    from attnx.export.package import DEFAULT_ATTENTION, DEFAULT_PROVIDERS
+
+    p = sub.add_parser("build", help=HELP, description=HELP)
+    add_model_args(p)
+    p.add_argument(
+        "--attention",
+        choices=LOWERINGS,
+        default=DEFAULT_ATTENTION,
+        help=f"lowering of the attention core (default {DEFAULT_ATTENTION})",
+    )
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
+    p.add_argument(
+        "--provider",
+        type=str_list,
+        default=list(DEFAULT_PROVIDERS),
+        help=f"providers the package is for, comma-separated (default {','.join(DEFAULT_PROVIDERS)}); "
+        "each is verified here when it can run here",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing package at --out")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnx.export.package import build_package
+    from attnx.model import load_config, preset
+
+    config = preset(args.preset) if args.preset else load_config(args.config)
+    progress = Progress()
+    report = build_package(
+        config,
+        args.out,
+        args.weights,  # a path: read inside, and released before onnxruntime loads the model
+        seed=args.seed,
+        attention=args.attention,
+        dtype=args.dtype,
+        providers=args.provider,
+        force=args.force,
+        progress=progress,
+    )
+    m = report.manifest
+    for line in report.export_lines:
+        print(line)
+    rows = [(name, entry["size"], entry["sha256"][:16]) for name, entry in m["files"].items()]
+    print(format_table(["file", "bytes", "sha256"], rows))
+    rows = [
+        (b, c["pass"], c["fail"], c["skipped"], m["parity"]["max_abs"].get(b)) for b, c in m["parity"]["cases"].items()
+    ]
+    print(format_table(["parity backend", "pass", "fail", "skipped", "max_abs"], rows))
+    for provider, reason in m["not_verified"].items():
+        print(f"not verified on {provider} here: {reason}")
+        print(f"  (run `attnx verify {args.out} --provider {provider}` on the deployment machine)")
+    total = sum(e["size"] for e in m["files"].values())
+    model = m["models"][0]
+    print(
+        f"wrote {os.path.abspath(args.out)}: {len(m['files']) + 2} files, {total / 1e6:.1f} MB; {model['lowering']} "
+        f"attention, {m['dtype']}, IR {model['ir_version']}, opset {model['opsets'].get('ai.onnx')}; "
+        f"verified on {', '.join(m['verified_on']) or 'nothing'}"
+    )
+    return 0

@@ -1,0 +1,643 @@
+"""Deployment packages, the build side: `attnx build`.
+
+build_package exports the model, checks it (onnx checker, contract dims, ORT load,
+agreement with torch at shapes the export never saw, parity of every backend available
+here against the reference), writes golden cases and a manifest, verifies the result as a
+deployment machine would (attnx.runtimes.package.verify_package), and only then renames
+the folder into place. An interrupted or failed build leaves nothing under the target.
+
+Memory: the weights and an onnxruntime session never live at the same time (each is 2.4
+GB for the gpt3 preset). Everything that needs the weights runs first (export, torch, the
+reference, golden outputs); the weights are then spilled to scratch files that are mapped
+only while the tolerance rule reads them, and the ONNX Runtime half of each check replays
+the reference outputs recorded in the first half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from attnx.export._check import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
+from attnx.export._export import LOWERINGS
+from attnx.export._pipeline import EXPORT_DTYPES, export_model
+from attnx.model.config import DTYPES, AttentionConfig
+from attnx.model.inputs import make_inputs
+from attnx.model.tolerance import Comparison, problem_size
+from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
+from attnx.runtimes.base import ModelSource, Runner, create_runner
+from attnx.runtimes.package import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MANIFEST_SUM,
+    PROVIDERS,
+    VerifyReport,
+    file_sha256,
+    verify_package,
+)
+from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityCase, ParityReport, run_parity
+
+from attnx.errors import CheckFailed, UsageError
+
+__all__ = [
+    "DEFAULT_ATTENTION",
+    "DEFAULT_PROVIDERS",
+    "LARGE_MODEL_BYTES",
+    "CheckPlan",
+    "BuildReport",
+    "check_plan",
+    "build_package",
+    "write_npz",
+]
+
+logger = logging.getLogger(__name__)
+
+# The lowering a build uses unless told otherwise. "decomposed" runs on every provider and
+# opset; switch to "auto" (the fastest lowering that passes parity, measured) once
+# attnx.export.passes.lower_model handles it on every config.
+DEFAULT_ATTENTION = "decomposed"
+# The providers a package is built for; each is verified here when it can run here.
+DEFAULT_PROVIDERS = ("cpu", "cuda")
+# Above this many bytes of float32 weights, the build checks at smaller shapes (see check_plan).
+LARGE_MODEL_BYTES = 1024**3
+MODEL_FILE = "model.onnx"
+PARITY_JSON = "parity.json"
+PARITY_MD = "parity.md"
+GOLDEN_SEED = 1000  # golden inputs are drawn apart from parity's (seeds 0, 1, ...)
+# Backends in the order the parity report lists them.
+PARITY_BACKENDS = ("reference", "torch", "ort-cpu", "ort-cuda", "torch-cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckPlan:
+    """The shapes (batch, seq, mem_seq) a build checks its model at."""
+
+    validation_shapes: tuple[tuple[int, int, int], ...]  # ORT against the torch module
+    parity_batches: tuple[int, ...]
+    parity_seqs: tuple[int, ...]
+    parity_mem_seqs: tuple[int, ...]
+    golden_shapes: tuple[tuple[int, int, int], ...]
+    check_reference: bool  # the reference itself against torch in float64
+
+
+def check_plan(config: AttentionConfig) -> CheckPlan:
+    """Shapes by model size. Up to LARGE_MODEL_BYTES of weights: the export's validation
+    shapes (seq 1, batch 3, seq 1031), parity's defaults, and the reference checked against
+    torch in float64. Above (the gpt3 preset): the numpy reference is slow at that width and
+    a float64 torch module would hold twice the weights again, so parity and golden cases
+    stay small (batch 1-2, seq 1 and 8), the float64 check is left out, and the validation
+    keeps seq 1 and seq 1031 at batch 1 (its attention scores: 96 x 1031^2 floats, 0.4 GB)."""
+    if 4 * config.n_params <= LARGE_MODEL_BYTES:
+        return CheckPlan(
+            validation_shapes=VALIDATION_SHAPES,
+            parity_batches=tuple(DEFAULT_BATCHES),
+            parity_seqs=tuple(DEFAULT_SEQS),
+            parity_mem_seqs=tuple(DEFAULT_MEM_SEQS),
+            golden_shapes=((1, 1, 3), (2, 7, 5), (3, 33, 9)),
+            check_reference=True,
+        )
+    return CheckPlan(
+        validation_shapes=((1, 1, 3), (3, 17, 1), (1, 1031, 13)),
+        parity_batches=(1, 2),
+        parity_seqs=(1, 8),
+        parity_mem_seqs=(5,),
+        golden_shapes=((1, 1, 3), (2, 8, 5)),
+        check_reference=False,
+    )
+
+
+@dataclasses.dataclass
+class BuildReport:
+    directory: str
+    manifest: dict[str, Any]
+    validation: list[Comparison]
+    parity: ParityReport
+    verify: VerifyReport
+    export_lines: list[str] = dataclasses.field(default_factory=list)
+
+
+# Files -----------------------------------------------------------------------------------
+def write_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) -> None:
+    """An .npz that np.load reads, written byte-for-byte reproducibly: numpy's own savez
+    stamps each member with the current time. No pickles (allow_pickle=False)."""
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, array in arrays.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            with zf.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True, allow_nan=False)
+        f.write("\n")
+
+
+def _weights_sha256(config: AttentionConfig, weights: Mapping[str, np.ndarray]) -> str:
+    """A digest of the weights' values (names, shapes, float32 bytes, in the contract's order),
+    whatever file or seed they came from."""
+    digest = hashlib.sha256()
+    for name in weight_shapes(config):
+        array = np.ascontiguousarray(weights[name], dtype=np.float32)
+        digest.update(f"{name}:{list(array.shape)};".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+class _SpilledWeights(Mapping[str, np.ndarray]):
+    """Weights saved to .npy scratch files and memory-mapped on each access: the pages are
+    mapped only while a caller holds the array, so the second half of the build can read
+    them (the tolerance rule needs q and k) beside an onnxruntime session without holding
+    a second copy of the weights."""
+
+    def __init__(self, folder: str, weights: Mapping[str, np.ndarray]) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.paths = {}
+        for i, (name, array) in enumerate(weights.items()):
+            path = os.path.join(folder, f"w{i}.npy")
+            np.save(path, np.ascontiguousarray(array), allow_pickle=False)
+            self.paths[name] = path
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.load(self.paths[name], mmap_mode="r", allow_pickle=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+def _feeds_key(feeds: Mapping[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(feeds):
+        array = np.ascontiguousarray(feeds[name])
+        digest.update(f"{name}:{array.dtype.str}:{list(array.shape)};".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+class _RecordingRunner(Runner):
+    """The reference backend, its outputs kept by the digest of the inputs they came from."""
+
+    def __init__(self, inner: Runner, record: dict[str, np.ndarray]) -> None:
+        super().__init__(inner.source)
+        self.name = inner.name
+        self.inner = inner
+        self.record = record
+
+    def load_impl(self) -> None:
+        self.inner.load()
+        self.inputs, self.outputs = self.inner.inputs, self.inner.outputs
+
+    def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = self.inner.run(feeds)
+        self.record[_feeds_key(feeds)] = out["y"]
+        return out
+
+    def close_impl(self) -> None:
+        self.inner.close()
+
+
+class _ReplayRunner(Runner):
+    """The reference backend's recorded outputs, given back for the same inputs."""
+
+    def __init__(self, source: ModelSource, record: Mapping[str, np.ndarray]) -> None:
+        super().__init__(source)
+        self.name = "reference"
+        self.record = record
+
+    def load_impl(self) -> None:
+        self.inputs = self.source.config.inputs(self.source.dtype)
+        self.outputs = [dataclasses.replace(s, dtype="fp64") for s in self.source.config.outputs()]
+
+    def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        key = _feeds_key(feeds)
+        if key not in self.record:
+            shapes = {k: list(v.shape) for k, v in feeds.items()}
+            raise CheckFailed(f"internal: no reference output was recorded for inputs {shapes}")
+        return {"y": self.record[key]}
+
+
+# The build ---------------------------------------------------------------------------------
+def _check_args(config: AttentionConfig, attention: str, dtype: str, providers: Sequence[str]) -> None:
+    if attention not in LOWERINGS:
+        raise UsageError(f"unknown --attention {attention!r} (known: {', '.join(LOWERINGS)})")
+    if dtype not in EXPORT_DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r} (known: {', '.join(EXPORT_DTYPES)})")
+    if not providers:
+        raise UsageError("--provider needs at least one of: " + ", ".join(PROVIDERS))
+    for provider in providers:
+        if provider not in PROVIDERS:
+            raise UsageError(f"unknown --provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    if attention in ("ort-fused", "auto") or dtype != "fp32":
+        try:
+            from attnx.export.passes import lower_model  # noqa: F401  (what export_model calls)
+        except ImportError:
+            raise UsageError(
+                f"--attention {attention} --dtype {dtype} needs the graph passes (attnx.export.passes.lower_model), "
+                "which this attnx does not have yet"
+            ) from None
+
+
+def _is_package(path: str) -> bool:
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.islink(manifest) or not os.path.isfile(manifest) or os.path.getsize(manifest) > 16 * 1024**2:
+        return False
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_target(out: str, force: bool) -> None:
+    """Refuse to replace anything but an earlier package (or an empty folder), and that
+    only with force: `--force --out ~` must not delete a home folder."""
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise UsageError(f"output folder {parent!r} does not exist")
+    if not os.path.lexists(out):
+        return
+    if not force:
+        raise UsageError(f"{out!r} already exists (pass --force to replace it)")
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise UsageError(f"{out!r} exists and is not a folder: not replacing it")
+    if os.listdir(out) and not _is_package(out):
+        raise UsageError(f"{out!r} exists and is not an attnx package: not replacing it, even with --force")
+
+
+def _publish(tmp: str, out: str, force: bool) -> None:
+    """Rename the finished folder into place; an earlier package is moved aside first and
+    deleted only once the new one is in place."""
+    _check_target(out, force)
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    os.rename(out, os.path.join(old, "package"))
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_package(
+    config: AttentionConfig,
+    out: str | os.PathLike[str],
+    weights: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
+    *,
+    seed: int = 0,
+    attention: str = DEFAULT_ATTENTION,
+    dtype: str = "fp32",
+    providers: Sequence[str] = DEFAULT_PROVIDERS,
+    force: bool = False,
+    plan: CheckPlan | None = None,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> BuildReport:
+    """Export, check and package `config` into the folder `out`.
+
+    weights: a safetensors path (read here, and released before onnxruntime loads the
+    model), a mapping of arrays (the caller's: it stays in memory), or None for seeded
+    weights (`seed`). Raises CheckFailed (exit 1) when a check fails: then nothing is
+    written under `out`. An existing `out` is replaced only with force, and only when it is
+    an earlier package or an empty folder.
+    """
+    out = os.path.abspath(os.fspath(out))
+    providers = list(dict.fromkeys(providers))
+    _check_args(config, attention, dtype, providers)
+    _check_target(out, force)
+    plan = plan or check_plan(config)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=os.path.dirname(out))
+    try:
+        report = _build_into(tmp, config, weights, seed, attention, dtype, providers, plan, progress)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; a package is an ordinary folder
+        progress(f"moving the package into place: {out}")
+        _publish(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.directory = out
+    report.verify.directory = out
+    return report
+
+
+def _load_weights(
+    config: AttentionConfig, weights: Any, seed: int, progress: Callable[[str], None]
+) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+    if weights is None:
+        progress(f"drawing seeded weights (seed {seed}, {config.n_params:,} parameters)")
+        return init_weights(config, seed), {"source": f"seed {seed}"}
+    if isinstance(weights, (str, os.PathLike)):
+        progress(f"reading weights {os.fspath(weights)}")
+        return load_weights(weights, config), {"source": f"file {os.path.basename(os.fspath(weights))}"}
+    check_weights(config, weights)
+    return weights, {"source": "arrays"}
+
+
+def _build_into(
+    tmp: str,
+    config: AttentionConfig,
+    weights_arg: Any,
+    seed: int,
+    attention: str,
+    dtype: str,
+    providers: list[str],
+    plan: CheckPlan,
+    progress: Callable[[str], None],
+) -> BuildReport:
+    model_path = os.path.join(tmp, MODEL_FILE)
+    scratch = os.path.join(tmp, ".scratch")
+
+    # First half: everything that needs the weights in memory. ---------------------------
+    weights, weights_info = _load_weights(config, weights_arg, seed, progress)
+    weights_info["sha256"] = _weights_sha256(config, weights)
+    exported = export_model(
+        config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False, check=False,
+        progress=progress,
+    )  # fmt: skip
+    progress(f"torch module at the validation shapes {_shapes_text(plan.validation_shapes)}")
+    expected = torch_expected(config, weights, dtype, plan.validation_shapes)
+    record: dict[str, np.ndarray] = {}
+
+    def recording_factory(name: str, source: ModelSource) -> Runner:
+        runner = create_runner(name, source)
+        return _RecordingRunner(runner, record) if name == "reference" else runner
+
+    source = ModelSource(config, weights, None, dtype)
+    first = ["reference"] if plan.check_reference else []
+    first += ["torch", "torch-cuda"]
+    progress(f"parity: {', '.join(first)} against the reference")
+    parity_args = dict(batches=plan.parity_batches, seqs=plan.parity_seqs, mem_seqs=plan.parity_mem_seqs)
+    cases = run_parity(source, first, runner_factory=recording_factory, progress=progress, **parity_args).cases
+    progress(f"golden cases {_shapes_text(plan.golden_shapes)} (reference backend, float64)")
+    golden = _write_golden(tmp, config, weights, dtype, plan.golden_shapes)
+    progress("spilling the weights to scratch files: onnxruntime loads the model next")
+    spilled = _SpilledWeights(scratch, weights)
+    del weights, source
+    gc.collect()
+
+    # Second half: onnxruntime, one session at a time. ------------------------------------
+    progress("checking the saved model (onnx checker, dims, onnxruntime load)")
+    check_model_file(model_path, config)
+    progress("validating onnxruntime against torch at the validation shapes")
+    validation = check_against_expected(model_path, config, expected, dtype)
+    replay_source = ModelSource(config, spilled, model_path, dtype)
+
+    def replay_factory(name: str, source: ModelSource) -> Runner:
+        return _ReplayRunner(source, record) if name == "reference" else create_runner(name, source)
+
+    for backend in ("ort-cpu", "ort-cuda"):  # one call each: two sessions never coexist
+        progress(f"parity: {backend} against the reference")
+        cases += run_parity(
+            replay_source, [backend], runner_factory=replay_factory, progress=progress, **parity_args
+        ).cases
+    del replay_source, spilled
+    shutil.rmtree(scratch)
+    parity = ParityReport(_order_cases(cases))
+    if not parity.passed:
+        failed = [c for c in parity.cases if c.status == "fail"]
+        raise CheckFailed(
+            f"parity failed in {len(failed)} case(s), no package written: "
+            + "; ".join(f"{c.backend} batch={c.batch} seq={c.seq}: {c.reason}" for c in failed[:5])
+        )
+
+    # The package's files, then its own verify. -------------------------------------------
+    parity.write_json(os.path.join(tmp, PARITY_JSON))
+    with open(os.path.join(tmp, PARITY_MD), "w", encoding="utf-8") as f:
+        f.write(parity_markdown(parity, config, dtype))
+    manifest = _manifest(
+        tmp, config, dtype, attention, exported.files, providers, parity, golden, weights_info, progress
+    )
+    _write_json(os.path.join(tmp, MANIFEST), manifest)
+    with open(os.path.join(tmp, MANIFEST), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(tmp, MANIFEST_SUM), "w", encoding="ascii") as f:
+        f.write(f"{digest}  {MANIFEST}\n")
+    progress("verifying the package as a deployment machine will (attnx verify, cpu)")
+    verify = verify_package(tmp, "cpu", progress)
+    if not verify.passed:
+        raise CheckFailed(
+            "the package fails its own verify: " + "; ".join(f"{c.name}: {c.detail}" for c in verify.failures())
+        )
+    return BuildReport(tmp, manifest, validation, parity, verify, exported.passes)
+
+
+def _shapes_text(shapes: Sequence[tuple[int, int, int]]) -> str:
+    return ", ".join(f"{b}x{s}" for b, s, _ in shapes)
+
+
+def _order_cases(cases: list[ParityCase]) -> list[ParityCase]:
+    """Cases by shape (in the order they first ran), then by backend as parity lists them."""
+    shape_order: dict[tuple[int, int, int | None], int] = {}
+    for c in cases:
+        shape_order.setdefault((c.batch, c.seq, c.mem_seq), len(shape_order))
+    rank = {b: i for i, b in enumerate(PARITY_BACKENDS)}
+    return sorted(cases, key=lambda c: (shape_order[(c.batch, c.seq, c.mem_seq)], rank.get(c.backend, len(rank))))
+
+
+def _write_golden(
+    tmp: str,
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    dtype: str,
+    shapes: Sequence[tuple[int, int, int]],
+) -> list[dict[str, Any]]:
+    """Golden inputs (in the model's input dtype) and the reference backend's outputs.
+
+    The outputs stay float64: they are the formula's values for these inputs, so verify
+    compares a deployment's output with them exactly as parity compares a backend with the
+    reference. Rounding them to the model dtype would add half an ulp of error to the golden
+    file itself (for fp16 a sizable part of the tolerance)."""
+    entries = []
+    with create_runner("reference", ModelSource(config, weights, None, dtype)) as reference:
+        for i, (batch, seq, mem_seq) in enumerate(shapes):
+            mem = mem_seq if config.cross else None
+            feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=GOLDEN_SEED + i)
+            y = reference.run(feeds)["y"]
+            name = f"golden-{i}.npz"
+            write_npz(os.path.join(tmp, name), {**feeds, "y": y})
+            entries.append({
+                "file": name,
+                "batch": batch,
+                "seq": seq,
+                "mem_seq": mem,
+                "seed": GOLDEN_SEED + i,
+                "inputs": list(feeds),
+                "outputs": ["y"],
+                "output_dtype": "fp64",
+                "backend": "reference",
+                # The tolerance rule needs the largest attention score, which needs the
+                # weights: computed here, where they are.
+                "problem_size": problem_size(config, weights, feeds).to_dict(),
+            })  # fmt: skip
+    return entries
+
+
+_ONNX_TO_NAME = {np.dtype(v).name: k for k, v in DTYPES.items()}
+
+
+def _model_facts(path: str) -> dict[str, Any]:
+    """IR version, opsets, lowering and graph inputs/outputs, read from the saved model."""
+    import onnx
+
+    proto = onnx.load(path, load_external_data=False)
+
+    def io(values: Any) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": v.name,
+                "dtype": _ONNX_TO_NAME.get(
+                    onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+                    str(v.type.tensor_type.elem_type),
+                ),
+                "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+            }
+            for v in values
+        ]
+
+    meta = {p.key: p.value for p in proto.metadata_props}
+    return {
+        "ir_version": proto.ir_version,
+        "opsets": {o.domain or "ai.onnx": o.version for o in proto.opset_import},
+        "lowering": meta.get("attnx.attention"),
+        "inputs": io(proto.graph.input),
+        "outputs": io(proto.graph.output),
+    }
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import onnx
+    import onnx_ir
+    import onnxruntime
+    import onnxscript
+    import torch
+
+    try:
+        attnx_version = version("attnx")
+    except PackageNotFoundError:
+        attnx_version = "unknown"
+    return {
+        "attnx": attnx_version,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnx_ir": onnx_ir.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _manifest(
+    tmp: str,
+    config: AttentionConfig,
+    dtype: str,
+    attention: str,
+    model_files: list[str],
+    providers: list[str],
+    parity: ParityReport,
+    golden: list[dict[str, Any]],
+    weights_info: dict[str, Any],
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    facts = _model_facts(os.path.join(tmp, MODEL_FILE))
+    data_files = [os.path.basename(f) for f in model_files if os.path.basename(f) != MODEL_FILE]
+    verified, not_verified = [], {}
+    for provider in providers:
+        ort_cases = [c for c in parity.cases if c.backend == PROVIDERS[provider]]
+        if ort_cases and all(c.status == "pass" for c in ort_cases):
+            verified.append(provider)
+        else:
+            skipped = [c.reason for c in ort_cases if c.status == "skipped"]
+            not_verified[provider] = skipped[0] if skipped else "not run"
+    files = {}
+    for name in sorted(os.listdir(tmp)):
+        if name in (MANIFEST, MANIFEST_SUM):
+            continue
+        path = os.path.join(tmp, name)
+        files[name] = {"size": os.path.getsize(path), "sha256": file_sha256(path, progress, name)}
+    summary = parity.summary()
+    max_abs = {}
+    for c in parity.cases:
+        if c.max_abs is not None:
+            max_abs[c.backend] = max(max_abs.get(c.backend, 0.0), c.max_abs)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": config.to_dict(),
+        "dtype": dtype,
+        "attention": attention,
+        "inputs": facts["inputs"],
+        "outputs": facts["outputs"],
+        "models": [
+            {
+                "file": MODEL_FILE,
+                "external_data": data_files,
+                # One model serves every provider while the lowering does not depend on it.
+                "providers": providers,
+                "lowering": facts["lowering"] or attention,
+                "ir_version": facts["ir_version"],
+                "opsets": facts["opsets"],
+            }
+        ],
+        "files": files,
+        "golden": golden,
+        "weights": weights_info,
+        "parity": {
+            "passed": parity.passed,
+            "report": PARITY_JSON,
+            "summary": PARITY_MD,
+            "cases": summary,
+            "max_abs": max_abs,
+        },
+        "providers": providers,
+        "verified_on": verified,
+        "not_verified": not_verified,
+        "versions": _versions(),
+    }
+
+
+def parity_markdown(parity: ParityReport, config: AttentionConfig, dtype: str) -> str:
+    """A short human-readable parity summary: one row per backend."""
+    lines = [
+        f"# Parity: {'PASSED' if parity.passed else 'FAILED'}",
+        "",
+        f"Config: `{config.to_json()}`, dtype {dtype}. Every backend against the numpy reference (float64);",
+        "`reference` is the reference itself against torch in float64.",
+        "",
+        "| backend | vs | cases | pass | fail | skipped | max abs error | worst atol needed / allowed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for backend, counts in parity.summary().items():
+        cases = [c for c in parity.cases if c.backend == backend]
+        ran = [c for c in cases if c.max_abs is not None]
+        max_abs = f"{max(c.max_abs for c in ran):.3g}" if ran else "-"
+        ratio = max(((c.needed_atol or 0.0) / c.atol for c in ran if c.atol), default=None)
+        lines.append(
+            f"| {backend} | {cases[0].reference} | {len(cases)} | {counts['pass']} | {counts['fail']} | "
+            f"{counts['skipped']} | {max_abs} | {'-' if ratio is None else f'{ratio:.3f}'} |"
+        )
+    shapes = sorted({(c.batch, c.seq, c.mem_seq) for c in parity.cases})
+    lines += ["", "Shapes (batch x seq" + (" x mem_seq" if config.cross else "") + "): "
+              + ", ".join("x".join(str(v) for v in s if v is not None) for s in shapes)]  # fmt: skip
+    reasons = {c.backend: c.reason for c in parity.cases if c.status == "skipped"}
+    for backend, reason in reasons.items():
+        lines.append(f"- skipped {backend}: {reason}")
+    for c in parity.cases:
+        if c.status == "fail":
+            lines.append(f"- FAIL {c.backend} batch={c.batch} seq={c.seq}: {c.reason}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,556 @@
+"""Deployment packages, the deployment side: verify, load, describe.
+
+A package is a folder that `attnx build` (attnx.export.package) wrote:
+
+    manifest.json      what the package is: config, inputs/outputs, models, every file's
+                       size and sha256, golden cases, parity summary, tool versions
+    manifest.sha256    the manifest's own sha256 (`sha256sum -c` reads it)
+    model.onnx         the model, with model.onnx.data beside it when large
+    golden-<i>.npz     golden inputs and the reference backend's float64 outputs
+    parity.json/.md    the parity report of the build
+
+This module runs on the deployment machine: numpy, onnx (to read the model's
+external-data entries without loading the data) and onnxruntime; never torch.
+
+Safety: every name the manifest or the model gives is checked before anything is read
+from it: a plain file name (no folder part, not absolute, not '..') that resolves, symlinks
+followed, inside the package folder. Arrays are read with allow_pickle=False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from attnx.model.config import DTYPES, AttentionConfig
+from attnx.model.tolerance import ProblemSize, compare_arrays, tolerance_for
+from attnx.runtimes.base import ModelSource, Runner, create_runner
+
+from attnx.errors import CheckFailed, ConfigError, InputError, ModelFileError, PackageError, UsageError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MANIFEST_SUM",
+    "PROVIDERS",
+    "Check",
+    "VerifyReport",
+    "verify_package",
+    "load",
+    "describe_package",
+    "read_manifest",
+    "member_path",
+    "external_data_locations",
+    "file_sha256",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "attnx-package"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MANIFEST_SUM = "manifest.sha256"
+# --provider names and the backend each one runs on.
+PROVIDERS = {"cpu": "ort-cpu", "cuda": "ort-cuda"}
+# A manifest is a few kB; anything much larger is not one, and is not read into memory.
+MAX_MANIFEST_BYTES = 16 * 1024**2
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 8 * 1024**2
+
+
+# Paths ---------------------------------------------------------------------------------
+def member_path(root: str, name: Any, what: str) -> str:
+    """The path of file `name` inside the package folder `root` (a realpath).
+
+    Refused (PackageError) unless `name` is a plain file name: a string with no folder part,
+    not absolute, not '.' or '..', no NUL; and its realpath, symlinks followed, lies inside
+    `root`. Nothing is opened here: this runs before anything is read from the file.
+    """
+    if not isinstance(name, str) or not name:
+        raise PackageError(f"{what} gives a file name {name!r} that is not a plain name: refused")
+    if os.path.isabs(name) or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
+        raise PackageError(
+            f"{what} names {name!r}: a package may only name plain files inside its own folder "
+            "(no absolute path, no folder part, no '..'): refused before reading anything"
+        )
+    path = os.path.join(root, name)
+    real = os.path.realpath(path)
+    if real == root or os.path.commonpath([root, real]) != root:
+        raise PackageError(f"{what} {name!r} resolves to {real!r}, outside the package folder: refused")
+    return path
+
+
+def file_sha256(path: str, progress: Callable[[str], None] | None = None, label: str = "") -> str:
+    digest = hashlib.sha256()
+    size = os.path.getsize(path)
+    done, step = 0, 1024**3
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            done += len(chunk)
+            if progress and size > step and done % step < len(chunk):  # one line per GB of a big file
+                progress(f"hashing {label or os.path.basename(path)}: {done / 1e9:.1f}/{size / 1e9:.1f} GB")
+    return digest.hexdigest()
+
+
+# The manifest ------------------------------------------------------------------------
+def _package_root(directory: str | os.PathLike[str]) -> str:
+    path = os.fspath(directory)
+    if not os.path.exists(path):
+        raise PackageError(f"{path!r} is not a package: it does not exist")
+    if not os.path.isdir(path):
+        raise PackageError(f"{path!r} is not a package: not a folder")
+    root = os.path.realpath(path)
+    if not os.path.lexists(os.path.join(root, MANIFEST)):
+        raise PackageError(f"{path!r} is not an attnx package: it has no {MANIFEST}")
+    return root
+
+
+def _read_small(root: str, name: str, what: str, limit: int) -> bytes:
+    path = member_path(root, name, what)
+    if not os.path.isfile(path):
+        raise PackageError(f"{what} {name!r} is not a regular file")
+    if os.path.getsize(path) > limit:
+        raise PackageError(f"{what} {name!r} is larger than {limit} bytes: not an attnx {what}")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _manifest_bytes(root: str) -> tuple[bytes, Check]:
+    """The manifest's bytes, and the check of its sha256 against manifest.sha256."""
+    data = _read_small(root, MANIFEST, "the manifest", MAX_MANIFEST_BYTES)
+    got = hashlib.sha256(data).hexdigest()
+    sum_path = member_path(root, MANIFEST_SUM, "the manifest checksum")
+    if not os.path.lexists(sum_path):
+        return data, Check(MANIFEST_SUM, False, "missing: the manifest's sha256 cannot be checked")
+    text = _read_small(root, MANIFEST_SUM, "the manifest checksum", 4096).decode("ascii", "replace").split()
+    if len(text) != 2 or text[1] != MANIFEST or not _HEX64.fullmatch(text[0]):
+        return data, Check(MANIFEST_SUM, False, f"not a '<sha256>  {MANIFEST}' line (damaged)")
+    if text[0] != got:
+        return data, Check(
+            MANIFEST, False, f"sha256 {got[:16]}... differs from the {text[0][:16]}... in {MANIFEST_SUM} (altered)"
+        )
+    return data, Check(MANIFEST, True, f"sha256 {got[:16]}... as in {MANIFEST_SUM}")
+
+
+def _require(cond: bool, key: str, what: str) -> None:
+    if not cond:
+        raise PackageError(f"{MANIFEST}: {key!r} {what}")
+
+
+def _parse_manifest(data: bytes) -> dict[str, Any]:
+    """The manifest as a dict, its structure checked: one PackageError naming the bad key."""
+    try:
+        m = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PackageError(f"{MANIFEST} is not valid JSON: {e}") from None
+    _require(isinstance(m, dict), "(top level)", "must be a JSON object")
+    _require(m.get("format") == FORMAT, "format", f"must be {FORMAT!r}: this is not an attnx package manifest")
+    version = m.get("format_version")
+    _require(isinstance(version, int) and not isinstance(version, bool), "format_version", "must be an integer")
+    if version > FORMAT_VERSION:
+        raise PackageError(
+            f"the package has format version {version}, made by a newer attnx; this attnx reads up to {FORMAT_VERSION}"
+        )
+    _require(isinstance(m.get("config"), dict), "config", "must be an object")
+    try:
+        AttentionConfig.from_dict(dict(m["config"]))
+    except ConfigError as e:
+        raise PackageError(f"{MANIFEST}: 'config' is invalid: {e}") from None
+    _require(m.get("dtype") in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+    files = m.get("files")
+    _require(isinstance(files, dict) and files, "files", "must be a non-empty object")
+    for name, entry in files.items():
+        _require(
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str)
+            and _HEX64.fullmatch(entry["sha256"]) is not None,
+            f"files.{name}",
+            "must be {'size': bytes, 'sha256': 64 hex digits}",
+        )
+    models = m.get("models")
+    _require(isinstance(models, list) and models, "models", "must be a non-empty list")
+    for i, model in enumerate(models):
+        _require(isinstance(model, dict) and isinstance(model.get("file"), str), f"models[{i}].file", "must be a name")
+        _require(model["file"] in files, f"models[{i}].file", "must be one of 'files'")
+        providers = model.get("providers")
+        _require(isinstance(providers, list) and providers, f"models[{i}].providers", "must be a non-empty list")
+        for key in ("ir_version",):
+            _require(isinstance(model.get(key), int), f"models[{i}].{key}", "must be an integer")
+        _require(isinstance(model.get("opsets"), dict), f"models[{i}].opsets", "must be an object")
+        _require(isinstance(model.get("external_data", []), list), f"models[{i}].external_data", "must be a list")
+    golden = m.get("golden")
+    _require(isinstance(golden, list) and golden, "golden", "must be a non-empty list")
+    for i, case in enumerate(golden):
+        _require(isinstance(case, dict) and case.get("file") in files, f"golden[{i}].file", "must be one of 'files'")
+        _require(isinstance(case.get("inputs"), list) and case["inputs"], f"golden[{i}].inputs", "must be a list")
+        _require(isinstance(case.get("outputs"), list) and case["outputs"], f"golden[{i}].outputs", "must be a list")
+        size = case.get("problem_size")
+        _require(
+            isinstance(size, dict)
+            and isinstance(size.get("k"), int)
+            and isinstance(size.get("score_max"), (int, float)),
+            f"golden[{i}].problem_size",
+            "must be {'k': int, 'score_max': number}",
+        )
+    return m
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """(package root, manifest) with the manifest's sha256 and every name in it checked.
+
+    PackageError (exit 2): not a package, or a name pointing outside it. CheckFailed (exit
+    1): the manifest does not match manifest.sha256.
+    """
+    root = _package_root(directory)
+    data, check = _manifest_bytes(root)
+    if not check:
+        raise CheckFailed(f"{os.fspath(directory)}: {check.name}: {check.detail}")
+    manifest = _parse_manifest(data)
+    _check_names(root, manifest)
+    return root, manifest
+
+
+def _check_names(root: str, manifest: Mapping[str, Any]) -> None:
+    """Every file the manifest names is a plain name inside the package (nothing is read)."""
+    for name in manifest["files"]:
+        member_path(root, name, f"{MANIFEST} 'files'")
+        if name in (MANIFEST, MANIFEST_SUM):
+            raise PackageError(f"{MANIFEST} lists {name!r} among its files: it cannot hash itself")
+    for model in manifest["models"]:
+        for name in model.get("external_data", []):
+            member_path(root, name, f"{MANIFEST} external data of {model['file']!r}")
+            if name not in manifest["files"]:
+                raise PackageError(f"{MANIFEST}: external data {name!r} of {model['file']!r} is not among its files")
+
+
+# External data of a model ---------------------------------------------------------------
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of a graph, its nodes' attributes and subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Any) -> Iterator[Any]:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
+            for tensor in sparse:
+                yield tensor.values
+                yield tensor.indices
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for g in attr.graphs:
+                yield from _tensors(g)
+
+
+def external_data_locations(model_path: str) -> list[str]:
+    """The `location` of every tensor stored outside the model file, read from the model's
+    protobuf alone (onnx.load without its external data: no data file is opened)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        proto = onnx.load(model_path, load_external_data=False)
+    except (DecodeError, OSError, ValueError) as e:
+        raise ModelFileError(f"{os.path.basename(model_path)!r} is not an ONNX model: {str(e).strip()[:200]}") from None
+    tensors = list(_tensors(proto.graph))
+    for function in proto.functions:
+        tensors += list(_node_tensors(function.node))
+    for info in proto.training_info:
+        tensors += list(_tensors(info.initialization)) + list(_tensors(info.algorithm))
+    locations = []
+    for t in tensors:
+        entries = {e.key: e.value for e in t.external_data}
+        if t.data_location == onnx.TensorProto.EXTERNAL or entries:
+            if "location" not in entries:
+                raise PackageError(
+                    f"tensor {t.name!r} of {os.path.basename(model_path)!r} is external but has no location"
+                )
+            if entries["location"] not in locations:
+                locations.append(entries["location"])
+    return locations
+
+
+def _check_external_data(root: str, manifest: Mapping[str, Any], model_file: str) -> None:
+    """The model's own external-data entries, checked as the manifest's names are, before
+    onnxruntime opens the model: a crafted model.onnx cannot make it read outside."""
+    path = member_path(root, model_file, "the model")
+    for location in external_data_locations(path):
+        member_path(root, location, f"the external data location of {model_file!r}")
+        if location not in manifest["files"]:
+            raise PackageError(
+                f"{model_file!r} stores data in {location!r}, which {MANIFEST} does not list "
+                "(so it is not hashed): refused"
+            )
+
+
+# Verify ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One thing verify checked: a file, the runtime, or one output of one golden case."""
+
+    name: str
+    passed: bool
+    detail: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    directory: str
+    provider: str
+    checks: list[Check]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(self.checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "provider": self.provider,
+            "passed": self.passed,
+            "checks": [c.to_dict() for c in self.checks],
+            "notes": self.notes,
+        }
+
+
+def _check_files(root: str, manifest: Mapping[str, Any], progress: Callable[[str], None]) -> list[Check]:
+    """Size, then sha256, of every file the manifest lists."""
+    checks = []
+    for name, entry in manifest["files"].items():
+        path = member_path(root, name, f"{MANIFEST} 'files'")
+        if not os.path.lexists(path):
+            checks.append(Check(name, False, "missing"))
+            continue
+        if not os.path.isfile(path):
+            checks.append(Check(name, False, "not a regular file"))
+            continue
+        size = os.path.getsize(path)
+        if size != entry["size"]:
+            how = "truncated" if size < entry["size"] else "grown"
+            checks.append(Check(name, False, f"{size} bytes, expected {entry['size']} ({how})"))
+            continue
+        digest = file_sha256(path, progress, name)
+        if digest != entry["sha256"]:
+            checks.append(
+                Check(
+                    name,
+                    False,
+                    f"sha256 {digest[:16]}... differs from the manifest's {entry['sha256'][:16]}... (altered)",
+                )
+            )
+            continue
+        checks.append(Check(name, True, f"{size} bytes, sha256 {digest[:16]}..."))
+    return checks
+
+
+def _model_for(manifest: Mapping[str, Any], provider: str) -> dict[str, Any]:
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    for model in manifest["models"]:
+        if provider in model["providers"]:
+            return model
+    built = sorted({p for m in manifest["models"] for p in m["providers"]})
+    raise UsageError(f"this package has no model for provider {provider!r} (built for: {', '.join(built)})")
+
+
+def _describe_versions(model: Mapping[str, Any]) -> str:
+    opsets = ", ".join(f"{domain} {version}" for domain, version in sorted(model["opsets"].items()))
+    return f"IR version {model['ir_version']}, opsets {opsets}"
+
+
+def _open_runner(root: str, manifest: Mapping[str, Any], provider: str) -> Runner:
+    """A loaded ORT runner for the provider's model (ModelFileError if ORT cannot load it)."""
+    model = _model_for(manifest, provider)
+    _check_external_data(root, manifest, model["file"])
+    config = AttentionConfig.from_dict(dict(manifest["config"]))
+    source = ModelSource(config, None, member_path(root, model["file"], "the model"), manifest["dtype"])
+    return create_runner(PROVIDERS[provider], source).load()
+
+
+class _BadGolden(Exception):
+    """A golden file that cannot be used; the message says why."""
+
+
+def _load_golden(path: str, case: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(inputs, outputs) of one golden file; allow_pickle=False: an object array is refused."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise _BadGolden(f"not a plain npz of arrays: {str(e).strip()[:200]}") from None
+    missing = [k for k in [*case["inputs"], *case["outputs"]] if k not in arrays]
+    if missing:
+        raise _BadGolden(f"has no array {missing[0]!r} (holds {', '.join(arrays) or 'nothing'})")
+    return {k: arrays[k] for k in case["inputs"]}, {k: arrays[k] for k in case["outputs"]}
+
+
+def _case_label(case: Mapping[str, Any]) -> str:
+    mem = f" mem_seq={case['mem_seq']}" if case.get("mem_seq") else ""
+    return f"batch={case.get('batch')} seq={case.get('seq')}{mem}"
+
+
+def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner, provider: str) -> list[Check]:
+    checks: list[Check] = []
+    backend = PROVIDERS[provider]
+    tol = tolerance_for(manifest["dtype"], backend)
+    for case in manifest["golden"]:
+        name = case["file"]
+        label = _case_label(case)
+        try:
+            feeds, expected = _load_golden(member_path(root, name, "a golden file"), case)
+            got = runner.run(feeds)
+        except _BadGolden as e:
+            checks.append(Check(name, False, str(e)))
+            continue
+        except InputError as e:
+            checks.append(Check(name, False, f"{label}: the model refuses its inputs: {e}"))
+            continue
+        except Exception as e:  # ORT's own error types: the model fails to run
+            checks.append(Check(name, False, f"{label}: onnxruntime fails: {str(e).strip().splitlines()[0][:300]}"))
+            continue
+        size = ProblemSize(int(case["problem_size"]["k"]), float(case["problem_size"]["score_max"]))
+        for out_name, ref in expected.items():
+            if out_name not in got:
+                checks.append(Check(f"{name} {out_name}", False, f"{label}: the model has no output {out_name!r}"))
+                continue
+            cmp = compare_arrays(out_name, got[out_name], ref, tol, size)
+            detail = f"{label}: " + (
+                cmp.shape_error
+                if cmp.shape_error
+                else f"max_abs={cmp.max_abs:.3g} (atol={cmp.atol:.3g}, rtol={cmp.rtol:.3g}"
+                + ("" if cmp else f"; would need atol>={cmp.needed_atol:.3g}")
+                + f") cos={cmp.cosine:.9f}"
+            )
+            checks.append(Check(f"{name} {out_name}", cmp.passed, detail))
+    return checks
+
+
+def verify_package(
+    directory: str | os.PathLike[str],
+    provider: str = "cpu",
+    progress: Callable[[str], None] = lambda msg: None,
+) -> VerifyReport:
+    """Check a package on this machine: every file's size and sha256, that the installed
+    onnxruntime loads the model (its IR version and opsets) on `provider`, and that the
+    golden inputs give the golden outputs within the tolerance table.
+
+    Returns the report (failed checks say which file or output, by how much). Raises
+    PackageError for a folder that is not a package or names a file outside itself, and
+    ProviderUnavailable when `provider` cannot run here.
+    """
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    root = _package_root(directory)
+    report = VerifyReport(os.fspath(directory), provider, [])
+    data, manifest_check = _manifest_bytes(root)
+    report.checks.append(manifest_check)
+    if not manifest_check:
+        return report  # nothing else can be trusted: the manifest holds every other hash
+    manifest = _parse_manifest(data)
+    _check_names(root, manifest)
+    model = _model_for(manifest, provider)
+    progress("checking file sizes and sha256")
+    report.checks += _check_files(root, manifest, progress)
+    extra = sorted(set(os.listdir(root)) - set(manifest["files"]) - {MANIFEST, MANIFEST_SUM})
+    if extra:
+        report.notes.append(f"files not in the manifest (not checked, not used): {', '.join(extra)}")
+    if not report.passed:
+        return report  # a damaged or altered file is never handed to onnxruntime
+
+    import onnxruntime
+
+    built_with = manifest.get("versions", {}).get("onnxruntime")
+    if built_with and built_with != onnxruntime.__version__:
+        report.notes.append(f"built with onnxruntime {built_with}, verifying with {onnxruntime.__version__}")
+    versions = _describe_versions(model)
+    _check_external_data(root, manifest, model["file"])  # before onnxruntime opens anything
+    progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({PROVIDERS[provider]})")
+    try:
+        runner = _open_runner(root, manifest, provider)
+    except ModelFileError as e:
+        report.checks.append(
+            Check("onnxruntime", False, f"{onnxruntime.__version__} cannot load {model['file']} ({versions}): {e}")
+        )
+        return report
+    report.checks.append(
+        Check("onnxruntime", True, f"{onnxruntime.__version__} loads {model['file']} ({versions}) on {runner.provider}")
+    )
+    try:
+        progress(f"running {len(manifest['golden'])} golden cases")
+        report.checks += _check_golden(root, manifest, runner, provider)
+    finally:
+        runner.close()
+    return report
+
+
+# Load and describe -------------------------------------------------------------------------
+def load(directory: str | os.PathLike[str], provider: str = "cpu", check_files: bool = True) -> Runner:
+    """A loaded runner (a context manager) for the package's model on `provider`.
+
+    The names are always checked; with check_files (the default) every file's size and
+    sha256 too: CheckFailed names a damaged file before onnxruntime sees it.
+    """
+    root, manifest = read_manifest(directory)
+    _model_for(manifest, provider)
+    if check_files:
+        failures = [c for c in _check_files(root, manifest, lambda msg: None) if not c]
+        if failures:
+            raise CheckFailed(f"{os.fspath(directory)}: " + "; ".join(f"{c.name}: {c.detail}" for c in failures))
+    return _open_runner(root, manifest, provider)
+
+
+def describe_package(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the package is, from its manifest (hashes of the big files are not computed)."""
+    _, m = read_manifest(directory)
+    parity = m.get("parity", {})
+    return {
+        "path": os.fspath(directory),
+        "format": f"{m['format']} {m['format_version']}",
+        "config": m["config"],
+        "dtype": m["dtype"],
+        "attention": m.get("attention"),
+        "inputs": m.get("inputs"),
+        "outputs": m.get("outputs"),
+        "models": [
+            {k: model.get(k) for k in ("file", "providers", "lowering", "ir_version", "opsets", "external_data")}
+            for model in m["models"]
+        ],
+        "providers": m.get("providers"),
+        "verified_on": m.get("verified_on"),
+        "parity": {k: parity.get(k) for k in ("passed", "cases", "max_abs")},
+        "golden": [_case_label(case) for case in m["golden"]],
+        "files": {name: entry["size"] for name, entry in m["files"].items()},
+        "versions": m.get("versions"),
+    }
