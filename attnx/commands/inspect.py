@@ -65,7 +65,7 @@ def describe_model(path: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     path = args.model
     if os.path.isdir(path):
-        from attnx.export.package import describe_package
+        from attnx.runtimes.package import describe_package
 
         info = describe_package(path)
     elif os.path.isfile(path):

@@ -42,7 +42,7 @@ def open_runner(path: str, provider: str):
     from attnx.runtimes import ModelSource, create_runner
 
     if os.path.isdir(path):
-        from attnx.export.package import load
+        from attnx.runtimes.package import load
 
         return load(path, provider=provider)
     if not os.path.isfile(path):
