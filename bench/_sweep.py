@@ -603,7 +603,7 @@ def _measure_gemms(plan: BenchPlan, report: BenchReport, workdir: str, say: Prog
         elif result["status"] == "skipped":
             unavailable[(backend, dtype)] = result["reason"]
         else:
-            logger.warning("GEMM on %s (%s) %s: %s", backend, dtype, result["status"], result.get("reason"))
+            logger.info("GEMM on %s (%s) %s: %s", backend, dtype, result["status"], result.get("reason"))
         report.gemm.append(g)
     return unavailable
 
@@ -649,7 +649,7 @@ def _export_lowerings(
         except Exception as e:  # a lowering that cannot be built yet is a skipped series, not a crash
             text = str(e).strip()
             failed[(attention, dtype)] = f"export failed: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
-            logger.warning("%s lowering (%s): %s", attention, dtype, failed[(attention, dtype)])
+            logger.info("%s lowering (%s): %s", attention, dtype, failed[(attention, dtype)])
     return models, failed
 
 

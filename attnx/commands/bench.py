@@ -12,7 +12,7 @@ from typing import IO, Any
 from attnx.commands._common import check_output_path, format_table, int_list, str_list
 from attnx.errors import UsageError
 
-__all__ = ["add_parser", "run", "ProgressBar", "report_table"]
+__all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
 
 HELP = "time backends x lowerings x shapes: latency, tokens/s, GFLOP/s, roofline ratio, peak memory"
 
