@@ -6,8 +6,8 @@ have no torch).
 torch-cuda sets its numerics on purpose for the run and puts the caller's settings back
 at close: TF32 off (it rounds float32 matmul inputs to 10 mantissa bits, which breaks
 float32 parity) and, for half precision, no reduced-precision reductions (cuBLAS may
-otherwise sum split-K partials in float16). A benchmark may ask for TF32 with
-allow_tf32=True. After loading, the module's parameters are checked to be on the GPU: a
+otherwise sum split-K partials in float16). A benchmark may ask for either
+(allow_tf32=True, reduced_precision_reduction=True). After loading, the module's parameters are checked to be on the GPU: a
 torch-cuda run never computes on the CPU.
 """
 
@@ -108,7 +108,13 @@ class TorchCudaRunner(TorchRunner):
     """The torch module on one GPU, float32 (TF32 off unless asked) or float16/bfloat16."""
 
     def __init__(
-        self, source: Any, *, device_id: int = 0, attention: str | None = None, allow_tf32: bool = False
+        self,
+        source: Any,
+        *,
+        device_id: int = 0,
+        attention: str | None = None,
+        allow_tf32: bool = False,
+        reduced_precision_reduction: bool = False,
     ) -> None:
         super().__init__(source, attention=attention)
         if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
@@ -116,6 +122,9 @@ class TorchCudaRunner(TorchRunner):
         self.device = f"cuda:{device_id}"
         self.device_id = device_id
         self.allow_tf32 = allow_tf32
+        # Half-precision GEMMs may sum split-K partials in half precision: torch's default and
+        # faster, but not the parity setting. A benchmark sets it to compare with torch as shipped.
+        self.reduced_precision_reduction = reduced_precision_reduction
         self._saved_flags: dict[str, bool] | None = None
 
     def load_impl(self) -> None:
@@ -148,8 +157,8 @@ class TorchCudaRunner(TorchRunner):
         wanted = {
             "matmul.allow_tf32": self.allow_tf32,
             "cudnn.allow_tf32": self.allow_tf32,
-            "matmul.allow_fp16_reduced_precision_reduction": False,
-            "matmul.allow_bf16_reduced_precision_reduction": False,
+            "matmul.allow_fp16_reduced_precision_reduction": self.reduced_precision_reduction,
+            "matmul.allow_bf16_reduced_precision_reduction": self.reduced_precision_reduction,
         }
         for key, (obj, attr) in flags.items():
             setattr(obj, attr, wanted[key])

@@ -93,6 +93,11 @@ def test_numerics_are_set_for_the_run_and_restored_at_close(monkeypatch, caller_
     with _LandsOnCpu(_source(), allow_tf32=True):  # a benchmark may ask for TF32
         assert _flags() == {"tf32": True, "cudnn_tf32": True, "fp16_reduction": False, "bf16_reduction": False}
     assert _flags() == caller_flags
+    for obj, attr in FLAGS.values():  # now a caller with everything off
+        setattr(obj, attr, False)
+    with _LandsOnCpu(_source(), reduced_precision_reduction=True):  # torch as shipped, for a benchmark
+        assert _flags() == {"tf32": False, "cudnn_tf32": False, "fp16_reduction": True, "bf16_reduction": True}
+    assert _flags() == dict.fromkeys(FLAGS, False)
 
 
 def test_run_on_device_keeps_outputs_as_tensors(monkeypatch):
