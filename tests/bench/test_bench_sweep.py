@@ -116,12 +116,18 @@ def test_gemm_model_is_a_real_matmul_at_attnx_ir_version(tmp_path):
     np.testing.assert_allclose(y, a @ w, rtol=1e-5, atol=1e-5)
 
 
+def gemm_spec(tmp_path, size: int, backend: str = "ort-cpu", repeat: int = 1, warmup: int = 0) -> dict:
+    """A worker spec for a size^3 GEMM, its one-MatMul model written for the ort-* backends."""
+    spec = {"kind": "gemm", "backend": backend, "dtype": "fp32", "m": size, "k": size, "n": size,
+            "repeat": repeat, "warmup": warmup, "threads": 1}  # fmt: skip
+    if backend.startswith("ort-"):
+        spec["model_path"] = str(tmp_path / "gemm.onnx")
+        write_gemm_model(spec["model_path"], size, size, size, "fp32")
+    return spec
+
+
 def test_worker_gemm_result(tmp_path):
-    path = str(tmp_path / "gemm.onnx")
-    write_gemm_model(path, 64, 32, 32, "fp32")
-    spec = {"kind": "gemm", "backend": "ort-cpu", "dtype": "fp32", "m": 64, "k": 32, "n": 32, "model_path": path,
-            "repeat": 3, "warmup": 1, "threads": 1}  # fmt: skip
-    result = run_spec(spec)
+    result = run_spec(gemm_spec(tmp_path, 32, repeat=3, warmup=1))
     assert result["status"] == "ok", result
     assert len(result["times_ms"]) == 3 and all(t > 0 for t in result["times_ms"])
     assert result["threads"] == 1
@@ -129,11 +135,7 @@ def test_worker_gemm_result(tmp_path):
 
 
 def test_worker_reports_an_unavailable_backend_as_skipped_with_the_reason(tmp_path):
-    path = str(tmp_path / "gemm.onnx")
-    write_gemm_model(path, 4, 4, 4, "fp32")
-    spec = {"kind": "gemm", "backend": "ort-cuda", "dtype": "fp32", "m": 4, "k": 4, "n": 4, "model_path": path,
-            "repeat": 1, "warmup": 0, "threads": 1}  # fmt: skip
-    result = run_spec(spec)
+    result = run_spec(gemm_spec(tmp_path, 4, backend="ort-cuda"))
     if result["status"] == "ok":
         pytest.skip("the CUDA execution provider is usable here")
     assert result["status"] == "skipped" and "ort-cuda" in result["reason"]
@@ -143,20 +145,16 @@ def test_case_peak_memory_is_the_childs_own_not_the_parents(tmp_path):
     # Linux charges a child's ru_maxrss with the parent's RSS when it exec's from a vfork:
     # the worker must report its own high-water mark. Hold 400 MB here while it runs.
     ballast = np.ones(400 * 1024**2 // 8)
-    path = str(tmp_path / "gemm.onnx")
-    write_gemm_model(path, 16, 16, 16, "fp32")
-    spec = {"kind": "gemm", "backend": "ort-cpu", "dtype": "fp32", "m": 16, "k": 16, "n": 16, "model_path": path,
-            "repeat": 1, "warmup": 0, "threads": 1}  # fmt: skip
-    result = run_worker(spec, str(tmp_path), "gemm", timeout_s=120)
+    result = run_worker(gemm_spec(tmp_path, 16), str(tmp_path), "gemm", timeout_s=120)
     assert result["status"] == "ok", result
     assert 10 < result["peak_rss_mb"] < 300  # onnxruntime and a 16x16 GEMM: tens of MB
     assert ballast.sum() > 0
 
 
 def test_worker_past_its_budget_is_killed_and_reported_as_timeout(tmp_path):
-    spec = {"kind": "gemm", "backend": "torch", "dtype": "fp32", "m": 4, "k": 4, "n": 4,
-            "repeat": 1, "warmup": 0, "threads": 1}  # fmt: skip
-    result = run_worker(spec, str(tmp_path), "slow", timeout_s=0.05)  # cannot even import torch in time
+    result = run_worker(
+        gemm_spec(tmp_path, 4, backend="torch"), str(tmp_path), "slow", timeout_s=0.05
+    )  # cannot even import torch in time
     assert result == {"status": "timeout", "reason": "ran past the 0.05 s budget per case (--timeout)"}
 
 
