@@ -115,10 +115,11 @@ def test_fp16_export_loads_and_agrees(fp16_model, name, attention, keep):
 
 
 @pytest.mark.parametrize("attention", LOWERINGS)
-@pytest.mark.parametrize("name", ["cross_kpm", "causal_kpm"])
-def test_fp16_export_agrees_with_torch_fp16(fp16_model, name, attention):
+def test_fp16_export_agrees_with_torch_fp16(fp16_model, attention):
     # The lead's check that export_model runs for --dtype fp16: torch's own fp16 module on
-    # CPU, at the validation shapes (seq 1 and 1031 among them).
+    # CPU, at the validation shapes (seq 1 and 1031 among them). Both masks, both I/O
+    # dtypes; export_model below runs it on cross-attention too.
+    name = "causal_kpm"
     config = CONFIGS[name]
     results = validate_against_torch(fp16_model(name, attention, False), config, weights_for(name), dtype="fp16")
     assert results and all(results)
@@ -263,3 +264,45 @@ def test_fp16_multi_head_attention_graph(tmp_path, name):
         save_model(model, path)
         assert onnx.load(path).ir_version == IR_VERSION
         _check_runs(str(path), config, weights, "fp32" if keep else "fp16")
+
+
+# Through the compiler's pipelines and export_model -------------------------------------
+@pytest.mark.parametrize("lowering", ["ort-fused", "ort-attention"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp16_after_the_fused_lowerings(tmp_path, name, lowering):
+    """The fp16 pass as the last step of the compiler's pipelines: com.microsoft
+    MultiHeadAttention (or packed Attention) in float16, masks and all."""
+    from attnx.export.passes import count_ops, lower
+
+    config = CONFIGS[name]
+    result = lower(_fp32_export(name, "decomposed"), config, attention=lowering, dtype="fp16")
+    fused = [op for op in count_ops(result.model) if op.startswith("com.microsoft.")]
+    assert fused, f"{lowering} left no com.microsoft op: {result.lines()}"
+    assert any("float16" in line for line in result.lines())  # the pass's notes reach the report
+    path = str(tmp_path / "m.onnx")
+    save_model(result.model, path)
+    _check_runs(path, config, weights_for(name), "fp16")
+
+
+def test_export_model_fp16_end_to_end(exported):
+    # exported() runs export_model: export, ort-fused, fp16, save, checker, torch fp16 check.
+    name = "cross_kpm"
+    path = exported(name, "ort-fused", "fp16")
+    proto = onnx.load(path)
+    assert any(n.op_type == "MultiHeadAttention" for n in proto.graph.node)
+    assert proto.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    _check_runs(path, CONFIGS[name], weights_for(name), "fp16")
+
+
+def test_export_model_fp16_keeping_fp32_io(tmp_path):
+    from attnx.export import export_model
+
+    config, weights = CONFIGS["kpm"], weights_for("kpm")
+    path = str(tmp_path / "kpm.onnx")
+    report = export_model(config, path, weights, attention="ort-fused", dtype="fp16", keep_io_fp32=True)
+    assert report.dtype == "fp16" and report.validation and all(report.validation)
+    proto = onnx.load(path)
+    assert [v.type.tensor_type.elem_type for v in [*proto.graph.input, *proto.graph.output]] == [
+        TensorProto.FLOAT, TensorProto.BOOL, TensorProto.FLOAT,
+    ]  # fmt: skip
+    _check_runs(path, config, weights, "fp32")

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -29,13 +30,9 @@ def source(tmp_path_factory):
     """The float32 and float16 decomposed exports of NAME, saved."""
     root = tmp_path_factory.mktemp("offline")
     config, weights = CONFIGS[NAME], weights_for(NAME)
-    paths = {}
-    for dtype in ("fp32", "fp16"):
-        model = export_onnx(config, weights)
-        if dtype == "fp16":
-            model = ConvertToFloat16()(model).model
-        paths[dtype] = str(root / f"{NAME}-{dtype}.onnx")
-        save_model(model, paths[dtype])
+    paths = {dtype: str(root / f"{NAME}-{dtype}.onnx") for dtype in ("fp32", "fp16")}
+    save_model(export_onnx(config, weights), paths["fp32"])
+    save_model(ConvertToFloat16()(ir.load(paths["fp32"])).model, paths["fp16"])
     return paths
 
 
