@@ -98,6 +98,10 @@ class CudaOptions:
     cuda_graph: ORT captures the whole run in a CUDA graph and replays it (less launch
                 overhead). Needs fixed shapes and every node on the GPU; the runner then
                 keeps its input and output buffers at fixed device addresses.
+    fixed_dims: sizes for the model's symbolic dims ({"batch": 1, "seq": 512}), given to ORT
+                as free-dimension overrides: shapes become static, ORT folds the shape
+                arithmetic away (it would otherwise sit on CPU and make ORT refuse a CUDA
+                graph), and feeds of other sizes are refused.
     preload_dlls: let onnxruntime load CUDA and cuDNN from the nvidia-* pip packages
                 (onnxruntime.preload_dlls) before the first session, as a torch+CUDA
                 environment has them; its messages are captured, not printed.
@@ -107,12 +111,16 @@ class CudaOptions:
     use_tf32: bool = False
     cuda_graph: bool = False
     preload_dlls: bool = True
+    fixed_dims: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
-            from attnx.errors import UsageError
+        from attnx.errors import UsageError
 
+        if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
             raise UsageError(f"CUDA device id must be a non-negative integer, got {self.device_id!r}")
+        for name, size in (self.fixed_dims or {}).items():
+            if not isinstance(name, str) or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise UsageError(f"fixed dim {name!r} must be a positive integer, got {size!r}")
 
     def provider_options(self) -> dict[str, str]:
         """The CUDAExecutionProvider options, as the strings ORT takes and reports back."""

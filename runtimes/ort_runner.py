@@ -436,6 +436,8 @@ class OrtCudaRunner(OrtRunner):
     def make_session_options(self) -> Any:
         opts = super().make_session_options()
         opts.add_session_config_entry(ASSIGNMENT_INFO_KEY, "1")
+        for name, size in (self.options.fixed_dims or {}).items():
+            opts.add_free_dimension_override_by_name(name, size)
         return opts
 
     def unavailable(self, reason: str) -> ProviderUnavailable:
@@ -467,9 +469,15 @@ class OrtCudaRunner(OrtRunner):
                 # A CUDA failure at creation (bad device id, CUDA graph refused, driver
                 # error): the provider is what failed, not the model file.
                 logged = ort_cuda_failure_reason(self.ort_log)
+                hint = ""
+                if "graph capture" in lowered and not self.options.fixed_dims:
+                    hint = (
+                        " (CudaOptions.fixed_dims makes the shapes static, so ORT can fold the shape ops off the CPU)"
+                    )
                 raise self.unavailable(
                     f"onnxruntime could not create a {self.provider} session: {text}"
                     + (f" ({logged})" if logged and logged not in text else "")
+                    + hint
                 ) from None
             raise ModelFileError(f"onnxruntime cannot load {path!r}: {text}") from None
         return session

@@ -150,6 +150,9 @@ def test_cuda_options_are_set_on_purpose():
     for bad in (-1, True, "0"):
         with pytest.raises(UsageError, match="device id"):
             CudaOptions(device_id=bad)
+    for bad in ({"seq": 0}, {"seq": "8"}, {"seq": True}):
+        with pytest.raises(UsageError, match="fixed dim 'seq' must be a positive integer"):
+            CudaOptions(fixed_dims=bad)
 
 
 def test_option_mismatches_and_unreported_options():
@@ -237,10 +240,10 @@ def test_profile_parser_reads_node_events_only():
 # A session that says it started CUDA: a real CPU session underneath, reporting what a CUDA
 # session would. It lets the runner's checks and its IOBinding path run end to end here.
 class PretendCudaSession:
-    def __init__(self, session, providers=(CUDA, CPU), options=None, placements=None):
+    def __init__(self, session, reported, providers=(CUDA, CPU), placements=None):
         self._s = session
         self._providers = list(providers)
-        self._options = CUDA_OPTIONS_REPORTED if options is None else options
+        self._options = reported
         self._placements = placements
 
     def __getattr__(self, name):
@@ -267,14 +270,34 @@ class CpuBoundCudaRunner(OrtCudaRunner):
     pretend: ClassVar[dict] = {}
 
     def create_session(self, path):
+        import onnxruntime as ort
+
         self.ort_log = ""
-        return PretendCudaSession(_cpu_session(path), **self.pretend)
+        opts = self.make_session_options()  # the runner's own: assignment record, fixed dims
+        pretend = dict(self.pretend)
+        # What a CUDA session reports: the options as asked, unless the test says otherwise.
+        reported = pretend.pop("reported", {**CUDA_OPTIONS_REPORTED, **self.options.provider_options()})
+        return PretendCudaSession(ort.InferenceSession(path, opts, providers=[CPU]), reported, **pretend)
 
 
-def _pretend_runner(exported, name="kpm", **pretend):
-    runner = CpuBoundCudaRunner(ModelSource(CONFIGS[name], weights_for(name), exported(name)))
+def _pretend_runner(exported, name="kpm", options=None, **pretend):
+    runner = CpuBoundCudaRunner(ModelSource(CONFIGS[name], weights_for(name), exported(name)), options=options)
     runner.pretend = pretend
     return runner
+
+
+def test_fixed_dims_make_the_session_static_and_refuse_other_sizes(exported):
+    options = CudaOptions(cuda_graph=True, fixed_dims={"batch": 1, "seq": 8})
+    with _pretend_runner(exported, "self", options=options) as runner:
+        assert runner.inputs[0].shape == (1, 8, 32)
+        # The shape arithmetic is folded away: nothing ORT would leave on the CPU.
+        assert not {"Shape", "Concat", "Gather"} & {p.op_type for p in runner.placements}
+        assert runner.binder.static
+        feeds = make_inputs(CONFIGS["self"], 1, 8)
+        with create_runner("ort-cpu", ModelSource(model_path=exported("self"))) as cpu:
+            np.testing.assert_array_equal(runner.run(feeds)["y"], cpu.run(feeds)["y"])
+        with pytest.raises(InputError, match="size 9 on axis 1, expected 8"):
+            runner.run(make_inputs(CONFIGS["self"], 1, 9))
 
 
 def test_pretend_cuda_runner_passes_every_check_and_matches_ort_cpu(exported):
@@ -296,8 +319,8 @@ def test_pretend_cuda_runner_passes_every_check_and_matches_ort_cpu(exported):
     ("pretend", "message"),
     [
         ({"providers": [CPU]}, "did not start CUDAExecutionProvider"),
-        ({"options": {**CUDA_OPTIONS_REPORTED, "use_tf32": "1"}}, "use_tf32: asked 0, session has 1"),
-        ({"options": {**CUDA_OPTIONS_REPORTED, "device_id": "1"}}, "device_id: asked 0, session has 1"),
+        ({"reported": {**CUDA_OPTIONS_REPORTED, "use_tf32": "1"}}, "use_tf32: asked 0, session has 1"),
+        ({"reported": {**CUDA_OPTIONS_REPORTED, "device_id": "1"}}, "device_id: asked 0, session has 1"),
         ({"placements": [types.SimpleNamespace(ep_name=CPU, get_nodes=lambda: [
             types.SimpleNamespace(op_type="MatMul", name="node_mm", domain="")])]},
          "placed compute nodes off the GPU for kpm-decomposed-fp32.onnx: MatMul 'node_mm' on CPUExecutionProvider"),
@@ -526,21 +549,31 @@ def test_cuda_binding_from_torch_cuda_tensors_is_zero_copy(ort_cuda, exported):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replays_new_values_at_a_fixed_shape(ort_cuda, exported):
-    feeds1, feeds2 = (make_inputs(CONFIGS["self"], 1, 8, seed=s) for s in (1, 2))
-    with create_runner("ort-cpu", ModelSource(model_path=exported("self"))) as cpu:
+@pytest.mark.parametrize("lowering", ["decomposed", "ort-fused"])
+def test_cuda_graph_replays_new_values_at_a_fixed_shape(ort_cuda, exported, lowering):
+    feeds1, feeds2 = (make_inputs(CONFIGS["kpm"], 2, 8, seed=s) for s in (1, 2))
+    path = exported("kpm", lowering)
+    with create_runner("ort-cpu", ModelSource(model_path=path)) as cpu:
         expected = [cpu.run(f)["y"] for f in (feeds1, feeds2)]
-    runner = OrtCudaRunner(ModelSource(model_path=exported("self")), options=CudaOptions(cuda_graph=True))
-    try:
-        runner.load()
-    except ProviderUnavailable as e:
-        # ORT refuses CUDA graphs when a node sits on CPU (the decomposed graph's shape
-        # arithmetic may): that refusal must name CUDA graphs, never pass silently.
-        assert "graph" in str(e).lower(), str(e)
-        pytest.skip(f"CUDA graphs refused for this graph: {e}")
-    with runner:
+    options = CudaOptions(cuda_graph=True, fixed_dims={"batch": 2, "seq": 8})
+    with OrtCudaRunner(ModelSource(model_path=path), options=options) as runner:
+        assert runner.session.get_provider_options()[CUDA].get("enable_cuda_graph", "1") == "1"
         for _ in range(3):  # ORT captures after its warm-up runs; every run must be right
             for feeds, want in zip((feeds1, feeds2), expected):
                 np.testing.assert_allclose(runner.run(feeds)["y"], want, rtol=1e-4, atol=1e-5)
-        with pytest.raises(UsageError, match="fixed shapes"):
-            runner.run(make_inputs(CONFIGS["self"], 1, 9))
+
+
+def test_cuda_graph_refusal_names_the_fix(exported, monkeypatch):
+    import onnxruntime as ort
+
+    text = ("This session cannot use the graph capture feature as requested by the user as all compute graph "
+            "nodes have not been partitioned to the CUDAExecutionProvider")  # fmt: skip
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(text)
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    runner = OrtCudaRunner(ModelSource(model_path=exported("self")), options=CudaOptions(cuda_graph=True))
+    with pytest.raises(ProviderUnavailable, match="graph capture feature.*CudaOptions.fixed_dims"):
+        runner.load()
