@@ -176,7 +176,7 @@ def optimize_for_provider(
 class SpeedResult:
     path: str
     level: str  # the session's optimization level when it was loaded
-    load_s: float  # session creation (optimization included)
+    load_s: float  # session creation (optimization included), median of load_repeat
     runs_s: list[float]
 
     @property
@@ -240,38 +240,48 @@ def compare_speed(
     threads: int | None = None,
     a_level: str = "all",
     b_level: str = "disabled",
+    load_repeat: int = 3,
 ) -> SpeedComparison:
     """Time a and b on the same feeds: warm-up, then `repeat` runs of each, alternating,
     with only session.run inside the timer. The defaults compare an original model as ORT
     loads it by default (optimizing at level "all") with an offline-optimized one loaded
-    as a deployment would, optimizations off."""
+    as a deployment would, optimizations off. Session creation is timed `load_repeat`
+    times each, alternating too (the first session of a process also pays for ORT's
+    environment), and its median reported."""
     if provider not in PROVIDERS:
         raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
     for label, level in (("a_level", a_level), ("b_level", b_level)):
         if level not in LEVELS:
             raise UsageError(f"unknown {label} {level!r} (known: {', '.join(LEVELS)})")
-    if repeat < 1 or warmup < 0:
-        raise UsageError(f"repeat must be at least 1 and warmup at least 0, got repeat={repeat} warmup={warmup}")
+    if repeat < 1 or warmup < 0 or load_repeat < 1:
+        raise UsageError(
+            f"repeat and load_repeat must be at least 1 and warmup at least 0, "
+            f"got repeat={repeat} load_repeat={load_repeat} warmup={warmup}"
+        )
     feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
-    sessions, loads = [], []
-    for path, level in ((a_path, a_level), (b_path, b_level)):
-        path = os.fspath(path)
+    models = [(os.fspath(a_path), a_level), (os.fspath(b_path), b_level)]
+    for path, _ in models:
         if not os.path.isfile(path):
             raise ModelFileError(f"model file {path!r} does not exist")
-        start = time.perf_counter()
-        sessions.append(_create_session(path, _session_options(level, threads), provider))
-        loads.append(time.perf_counter() - start)
-    for session, path in zip(sessions, (a_path, b_path)):
+    sessions: list[Any] = [None, None]
+    loads: tuple[list[float], list[float]] = ([], [])
+    for _ in range(load_repeat):
+        for i, (path, level) in enumerate(models):
+            sessions[i] = None  # the previous one goes first: a big model is held once
+            start = time.perf_counter()
+            sessions[i] = _create_session(path, _session_options(level, threads), provider)
+            loads[i].append(time.perf_counter() - start)
+    for session, (path, _) in zip(sessions, models):
         for _ in range(max(warmup, 1)):  # at least one: a bad feed fails here, not in the timer
-            _run(session, feeds, os.fspath(path))
+            _run(session, feeds, path)
     runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
         for session, times in zip(sessions, runs):
             start = time.perf_counter()
             session.run(None, feeds)
             times.append(time.perf_counter() - start)
-    a = SpeedResult(os.fspath(a_path), a_level, loads[0], runs[0])
-    b = SpeedResult(os.fspath(b_path), b_level, loads[1], runs[1])
+    a = SpeedResult(models[0][0], a_level, statistics.median(loads[0]), runs[0])
+    b = SpeedResult(models[1][0], b_level, statistics.median(loads[1]), runs[1])
     return SpeedComparison(a, b, provider, threads)
 
 

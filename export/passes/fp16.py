@@ -1,17 +1,18 @@
 """ConvertToFloat16: an onnx-ir pass that turns a float32 attention graph into float16.
 
 Why a pass of our own rather than onnxruntime.transformers.float16 (the onnxconverter-common
-converter that ships inside onnxruntime-gpu)? Both were tried on the three graphs attnx
-writes (decomposed, opset-23 Attention, com.microsoft MultiHeadAttention). The library
-works on a ModelProto, so the onnx-ir pipeline would round-trip through protobuf; it
-converts a tensor only when its bytes are in raw_data, so a model with external data (the
-gpt3 preset) would come out typed float16 over float32 bytes; it appends its boundary Cast
-nodes at the end of the node list (not topologically sorted, which the onnx checker
-rejects); and it clamps *every* value into the float16 range, which hides a weight that
-does not fit. What this graph needs is small and explicit: retype float values, convert
-constants, rewrite Cast targets, saturate the mask fill value, and optionally keep float32
-at the boundary. The onnx-ir pass does exactly that on the in-memory model (lazy and
-external tensors included) and checks its result.
+converter that ships inside onnxruntime-gpu)? It was run on the three graphs attnx writes
+(decomposed, opset-23 Attention, com.microsoft MultiHeadAttention) and its numbers agree
+with the reference as well as ours. But with keep_io_types it appends its boundary Casts
+at the end of the node list, which the onnx checker rejects ("Nodes in a graph must be
+topologically sorted"); it works on a ModelProto with every tensor loaded and runs onnx
+shape inference on it (a model saved with external data and loaded without it fails; the
+gpt3 preset is past protobuf's 2 GB), so the onnx-ir pipeline would round-trip through
+protobuf; and it clamps every value into float16's range, which handles the mask fill but
+silently changes a weight that does not fit. What this graph needs is small and explicit:
+retype float values, convert constants, rewrite Cast targets, saturate the mask fill, and
+optionally keep float32 at the boundary. The onnx-ir pass does exactly that on the
+in-memory model (lazy and external tensors included) and checks its result.
 
 The mask: the decomposed export fills hidden scores with float32's lowest finite value
 (torch's masked_fill with finfo(float32).min). Cast to float16 that is -inf, and a query
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
-from attnx.errors import ExportError
+from attnx.errors import UsageError
 
 __all__ = ["ConvertToFloat16", "FP16_MAX"]
 
@@ -202,7 +203,7 @@ def _to_fp16(tensor: ir.TensorProtocol, name: str | None, counts: dict[str, int]
         sentinel = np.abs(array) == _FP32_MAX
         if array.size > 1 and not sentinel[over].all():
             worst = float(np.abs(array[over & ~sentinel]).max())
-            raise ExportError(
+            raise UsageError(
                 f"tensor {name!r} has {int((over & ~sentinel).sum())} values outside float16's range "
                 f"(largest magnitude {worst:.4g} > {FP16_MAX:g}): it cannot be stored in fp16"
             )

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from attnx.errors import ExportError
+from attnx.errors import UsageError
 from attnx.export import IR_VERSION, check_model_file, export_onnx, save_model, validate_against_torch
 from attnx.export.passes.fp16 import FP16_MAX, ConvertToFloat16
 from attnx.model import AttentionConfig, init_weights, reference_attention
@@ -154,8 +154,20 @@ def test_weight_outside_fp16_range_is_an_error():
     array = bias.const_value.numpy().copy()
     array[3] = 1e5  # does not fit in fp16: saturating it would silently change the model
     bias.const_value = ir.tensor(array, name="q_proj.bias")
-    with pytest.raises(ExportError, match=r"tensor 'q_proj.bias' has 1 values outside float16's range"):
+    with pytest.raises(UsageError, match=r"tensor 'q_proj.bias' has 1 values outside float16's range"):
         ConvertToFloat16()(model)
+
+
+def test_model_loaded_with_external_data(tmp_path):
+    """A model read back from disk with its weights in a data file (as the gpt3 preset is):
+    the pass converts the external tensors, and the fp16 model is written whole."""
+    save_model(_fp32_export("kpm", "decomposed"), tmp_path / "w.onnx", external_data=True)
+    assert (tmp_path / "w.onnx.data").exists()
+    model = ir.load(tmp_path / "w.onnx")
+    assert any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+    ConvertToFloat16()(model)
+    save_model(model, tmp_path / "h.onnx")
+    _check_runs(str(tmp_path / "h.onnx"), CONFIGS["kpm"], weights_for("kpm"), "fp16")
 
 
 def test_constant_nodes_casts_and_fill_scalars(tmp_path):

@@ -137,7 +137,7 @@ def test_compare_speed_returns_the_numbers(source, tmp_path):
     out = tmp_path / "opt.onnx"
     optimize_for_provider(source["fp32"], out, "cpu", "all")
     feeds = make_inputs(CONFIGS[NAME], 2, 16)
-    cmp = compare_speed(source["fp32"], out, feeds, repeat=5, warmup=1, threads=1)
+    cmp = compare_speed(source["fp32"], out, feeds, repeat=5, warmup=1, threads=1, load_repeat=2)
     for r, level in ((cmp.a, "all"), (cmp.b, "disabled")):
         assert r.level == level and len(r.runs_s) == 5
         assert all(t > 0 for t in r.runs_s) and r.load_s > 0
@@ -149,5 +149,5 @@ def test_compare_speed_returns_the_numbers(source, tmp_path):
 
     with pytest.raises(InputError, match="the feeds do not fit"):
         compare_speed(source["fp32"], out, {"x": feeds["x"]}, repeat=1)  # no key_padding_mask
-    with pytest.raises(UsageError, match="repeat must be at least 1"):
+    with pytest.raises(UsageError, match="repeat and load_repeat must be at least 1"):
         compare_speed(source["fp32"], out, feeds, repeat=0)
