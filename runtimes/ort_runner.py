@@ -213,10 +213,14 @@ class _StaticBuffer:
             self.ort_value.update_inplace(_host_array(value))
 
 
+_NUMPY_DTYPE_NAMES = {np.dtype(t): n for n, t in DTYPES.items()}
+
+
 def _value_dtype(value: Any) -> str:
     if _is_torch_tensor(value):
         return _TORCH_DTYPE_NAMES.get(str(value.dtype), str(value.dtype))
-    return {np.dtype(t): n for n, t in DTYPES.items()}.get(np.asarray(value).dtype, str(np.asarray(value).dtype))
+    dtype = np.asarray(value).dtype
+    return _NUMPY_DTYPE_NAMES.get(dtype, str(dtype))
 
 
 class IoBinder:
@@ -318,6 +322,8 @@ class IoBinder:
                     f"CUDA graphs replay fixed shapes: input {name!r} was captured as {list(buf.shape)}, "
                     f"got {list(value.shape)} (load a new runner for a new shape)"
                 )
+            if _value_dtype(value) != buf.dtype:
+                raise UsageError(f"input {name!r} was captured as {buf.dtype}, got {_value_dtype(value)}")
             buf.write(value)
             if buf.tensor is not None and buf.tensor.device.type == "cuda":
                 self._torch_devices.add(buf.tensor.device)

@@ -508,6 +508,8 @@ def test_static_binder_replays_fixed_addresses_and_refuses_new_shapes(cpu_sessio
     assert binder._static_outputs["y"].data_ptr() == out_address
     with pytest.raises(UsageError, match=r"captured as \[2, 4, 32\], got \[2, 5, 32\]"):
         binder.bind_inputs(make_inputs(CONFIGS["kpm"], 2, 5))
+    with pytest.raises(UsageError, match="'x' was captured as fp32, got fp16"):
+        binder.bind_inputs({**second, "x": second["x"].astype(np.float16)})
     with pytest.raises(UsageError, match="keeps its own output buffers"):
         binder.bind_outputs(specs, {"batch": 2, "seq": 4}, {"y": torch.empty(2, 4, 32)})
 
