@@ -69,7 +69,11 @@ def export_model(
         from attnx.export.passes import lower_model  # graph passes (ort-fused, fp16)
 
         progress("running graph passes")
-        model, pass_lines = lower_model(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32)
+        # auto measures each lowering on ORT CPU at batch 1, seq 512 (attnx optimize --provider
+        # picks another target) and records its choice and timings in the model's metadata.
+        model, pass_lines = lower_model(
+            model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress
+        )
     opset_used = model.opset_imports.get("", 0)
     progress(f"saving {os.fspath(out)}")
     files = save_model(model, out)

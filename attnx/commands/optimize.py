@@ -1,0 +1,70 @@
+"""attnx optimize: graph passes on an exported model, checked against it before writing."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnx.commands._common import Progress, format_table
+
+HELP = "lower an exported model's attention (ort-fused, auto, fp16), check parity, then write it"
+
+
+def _shape(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from attnx.export.passes import PASS_LOWERINGS
+    from attnx.export.passes._optimize import PROVIDERS
+
+    p = sub.add_parser("optimize", help=HELP, description=HELP)
+    p.add_argument("model", metavar="IN.onnx", help="a model written by attnx export")
+    p.add_argument("--out", required=True, metavar="OUT.onnx")
+    p.add_argument(
+        "--attention", choices=PASS_LOWERINGS, default="ort-fused",
+        help="lowering of the attention core (default ort-fused; auto measures each on --provider)",
+    )  # fmt: skip
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default=None, help="default: the input model's")
+    p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
+    p.add_argument("--provider", choices=PROVIDERS, default="cpu", help="where parity is checked and auto times")
+    p.add_argument("--auto-seq", type=_shape, default=None, help="sequence length auto times at (default 512)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnx.export.passes import AUTO_SHAPE
+    from attnx.export.passes._optimize import optimize_file
+
+    progress = Progress()
+    auto_shape = AUTO_SHAPE if args.auto_seq is None else (AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
+    result = optimize_file(
+        args.model, args.out, attention=args.attention, dtype=args.dtype, keep_io_fp32=args.keep_io_fp32,
+        provider=args.provider, auto_shape=auto_shape, raise_on_failure=False, progress=progress,
+    )  # fmt: skip
+    lowering = result.lowering
+    if lowering.auto is not None:
+        print("\n".join(lowering.auto.lines()))
+    report = lowering.report
+    rows = [
+        (r.name, "yes" if r.modified else "no", r.nodes_before, r.nodes_after, "; ".join(r.notes) or None)
+        for r in report.records
+    ]
+    rows.append(("total", "yes" if report.modified else "no", report.nodes_before, report.nodes_after, None))
+    print(format_table(["pass", "changed", "nodes before", "nodes after", "notes"], rows))
+    fused = report.fused_ops()
+    print("fused ops: " + (", ".join(f"{op} x{n}" for op, n in fused.items()) if fused else "none"))
+    rows = [(c.name, "pass" if c else "FAIL", c.max_abs, c.atol, c.cosine) for c in result.parity]
+    print(format_table([f"check vs {args.model}", "status", "max_abs", "atol", "cosine"], rows))
+    if not result.passed:
+        for failure in result.failures():
+            print(f"FAIL {failure}")
+        print(f"nothing written: {args.out} disagrees with {args.model} on ort-{args.provider}")
+        return 1
+    print(f"wrote {', '.join(result.files)} ({lowering.lowering}, {result.dtype})")
+    return 0
