@@ -151,6 +151,8 @@ def lower(
         raise UsageError("--attention onnx is written by the exporter at opset 23 (attnx export --attention onnx)")
     if attention not in PASS_LOWERINGS and attention != "onnx":
         raise UsageError(f"unknown --attention {attention!r} (known: {', '.join(PASS_LOWERINGS)})")
+    if attention == "decomposed" and lowering_of(model) != "decomposed":
+        raise UsageError(f"the model's attention is {lowering_of(model)} already: no pass turns it back into decomposed")
     auto = None
     if attention == "auto":
         auto = choose_lowering(

@@ -230,6 +230,9 @@ def test_lower_model_refuses_what_it_cannot_do(exported):
         lower_model(model, config, attention="flash")
     with pytest.raises(UsageError, match="unknown dtype 'bf16'"):
         lower_model(model, config, attention="ort-fused", dtype="bf16")
+    model, _ = lower_model(model, config, attention="ort-fused")
+    with pytest.raises(UsageError, match="is ort-fused already: no pass turns it back"):
+        lower_model(model, config, attention="decomposed")
 
 
 def test_weights_made_outside_attnx(tmp_path):
