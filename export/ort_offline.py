@@ -271,12 +271,12 @@ def compare_speed(
             start = time.perf_counter()
             sessions[i] = _create_session(path, _session_options(level, threads), provider)
             loads[i].append(time.perf_counter() - start)
-    for session, (path, _) in zip(sessions, models):
+    for session, (path, _) in zip(sessions, models, strict=True):
         for _ in range(max(warmup, 1)):  # at least one: a bad feed fails here, not in the timer
             _run(session, feeds, path)
     runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
-        for session, times in zip(sessions, runs):
+        for session, times in zip(sessions, runs, strict=True):
             start = time.perf_counter()
             session.run(None, feeds)
             times.append(time.perf_counter() - start)

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 from attnx.errors import UsageError
 from attnx.export import IR_VERSION, check_model_file, export_onnx, save_model, validate_against_torch
 from attnx.export.passes.fp16 import FP16_MAX, ConvertToFloat16
-from attnx.model import AttentionConfig, init_weights, reference_attention
+from attnx.model import AttentionConfig, reference_attention
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
 from tests.conftest import CONFIGS, weights_for
@@ -82,7 +82,7 @@ def _check_runs(path: str, config: AttentionConfig, weights: dict, io_dtype: str
     bias = weights["out_proj.bias"] if config.bias else np.zeros(config.d_model, np.float32)
     for batch, seq, mem_seq in SHAPES:
         feeds = make_inputs(config, batch, seq, mem_seq if config.cross else None, dtype=io_dtype, seed=seq)
-        values = dict(zip(names, session.run(None, feeds)))
+        values = dict(zip(names, session.run(None, feeds), strict=True))
         bad = [n for n, v in values.items() if not np.isfinite(v).all()]
         assert not bad, f"non-finite values at batch={batch} seq={seq}: {bad}"
         y = values["y"]
@@ -239,8 +239,9 @@ def _mha_model(config: AttentionConfig, weights: dict) -> ir.Model:
         ]
         mha_inputs.append("keep_i32")
         attention_out = "z_raw"
-    nodes.append(helper.make_node("MultiHeadAttention", mha_inputs, [attention_out], domain="com.microsoft",
-                                  num_heads=c.n_heads, scale=c.softmax_scale, unidirectional=int(c.causal)))  # fmt: skip
+    mha = helper.make_node("MultiHeadAttention", mha_inputs, [attention_out], domain="com.microsoft",
+                           num_heads=c.n_heads, scale=c.softmax_scale, unidirectional=int(c.causal))  # fmt: skip
+    nodes.append(mha)
     if c.key_padding_mask:
         nodes.append(helper.make_node("Where", ["any3", "z_raw", "zero"], ["z"]))
     nodes.append(helper.make_node("MatMul", ["z", "Wout"], ["zo"] if c.bias else ["y"]))
@@ -251,7 +252,8 @@ def _mha_model(config: AttentionConfig, weights: dict) -> ir.Model:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", c.d_model])
     infos = [helper.make_tensor_value_info(attention_out, TensorProto.FLOAT, ["batch", "seq", c.v_dim])]
     graph = helper.make_graph(nodes, "mha", inputs, [y], inits, value_info=infos)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
     return ir.from_proto(onnx.shape_inference.infer_shapes(proto))  # typed, as the exporter's graphs are
 
 
@@ -263,7 +265,8 @@ def test_fp16_multi_head_attention_graph(tmp_path, name):
     session = ort.InferenceSession(str(fp32_path), providers=["CPUExecutionProvider"])
     feeds = make_inputs(config, 3, 7, 5 if config.cross else None)
     ref = reference_attention(config, weights, **feeds)  # the builder itself is right in fp32
-    assert compare_arrays("y", session.run(None, feeds)[0], ref, tolerance_for("fp32"), problem_size(config, weights, feeds))
+    size = problem_size(config, weights, feeds)
+    assert compare_arrays("y", session.run(None, feeds)[0], ref, tolerance_for("fp32"), size)
 
     for keep in (False, True):
         model = ConvertToFloat16(keep_io_fp32=keep)(_mha_model(config, weights)).model

@@ -106,6 +106,15 @@ def test_external_initializers_and_a_stale_data_file(source, tmp_path):
     assert np.array_equal(_run(str(out), feeds), y)
 
 
+def test_external_data_is_chosen_by_size(source, tmp_path, monkeypatch):
+    import attnx.export.ort_offline as offline
+
+    assert not optimize_for_provider(source["fp32"], tmp_path / "a.onnx").external_data  # 17 kB of weights
+    monkeypatch.setattr(offline, "EXTERNAL_DATA_THRESHOLD", 10_000)  # as if they passed 2 GB
+    result = optimize_for_provider(source["fp32"], tmp_path / "b.onnx")
+    assert result.external_data and (tmp_path / "b.onnx.data").exists()
+
+
 def test_cuda_without_a_usable_provider_is_unavailable(source, tmp_path):
     out = tmp_path / "cuda.onnx"
     if _cuda_usable():
