@@ -26,6 +26,7 @@ __all__ = [
     "save_model",
     "contract_dims",
     "quiet",
+    "release_rewriter_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,35 @@ def export_onnx(
     model.producer_name = "attnx"
     model.metadata_props[CONFIG_METADATA_KEY] = config.to_json()
     model.metadata_props["attnx.attention"] = attention
+    release_rewriter_state()
     return model
+
+
+def release_rewriter_state() -> None:
+    """Drop the graph that onnxscript's module-level rewrite rules keep from their last match.
+
+    The exporter's optimizer (and the ORT fusion rules of the graph passes) match with rule
+    objects held in module globals, and each matcher keeps the last graph it looked at
+    (_graph, _current_node, _match): through it, every initializer of the exported model,
+    the weights included (2.4 GB for the gpt3 preset), stays alive after the model is saved
+    and deleted. Matchers set this state afresh at the start of every match.
+    """
+    import gc
+
+    try:
+        from onnxscript.rewriter._basics import MatchResult
+        from onnxscript.rewriter._matcher import SimplePatternMatcher
+    except ImportError:  # another onnxscript layout: nothing known to release
+        return
+    with warnings.catch_warnings():  # isinstance() wakes torch's deprecated module attributes
+        warnings.simplefilter("ignore")
+        matchers = [obj for obj in gc.get_objects() if isinstance(obj, SimplePatternMatcher)]
+    for obj in matchers:
+        for attr in ("_graph", "_current_node", "_tracer"):
+            if hasattr(obj, attr):
+                setattr(obj, attr, None)
+        if hasattr(obj, "_match"):
+            obj._match = MatchResult()
 
 
 def name_contract_dims(model: ir.Model, config: AttentionConfig) -> None:
