@@ -390,9 +390,15 @@ def _describe_versions(model: Mapping[str, Any]) -> str:
     return f"IR version {model['ir_version']}, opsets {opsets}"
 
 
-def _open_runner(root: str, manifest: Mapping[str, Any], provider: str) -> Runner:
-    """A loaded ORT runner for the provider's model (ModelFileError if ORT cannot load it)."""
-    model = _model_for(manifest, provider)
+def _model_named(manifest: Mapping[str, Any], file: str) -> dict[str, Any]:
+    for model in manifest["models"]:
+        if model["file"] == file:
+            return model
+    raise UsageError(f"this package has no model {file!r}")
+
+
+def _open_runner(root: str, manifest: Mapping[str, Any], provider: str, model: Mapping[str, Any]) -> Runner:
+    """A loaded ORT runner for `model` on `provider` (ModelFileError if ORT cannot load it)."""
     _check_external_data(root, manifest, model["file"])
     config = AttentionConfig.from_dict(dict(manifest["config"]))
     source = ModelSource(config, None, member_path(root, model["file"], "the model"), manifest["dtype"])
@@ -461,6 +467,8 @@ def verify_package(
     directory: str | os.PathLike[str],
     provider: str = "cpu",
     progress: Callable[[str], None] = lambda msg: None,
+    *,
+    model_file: str | None = None,
 ) -> VerifyReport:
     """Check a package on this machine: every file's size and sha256, that the installed
     onnxruntime loads the model (its IR version and opsets) on `provider`, and that the
@@ -468,7 +476,9 @@ def verify_package(
 
     Returns the report (failed checks say which file or output, by how much). Raises
     PackageError for a folder that is not a package or names a file outside itself, and
-    ProviderUnavailable when `provider` cannot run here.
+    ProviderUnavailable when `provider` cannot run here. model_file runs that model on
+    `provider` even if the package was not built for it (attnx build checks a cuda-only
+    package's model on cpu this way when it has no CUDA).
     """
     if provider not in PROVIDERS:
         raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
@@ -480,7 +490,7 @@ def verify_package(
         return report  # nothing else can be trusted: the manifest holds every other hash
     manifest = _parse_manifest(data)
     _check_names(root, manifest)
-    model = _model_for(manifest, provider)
+    model = _model_for(manifest, provider) if model_file is None else _model_named(manifest, model_file)
     progress("checking file sizes and sha256")
     report.checks += _check_files(root, manifest, progress)
     extra = sorted(set(os.listdir(root)) - set(manifest["files"]) - {MANIFEST, MANIFEST_SUM})
@@ -498,7 +508,7 @@ def verify_package(
     _check_external_data(root, manifest, model["file"])  # before onnxruntime opens anything
     progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({PROVIDERS[provider]})")
     try:
-        runner = _open_runner(root, manifest, provider)
+        runner = _open_runner(root, manifest, provider, model)
     except ModelFileError as e:
         report.checks.append(
             Check("onnxruntime", False, f"{onnxruntime.__version__} cannot load {model['file']} ({versions}): {e}")
@@ -523,12 +533,12 @@ def load(directory: str | os.PathLike[str], provider: str = "cpu", check_files: 
     sha256 too: CheckFailed names a damaged file before onnxruntime sees it.
     """
     root, manifest = read_manifest(directory)
-    _model_for(manifest, provider)
+    model = _model_for(manifest, provider)
     if check_files:
         failures = [c for c in _check_files(root, manifest, lambda msg: None) if not c]
         if failures:
             raise CheckFailed(f"{os.fspath(directory)}: " + "; ".join(f"{c.name}: {c.detail}" for c in failures))
-    return _open_runner(root, manifest, provider)
+    return _open_runner(root, manifest, provider, model)
 
 
 def describe_package(directory: str | os.PathLike[str]) -> dict[str, Any]:

@@ -84,6 +84,21 @@ def test_two_builds_are_byte_identical(tiny_pkg, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["again"]  # no partial or old folder left beside it
 
 
+def test_cuda_only_package(tmp_path, capsys):
+    """Built where CUDA may be missing: the model still runs its golden cases on cpu here, and
+    the package says whether cuda was verified, or why not."""
+    out = tmp_path / "pkg"
+    report = build_package(CONFIGS["causal"], out, weights_for("causal"), providers=["cuda"])
+    m = report.manifest
+    assert m["providers"] == ["cuda"] and m["models"][0]["providers"] == ["cuda"]
+    assert report.verify.passed and any(c.name == "golden-2.npz y" for c in report.verify.checks)
+    cuda_here = m["verified_on"] == ["cuda"]
+    assert cuda_here or "unavailable" in m["not_verified"]["cuda"]
+    assert main(["verify", str(out), "--provider", "cuda"]) == (0 if cuda_here else 2)
+    assert main(["verify", str(out), "--provider", "cpu"]) == 2
+    assert "no model for provider 'cpu' (built for: cuda)" in capsys.readouterr().err
+
+
 def test_existing_dir_needs_force(tiny_pkg, tmp_path, capsys):
     before = sha256(tiny_pkg / MANIFEST)
     assert main(["build", "--preset", "tiny", "--out", str(tiny_pkg)]) == 2
