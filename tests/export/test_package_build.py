@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from attnx.export import IR_VERSION
 from attnx.export import package as package_mod
-from attnx.export.package import LARGE_MODEL_BYTES, build_package, check_plan, write_npz
+from attnx.export.package import DEFAULT_ATTENTION, LARGE_MODEL_BYTES, build_package, check_plan, write_npz
 from attnx.model import preset
 from attnx.runtimes.package import MANIFEST, MANIFEST_SUM
 
@@ -34,12 +34,12 @@ def tiny_pkg(tmp_path_factory):
 def test_build_writes_a_complete_manifest(tiny_pkg, capsys):
     m = json.loads((tiny_pkg / MANIFEST).read_text())
     assert m["format"] == "attnx-package" and m["format_version"] == 1
-    assert m["config"] == preset("tiny").to_dict() and m["dtype"] == "fp32" and m["attention"] == "decomposed"
+    assert m["config"] == preset("tiny").to_dict() and m["dtype"] == "fp32" and m["attention"] == DEFAULT_ATTENTION
     assert m["inputs"] == [{"name": "x", "dtype": "fp32", "shape": ["batch", "seq", 64]}]
     assert m["outputs"] == [{"name": "y", "dtype": "fp32", "shape": ["batch", "seq", 64]}]
     (model,) = m["models"]
-    assert model["file"] == "model.onnx" and model["external_data"] == [] and model["lowering"] == "decomposed"
-    assert model["ir_version"] == IR_VERSION and model["opsets"]["ai.onnx"] == 18
+    assert model["file"] == "model.onnx" and model["external_data"] == [] and model["lowering"] == "ort-fused"
+    assert model["ir_version"] == IR_VERSION and model["opsets"]["ai.onnx"] == 18 and "com.microsoft" in model["opsets"]
     assert set(m["versions"]) >= {"attnx", "torch", "onnx", "onnxruntime"}
     # every file but the manifest and its checksum, with its true size and sha256
     listed = set(os.listdir(tiny_pkg)) - {MANIFEST, MANIFEST_SUM}
@@ -88,9 +88,10 @@ def test_cuda_only_package(tmp_path, capsys):
     """Built where CUDA may be missing: the model still runs its golden cases on cpu here, and
     the package says whether cuda was verified, or why not."""
     out = tmp_path / "pkg"
-    report = build_package(CONFIGS["causal"], out, weights_for("causal"), providers=["cuda"])
+    report = build_package(CONFIGS["causal"], out, weights_for("causal"), attention="decomposed", providers=["cuda"])
     m = report.manifest
     assert m["providers"] == ["cuda"] and m["models"][0]["providers"] == ["cuda"]
+    assert m["models"][0]["lowering"] == "decomposed" and list(m["models"][0]["opsets"]) == ["ai.onnx"]
     assert report.verify.passed and any(c.name == "golden-2.npz y" for c in report.verify.checks)
     cuda_here = m["verified_on"] == ["cuda"]
     assert cuda_here or "unavailable" in m["not_verified"]["cuda"]
