@@ -5,7 +5,8 @@ threads (2), one set of seeded weights for every backend:
 
     seq 512:  ort-fused >= 2x faster than torch eager (the better of the plain and the SDPA
               forward), and >= 80% of the GFLOP/s ORT's own MatMul reaches at 512x1024x1024
-    seq 8192: ort-fused peak RSS <= 10% of the decomposed model's, time <= 1/3 of it
+    seq 8192: ort-fused peak RSS <= 10% of the decomposed model's, time <= 1/3 of it (judged
+              on the first call, where ORT grows its memory arena, and on the warm calls)
 
 Every lowering the passes can build is measured beside ort-fused (packed q/k/v, the
 com.microsoft Attention op), so the table also says whether one of them beats it. Each case
@@ -42,7 +43,8 @@ TARGETS = (
     ("seq 512: torch eager (best) time / ort-fused time", 2.0, ">="),
     ("seq 512: ort-fused GFLOP/s / ORT MatMul 512x1024x1024 GFLOP/s", 0.8, ">="),
     ("seq {long}: ort-fused peak RSS / decomposed peak RSS", 0.10, "<="),
-    ("seq {long}: ort-fused time / decomposed time", 1 / 3, "<="),
+    ("seq {long}: ort-fused time / decomposed time, first call", 1 / 3, "<="),
+    ("seq {long}: ort-fused time / decomposed time, warm calls (median after the first)", 1 / 3, "<="),
 )
 
 
@@ -53,11 +55,15 @@ class Measurement:
     seq: int
     status: str
     reason: str | None = None
-    median_ms: float | None = None
+    median_ms: float | None = None  # of every timed call
     min_ms: float | None = None
     runs: int = 0
-    gflops: float | None = None
+    gflops: float | None = None  # at median_ms
     peak_rss_mb: float | None = None
+    # Long sequences: the first call (no warm-up: ORT grows its memory arena there, which for
+    # the decomposed model is gigabytes of fresh pages) and the median of the calls after it.
+    first_ms: float | None = None
+    warm_ms: float | None = None
 
     @property
     def label(self) -> str:
@@ -105,18 +111,33 @@ def _run(spec: dict[str, Any], workdir: str, name: str, timeout_s: float, flops:
     if m.status == "ok" and times:
         m.median_ms, m.min_ms, m.runs = statistics.median(times), min(times), len(times)
         m.gflops = flops / (m.median_ms * 1e-3) / 1e9
+        if spec.get("warmup") == 0:
+            m.first_ms = times[0]
+            m.warm_ms = statistics.median(times[1:]) if len(times) > 1 else None
     return m
+
+
+def _best(a: Measurement | None, b: Measurement) -> Measurement:
+    """The faster of two rounds of one case (a failed round never wins over one that ran)."""
+    if a is None or a.median_ms is None:
+        return b
+    return b if b.median_ms is not None and b.median_ms < a.median_ms else a
 
 
 def measure(
     threads: int = 2,
     repeat: int = 20,
-    long_repeat: int = 2,
+    rounds: int = 2,
+    long_repeat: int = 4,
     long_seq: int | None = LONG_SEQ,
     timeout_s: float = 900.0,
     say=lambda msg: None,
 ) -> list[Measurement]:
-    """Every measurement the targets need, in one run."""
+    """Every measurement the targets need, in one run.
+
+    The short cases and the GEMM run `rounds` times, interleaved, and each keeps its fastest
+    round: another process's burst on a shared machine then slows one round, not the verdict,
+    and the GEMM's best (the stricter bound for the GFLOP/s target) is from the same run."""
     from attnx.bench._flops import attention_flops, gemm_flops
     from attnx.bench._sweep import available_memory_bytes, estimate_peak_bytes, write_gemm_model
     from attnx.model import init_weights, preset
@@ -124,34 +145,45 @@ def measure(
     config = preset("large")
     seed = 0
     weights = init_weights(config, seed)
-    out: list[Measurement] = []
     with tempfile.TemporaryDirectory(prefix="attnx-targets-") as workdir:
         paths = _build_models(config, weights, workdir, say)
         del weights
         gemm_path = os.path.join(workdir, "gemm.onnx")
         write_gemm_model(gemm_path, *GEMM, "fp32")
-        say(f"ORT MatMul {'x'.join(map(str, GEMM))}")
-        spec = {"kind": "gemm", "backend": "ort-cpu", "dtype": "fp32", "m": GEMM[0], "k": GEMM[1], "n": GEMM[2],
-                "threads": threads, "repeat": max(repeat, 20), "warmup": 3, "model_path": gemm_path}  # fmt: skip
-        out.append(_run(spec, workdir, "gemm", timeout_s, gemm_flops(*GEMM)))
-        cases = [("ort-cpu", lowering, SHORT_SEQ, repeat) for lowering in paths]
-        cases += [("torch", forward, SHORT_SEQ, repeat) for forward in TORCH_FORWARDS]
-        if long_seq:
-            cases += [("ort-cpu", lowering, long_seq, long_repeat) for lowering in paths]
-        for i, (backend, lowering, seq, reps) in enumerate(cases):
-            say(f"{backend} {lowering} seq {seq}")
-            need = estimate_peak_bytes(config, backend, lowering, 1, seq, None, "fp32")
+        gemm_spec = {"kind": "gemm", "backend": "ort-cpu", "dtype": "fp32", "m": GEMM[0], "k": GEMM[1],
+                     "n": GEMM[2], "threads": threads, "repeat": max(repeat, 40), "warmup": 3,
+                     "model_path": gemm_path}  # fmt: skip
+        short = [("ort-cpu", lowering) for lowering in paths] + [("torch", f) for f in TORCH_FORWARDS]
+        best: dict[tuple[str, str, int], Measurement] = {}
+        for r in range(rounds):
+            say(f"round {r + 1}/{rounds}: ORT MatMul {'x'.join(map(str, GEMM))}")
+            best["gemm", "", GEMM[0]] = _best(best.get(("gemm", "", GEMM[0])),
+                                              _run(gemm_spec, workdir, f"gemm{r}", timeout_s, gemm_flops(*GEMM)))  # fmt: skip
+            for backend, lowering in short:
+                say(f"round {r + 1}/{rounds}: {backend} {lowering} seq {SHORT_SEQ}")
+                spec = _case_spec(config, backend, lowering, SHORT_SEQ, threads, repeat, 3, seed, paths)
+                m = _run(spec, workdir, f"r{r}-{backend}-{lowering}", timeout_s, attention_flops(config, 1, SHORT_SEQ))
+                best[backend, lowering, SHORT_SEQ] = _best(best.get((backend, lowering, SHORT_SEQ)), m)
+        out = list(best.values())
+        for lowering in paths if long_seq else ():
+            say(f"ort-cpu {lowering} seq {long_seq}")
+            need = estimate_peak_bytes(config, "ort-cpu", lowering, 1, long_seq, None, "fp32")
             free = available_memory_bytes()
             if free is not None and need > free:
-                out.append(Measurement(backend, lowering, seq, "skipped",
+                out.append(Measurement("ort-cpu", lowering, long_seq, "skipped",
                                        f"needs about {need / 1024**3:.1f} GB, {free / 1024**3:.1f} GB available"))  # fmt: skip
                 continue
-            spec = {"kind": "case", "backend": backend, "attention": lowering, "dtype": "fp32",
-                    "config": config.to_dict(), "batch": 1, "seq": seq, "mem_seq": None, "threads": threads,
-                    "repeat": reps, "warmup": 1 if seq > SHORT_SEQ else 3, "seed": seed, "weights_path": None,
-                    "model_path": paths.get(lowering) if backend == "ort-cpu" else None}  # fmt: skip
-            out.append(_run(spec, workdir, f"case{i}", timeout_s, attention_flops(config, 1, seq)))
+            spec = _case_spec(config, "ort-cpu", lowering, long_seq, threads, long_repeat, 0, seed, paths)
+            out.append(_run(spec, workdir, f"long-{lowering}", timeout_s, attention_flops(config, 1, long_seq)))
     return out
+
+
+def _case_spec(config: Any, backend: str, lowering: str, seq: int, threads: int, repeat: int, warmup: int,
+               seed: int, paths: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    return {"kind": "case", "backend": backend, "attention": lowering, "dtype": "fp32", "config": config.to_dict(),
+            "batch": 1, "seq": seq, "mem_seq": None, "threads": threads, "repeat": repeat, "warmup": warmup,
+            "seed": seed, "weights_path": None,
+            "model_path": paths.get(lowering) if backend == "ort-cpu" else None}  # fmt: skip
 
 
 def _find(ms: Sequence[Measurement], backend: str, lowering: str, seq: int) -> Measurement | None:
@@ -162,17 +194,23 @@ def _find(ms: Sequence[Measurement], backend: str, lowering: str, seq: int) -> M
 
 
 def evaluate(ms: Sequence[Measurement], long_seq: int = LONG_SEQ) -> list[dict[str, Any]]:
-    """Each target: its measured ratio, bound and verdict (None when not measured)."""
+    """Each target: its measured ratio, bound and verdict (None when not measured). The long
+    sequence's time is judged twice: on the first call and on the warm calls after it."""
     fused = _find(ms, "ort-cpu", "ort-fused", SHORT_SEQ)
     torches = [m for f in TORCH_FORWARDS if (m := _find(ms, "torch", f, SHORT_SEQ)) is not None]
     gemm = next((m for m in ms if m.backend == "gemm" and m.status == "ok"), None)
-    fused_long = _find(ms, "ort-cpu", "ort-fused", long_seq)
-    dec_long = _find(ms, "ort-cpu", "decomposed", long_seq)
+    fl = _find(ms, "ort-cpu", "ort-fused", long_seq)
+    dl = _find(ms, "ort-cpu", "decomposed", long_seq)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
     values: list[float | None] = [
-        min(t.median_ms for t in torches) / fused.median_ms if fused and torches else None,
-        fused.gflops / gemm.gflops if fused and gemm else None,
-        fused_long.peak_rss_mb / dec_long.peak_rss_mb if fused_long and dec_long and dec_long.peak_rss_mb else None,
-        fused_long.median_ms / dec_long.median_ms if fused_long and dec_long else None,
+        ratio(min(t.median_ms for t in torches), fused.median_ms) if fused and torches else None,
+        ratio(fused.gflops, gemm.gflops) if fused and gemm else None,
+        ratio(fl.peak_rss_mb, dl.peak_rss_mb) if fl and dl else None,
+        ratio(fl.first_ms, dl.first_ms) if fl and dl else None,
+        ratio(fl.warm_ms, dl.warm_ms) if fl and dl else None,
     ]
     out = []
     for (name, bound, op), value in zip(TARGETS, values):
@@ -184,28 +222,31 @@ def evaluate(ms: Sequence[Measurement], long_seq: int = LONG_SEQ) -> list[dict[s
 def _table(ms: Sequence[Measurement]) -> str:
     from attnx.commands._common import format_table
 
-    rows = [(m.label, m.seq, m.status, m.median_ms, m.min_ms, m.runs, m.gflops, m.peak_rss_mb) for m in ms]
-    return format_table(["case", "seq", "status", "median ms", "min ms", "runs", "GFLOP/s", "peak RSS MB"], rows)
+    rows = [(m.label, m.seq, m.status, m.median_ms, m.min_ms, m.first_ms, m.warm_ms, m.runs, m.gflops, m.peak_rss_mb)
+            for m in ms]  # fmt: skip
+    headers = ["case", "seq", "status", "median ms", "min ms", "first ms", "warm ms", "runs", "GFLOP/s", "peak RSS MB"]
+    return format_table(headers, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnx.bench.targets_compiler", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=20, help="timed runs at seq 512")
-    parser.add_argument("--long-repeat", type=int, default=2, help="timed runs at the long sequence")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the seq-512 cases; each keeps its fastest")
+    parser.add_argument("--long-repeat", type=int, default=4, help="timed runs at the long sequence (no warm-up)")
     parser.add_argument("--long-seq", type=int, default=LONG_SEQ, help="0 skips the long-sequence targets")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     parser.add_argument("--json", metavar="FILE", help="write the measurements and verdicts as JSON")
     args = parser.parse_args(argv)
-    if args.threads < 1 or args.repeat < 1 or args.long_repeat < 1 or args.long_seq < 0:
-        parser.error("--threads, --repeat and --long-repeat must be positive, --long-seq >= 0")
+    if min(args.threads, args.repeat, args.rounds, args.long_repeat) < 1 or args.long_seq < 0:
+        parser.error("--threads, --repeat, --rounds and --long-repeat must be positive, --long-seq >= 0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
 
     def say(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    ms = measure(args.threads, args.repeat, args.long_repeat, args.long_seq or None, args.timeout, say)
+    ms = measure(args.threads, args.repeat, args.rounds, args.long_repeat, args.long_seq or None, args.timeout, say)
     print(_table(ms))
     for m in ms:
         if m.status != "ok":
