@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from attnx._io import atomic_path
 from attnx.bench._sweep import BenchCase, BenchReport
 from attnx.errors import UsageError
 
@@ -117,13 +118,8 @@ def plot_report(report: BenchReport, path: str | os.PathLike[str]) -> None:
         fig.text(0.01, 0.005, "\n".join(notes), fontsize=8, va="bottom", color="0.3")
         fig.get_layout_engine().set(rect=(0, height, 1, 1 - height))  # room for the notes below the axes
     ext = os.path.splitext(path)[1]
-    tmp = f"{path}.tmp{os.getpid()}{ext}"
-    try:
+    with atomic_path(path, suffix=ext) as tmp:
         fig.savefig(tmp, dpi=120, format=ext.lstrip(".").lower() or "png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _plain_formatter() -> type:

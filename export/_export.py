@@ -24,6 +24,7 @@ __all__ = [
     "default_opset",
     "export_onnx",
     "save_model",
+    "publish_staged_model",
     "contract_dims",
     "quiet",
     "release_rewriter_state",
@@ -245,12 +246,19 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
     data_name = f"{name}.data" if external_data else None
     with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
         ir.save(model, os.path.join(tmp, name), external_data=data_name)
-        written = []
-        if data_name:  # the data first: a model never points at a missing data file
-            os.replace(os.path.join(tmp, data_name), os.path.join(parent, data_name))
-            written.append(os.path.join(parent, data_name))
-        elif os.path.exists(os.path.join(parent, f"{name}.data")):
-            os.remove(os.path.join(parent, f"{name}.data"))  # a stale one from an earlier save
-        os.replace(os.path.join(tmp, name), path)
-        written.insert(0, path)
+        return publish_staged_model(tmp, name, parent)
+
+
+def publish_staged_model(staged_dir: str, name: str, parent: str) -> list[str]:
+    """Move model `name` (and its `<name>.data`, when there is one) from the staging folder
+    into `parent`, the data first so that a model never points at a missing data file. A
+    stale `<name>.data` from an earlier model of that name is removed. Returns the paths."""
+    data_name = f"{name}.data"
+    written = [os.path.join(parent, name)]
+    if os.path.exists(os.path.join(staged_dir, data_name)):
+        os.replace(os.path.join(staged_dir, data_name), os.path.join(parent, data_name))
+        written.append(os.path.join(parent, data_name))
+    elif os.path.exists(os.path.join(parent, data_name)):
+        os.remove(os.path.join(parent, data_name))
+    os.replace(os.path.join(staged_dir, name), written[0])
     return written

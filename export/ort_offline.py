@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
-from attnx.export._export import EXTERNAL_DATA_THRESHOLD, IR_VERSION
+from attnx.export._export import EXTERNAL_DATA_THRESHOLD, IR_VERSION, publish_staged_model
 
 __all__ = [
     "PROVIDERS",
@@ -156,14 +156,7 @@ def optimize_for_provider(
         # It must load again, in this ORT, on this provider, as a deployment would load it.
         _create_session(tmp_model, _session_options("disabled"), provider)
 
-        written = []
-        if data_name:  # the data first: a model never points at a missing data file
-            os.replace(os.path.join(tmp, data_name), os.path.join(parent, data_name))
-            written.append(os.path.join(parent, data_name))
-        elif os.path.exists(os.path.join(parent, f"{name}.data")):
-            os.remove(os.path.join(parent, f"{name}.data"))  # a stale one from an earlier run
-        os.replace(tmp_model, out_path)
-        written.insert(0, out_path)
+        written = publish_staged_model(tmp, name, parent)
     result = OfflineResult(
         out_path, written, provider, level, ort.__version__, bool(data_name), optimize_s, ops_before, ops_after
     )

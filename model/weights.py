@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx._io import atomic_path
 from attnx.errors import WeightsError
 from attnx.model.config import AttentionConfig
 
@@ -91,14 +92,8 @@ def save_weights(weights: Mapping[str, np.ndarray], path: str | os.PathLike[str]
     """Write safetensors atomically: a temporary name, then rename."""
     from safetensors.numpy import save_file
 
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def from_torch_mha_state_dict(state_dict: Mapping[str, Any], config: AttentionConfig) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx._io import atomic_path
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, compare_arrays, problem_size, tolerance_for
@@ -80,16 +81,9 @@ class ParityReport:
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, allow_nan=False, default=_json_default)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, allow_nan=False, default=_json_default)
+        f.write("\n")
 
 
 def _json_default(o: Any) -> Any:
@@ -208,11 +202,5 @@ def run_parity(
 
 
 def write_npy_atomic(path: str | os.PathLike[str], array: np.ndarray) -> None:
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    try:
+    with atomic_path(path, suffix=".npy") as tmp:  # np.save would append .npy to another name
         np.save(tmp, array, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

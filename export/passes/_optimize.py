@@ -104,7 +104,7 @@ def optimize_file(
     dtype None keeps IN's dtype. A failed check raises CheckFailed (exit 1), or with
     raise_on_failure=False returns a result whose `files` is empty."""
     from attnx.export._check import check_model_file
-    from attnx.export._export import save_model
+    from attnx.export._export import publish_staged_model, save_model
     from attnx.runtimes import ModelSource, create_runner
 
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
@@ -149,12 +149,5 @@ def optimize_file(
                     f"{out_path} not written: the optimized model disagrees with {in_path}: " + "; ".join(out.failures())
                 )
             return out
-        data = f"{name}.data"
-        if os.path.exists(os.path.join(tmp, data)):
-            os.replace(os.path.join(tmp, data), os.path.join(parent, data))
-            out.files.append(os.path.join(parent, data))
-        elif os.path.exists(os.path.join(parent, data)):
-            os.remove(os.path.join(parent, data))  # a stale one from an earlier model of that name
-        os.replace(staged, os.path.abspath(out_path))
-        out.files.insert(0, os.path.abspath(out_path))
+        out.files = publish_staged_model(tmp, name, parent)
     return out
