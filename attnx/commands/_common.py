@@ -11,7 +11,7 @@ from typing import Any
 
 from attnx.errors import UsageError
 
-__all__ = ["add_model_args", "load_model_args", "Progress", "format_table", "int_list", "str_list"]
+__all__ = ["add_model_args", "load_config_arg", "load_model_args", "Progress", "format_table", "int_list", "str_list"]
 
 
 def add_model_args(parser: argparse.ArgumentParser, weights: bool = True) -> None:
@@ -23,11 +23,18 @@ def add_model_args(parser: argparse.ArgumentParser, weights: bool = True) -> Non
         parser.add_argument("--seed", type=int, default=0, help="seed of the generated weights (default 0)")
 
 
+def load_config_arg(args: argparse.Namespace) -> Any:
+    """The AttentionConfig named by --preset or read from --config."""
+    from attnx.model import load_config, preset
+
+    return preset(args.preset) if args.preset else load_config(args.config)
+
+
 def load_model_args(args: argparse.Namespace, progress: Progress | None = None) -> tuple[Any, Any]:
     """(config, weights) from --preset/--config and --weights/--seed."""
-    from attnx.model import init_weights, load_config, load_weights, preset
+    from attnx.model import init_weights, load_weights
 
-    config = preset(args.preset) if args.preset else load_config(args.config)
+    config = load_config_arg(args)
     if getattr(args, "weights", None):
         weights = load_weights(args.weights, config)
     else:

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import IO, Any
 
-from attnx.commands._common import check_output_path, format_table, int_list, str_list
+from attnx.commands._common import check_output_path, format_table, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
@@ -66,7 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _plan(args: argparse.Namespace) -> Any:
     from attnx.bench import BenchPlan, describe_onnx_model
-    from attnx.model import load_config, preset
 
     dtypes = args.dtype or ["fp32"]
     if args.model:
@@ -79,7 +78,7 @@ def _plan(args: argparse.Namespace) -> Any:
             raise UsageError(f"--model {args.model!r} is {model_dtype}; --dtype {','.join(args.dtype)} does not apply")
         dtypes = [model_dtype]
     else:
-        config = preset(args.preset) if args.preset else load_config(args.config)
+        config = load_config_arg(args)
         if args.weights and not os.path.isfile(args.weights):
             raise UsageError(f"--weights {args.weights!r} does not exist")
     return BenchPlan(

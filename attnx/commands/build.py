@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from attnx.commands._common import Progress, add_model_args, format_table, str_list
+from attnx.commands._common import Progress, add_model_args, format_table, load_config_arg, str_list
 
 HELP = "export, check and package the model: a folder that verifies itself on the deployment machine"
 
@@ -37,9 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from attnx.export.package import build_package
-    from attnx.model import load_config, preset
 
-    config = preset(args.preset) if args.preset else load_config(args.config)
+    config = load_config_arg(args)
     progress = Progress()
     report = build_package(
         config,
