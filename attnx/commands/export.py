@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnx.commands._common import Progress, add_model_args, check_output_path, format_table, load_model_args
+from attnx.commands._common import Progress, add_model_args, check_output_path, format_table, load_config_arg
 
 HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
 
@@ -28,11 +28,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out)
     progress = Progress()
-    config, weights = load_model_args(args, progress)
+    config = load_config_arg(args)
     report = export_model(
         config,
         args.out,
-        weights,
+        args.weights,  # a path (or None: seeded), so that export_model can drop the weights early
+        seed=args.seed,
         attention=args.attention,
         dtype=args.dtype,
         opset=args.opset,

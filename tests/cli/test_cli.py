@@ -26,6 +26,11 @@ def attnx(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "attnx.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the progress lines ("[   0.0s] ...")."""
+    return [ln for ln in stderr.splitlines() if not ln.startswith("[")]
+
+
 def test_export_then_parity_json(tiny_model, tmp_path, capsys):
     out = tmp_path / "p.json"
     rc = main(["parity", "--preset", "tiny", "--model", str(tiny_model), "--seq", "1,9", "--json", str(out)])
@@ -48,9 +53,9 @@ def test_parity_exports_a_model_when_none_is_given(capsys):
 def test_require_unavailable_backend_exits_2_with_the_reason(tiny_model):
     r = attnx("parity", "--preset", "tiny", "--model", str(tiny_model), "--require", "ort-cuda", "--seq", "2")
     assert r.returncode == 2
-    # Everything on stderr but the progress lines ("[   0.0s] ...") is the one error line:
-    # ORT's own C++ log is captured into the reason, not printed.
-    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("[")]
+    # Everything on stderr but the progress lines is the one error line: ORT's own C++ log
+    # is captured into the reason, not printed.
+    lines = error_lines(r.stderr)
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("attnx parity: error: backend 'ort-cuda' is unavailable")
     assert "session providers: CPUExecutionProvider" in lines[0]
@@ -76,7 +81,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, setup, args, message):
     setup(tmp_path)
     r = attnx(*[a.format(d=tmp_path) for a in args])
     assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("attnx ") and message in lines[0], r.stderr
     assert not (tmp_path / "m.onnx").exists()  # nothing half-written
 
 
