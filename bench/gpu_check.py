@@ -28,9 +28,10 @@ Steps, in order of value:
    the H200's fp16 dense matrix rate, as measured on these machines).
 
 Note for the device machine of this workplace: its image ships `onnxruntime` (CPU only),
-not onnxruntime-gpu, so ort-cuda is reported unavailable there with that reason and the
-torch-cuda side still runs. onnxruntime-gpu's wheel (about 250 MB) is over what one call
-carries (64 MiB).
+not onnxruntime-gpu, so without more ort-cuda is reported unavailable there with that
+reason and the torch-cuda side still runs. onnxruntime-gpu's wheel (about 250 MB) is over
+what one call carries (64 MiB): bench/device_wheel.sh sends it in chunks over several
+calls to a warm machine and installs it into /tmp/site (see that script and the README).
 
 `python3 bench/gpu_check.py --dry-run` prints the plan and writes the environment alone.
 """
