@@ -7,6 +7,7 @@ so a deployment machine with only numpy and onnxruntime can use the runtime side
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from attnx.errors import (
@@ -21,6 +22,11 @@ from attnx.errors import (
     UsageError,
     WeightsError,
 )
+
+try:
+    __version__ = version("attnx")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"
 
 # name -> module that defines it
 _EXPORTS = {
@@ -45,6 +51,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "__version__",
     "AttnxError",
     "CheckFailed",
     "ConfigError",

@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from attnx import __version__
 from attnx.errors import AttnxError
 
 # Subcommands, in the order --help lists them: each module has add_parser() and run().
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attnx", description="Multi-head attention from PyTorch to ONNX Runtime, verified number by number."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    parser.add_argument("--version", action="version", version=f"attnx {_version()}")
+    parser.add_argument("--version", action="version", version=f"attnx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         try:
@@ -30,15 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.add_parser(sub)
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("attnx")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from attnx import __version__
 from attnx.errors import ExportError, UsageError
 from attnx.model.config import AttentionConfig
 
@@ -147,6 +148,7 @@ def export_onnx(
     name_contract_dims(model, config)
     model.ir_version = IR_VERSION
     model.producer_name = "attnx"
+    model.producer_version = __version__  # not the exporter's torch version
     model.metadata_props[CONFIG_METADATA_KEY] = config.to_json()
     model.metadata_props["attnx.attention"] = attention
     release_rewriter_state()

@@ -526,20 +526,16 @@ def _model_facts(path: str) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     import onnx
     import onnx_ir
     import onnxruntime
     import onnxscript
     import torch
 
-    try:
-        attnx_version = version("attnx")
-    except PackageNotFoundError:
-        attnx_version = "unknown"
+    from attnx import __version__
+
     return {
-        "attnx": attnx_version,
+        "attnx": __version__,
         "torch": torch.__version__,
         "onnx": onnx.__version__,
         "onnxscript": onnxscript.__version__,
