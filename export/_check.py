@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from attnx.errors import CheckFailed, ExportError, ModelFileError
-from attnx.model.config import AttentionConfig
+from attnx.model.config import TORCH_DTYPES, AttentionConfig
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import Comparison, ProblemSize, compare_arrays, problem_size, tolerance_for
 
@@ -103,7 +103,7 @@ def torch_expected(
     io_dtype = io_dtype or dtype
     # The SDPA core: the same module with a fused kernel, so that the expected outputs at seq
     # 1031 do not hold the whole score matrix (0.4 GB per copy for the gpt3 preset).
-    torch_dtype = getattr(torch, {"fp32": "float32", "fp16": "float16"}[dtype])
+    torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
     module = build_module(config, weights, attention="sdpa").to(torch_dtype)
     expected = []
     for batch, seq, mem_seq in shapes:

@@ -10,11 +10,13 @@ from typing import Any
 
 from attnx.errors import ConfigError
 
-__all__ = ["AttentionConfig", "TensorSpec", "DTYPES", "PRESETS", "preset", "load_config"]
+__all__ = ["AttentionConfig", "TensorSpec", "DTYPES", "TORCH_DTYPES", "PRESETS", "preset", "load_config"]
 
 
 # Names of the dtypes attnx speaks of, and their numpy types.
 DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bool": "bool", "int32": "int32", "fp64": "float64"}
+# The same names as torch dtype attributes (torch.float32, ...); numpy has no bfloat16.
+TORCH_DTYPES: dict[str, str] = {**DTYPES, "bf16": "bfloat16", "int64": "int64"}
 
 
 @dataclasses.dataclass(frozen=True)

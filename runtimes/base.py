@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.config import DTYPES, AttentionConfig, TensorSpec
+from attnx.model.config import DTYPES, TORCH_DTYPES, AttentionConfig, TensorSpec
 
 __all__ = [
     "ModelSource",
@@ -104,7 +104,7 @@ class Runner:
                     f"input {spec.name!r} has rank {len(shape)} (shape {list(shape)}), expected rank "
                     f"{len(spec.shape)} {_shape_str(spec.shape)}"
                 )
-            got_dtype = _dtype_name(value)
+            got_dtype = dtype_name(value)
             if got_dtype != spec.dtype:
                 raise InputError(f"input {spec.name!r} has dtype {got_dtype}, expected {spec.dtype}")
             for axis, (dim, size) in enumerate(zip(spec.shape, shape)):
@@ -129,17 +129,16 @@ def _shape_str(shape: tuple[int | str, ...]) -> str:
 
 
 _NUMPY_TO_NAME = {np.dtype(v): k for k, v in DTYPES.items()}
+_TORCH_TO_NAME = {f"torch.{v}": k for k, v in TORCH_DTYPES.items()}
 
 
-def _dtype_name(value: Any) -> str:
+def dtype_name(value: Any) -> str:
+    """The attnx dtype name (fp32, fp16, bool, ...) of a numpy array or a torch tensor."""
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         return type(value).__name__
     if not isinstance(dtype, np.dtype):  # a torch tensor
-        text = str(dtype).replace("torch.", "")
-        return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "bool": "bool", "float64": "fp64"}.get(
-            text, text
-        )
+        return _TORCH_TO_NAME.get(str(dtype), str(dtype).replace("torch.", ""))
     return _NUMPY_TO_NAME.get(dtype, str(dtype))
 
 
@@ -178,4 +177,4 @@ def require_source(runner: Runner, *, config: bool = False, weights: bool = Fals
         raise UsageError(f"backend {runner.name!r} needs an ONNX model (--model)")
 
 
-__all__ += ["require_source", "ProviderUnavailable"]
+__all__ += ["require_source", "dtype_name", "ProviderUnavailable"]

@@ -28,7 +28,7 @@ import numpy as np
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.config import DTYPES, TensorSpec
-from attnx.runtimes.base import Runner, register_backend, require_source
+from attnx.runtimes.base import Runner, dtype_name, register_backend, require_source
 from attnx.runtimes.cuda import (
     ASSIGNMENT_INFO_KEY,
     CPU_PROVIDER,
@@ -72,8 +72,6 @@ ORT_TYPES = {
 
 # numpy element types of the dtypes a binding can name (numpy has no bfloat16).
 _ELEMENT_TYPES: dict[str, Any] = {name: np.dtype(t).type for name, t in {**DTYPES, "int64": "int64"}.items()}
-_TORCH_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.float64": "fp64", "torch.bool": "bool",
-                      "torch.int32": "int32", "torch.int64": "int64", "torch.bfloat16": "bf16"}  # fmt: skip
 
 
 def ort_tensor_specs(args: list[Any]) -> list[TensorSpec]:
@@ -200,7 +198,7 @@ class _StaticBuffer:
 
     def __init__(self, value: Any, ort_value: Any = None, tensor: Any = None) -> None:
         self.shape = tuple(value.shape)
-        self.dtype = _value_dtype(value)
+        self.dtype = dtype_name(value)
         self.ort_value = ort_value
         self.tensor = tensor
 
@@ -212,15 +210,6 @@ class _StaticBuffer:
         else:
             self.ort_value.update_inplace(_host_array(value))
 
-
-_NUMPY_DTYPE_NAMES = {np.dtype(t): n for n, t in DTYPES.items()}
-
-
-def _value_dtype(value: Any) -> str:
-    if _is_torch_tensor(value):
-        return _TORCH_DTYPE_NAMES.get(str(value.dtype), str(value.dtype))
-    dtype = np.asarray(value).dtype
-    return _NUMPY_DTYPE_NAMES.get(dtype, str(dtype))
 
 
 class IoBinder:
@@ -283,7 +272,7 @@ class IoBinder:
         self.binding.bind_ortvalue_input(name, ort_value)
 
     def _bind_tensor_pointer(self, name: str, tensor: Any) -> None:
-        dtype = _value_dtype(tensor)
+        dtype = dtype_name(tensor)
         if dtype not in _ELEMENT_TYPES:
             raise InputError(f"input {name!r} has dtype {dtype}, which cannot be bound by pointer")
         if not tensor.is_contiguous():
@@ -322,8 +311,8 @@ class IoBinder:
                     f"CUDA graphs replay fixed shapes: input {name!r} was captured as {list(buf.shape)}, "
                     f"got {list(value.shape)} (load a new runner for a new shape)"
                 )
-            if _value_dtype(value) != buf.dtype:
-                raise UsageError(f"input {name!r} was captured as {buf.dtype}, got {_value_dtype(value)}")
+            if dtype_name(value) != buf.dtype:
+                raise UsageError(f"input {name!r} was captured as {buf.dtype}, got {dtype_name(value)}")
             buf.write(value)
             if buf.tensor is not None and buf.tensor.device.type == "cuda":
                 self._torch_devices.add(buf.tensor.device)
@@ -366,7 +355,7 @@ class IoBinder:
             raise UsageError(
                 f"output buffer {spec.name!r} must be a torch tensor on {self.device_type}:{self.device_id}"
             )
-        dtype = _value_dtype(tensor)
+        dtype = dtype_name(tensor)
         if dtype != spec.dtype:
             raise UsageError(f"output buffer {spec.name!r} has dtype {dtype}, the model writes {spec.dtype}")
         if shape is not None and tuple(tensor.shape) != shape:

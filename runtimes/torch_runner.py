@@ -21,14 +21,13 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.config import DTYPES
+from attnx.model.config import DTYPES, TORCH_DTYPES
 from attnx.runtimes.base import Runner, register_backend, require_source
 
 __all__ = ["TorchRunner", "TorchCudaRunner", "torch_cuda_unavailable_reason"]
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
 
 
 @register_backend("torch")
@@ -51,7 +50,7 @@ class TorchRunner(Runner):
 
         self._torch = torch
         cfg = self.source.config
-        self._dtype = getattr(torch, _TORCH_DTYPES[self.source.dtype])
+        self._dtype = getattr(torch, TORCH_DTYPES[self.source.dtype])
         self.module = build_module(cfg, self.source.weights, attention=self.attention).to(self.device, self._dtype)
         self.inputs = cfg.inputs(self.source.dtype)
         self.outputs = cfg.outputs(self.source.dtype)
