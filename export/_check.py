@@ -18,6 +18,7 @@ from attnx.model.tolerance import Comparison, ProblemSize, compare_arrays, probl
 __all__ = [
     "VALIDATION_SHAPES",
     "Expected",
+    "case_label",
     "check_model_file",
     "check_dims",
     "validate_against_torch",
@@ -73,6 +74,11 @@ def check_model_file(path: str | os.PathLike[str], config: AttentionConfig) -> N
     ort_session(path)
 
 
+def case_label(batch: int, seq: int, mem_seq: int | None) -> str:
+    """How a checked output is named in reports: y[batch=3,seq=17(,mem_seq=1)]."""
+    return f"y[batch={batch},seq={seq}{f',mem_seq={mem_seq}' if mem_seq else ''}]"
+
+
 @dataclasses.dataclass(frozen=True)
 class Expected:
     """The torch module's output at one validation shape, and the size the tolerance needs."""
@@ -85,7 +91,7 @@ class Expected:
 
     @property
     def label(self) -> str:
-        return f"y[batch={self.batch},seq={self.seq}{f',mem_seq={self.mem_seq}' if self.mem_seq else ''}]"
+        return case_label(self.batch, self.seq, self.mem_seq)
 
 
 def torch_expected(

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from attnx.export._check import case_label
 from attnx.model.config import AttentionConfig
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import Comparison, ProblemSize, compare_arrays, problem_size, reduction_length, tolerance_for
@@ -61,7 +62,7 @@ def compare_models(
         ref_dtype, cand_dtype = ref_runner.inputs[0].dtype, cand_runner.inputs[0].dtype
         for batch, seq, mem_seq in shapes:
             mem = mem_seq if config.cross else None
-            label = f"y[batch={batch},seq={seq}{f',mem_seq={mem_seq}' if config.cross else ''}]"
+            label = case_label(batch, seq, mem)
             ref_feeds = make_inputs(config, batch, seq, mem, dtype=ref_dtype, seed=seq)
             cand_feeds = make_inputs(config, batch, seq, mem, dtype=cand_dtype, seed=seq)
             ref_y = ref_runner.run(ref_feeds)["y"]
