@@ -106,7 +106,7 @@ def _case(
     runner: Runner | str,
     feeds: dict[str, np.ndarray],
     ref_y: np.ndarray,
-    k: ProblemSize,
+    size: ProblemSize,
 ) -> ParityCase:
     """Run one backend on one case and compare; a str runner is the reason it is skipped."""
     tol = tolerance_for(dtype, backend)
@@ -114,7 +114,7 @@ def _case(
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip
-    cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, k)
+    cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, size)
     return ParityCase(
         **common,
         status="pass" if cmp else "fail",
@@ -128,6 +128,15 @@ def _case(
         cosine=_finite(cmp.cosine),
         needed_atol=_finite(cmp.needed_atol),
     )
+
+
+def _load(runner: Runner) -> Runner | str:
+    """The loaded runner, or the reason it cannot run here (its cases are then skipped)."""
+    try:
+        return runner.load()
+    except ProviderUnavailable as e:
+        logger.info("%s", e)
+        return str(e)
 
 
 def run_parity(
@@ -163,22 +172,10 @@ def run_parity(
 
     ref_runner = runner_factory(reference, source)
     ref_runner.load()  # a reference that cannot run is an error, not a skip
-    runners: dict[str, Runner | str] = {}
-    for name in backends:
-        runner = runner_factory(name, source)
-        try:
-            runners[name] = runner.load()
-        except ProviderUnavailable as e:
-            runners[name] = str(e)
-            logger.info("%s", e)
-
-    fp64_source = dataclasses.replace(source, dtype="fp64")
+    runners: dict[str, Runner | str] = {name: _load(runner_factory(name, source)) for name in backends}
     if check_reference:
-        runner = runner_factory("torch", fp64_source)
-        try:
-            runners[reference] = runner.load()
-        except ProviderUnavailable as e:
-            runners[reference] = f"cannot check the reference: {e}"
+        checker = _load(runner_factory("torch", dataclasses.replace(source, dtype="fp64")))
+        runners[reference] = checker if isinstance(checker, Runner) else f"cannot check the reference: {checker}"
 
     cases: list[ParityCase] = []
     try:
@@ -186,13 +183,13 @@ def run_parity(
             progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else ""))
             feeds = make_inputs(config, batch, seq, mem_seq, dtype=dtype, seed=seed + i)
             ref_y = ref_runner.run(feeds)["y"]
-            k = problem_size(config, source.weights, feeds)
+            size = problem_size(config, source.weights, feeds)
             if check_reference:
                 f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
                 cases.append(_case(reference, "torch-fp64", "fp64", batch, seq, mem_seq, runners[reference],
-                                   f64, ref_y, k))  # fmt: skip
+                                   f64, ref_y, size))  # fmt: skip
             for name in backends:
-                cases.append(_case(name, reference, dtype, batch, seq, mem_seq, runners[name], feeds, ref_y, k))
+                cases.append(_case(name, reference, dtype, batch, seq, mem_seq, runners[name], feeds, ref_y, size))
     finally:
         ref_runner.close()
         for runner in runners.values():
