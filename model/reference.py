@@ -38,16 +38,15 @@ def reference_attention(
     m = np.asarray(memory, dtype=np.float64) if c.cross else x
     batch, t, _ = x.shape
     s = m.shape[1]
-    y = np.zeros((batch, t, c.d_model))
+    q = linear(x, "q_proj")  # (batch, t, N*hd)
+    k = linear(m, "k_proj")  # (batch, s, N*hd)
+    v = linear(m, "v_proj")  # (batch, s, N*vhd)
+    z = np.zeros((batch, t, c.v_dim))  # heads concatenated
     for b in range(batch):
-        q = linear(x[b], "q_proj")  # (t, N*hd)
-        k = linear(m[b], "k_proj")  # (s, N*hd)
-        v = linear(m[b], "v_proj")  # (s, N*vhd)
-        z = np.zeros((t, c.v_dim))
         for n in range(c.n_heads):
-            qn = q[:, n * c.head_dim : (n + 1) * c.head_dim]
-            kn = k[:, n * c.head_dim : (n + 1) * c.head_dim]
-            vn = v[:, n * c.v_head_dim : (n + 1) * c.v_head_dim]
+            qn = q[b, :, n * c.head_dim : (n + 1) * c.head_dim]
+            kn = k[b, :, n * c.head_dim : (n + 1) * c.head_dim]
+            vn = v[b, :, n * c.v_head_dim : (n + 1) * c.v_head_dim]
             for i in range(t):
                 visible = np.ones(s, dtype=bool)
                 if c.causal:
@@ -59,6 +58,5 @@ def reference_attention(
                 scores = c.softmax_scale * (kn[visible] @ qn[i])
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
-                z[i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
-        y[b] = linear(z, "out_proj")
-    return y
+                z[b, i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
+    return linear(z, "out_proj")
