@@ -141,7 +141,7 @@ def report_table(report: Any) -> str:
     unavailable backend, a lowering that does not export) is one row."""
     cross = any(c.mem_seq is not None for c in report.cases)
     headers = ["backend", "attention", "dtype", "batch", "seq"] + (["mem_seq"] if cross else [])
-    headers += ["median_ms", "p10_ms", "p90_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "status"]
+    headers += ["median_ms", "p10_ms", "p90_ms", "first_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "status"]
     series: dict[tuple, list[Any]] = {}
     for c in report.cases:
         series.setdefault((c.backend, c.attention, c.dtype), []).append(c)
@@ -154,7 +154,7 @@ def report_table(report: Any) -> str:
             continue
         rows.append(
             [c.backend, c.attention, c.dtype, c.batch, c.seq] + ([c.mem_seq] if cross else [])
-            + [_num(v) for v in (c.median_ms, c.p10_ms, c.p90_ms, c.tokens_per_s, c.gflops)]
+            + [_num(v) for v in (c.median_ms, c.p10_ms, c.p90_ms, c.first_ms, c.tokens_per_s, c.gflops)]
             + [c.roofline, _num(c.peak_mem_mb), c.status]
         )  # fmt: skip
     rows += skipped_rows
@@ -181,9 +181,11 @@ def _notes(report: Any) -> list[str]:
         lines.append(f"{status} {backend}/{','.join(lowerings)}{where}: {reason}")
     for r in report.ratios():  # baseline over target: above 1, the target is faster or smaller
         base = r["baseline"] if r["baseline"] == r["baseline_case"] else f"{r['baseline']} ({r['baseline_case']})"
+        first = f" (first call {r['first_call_speedup']:.2f}x)" if r.get("first_call_speedup") else ""
         memory = f", peak memory {r['memory_ratio']:.2f}x" if r["memory_ratio"] else ""
         lines.append(
-            f"seq {r['seq']} batch {r['batch']} {r['dtype']}: {base} / {r['target']}: time {r['speedup']:.2f}x{memory}"
+            f"seq {r['seq']} batch {r['batch']} {r['dtype']}: {base} / {r['target']}: "
+            f"time {r['speedup']:.2f}x{first}{memory}"
         )
     return lines
 

@@ -15,7 +15,7 @@ from attnx.cli import main
 
 RECORD_FIELDS = {
     "backend", "attention", "dtype", "batch", "seq", "mem_seq", "median_ms", "p10_ms", "p90_ms",
-    "tokens_per_s", "gflops", "roofline", "peak_mem_mb",
+    "first_ms", "tokens_per_s", "gflops", "roofline", "peak_mem_mb",
 }  # fmt: skip
 
 

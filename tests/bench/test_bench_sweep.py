@@ -18,7 +18,7 @@ from attnx.bench import (
     estimate_peak_bytes,
     run_bench,
 )
-from attnx.bench._sweep import run_worker, write_gemm_model
+from attnx.bench._sweep import _times, run_worker, write_gemm_model
 from attnx.bench._worker import run_spec
 from attnx.errors import UsageError
 from attnx.model import preset
@@ -66,8 +66,10 @@ def test_plan_rejects_bad_values_with_one_clear_error(kwargs, message):
 
 
 # Ratios and estimates ----------------------------------------------------------------------------
-def _case(backend, attention, seq, median_ms, peak_mem_mb):
-    return BenchCase(backend, attention, "fp32", 1, seq, None, "ok", median_ms=median_ms, peak_mem_mb=peak_mem_mb)
+def _case(backend, attention, seq, median_ms, peak_mem_mb, first_ms=None):
+    return BenchCase(
+        backend, attention, "fp32", 1, seq, None, "ok", median_ms=median_ms, peak_mem_mb=peak_mem_mb, first_ms=first_ms
+    )
 
 
 def test_compare_lowerings_uses_the_better_torch_core_and_the_own_decomposed():
@@ -76,8 +78,8 @@ def test_compare_lowerings_uses_the_better_torch_core_and_the_own_decomposed():
         _case("torch", "sdpa", 512, 30.0, 280.0),
         _case("ort-cpu", "decomposed", 512, 15.0, 200.0),
         _case("ort-cpu", "ort-fused", 512, 10.0, 100.0),
-        _case("ort-cpu", "decomposed", 8192, 8000.0, 9000.0),
-        _case("ort-cpu", "ort-fused", 8192, 1000.0, 400.0),
+        _case("ort-cpu", "decomposed", 8192, 8000.0, 9000.0, first_ms=20000.0),
+        _case("ort-cpu", "ort-fused", 8192, 1000.0, 400.0, first_ms=1250.0),
         BenchCase("torch", "sdpa", "fp32", 1, 8192, None, "timeout"),
     ]
     ratios = {(r["seq"], r["baseline"]): r for r in compare_lowerings(cases)}
@@ -87,6 +89,14 @@ def test_compare_lowerings_uses_the_better_torch_core_and_the_own_decomposed():
     assert eager["memory_ratio"] == pytest.approx(2.8)
     long = ratios[(8192, "ort-cpu/decomposed")]
     assert long["speedup"] == pytest.approx(8.0) and long["memory_ratio"] == pytest.approx(22.5)
+    assert long["first_call_speedup"] == pytest.approx(16.0)
+    assert eager["first_call_speedup"] is None  # not measured: no ratio, not a made-up one
+
+
+def test_first_call_is_the_first_warm_up_call_or_else_the_first_timed_one():
+    stats = _times({"warmup_ms": [2000.0, 5000.0], "times_ms": [1100.0, 1000.0, 1200.0]})
+    assert stats["first_ms"] == 2000.0 and stats["median_ms"] == 1100.0  # warm-up stays out of the median
+    assert _times({"warmup_ms": [], "times_ms": [3.0, 1.0, 2.0]})["first_ms"] == 3.0  # --warmup 0
 
 
 def test_estimate_matches_the_measured_peaks_of_design_section_7():
@@ -127,9 +137,10 @@ def gemm_spec(tmp_path, size: int, backend: str = "ort-cpu", repeat: int = 1, wa
 
 
 def test_worker_gemm_result(tmp_path):
-    result = run_spec(gemm_spec(tmp_path, 32, repeat=3, warmup=1))
+    result = run_spec(gemm_spec(tmp_path, 32, repeat=3, warmup=2))
     assert result["status"] == "ok", result
     assert len(result["times_ms"]) == 3 and all(t > 0 for t in result["times_ms"])
+    assert len(result["warmup_ms"]) == 2 and all(t > 0 for t in result["warmup_ms"])  # timed, kept apart
     assert result["threads"] == 1
     assert 0 < result["import_rss_mb"] <= result["load_rss_mb"] <= result["peak_rss_mb"]
 
@@ -185,6 +196,7 @@ def test_sweep_of_a_model_file_measures_ort_and_skips_torch_with_the_reason(expo
         ort_case, torch_case = by[("ort-cpu/decomposed", seq)], by[("torch/sdpa", seq)]
         assert ort_case.status == "ok" and ort_case.attention == "decomposed" and ort_case.runs == 2
         assert ort_case.p10_ms <= ort_case.median_ms <= ort_case.p90_ms
+        assert ort_case.first_ms == ort_case.warmup_ms[0] > 0 and len(ort_case.warmup_ms) == FAST["warmup"]
         assert ort_case.gflops == pytest.approx(ort_case.flops / (ort_case.median_ms * 1e-3) / 1e9)
         assert ort_case.roofline == pytest.approx(ort_case.gflops / ort_case.peak_gflops)
         assert torch_case.status == "skipped" and "--model gives only an ONNX file" in torch_case.reason
