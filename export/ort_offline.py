@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx._graph import op_counts
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
 from attnx.export._export import EXTERNAL_DATA_THRESHOLD, IR_VERSION, publish_staged_model
 
@@ -115,7 +116,7 @@ def optimize_for_provider(
     source = onnx.load(model_path, load_external_data=False)
     if external_data is None:
         external_data = _initializer_bytes(source) > EXTERNAL_DATA_THRESHOLD
-    ops_before = _count_ops(source)
+    ops_before = op_counts(source.graph.node)
     del source
     data_name = f"{name}.data" if external_data else None
 
@@ -147,7 +148,7 @@ def optimize_for_provider(
         del proto.metadata_props[:]
         for key, value in meta.items():
             proto.metadata_props.add(key=key, value=value)
-        ops_after = _count_ops(proto)
+        ops_after = op_counts(proto.graph.node)
         # Only the graph is rewritten: tensors keep their external data references.
         with open(tmp_model, "wb") as f:
             f.write(proto.SerializeToString())
@@ -343,10 +344,3 @@ def _initializer_bytes(proto: Any) -> int:
         total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
     return total
 
-
-def _count_ops(proto: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in proto.graph.node:
-        op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
-        counts[op] = counts.get(op, 0) + 1
-    return counts

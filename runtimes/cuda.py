@@ -36,6 +36,8 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from attnx._graph import op_label
+
 __all__ = [
     "CUDA_PROVIDER",
     "CPU_PROVIDER",
@@ -311,7 +313,7 @@ def placement_problems(
     problems = []
     for p in seen:
         if p.op_type in compute_ops and p.provider != provider:
-            label = f"{p.domain}.{p.op_type}" if p.domain and p.domain not in ("ai.onnx", "") else p.op_type
+            label = op_label(p.domain or "", p.op_type)
             problems.append(f"{label} {p.name!r} on {p.provider}" if p.name else f"{label} on {p.provider}")
     return problems
 

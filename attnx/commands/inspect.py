@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 
+from attnx._graph import op_counts
 from attnx.errors import ModelFileError, UsageError
 
 HELP = "describe a model or a package: config, inputs, outputs, opset, operators"
@@ -43,7 +43,7 @@ def describe_model(path: str) -> dict:
 
     meta = {p.key: p.value for p in proto.metadata_props}
     config = json.loads(meta["attnx.config"]) if "attnx.config" in meta else None
-    ops = collections.Counter(f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in proto.graph.node)
+    ops = op_counts(proto.graph.node)
     external = sorted({e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"})
     return {
         "path": path,

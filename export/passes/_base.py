@@ -8,12 +8,13 @@ and the notes, so `attnx optimize` and `attnx export` can print what each pass d
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from collections.abc import Sequence
 
 import onnx_ir as ir
+
+from attnx._graph import op_counts
 
 __all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops", "MS_DOMAIN"]
 
@@ -88,10 +89,7 @@ class PipelineReport:
 
 def count_ops(model: ir.Model) -> dict[str, int]:
     """{op: count} over the main graph; ops outside the default domain are 'domain.Op'."""
-    counts: collections.Counter[str] = collections.Counter()
-    for node in model.graph:
-        counts[f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type] += 1
-    return dict(counts)
+    return op_counts(model.graph)
 
 
 def run_pipeline(model: ir.Model, passes: Sequence[ir.passes.PassBase]) -> tuple[ir.Model, PipelineReport]:

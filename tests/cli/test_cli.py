@@ -110,6 +110,12 @@ def test_inspect_describes_the_model(tiny_model, capsys):
     assert info["config"]["d_model"] == 64 and info["ir_version"] == 10
     assert info["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", "seq", 64]}]
     assert info["operators"]["Softmax"] == 1
+    # one spelling of operators: inspect (onnx protos) and the pass reports (onnx-ir) agree
+    import onnx_ir as ir
+
+    from attnx.export.passes import count_ops
+
+    assert info["operators"] == count_ops(ir.load(str(tiny_model))) and info["nodes"] == sum(info["operators"].values())
 
 
 def test_export_output_is_clean(tmp_path):
