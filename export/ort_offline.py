@@ -343,4 +343,3 @@ def _initializer_bytes(proto: Any) -> int:
         itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
         total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
     return total
-
