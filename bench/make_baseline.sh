@@ -34,6 +34,8 @@ for key, what in want.items():
         missing = True
         continue
     line = f"seq {r['seq']}: ort-fused is {r['speedup']:.2f}x the speed of {r['baseline']} ({r['baseline_case']})"
+    if r.get("first_call_speedup"):
+        line += f" ({r['first_call_speedup']:.2f}x on the first call)"
     if "memory" in what and r["memory_ratio"]:
         line += f", with {r['memory_ratio']:.1f}x less peak memory"
     print(line)
