@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
 from attnx import __version__
+from attnx.commands import bench, build, export, inspect, optimize, parity, run, verify
 from attnx.errors import AttnxError
+from attnx.runtimes.cuda import set_ort_log_severity
 
-# Subcommands, in the order --help lists them: each module has add_parser() and run().
-COMMANDS = ["export", "optimize", "parity", "bench", "build", "verify", "run", "inspect"]
+# Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
+# imports what only some commands need (torch, onnx-ir) inside its run(), so that the
+# deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
+COMMANDS = [export, optimize, parity, bench, build, verify, run, inspect]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,14 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("--version", action="version", version=f"attnx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"attnx.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"attnx.commands.{name}":
-                continue  # a command not built yet
-            raise
-        module.add_parser(sub)
+    for command in COMMANDS:
+        command.add_parser(sub)
     return parser
 
 
@@ -40,8 +37,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     if not args.debug:
-        from attnx.runtimes.cuda import set_ort_log_severity
-
         set_ort_log_severity(3)  # ORT's C++ log: errors only (recorded: ort-cuda's log capture restores it)
     try:
         return args.run(args)

@@ -1,15 +1,18 @@
 """attnx.bench: backends x lowerings x shapes, timed, with the roofline and peak memory.
 
-Each case runs in a process of its own (attnx.bench._worker) so that its peak memory is its
-own. Nothing here imports torch, onnx or matplotlib at module level: the worker imports
-this package, and its baseline memory should be the runtime's, not ours.
+By job: _plan (what to measure, the report format and its ratios), _costs (the FLOP and
+memory models), _worker (one case in a process of its own, and the parent's side of it),
+_sweep (the order of work), _plot; targets_compiler and gpu_check are scripts over them.
+
+Each case runs in a process of its own so that its peak memory is its own. Nothing here
+imports torch, onnx, onnx-ir or matplotlib at module level: the worker imports this package,
+and its baseline memory should be the runtime's, not ours.
 """
 
 from __future__ import annotations
 
-from attnx.bench._flops import GEMM_ROWS, attention_flops, gemm_flops, gemm_shape
-from attnx.bench._plot import PLOT_FORMATS, check_plot_path, plot_report
-from attnx.bench._sweep import (
+from attnx.bench._costs import GEMM_ROWS, attention_flops, estimate_peak_bytes, gemm_flops, gemm_shape
+from attnx.bench._plan import (
     DEFAULT_BACKENDS,
     DEFAULT_SEQS,
     ORT_LOWERINGS,
@@ -20,10 +23,9 @@ from attnx.bench._sweep import (
     BenchReport,
     GemmResult,
     compare_lowerings,
-    describe_onnx_model,
-    estimate_peak_bytes,
-    run_bench,
 )
+from attnx.bench._plot import PLOT_FORMATS, check_plot_path, plot_report
+from attnx.bench._sweep import machine_info, run_bench
 
 __all__ = [
     "attention_flops",
@@ -36,8 +38,8 @@ __all__ = [
     "BenchReport",
     "run_bench",
     "compare_lowerings",
-    "describe_onnx_model",
     "estimate_peak_bytes",
+    "machine_info",
     "plot_report",
     "check_plot_path",
     "PLOT_FORMATS",

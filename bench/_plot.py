@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx._io import atomic_path
-from attnx.bench._sweep import BenchCase, BenchReport
+from attnx.bench._plan import BenchCase, BenchReport
 from attnx.errors import UsageError
 
 __all__ = ["plot_report", "check_plot_path", "PLOT_FORMATS"]

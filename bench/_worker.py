@@ -1,4 +1,5 @@
-"""One benchmark case in a process of its own: `python -m attnx.bench._worker SPEC.json RESULT.json`.
+"""One benchmark case in a process of its own: `python -m attnx.bench._worker SPEC.json RESULT.json`,
+and run_worker(), the parent's side: it starts the process and reads its result.
 
 A fresh process per case makes the peak memory honest: what one case allocated cannot
 hide behind, or be charged to, another. The peak is the process's own high-water mark of
@@ -23,13 +24,24 @@ import json
 import logging
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_spec", "main", "rss_mb"]
+import numpy as np
+
+from attnx._io import write_json_atomic
+from attnx.errors import ProviderUnavailable
+from attnx.model import AttentionConfig, init_weights, load_weights
+from attnx.model.contract import IR_VERSION, numpy_dtype, provider_of_backend
+from attnx.model.inputs import make_inputs
+from attnx.runtimes import BACKENDS, ModelSource
+from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
+
+__all__ = ["run_spec", "main", "rss_mb", "run_worker", "time_stats", "write_gemm_model", "time_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +82,8 @@ def time_calls(
 def _import_runtime(backend: str) -> None:
     """Import the backend's library first, so that import_rss_mb is the interpreter, numpy,
     attnx and the runtime library (torch alone is some 200 MB) before any model is loaded."""
-    from attnx.errors import ProviderUnavailable
-
     try:
-        if backend.startswith("ort-"):
+        if provider_of_backend(backend) is not None:
             import onnxruntime  # noqa: F401
         else:
             import torch  # noqa: F401
@@ -96,8 +106,6 @@ def _ort_call(spec: dict[str, Any], config: Any, feeds: dict[str, Any], result: 
     """(call, sync, runner) through an ORT backend, the runner loaded. On ort-cuda the call
     is run_on_device (IOBinding, outputs left on the GPU; ORT synchronises its stream at the
     end of the run), with the inputs already on the GPU where torch can put them there."""
-    from attnx.runtimes import BACKENDS, ModelSource
-
     source = ModelSource(config=config, model_path=spec["model_path"], dtype=spec["dtype"])
     runner = BACKENDS[spec["backend"]](source, threads=spec["threads"])
     _load(runner, result)
@@ -115,8 +123,6 @@ def _ort_call(spec: dict[str, Any], config: Any, feeds: dict[str, Any], result: 
 
 def _cuda_torch() -> Any:
     """torch, where it is installed with a usable CUDA device; else None."""
-    from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
-
     if torch_cuda_unavailable_reason() is not None:
         return None
     import torch
@@ -132,14 +138,10 @@ def _load(runner: Any, result: dict[str, Any]) -> None:
 
 def _case(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], None], Any]:
     """(call, sync, runner) for one attention case; the runner is loaded."""
-    from attnx.model import AttentionConfig, init_weights, load_weights
-    from attnx.model.inputs import make_inputs
-    from attnx.runtimes import BACKENDS, ModelSource
-
     config = AttentionConfig.from_dict(spec["config"])
     backend = spec["backend"]
     feeds: dict[str, Any] = make_inputs(config, spec["batch"], spec["seq"], spec["mem_seq"], spec["dtype"])
-    if backend.startswith("ort-"):
+    if provider_of_backend(backend) is not None:
         return _ort_call(spec, config, feeds, result)
     torch = _torch_setup(spec)
     weights = (
@@ -158,23 +160,16 @@ def _case(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
 
 def _gemm(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], None], Any]:
     """(call, sync, runner-or-None) for the m x k x n GEMM through the backend's runtime."""
-    import numpy as np
-
-    from attnx.model.config import DTYPES
-
     m, k, n = spec["m"], spec["k"], spec["n"]
     backend = spec["backend"]
     rng = np.random.Generator(np.random.PCG64(0))
-    a = rng.standard_normal((m, k), dtype=np.float32).astype(DTYPES[spec["dtype"]])
-    if backend.startswith("ort-"):
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(numpy_dtype(spec["dtype"]))
+    if provider_of_backend(backend) is not None:
         return _ort_call(spec, None, {"a": a}, result)
 
     torch = _torch_setup(spec)
     device, sync = "cpu", _no_sync
     if backend == "torch-cuda":
-        from attnx.errors import ProviderUnavailable
-        from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
-
         reason = torch_cuda_unavailable_reason()
         if reason is not None:
             raise ProviderUnavailable(f"backend 'torch-cuda' is unavailable: {reason}")
@@ -183,7 +178,7 @@ def _gemm(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
     ta = torch.from_numpy(a).to(device)
     # [n, k] and F.linear: the call the module's projections make (nn.Linear), which on a
     # CPU torch with MKL is faster than matmul with a [k, n] operand.
-    tw = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32).astype(DTYPES[spec["dtype"]])).to(device)
+    tw = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32).astype(numpy_dtype(spec["dtype"]))).to(device)
     result["timed"] = "torch.nn.functional.linear"
     return (lambda: torch.nn.functional.linear(ta, tw)), sync, None
 
@@ -226,8 +221,6 @@ def _nvidia_smi_process_mb(pid: int) -> float | None:
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one case or GEMM as the spec says and return its RESULT dict (never raises for a
     backend that is unavailable or a call that fails: those are results too)."""
-    from attnx.errors import ProviderUnavailable
-
     result: dict[str, Any] = {"status": "ok", "reason": None, "threads": spec["threads"]}
     runner = None
     try:
@@ -252,6 +245,82 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+# The parent's side ---------------------------------------------------------------------------
+def run_worker(spec: dict[str, Any], workdir: str, name: str, timeout_s: float) -> dict[str, Any]:
+    """Run one spec in `python -m attnx.bench._worker` and return its result. A worker that
+    passes timeout_s is killed (status "timeout"); one that dies without a result (killed by
+    the kernel for memory, a crash in native code) is "failed" with what it last printed."""
+    spec_path = os.path.join(workdir, f"{name}.spec.json")
+    result_path = os.path.join(workdir, f"{name}.result.json")
+    log_path = os.path.join(workdir, f"{name}.log")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, "-m", "attnx.bench._worker", spec_path, result_path]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return {"status": "timeout", "reason": f"ran past the {timeout_s:g} s budget per case (--timeout)"}
+        except BaseException:  # Ctrl-C: the case is dropped, the worker must not outlive us
+            proc.kill()
+            proc.wait()
+            raise
+    if os.path.exists(result_path):
+        with open(result_path, encoding="utf-8") as f:
+            return json.load(f)
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        tail = [line.strip() for line in f.read().splitlines() if line.strip()][-1:]
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode).name
+        except ValueError:
+            sig = f"signal {-returncode}"
+        why = f"killed by {sig}" + (" (out of memory?)" if returncode == -signal.SIGKILL else "")
+    else:
+        why = f"exited with status {returncode}"
+    return {"status": "failed", "reason": why + (f": {tail[0]}" if tail else ""), "killed": returncode < 0}
+
+
+def time_stats(result: dict[str, Any]) -> dict[str, Any]:
+    """A worker result's timings as the report's statistics (first call, median, p10/p90)."""
+    times = np.asarray(result["times_ms"], dtype=np.float64)
+    warm_up = [float(t) for t in result.get("warmup_ms") or []]
+    return {
+        "first_ms": (warm_up or [float(times[0])])[0],
+        "warmup_ms": warm_up,
+        "median_ms": float(np.median(times)),
+        "p10_ms": float(np.percentile(times, 10)),
+        "p90_ms": float(np.percentile(times, 90)),
+        "runs": len(times),
+        "times_ms": [float(t) for t in times],
+    }
+
+
+def write_gemm_model(path: str, m: int, k: int, n: int, dtype: str) -> None:
+    """A one-MatMul ONNX model: a [m, k] input times a constant [k, n] weight, as a
+    projection is. Written at attnx's IR version so the pinned onnxruntime reads it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    elem = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
+    rng = np.random.Generator(np.random.PCG64(1))
+    weight = rng.standard_normal((k, n), dtype=np.float32).astype(numpy_dtype(dtype))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["y"])],
+        "attnx_gemm",
+        [helper.make_tensor_value_info("a", elem, [m, k])],
+        [helper.make_tensor_value_info("y", elem, [m, n])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="attnx bench")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
@@ -261,8 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
     result = run_spec(spec)
-    from attnx.runtimes.parity import write_json_atomic
-
     write_json_atomic(argv[1], result)
     return 0 if result["status"] != "failed" else 1
 

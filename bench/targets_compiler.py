@@ -28,14 +28,25 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from attnx._io import write_json_atomic
+from attnx._text import format_table
+from attnx.bench._costs import attention_flops, available_memory_bytes, estimate_peak_bytes, gemm_flops
+from attnx.bench._sweep import machine_info
+from attnx.bench._worker import run_worker, write_gemm_model
+from attnx.export import export_onnx, save_model
+from attnx.export.passes import lower, lowering_of, qk_weights
+from attnx.model import init_weights, preset
+from attnx.model.contract import PASS_LOWERINGS, TORCH_CORES
+from attnx.workflows import compare_models
+
 __all__ = ["TARGETS", "Measurement", "measure", "evaluate", "main"]
 
 logger = logging.getLogger(__name__)
 
 SHORT_SEQ, LONG_SEQ = 512, 8192
 GEMM = (512, 1024, 1024)
-ORT_LOWERINGS = ("decomposed", "ort-fused", "ort-fused-packed", "ort-attention")
-TORCH_FORWARDS = ("decomposed", "sdpa")  # the module's plain forward and its SDPA forward
+ORT_LOWERINGS = ("decomposed", *PASS_LOWERINGS)  # the exported graph and every pass lowering of it
+TORCH_FORWARDS = TORCH_CORES  # the module's plain forward and its SDPA forward
 # (name, bound, comparison): what the issue asks, each a ratio measured in one run ({long}
 # is the long sequence length, 8192 unless --long-seq says otherwise).
 TARGETS = (
@@ -73,9 +84,6 @@ def _build_models(config: Any, weights: Any, workdir: str, say) -> dict[str, str
     """Each ORT lowering of the same exported graph, saved, and checked against it."""
     import onnx_ir as ir
 
-    from attnx.export import export_onnx, save_model
-    from attnx.export.passes import compare_models, lower, lowering_of, qk_weights
-
     base = os.path.join(workdir, "decomposed.onnx")
     say("exporting the large preset (decomposed)")
     model = export_onnx(config, weights)
@@ -99,8 +107,6 @@ def _build_models(config: Any, weights: Any, workdir: str, say) -> dict[str, str
 
 
 def _run(spec: dict[str, Any], workdir: str, name: str, timeout_s: float, flops: int) -> Measurement:
-    from attnx.bench._sweep import run_worker
-
     backend = spec["backend"] if spec["kind"] == "case" else "gemm"
     lowering = spec.get("attention") or "x".join(map(str, GEMM))
     result = run_worker(spec, workdir, name, timeout_s)
@@ -137,10 +143,6 @@ def measure(
     The short cases and the GEMM run `rounds` times, interleaved, and each keeps its fastest
     round: another process's burst on a shared machine then slows one round, not the verdict,
     and the GEMM's best (the stricter bound for the GFLOP/s target) is from the same run."""
-    from attnx.bench._flops import attention_flops, gemm_flops
-    from attnx.bench._sweep import available_memory_bytes, estimate_peak_bytes, write_gemm_model
-    from attnx.model import init_weights, preset
-
     config = preset("large")
     seed = 0
     weights = init_weights(config, seed)
@@ -219,8 +221,6 @@ def evaluate(ms: Sequence[Measurement], long_seq: int = LONG_SEQ) -> list[dict[s
 
 
 def _table(ms: Sequence[Measurement]) -> str:
-    from attnx.commands._common import format_table
-
     rows = [(m.label, m.seq, m.status, m.median_ms, m.min_ms, m.first_ms, m.warm_ms, m.runs, m.gflops, m.peak_rss_mb)
             for m in ms]  # fmt: skip
     headers = ["case", "seq", "status", "median ms", "min ms", "first ms", "warm ms", "runs", "GFLOP/s", "peak RSS MB"]
@@ -256,9 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict = {True: "MET", False: "MISSED", None: "-"}[v["met"]]
         print(f"{verdict:<7} {v['target']}: {value} (target {v['op']} {v['bound']:.3g})")
     if args.json:
-        from attnx.bench._sweep import machine_info
-        from attnx.runtimes.parity import write_json_atomic
-
         write_json_atomic(args.json, {"machine": machine_info(), "threads": args.threads,
                                       "measurements": [dataclasses.asdict(m) for m in ms], "targets": verdicts})  # fmt: skip
     return 1 if any(v["met"] is False for v in verdicts) else 0

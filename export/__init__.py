@@ -1,30 +1,26 @@
-"""attnx.export: torch to ONNX, graph passes, model checks, packaging."""
+"""attnx.export, the graph layer: torch -> ONNX with the contract's dynamic dims, and the graph
+passes that lower the attention core (attnx.export.passes). Graph work only: it never creates
+an ONNX Runtime session (the checks that run a model are attnx.workflows).
+"""
 
 from __future__ import annotations
 
-from attnx.export._check import VALIDATION_SHAPES, check_dims, check_model_file, validate_against_torch
 from attnx.export._export import (
-    CONFIG_METADATA_KEY,
-    IR_VERSION,
-    LOWERINGS,
+    EXPORTED_LOWERINGS,
     default_opset,
     export_onnx,
+    name_contract_dims,
+    quiet,
+    release_rewriter_state,
     save_model,
 )
-from attnx.export._pipeline import EXPORT_DTYPES, ExportReport, export_model
 
 __all__ = [
-    "CONFIG_METADATA_KEY",
-    "IR_VERSION",
-    "LOWERINGS",
-    "EXPORT_DTYPES",
-    "VALIDATION_SHAPES",
-    "ExportReport",
-    "check_dims",
-    "check_model_file",
+    "EXPORTED_LOWERINGS",
     "default_opset",
-    "export_model",
     "export_onnx",
+    "name_contract_dims",
+    "quiet",
+    "release_rewriter_state",
     "save_model",
-    "validate_against_torch",
 ]

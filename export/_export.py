@@ -14,45 +14,41 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx import __version__
+from attnx._io import publish_staged_model
 from attnx.errors import ExportError, UsageError
 from attnx.model.config import AttentionConfig
+from attnx.model.contract import (
+    ATTENTION_KEY,
+    CONFIG_KEY,
+    EXTERNAL_DATA_THRESHOLD,
+    IR_VERSION,
+    LOWERINGS,
+    contract_dims,
+)
 
 __all__ = [
-    "LOWERINGS",
-    "IR_VERSION",
-    "CONFIG_METADATA_KEY",
-    "EXTERNAL_DATA_THRESHOLD",
+    "EXPORTED_LOWERINGS",
     "default_opset",
     "export_onnx",
     "save_model",
-    "publish_staged_model",
-    "contract_dims",
+    "name_contract_dims",
     "quiet",
     "release_rewriter_state",
 ]
 
 logger = logging.getLogger(__name__)
 
-# --attention values. "decomposed" and "onnx" come straight from the exporter; the
+# The lowerings the exporter writes itself (from the module's decomposed or SDPA core); the
 # others are graph passes over its output (attnx.export.passes).
-LOWERINGS = ("decomposed", "onnx", "ort-fused", "auto")
-
-# IR version written into every model: onnxruntime-gpu 1.31 reads at most 13, and onnx
-# 1.23's helpers would write 14. 10 is what the exporter writes and every ORT since 1.16 reads.
-IR_VERSION = 10
-CONFIG_METADATA_KEY = "attnx.config"
-# Above this many bytes of initializers the model is saved with external data (protobuf's
-# 2 GB limit).
-EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
+EXPORTED_LOWERINGS = tuple(name for name, lw in LOWERINGS.items() if not lw.by_pass)
 # Sizes of the example inputs the exporter traces with: none is 0 or 1 (which torch.export
 # would specialise) and no two are equal (which it could unify).
 EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_MEM_SEQ = 2, 5, 6
 
 
 def default_opset(attention: str) -> int:
-    # The standard Attention op needs opset 23; the decomposed form runs on any opset and
-    # 18 is the oldest every pinned tool handles well.
-    return 23 if attention == "onnx" else 18
+    """The opset a lowering is exported at (the contract's; 23 for the standard Attention op)."""
+    return LOWERINGS[attention].opset
 
 
 @contextlib.contextmanager
@@ -70,12 +66,6 @@ def quiet() -> Iterator[io.StringIO]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-
-def contract_dims(config: AttentionConfig) -> dict[str, list[int | str]]:
-    """Each graph input's and output's shape in the contract (DESIGN.md section 4)."""
-    specs = config.inputs() + config.outputs()
-    return {s.name: list(s.shape) for s in specs}
 
 
 def _example_inputs(config: AttentionConfig) -> tuple[tuple, dict]:
@@ -114,18 +104,18 @@ def export_onnx(
     """Export the attnx module for `config` to an onnx-ir Model with dynamic batch/seq.
 
     attention is "decomposed" or "onnx" here; the fused lowerings are graph passes applied
-    to this output (attnx.export.build_model runs the whole pipeline).
+    to this output (attnx.workflows.export_model runs the whole pipeline).
     """
     import torch
 
     from attnx.model.module import build_module
 
-    if attention not in ("decomposed", "onnx"):
+    if attention not in EXPORTED_LOWERINGS:
         raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
     opset = opset if opset is not None else default_opset(attention)
-    if attention == "onnx" and opset < 23:
+    if opset < default_opset(attention):
         raise UsageError(f"--attention onnx needs opset 23 or newer (the standard Attention op), got --opset {opset}")
-    module = build_module(config, weights, seed=seed, attention="sdpa" if attention == "onnx" else "decomposed")
+    module = build_module(config, weights, seed=seed, attention=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
     with quiet() as log, torch.inference_mode(False), torch.no_grad():
@@ -149,8 +139,8 @@ def export_onnx(
     model.ir_version = IR_VERSION
     model.producer_name = "attnx"
     model.producer_version = __version__  # not the exporter's torch version
-    model.metadata_props[CONFIG_METADATA_KEY] = config.to_json()
-    model.metadata_props["attnx.attention"] = attention
+    model.metadata_props[CONFIG_KEY] = config.to_json()
+    model.metadata_props[ATTENTION_KEY] = attention
     release_rewriter_state()
     return model
 
@@ -249,18 +239,3 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
     with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
         ir.save(model, os.path.join(tmp, name), external_data=data_name)
         return publish_staged_model(tmp, name, parent)
-
-
-def publish_staged_model(staged_dir: str, name: str, parent: str) -> list[str]:
-    """Move model `name` (and its `<name>.data`, when there is one) from the staging folder
-    into `parent`, the data first so that a model never points at a missing data file. A
-    stale `<name>.data` from an earlier model of that name is removed. Returns the paths."""
-    data_name = f"{name}.data"
-    written = [os.path.join(parent, name)]
-    if os.path.exists(os.path.join(staged_dir, data_name)):
-        os.replace(os.path.join(staged_dir, data_name), os.path.join(parent, data_name))
-        written.append(os.path.join(parent, data_name))
-    elif os.path.exists(os.path.join(parent, data_name)):
-        os.remove(os.path.join(parent, data_name))
-    os.replace(os.path.join(staged_dir, name), written[0])
-    return written

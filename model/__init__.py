@@ -1,4 +1,6 @@
-"""attnx.model: the config, presets, torch module, numpy reference and weight I/O.
+"""attnx.model, the ground layer: the config, presets, the contract (names of lowerings,
+dtypes, providers and backends, metadata keys, describe(model)), the torch module, the numpy
+reference, weight I/O and the tolerance table. It imports nothing of attnx's upper layers.
 
 Torch is imported only when the torch module is asked for, so that the reference and
 weight I/O work on a deployment machine without torch.
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnx.model.config import PRESETS, AttentionConfig, load_config, preset
+from attnx.model.contract import ModelInfo, describe
 from attnx.model.reference import reference_attention
 from attnx.model.weights import (
     check_weights,
@@ -24,6 +27,8 @@ __all__ = [
     "PRESETS",
     "preset",
     "load_config",
+    "describe",
+    "ModelInfo",
     "reference_attention",
     "weight_shapes",
     "init_weights",

@@ -10,18 +10,12 @@ from typing import Any
 
 from attnx.errors import ConfigError
 
-__all__ = ["AttentionConfig", "TensorSpec", "DTYPES", "TORCH_DTYPES", "PRESETS", "preset", "load_config"]
-
-
-# Names of the dtypes attnx speaks of, and their numpy types.
-DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bool": "bool", "int32": "int32", "fp64": "float64"}
-# The same names as torch dtype attributes (torch.float32, ...); numpy has no bfloat16.
-TORCH_DTYPES: dict[str, str] = {**DTYPES, "bf16": "bfloat16", "int64": "int64"}
+__all__ = ["AttentionConfig", "TensorSpec", "PRESETS", "preset", "load_config"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or output: name, dtype name (a key of DTYPES), shape with dim names."""
+    """One graph input or output: name, dtype name (a key of attnx.model.contract.DTYPES), shape with dim names."""
 
     name: str
     dtype: str
@@ -113,7 +107,7 @@ class AttentionConfig:
         return "mem_seq" if self.cross else "seq"
 
     def inputs(self, dtype: str = "fp32") -> list[TensorSpec]:
-        """The model's inputs as in DESIGN.md section 4, with the contract's dim names."""
+        """The model's inputs (README, "The ONNX graph"), with the contract's dim names."""
         specs = [TensorSpec("x", dtype, ("batch", "seq", self.d_model))]
         if self.cross:
             specs.append(TensorSpec("memory", dtype, ("batch", "mem_seq", self.kv_dim)))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnx.model.config import DTYPES, AttentionConfig
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import DTYPES, numpy_dtype
 
 __all__ = ["make_inputs"]
 
@@ -23,7 +24,7 @@ def make_inputs(
     if config.cross and mem_seq is None:
         raise ValueError("cross-attention inputs need mem_seq")
     rng = np.random.Generator(np.random.PCG64(seed))
-    np_dtype = np.dtype(DTYPES[dtype]) if dtype in DTYPES else np.dtype(np.float32)
+    np_dtype = numpy_dtype(dtype) if dtype in DTYPES and DTYPES[dtype].numpy else np.dtype(np.float32)
     feeds = {"x": rng.standard_normal((batch, seq, config.d_model), dtype=np.float32).astype(np_dtype)}
     kv_len = seq
     if config.cross:

@@ -11,14 +11,16 @@ from torch import nn
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
+from attnx.model.contract import TORCH_CORES
 from attnx.model.weights import check_weights, init_weights
 
 __all__ = ["MultiHeadAttention", "ATTENTION_IMPLS", "build_module"]
 
-# How the attention core is written in torch. Each exports to a different ONNX form:
-# "decomposed": MatMul, Softmax, MatMul (any opset); "sdpa": F.scaled_dot_product_attention,
-# which the dynamo exporter turns into the standard Attention op at opset 23.
-ATTENTION_IMPLS = ("decomposed", "sdpa")
+# How the attention core is written in torch (the contract's TORCH_CORES). Each exports to a
+# different ONNX form: "decomposed": MatMul, Softmax, MatMul (any opset); "sdpa":
+# F.scaled_dot_product_attention, which the dynamo exporter turns into the standard Attention
+# op at opset 23.
+ATTENTION_IMPLS = TORCH_CORES
 
 
 class MultiHeadAttention(nn.Module):
@@ -54,7 +56,7 @@ class MultiHeadAttention(nn.Module):
         else:
             z = self._decomposed(q, k, v, hidden)
         if hidden is not None:
-            # A query whose keys are all hidden gets z = 0 (DESIGN.md section 1). torch.where
+            # A query whose keys are all hidden gets z = 0 (README, "The model"). torch.where
             # rather than a product, so that a NaN from a backend's softmax cannot leak through.
             any_visible = ~hidden.all(dim=-1, keepdim=True)  # (B|1, 1, T|1, 1)
             z = torch.where(any_visible, z, torch.zeros((), dtype=z.dtype))

@@ -1,4 +1,4 @@
-"""The numpy reference: section 1 of DESIGN.md, written to be read, not to be fast.
+"""The numpy reference: the formula of the README ("The model"), written to be read, not to be fast.
 
 float64 throughout, one head and one query at a time, so that it shares no code and no
 numerical shortcut with the torch module or the ONNX graph it checks.

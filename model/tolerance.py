@@ -11,7 +11,7 @@ relative error in its probability, and a score's rounding error grows with its s
 peaked attention (large scores, as trained models and large weights give) is that much
 worse conditioned. scale is the reference output's RMS, so the rule holds for weights of
 any magnitude (those made outside attnx included). A pair passes when
-|out - ref| <= atol + rtol * |ref| everywhere.
+|out - ref| <= atol + rtol * |ref| everywhere (attnx.runtimes.compare applies it).
 ulps counts the roundings that stack along the chain (four matmuls, a softmax, and for
 half precision the rounding of inputs, weights and every stored intermediate).
 """
@@ -33,8 +33,6 @@ __all__ = [
     "reduction_length",
     "ProblemSize",
     "problem_size",
-    "Comparison",
-    "compare_arrays",
 ]
 
 
@@ -113,69 +111,3 @@ def problem_size(config: AttentionConfig, weights: Mapping[str, np.ndarray], fee
     for n in range(N):  # one head at a time bounds the memory at B*T*S
         score_max = max(score_max, float(np.abs(q[:, n] @ k[:, n]).max()) * config.softmax_scale)
     return ProblemSize(reduction_length(config, S), score_max)
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """How one output compares with its reference. bool() is pass/fail; str() says the
-    tolerance that would have been needed."""
-
-    name: str
-    passed: bool
-    max_abs: float
-    mean_abs: float
-    p99_abs: float
-    max_rel: float
-    cosine: float
-    atol: float
-    rtol: float
-    needed_atol: float  # the smallest atol that passes with this rtol
-    shape_error: str | None = None
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def __str__(self) -> str:
-        if self.shape_error:
-            return f"{self.name}: {self.shape_error}"
-        verdict = "PASS" if self.passed else "FAIL"
-        return (
-            f"{self.name}: {verdict} max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}; "
-            f"would need atol>={self.needed_atol:.3g}) max_rel={self.max_rel:.3g} cos={self.cosine:.9f}"
-        )
-
-
-def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, size: ProblemSize) -> Comparison:
-    """Compare `out` with `ref` under the tolerance rule above (in float64)."""
-    if tuple(out.shape) != tuple(ref.shape):
-        nan = float("nan")
-        return Comparison(
-            name, False, nan, nan, nan, nan, nan, 0.0, tol.rtol, nan,
-            shape_error=f"shape {list(out.shape)} differs from the reference's {list(ref.shape)}",
-        )  # fmt: skip
-    o = np.asarray(out, dtype=np.float64)
-    r = np.asarray(ref, dtype=np.float64)
-    scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
-    atol = tol.atol(size, max(scale, np.finfo(np.float32).tiny))
-    diff = np.abs(o - r)
-    finite = bool(np.isfinite(o).all())
-    if not finite:
-        diff = np.where(np.isfinite(o), diff, np.inf)
-    bound = tol.rtol * np.abs(r)
-    passed = finite and bool((diff <= atol + bound).all())
-    needed = float(np.max(diff - bound)) if diff.size else 0.0
-    rel = diff / np.maximum(np.abs(r), scale)  # relative to the value, floored at the RMS
-    denom = float(np.linalg.norm(o) * np.linalg.norm(r))
-    cosine = float(np.sum(o * r) / denom) if denom > 0 and finite else (1.0 if np.array_equal(o, r) else 0.0)
-    return Comparison(
-        name=name,
-        passed=passed,
-        max_abs=float(diff.max()) if diff.size else 0.0,
-        mean_abs=float(diff.mean()) if diff.size else 0.0,
-        p99_abs=float(np.percentile(diff, 99)) if diff.size else 0.0,
-        max_rel=float(rel.max()) if rel.size else 0.0,
-        cosine=cosine,
-        atol=atol,
-        rtol=tol.rtol,
-        needed_atol=max(needed, 0.0),
-    )

@@ -67,11 +67,19 @@ def check_weights(config: AttentionConfig, weights: Mapping[str, Any], source: s
         raise WeightsError(f"{source}: unexpected tensor {extra[0]!r} (this config expects {', '.join(expected)})")
 
 
+def _safetensors() -> Any:
+    """safetensors, part of the `export` extra (the deployment side reads no weights files)."""
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise WeightsError("reading and writing weights files needs safetensors: pip install 'attnx[export]'") from None
+    return safetensors
+
+
 def load_weights(path: str | os.PathLike[str], config: AttentionConfig) -> dict[str, np.ndarray]:
     """Read a safetensors file (never a pickle) and check it against the config."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+    safetensors = _safetensors()
+    SafetensorError, load_file = safetensors.SafetensorError, safetensors.numpy.load_file
     source = os.fspath(path)
     if not os.path.isfile(source):
         raise WeightsError(f"weights file {source!r} does not exist")
@@ -90,10 +98,8 @@ def load_weights(path: str | os.PathLike[str], config: AttentionConfig) -> dict[
 
 def save_weights(weights: Mapping[str, np.ndarray], path: str | os.PathLike[str]) -> None:
     """Write safetensors atomically: a temporary name, then rename."""
-    from safetensors.numpy import save_file
-
     with atomic_path(path) as tmp:
-        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, tmp)
+        _safetensors().numpy.save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, tmp)
 
 
 def from_torch_mha_state_dict(state_dict: Mapping[str, Any], config: AttentionConfig) -> dict[str, np.ndarray]:

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.config import DTYPES, TORCH_DTYPES, AttentionConfig, TensorSpec
+from attnx.errors import InputError, UsageError
+from attnx.model.config import AttentionConfig, TensorSpec
+from attnx.model.contract import dtype_name
 
 __all__ = [
     "ModelSource",
@@ -23,6 +24,7 @@ __all__ = [
     "register_backend",
     "create_runner",
     "backend_names",
+    "backend_unavailable_reason",
     "BACKENDS",
 ]
 
@@ -74,6 +76,12 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine at all (a library or a device is
+        missing), or None when it may: a cheap probe, without a model. load() still checks."""
+        return None
 
     # Hooks --------------------------------------------------------------------------
     def load_impl(self) -> None:
@@ -128,20 +136,6 @@ def _shape_str(shape: tuple[int | str, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-_NUMPY_TO_NAME = {np.dtype(v): k for k, v in DTYPES.items()}
-_TORCH_TO_NAME = {f"torch.{v}": k for k, v in TORCH_DTYPES.items()}
-
-
-def dtype_name(value: Any) -> str:
-    """The attnx dtype name (fp32, fp16, bool, ...) of a numpy array or a torch tensor."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return type(value).__name__
-    if not isinstance(dtype, np.dtype):  # a torch tensor
-        return _TORCH_TO_NAME.get(str(dtype), str(dtype).replace("torch.", ""))
-    return _NUMPY_TO_NAME.get(dtype, str(dtype))
-
-
 # Registry ----------------------------------------------------------------------------
 BACKENDS: dict[str, Callable[[ModelSource], Runner]] = {}
 
@@ -159,12 +153,21 @@ def backend_names() -> list[str]:
     return list(BACKENDS)
 
 
-def create_runner(name: str, source: ModelSource) -> Runner:
-    """A runner for a registered backend (not yet loaded). load() raises
+def backend_unavailable_reason(name: str) -> str | None:
+    """Why the registered backend `name` cannot run here, or None when it can (see
+    Runner.unavailable_reason)."""
+    if name not in BACKENDS:
+        raise UsageError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
+    return BACKENDS[name].unavailable_reason()
+
+
+def create_runner(name: str, source: ModelSource, **options: Any) -> Runner:
+    """A runner for a registered backend (not yet loaded), with the backend's own keyword
+    options (threads, session_options for ort-*; attention for torch*). load() raises
     ProviderUnavailable with the reason where the backend cannot run here."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name](source)
+    return BACKENDS[name](source, **options)
 
 
 def require_source(runner: Runner, *, config: bool = False, weights: bool = False, model_path: bool = False) -> None:
@@ -177,4 +180,4 @@ def require_source(runner: Runner, *, config: bool = False, weights: bool = Fals
         raise UsageError(f"backend {runner.name!r} needs an ONNX model (--model)")
 
 
-__all__ += ["require_source", "dtype_name", "ProviderUnavailable"]
+__all__ += ["require_source"]

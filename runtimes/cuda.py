@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import re
@@ -36,7 +35,8 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from attnx._graph import op_label
+from attnx.errors import UsageError
+from attnx.model.contract import PROVIDERS, op_label
 
 __all__ = [
     "CUDA_PROVIDER",
@@ -54,14 +54,13 @@ __all__ = [
     "placement_problems",
     "placements_from_assignment_info",
     "placements_from_profile",
-    "ort_cuda_unavailable_reason",
     "ASSIGNMENT_INFO_KEY",
 ]
 
 logger = logging.getLogger(__name__)
 
-CUDA_PROVIDER = "CUDAExecutionProvider"
-CPU_PROVIDER = "CPUExecutionProvider"
+CUDA_PROVIDER = PROVIDERS["cuda"].ort_name
+CPU_PROVIDER = PROVIDERS["cpu"].ort_name
 
 # The session config entry that makes ORT record which EP each node was assigned to.
 ASSIGNMENT_INFO_KEY = "session.record_ep_graph_assignment_info"
@@ -116,8 +115,6 @@ class CudaOptions:
     fixed_dims: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
-        from attnx.errors import UsageError
-
         if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
             raise UsageError(f"CUDA device id must be a non-negative integer, got {self.device_id!r}")
         for name, size in (self.fixed_dims or {}).items():
@@ -155,12 +152,15 @@ _ort_severity = _ORT_DEFAULT_SEVERITY
 def set_ort_log_severity(level: int) -> None:
     """Set ORT's default logger severity (0 verbose .. 4 fatal) and remember it, so that a
     capture that lowers it for one session creation puts this level back afterwards
-    (onnxruntime has no getter for it)."""
+    (onnxruntime has no getter for it). Without onnxruntime installed (attnx inspect on a
+    machine with no runtime) the level is only remembered."""
     global _ort_severity
-    import onnxruntime
-
-    onnxruntime.set_default_logger_severity(level)
     _ort_severity = level
+    try:
+        import onnxruntime
+    except ImportError:
+        return
+    onnxruntime.set_default_logger_severity(level)
 
 
 def ort_log_severity() -> int:
@@ -342,43 +342,3 @@ def placements_from_profile(events: Sequence[Mapping[str, Any]]) -> list[NodePla
         node = name[: -len("_kernel_time")]
         out.setdefault(node, NodePlacement(str(args["op_name"]), str(args["provider"]), node))
     return list(out.values())
-
-
-# Probe ----------------------------------------------------------------------------------------
-@functools.cache
-def ort_cuda_unavailable_reason(device_id: int = 0) -> str | None:
-    """Why an ort-cuda session cannot run here, or None when it can: it really creates one
-    on a one-MatMul model through OrtCudaRunner (providers and placement checked, one run),
-    never trusting get_available_providers(). Cached for the process."""
-    import numpy as np
-
-    from attnx.errors import ProviderUnavailable
-    from attnx.runtimes.base import ModelSource
-    from attnx.runtimes.ort_runner import OrtCudaRunner
-
-    with tempfile.TemporaryDirectory(prefix="attnx-cuda-probe-") as tmp:
-        path = os.path.join(tmp, "probe.onnx")
-        _write_probe_model(path)
-        try:
-            with OrtCudaRunner(ModelSource(model_path=path), options=CudaOptions(device_id=device_id)) as runner:
-                y = runner.run({"x": np.ones((2, 8), dtype=np.float32)})["y"]
-        except ProviderUnavailable as e:
-            return str(e)
-    if not np.allclose(y, 8.0):  # x (ones) @ W (ones): every entry is 8
-        return f"the probe MatMul on {CUDA_PROVIDER} returned wrong values (max {float(np.max(y))}, expected 8)"
-    return None
-
-
-def _write_probe_model(path: str) -> None:
-    import onnx
-    from onnx import TensorProto, helper
-
-    from attnx.export import IR_VERSION
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])
-    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], [1.0] * 64)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="probe_matmul")], "probe", [x],
-                              [y], [w])  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
-    onnx.save(model, path)

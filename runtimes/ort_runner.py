@@ -15,6 +15,7 @@ does not).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -27,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
-from attnx.model.config import DTYPES, TensorSpec
-from attnx.runtimes.base import Runner, dtype_name, register_backend, require_source
+from attnx.model.config import TensorSpec
+from attnx.model.contract import DTYPES, IR_VERSION, PROVIDERS, dtype_name, dtype_of_ort
+from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source
 from attnx.runtimes.cuda import (
     ASSIGNMENT_INFO_KEY,
     CPU_PROVIDER,
@@ -54,30 +56,33 @@ __all__ = [
     "DeviceOutputs",
     "ort_tensor_specs",
     "resolve_shape",
-    "ORT_TYPES",
+    "import_onnxruntime",
+    "ort_cuda_unavailable_reason",
 ]
 
 logger = logging.getLogger(__name__)
 
-# ORT's type strings to attnx dtype names.
-ORT_TYPES = {
-    "tensor(float)": "fp32",
-    "tensor(float16)": "fp16",
-    "tensor(bfloat16)": "bf16",
-    "tensor(double)": "fp64",
-    "tensor(bool)": "bool",
-    "tensor(int32)": "int32",
-    "tensor(int64)": "int64",
-}
-
 # numpy element types of the dtypes a binding can name (numpy has no bfloat16).
-_ELEMENT_TYPES: dict[str, Any] = {name: np.dtype(t).type for name, t in {**DTYPES, "int64": "int64"}.items()}
+_ELEMENT_TYPES: dict[str, Any] = {d.name: np.dtype(d.numpy).type for d in DTYPES.values() if d.numpy}
+
+
+def import_onnxruntime(backend: str) -> Any:
+    """onnxruntime, or ProviderUnavailable naming the extra that installs it: the runtime is
+    an extra of attnx (cpu: onnxruntime, gpu: onnxruntime-gpu), not a base dependency."""
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise ProviderUnavailable(
+            f"backend {backend!r} is unavailable: onnxruntime is not installed ({e}); "
+            "pip install 'attnx[cpu]' (or 'attnx[gpu]' for CUDA)"
+        ) from None
+    return onnxruntime
 
 
 def ort_tensor_specs(args: list[Any]) -> list[TensorSpec]:
     """TensorSpecs from a session's get_inputs()/get_outputs()."""
     return [
-        TensorSpec(a.name, ORT_TYPES.get(a.type, a.type), tuple(d if isinstance(d, int) else str(d) for d in a.shape))
+        TensorSpec(a.name, dtype_of_ort(a.type), tuple(d if isinstance(d, int) else str(d) for d in a.shape))
         for a in args
     ]
 
@@ -102,21 +107,34 @@ def _is_torch_tensor(value: Any) -> bool:
 
 
 class OrtRunner(Runner):
-    """Shared session handling. Subclasses give the providers they ask for."""
+    """Shared session handling. Subclasses give the provider they ask for (the contract's
+    Provider: .name "cpu", .ort_name "CPUExecutionProvider")."""
 
-    provider = CPU_PROVIDER
+    provider = PROVIDERS["cpu"]
 
     def __init__(self, source: Any, threads: int | None = None, session_options: Any = None) -> None:
         super().__init__(source)
         self.threads = threads
         self.session_options = session_options
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            import_onnxruntime(cls.name)
+        except ProviderUnavailable as e:
+            return str(e)
+        return None
+
+    @property
+    def ort_provider(self) -> str:
+        """ONNX Runtime's name of the provider this runner asks for."""
+        return self.provider.ort_name
+
     def provider_list(self) -> list[Any]:
-        return [self.provider]
+        return [self.ort_provider]
 
     def make_session_options(self) -> Any:
-        import onnxruntime as ort
-
+        ort = import_onnxruntime(self.name)
         opts = self.session_options or ort.SessionOptions()
         opts.log_severity_level = 3  # errors only: the CLI's output stays clean
         if self.threads:
@@ -135,8 +153,7 @@ class OrtRunner(Runner):
         self.output_names = [o.name for o in self.outputs]
 
     def create_session(self, path: str) -> Any:
-        import onnxruntime as ort
-
+        ort = import_onnxruntime(self.name)
         try:
             return ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
         except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types
@@ -144,9 +161,9 @@ class OrtRunner(Runner):
 
     def check_providers(self) -> None:
         got = self.session.get_providers()
-        if not got or got[0] != self.provider:
+        if not got or got[0] != self.ort_provider:
             raise ProviderUnavailable(
-                f"backend {self.name!r} is unavailable: onnxruntime did not start {self.provider} "
+                f"backend {self.name!r} is unavailable: onnxruntime did not start {self.ort_provider} "
                 f"(session providers: {', '.join(got)})"
             )
 
@@ -169,9 +186,9 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-@register_backend("ort-cpu")
+@register_backend(PROVIDERS["cpu"].backend)
 class OrtCpuRunner(OrtRunner):
-    provider = CPU_PROVIDER
+    provider = PROVIDERS["cpu"]
 
 
 # IOBinding ------------------------------------------------------------------------------------
@@ -399,7 +416,7 @@ class IoBinder:
 _dlls_preloaded = False
 
 
-@register_backend("ort-cuda")
+@register_backend(PROVIDERS["cuda"].backend)
 class OrtCudaRunner(OrtRunner):
     """ONNX Runtime on CUDAExecutionProvider, through IOBinding.
 
@@ -407,7 +424,7 @@ class OrtCudaRunner(OrtRunner):
     options read back, no compute node on CPU) with ProviderUnavailable and ORT's reason.
     """
 
-    provider = CUDA_PROVIDER
+    provider = PROVIDERS["cuda"]
     binding_device = "cuda"  # where IOBinding puts inputs and outputs
 
     def __init__(
@@ -423,10 +440,14 @@ class OrtCudaRunner(OrtRunner):
         self.binder: IoBinder | None = None
         self.placements: list[NodePlacement] = []
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return super().unavailable_reason() or ort_cuda_unavailable_reason()
+
     def provider_list(self) -> list[Any]:
         # CPU stays in the list so shape ops may live there (ORT puts them there on purpose);
         # check_placement() refuses a session whose compute nodes went to CPU.
-        return [(self.provider, self.options.provider_options()), CPU_PROVIDER]
+        return [(self.ort_provider, self.options.provider_options()), CPU_PROVIDER]
 
     def make_session_options(self) -> Any:
         opts = super().make_session_options()
@@ -439,8 +460,7 @@ class OrtCudaRunner(OrtRunner):
         return ProviderUnavailable(f"backend {self.name!r} is unavailable: {reason}")
 
     def create_session(self, path: str) -> Any:
-        import onnxruntime as ort
-
+        ort = import_onnxruntime(self.name)
         reason = ort_build_cuda_reason(ort)
         if reason is not None:
             raise self.unavailable(reason)
@@ -470,7 +490,7 @@ class OrtCudaRunner(OrtRunner):
                         " (CudaOptions.fixed_dims makes the shapes static, so ORT can fold the shape ops off the CPU)"
                     )
                 raise self.unavailable(
-                    f"onnxruntime could not create a {self.provider} session: {text}"
+                    f"onnxruntime could not create a {self.ort_provider} session: {text}"
                     + (f" ({logged})" if logged and logged not in text else "")
                     + hint
                 ) from None
@@ -498,35 +518,34 @@ class OrtCudaRunner(OrtRunner):
 
     def check_providers(self) -> None:
         got = self.session.get_providers()
-        if not got or got[0] != self.provider:
-            import onnxruntime as ort
-
+        if not got or got[0] != self.ort_provider:
+            ort = import_onnxruntime(self.name)
             reason = ort_cuda_failure_reason(self.ort_log) or (
                 "onnxruntime logged no reason (its default logger severity may be above errors; "
                 "attnx --debug shows ORT's log)"
             )
             hint = ort_cuda_build_hint(ort)
             raise self.unavailable(
-                f"onnxruntime did not start {self.provider}: {reason}"
+                f"onnxruntime did not start {self.ort_provider}: {reason}"
                 + (f" ({hint})" if hint and "needs cuDNN" not in reason else "")
                 + f" [session providers: {', '.join(got)}]"
             )
         asked = self.options.provider_options()
-        reported = self.session.get_provider_options().get(self.provider)
+        reported = self.session.get_provider_options().get(self.ort_provider)
         mismatches = provider_option_mismatches(asked, reported)
         if mismatches:
-            raise self.unavailable(f"{self.provider} did not take its options: {'; '.join(mismatches)}")
+            raise self.unavailable(f"{self.ort_provider} did not take its options: {'; '.join(mismatches)}")
         unreported = unreported_options(asked, reported)
         if unreported:
-            logger.debug("%s does not report options %s", self.provider, ", ".join(unreported))
+            logger.debug("%s does not report options %s", self.ort_provider, ", ".join(unreported))
         self.placements = self.session_placements()
-        problems = placement_problems(self.placements, self.provider)
+        problems = placement_problems(self.placements, self.ort_provider)
         if problems:
             raise self.unavailable(
                 f"onnxruntime placed compute nodes off the GPU for {os.path.basename(self.source.model_path)}: "
                 f"{', '.join(problems[:5])}" + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
             )
-        off_gpu = [p for p in self.placements if p.provider != self.provider]
+        off_gpu = [p for p in self.placements if p.provider != self.ort_provider]
         if off_gpu:
             logger.debug("nodes on other providers (shape arithmetic): %s",
                          ", ".join(f"{p.op_type}@{p.provider}" for p in off_gpu))  # fmt: skip
@@ -601,3 +620,35 @@ def _smallest_feeds(specs: list[TensorSpec]) -> dict[str, np.ndarray]:
             raise UsageError(f"cannot make a placement-check feed for input {spec.name!r} of dtype {spec.dtype}")
         feeds[spec.name] = np.zeros(shape, dtype=dtype)
     return feeds
+
+
+# Probe ----------------------------------------------------------------------------------------
+@functools.cache
+def ort_cuda_unavailable_reason(device_id: int = 0) -> str | None:
+    """Why an ort-cuda session cannot run here, or None when it can: it really creates one
+    on a one-MatMul model through OrtCudaRunner (providers and placement checked, one run),
+    never trusting get_available_providers(). Cached for the process."""
+    with tempfile.TemporaryDirectory(prefix="attnx-cuda-probe-") as tmp:
+        path = os.path.join(tmp, "probe.onnx")
+        _write_probe_model(path)
+        try:
+            with OrtCudaRunner(ModelSource(model_path=path), options=CudaOptions(device_id=device_id)) as runner:
+                y = runner.run({"x": np.ones((2, 8), dtype=np.float32)})["y"]
+        except ProviderUnavailable as e:
+            return str(e)
+    if not np.allclose(y, 8.0):  # x (ones) @ W (ones): every entry is 8
+        return f"the probe MatMul on {CUDA_PROVIDER} returned wrong values (max {float(np.max(y))}, expected 8)"
+    return None
+
+
+def _write_probe_model(path: str) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], [1.0] * 64)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="probe_matmul")], "probe", [x],
+                              [y], [w])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
+    onnx.save(model, path)

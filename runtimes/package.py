@@ -1,6 +1,6 @@
 """Deployment packages, the deployment side: verify, load, describe.
 
-A package is a folder that `attnx build` (attnx.export.package) wrote:
+A package is a folder that `attnx build` (attnx.workflows.build_package) wrote:
 
     manifest.json      what the package is: config, inputs/outputs, models, every file's
                        size and sha256, golden cases, parity summary, tool versions
@@ -30,18 +30,19 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from attnx.model.config import DTYPES, AttentionConfig
-from attnx.model.tolerance import ProblemSize, compare_arrays, tolerance_for
-from attnx.runtimes.base import ModelSource, Runner, create_runner
 
 from attnx.errors import CheckFailed, ConfigError, InputError, ModelFileError, PackageError, UsageError
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import MODEL_DTYPES, external_data_locations, get_provider
+from attnx.model.tolerance import ProblemSize, tolerance_for
+from attnx.runtimes.base import ModelSource, Runner, create_runner
+from attnx.runtimes.compare import compare_arrays
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
     "MANIFEST_SUM",
-    "PROVIDERS",
     "Check",
     "VerifyReport",
     "verify_package",
@@ -49,7 +50,6 @@ __all__ = [
     "describe_package",
     "read_manifest",
     "member_path",
-    "external_data_locations",
     "file_sha256",
 ]
 
@@ -59,8 +59,6 @@ FORMAT = "attnx-package"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MANIFEST_SUM = "manifest.sha256"
-# --provider names and the backend each one runs on.
-PROVIDERS = {"cpu": "ort-cpu", "cuda": "ort-cuda"}
 # A manifest is a few kB; anything much larger is not one, and is not read into memory.
 MAX_MANIFEST_BYTES = 16 * 1024**2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -166,7 +164,7 @@ def _parse_manifest(data: bytes) -> dict[str, Any]:
         AttentionConfig.from_dict(dict(m["config"]))
     except ConfigError as e:
         raise PackageError(f"{MANIFEST}: 'config' is invalid: {e}") from None
-    _require(m.get("dtype") in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+    _require(m.get("dtype") in MODEL_DTYPES, "dtype", f"must be one of {', '.join(MODEL_DTYPES)}")
     files = m.get("files")
     _require(isinstance(files, dict) and files, "files", "must be a non-empty object")
     for name, entry in files.items():
@@ -236,59 +234,6 @@ def _check_names(root: str, manifest: Mapping[str, Any]) -> None:
 
 
 # External data of a model ---------------------------------------------------------------
-def _tensors(graph: Any) -> Iterator[Any]:
-    """Every TensorProto of a graph, its nodes' attributes and subgraphs included."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    yield from _node_tensors(graph.node)
-
-
-def _node_tensors(nodes: Any) -> Iterator[Any]:
-    for node in nodes:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
-            for tensor in sparse:
-                yield tensor.values
-                yield tensor.indices
-            if attr.HasField("g"):
-                yield from _tensors(attr.g)
-            for g in attr.graphs:
-                yield from _tensors(g)
-
-
-def external_data_locations(model_path: str) -> list[str]:
-    """The `location` of every tensor stored outside the model file, read from the model's
-    protobuf alone (onnx.load without its external data: no data file is opened)."""
-    import onnx
-    from google.protobuf.message import DecodeError
-
-    try:
-        proto = onnx.load(model_path, load_external_data=False)
-    except (DecodeError, OSError, ValueError) as e:
-        raise ModelFileError(f"{os.path.basename(model_path)!r} is not an ONNX model: {str(e).strip()[:200]}") from None
-    tensors = list(_tensors(proto.graph))
-    for function in proto.functions:
-        tensors += list(_node_tensors(function.node))
-    for info in proto.training_info:
-        tensors += list(_tensors(info.initialization)) + list(_tensors(info.algorithm))
-    locations = []
-    for t in tensors:
-        entries = {e.key: e.value for e in t.external_data}
-        if t.data_location == onnx.TensorProto.EXTERNAL or entries:
-            if "location" not in entries:
-                raise PackageError(
-                    f"tensor {t.name!r} of {os.path.basename(model_path)!r} is external but has no location"
-                )
-            if entries["location"] not in locations:
-                locations.append(entries["location"])
-    return locations
-
-
 def _check_external_data(root: str, manifest: Mapping[str, Any], model_file: str) -> None:
     """The model's own external-data entries, checked as the manifest's names are, before
     onnxruntime opens the model: a crafted model.onnx cannot make it read outside."""
@@ -375,14 +320,13 @@ def _check_files(root: str, manifest: Mapping[str, Any], progress: Callable[[str
     return checks
 
 
-def _model_for(manifest: Mapping[str, Any], provider: str) -> dict[str, Any]:
-    if provider not in PROVIDERS:
-        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+def _model_for(manifest: Mapping[str, Any], name: str) -> dict[str, Any]:
+    get_provider(name)
     for model in manifest["models"]:
-        if provider in model["providers"]:
+        if name in model["providers"]:
             return model
     built = sorted({p for m in manifest["models"] for p in m["providers"]})
-    raise UsageError(f"this package has no model for provider {provider!r} (built for: {', '.join(built)})")
+    raise UsageError(f"this package has no model for provider {name!r} (built for: {', '.join(built)})")
 
 
 def _describe_versions(model: Mapping[str, Any]) -> str:
@@ -397,12 +341,12 @@ def _model_named(manifest: Mapping[str, Any], file: str) -> dict[str, Any]:
     raise UsageError(f"this package has no model {file!r}")
 
 
-def _open_runner(root: str, manifest: Mapping[str, Any], provider: str, model: Mapping[str, Any]) -> Runner:
-    """A loaded ORT runner for `model` on `provider` (ModelFileError if ORT cannot load it)."""
+def _open_runner(root: str, manifest: Mapping[str, Any], name: str, model: Mapping[str, Any]) -> Runner:
+    """A loaded ORT runner for `model` on provider `name` (ModelFileError if ORT cannot load it)."""
     _check_external_data(root, manifest, model["file"])
     config = AttentionConfig.from_dict(dict(manifest["config"]))
     source = ModelSource(config, None, member_path(root, model["file"], "the model"), manifest["dtype"])
-    return create_runner(PROVIDERS[provider], source).load()
+    return create_runner(get_provider(name).backend, source).load()
 
 
 class _BadGolden(Exception):
@@ -427,10 +371,9 @@ def _case_label(case: Mapping[str, Any]) -> str:
     return f"batch={case.get('batch')} seq={case.get('seq')}{mem}"
 
 
-def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner, provider: str) -> list[Check]:
+def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> list[Check]:
     checks: list[Check] = []
-    backend = PROVIDERS[provider]
-    tol = tolerance_for(manifest["dtype"], backend)
+    tol = tolerance_for(manifest["dtype"], runner.name)
     for case in manifest["golden"]:
         name = case["file"]
         label = _case_label(case)
@@ -452,14 +395,7 @@ def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner, provid
                 checks.append(Check(f"{name} {out_name}", False, f"{label}: the model has no output {out_name!r}"))
                 continue
             cmp = compare_arrays(out_name, got[out_name], ref, tol, size)
-            detail = f"{label}: " + (
-                cmp.shape_error
-                if cmp.shape_error
-                else f"max_abs={cmp.max_abs:.3g} (atol={cmp.atol:.3g}, rtol={cmp.rtol:.3g}"
-                + ("" if cmp else f"; would need atol>={cmp.needed_atol:.3g}")
-                + f") cos={cmp.cosine:.9f}"
-            )
-            checks.append(Check(f"{name} {out_name}", cmp.passed, detail))
+            checks.append(Check(f"{name} {out_name}", cmp.passed, f"{label}: {cmp.detail()}"))
     return checks
 
 
@@ -480,8 +416,7 @@ def verify_package(
     `provider` even if the package was not built for it (attnx build checks a cuda-only
     package's model on cpu this way when it has no CUDA).
     """
-    if provider not in PROVIDERS:
-        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    backend = get_provider(provider).backend
     root = _package_root(directory)
     report = VerifyReport(os.fspath(directory), provider, [])
     data, manifest_check = _manifest_bytes(root)
@@ -506,7 +441,7 @@ def verify_package(
         report.notes.append(f"built with onnxruntime {built_with}, verifying with {onnxruntime.__version__}")
     versions = _describe_versions(model)
     _check_external_data(root, manifest, model["file"])  # before onnxruntime opens anything
-    progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({PROVIDERS[provider]})")
+    progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({backend})")
     try:
         runner = _open_runner(root, manifest, provider, model)
     except ModelFileError as e:
@@ -515,11 +450,11 @@ def verify_package(
         )
         return report
     report.checks.append(
-        Check("onnxruntime", True, f"{onnxruntime.__version__} loads {model['file']} ({versions}) on {runner.provider}")
+        Check("onnxruntime", True, f"{onnxruntime.__version__} loads {model['file']} ({versions}) on {runner.ort_provider}")
     )
     try:
         progress(f"running {len(manifest['golden'])} golden cases")
-        report.checks += _check_golden(root, manifest, runner, provider)
+        report.checks += _check_golden(root, manifest, runner)
     finally:
         runner.close()
     return report

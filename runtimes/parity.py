@@ -1,10 +1,10 @@
-"""Parity: every backend against a reference backend, case by case, with error statistics."""
+"""Parity: every backend against a reference backend, case by case, with the comparator's
+error statistics (attnx.runtimes.compare)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -12,11 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from attnx._io import atomic_path
+from attnx._io import write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
+from attnx.model.contract import REFERENCE
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import ProblemSize, compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import ProblemSize, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
+from attnx.runtimes.compare import compare_arrays
 
 __all__ = ["ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS"]
 
@@ -80,22 +82,6 @@ class ParityReport:
         return out
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, allow_nan=False, default=_json_default)
-        f.write("\n")
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def _finite(x: float) -> float | None:
-    return float(x) if np.isfinite(x) else None
-
-
 def _case(
     backend: str,
     reference: str,
@@ -116,18 +102,9 @@ def _case(
                           rtol=tol.rtol)  # fmt: skip
     cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, size)
     return ParityCase(
-        **common,
-        status="pass" if cmp else "fail",
-        reason=None if cmp else str(cmp),
-        max_abs=_finite(cmp.max_abs),
-        max_rel=_finite(cmp.max_rel),
-        atol=cmp.atol,
-        rtol=cmp.rtol,
-        mean_abs=_finite(cmp.mean_abs),
-        p99_abs=_finite(cmp.p99_abs),
-        cosine=_finite(cmp.cosine),
-        needed_atol=_finite(cmp.needed_atol),
-    )
+        **common, status="pass" if cmp else "fail", reason=None if cmp else str(cmp), atol=cmp.atol, rtol=cmp.rtol,
+        **cmp.stats(),
+    )  # fmt: skip
 
 
 def _load(runner: Runner) -> Runner | str:
@@ -143,7 +120,7 @@ def run_parity(
     source: ModelSource,
     backends: Sequence[str],
     *,
-    reference: str = "reference",
+    reference: str = REFERENCE,
     batches: Iterable[int] = DEFAULT_BATCHES,
     seqs: Iterable[int] = DEFAULT_SEQS,
     mem_seqs: Iterable[int] | None = None,
@@ -196,8 +173,3 @@ def run_parity(
             if isinstance(runner, Runner):
                 runner.close()
     return ParityReport(cases)
-
-
-def write_npy_atomic(path: str | os.PathLike[str], array: np.ndarray) -> None:
-    with atomic_path(path, suffix=".npy") as tmp:  # np.save would append .npy to another name
-        np.save(tmp, array, allow_pickle=False)

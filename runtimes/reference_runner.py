@@ -1,4 +1,4 @@
-"""`reference`: the numpy float64 formula of DESIGN.md section 1."""
+"""`reference`: the numpy float64 formula of the README ("The model")."""
 
 from __future__ import annotations
 

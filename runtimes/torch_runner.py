@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.config import DTYPES, TORCH_DTYPES
+from attnx.model.contract import DTYPES
 from attnx.runtimes.base import Runner, register_backend, require_source
 
 __all__ = ["TorchRunner", "TorchCudaRunner", "torch_cuda_unavailable_reason"]
 
 logger = logging.getLogger(__name__)
-
 
 
 @register_backend("torch")
@@ -40,6 +39,10 @@ class TorchRunner(Runner):
         if attention is not None:
             self.attention = attention
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None if importlib.util.find_spec("torch") is not None else "torch is not installed"
+
     def load_impl(self) -> None:
         require_source(self, config=True, weights=True)
         if importlib.util.find_spec("torch") is None:
@@ -50,7 +53,7 @@ class TorchRunner(Runner):
 
         self._torch = torch
         cfg = self.source.config
-        self._dtype = getattr(torch, TORCH_DTYPES[self.source.dtype])
+        self._dtype = getattr(torch, DTYPES[self.source.dtype].torch)
         self.module = build_module(cfg, self.source.weights, attention=self.attention).to(self.device, self._dtype)
         self.inputs = cfg.inputs(self.source.dtype)
         self.outputs = cfg.outputs(self.source.dtype)
@@ -70,7 +73,7 @@ class TorchRunner(Runner):
 
     def run_impl(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         y = self.forward(feeds)
-        out_dtype = DTYPES.get(self.source.dtype, "float32")  # numpy has no bf16: float32
+        out_dtype = DTYPES[self.source.dtype].numpy or "float32"  # numpy has no bf16: float32
         return {"y": y.to(getattr(self._torch, out_dtype)).cpu().numpy()}
 
     def close_impl(self) -> None:
@@ -125,6 +128,10 @@ class TorchCudaRunner(TorchRunner):
         # faster, but not the parity setting. A benchmark sets it to compare with torch as shipped.
         self.reduced_precision_reduction = reduced_precision_reduction
         self._saved_flags: dict[str, bool] | None = None
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return torch_cuda_unavailable_reason()
 
     def load_impl(self) -> None:
         reason = torch_cuda_unavailable_reason(self.device_id)

@@ -24,7 +24,7 @@ CONFIGS: dict[str, AttentionConfig] = {
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """exported(name, attention="decomposed", dtype="fp32") -> path of a checked export, cached."""
-    from attnx.export import export_model
+    from attnx.workflows import export_model
 
     cache: dict[tuple[str, str, str], str] = {}
     root = tmp_path_factory.mktemp("exports")

@@ -1,22 +1,49 @@
-"""What every subcommand shares: model arguments, progress, tables, list parsing."""
+"""What every subcommand shares: model arguments, progress, list parsing, output paths."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
-from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from attnx.errors import UsageError
+from attnx.model import PRESETS, init_weights, load_config, load_weights, preset
 
-__all__ = ["add_model_args", "load_config_arg", "load_model_args", "Progress", "format_table", "int_list", "str_list"]
+__all__ = [
+    "add_model_args",
+    "load_config_arg",
+    "load_model_args",
+    "Progress",
+    "int_list",
+    "str_list",
+    "check_output_path",
+    "workflows",
+]
+
+# The distributions of the `export` extra, by the module each installs.
+EXPORT_EXTRA = {"torch": "torch", "onnxscript": "onnxscript", "onnx_ir": "onnx-ir", "safetensors": "safetensors"}
+
+
+def workflows(command: str, needs: tuple[str, ...] = tuple(EXPORT_EXTRA)) -> ModuleType:
+    """attnx.workflows (export, optimize, build), or one UsageError naming what is missing:
+    the deployment side installs without the libraries that build models."""
+    missing = [EXPORT_EXTRA[m] for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"attnx {command} needs {', '.join(missing)}, which this installation lacks: pip install 'attnx[export]'"
+        )
+    import attnx.workflows  # onnx-ir and onnxscript at module level: imported when a command needs them
+
+    return attnx.workflows
 
 
 def add_model_args(parser: argparse.ArgumentParser, weights: bool = True) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--preset", help="a preset: tiny, base, large, gpt3")
+    group.add_argument("--preset", help=f"a preset: {', '.join(PRESETS)}")
     group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
     if weights:
         parser.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
@@ -25,15 +52,11 @@ def add_model_args(parser: argparse.ArgumentParser, weights: bool = True) -> Non
 
 def load_config_arg(args: argparse.Namespace) -> Any:
     """The AttentionConfig named by --preset or read from --config."""
-    from attnx.model import load_config, preset
-
     return preset(args.preset) if args.preset else load_config(args.config)
 
 
 def load_model_args(args: argparse.Namespace, progress: Progress | None = None) -> tuple[Any, Any]:
     """(config, weights) from --preset/--config and --weights/--seed."""
-    from attnx.model import init_weights, load_weights
-
     config = load_config_arg(args)
     if getattr(args, "weights", None):
         weights = load_weights(args.weights, config)
@@ -54,28 +77,6 @@ class Progress:
     def __call__(self, message: str) -> None:
         if self.enabled:
             print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Aligned columns: numbers right, text left."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) and rows for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    out = [line(list(headers)), line(["-" * w for w in widths])]
-    out += [line(r) for r in cells]
-    return "\n".join(out)
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
 
 
 def int_list(text: str) -> list[int]:

@@ -9,8 +9,12 @@ import sys
 import time
 from typing import IO, Any
 
-from attnx.commands._common import check_output_path, format_table, int_list, load_config_arg, str_list
+from attnx._text import format_table
+from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS, BenchPlan, check_plot_path, plot_report, run_bench
+from attnx.commands._common import check_output_path, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
+from attnx.model import PRESETS
+from attnx.model.contract import BENCH_ORT_LOWERINGS, EXPORT_ATTENTIONS, MODEL_DTYPES, TORCH_CORES, describe
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
 
@@ -18,8 +22,6 @@ HELP = "time backends x lowerings x shapes: latency, tokens/s, GFLOP/s, roofline
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS
-
     p = sub.add_parser(
         "bench",
         help=HELP,
@@ -27,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "is a case's GFLOP/s over a GEMM of the model's projection size measured through the same runtime.",
     )
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--preset", help="a preset: tiny, base, large, gpt3")
+    group.add_argument("--preset", help=f"a preset: {', '.join(PRESETS)}")
     group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
     group.add_argument("--model", metavar="M.onnx", help="bench this attnx ONNX file on the ort-* backends")
     p.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
@@ -39,15 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--attention",
         type=str_list,
         default=None,
-        help="lowerings to time, each where its backend has it: torch decomposed,sdpa; ort-* decomposed,onnx,"
-        "ort-fused,auto (default: all but auto)",
+        help=f"lowerings to time, each where its backend has it: torch {','.join(TORCH_CORES)}; ort-* "
+        f"{','.join(EXPORT_ATTENTIONS)} (default: {','.join(TORCH_CORES)} and {','.join(BENCH_ORT_LOWERINGS)})",
     )
     p.add_argument("--batch", type=int_list, default=[1], help="default 1")
     p.add_argument(
         "--seq", type=int_list, default=list(DEFAULT_SEQS), help=f"default {','.join(map(str, DEFAULT_SEQS))}"
     )
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default: = seq)")
-    p.add_argument("--dtype", type=str_list, default=None, help="fp32 and/or fp16 (default fp32, or the --model's)")
+    p.add_argument("--dtype", type=str_list, default=None, help=f"{' and/or '.join(MODEL_DTYPES)} (default fp32, or the --model's)")
     p.add_argument("--repeat", type=int, default=10, help="timed calls per case (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before them (default 2)")
     p.add_argument(
@@ -65,15 +67,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> Any:
-    from attnx.bench import BenchPlan, describe_onnx_model
-
     dtypes = args.dtype or ["fp32"]
     if args.model:
         if args.weights:
             raise UsageError("--weights does not go with --model: the model file holds its weights")
         if not os.path.isfile(args.model):
             raise UsageError(f"--model {args.model!r} does not exist")
-        config, _, model_dtype = describe_onnx_model(args.model)
+        info = describe(args.model)
+        config = info.require_config()
+        model_dtype = info.io_dtype  # what the model is fed, and so what the sweep makes
         if args.dtype and args.dtype != [model_dtype]:
             raise UsageError(f"--model {args.model!r} is {model_dtype}; --dtype {','.join(args.dtype)} does not apply")
         dtypes = [model_dtype]
@@ -191,8 +193,6 @@ def _notes(report: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.bench import check_plot_path, plot_report, run_bench
-
     if args.json:
         check_output_path(args.json)
     if args.plot:

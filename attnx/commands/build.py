@@ -5,29 +5,28 @@ from __future__ import annotations
 import argparse
 import os
 
-from attnx.commands._common import Progress, add_model_args, format_table, load_config_arg, str_list
+from attnx._text import format_table
+from attnx.commands._common import Progress, add_model_args, load_config_arg, str_list, workflows
+from attnx.model.contract import BUILD_ATTENTION, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 
 HELP = "export, check and package the model: a folder that verifies itself on the deployment machine"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from attnx.export import EXPORT_DTYPES, LOWERINGS
-    from attnx.export.package import DEFAULT_ATTENTION, DEFAULT_PROVIDERS
-
     p = sub.add_parser("build", help=HELP, description=HELP)
     add_model_args(p)
     p.add_argument(
         "--attention",
-        choices=LOWERINGS,
-        default=DEFAULT_ATTENTION,
-        help=f"lowering of the attention core (default {DEFAULT_ATTENTION})",
+        choices=EXPORT_ATTENTIONS,
+        default=BUILD_ATTENTION,
+        help=f"lowering of the attention core (default {BUILD_ATTENTION})",
     )
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
     p.add_argument(
         "--provider",
         type=str_list,
-        default=list(DEFAULT_PROVIDERS),
-        help=f"providers the package is for, comma-separated (default {','.join(DEFAULT_PROVIDERS)}); "
+        default=list(PROVIDERS),
+        help=f"providers the package is for, comma-separated (default {','.join(PROVIDERS)}); "
         "each is verified here when it can run here",
     )
     p.add_argument("--force", action="store_true", help="replace an existing package at --out")
@@ -36,8 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.export.package import build_package
-
+    build_package = workflows("build").build_package
     config = load_config_arg(args)
     progress = Progress()
     report = build_package(

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from attnx.commands._common import Progress, add_model_args, check_output_path, format_table, load_config_arg
+from attnx._text import format_table
+from attnx.commands._common import Progress, add_model_args, check_output_path, load_config_arg, workflows
+from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES
 
 HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from attnx.export import EXPORT_DTYPES, LOWERINGS
-
     p = sub.add_parser("export", help=HELP, description=HELP)
     add_model_args(p)
-    p.add_argument("--attention", choices=LOWERINGS, default="decomposed", help="lowering of the attention core")
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
+    p.add_argument("--attention", choices=EXPORT_ATTENTIONS, default="decomposed", help="lowering of the attention core")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--opset", type=int, help="ONNX opset (default 18; 23 for --attention onnx)")
     p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
@@ -24,9 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.export import export_model
-
     check_output_path(args.out)
+    export_model = workflows("export").export_model
     progress = Progress()
     config = load_config_arg(args)
     report = export_model(

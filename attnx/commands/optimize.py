@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from attnx.commands._common import Progress, format_table
+from attnx._text import format_table
+from attnx.commands._common import Progress, workflows
+from attnx.model.contract import MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
 
 HELP = "lower an exported model's attention (ort-fused, auto, fp16), check parity, then write it"
 
@@ -20,30 +22,25 @@ def _shape(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from attnx.export.passes import PASS_LOWERINGS
-    from attnx.export.passes._optimize import PROVIDERS
-
     p = sub.add_parser("optimize", help=HELP, description=HELP)
     p.add_argument("model", metavar="IN.onnx", help="a model written by attnx export")
     p.add_argument("--out", required=True, metavar="OUT.onnx")
     p.add_argument(
-        "--attention", choices=PASS_LOWERINGS, default="ort-fused",
+        "--attention", choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
         help="lowering of the attention core (default ort-fused; auto measures each on --provider)",
     )  # fmt: skip
-    p.add_argument("--dtype", choices=["fp32", "fp16"], default=None, help="default: the input model's")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="default: the input model's")
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
-    p.add_argument("--provider", choices=PROVIDERS, default="cpu", help="where parity is checked and auto times")
+    p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="where parity is checked and auto times")
     p.add_argument("--auto-seq", type=_shape, default=None, help="sequence length auto times at (default 512)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.export.passes import AUTO_SHAPE
-    from attnx.export.passes._optimize import optimize_file
-
+    flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
     progress = Progress()
-    auto_shape = AUTO_SHAPE if args.auto_seq is None else (AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
-    result = optimize_file(
+    auto_shape = flows.AUTO_SHAPE if args.auto_seq is None else (flows.AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
+    result = flows.optimize_file(
         args.model, args.out, attention=args.attention, dtype=args.dtype, keep_io_fp32=args.keep_io_fp32,
         provider=args.provider, auto_shape=auto_shape, raise_on_failure=False, progress=progress,
     )  # fmt: skip
@@ -64,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if not result.passed:
         for failure in result.failures():
             print(f"FAIL {failure}")
-        print(f"nothing written: {args.out} disagrees with {args.model} on ort-{args.provider}")
+        print(f"nothing written: {args.out} disagrees with {args.model} on {PROVIDERS[args.provider].backend}")
         return 1
     print(f"wrote {', '.join(result.files)} ({lowering.lowering}, {result.dtype})")
     return 0

@@ -6,15 +6,17 @@ import argparse
 import os
 import tempfile
 
-from attnx.commands._common import Progress, add_model_args, format_table, int_list, load_model_args, str_list
+from attnx._text import format_table
+from attnx.commands._common import Progress, add_model_args, int_list, load_model_args, str_list, workflows
+from attnx.model.contract import BACKENDS, MODEL_DTYPES, provider_of_backend
+from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_SEQS, run_parity
 
 HELP = "compare backends (torch, ONNX Runtime, reference) case by case"
-DEFAULT_BACKENDS = "reference,torch,ort-cpu,ort-cuda,torch-cuda"
+DEFAULT_BACKENDS = ",".join(BACKENDS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_SEQS
-
     p = sub.add_parser("parity", help=HELP, description=HELP)
     add_model_args(p)
     p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model for ort-* (default: export one now)")
@@ -23,15 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES))
     p.add_argument("--seq", type=int_list, default=list(DEFAULT_SEQS))
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default 9)")
-    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
     p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.runtimes import ModelSource, create_runner
-    from attnx.runtimes.parity import run_parity
-
     progress = Progress()
     config, weights = load_model_args(args, progress)
     for name in args.require:  # ProviderUnavailable exits 2 with the backend's reason
@@ -39,10 +38,9 @@ def run(args: argparse.Namespace) -> int:
             args.backends.append(name)
     with tempfile.TemporaryDirectory(prefix="attnx-parity-") as tmp:
         model = args.model
-        needs_model = any(b.startswith("ort-") for b in args.backends)
+        needs_model = any(provider_of_backend(b) is not None for b in args.backends)
         if needs_model and model is None:
-            from attnx.export import export_model
-
+            export_model = workflows("parity (ort-* without --model: it exports one)").export_model
             model = os.path.join(tmp, "model.onnx")
             export_model(config, model, weights, dtype=args.dtype, validate=False, progress=progress)
         source = ModelSource(config, weights, model, args.dtype)

@@ -7,11 +7,13 @@ import os
 
 import numpy as np
 
+from attnx._io import write_npy_atomic
 from attnx.errors import InputError, UsageError
+from attnx.model.contract import PROVIDERS
+from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.package import load
 
 HELP = "run an ONNX model or a package on .npy inputs"
-
-PROVIDERS = {"cpu": "ort-cpu", "cuda": "ort-cuda"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,20 +41,14 @@ def load_npy(path: str, what: str) -> np.ndarray:
 
 def open_runner(path: str, provider: str):
     """A loaded runner for a model file or a package folder."""
-    from attnx.runtimes import ModelSource, create_runner
-
     if os.path.isdir(path):
-        from attnx.runtimes.package import load
-
         return load(path, provider=provider)
     if not os.path.isfile(path):
         raise UsageError(f"{path!r} is neither a model file nor a package folder")
-    return create_runner(PROVIDERS[provider], ModelSource(model_path=path)).load()
+    return create_runner(PROVIDERS[provider].backend, ModelSource(model_path=path)).load()
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.runtimes.parity import write_npy_atomic
-
     feeds = {"x": load_npy(args.input, "--input")}
     if args.memory:
         feeds["memory"] = load_npy(args.memory, "--memory")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from attnx.commands._common import Progress, format_table
+from attnx._io import write_json_atomic
+from attnx._text import format_table
+from attnx.commands._common import Progress
+from attnx.model.contract import PROVIDERS
+from attnx.runtimes.package import verify_package
 
 HELP = "check a package here: file hashes, onnxruntime can load it, golden outputs within tolerance"
 
@@ -15,16 +19,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("package", metavar="DIR")
     p.add_argument(
-        "--provider", choices=["cpu", "cuda"], default="cpu", help="execution provider to run on (default cpu)"
+        "--provider", choices=list(PROVIDERS), default="cpu", help="execution provider to run on (default cpu)"
     )
     p.add_argument("--json", metavar="FILE", help="write the checks as JSON")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.runtimes.package import verify_package
-    from attnx.runtimes.parity import write_json_atomic
-
     report = verify_package(args.package, args.provider, Progress())
     rows = [(c.name, "pass" if c else "FAIL", c.detail) for c in report.checks]
     print(format_table(["check", "status", "detail"], rows))

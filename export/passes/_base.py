@@ -14,14 +14,11 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from attnx._graph import op_counts
+from attnx.model.contract import MS_DOMAIN, op_counts
 
-__all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops", "MS_DOMAIN"]
+__all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops"]
 
 logger = logging.getLogger(__name__)
-
-# The domain of ONNX Runtime's contrib operators (MultiHeadAttention, Attention).
-MS_DOMAIN = "com.microsoft"
 
 
 class AttnxPass(ir.passes.InPlacePass):

@@ -14,7 +14,7 @@ as `unidirectional=1` and the key padding mask as int32 [B, L] (1 keeps: our boo
 negated). The mask subgraphs are read by attnx.export.passes._masks and never guessed at.
 
 The fused op does not zero a query whose keys are all hidden (it averages them), so the
-rule keeps that guarantee of DESIGN.md section 1 with a Where after the op, computed from
+rule keeps that guarantee of the formula (README, "The model") with a Where after the op, computed from
 the key padding mask at [B, S] (never the [B, S, L] grid the export builds): "some key of
 row b visible" for key padding alone, "some key j <= i visible" (a cumulative sum) with the
 causal mask too. A causal mask alone hides no row entirely (query i sees key i).
@@ -36,7 +36,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from attnx.export.passes._base import MS_DOMAIN, AttnxPass
+from attnx.export.passes._base import AttnxPass
+from attnx.model.contract import MS_DOMAIN
 from attnx.export.passes._masks import (
     KeyMask,
     NotFusable,

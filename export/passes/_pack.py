@@ -22,7 +22,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from attnx.export.passes._base import MS_DOMAIN, AttnxPass
+from attnx.export.passes._base import AttnxPass
+from attnx.model.contract import MS_DOMAIN
 from attnx.export.passes._masks import const_array
 
 __all__ = ["PackQkvProjections", "FuseMHAToPackedAttention"]

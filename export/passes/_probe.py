@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export.passes._base import MS_DOMAIN
 from attnx.export.passes._masks import const_array
+from attnx.model.contract import MS_DOMAIN, lowering_from_nodes
 
 __all__ = ["lowering_of", "qk_weights"]
 
@@ -26,16 +26,14 @@ def _is(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = _STD) -> b
 
 
 def lowering_of(model: ir.Model) -> str:
-    """'ort-attention', 'ort-fused-packed', 'ort-fused', 'onnx' or 'decomposed'."""
-    nodes = list(model.graph)
-    if any(_is(n, "Attention", (MS_DOMAIN,)) for n in nodes):
-        return "ort-attention"
-    mhas = [n for n in nodes if _is(n, "MultiHeadAttention", (MS_DOMAIN,))]
-    if mhas:
-        return "ort-fused-packed" if all(_is(n.inputs[0].producer(), "Split") for n in mhas) else "ort-fused"
-    if any(_is(n, "Attention") for n in nodes):
-        return "onnx"
-    return "decomposed"
+    """'ort-attention', 'ort-fused-packed', 'ort-fused', 'onnx' or 'decomposed': the contract's
+    one probe (lowering_from_nodes), over this onnx-ir graph."""
+
+    def first_producer(node: ir.Node) -> str | None:
+        source = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+        return source.op_type if source is not None else None
+
+    return lowering_from_nodes((n.domain, n.op_type, first_producer(n)) for n in model.graph)
 
 
 def _strip_layout(value: ir.Value) -> ir.Value:

@@ -30,6 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
+from attnx.model.contract import DTYPE_KEY, IO_DTYPE_KEY
 
 __all__ = ["ConvertToFloat16", "FP16_MAX"]
 
@@ -76,7 +77,7 @@ class ConvertToFloat16(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.notes = []
-        if model.metadata_props.get("attnx.dtype") == "fp16":
+        if model.metadata_props.get(DTYPE_KEY) == "fp16":
             # Converting again would retype the float32 boundary this pass may have made.
             self.notes.append("the model is float16 already (metadata attnx.dtype): nothing to do")
             return ir.passes.PassResult(model, False)
@@ -87,8 +88,8 @@ class ConvertToFloat16(ir.passes.InPlacePass):
             counts["boundary"] = self._keep_io_fp32(model.graph)
         modified = any(counts.values())
         if modified:
-            model.metadata_props["attnx.dtype"] = "fp16"
-            model.metadata_props["attnx.io_dtype"] = "fp32" if self.keep_io_fp32 else "fp16"
+            model.metadata_props[DTYPE_KEY] = "fp16"
+            model.metadata_props[IO_DTYPE_KEY] = "fp32" if self.keep_io_fp32 else "fp16"
         self.notes = [
             f"{counts['values']} float32 values retyped and {counts['tensors']} tensors converted to float16",
             f"{counts['casts']} Cast targets float32 -> float16",

@@ -14,11 +14,10 @@ from attnx.bench import (
     BenchPlan,
     BenchReport,
     compare_lowerings,
-    describe_onnx_model,
     estimate_peak_bytes,
     run_bench,
 )
-from attnx.bench._sweep import _times, run_worker, write_gemm_model
+from attnx.bench._worker import run_worker, time_stats, write_gemm_model
 from attnx.bench._worker import run_spec
 from attnx.errors import UsageError
 from attnx.model import preset
@@ -94,12 +93,12 @@ def test_compare_lowerings_uses_the_better_torch_core_and_the_own_decomposed():
 
 
 def test_first_call_is_the_first_warm_up_call_or_else_the_first_timed_one():
-    stats = _times({"warmup_ms": [2000.0, 5000.0], "times_ms": [1100.0, 1000.0, 1200.0]})
+    stats = time_stats({"warmup_ms": [2000.0, 5000.0], "times_ms": [1100.0, 1000.0, 1200.0]})
     assert stats["first_ms"] == 2000.0 and stats["median_ms"] == 1100.0  # warm-up stays out of the median
-    assert _times({"warmup_ms": [], "times_ms": [3.0, 1.0, 2.0]})["first_ms"] == 3.0  # --warmup 0
+    assert time_stats({"warmup_ms": [], "times_ms": [3.0, 1.0, 2.0]})["first_ms"] == 3.0  # --warmup 0
 
 
-def test_estimate_matches_the_measured_peaks_of_design_section_7():
+def test_estimate_matches_the_measured_peaks_of_the_cpu_baseline():
     # Measured on the large preset at seq 8192: decomposed 8.96 GB, Attention-23 8.7 GB,
     # MultiHeadAttention 0.38 GB peak RSS. The guard's estimate must be of that size.
     gb = 1024**3
@@ -114,7 +113,7 @@ def test_gemm_model_is_a_real_matmul_at_attnx_ir_version(tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from attnx.export import IR_VERSION
+    from attnx.model.contract import IR_VERSION
 
     path = str(tmp_path / "gemm.onnx")
     write_gemm_model(path, 8, 16, 4, "fp32")
@@ -169,19 +168,6 @@ def test_worker_past_its_budget_is_killed_and_reported_as_timeout(tmp_path):
     assert result == {"status": "timeout", "reason": "ran past the 0.05 s budget per case (--timeout)"}
 
 
-# Reading an attnx model ----------------------------------------------------------------------------
-def test_describe_onnx_model_reads_config_lowering_and_dtype(exported, tmp_path):
-    config, lowering, dtype = describe_onnx_model(exported("cross"))
-    assert (config, lowering, dtype) == (CONFIGS["cross"], "decomposed", "fp32")
-    plain = tmp_path / "plain.onnx"
-    write_gemm_model(str(plain), 2, 2, 2, "fp32")
-    with pytest.raises(UsageError, match="no 'attnx.config' metadata"):
-        describe_onnx_model(str(plain))
-    (tmp_path / "junk.onnx").write_bytes(b"not a model")
-    with pytest.raises(UsageError, match="not a readable ONNX model"):
-        describe_onnx_model(str(tmp_path / "junk.onnx"))
-
-
 # Whole sweeps, small -------------------------------------------------------------------------------
 def test_sweep_of_a_model_file_measures_ort_and_skips_torch_with_the_reason(exported, tmp_path):
     out = tmp_path / "b.json"
@@ -208,16 +194,16 @@ def test_sweep_of_a_model_file_measures_ort_and_skips_torch_with_the_reason(expo
 
 
 def test_a_lowering_that_fails_to_export_is_skipped_with_the_reason(monkeypatch, tmp_path):
-    import attnx.export
+    import attnx.workflows
 
-    real = attnx.export.export_model
+    real = attnx.workflows.export_model
 
     def export_model(config, out, weights=None, *, attention="decomposed", **kw):
         if attention == "onnx":
             raise RuntimeError("no Attention op today\nsecond line")
         return real(config, out, weights, attention=attention, **kw)
 
-    monkeypatch.setattr(attnx.export, "export_model", export_model)
+    monkeypatch.setattr(attnx.workflows, "export_model", export_model)
     plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu"], attentions=["decomposed", "onnx"], seqs=[8], **FAST)
     report = run_bench(plan)
     by = {c.attention: c for c in report.cases}

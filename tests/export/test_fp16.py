@@ -13,11 +13,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from attnx.errors import UsageError
-from attnx.export import IR_VERSION, check_model_file, export_onnx, save_model, validate_against_torch
+from attnx.export import export_onnx, save_model
+from attnx.model.contract import IR_VERSION
+from attnx.workflows import check_model_file, validate_against_torch
 from attnx.export.passes.fp16 import FP16_MAX, ConvertToFloat16
 from attnx.model import AttentionConfig, reference_attention
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes.compare import compare_arrays
 from tests.conftest import CONFIGS, weights_for
 
 LOWERINGS = ["decomposed", "onnx"]
@@ -310,7 +313,7 @@ def test_export_model_fp16_end_to_end(exported):
 
 
 def test_export_model_fp16_keeping_fp32_io(tmp_path):
-    from attnx.export import export_model
+    from attnx.workflows import export_model
 
     config, weights = CONFIGS["kpm"], weights_for("kpm")
     path = str(tmp_path / "kpm.onnx")

@@ -11,22 +11,16 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from attnx.export import IR_VERSION, export_onnx, save_model
-from attnx.export.passes import (
-    AUTO_CANDIDATES,
-    FuseAttentionToMHA,
-    count_ops,
-    lower,
-    lower_model,
-    lowering_of,
-    qk_weights,
-    run_pipeline,
-)
+from attnx.export import export_onnx, save_model
+from attnx.export.passes import FuseAttentionToMHA, count_ops, lowering_of, qk_weights, run_pipeline
 from attnx.model import AttentionConfig, init_weights, reference_attention
+from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes import ModelSource
 from attnx.runtimes.parity import run_parity
+from attnx.workflows import AUTO_CANDIDATES, lower
 from tests.conftest import CONFIGS, weights_for
 
 MHA = "com.microsoft.MultiHeadAttention"
@@ -216,23 +210,23 @@ def test_qk_weights_reads_the_projections_back(exported, form):
         for key in ("q_proj.weight", "k_proj.weight"):
             np.testing.assert_array_equal(found[key], weights[key])
         np.testing.assert_array_equal(found["q_proj.bias"], 0)  # bias=False in this config
-        model, _ = lower_model(model, config, attention="ort-fused")
+        model = lower(model, config, attention="ort-fused").model
 
 
-def test_lower_model_refuses_what_it_cannot_do(exported):
+def test_lower_refuses_what_it_cannot_do(exported):
     from attnx.errors import UsageError
 
     config = CONFIGS["self"]
     model = ir.load(exported("self"))
     with pytest.raises(UsageError, match="written by the exporter at opset 23"):
-        lower_model(model, config, attention="onnx")
+        lower(model, config, attention="onnx")
     with pytest.raises(UsageError, match="unknown --attention 'flash'"):
-        lower_model(model, config, attention="flash")
+        lower(model, config, attention="flash")
     with pytest.raises(UsageError, match="unknown dtype 'bf16'"):
-        lower_model(model, config, attention="ort-fused", dtype="bf16")
-    model, _ = lower_model(model, config, attention="ort-fused")
+        lower(model, config, attention="ort-fused", dtype="bf16")
+    model = lower(model, config, attention="ort-fused").model
     with pytest.raises(UsageError, match="is ort-fused already: no pass turns it back"):
-        lower_model(model, config, attention="decomposed")
+        lower(model, config, attention="decomposed")
 
 
 def test_weights_made_outside_attnx(tmp_path):

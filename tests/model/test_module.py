@@ -8,7 +8,8 @@ import torch
 
 from attnx.model import build_module, init_weights, reference_attention
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes.compare import compare_arrays
 from tests.conftest import CONFIGS
 
 

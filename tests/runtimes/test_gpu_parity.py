@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attnx.runtimes import ModelSource, create_runner
-from attnx.runtimes.cuda import ort_cuda_unavailable_reason
+from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 from attnx.runtimes.parity import run_parity
 from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
 from tests.conftest import CONFIGS, weights_for
@@ -44,7 +44,7 @@ def _attention23_model(path: str, q_len: int, kv_len: int, heads: int = 2, head_
     import onnx
     from onnx import TensorProto, helper
 
-    from attnx.export import IR_VERSION
+    from attnx.model.contract import IR_VERSION
 
     def value(name: str, length: int) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, heads, length, head_dim])

@@ -24,7 +24,6 @@ from attnx.runtimes.cuda import (
     capture_native_stderr,
     ort_build_cuda_reason,
     ort_cuda_failure_reason,
-    ort_cuda_unavailable_reason,
     placement_problems,
     placements_from_assignment_info,
     placements_from_profile,
@@ -32,7 +31,7 @@ from attnx.runtimes.cuda import (
     set_ort_log_severity,
     unreported_options,
 )
-from attnx.runtimes.ort_runner import IoBinder, OrtCudaRunner, resolve_shape
+from attnx.runtimes.ort_runner import IoBinder, OrtCudaRunner, ort_cuda_unavailable_reason, resolve_shape
 from tests.conftest import CONFIGS, weights_for
 
 # What onnxruntime-gpu 1.31.1 wrote to stderr on a machine without CUDA 13 (recorded as is,

@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
-from attnx.export.package import build_package
+from attnx.workflows import build_package
 from attnx.runtimes.package import MANIFEST, MANIFEST_SUM, describe_package, load, verify_package
 
 from attnx.cli import main
@@ -136,7 +136,7 @@ def test_wrong_golden_output_fails_by_how_much(pkg, capsys):
     with np.load(pkg / "golden-1.npz", allow_pickle=False) as npz:
         arrays = {k: npz[k] for k in npz.files}
     arrays["y"][0, 0, 0] += 1e-3
-    from attnx.export.package import write_npz
+    from attnx.workflows import write_npz
 
     write_npz(pkg / "golden-1.npz", arrays)
     rehash(pkg)  # hashes consistent: only the numbers can catch it

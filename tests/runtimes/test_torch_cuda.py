@@ -117,7 +117,8 @@ def test_run_on_device_keeps_outputs_as_tensors(monkeypatch):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 @pytest.mark.parametrize("attention", ["decomposed", "sdpa"])
 def test_cuda_module_matches_the_cpu_module(torch_cuda, dtype, attention):
-    from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+    from attnx.model.tolerance import problem_size, tolerance_for
+    from attnx.runtimes.compare import compare_arrays
 
     config = CONFIGS["causal_kpm"]
     feeds = make_inputs(config, 3, 33, dtype=dtype)

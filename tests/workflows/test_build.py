@@ -9,9 +9,9 @@ import shutil
 
 import numpy as np
 import pytest
-from attnx.export import IR_VERSION
-from attnx.export import package as package_mod
-from attnx.export.package import DEFAULT_ATTENTION, LARGE_MODEL_BYTES, build_package, check_plan, write_npz
+from attnx.model.contract import IR_VERSION
+from attnx.workflows import _build as package_mod
+from attnx.workflows import DEFAULT_ATTENTION, LARGE_MODEL_BYTES, build_package, check_plan, write_npz
 from attnx.model import preset
 from attnx.runtimes.package import MANIFEST, MANIFEST_SUM
 

@@ -28,27 +28,31 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from attnx.export._check import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
-from attnx.export._export import LOWERINGS, release_rewriter_state
-from attnx.export._pipeline import EXPORT_DTYPES, export_model
-from attnx.model.config import DTYPES, AttentionConfig
+
+from attnx import __version__
+from attnx.errors import CheckFailed, UsageError
+from attnx.export import release_rewriter_state
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import (
+    BACKENDS,
+    BUILD_ATTENTION,
+    EXPORT_ATTENTIONS,
+    MODEL_DTYPES,
+    PROVIDERS,
+    REFERENCE,
+    check_choice,
+    describe,
+    get_provider,
+)
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import Comparison, problem_size
+from attnx.model.tolerance import problem_size
 from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
-from attnx.runtimes.package import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    MANIFEST_SUM,
-    PROVIDERS,
-    VerifyReport,
-    file_sha256,
-    verify_package,
-)
+from attnx.runtimes.compare import Comparison
+from attnx.runtimes.package import FORMAT, FORMAT_VERSION, MANIFEST, MANIFEST_SUM, VerifyReport, file_sha256, verify_package
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityCase, ParityReport, run_parity
-
-from attnx.errors import CheckFailed, UsageError
+from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
+from attnx.workflows._export import export_model
 
 __all__ = [
     "DEFAULT_ATTENTION",
@@ -63,21 +67,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The lowering a build uses unless told otherwise: com.microsoft MultiHeadAttention, ORT's
-# fused kernel on CPU and CUDA (at seq 8192: 1.1 s and 0.38 GB where the decomposed graph
-# takes 8.5 s and 9 GB, DESIGN.md section 7). Not "auto": it times candidates, so two
-# builds could choose differently and the timings it records would differ byte for byte.
-DEFAULT_ATTENTION = "ort-fused"
+DEFAULT_ATTENTION = BUILD_ATTENTION  # the contract's, with its reason
 # The providers a package is built for; each is verified here when it can run here.
-DEFAULT_PROVIDERS = ("cpu", "cuda")
+DEFAULT_PROVIDERS = tuple(PROVIDERS)
 # Above this many bytes of float32 weights, the build checks at smaller shapes (see check_plan).
 LARGE_MODEL_BYTES = 1024**3
 MODEL_FILE = "model.onnx"
 PARITY_JSON = "parity.json"
 PARITY_MD = "parity.md"
 GOLDEN_SEED = 1000  # golden inputs are drawn apart from parity's (seeds 0, 1, ...)
-# Backends in the order the parity report lists them.
-PARITY_BACKENDS = ("reference", "torch", "ort-cpu", "ort-cuda", "torch-cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +215,7 @@ class _ReplayRunner(Runner):
 
     def __init__(self, source: ModelSource, record: Mapping[str, np.ndarray]) -> None:
         super().__init__(source)
-        self.name = "reference"
+        self.name = REFERENCE
         self.record = record
 
     def load_impl(self) -> None:
@@ -233,24 +231,13 @@ class _ReplayRunner(Runner):
 
 
 # The build ---------------------------------------------------------------------------------
-def _check_args(config: AttentionConfig, attention: str, dtype: str, providers: Sequence[str]) -> None:
-    if attention not in LOWERINGS:
-        raise UsageError(f"unknown --attention {attention!r} (known: {', '.join(LOWERINGS)})")
-    if dtype not in EXPORT_DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r} (known: {', '.join(EXPORT_DTYPES)})")
+def _check_args(attention: str, dtype: str, providers: Sequence[str]) -> None:
+    check_choice("--attention", attention, EXPORT_ATTENTIONS)
+    check_choice("--dtype", dtype, MODEL_DTYPES)
     if not providers:
         raise UsageError("--provider needs at least one of: " + ", ".join(PROVIDERS))
-    for provider in providers:
-        if provider not in PROVIDERS:
-            raise UsageError(f"unknown --provider {provider!r} (known: {', '.join(PROVIDERS)})")
-    if attention in ("ort-fused", "auto") or dtype != "fp32":
-        try:
-            from attnx.export.passes import lower_model  # noqa: F401  (what export_model calls)
-        except ImportError:
-            raise UsageError(
-                f"--attention {attention} --dtype {dtype} needs the graph passes (attnx.export.passes.lower_model), "
-                "which this attnx does not have yet"
-            ) from None
+    for name in providers:
+        get_provider(name, "--provider")
 
 
 def _is_package(path: str) -> bool:
@@ -316,7 +303,7 @@ def build_package(
     """
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
-    _check_args(config, attention, dtype, providers)
+    _check_args(attention, dtype, providers)
     _check_target(out, force)
     plan = plan or check_plan(config)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=os.path.dirname(out))
@@ -376,11 +363,13 @@ def _build_into(
 
     def recording_factory(name: str, source: ModelSource) -> Runner:
         runner = create_runner(name, source)
-        return _RecordingRunner(runner, record) if name == "reference" else runner
+        return _RecordingRunner(runner, record) if name == REFERENCE else runner
 
     source = ModelSource(config, weights, None, dtype)
-    first = ["reference"] if plan.check_reference else []
-    first += ["torch", "torch-cuda"]
+    # Torch backends first, while the weights are in memory; each ONNX Runtime backend after.
+    ort_backends = [p.backend for p in PROVIDERS.values()]
+    first = [REFERENCE] if plan.check_reference else []
+    first += [b for b in BACKENDS if b != REFERENCE and b not in ort_backends]
     progress(f"parity: {', '.join(first)} against the reference")
     parity_args = dict(batches=plan.parity_batches, seqs=plan.parity_seqs, mem_seqs=plan.parity_mem_seqs)
     cases = run_parity(source, first, runner_factory=recording_factory, progress=progress, **parity_args).cases
@@ -399,9 +388,9 @@ def _build_into(
     replay_source = ModelSource(config, spilled, model_path, dtype)
 
     def replay_factory(name: str, source: ModelSource) -> Runner:
-        return _ReplayRunner(source, record) if name == "reference" else create_runner(name, source)
+        return _ReplayRunner(source, record) if name == REFERENCE else create_runner(name, source)
 
-    for backend in ("ort-cpu", "ort-cuda"):  # one call each: two sessions never coexist
+    for backend in ort_backends:  # one call each: two sessions never coexist
         progress(f"parity: {backend} against the reference")
         cases += run_parity(
             replay_source, [backend], runner_factory=replay_factory, progress=progress, **parity_args
@@ -451,7 +440,7 @@ def _order_cases(cases: list[ParityCase]) -> list[ParityCase]:
     shape_order: dict[tuple[int, int, int | None], int] = {}
     for c in cases:
         shape_order.setdefault((c.batch, c.seq, c.mem_seq), len(shape_order))
-    rank = {b: i for i, b in enumerate(PARITY_BACKENDS)}
+    rank = {b: i for i, b in enumerate(BACKENDS)}
     return sorted(cases, key=lambda c: (shape_order[(c.batch, c.seq, c.mem_seq)], rank.get(c.backend, len(rank))))
 
 
@@ -469,7 +458,7 @@ def _write_golden(
     reference. Rounding them to the model dtype would add half an ulp of error to the golden
     file itself (for fp16 a sizable part of the tolerance)."""
     entries = []
-    with create_runner("reference", ModelSource(config, weights, None, dtype)) as reference:
+    with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
         for i, (batch, seq, mem_seq) in enumerate(shapes):
             mem = mem_seq if config.cross else None
             feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=GOLDEN_SEED + i)
@@ -485,44 +474,12 @@ def _write_golden(
                 "inputs": list(feeds),
                 "outputs": ["y"],
                 "output_dtype": "fp64",
-                "backend": "reference",
+                "backend": REFERENCE,
                 # The tolerance rule needs the largest attention score, which needs the
                 # weights: computed here, where they are.
                 "problem_size": problem_size(config, weights, feeds).to_dict(),
             })  # fmt: skip
     return entries
-
-
-_ONNX_TO_NAME = {np.dtype(v).name: k for k, v in DTYPES.items()}
-
-
-def _model_facts(path: str) -> dict[str, Any]:
-    """IR version, opsets, lowering and graph inputs/outputs, read from the saved model."""
-    import onnx
-
-    proto = onnx.load(path, load_external_data=False)
-
-    def io(values: Any) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": v.name,
-                "dtype": _ONNX_TO_NAME.get(
-                    onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
-                    str(v.type.tensor_type.elem_type),
-                ),
-                "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
-            }
-            for v in values
-        ]
-
-    meta = {p.key: p.value for p in proto.metadata_props}
-    return {
-        "ir_version": proto.ir_version,
-        "opsets": {o.domain or "ai.onnx": o.version for o in proto.opset_import},
-        "lowering": meta.get("attnx.attention"),
-        "inputs": io(proto.graph.input),
-        "outputs": io(proto.graph.output),
-    }
 
 
 def _versions() -> dict[str, str]:
@@ -531,8 +488,6 @@ def _versions() -> dict[str, str]:
     import onnxruntime
     import onnxscript
     import torch
-
-    from attnx import __version__
 
     return {
         "attnx": __version__,
@@ -557,11 +512,11 @@ def _manifest(
     weights_info: dict[str, Any],
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
-    facts = _model_facts(os.path.join(tmp, MODEL_FILE))
+    info = describe(os.path.join(tmp, MODEL_FILE))
     data_files = [os.path.basename(f) for f in model_files if os.path.basename(f) != MODEL_FILE]
     verified, not_verified = [], {}
     for provider in providers:
-        ort_cases = [c for c in parity.cases if c.backend == PROVIDERS[provider]]
+        ort_cases = [c for c in parity.cases if c.backend == PROVIDERS[provider].backend]
         if ort_cases and all(c.status == "pass" for c in ort_cases):
             verified.append(provider)
         else:
@@ -584,17 +539,17 @@ def _manifest(
         "config": config.to_dict(),
         "dtype": dtype,
         "attention": attention,
-        "inputs": facts["inputs"],
-        "outputs": facts["outputs"],
+        "inputs": [spec.to_dict() for spec in info.inputs],
+        "outputs": [spec.to_dict() for spec in info.outputs],
         "models": [
             {
                 "file": MODEL_FILE,
                 "external_data": data_files,
                 # One model serves every provider while the lowering does not depend on it.
                 "providers": providers,
-                "lowering": facts["lowering"] or attention,
-                "ir_version": facts["ir_version"],
-                "opsets": facts["opsets"],
+                "lowering": info.lowering,
+                "ir_version": info.ir_version,
+                "opsets": info.opsets,
             }
         ],
         "files": files,

@@ -31,12 +31,21 @@ from typing import Any
 
 import numpy as np
 
-from attnx._graph import op_counts
+from attnx._io import publish_staged_model
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
-from attnx.export._export import EXTERNAL_DATA_THRESHOLD, IR_VERSION, publish_staged_model
+from attnx.model.contract import (
+    EXTERNAL_DATA_THRESHOLD,
+    IR_VERSION,
+    ORT_OPTIMIZED_KEY,
+    PROVIDERS,
+    check_choice,
+    get_provider,
+    op_counts,
+)
+from attnx.runtimes.base import ModelSource, create_runner
+from attnx.runtimes.ort_runner import OrtRunner, import_onnxruntime
 
 __all__ = [
-    "PROVIDERS",
     "LEVELS",
     "OFFLINE_METADATA_KEY",
     "OfflineResult",
@@ -48,7 +57,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # Names of onnxruntime.GraphOptimizationLevel members, by the short names attnx uses.
 LEVELS = {
     "disabled": "ORT_DISABLE_ALL",
@@ -56,7 +64,7 @@ LEVELS = {
     "extended": "ORT_ENABLE_EXTENDED",
     "all": "ORT_ENABLE_ALL",
 }
-OFFLINE_METADATA_KEY = "attnx.ort_optimized"
+OFFLINE_METADATA_KEY = ORT_OPTIMIZED_KEY
 # With external data, tensors smaller than this stay inside the model file (shape
 # constants, biases): only the weights go to the data file.
 EXTERNAL_MIN_BYTES = 1024
@@ -97,10 +105,8 @@ def optimize_for_provider(
     really start (ORT falls back to CPU silently).
     """
     import onnx
-    import onnxruntime as ort
 
-    if provider not in PROVIDERS:
-        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    ort = import_onnxruntime(get_provider(provider).backend)
     if level not in LEVELS or level == "disabled":
         raise UsageError(f"unknown optimization level {level!r} (known: basic, extended, all)")
     model_path = os.path.abspath(os.fspath(model_path))
@@ -130,9 +136,8 @@ def optimize_for_provider(
                 "session.optimized_model_external_initializers_min_size_in_bytes", str(EXTERNAL_MIN_BYTES)
             )
         start = time.perf_counter()
-        session = _create_session(model_path, opts, provider)
+        _load(model_path, opts, provider).close()
         optimize_s = time.perf_counter() - start
-        del session
         if not os.path.isfile(tmp_model):
             raise ModelFileError(f"onnxruntime {ort.__version__} did not write the optimized model for {model_path!r}")
 
@@ -155,7 +160,7 @@ def optimize_for_provider(
         del proto
 
         # It must load again, in this ORT, on this provider, as a deployment would load it.
-        _create_session(tmp_model, _session_options("disabled"), provider)
+        _load(tmp_model, _session_options("disabled"), provider).close()
 
         written = publish_staged_model(tmp, name, parent)
     result = OfflineResult(
@@ -242,11 +247,9 @@ def compare_speed(
     as a deployment would, optimizations off. Session creation is timed `load_repeat`
     times each, alternating too (the first session of a process also pays for ORT's
     environment), and its median reported."""
-    if provider not in PROVIDERS:
-        raise UsageError(f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    get_provider(provider)
     for label, level in (("a_level", a_level), ("b_level", b_level)):
-        if level not in LEVELS:
-            raise UsageError(f"unknown {label} {level!r} (known: {', '.join(LEVELS)})")
+        check_choice(label, level, LEVELS)
     if repeat < 1 or warmup < 0 or load_repeat < 1:
         raise UsageError(
             f"repeat and load_repeat must be at least 1 and warmup at least 0, "
@@ -257,14 +260,16 @@ def compare_speed(
     for path, _ in models:
         if not os.path.isfile(path):
             raise ModelFileError(f"model file {path!r} does not exist")
-    sessions: list[Any] = [None, None]
+    runners: list[OrtRunner | None] = [None, None]
     loads: tuple[list[float], list[float]] = ([], [])
     for _ in range(load_repeat):
         for i, (path, level) in enumerate(models):
-            sessions[i] = None  # the previous one goes first: a big model is held once
+            if runners[i] is not None:
+                runners[i].close()  # the previous one goes first: a big model is held once
             start = time.perf_counter()
-            sessions[i] = _create_session(path, _session_options(level, threads), provider)
+            runners[i] = _load(path, _session_options(level, threads), provider)
             loads[i].append(time.perf_counter() - start)
+    sessions = [r.session for r in runners]
     for session, (path, _) in zip(sessions, models, strict=True):
         for _ in range(max(warmup, 1)):  # at least one: a bad feed fails here, not in the timer
             _run(session, feeds, path)
@@ -274,6 +279,8 @@ def compare_speed(
             start = time.perf_counter()
             session.run(None, feeds)
             times.append(time.perf_counter() - start)
+    for r in runners:
+        r.close()
     a = SpeedResult(models[0][0], a_level, statistics.median(loads[0]), runs[0])
     b = SpeedResult(models[1][0], b_level, statistics.median(loads[1]), runs[1])
     return SpeedComparison(a, b, provider, threads)
@@ -281,8 +288,7 @@ def compare_speed(
 
 # Sessions ---------------------------------------------------------------------------------
 def _session_options(level: str, threads: int | None = None) -> Any:
-    import onnxruntime as ort
-
+    ort = import_onnxruntime(PROVIDERS["cpu"].backend)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3  # errors only
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
@@ -292,38 +298,14 @@ def _session_options(level: str, threads: int | None = None) -> Any:
     return opts
 
 
-def _create_session(path: str, opts: Any, provider: str) -> Any:
-    """A session on `provider` that really runs there, or ProviderUnavailable."""
-    import onnxruntime as ort
-
-    wanted = PROVIDERS[provider]
-    providers: list[Any] = [wanted] if provider == "cpu" else [(wanted, {"device_id": 0}), PROVIDERS["cpu"]]
+def _load(path: str, opts: Any, provider: str) -> OrtRunner:
+    """A loaded runner on `provider` that really runs there (the runner checks the session's
+    providers: ORT builds a CPU session when CUDA cannot start), or ProviderUnavailable."""
+    runner = create_runner(get_provider(provider).backend, ModelSource(model_path=path), session_options=opts)
     try:
-        session = ort.InferenceSession(path, opts, providers=providers)
-    except Exception as e:  # ORT's own Fail/InvalidGraph/... types
-        text = str(e).strip()
-        raise ModelFileError(
-            f"onnxruntime {ort.__version__} cannot load {path!r} on {wanted}: {text.splitlines()[0] if text else e!r}"
-        ) from None
-    got = session.get_providers()
-    if not got or got[0] != wanted:
-        # ORT builds a CPU session when the CUDA provider cannot start, and lists CUDA in
-        # get_available_providers() whenever onnxruntime-gpu is installed.
-        reason = _cuda_reason(provider) or f"onnxruntime did not start {wanted} (session providers: {', '.join(got)})"
-        raise ProviderUnavailable(f"cannot use provider {provider!r}: {reason}")
-    return session
-
-
-def _cuda_reason(provider: str) -> str | None:
-    """ORT's own reason for a failed CUDA start (a missing library, a driver), when the GPU
-    backend's probe can give it; the provider check in _create_session stands without it."""
-    if provider != "cuda":
-        return None
-    try:
-        from attnx.runtimes.cuda import ort_cuda_unavailable_reason
-    except ImportError:
-        return None
-    return ort_cuda_unavailable_reason()
+        return runner.load()
+    except ProviderUnavailable as e:
+        raise ProviderUnavailable(f"cannot use provider {provider!r}: {e}") from None
 
 
 def _run(session: Any, feeds: Mapping[str, np.ndarray], path: str) -> None:

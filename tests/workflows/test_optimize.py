@@ -12,12 +12,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from attnx.cli import main
-from attnx.export import IR_VERSION
-from attnx.export.passes import _optimize, count_ops
+from attnx.model.contract import IR_VERSION
+from attnx.export.passes import count_ops
+from attnx.workflows import _optimize
 from attnx.export.passes._masks import const_array
 from attnx.model import reference_attention
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes.compare import compare_arrays
 from tests.conftest import CONFIGS, weights_for
 
 MHA = "com.microsoft.MultiHeadAttention"
@@ -55,8 +57,20 @@ def _corrupt_q_weight(model: ir.Model) -> None:
     weight.const_value = ir.tensor(const_array(weight) * 1.5, name=weight.name)
 
 
+def _break_the_lowering(monkeypatch) -> None:
+    """optimize lowers through a pass pipeline that now corrupts the model it returns."""
+    real = _optimize.lower
+
+    def faulty_lower(*args, **kwargs):
+        result = real(*args, **kwargs)
+        _corrupt_q_weight(result.model)
+        return result
+
+    monkeypatch.setattr(_optimize, "lower", faulty_lower)
+
+
 def test_optimize_refuses_a_model_that_fails_parity(exported, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(_optimize, "POST_LOWERING_HOOKS", [_corrupt_q_weight])
+    _break_the_lowering(monkeypatch)
     out = tmp_path / "broken.onnx"
     assert main(["optimize", exported("cross_kpm"), "--out", str(out)]) == 1
     printed = capsys.readouterr().out
@@ -67,7 +81,7 @@ def test_optimize_refuses_a_model_that_fails_parity(exported, tmp_path, capsys, 
 def test_optimize_api_raises_check_failed(exported, tmp_path, monkeypatch):
     from attnx.errors import CheckFailed
 
-    monkeypatch.setattr(_optimize, "POST_LOWERING_HOOKS", [_corrupt_q_weight])
+    _break_the_lowering(monkeypatch)
     with pytest.raises(CheckFailed, match="not written: the optimized model disagrees"):
         _optimize.optimize_file(exported("self"), tmp_path / "x.onnx")
     assert os.listdir(tmp_path) == []

@@ -14,12 +14,15 @@ import pytest
 from onnx import TensorProto, helper
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
-from attnx.export import CONFIG_METADATA_KEY, IR_VERSION, export_onnx, save_model
-from attnx.export.ort_offline import OFFLINE_METADATA_KEY, compare_speed, optimize_for_provider
+from attnx.export import export_onnx, save_model
+from attnx.model.contract import CONFIG_KEY as CONFIG_METADATA_KEY
+from attnx.model.contract import IR_VERSION
+from attnx.runtimes.ort_offline import OFFLINE_METADATA_KEY, compare_speed, optimize_for_provider
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.model import reference_attention
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import compare_arrays, problem_size, tolerance_for
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes.compare import compare_arrays
 from tests.conftest import CONFIGS, weights_for
 
 NAME = "causal_kpm"  # masks of both kinds and a fully masked batch element
@@ -107,7 +110,7 @@ def test_external_initializers_and_a_stale_data_file(source, tmp_path):
 
 
 def test_external_data_is_chosen_by_size(source, tmp_path, monkeypatch):
-    import attnx.export.ort_offline as offline
+    import attnx.runtimes.ort_offline as offline
 
     assert not optimize_for_provider(source["fp32"], tmp_path / "a.onnx").external_data  # 17 kB of weights
     monkeypatch.setattr(offline, "EXTERNAL_DATA_THRESHOLD", 10_000)  # as if they passed 2 GB

@@ -10,18 +10,17 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from attnx.errors import UsageError
-from attnx.export._check import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
-from attnx.export._export import LOWERINGS, export_onnx, release_rewriter_state, save_model
+from attnx.export import export_onnx, release_rewriter_state, save_model
 from attnx.model.config import AttentionConfig
-from attnx.model.tolerance import Comparison
+from attnx.model.contract import EXPORT_ATTENTIONS, LOWERINGS, MODEL_DTYPES, check_choice
 from attnx.model.weights import init_weights, load_weights
+from attnx.runtimes.compare import Comparison
+from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
+from attnx.workflows._lower import lower
 
-__all__ = ["ExportReport", "export_model", "EXPORT_DTYPES"]
+__all__ = ["ExportReport", "export_model"]
 
 logger = logging.getLogger(__name__)
-
-EXPORT_DTYPES = ("fp32", "fp16")
 
 
 @dataclasses.dataclass
@@ -60,29 +59,26 @@ def export_model(
     check=False skips the file check (and validate): for a caller that checks the file
     itself after releasing the weights, as `attnx build` does.
     """
-    if attention not in LOWERINGS:
-        raise UsageError(f"unknown --attention {attention!r} (known: {', '.join(LOWERINGS)})")
-    if dtype not in EXPORT_DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r} (known: {', '.join(EXPORT_DTYPES)})")
+    check_choice("--attention", attention, EXPORT_ATTENTIONS)
+    check_choice("--dtype", dtype, MODEL_DTYPES)
     if weights is None:
         progress(f"drawing seeded weights (seed {seed}, {config.n_params:,} parameters)")
         weights = init_weights(config, seed)
     elif isinstance(weights, (str, os.PathLike)):
         progress(f"reading {os.fspath(weights)}")
         weights = load_weights(weights, config)
-    base = "onnx" if attention == "onnx" else "decomposed"
+    # The exporter writes the lowerings that are not passes; the others start from decomposed.
+    base = attention if attention in LOWERINGS and not LOWERINGS[attention].by_pass else "decomposed"
     progress(f"exporting ({base} attention)")
     model = export_onnx(config, weights, attention=base, opset=opset)
     pass_lines: list[str] = []
-    if attention in ("ort-fused", "auto") or dtype != "fp32":
-        from attnx.export.passes import lower_model  # graph passes (ort-fused, fp16)
-
+    if attention != base or dtype != "fp32":
         progress("running graph passes")
         # auto measures each lowering on ORT CPU at batch 1, seq 512 (attnx optimize --provider
         # picks another target) and records its choice and timings in the model's metadata.
-        model, pass_lines = lower_model(
-            model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress
-        )
+        result = lower(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress)
+        model, pass_lines = result.model, result.lines()
+        del result
     opset_used = model.opset_imports.get("", 0)
     progress(f"saving {os.fspath(out)}")
     files = save_model(model, out)

@@ -1,0 +1,473 @@
+"""The contract: every name attnx speaks of, in one place.
+
+Each concept has one table here and every layer reads it: the lowerings of the attention core
+(and the torch core each is exported from), the dtypes and their spellings in numpy, torch,
+ONNX and ONNX Runtime, the providers and the backends that run them, the metadata keys a
+model carries, the IR version and opsets, how an operator is named in reports, and
+describe(), the one reader of "what is this model file".
+
+Where a new thing is added:
+- a lowering: one entry in LOWERINGS (and its passes in attnx.export.passes' pipelines);
+- a dtype: one entry in DTYPES (MODEL_DTYPES when a model may compute in it; its tolerance
+  in attnx.model.tolerance);
+- a provider: one entry in PROVIDERS (its Runner registered in attnx.runtimes);
+- a metadata key: one constant below.
+
+No torch, onnx-ir or onnxruntime here: the deployment side reads this module. onnx is
+imported by the functions that read a model file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import ConfigError, ModelFileError, UsageError
+from attnx.model.config import AttentionConfig, TensorSpec
+
+__all__ = [
+    "IR_VERSION",
+    "DEFAULT_OPSET",
+    "MS_DOMAIN",
+    "EXTERNAL_DATA_THRESHOLD",
+    "CONFIG_KEY",
+    "ATTENTION_KEY",
+    "AUTO_KEY",
+    "DTYPE_KEY",
+    "IO_DTYPE_KEY",
+    "ORT_OPTIMIZED_KEY",
+    "DType",
+    "DTYPES",
+    "MODEL_DTYPES",
+    "numpy_dtype",
+    "dtype_name",
+    "dtype_of_onnx",
+    "dtype_of_ort",
+    "Provider",
+    "PROVIDERS",
+    "get_provider",
+    "provider_of_backend",
+    "backend_device",
+    "BACKENDS",
+    "REFERENCE",
+    "Lowering",
+    "LOWERINGS",
+    "AUTO",
+    "TORCH_CORES",
+    "EXPORT_ATTENTIONS",
+    "OPTIMIZE_ATTENTIONS",
+    "BENCH_ORT_LOWERINGS",
+    "BUILD_ATTENTION",
+    "PASS_LOWERINGS",
+    "lowering",
+    "check_choice",
+    "contract_dims",
+    "op_label",
+    "op_counts",
+    "lowering_from_nodes",
+    "ModelInfo",
+    "describe",
+    "config_from_metadata",
+    "external_data_locations",
+]
+
+# Model files ------------------------------------------------------------------------------------
+# IR version of every model attnx writes: onnxruntime-gpu 1.31 reads at most 13, and onnx 1.23's
+# helpers would write 14. 10 is what the exporter writes and every ORT since 1.16 reads.
+IR_VERSION = 10
+# The opset of the standard-op lowerings: the oldest every pinned tool handles well.
+DEFAULT_OPSET = 18
+# The domain of ONNX Runtime's contrib operators (MultiHeadAttention, Attention).
+MS_DOMAIN = "com.microsoft"
+# Above this many bytes of initializers a model is saved with external data (protobuf's 2 GB).
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
+
+# Metadata keys (model.metadata_props) --------------------------------------------------------------
+CONFIG_KEY = "attnx.config"  # the AttentionConfig as JSON: a bare model.onnx describes itself
+ATTENTION_KEY = "attnx.attention"  # the lowering the graph holds (read from the graph when written)
+AUTO_KEY = "attnx.auto"  # auto's measurements and choice (JSON)
+DTYPE_KEY = "attnx.dtype"  # the compute dtype, where it is not the inputs' (fp16 with fp32 I/O)
+IO_DTYPE_KEY = "attnx.io_dtype"  # the dtype of the float inputs and output
+ORT_OPTIMIZED_KEY = "attnx.ort_optimized"  # ONNX Runtime offline optimization: provider, level, version
+
+
+def check_choice(what: str, value: Any, known: Iterable[str]) -> Any:
+    """`value` when it is one of `known`, else one UsageError naming it and the choices."""
+    known = list(known)
+    if value not in known:
+        raise UsageError(f"unknown {what} {value!r} (known: {', '.join(known)})")
+    return value
+
+
+# Dtypes -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """One dtype and its spelling in each library. `name` is attnx's (fp32, fp16, ...)."""
+
+    name: str
+    numpy: str | None  # None: numpy has no such type (bfloat16)
+    torch: str  # the torch attribute: torch.float32, ...
+    onnx: int  # onnx.TensorProto.DataType (onnx-ir's ir.DataType has the same values)
+    ort: str  # ONNX Runtime's type string in get_inputs()
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("fp32", "float32", "float32", 1, "tensor(float)"),
+        DType("fp16", "float16", "float16", 10, "tensor(float16)"),
+        DType("bf16", None, "bfloat16", 16, "tensor(bfloat16)"),
+        DType("fp64", "float64", "float64", 11, "tensor(double)"),
+        DType("bool", "bool", "bool", 9, "tensor(bool)"),
+        DType("int32", "int32", "int32", 6, "tensor(int32)"),
+        DType("int64", "int64", "int64", 7, "tensor(int64)"),
+    )
+}
+# The dtypes a model computes in (--dtype of export, optimize, build, parity, bench).
+MODEL_DTYPES = ("fp32", "fp16")
+
+_BY_NUMPY = {np.dtype(d.numpy): d.name for d in DTYPES.values() if d.numpy}
+_BY_TORCH = {f"torch.{d.torch}": d.name for d in DTYPES.values()}
+_BY_ONNX = {d.onnx: d.name for d in DTYPES.values()}
+_BY_ORT = {d.ort: d.name for d in DTYPES.values()}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of an attnx dtype name (UsageError for one numpy has not: bf16)."""
+    d = DTYPES.get(name)
+    if d is None or d.numpy is None:
+        raise UsageError(f"dtype {name!r} has no numpy type")
+    return np.dtype(d.numpy)
+
+
+def dtype_name(value: Any) -> str:
+    """attnx's name (fp32, fp16, bool, ...) of a numpy or torch dtype, or of the dtype of a
+    numpy array or a torch tensor; an unknown dtype keeps its own spelling."""
+    dtype = value if isinstance(value, np.dtype) or str(value).startswith("torch.") else getattr(value, "dtype", None)
+    if dtype is None:
+        return type(value).__name__
+    if isinstance(dtype, np.dtype):
+        return _BY_NUMPY.get(dtype, str(dtype))
+    return _BY_TORCH.get(str(dtype), str(dtype).replace("torch.", ""))  # a torch dtype
+
+
+def dtype_of_onnx(elem_type: int) -> str:
+    """attnx's name of an ONNX element type (TensorProto or onnx-ir DataType value)."""
+    return _BY_ONNX.get(int(elem_type), f"onnx type {int(elem_type)}")
+
+
+def dtype_of_ort(type_string: str) -> str:
+    """attnx's name of an ONNX Runtime type string ("tensor(float)" -> "fp32")."""
+    return _BY_ORT.get(type_string, type_string)
+
+
+# Providers and backends ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """An ONNX Runtime execution provider as attnx names it (--provider)."""
+
+    name: str  # "cpu"
+    backend: str  # the attnx backend that runs a model there: "ort-cpu"
+    ort_name: str  # ONNX Runtime's name: "CPUExecutionProvider"
+    torch_backend: str  # the torch backend on the same device: "torch" ("torch eager" in bench ratios)
+
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in (
+        Provider("cpu", "ort-cpu", "CPUExecutionProvider", "torch"),
+        Provider("cuda", "ort-cuda", "CUDAExecutionProvider", "torch-cuda"),
+    )
+}
+
+# Every backend attnx has, in the order reports list them (runners: attnx.runtimes).
+REFERENCE = "reference"  # the numpy float64 formula every backend is compared with
+BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda")
+
+
+def get_provider(name: str, what: str = "provider") -> Provider:
+    """The provider named `name` ("cpu", "cuda"), or one UsageError listing them."""
+    return PROVIDERS[check_choice(what, name, PROVIDERS)]
+
+
+def provider_of_backend(backend: str) -> Provider | None:
+    """The provider an ONNX Runtime backend runs on; None for the other backends."""
+    return next((p for p in PROVIDERS.values() if p.backend == backend), None)
+
+
+def backend_device(backend: str) -> str | None:
+    """The device an ONNX Runtime or torch backend computes on ("cpu", "cuda"); None for the
+    numpy reference."""
+    return next((p.name for p in PROVIDERS.values() if backend in (p.backend, p.torch_backend)), None)
+
+
+# Lowerings of the attention core ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One form of the attention core in the ONNX graph."""
+
+    name: str
+    graph: str  # what the core is in the graph
+    torch_core: str  # the torch module's core the exporter traces (TORCH_CORES)
+    opset: int  # the opset it is exported at (its minimum)
+    by_pass: bool  # built by a graph pass over the exporter's output (attnx.export.passes)
+    export: bool  # a choice of `attnx export/build --attention`
+    auto: bool  # a candidate `auto` measures (beside the exported form itself)
+    bench: bool  # timed by `attnx bench` on ONNX Runtime by default
+
+
+LOWERINGS: dict[str, Lowering] = {
+    lw.name: lw
+    for lw in (
+        Lowering("decomposed", "MatMul, Softmax, MatMul", "decomposed", DEFAULT_OPSET, False, True, False, True),
+        Lowering("onnx", "the standard Attention op", "sdpa", 23, False, True, False, True),
+        Lowering("ort-fused", f"{MS_DOMAIN}.MultiHeadAttention", "decomposed", DEFAULT_OPSET, True, True, True, True),
+        Lowering("ort-fused-packed", f"one q/k/v MatMul, Split, {MS_DOMAIN}.MultiHeadAttention", "decomposed",
+                 DEFAULT_OPSET, True, False, True, False),
+        Lowering("ort-attention", f"{MS_DOMAIN}.Attention (packed q/k/v weights)", "decomposed", DEFAULT_OPSET,
+                 True, False, True, False),
+    )
+}  # fmt: skip
+AUTO = "auto"  # not a lowering: the fastest of the candidates that passes parity, measured
+# The torch module's cores (attnx.model.module): decomposed exports to MatMul/Softmax/MatMul,
+# sdpa (F.scaled_dot_product_attention) to the standard Attention op at opset 23.
+TORCH_CORES = ("decomposed", "sdpa")
+# What each command's --attention takes.
+EXPORT_ATTENTIONS = tuple(lw.name for lw in LOWERINGS.values() if lw.export) + (AUTO,)
+PASS_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.by_pass)
+# optimize: passes over an exported graph ("decomposed": none, for a decomposed model).
+OPTIMIZE_ATTENTIONS = ("decomposed", *PASS_LOWERINGS, AUTO)
+BENCH_ORT_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.bench)
+# The lowering `attnx build` uses unless told otherwise: com.microsoft MultiHeadAttention, ORT's
+# fused kernel on CPU and CUDA (large preset, seq 8192: 0.89 s and 0.39 GB where the decomposed
+# graph takes 1.18 s warm and 9 GB; README, "CPU baseline"). Not "auto": it times candidates, so
+# two builds could choose differently and the timings it records would differ byte for byte.
+BUILD_ATTENTION = "ort-fused"
+
+
+def lowering(name: str, what: str = "--attention") -> Lowering:
+    return LOWERINGS[check_choice(what, name, LOWERINGS)]
+
+
+def contract_dims(config: AttentionConfig) -> dict[str, list[int | str]]:
+    """Each graph input's and output's shape in the contract, dynamic dims by name."""
+    return {s.name: list(s.shape) for s in config.inputs() + config.outputs()}
+
+
+# Operators --------------------------------------------------------------------------------------
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def op_label(domain: str, op_type: str) -> str:
+    """'MatMul' for the default domain, 'com.microsoft.MultiHeadAttention' for any other: the
+    one spelling of every report (pass reports, inspect, ORT offline, the CUDA placement check)."""
+    return op_type if domain in _DEFAULT_DOMAINS else f"{domain}.{op_type}"
+
+
+def op_counts(nodes: Iterable[Any]) -> dict[str, int]:
+    """{op_label: count} over `nodes`: onnx NodeProtos (graph.node) or onnx-ir nodes (a graph),
+    anything with .domain and .op_type; subgraphs are not entered."""
+    return dict(collections.Counter(op_label(n.domain, n.op_type) for n in nodes))
+
+
+def lowering_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
+    """The lowering a graph holds, read from its nodes, each given as (domain, op_type, the
+    op_type of the node producing its first input, or None): 'ort-attention', 'ort-fused-packed'
+    (every MultiHeadAttention fed by a Split of one packed projection), 'ort-fused', 'onnx' or
+    'decomposed'. The one probe: the passes read onnx-ir graphs through it, describe() files."""
+    nodes = [(d if d not in _DEFAULT_DOMAINS else "", t, p) for d, t, p in nodes]
+    if any(d == MS_DOMAIN and t == "Attention" for d, t, _ in nodes):
+        return "ort-attention"
+    mhas = [p for d, t, p in nodes if d == MS_DOMAIN and t == "MultiHeadAttention"]
+    if mhas:
+        return "ort-fused-packed" if all(p == "Split" for p in mhas) else "ort-fused"
+    if any(d == "" and t == "Attention" for d, t, _ in nodes):
+        return "onnx"
+    return "decomposed"
+
+
+# Reading a model file ---------------------------------------------------------------------------
+def config_from_metadata(metadata: Mapping[str, str], source: str, needed_for: str = "") -> AttentionConfig:
+    """The AttentionConfig stored in a model's metadata, or one ModelFileError (exit 2)."""
+    text = metadata.get(CONFIG_KEY)
+    if text is None:
+        raise ModelFileError(
+            f"{source!r} has no {CONFIG_KEY!r} metadata"
+            + (f": {needed_for}" if needed_for else ": it was not written by attnx export")
+        )
+    try:
+        return AttentionConfig.from_json(text)
+    except ConfigError as e:
+        raise ModelFileError(f"{source!r} has an invalid {CONFIG_KEY!r}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a model file is, read from the file alone (its external data is not opened)."""
+
+    path: str
+    config: AttentionConfig | None  # None: no (valid) attnx.config metadata; see config_error
+    config_error: str | None
+    lowering: str  # read from the graph (lowering_from_nodes), never from the metadata
+    dtype: str  # the compute dtype: attnx.dtype metadata, else the dtype of input x
+    io_dtype: str  # the dtype of input x (what a caller feeds)
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    ir_version: int
+    opsets: dict[str, int]
+    producer: str
+    metadata: dict[str, str]
+    operators: dict[str, int]
+    initializers: int
+    external_data: tuple[str, ...]
+    file_bytes: int
+
+    def require_config(self, needed_for: str = "") -> AttentionConfig:
+        """The config, or one ModelFileError saying why the model has none."""
+        if self.config is None:
+            config_from_metadata(self.metadata, self.path, needed_for)  # raises with the reason
+        assert self.config is not None
+        return self.config
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `attnx inspect --json` prints."""
+        return {
+            "path": self.path,
+            "ir_version": self.ir_version,
+            "opsets": self.opsets,
+            "producer": self.producer,
+            "config": self.config.to_dict() if self.config is not None else None,
+            "lowering": self.lowering,
+            "dtype": self.dtype,
+            "metadata": {k: v for k, v in self.metadata.items() if k != CONFIG_KEY},
+            "inputs": [s.to_dict() for s in self.inputs],
+            "outputs": [s.to_dict() for s in self.outputs],
+            "nodes": sum(self.operators.values()),
+            "operators": dict(sorted(self.operators.items())),
+            "initializers": self.initializers,
+            "external_data": list(self.external_data),
+            "file_bytes": self.file_bytes,
+        }
+
+
+def _load_proto(path: str) -> Any:
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if not os.path.isfile(path):
+        raise ModelFileError(f"model file {path!r} does not exist")
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except (DecodeError, OSError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModelFileError(f"{path!r} is not an ONNX model: {first}") from None
+    if not proto.graph.node and not proto.graph.input and not proto.graph.output:
+        # protobuf parses many non-ONNX byte strings as an empty ModelProto
+        raise ModelFileError(f"{path!r} is not an ONNX model: it has no graph")
+    return proto
+
+
+def _specs(values: Any) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(
+            v.name,
+            dtype_of_onnx(v.type.tensor_type.elem_type),
+            tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim),
+        )
+        for v in values
+    )
+
+
+def describe(path: str | os.PathLike[str]) -> ModelInfo:
+    """Read what the model file at `path` is: config, lowering (from the graph), dtype, inputs
+    and outputs with dim names, IR version, opsets, operators, external data. ModelFileError
+    (exit 2) for a file that is not an ONNX model."""
+    path = os.fspath(path)
+    proto = _load_proto(path)
+    metadata = {p.key: p.value for p in proto.metadata_props}
+    try:
+        config, config_error = config_from_metadata(metadata, path), None
+    except ModelFileError as e:
+        config, config_error = None, str(e)
+    producers = {out: node.op_type for node in proto.graph.node for out in node.output}
+    lowering_name = lowering_from_nodes(
+        (n.domain, n.op_type, producers.get(n.input[0]) if n.input else None) for n in proto.graph.node
+    )
+    inputs = _specs(proto.graph.input)
+    x = next((s for s in inputs if s.name == "x"), inputs[0] if inputs else None)
+    io_dtype = x.dtype if x is not None else "fp32"
+    return ModelInfo(
+        path=path,
+        config=config,
+        config_error=config_error,
+        lowering=lowering_name,
+        dtype=metadata.get(DTYPE_KEY, io_dtype),
+        io_dtype=io_dtype,
+        inputs=inputs,
+        outputs=_specs(proto.graph.output),
+        ir_version=proto.ir_version,
+        opsets={o.domain or "ai.onnx": o.version for o in proto.opset_import},
+        producer=f"{proto.producer_name} {proto.producer_version}".strip(),
+        metadata=metadata,
+        operators=op_counts(proto.graph.node),
+        initializers=len(proto.graph.initializer),
+        external_data=tuple(_external_locations(proto, path)),
+        file_bytes=os.path.getsize(path),
+    )
+
+
+def external_data_locations(model_path: str | os.PathLike[str]) -> list[str]:
+    """The `location` of every tensor stored outside the model file, read from the model's
+    protobuf alone (no data file is opened): initializers, sparse ones, node attributes,
+    subgraphs, functions and training info."""
+    path = os.fspath(model_path)
+    return _external_locations(_load_proto(path), path)
+
+
+def _external_locations(proto: Any, path: str) -> list[str]:
+    import onnx
+
+    tensors = list(_tensors(proto.graph))
+    for function in proto.functions:
+        tensors += list(_node_tensors(function.node))
+    for info in proto.training_info:
+        tensors += list(_tensors(info.initialization)) + list(_tensors(info.algorithm))
+    locations: list[str] = []
+    for t in tensors:
+        entries = {e.key: e.value for e in t.external_data}
+        if t.data_location == onnx.TensorProto.EXTERNAL or entries:
+            if "location" not in entries:
+                raise ModelFileError(f"tensor {t.name!r} of {os.path.basename(path)!r} is external but has no location")
+            if entries["location"] not in locations:
+                locations.append(entries["location"])
+    return locations
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of a graph, its nodes' attributes and subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Any) -> Iterator[Any]:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
+            for tensor in sparse:
+                yield tensor.values
+                yield tensor.indices
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for g in attr.graphs:
+                yield from _tensors(g)

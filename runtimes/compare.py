@@ -1,0 +1,119 @@
+"""The comparator: how an output compares with its reference, under the tolerance table.
+
+Every number a report gives about agreement comes from here: parity (attnx parity and the
+build's parity), export validation against torch, optimize's parity against the model it
+lowered, auto's parity gate, package verify and the GPU check. The tolerance itself (the rule
+and its table) is attnx.model.tolerance; this module applies it:
+
+    |out - ref| <= atol + rtol * |ref|  everywhere, computed in float64
+
+and reports max/mean/p99 absolute error, max relative error, cosine similarity and the atol
+that would have been needed. A Comparison is true when it passes; str() says by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from attnx.model.tolerance import ProblemSize, Tolerance
+
+__all__ = ["Comparison", "compare_arrays", "failed_run", "case_label"]
+
+
+def case_label(batch: int, seq: int, mem_seq: int | None, output: str = "y") -> str:
+    """How a checked output is named in reports: y[batch=3,seq=17(,mem_seq=1)]."""
+    return f"{output}[batch={batch},seq={seq}{f',mem_seq={mem_seq}' if mem_seq else ''}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How one output compares with its reference. bool() is pass/fail; str() says the
+    tolerance that would have been needed."""
+
+    name: str
+    passed: bool
+    max_abs: float
+    mean_abs: float
+    p99_abs: float
+    max_rel: float
+    cosine: float
+    atol: float
+    rtol: float
+    needed_atol: float  # the smallest atol that passes with this rtol
+    shape_error: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def stats(self) -> dict[str, float | None]:
+        """The error statistics as JSON numbers (None where not finite: a failed run)."""
+        keys = ("max_abs", "max_rel", "mean_abs", "p99_abs", "cosine", "needed_atol")
+        return {k: _finite(getattr(self, k)) for k in keys}
+
+    def detail(self) -> str:
+        """One line without the name: the error against the tolerance (and, when it fails,
+        the atol that would have passed), or why nothing could be compared."""
+        if self.shape_error:
+            return self.shape_error
+        need = "" if self.passed else f"; would need atol>={self.needed_atol:.3g}"
+        return f"max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}{need}) cos={self.cosine:.9f}"
+
+    def __str__(self) -> str:
+        if self.shape_error:
+            return f"{self.name}: {self.shape_error}"
+        verdict = "PASS" if self.passed else "FAIL"
+        return (
+            f"{self.name}: {verdict} max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}; "
+            f"would need atol>={self.needed_atol:.3g}) max_rel={self.max_rel:.3g} cos={self.cosine:.9f}"
+        )
+
+
+def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, size: ProblemSize) -> Comparison:
+    """Compare `out` with `ref` under the tolerance rule above (in float64)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        nan = float("nan")
+        return Comparison(
+            name, False, nan, nan, nan, nan, nan, 0.0, tol.rtol, nan,
+            shape_error=f"shape {list(out.shape)} differs from the reference's {list(ref.shape)}",
+        )  # fmt: skip
+    o = np.asarray(out, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
+    atol = tol.atol(size, max(scale, np.finfo(np.float32).tiny))
+    diff = np.abs(o - r)
+    finite = bool(np.isfinite(o).all())
+    if not finite:
+        diff = np.where(np.isfinite(o), diff, np.inf)
+    bound = tol.rtol * np.abs(r)
+    passed = finite and bool((diff <= atol + bound).all())
+    needed = float(np.max(diff - bound)) if diff.size else 0.0
+    rel = diff / np.maximum(np.abs(r), scale)  # relative to the value, floored at the RMS
+    denom = float(np.linalg.norm(o) * np.linalg.norm(r))
+    cosine = float(np.sum(o * r) / denom) if denom > 0 and finite else (1.0 if np.array_equal(o, r) else 0.0)
+    return Comparison(
+        name=name,
+        passed=passed,
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        mean_abs=float(diff.mean()) if diff.size else 0.0,
+        p99_abs=float(np.percentile(diff, 99)) if diff.size else 0.0,
+        max_rel=float(rel.max()) if rel.size else 0.0,
+        cosine=cosine,
+        atol=atol,
+        rtol=tol.rtol,
+        needed_atol=max(needed, 0.0),
+    )
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def failed_run(name: str, error: BaseException | str) -> Comparison:
+    """A comparison that failed because the model did not run at all."""
+    text = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    nan = float("nan")
+    return Comparison(name, False, nan, nan, nan, nan, nan, 0.0, 0.0, nan, shape_error=f"does not run: {text}")

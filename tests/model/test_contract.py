@@ -1,0 +1,119 @@
+"""The contract: one table per concept, and describe(), the one reader of a model file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from attnx.bench import BenchPlan
+from attnx.bench._worker import write_gemm_model
+from attnx.errors import ModelFileError, UsageError
+from attnx.export import save_model
+from attnx.export.passes import lowering_of
+from attnx.model import contract
+from attnx.model.contract import (
+    DTYPES,
+    LOWERINGS,
+    PROVIDERS,
+    backend_device,
+    describe,
+    dtype_name,
+    dtype_of_onnx,
+    dtype_of_ort,
+    get_provider,
+    lowering_from_nodes,
+    provider_of_backend,
+)
+from attnx.runtimes import backend_names
+from attnx.workflows import lower
+from tests.conftest import CONFIGS
+
+
+def test_every_dtype_has_one_spelling_per_library():
+    torch = pytest.importorskip("torch")
+    import onnx
+
+    for d in DTYPES.values():
+        assert getattr(torch, d.torch).is_floating_point == (d.name in ("fp32", "fp16", "bf16", "fp64"))
+        assert onnx.helper.tensor_dtype_to_np_dtype(d.onnx) is not None
+        assert dtype_of_onnx(d.onnx) == d.name and dtype_of_ort(d.ort) == d.name
+        assert dtype_name(getattr(torch, d.torch)) == d.name
+        if d.numpy:
+            assert dtype_name(np.zeros(1, d.numpy)) == d.name
+            assert onnx.helper.tensor_dtype_to_np_dtype(d.onnx) == np.dtype(d.numpy)
+
+
+def test_providers_backends_and_devices_agree_with_the_runtime_registry():
+    registered = set(backend_names())
+    assert set(contract.BACKENDS) == registered
+    for p in PROVIDERS.values():
+        assert {p.backend, p.torch_backend} <= registered
+        assert provider_of_backend(p.backend) is p and provider_of_backend(p.torch_backend) is None
+        assert backend_device(p.backend) == backend_device(p.torch_backend) == p.name
+    assert backend_device(contract.REFERENCE) is None
+    assert get_provider("cuda").ort_name == "CUDAExecutionProvider"
+    with pytest.raises(UsageError, match=r"unknown --provider 'tpu' \(known: cpu, cuda\)"):
+        get_provider("tpu", "--provider")
+
+
+def test_lowering_tables_are_views_of_one_table():
+    assert contract.EXPORT_ATTENTIONS == ("decomposed", "onnx", "ort-fused", "auto")
+    assert contract.OPTIMIZE_ATTENTIONS == ("decomposed", "ort-fused", "ort-fused-packed", "ort-attention", "auto")
+    assert contract.BENCH_ORT_LOWERINGS == ("decomposed", "onnx", "ort-fused")
+    assert {lw.torch_core for lw in LOWERINGS.values()} <= set(contract.TORCH_CORES)
+    assert contract.BUILD_ATTENTION in contract.EXPORT_ATTENTIONS
+
+
+def test_lowering_from_nodes_tells_every_form_apart():
+    ms = contract.MS_DOMAIN
+    assert lowering_from_nodes([("", "MatMul", None), ("", "Softmax", "MatMul")]) == "decomposed"
+    assert lowering_from_nodes([("ai.onnx", "Attention", "Transpose")]) == "onnx"
+    assert lowering_from_nodes([(ms, "MultiHeadAttention", "MatMul")]) == "ort-fused"
+    assert lowering_from_nodes([(ms, "MultiHeadAttention", "Split")]) == "ort-fused-packed"
+    assert lowering_from_nodes([(ms, "Attention", None)]) == "ort-attention"
+
+
+@pytest.mark.parametrize("lowering", ["ort-fused", "ort-fused-packed", "ort-attention"])
+def test_describe_reads_the_lowering_from_the_graph_and_bench_labels_it(exported, tmp_path, lowering):
+    config = CONFIGS["self"]
+    result = lower(ir.load(exported("self")), config, attention=lowering)
+    path = str(tmp_path / f"{lowering}.onnx")
+    result.model.metadata_props[contract.ATTENTION_KEY] = "decomposed"  # a lie: the graph decides
+    save_model(result.model, path)
+    assert lowering_of(ir.load(path)) == lowering
+    info = describe(path)
+    assert (info.config, info.lowering, info.dtype) == (config, lowering, "fp32")
+    # bench's series label comes from the same reader: a packed or Attention model is not "ort-fused"
+    assert BenchPlan(config, backends=["ort-cpu"], model_path=path).series() == [("ort-cpu", lowering)]
+
+
+def test_describe_gives_config_dims_and_dtype(exported):
+    info = describe(exported("cross_kpm", "ort-fused", "fp16"))
+    assert info.config == CONFIGS["cross_kpm"] and info.lowering == "ort-fused"
+    assert info.dtype == info.io_dtype == "fp16"
+    assert [(s.name, s.dtype, s.shape) for s in info.inputs] == [
+        ("x", "fp16", ("batch", "seq", 32)),
+        ("memory", "fp16", ("batch", "mem_seq", 40)),
+        ("key_padding_mask", "bool", ("batch", "mem_seq")),
+    ]
+    d = info.to_dict()
+    assert d["inputs"][0] == {"name": "x", "dtype": "fp16", "shape": ["batch", "seq", 32]}
+    assert d["metadata"][contract.DTYPE_KEY] == "fp16" and contract.CONFIG_KEY not in d["metadata"]
+    assert json.dumps(d)  # JSON as it is
+
+
+def test_describe_refuses_what_is_not_an_attnx_model(tmp_path):
+    plain = tmp_path / "plain.onnx"
+    write_gemm_model(str(plain), 2, 2, 2, "fp32")
+    info = describe(plain)  # an ONNX model, just not attnx's
+    assert info.config is None and "no 'attnx.config' metadata" in info.config_error
+    with pytest.raises(ModelFileError, match="no 'attnx.config' metadata"):
+        info.require_config()
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    with pytest.raises(ModelFileError, match="is not an ONNX model"):
+        describe(tmp_path / "junk.onnx")
+    with pytest.raises(ModelFileError, match="does not exist"):
+        describe(tmp_path / "none.onnx")

@@ -1,0 +1,65 @@
+"""attnx.workflows: what combines the graph layer and the run layer.
+
+Export with its validation at unseen shapes (export_model), optimize's parity gate
+(optimize_file), auto's measured choice of lowering (lower with attention="auto"), and the
+deployment package build (build_package). Below: attnx.model, attnx.export, attnx.runtimes;
+above: attnx.bench and the API/CLI.
+"""
+
+from __future__ import annotations
+
+from attnx.workflows._build import (
+    DEFAULT_ATTENTION,
+    DEFAULT_PROVIDERS,
+    LARGE_MODEL_BYTES,
+    BuildReport,
+    CheckPlan,
+    build_package,
+    check_plan,
+    parity_markdown,
+    write_npz,
+)
+from attnx.workflows._checks import (
+    PARITY_SHAPES,
+    VALIDATION_SHAPES,
+    Expected,
+    check_against_expected,
+    check_dims,
+    check_model_file,
+    compare_models,
+    torch_expected,
+    validate_against_torch,
+)
+from attnx.workflows._export import ExportReport, export_model
+from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
+from attnx.workflows._optimize import OptimizeResult, optimize_file
+
+__all__ = [
+    "AUTO_CANDIDATES",
+    "AUTO_SHAPE",
+    "DEFAULT_ATTENTION",
+    "DEFAULT_PROVIDERS",
+    "LARGE_MODEL_BYTES",
+    "PARITY_SHAPES",
+    "VALIDATION_SHAPES",
+    "AutoChoice",
+    "BuildReport",
+    "CheckPlan",
+    "Expected",
+    "ExportReport",
+    "OptimizeResult",
+    "build_package",
+    "check_against_expected",
+    "check_dims",
+    "check_model_file",
+    "check_plan",
+    "choose_lowering",
+    "compare_models",
+    "export_model",
+    "lower",
+    "optimize_file",
+    "parity_markdown",
+    "torch_expected",
+    "validate_against_torch",
+    "write_npz",
+]
