@@ -1,7 +1,7 @@
 """attnx: one multi-head attention model from PyTorch to ONNX Runtime, verified number by number.
 
 The public API, re-exported lazily: `import attnx` imports neither torch nor onnxruntime,
-so a deployment machine with only numpy and onnxruntime can use the runtime side.
+so a deployment machine with only numpy, onnx and onnxruntime can use the runtime side.
 """
 
 from __future__ import annotations
@@ -41,13 +41,17 @@ _EXPORTS = {
     "reference_attention": "attnx.model",
     "MultiHeadAttention": "attnx.model",
     "build_module": "attnx.model",
-    "export_model": "attnx.export",
+    "describe": "attnx.model",
+    "export_model": "attnx.workflows",
     "export_onnx": "attnx.export",
+    "optimize_file": "attnx.workflows",
+    "build_package": "attnx.workflows",
     "create_runner": "attnx.runtimes",
     "ModelSource": "attnx.runtimes",
     "backend_names": "attnx.runtimes",
     "run_parity": "attnx.runtimes.parity",
     "load": "attnx.runtimes.package",
+    "verify_package": "attnx.runtimes.package",
 }
 
 __all__ = [

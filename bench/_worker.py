@@ -9,7 +9,7 @@ which under vfork/posix_spawn is the parent's (a sweep that exported the gpt3 pr
 see gigabytes in every case).
 
 SPEC (JSON): kind "case" or "gemm"; backend; dtype; threads; repeat; warmup; and
-  case: attention, config (dict), batch, seq, mem_seq, model_path (ort-*) or
+  case: attention (the lowering of an ort-* model, or the torch module's core), config (dict), batch, seq, mem_seq, model_path (ort-*) or
         weights_path / seed (torch*)
   gemm: m, k, n, model_path (ort-*: a one-MatMul ONNX file)
 RESULT (JSON): status "ok" | "skipped" | "failed", reason, times_ms (each timed call),
@@ -36,7 +36,7 @@ import numpy as np
 from attnx._io import write_json_atomic
 from attnx.errors import ProviderUnavailable
 from attnx.model import AttentionConfig, init_weights, load_weights
-from attnx.model.contract import IR_VERSION, numpy_dtype, provider_of_backend
+from attnx.model.contract import IR_VERSION, backend_device, numpy_dtype, provider_of_backend
 from attnx.model.inputs import make_inputs
 from attnx.runtimes import BACKENDS, ModelSource
 from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
@@ -109,7 +109,7 @@ def _ort_call(spec: dict[str, Any], config: Any, feeds: dict[str, Any], result: 
     source = ModelSource(config=config, model_path=spec["model_path"], dtype=spec["dtype"])
     runner = BACKENDS[spec["backend"]](source, threads=spec["threads"])
     _load(runner, result)
-    if spec["backend"] != "ort-cuda":
+    if backend_device(spec["backend"]) != "cuda":
         result["timed"] = "Runner.run: numpy in, numpy out"
         return (lambda: runner.run(feeds)), _no_sync, runner
     torch = _cuda_torch()
@@ -147,9 +147,9 @@ def _case(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
     weights = (
         load_weights(spec["weights_path"], config) if spec.get("weights_path") else init_weights(config, spec["seed"])
     )
-    runner = BACKENDS[backend](ModelSource(config, weights, None, spec["dtype"]), attention=spec["attention"])
+    runner = BACKENDS[backend](ModelSource(config, weights, None, spec["dtype"]), core=spec["attention"])
     _load(runner, result)
-    if backend != "torch-cuda":
+    if backend_device(backend) != "cuda":
         result["timed"] = "Runner.run: numpy in, numpy out (views of torch tensors on the CPU)"
         return (lambda: runner.run(feeds)), _no_sync, runner
     runner.run(feeds)  # feeds checked once, through the public call

@@ -13,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results
 mkdir -p "$out"
-attnx bench --preset large --batch 1 --seq 128,256,512,1024,2048,4096,8192 \
+attnx=$(command -v attnx || echo .venv/bin/attnx)  # the active one, else the one .ci/install made
+"$attnx" bench --preset large --batch 1 --seq 128,256,512,1024,2048,4096,8192 \
     --backends torch,ort-cpu --attention decomposed,sdpa,onnx,ort-fused \
     --repeat 10 --warmup 2 --timeout 1800 \
     --json "$out/cpu_baseline.json" --plot "$out/cpu_baseline.png" "$@"

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 SHORT_SEQ, LONG_SEQ = 512, 8192
 GEMM = (512, 1024, 1024)
-ORT_LOWERINGS = ("decomposed", *PASS_LOWERINGS)  # the exported graph and every pass lowering of it
+TARGET_LOWERINGS = ("decomposed", *PASS_LOWERINGS)  # the exported graph and every pass lowering of it
 TORCH_FORWARDS = TORCH_CORES  # the module's plain forward and its SDPA forward
 # (name, bound, comparison): what the issue asks, each a ratio measured in one run ({long}
 # is the long sequence length, 8192 unless --long-seq says otherwise).
@@ -91,7 +91,7 @@ def _build_models(config: Any, weights: Any, workdir: str, say) -> dict[str, str
     save_model(model, base)
     del model
     paths = {"decomposed": base}
-    for lowering in ORT_LOWERINGS[1:]:
+    for lowering in TARGET_LOWERINGS[1:]:
         say(f"lowering to {lowering}")
         result = lower(ir.load(base), config, attention=lowering)
         if lowering_of(result.model) != lowering:

@@ -115,7 +115,7 @@ def export_onnx(
     opset = opset if opset is not None else default_opset(attention)
     if opset < default_opset(attention):
         raise UsageError(f"--attention onnx needs opset 23 or newer (the standard Attention op), got --opset {opset}")
-    module = build_module(config, weights, seed=seed, attention=LOWERINGS[attention].torch_core)
+    module = build_module(config, weights, seed=seed, core=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
     with quiet() as log, torch.inference_mode(False), torch.no_grad():

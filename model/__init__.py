@@ -40,7 +40,7 @@ __all__ = [
     "build_module",
 ]
 
-_TORCH_NAMES = {"MultiHeadAttention", "build_module", "ATTENTION_IMPLS"}
+_TORCH_NAMES = {"MultiHeadAttention", "build_module"}
 
 
 def __getattr__(name: str) -> Any:

@@ -14,22 +14,21 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import TORCH_CORES
 from attnx.model.weights import check_weights, init_weights
 
-__all__ = ["MultiHeadAttention", "ATTENTION_IMPLS", "build_module"]
+__all__ = ["MultiHeadAttention", "build_module"]
 
-# How the attention core is written in torch (the contract's TORCH_CORES). Each exports to a
-# different ONNX form: "decomposed": MatMul, Softmax, MatMul (any opset); "sdpa":
-# F.scaled_dot_product_attention, which the dynamo exporter turns into the standard Attention
-# op at opset 23.
-ATTENTION_IMPLS = TORCH_CORES
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, config: AttentionConfig, attention: str = "decomposed") -> None:
+    def __init__(self, config: AttentionConfig, core: str = "decomposed") -> None:
+        """core: how the attention core is written in torch (the contract's TORCH_CORES). Each
+        exports to a different ONNX form: "decomposed": MatMul, Softmax, MatMul (any opset);
+        "sdpa": F.scaled_dot_product_attention, which the dynamo exporter turns into the
+        standard Attention op at opset 23."""
         super().__init__()
-        if attention not in ATTENTION_IMPLS:
-            raise UsageError(f"unknown attention implementation {attention!r} (known: {', '.join(ATTENTION_IMPLS)})")
+        if core not in TORCH_CORES:
+            raise UsageError(f"unknown attention core {core!r} (known: {', '.join(TORCH_CORES)})")
         self.config = config
-        self.attention = attention
+        self.core = core
         c = config
         self.q_proj = nn.Linear(c.d_model, c.q_dim, bias=c.bias)
         self.k_proj = nn.Linear(c.kv_dim, c.q_dim, bias=c.bias)
@@ -51,7 +50,7 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(m).view(B, S, c.n_heads, c.v_head_dim).transpose(1, 2)  # (B, N, S, vhd)
 
         hidden = self._hidden_keys(x, T, S, key_padding_mask)  # (B|1, 1, T|1, S) bool or None
-        if self.attention == "sdpa":
+        if self.core == "sdpa":
             z = self._sdpa(q, k, v, hidden)
         else:
             z = self._decomposed(q, k, v, hidden)
@@ -122,13 +121,13 @@ def build_module(
     config: AttentionConfig,
     weights: Mapping[str, np.ndarray] | None = None,
     seed: int = 0,
-    attention: str = "decomposed",
+    core: str = "decomposed",
 ) -> MultiHeadAttention:
     """The module in eval mode with the given weights, or seeded ones."""
     # Build on the meta device: the seeded numpy weights replace torch's own init, which
     # for the gpt3 preset would otherwise cost seconds and 2.4 GB for nothing. The parameters
     # share the numpy arrays' memory (float32, contiguous): no second copy of the weights.
     with torch.device("meta"):
-        module = MultiHeadAttention(config, attention)
+        module = MultiHeadAttention(config, core)
     module.load_numpy_weights(weights if weights is not None else init_weights(config, seed), share=True)
     return module.eval()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.contract import DTYPES
+from attnx.model.contract import DTYPES, PROVIDERS
 from attnx.runtimes.base import Runner, register_backend, require_source
 
 __all__ = ["TorchRunner", "TorchCudaRunner", "torch_cuda_unavailable_reason"]
@@ -29,15 +29,15 @@ __all__ = ["TorchRunner", "TorchCudaRunner", "torch_cuda_unavailable_reason"]
 logger = logging.getLogger(__name__)
 
 
-@register_backend("torch")
+@register_backend(PROVIDERS["cpu"].torch_backend)
 class TorchRunner(Runner):
     device = "cpu"
-    attention = "decomposed"  # the module's core: "decomposed" or "sdpa"
+    core = "decomposed"  # the module's attention core: "decomposed" or "sdpa" (the contract's TORCH_CORES)
 
-    def __init__(self, source: Any, *, attention: str | None = None) -> None:
+    def __init__(self, source: Any, *, core: str | None = None) -> None:
         super().__init__(source)
-        if attention is not None:
-            self.attention = attention
+        if core is not None:
+            self.core = core
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -54,7 +54,7 @@ class TorchRunner(Runner):
         self._torch = torch
         cfg = self.source.config
         self._dtype = getattr(torch, DTYPES[self.source.dtype].torch)
-        self.module = build_module(cfg, self.source.weights, attention=self.attention).to(self.device, self._dtype)
+        self.module = build_module(cfg, self.source.weights, core=self.core).to(self.device, self._dtype)
         self.inputs = cfg.inputs(self.source.dtype)
         self.outputs = cfg.outputs(self.source.dtype)
 
@@ -105,7 +105,7 @@ def torch_cuda_unavailable_reason(device_id: int = 0) -> str | None:
     return None
 
 
-@register_backend("torch-cuda")
+@register_backend(PROVIDERS["cuda"].torch_backend)
 class TorchCudaRunner(TorchRunner):
     """The torch module on one GPU, float32 (TF32 off unless asked) or float16/bfloat16."""
 
@@ -114,11 +114,11 @@ class TorchCudaRunner(TorchRunner):
         source: Any,
         *,
         device_id: int = 0,
-        attention: str | None = None,
+        core: str | None = None,
         allow_tf32: bool = False,
         reduced_precision_reduction: bool = False,
     ) -> None:
-        super().__init__(source, attention=attention)
+        super().__init__(source, core=core)
         if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
             raise UsageError(f"CUDA device id must be a non-negative integer, got {device_id!r}")
         self.device = f"cuda:{device_id}"

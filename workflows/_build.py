@@ -49,7 +49,15 @@ from attnx.model.tolerance import problem_size
 from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison
-from attnx.runtimes.package import FORMAT, FORMAT_VERSION, MANIFEST, MANIFEST_SUM, VerifyReport, file_sha256, verify_package
+from attnx.runtimes.package import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MANIFEST_SUM,
+    VerifyReport,
+    file_sha256,
+    verify_package,
+)
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityCase, ParityReport, run_parity
 from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
 from attnx.workflows._export import export_model

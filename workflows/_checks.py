@@ -108,7 +108,7 @@ def torch_expected(
     # The SDPA core: the same module with a fused kernel, so that the expected outputs at seq
     # 1031 do not hold the whole score matrix (0.4 GB per copy for the gpt3 preset).
     expected = []
-    with create_runner("torch", ModelSource(config, weights, None, dtype), attention="sdpa") as module:
+    with create_runner("torch", ModelSource(config, weights, None, dtype), core="sdpa") as module:
         for batch, seq, mem_seq in shapes:
             mem = mem_seq if config.cross else None
             feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=seq)

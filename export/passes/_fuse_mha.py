@@ -37,7 +37,6 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from attnx.export.passes._base import AttnxPass
-from attnx.model.contract import MS_DOMAIN
 from attnx.export.passes._masks import (
     KeyMask,
     NotFusable,
@@ -46,6 +45,7 @@ from attnx.export.passes._masks import (
     classify_hidden,
     const_array,
 )
+from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["FuseAttentionToMHA", "FusionPlan", "attention_cores"]
 

@@ -23,8 +23,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from attnx.export.passes._base import AttnxPass
-from attnx.model.contract import MS_DOMAIN
 from attnx.export.passes._masks import const_array
+from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["PackQkvProjections", "FuseMHAToPackedAttention"]
 

@@ -17,8 +17,7 @@ from attnx.bench import (
     estimate_peak_bytes,
     run_bench,
 )
-from attnx.bench._worker import run_worker, time_stats, write_gemm_model
-from attnx.bench._worker import run_spec
+from attnx.bench._worker import run_spec, run_worker, time_stats, write_gemm_model
 from attnx.errors import UsageError
 from attnx.model import preset
 from tests.conftest import CONFIGS

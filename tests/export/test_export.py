@@ -14,14 +14,14 @@ import torch
 
 from attnx.errors import ExportError, UsageError
 from attnx.export import export_onnx, save_model
-from attnx.model.contract import CONFIG_KEY as CONFIG_METADATA_KEY
-from attnx.model.contract import IR_VERSION
-from attnx.workflows import check_model_file
 from attnx.export._export import name_contract_dims
 from attnx.model import AttentionConfig, init_weights, reference_attention, save_weights
+from attnx.model.contract import CONFIG_KEY as CONFIG_METADATA_KEY
+from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
+from attnx.workflows import check_model_file
 from tests.conftest import CONFIGS
 
 LOWERINGS = ["decomposed", "onnx"]
@@ -130,8 +130,8 @@ def test_save_into_missing_folder_is_a_usage_error(tmp_path):
 def test_weights_made_outside_attnx(tmp_path, config):
     """A user's config file and weights from plain torch Linear layers (not attnx's init, and
     far larger than it: randn), through the CLI's path: load, export, run, compare."""
-    from attnx.workflows import export_model
     from attnx.model import load_config, load_weights
+    from attnx.workflows import export_model
 
     torch.manual_seed(5)
     weights = {}

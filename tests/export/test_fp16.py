@@ -14,13 +14,13 @@ from onnx import TensorProto, helper
 
 from attnx.errors import UsageError
 from attnx.export import export_onnx, save_model
-from attnx.model.contract import IR_VERSION
-from attnx.workflows import check_model_file, validate_against_torch
 from attnx.export.passes.fp16 import FP16_MAX, ConvertToFloat16
 from attnx.model import AttentionConfig, reference_attention
+from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
+from attnx.workflows import check_model_file, validate_against_torch
 from tests.conftest import CONFIGS, weights_for
 
 LOWERINGS = ["decomposed", "onnx"]

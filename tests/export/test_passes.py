@@ -13,12 +13,12 @@ import pytest
 
 from attnx.export import export_onnx, save_model
 from attnx.export.passes import FuseAttentionToMHA, count_ops, lowering_of, qk_weights, run_pipeline
-from attnx.model import AttentionConfig, init_weights, reference_attention
+from attnx.model import AttentionConfig, reference_attention
 from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
-from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes import ModelSource
+from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.parity import run_parity
 from attnx.workflows import AUTO_CANDIDATES, lower
 from tests.conftest import CONFIGS, weights_for
@@ -182,7 +182,6 @@ def test_ort_fused_fp16(exported, name):
 
 
 def test_pipeline_report_counts_nodes_and_keeps_notes(exported):
-    config = CONFIGS["cross"]
     model = ir.load(exported("cross"))
     before = len(model.graph)
     model, report = run_pipeline(model, [FuseAttentionToMHA()])

@@ -67,6 +67,13 @@ def test_lowering_tables_are_views_of_one_table():
     assert contract.BUILD_ATTENTION in contract.EXPORT_ATTENTIONS
 
 
+def test_every_lowering_has_its_pipeline():
+    from attnx.export.passes import LOWERING_PIPELINES
+
+    assert list(LOWERING_PIPELINES) == list(LOWERINGS)
+    assert all(bool(LOWERING_PIPELINES[name]("fp32")) == lw.by_pass for name, lw in LOWERINGS.items())
+
+
 def test_lowering_from_nodes_tells_every_form_apart():
     ms = contract.MS_DOMAIN
     assert lowering_from_nodes([("", "MatMul", None), ("", "Softmax", "MatMul")]) == "decomposed"

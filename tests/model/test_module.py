@@ -23,7 +23,7 @@ def _run(module, feeds):
 def test_module_matches_reference(name, impl):
     config = CONFIGS[name]
     w = init_weights(config, 1)
-    module = build_module(config, w, attention=impl)
+    module = build_module(config, w, core=impl)
     for batch, seq, mem in [(1, 1, 1), (3, 7, 5), (2, 33, 12)]:
         feeds = make_inputs(config, batch, seq, mem if config.cross else None, seed=seq)
         ref = reference_attention(config, w, **feeds)
@@ -37,7 +37,7 @@ def test_fully_hidden_query_gives_output_bias_not_nan(impl):
     w = init_weights(config, 1)
     feeds = make_inputs(config, 3, 6, seed=0)
     assert feeds["key_padding_mask"][1].all()  # element 1 hides every key
-    y = _run(build_module(config, w, attention=impl), feeds)
+    y = _run(build_module(config, w, core=impl), feeds)
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y[1], np.broadcast_to(w["out_proj.bias"], y[1].shape), atol=1e-7)
     ref = reference_attention(config, w, **feeds)

@@ -15,14 +15,14 @@ from onnx import TensorProto, helper
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
 from attnx.export import export_onnx, save_model
-from attnx.model.contract import CONFIG_KEY as CONFIG_METADATA_KEY
-from attnx.model.contract import IR_VERSION
-from attnx.runtimes.ort_offline import OFFLINE_METADATA_KEY, compare_speed, optimize_for_provider
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.model import reference_attention
+from attnx.model.contract import CONFIG_KEY as CONFIG_METADATA_KEY
+from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.ort_offline import OFFLINE_METADATA_KEY, compare_speed, optimize_for_provider
 from tests.conftest import CONFIGS, weights_for
 
 NAME = "causal_kpm"  # masks of both kinds and a fully masked batch element

@@ -18,11 +18,11 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
-from attnx.workflows import build_package
-from attnx.runtimes.package import MANIFEST, MANIFEST_SUM, describe_package, load, verify_package
 
 from attnx.cli import main
 from attnx.errors import CheckFailed, PackageError
+from attnx.runtimes.package import MANIFEST, MANIFEST_SUM, describe_package, load, verify_package
+from attnx.workflows import build_package
 from tests.conftest import CONFIGS, weights_for
 
 CONFIG = CONFIGS["cross_kpm"]

@@ -104,8 +104,8 @@ def test_run_on_device_keeps_outputs_as_tensors(monkeypatch):
     monkeypatch.setattr(torch_runner, "torch_cuda_unavailable_reason", lambda device_id=0: None)
     monkeypatch.setattr(_LandsOnCpu, "check_placement", lambda self: None)
     feeds = make_inputs(CONFIGS["kpm"], 2, 5)
-    with _LandsOnCpu(_source(), attention="sdpa") as runner:
-        assert runner.module.attention == "sdpa"
+    with _LandsOnCpu(_source(), core="sdpa") as runner:
+        assert runner.module.core == "sdpa"
         y = runner.run_on_device(feeds)["y"]
         assert isinstance(y, torch.Tensor) and y.shape == (2, 5, 32)
         np.testing.assert_array_equal(y.numpy(), runner.run(feeds)["y"])
@@ -124,7 +124,7 @@ def test_cuda_module_matches_the_cpu_module(torch_cuda, dtype, attention):
     feeds = make_inputs(config, 3, 33, dtype=dtype)
     with create_runner("reference", _source("causal_kpm", dtype)) as ref:
         want = ref.run(feeds)["y"]
-    with TorchCudaRunner(_source("causal_kpm", dtype), attention=attention) as runner:
+    with TorchCudaRunner(_source("causal_kpm", dtype), core=attention) as runner:
         assert {str(p.device) for p in runner.module.parameters()} == {"cuda:0"}
         y = runner.run_on_device(feeds)["y"]
         assert y.device.type == "cuda" and y.dtype == getattr(torch, {"fp32": "float32", "fp16": "float16"}[dtype])

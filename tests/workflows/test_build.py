@@ -9,14 +9,14 @@ import shutil
 
 import numpy as np
 import pytest
-from attnx.model.contract import IR_VERSION
-from attnx.workflows import _build as package_mod
-from attnx.workflows import DEFAULT_ATTENTION, LARGE_MODEL_BYTES, build_package, check_plan, write_npz
-from attnx.model import preset
-from attnx.runtimes.package import MANIFEST, MANIFEST_SUM
 
 from attnx.cli import main
 from attnx.errors import UsageError
+from attnx.model import preset
+from attnx.model.contract import IR_VERSION
+from attnx.runtimes.package import MANIFEST, MANIFEST_SUM
+from attnx.workflows import DEFAULT_ATTENTION, LARGE_MODEL_BYTES, build_package, check_plan, write_npz
+from attnx.workflows import _build as package_mod
 from tests.conftest import CONFIGS, weights_for
 
 

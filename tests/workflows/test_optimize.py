@@ -12,14 +12,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from attnx.cli import main
-from attnx.model.contract import IR_VERSION
 from attnx.export.passes import count_ops
-from attnx.workflows import _optimize
 from attnx.export.passes._masks import const_array
 from attnx.model import reference_attention
+from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
+from attnx.workflows import _optimize
 from tests.conftest import CONFIGS, weights_for
 
 MHA = "com.microsoft.MultiHeadAttention"
