@@ -43,6 +43,8 @@ from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
 
 __all__ = ["run_spec", "main", "rss_mb", "run_worker", "time_stats", "write_gemm_model", "time_calls"]
 
+WORKER_MAIN = "import sys; from attnx.bench._worker import main; sys.exit(main())"
+
 logger = logging.getLogger(__name__)
 
 
@@ -247,7 +249,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 # The parent's side ---------------------------------------------------------------------------
 def run_worker(spec: dict[str, Any], workdir: str, name: str, timeout_s: float) -> dict[str, Any]:
-    """Run one spec in `python -m attnx.bench._worker` and return its result. A worker that
+    """Run one spec in a worker process (main() of this module) and return its result. A worker that
     passes timeout_s is killed (status "timeout"); one that dies without a result (killed by
     the kernel for memory, a crash in native code) is "failed" with what it last printed."""
     spec_path = os.path.join(workdir, f"{name}.spec.json")
@@ -255,7 +257,9 @@ def run_worker(spec: dict[str, Any], workdir: str, name: str, timeout_s: float) 
     log_path = os.path.join(workdir, f"{name}.log")
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, "-m", "attnx.bench._worker", spec_path, result_path]
+    # main() by import, not `-m`: the package's own import of this module (the parent's side,
+    # through attnx.bench) would otherwise run it a second time as __main__.
+    cmd = [sys.executable, "-c", WORKER_MAIN, spec_path, result_path]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -148,7 +148,9 @@ def numpy_dtype(name: str) -> np.dtype:
 def dtype_name(value: Any) -> str:
     """attnx's name (fp32, fp16, bool, ...) of a numpy or torch dtype, or of the dtype of a
     numpy array or a torch tensor; an unknown dtype keeps its own spelling."""
-    dtype = value if isinstance(value, np.dtype) or str(value).startswith("torch.") else getattr(value, "dtype", None)
+    dtype = value if isinstance(value, np.dtype) else getattr(value, "dtype", None)
+    if dtype is None and type(value).__module__ == "torch":
+        dtype = value  # a torch.dtype itself (never str(value): that formats a whole array)
     if dtype is None:
         return type(value).__name__
     if isinstance(dtype, np.dtype):
@@ -324,6 +326,7 @@ class ModelInfo:
     metadata: dict[str, str]
     operators: dict[str, int]
     initializers: int
+    initializer_bytes: int  # from their shapes and types: external data is not read
     external_data: tuple[str, ...]
     file_bytes: int
 
@@ -350,6 +353,7 @@ class ModelInfo:
             "nodes": sum(self.operators.values()),
             "operators": dict(sorted(self.operators.items())),
             "initializers": self.initializers,
+            "initializer_bytes": self.initializer_bytes,
             "external_data": list(self.external_data),
             "file_bytes": self.file_bytes,
         }
@@ -416,9 +420,20 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         metadata=metadata,
         operators=op_counts(proto.graph.node),
         initializers=len(proto.graph.initializer),
+        initializer_bytes=_initializer_bytes(proto),
         external_data=tuple(_external_locations(proto, path)),
         file_bytes=os.path.getsize(path),
     )
+
+
+def _initializer_bytes(proto: Any) -> int:
+    from onnx import helper
+
+    total = 0
+    for tensor in proto.graph.initializer:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    return total
 
 
 def external_data_locations(model_path: str | os.PathLike[str]) -> list[str]:

@@ -39,6 +39,7 @@ from attnx.model.contract import (
     ORT_OPTIMIZED_KEY,
     PROVIDERS,
     check_choice,
+    describe,
     get_provider,
     op_counts,
 )
@@ -119,11 +120,10 @@ def optimize_for_provider(
     if not os.path.isdir(parent):
         raise UsageError(f"output folder {parent!r} does not exist")
 
-    source = onnx.load(model_path, load_external_data=False)
+    source = describe(model_path)
     if external_data is None:
-        external_data = _initializer_bytes(source) > EXTERNAL_DATA_THRESHOLD
-    ops_before = op_counts(source.graph.node)
-    del source
+        external_data = source.initializer_bytes > EXTERNAL_DATA_THRESHOLD
+    ops_before = source.operators
     data_name = f"{name}.data" if external_data else None
 
     with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
@@ -314,14 +314,3 @@ def _run(session: Any, feeds: Mapping[str, np.ndarray], path: str) -> None:
     except Exception as e:  # ORT's InvalidArgument for a wrong name, dtype or shape
         text = str(e).strip()
         raise InputError(f"the feeds do not fit {path!r}: {text.splitlines()[0] if text else e!r}") from None
-
-
-def _initializer_bytes(proto: Any) -> int:
-    """Bytes of the model's initializers, from their shapes (external data included)."""
-    from onnx import helper
-
-    total = 0
-    for tensor in proto.graph.initializer:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-        total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
-    return total
