@@ -38,6 +38,7 @@ _EXPORTS = {
     "load_weights": "attnx.model",
     "save_weights": "attnx.model",
     "from_torch_mha_state_dict": "attnx.model",
+    "from_torch_mha": "attnx.model",
     "reference_attention": "attnx.model",
     "MultiHeadAttention": "attnx.model",
     "build_module": "attnx.model",

@@ -1,21 +1,34 @@
-"""The attnx command line: a thin layer, each subcommand calls one public function."""
+"""The attnx command line: a thin layer, each subcommand calls one public function.
+
+main() is the one error boundary: whatever a command raises ends as one line on stderr and an
+exit status (README, "Exit codes"); --debug adds the traceback, with the same status. SIGTERM is
+handled as Ctrl-C is (cleanup runs, nothing half-written is left), with status 143.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
 
 from attnx import __version__
 from attnx.commands import bench, build, export, inspect, optimize, parity, run, verify
-from attnx.errors import AttnxError
+from attnx.errors import AttnxError, Terminated
 from attnx.runtimes.cuda import set_ort_log_severity
 
 # Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
 # imports what only some commands need (torch, onnx-ir) inside its run(), so that the
 # deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
 COMMANDS = [export, optimize, parity, bench, build, verify, run, inspect]
+
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +43,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread for the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _error_line(error: BaseException) -> tuple[str, int]:
+    """(the one line, exit status) for an error a command raised."""
+    if isinstance(error, AttnxError):
+        return f"error: {error}", error.exit_code
+    if isinstance(error, Terminated):
+        return "terminated (SIGTERM): nothing half-written was left", EXIT_TERMINATED
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted: nothing half-written was left", EXIT_INTERRUPTED
+    if isinstance(error, BrokenPipeError):
+        return "error: its output was closed before it was all written (broken pipe)", 1
+    if isinstance(error, MemoryError):
+        return "error: out of memory (--max-mem-gb sets what a command may use)", 2
+    if isinstance(error, OSError):
+        where = f" ({error.filename})" if error.filename else ""
+        if error.errno == errno.ENOSPC:
+            return f"error: no space left on the device{where}: nothing half-written was left", 2
+        return f"error: {error.strerror or error}{where}", 2
+    first = str(error).strip().splitlines()
+    return f"internal error: {type(error).__name__}: {first[0] if first else ''} (attnx --debug shows where)", 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on bad usage
@@ -39,15 +90,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.debug:
         set_ort_log_severity(3)  # ORT's C++ log: errors only (recorded: ort-cuda's log capture restores it)
     try:
-        return args.run(args)
-    except AttnxError as e:
-        if args.debug:
+        with sigterm_as_interrupt():
+            return args.run(args)
+    except BaseException as e:
+        if isinstance(e, SystemExit):
             raise
-        print(f"attnx {args.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print(f"attnx {args.command}: interrupted", file=sys.stderr)
-        return 130
+        if isinstance(e, BrokenPipeError):
+            # Nothing more can reach stdout; point it at /dev/null so the exit's flush is quiet.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if args.debug:
+            traceback.print_exc()
+        line, status = _error_line(e)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"attnx {args.command}: {line}", file=sys.stderr, flush=True)
+        return status
 
 
 if __name__ == "__main__":

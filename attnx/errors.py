@@ -13,6 +13,8 @@ __all__ = [
     "ProviderUnavailable",
     "CheckFailed",
     "PackageError",
+    "Terminated",
+    "interrupt_in",
 ]
 
 
@@ -60,3 +62,20 @@ class CheckFailed(AttnxError):
     """A numerical or integrity check failed (parity, verify)."""
 
     exit_code = 1
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the CLI's handler, so that it unwinds and cleans up
+    as Ctrl-C does (every `except KeyboardInterrupt` and `finally` runs); exit status 143."""
+
+
+def interrupt_in(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM a library wrapped into an error of its own (torch's exporter does),
+    found along the error's causes, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None

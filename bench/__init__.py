@@ -1,7 +1,7 @@
 """attnx.bench: backends x lowerings x shapes, timed, with the roofline and peak memory.
 
-By job: _plan (what to measure, the report format and its ratios), _costs (the FLOP and
-memory models), _worker (one case in a process of its own, and the parent's side of it),
+By job: _plan (what to measure, the report format and its ratios), _costs (the FLOP
+model; memory: attnx.model.resources), _worker (one case in a process of its own, and the parent's side of it),
 _sweep (the order of work), _plot; targets_compiler and gpu_check are scripts over them.
 
 Each case runs in a process of its own so that its peak memory is its own. Nothing here
@@ -11,7 +11,7 @@ and its baseline memory should be the runtime's, not ours.
 
 from __future__ import annotations
 
-from attnx.bench._costs import GEMM_ROWS, attention_flops, estimate_peak_bytes, gemm_flops, gemm_shape
+from attnx.bench._costs import GEMM_ROWS, attention_flops, gemm_flops, gemm_shape
 from attnx.bench._plan import (
     DEFAULT_BACKENDS,
     DEFAULT_SEQS,
@@ -38,7 +38,6 @@ __all__ = [
     "BenchReport",
     "run_bench",
     "compare_lowerings",
-    "estimate_peak_bytes",
     "machine_info",
     "plot_report",
     "check_plot_path",

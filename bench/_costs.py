@@ -1,5 +1,5 @@
-"""The cost models: the FLOPs of one attention call and of the GEMM that measures the
-machine's limit, and the memory a case needs (to skip one the machine cannot hold).
+"""The cost model: the FLOPs of one attention call and of the GEMM that measures the machine's
+limit. (The memory a case needs is attnx.model.resources', the one estimator.)
 
 Counted as 2 FLOPs per multiply-add of the four projections and of the two attention
 matmuls, for batch b, t queries, s keys (s = t and kv_dim = d_model in self-attention),
@@ -25,9 +25,6 @@ __all__ = [
     "gemm_flops",
     "GEMM_ROWS",
     "gemm_shape",
-    "estimate_peak_bytes",
-    "available_memory_bytes",
-    "meminfo_bytes",
 ]
 
 # Rows of the GEMM that measures the machine's matmul throughput: enough to fill the cores
@@ -57,46 +54,3 @@ def gemm_shape(config: AttentionConfig) -> tuple[int, int, int]:
 def gemm_flops(m: int, k: int, n: int) -> int:
     """FLOPs of an [m, k] x [k, n] matrix product."""
     return 2 * m * k * n
-
-
-# Memory -----------------------------------------------------------------------------------------
-def _materializes_scores(config: AttentionConfig, attention: str) -> bool:
-    """Whether the lowering holds the whole (b, N, t, s) score matrix: the decomposed form and
-    ORT's Attention-23 on CPU do (README, "CPU baseline": 8.96 and 8.7 GB at seq 8192 for the
-    large preset); the fused kernels stream it, and so does torch's SDPA unless a padding
-    mask sends it to its math path."""
-    if attention in ("decomposed", "onnx"):
-        return True
-    return attention == "sdpa" and config.key_padding_mask
-
-
-def estimate_peak_bytes(
-    config: AttentionConfig, backend: str, attention: str, batch: int, seq: int, mem_seq: int | None, dtype: str
-) -> int:
-    """A rough estimate of a case's peak memory: the float32 weights (the torch module shares
-    the numpy arrays; an fp16 model holds less), the projections' activations, and two score
-    matrices (scores and probabilities) where the lowering materialises them. A guard against
-    starting a case the machine cannot hold, not a measurement."""
-    item = 2 if dtype == "fp16" else 4
-    c = config
-    s = (mem_seq or seq) if c.cross else seq
-    weights = c.n_params * 4
-    acts = 2 * batch * (seq * (c.d_model + c.q_dim + c.d_model) + s * (c.kv_dim + c.q_dim + c.v_dim)) * item
-    scores = 2 * batch * c.n_heads * seq * s * item if _materializes_scores(c, attention) else 0
-    return weights + acts + scores
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where there is no /proc."""
-    return meminfo_bytes("MemAvailable")
-
-
-def meminfo_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None

@@ -18,18 +18,19 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from attnx.bench._costs import (
-    attention_flops,
-    available_memory_bytes,
-    estimate_peak_bytes,
-    gemm_flops,
-    gemm_shape,
-    meminfo_bytes,
-)
+from attnx.bench._costs import attention_flops, gemm_flops, gemm_shape
 from attnx.bench._plan import BenchCase, BenchPlan, BenchReport, GemmResult
 from attnx.bench._worker import run_worker, time_stats, write_gemm_model
 from attnx.model import init_weights, load_weights
 from attnx.model.contract import backend_device, provider_of_backend
+from attnx.model.resources import (
+    GB,
+    available_memory_bytes,
+    check_memory,
+    estimate_case,
+    estimate_export,
+    meminfo_bytes,
+)
 
 __all__ = ["run_bench", "machine_info", "Progress"]
 
@@ -49,6 +50,8 @@ def run_bench(
     plan.validate()
     say = progress or (lambda done, total, message: None)
     series = plan.series()
+    if not plan.model_path:  # the sweep holds the weights to export each lowering: refuse now what cannot fit
+        check_memory(estimate_export(plan.config, [], what="the weights and one export"), plan.max_mem_gb)
     shapes = plan.shapes()
     total = len(series) * len(shapes) * len(plan.dtypes)
     report = BenchReport(meta={**_meta(plan), **(meta or {})})
@@ -267,8 +270,8 @@ def _skip_reason(
     if stopped:
         return stopped
     if backend_device(backend) != "cuda":  # the guard is for host memory; a GPU case fails on its own
-        need = estimate_peak_bytes(plan.config, backend, attention, case.batch, case.seq, case.mem_seq, dtype)
-        limit = plan.max_mem_gb * 1024**3 if plan.max_mem_gb else available_memory_bytes()
+        need = estimate_case(plan.config, backend, attention, case.batch, case.seq, case.mem_seq, dtype).total
+        limit = plan.max_mem_gb * GB if plan.max_mem_gb else available_memory_bytes()
         if limit is not None and need > limit:
             return (
                 f"not run: needs about {need / 1024**3:.1f} GB, {limit / 1024**3:.1f} GB "

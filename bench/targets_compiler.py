@@ -30,13 +30,14 @@ from typing import Any
 
 from attnx._io import write_json_atomic
 from attnx._text import format_table
-from attnx.bench._costs import attention_flops, available_memory_bytes, estimate_peak_bytes, gemm_flops
+from attnx.bench._costs import attention_flops, gemm_flops
 from attnx.bench._sweep import machine_info
 from attnx.bench._worker import run_worker, write_gemm_model
 from attnx.export import export_onnx, save_model
 from attnx.export.passes import lower, lowering_of, qk_weights
 from attnx.model import init_weights, preset
 from attnx.model.contract import PASS_LOWERINGS, TORCH_CORES
+from attnx.model.resources import available_memory_bytes, estimate_case
 from attnx.workflows import compare_models
 
 __all__ = ["TARGETS", "Measurement", "measure", "evaluate", "main"]
@@ -168,7 +169,7 @@ def measure(
         out = list(best.values())
         for lowering in paths if long_seq else ():
             say(f"ort-cpu {lowering} seq {long_seq}")
-            need = estimate_peak_bytes(config, "ort-cpu", lowering, 1, long_seq, None, "fp32")
+            need = estimate_case(config, "ort-cpu", lowering, 1, long_seq, None, "fp32").total
             free = available_memory_bytes()
             if free is not None and need > free:
                 out.append(Measurement("ort-cpu", lowering, long_seq, "skipped",

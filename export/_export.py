@@ -6,7 +6,6 @@ import contextlib
 import io
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 
@@ -14,8 +13,8 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx import __version__
-from attnx._io import publish_staged_model
-from attnx.errors import ExportError, UsageError
+from attnx._io import Staging
+from attnx.errors import ExportError, UsageError, interrupt_in
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
@@ -23,6 +22,7 @@ from attnx.model.contract import (
     EXTERNAL_DATA_THRESHOLD,
     IR_VERSION,
     LOWERINGS,
+    check_opset,
     contract_dims,
 )
 
@@ -112,9 +112,7 @@ def export_onnx(
 
     if attention not in EXPORTED_LOWERINGS:
         raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
-    opset = opset if opset is not None else default_opset(attention)
-    if opset < default_opset(attention):
-        raise UsageError(f"--attention onnx needs opset 23 or newer (the standard Attention op), got --opset {opset}")
+    opset = check_opset(attention, opset)
     module = build_module(config, weights, seed=seed, core=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
@@ -132,6 +130,9 @@ def export_onnx(
                 optimize=True,
             )
         except Exception as e:
+            interrupt = interrupt_in(e)
+            if interrupt is not None:  # Ctrl-C or SIGTERM inside the exporter, which wrapped it
+                raise interrupt from None
             logger.debug("exporter output:\n%s", log.getvalue())
             raise ExportError(f"torch.onnx.export failed: {str(e).strip().splitlines()[0]}") from e
     model = program.model
@@ -222,20 +223,14 @@ def initializer_bytes(model: ir.Model) -> int:
 
 
 def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> list[str]:
-    """Write the model atomically: into a temporary folder beside `path`, then renamed.
+    """Write the model atomically (attnx._io.Staging: staged beside `path`, then renamed).
 
     Models whose initializers pass 2 GB (or external_data=True) get one data file
     `<name>.onnx.data` beside them, with a relative location. Returns the files written.
     """
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise UsageError(f"output folder {parent!r} does not exist")
     model.ir_version = IR_VERSION
     if external_data is None:
         external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
-    name = os.path.basename(path)
-    data_name = f"{name}.data" if external_data else None
-    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
-        ir.save(model, os.path.join(tmp, name), external_data=data_name)
-        return publish_staged_model(tmp, name, parent)
+    with Staging(path) as stage:
+        ir.save(model, stage.path(), external_data=f"{stage.name}.data" if external_data else None)
+        return stage.publish()

@@ -15,6 +15,7 @@ from attnx.model.contract import ModelInfo, describe
 from attnx.model.reference import reference_attention
 from attnx.model.weights import (
     check_weights,
+    from_torch_mha,
     from_torch_mha_state_dict,
     init_weights,
     load_weights,
@@ -36,6 +37,7 @@ __all__ = [
     "load_weights",
     "save_weights",
     "from_torch_mha_state_dict",
+    "from_torch_mha",
     "MultiHeadAttention",
     "build_module",
 ]

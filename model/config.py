@@ -171,10 +171,19 @@ def preset(name: str) -> AttentionConfig:
         raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
 
 
+# A config is a few hundred bytes; a file much larger is not one, and is not read into memory.
+MAX_CONFIG_BYTES = 1024**2
+
+
 def load_config(path: str | os.PathLike[str]) -> AttentionConfig:
+    path = os.fspath(path)
     try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {path!r} is larger than {MAX_CONFIG_BYTES} bytes: not a config")
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
-        raise ConfigError(f"cannot read config {os.fspath(path)!r}: {e.strerror}") from None
+        raise ConfigError(f"cannot read config {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path!r} is not UTF-8 text: not a JSON config") from None
     return AttentionConfig.from_json(text)

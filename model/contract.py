@@ -33,6 +33,8 @@ from attnx.model.config import AttentionConfig, TensorSpec
 __all__ = [
     "IR_VERSION",
     "DEFAULT_OPSET",
+    "MAX_OPSET",
+    "check_opset",
     "MS_DOMAIN",
     "EXTERNAL_DATA_THRESHOLD",
     "CONFIG_KEY",
@@ -82,6 +84,10 @@ __all__ = [
 IR_VERSION = 10
 # The opset of the standard-op lowerings: the oldest every pinned tool handles well.
 DEFAULT_OPSET = 18
+# The newest opset every lowering is exported at and loads in the pinned onnxruntime (measured:
+# the exporter writes up to 26 and silently falls back to 18 beyond; ORT 1.31 refuses the
+# standard Attention op at 26).
+MAX_OPSET = 25
 # The domain of ONNX Runtime's contrib operators (MultiHeadAttention, Attention).
 MS_DOMAIN = "com.microsoft"
 # Above this many bytes of initializers a model is saved with external data (protobuf's 2 GB).
@@ -254,6 +260,18 @@ BUILD_ATTENTION = "ort-fused"
 
 def lowering(name: str, what: str = "--attention") -> Lowering:
     return LOWERINGS[check_choice(what, name, LOWERINGS)]
+
+
+def check_opset(attention: str, opset: int | None) -> int:
+    """The opset an export of `attention` is written at: `opset`, or the lowering's own when None.
+    One outside what the lowering supports is a UsageError naming the range (never silently
+    written at another opset)."""
+    low = LOWERINGS[attention].opset if attention in LOWERINGS else DEFAULT_OPSET  # auto starts decomposed
+    if opset is None:
+        return low
+    if isinstance(opset, bool) or not isinstance(opset, int) or not low <= opset <= MAX_OPSET:
+        raise UsageError(f"--opset {opset!r} is outside what --attention {attention} supports ({low} to {MAX_OPSET})")
+    return opset
 
 
 def contract_dims(config: AttentionConfig) -> dict[str, list[int | str]]:

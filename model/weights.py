@@ -6,6 +6,7 @@ Weights are held as a dict of numpy float32 arrays in the torch Linear conventio
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +17,21 @@ from attnx._io import atomic_path
 from attnx.errors import WeightsError
 from attnx.model.config import AttentionConfig
 
-__all__ = ["weight_shapes", "init_weights", "check_weights", "load_weights", "save_weights", "from_torch_mha_state_dict"]
+__all__ = [
+    "weight_shapes",
+    "init_weights",
+    "check_weights",
+    "check_finite",
+    "check_fits",
+    "load_weights",
+    "save_weights",
+    "from_torch_mha_state_dict",
+    "from_torch_mha",
+]
+
+logger = logging.getLogger(__name__)
+# The largest finite value of each half-precision model dtype.
+HALF_MAX = {"fp16": float(np.finfo(np.float16).max)}
 
 
 def weight_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
@@ -88,12 +103,42 @@ def load_weights(path: str | os.PathLike[str], config: AttentionConfig) -> dict[
     except (SafetensorError, OSError, ValueError) as e:
         raise WeightsError(f"weights file {source!r} is not a readable safetensors file: {e}") from None
     check_weights(config, raw, source)
-    out = {}
+    out, converted = {}, {}
     for name, array in raw.items():
         if not np.issubdtype(array.dtype, np.floating):
             raise WeightsError(f"{source}: tensor {name!r} has dtype {array.dtype}, expected a float dtype")
+        if array.dtype != np.float32:
+            converted.setdefault(str(array.dtype), []).append(name)
         out[name] = np.ascontiguousarray(array, dtype=np.float32)
+    for dtype, names in converted.items():
+        # float16 widens exactly; float64 rounds to the float32 the model computes in.
+        logger.warning("%s: %d tensor(s) stored as %s converted to float32 (%s)", source, len(names), dtype,
+                       ", ".join(names))  # fmt: skip
+    check_finite(out, source)
     return out
+
+
+def check_finite(weights: Mapping[str, np.ndarray], source: str = "weights") -> None:
+    """WeightsError naming the first tensor with a NaN or an infinity, and how many it holds."""
+    for name, array in weights.items():
+        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if bad:
+            raise WeightsError(f"{source}: tensor {name!r} holds {bad} NaN or infinite value(s)")
+
+
+def check_fits(weights: Mapping[str, np.ndarray], dtype: str, source: str = "weights") -> None:
+    """WeightsError naming the first weight a model of `dtype` cannot hold (beyond float16's
+    range), before any export work: never clamped, never found later under a graph name."""
+    limit = HALF_MAX.get(dtype)
+    if limit is None:
+        return
+    for name, array in weights.items():
+        peak = float(np.max(np.abs(array))) if array.size else 0.0
+        if peak > limit:
+            raise WeightsError(
+                f"{source}: tensor {name!r} holds values up to {peak:.6g}, beyond {dtype}'s range (+-{limit:g}): "
+                "export it as fp32"
+            )
 
 
 def save_weights(weights: Mapping[str, np.ndarray], path: str | os.PathLike[str]) -> None:
@@ -102,8 +147,45 @@ def save_weights(weights: Mapping[str, np.ndarray], path: str | os.PathLike[str]
         _safetensors().numpy.save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, tmp)
 
 
+def from_torch_mha(
+    module: Any, *, cross: bool | None = None, causal: bool = False, key_padding_mask: bool = False
+) -> tuple[AttentionConfig, dict[str, np.ndarray]]:
+    """(config, weights) of a torch.nn.MultiheadAttention, read from the module itself: its
+    embed_dim, num_heads, kdim/vdim and biases. What attnx cannot express is refused, naming it:
+    add_zero_attn (a zero key and value appended to every sequence), add_bias_kv (learned ones),
+    kdim != vdim (attnx has one memory width for keys and values). cross None: cross-attention
+    when kdim differs from embed_dim (a module used as cross-attention with kdim == embed_dim
+    says cross=True); causal and key_padding_mask are how the caller uses it (the module does
+    not know). batch_first only changes the module's calling convention: attnx is batch-first."""
+    unsupported = []
+    if getattr(module, "add_zero_attn", False):
+        unsupported.append("add_zero_attn=True (a zero key and value appended to every sequence)")
+    if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
+        unsupported.append("add_bias_kv=True (learned bias_k and bias_v appended to the keys and values)")
+    if module.kdim != module.vdim:
+        unsupported.append(f"kdim {module.kdim} != vdim {module.vdim} (attnx has one memory width, kv_dim)")
+    if unsupported:
+        raise WeightsError("nn.MultiheadAttention with " + "; ".join(unsupported) + ": attnx cannot express it")
+    if cross is None:
+        cross = module.kdim != module.embed_dim
+    config = AttentionConfig(
+        d_model=module.embed_dim,
+        n_heads=module.num_heads,
+        kv_dim=module.kdim if cross else None,
+        bias=module.in_proj_bias is not None,
+        causal=causal,
+        cross=cross,
+        key_padding_mask=key_padding_mask,
+    )
+    return config, from_torch_mha_state_dict(module.state_dict(), config)
+
+
 def from_torch_mha_state_dict(state_dict: Mapping[str, Any], config: AttentionConfig) -> dict[str, np.ndarray]:
-    """Convert torch.nn.MultiheadAttention's state dict (packed in_proj or separate q/k/v)."""
+    """Convert torch.nn.MultiheadAttention's state dict (packed in_proj or separate q/k/v).
+
+    A state dict holds no head count and no add_zero_attn flag: a config whose n_heads differs
+    from the module's converts without error and computes something else. from_torch_mha(module)
+    reads both from the module and is the safer form."""
 
     def arr(t: Any) -> np.ndarray:
         return t.detach().cpu().float().numpy() if hasattr(t, "detach") else np.asarray(t, dtype=np.float32)

@@ -24,14 +24,13 @@ import json
 import logging
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from attnx._io import publish_staged_model
+from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.contract import (
     EXTERNAL_DATA_THRESHOLD,
@@ -116,9 +115,8 @@ def optimize_for_provider(
         raise ModelFileError(f"model file {model_path!r} does not exist")
     if out_path == model_path:
         raise UsageError(f"the optimized model would overwrite its source {model_path!r}: choose another --out")
-    parent, name = os.path.dirname(out_path), os.path.basename(out_path)
-    if not os.path.isdir(parent):
-        raise UsageError(f"output folder {parent!r} does not exist")
+    check_output_file(out_path, "output")
+    name = os.path.basename(out_path)
 
     source = describe(model_path)
     if external_data is None:
@@ -126,8 +124,8 @@ def optimize_for_provider(
     ops_before = source.operators
     data_name = f"{name}.data" if external_data else None
 
-    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
-        tmp_model = os.path.join(tmp, name)
+    with output_lock(out_path), Staging(out_path) as stage:
+        tmp_model = stage.path()
         opts = _session_options(level)
         opts.optimized_model_filepath = tmp_model
         if data_name:
@@ -162,7 +160,7 @@ def optimize_for_provider(
         # It must load again, in this ORT, on this provider, as a deployment would load it.
         _load(tmp_model, _session_options("disabled"), provider).close()
 
-        written = publish_staged_model(tmp, name, parent)
+        written = stage.publish()
     result = OfflineResult(
         out_path, written, provider, level, ort.__version__, bool(data_name), optimize_s, ops_before, ops_after
     )

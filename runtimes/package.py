@@ -33,10 +33,11 @@ import numpy as np
 
 from attnx.errors import CheckFailed, ConfigError, InputError, ModelFileError, PackageError, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import MODEL_DTYPES, external_data_locations, get_provider
+from attnx.model.contract import MODEL_DTYPES, describe, external_data_locations, get_provider
 from attnx.model.tolerance import ProblemSize, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
     "FORMAT",
@@ -329,6 +330,44 @@ def _model_for(manifest: Mapping[str, Any], name: str) -> dict[str, Any]:
     raise UsageError(f"this package has no model for provider {name!r} (built for: {', '.join(built)})")
 
 
+def _check_description(root: str, manifest: Mapping[str, Any], model: Mapping[str, Any]) -> Check:
+    """What the manifest says of its model (config, lowering, dtype, inputs and outputs with their
+    dims, IR version, opsets) against what the model file says of itself: the hashes prove the
+    files are the ones the manifest lists, not that the manifest describes them truly."""
+    name = model["file"]
+    try:
+        info = describe(member_path(root, name, "the model"))
+    except ModelFileError as e:
+        return Check(f"{name} description", False, str(e))
+    said = {
+        "config": manifest["config"],
+        "lowering": model.get("lowering"),
+        "dtype": manifest["dtype"],
+        "inputs": manifest.get("inputs"),
+        "outputs": manifest.get("outputs"),
+        "ir_version": model["ir_version"],
+        "opsets": model["opsets"],
+    }
+    found = {
+        "config": info.config.to_dict() if info.config is not None else info.config_error,
+        "lowering": info.lowering,
+        "dtype": info.dtype,
+        "inputs": [s.to_dict() for s in info.inputs],
+        "outputs": [s.to_dict() for s in info.outputs],
+        "ir_version": info.ir_version,
+        "opsets": info.opsets,
+    }
+    differ = [key for key in said if said[key] != found[key]]
+    if differ:
+        key = differ[0]
+        return Check(
+            f"{name} description", False,
+            f"{MANIFEST} says {key} {json.dumps(said[key])[:200]}, the model itself {json.dumps(found[key])[:200]}"
+            + (f" (and {len(differ) - 1} more: {', '.join(differ[1:])})" if len(differ) > 1 else ""),
+        )  # fmt: skip
+    return Check(f"{name} description", True, f"config, {info.lowering} lowering, {info.dtype}, dims as in {MANIFEST}")
+
+
 def _describe_versions(model: Mapping[str, Any]) -> str:
     opsets = ", ".join(f"{domain} {version}" for domain, version in sorted(model["opsets"].items()))
     return f"IR version {model['ir_version']}, opsets {opsets}"
@@ -433,9 +472,11 @@ def verify_package(
         report.notes.append(f"files not in the manifest (not checked, not used): {', '.join(extra)}")
     if not report.passed:
         return report  # a damaged or altered file is never handed to onnxruntime
+    report.checks.append(_check_description(root, manifest, model))
+    if not report.passed:
+        return report  # a manifest that misdescribes its model verifies nothing
 
-    import onnxruntime
-
+    onnxruntime = import_onnxruntime(backend)
     built_with = manifest.get("versions", {}).get("onnxruntime")
     if built_with and built_with != onnxruntime.__version__:
         report.notes.append(f"built with onnxruntime {built_with}, verifying with {onnxruntime.__version__}")
@@ -465,12 +506,15 @@ def load(directory: str | os.PathLike[str], provider: str = "cpu", check_files: 
     """A loaded runner (a context manager) for the package's model on `provider`.
 
     The names are always checked; with check_files (the default) every file's size and
-    sha256 too: CheckFailed names a damaged file before onnxruntime sees it.
+    sha256 too, and the manifest's description of the model against the model's own:
+    CheckFailed names a damaged file or a false description before onnxruntime sees it.
     """
     root, manifest = read_manifest(directory)
     model = _model_for(manifest, provider)
     if check_files:
         failures = [c for c in _check_files(root, manifest, lambda msg: None) if not c]
+        if not failures:
+            failures = [c for c in [_check_description(root, manifest, model)] if not c]
         if failures:
             raise CheckFailed(f"{os.fspath(directory)}: " + "; ".join(f"{c.name}: {c.detail}" for c in failures))
     return _open_runner(root, manifest, provider, model)

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from attnx import __version__
+from attnx._io import Staging, check_output_parent, output_lock
 from attnx.errors import CheckFailed, UsageError
 from attnx.export import release_rewriter_state
 from attnx.model.config import AttentionConfig
@@ -45,6 +45,7 @@ from attnx.model.contract import (
     get_provider,
 )
 from attnx.model.inputs import make_inputs
+from attnx.model.resources import check_memory, estimate_export
 from attnx.model.tolerance import problem_size
 from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
@@ -248,44 +249,45 @@ def _check_args(attention: str, dtype: str, providers: Sequence[str]) -> None:
         get_provider(name, "--provider")
 
 
-def _is_package(path: str) -> bool:
+def _listed_files(path: str) -> set[str] | None:
+    """The files the manifest of the folder `path` lists (itself and its checksum included),
+    or None when the folder holds no readable attnx manifest."""
     manifest = os.path.join(path, MANIFEST)
     if os.path.islink(manifest) or not os.path.isfile(manifest) or os.path.getsize(manifest) > 16 * 1024**2:
-        return False
+        return None
     try:
         with open(manifest, encoding="utf-8") as f:
-            return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
+        return None
+    return set(data["files"]) | {MANIFEST, MANIFEST_SUM}
 
 
 def _check_target(out: str, force: bool) -> None:
-    """Refuse to replace anything but an earlier package (or an empty folder), and that
-    only with force: `--force --out ~` must not delete a home folder."""
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise UsageError(f"output folder {parent!r} does not exist")
+    """Refuse to replace anything but an earlier package (or an empty folder), and that only
+    with force; and a package only when every file in it is one its manifest lists: `--force`
+    never deletes a file attnx did not write (nor `--out ~`, a home folder)."""
+    check_output_parent(out, "--out")
     if not os.path.lexists(out):
         return
     if not force:
         raise UsageError(f"{out!r} already exists (pass --force to replace it)")
     if os.path.islink(out) or not os.path.isdir(out):
         raise UsageError(f"{out!r} exists and is not a folder: not replacing it")
-    if os.listdir(out) and not _is_package(out):
-        raise UsageError(f"{out!r} exists and is not an attnx package: not replacing it, even with --force")
-
-
-def _publish(tmp: str, out: str, force: bool) -> None:
-    """Rename the finished folder into place; an earlier package is moved aside first and
-    deleted only once the new one is in place."""
-    _check_target(out, force)
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
+    entries = os.listdir(out)
+    if not entries:
         return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-    os.rename(out, os.path.join(old, "package"))
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    listed = _listed_files(out)
+    if listed is None:
+        raise UsageError(f"{out!r} exists and is not an attnx package: not replacing it, even with --force")
+    extra = sorted(set(entries) - listed)
+    if extra:
+        raise UsageError(
+            f"{out!r} holds {len(extra)} file(s) its manifest does not list ({', '.join(extra[:5])}"
+            f"{', ...' if len(extra) > 5 else ''}): not replacing it, even with --force (move them out first)"
+        )
 
 
 def build_package(
@@ -299,6 +301,7 @@ def build_package(
     providers: Sequence[str] = DEFAULT_PROVIDERS,
     force: bool = False,
     plan: CheckPlan | None = None,
+    max_mem_gb: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> BuildReport:
     """Export, check and package `config` into the folder `out`.
@@ -307,24 +310,23 @@ def build_package(
     model), a mapping of arrays (the caller's: it stays in memory), or None for seeded
     weights (`seed`). Raises CheckFailed (exit 1) when a check fails: then nothing is
     written under `out`. An existing `out` is replaced only with force, and only when it is
-    an earlier package or an empty folder.
+    an earlier package holding nothing but its manifest's files, or an empty folder. The
+    package is assembled in a staging folder beside `out` (attnx._io.Staging): an interrupted
+    or killed build leaves nothing under `out`, and the next build removes what it left.
     """
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
     _check_target(out, force)
     plan = plan or check_plan(config)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=os.path.dirname(out))
-    try:
-        report = _build_into(tmp, config, weights, seed, attention, dtype, providers, plan, progress)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; a package is an ordinary folder
+    shapes = [*plan.validation_shapes, *plan.golden_shapes,
+              *((b, s, m) for b in plan.parity_batches for s in plan.parity_seqs for m in plan.parity_mem_seqs)]  # fmt: skip
+    check_memory(estimate_export(config, shapes, what="build"), max_mem_gb)
+    # The lock first: a second build of the same folder is refused now, not after its work.
+    with output_lock(out), Staging(out, folder=True) as stage:
+        report = _build_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)
         progress(f"moving the package into place: {out}")
-        _publish(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        stage.publish(replace_folder=lambda target: _check_target(target, force))
     report.directory = out
     report.verify.directory = out
     return report

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 
-from attnx.errors import CheckFailed, ExportError
+from attnx.errors import CheckFailed, ExportError, ModelFileError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS, contract_dims, describe, get_provider
 from attnx.model.inputs import make_inputs
@@ -69,16 +69,23 @@ def check_dims(path: str | os.PathLike[str], config: AttentionConfig) -> None:
             raise ExportError(f"model's {name!r} has shape {values[name]}, the contract says {dims}")
 
 
-def check_model_file(path: str | os.PathLike[str], config: AttentionConfig) -> None:
-    """onnx checker by path (external data included), contract dims, loads in onnxruntime."""
+def check_model_file(path: str | os.PathLike[str], config: AttentionConfig, label: str | None = None) -> None:
+    """onnx checker by path (external data included), contract dims, loads in onnxruntime.
+    label names the model in the errors (the output a staged file will become)."""
     path = os.fspath(path)
+    name = label or repr(path)
     try:
         onnx.checker.check_model(path)
     except Exception as e:
-        raise ExportError(f"onnx checker rejects {path!r}: {str(e).strip().splitlines()[0]}") from None
-    check_dims(path, config)
-    with check_runner(path):
-        pass  # ModelFileError when onnxruntime cannot load it
+        raise ExportError(f"onnx checker rejects {name}: {str(e).strip().splitlines()[0]}") from None
+    try:
+        check_dims(path, config)
+        with check_runner(path):
+            pass
+    except ExportError as e:
+        raise ExportError(f"{name}: {e}") from None
+    except ModelFileError as e:  # onnxruntime cannot load what was just written: a failed check
+        raise ExportError(f"{name}: {str(e).replace(repr(path), 'it')}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +131,12 @@ def check_against_expected(
     expected: list[Expected],
     dtype: str = "fp32",
     io_dtype: str | None = None,
+    label: str | None = None,
 ) -> list[Comparison]:
     """Run the model on ORT CPU at each expected shape and compare. Every shape is checked
-    and logged; one CheckFailed lists all failures."""
+    and logged; one CheckFailed lists all failures (label names the model in it)."""
     io_dtype = io_dtype or dtype
+    name = label or os.fspath(path)
     results, failures = [], []
     with check_runner(path) as runner:
         tol = tolerance_for(dtype, runner.name)
@@ -137,7 +146,7 @@ def check_against_expected(
                 y = runner.run(feeds)["y"]
             except Exception as err:  # ORT's own error types: a shape the graph cannot run
                 raise CheckFailed(
-                    f"{os.fspath(path)} fails at batch={e.batch} seq={e.seq}: {str(err).strip().splitlines()[0][:300]}"
+                    f"{name} fails at batch={e.batch} seq={e.seq}: {str(err).strip().splitlines()[0][:300]}"
                 ) from None
             cmp = compare_arrays(e.label, y, e.y, tol, e.size)
             logger.info("%s", cmp)
@@ -145,7 +154,7 @@ def check_against_expected(
             if not cmp:
                 failures.append(str(cmp))
     if failures:
-        raise CheckFailed(f"{os.fspath(path)} disagrees with torch: " + "; ".join(failures))
+        raise CheckFailed(f"{name} disagrees with torch: " + "; ".join(failures))
     return results
 
 

@@ -22,6 +22,7 @@ from attnx.export.passes import lower as lower_graph
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, get_provider
 from attnx.model.inputs import make_inputs
+from attnx.model.resources import check_memory, estimate_case
 from attnx.runtimes import ModelSource, create_runner
 from attnx.workflows._checks import compare_models
 
@@ -98,8 +99,10 @@ def choose_lowering(
 
     Each candidate is written to a temporary file and loaded from there, as a deployment
     would load it; the gpt3 preset's candidates are 2.4 GB each, so one exists at a time."""
-    get_provider(provider, "--provider")
+    backend = get_provider(provider, "--provider").backend
     base_form = lowering_of(model)
+    # each candidate is timed at `shape`; the exported form may hold the whole score matrix there
+    check_memory(estimate_case(config, backend, base_form, *shape, dtype))
     times: dict[str, float | None] = {}
     status: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="attnx-auto-") as tmp:

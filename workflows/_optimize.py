@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from attnx._io import publish_staged_model
+from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import CheckFailed, ModelFileError, UsageError
 from attnx.export import save_model
 from attnx.export.passes import LoweringResult, qk_weights
@@ -69,9 +68,7 @@ def optimize_file(
     raise_on_failure=False returns a result whose `files` is empty."""
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     backend = get_provider(provider, "--provider").backend
-    parent = os.path.dirname(os.path.abspath(out_path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"output folder {parent!r} does not exist")
+    check_output_file(out_path, "--out")
     if os.path.abspath(out_path) == os.path.abspath(in_path):
         raise UsageError("--out must differ from the input model: the input is the reference of the parity check")
     progress(f"loading {in_path}")
@@ -94,14 +91,13 @@ def optimize_file(
         model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider,
         auto_shape=auto_shape, progress=progress,
     )  # fmt: skip
-    name = os.path.basename(out_path)
-    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=parent) as tmp:
-        staged = os.path.join(tmp, name)
+    with output_lock(out_path), Staging(out_path) as stage:
+        staged = stage.path()
         save_model(result.model, staged)
         result.model = None  # type: ignore[assignment]  # free it: a big model is on disk now
         del model
         progress("checking the optimized model (onnx checker, dims, onnxruntime load)")
-        check_model_file(staged, config)
+        check_model_file(staged, config, f"{out_path} (not written)")
         progress(f"checking parity against {in_path} on {backend}")
         parity = compare_models(in_path, staged, config, dtype=dtype, provider=provider, shapes=shapes, weights=weights)
         out = OptimizeResult(in_path, out_path, [], dtype, result, parity)
@@ -111,5 +107,5 @@ def optimize_file(
                     f"{out_path} not written: the optimized model disagrees with {in_path}: " + "; ".join(out.failures())
                 )
             return out
-        out.files = publish_staged_model(tmp, name, parent)
+        out.files = stage.publish()
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
+import math
 import sys
 import time
 from types import ModuleType
@@ -15,14 +15,21 @@ from attnx.model import PRESETS, init_weights, load_config, load_weights, preset
 
 __all__ = [
     "add_model_args",
+    "add_max_mem_arg",
     "load_config_arg",
     "load_model_args",
     "Progress",
+    "int_arg",
+    "float_arg",
     "int_list",
     "str_list",
-    "check_output_path",
     "workflows",
 ]
+
+# The range of every numeric argument, checked by argparse (exit 2 naming the argument and the
+# range) before any work; the ranges that depend on the lowering (--opset) are the contract's.
+SEED_MAX = 2**64 - 1  # numpy's PCG64 takes any non-negative integer; a uint64 is what users pass
+SIZE_MAX = 2**31 - 1  # batch and sequence lengths; what they need in memory is the estimator's to refuse
 
 # The distributions of the `export` extra, by the module each installs.
 EXPORT_EXTRA = {"torch": "torch", "onnxscript": "onnxscript", "onnx_ir": "onnx-ir", "safetensors": "safetensors"}
@@ -47,7 +54,14 @@ def add_model_args(parser: argparse.ArgumentParser, weights: bool = True) -> Non
     group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
     if weights:
         parser.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
-        parser.add_argument("--seed", type=int, default=0, help="seed of the generated weights (default 0)")
+        parser.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, help="seed of the generated weights (default 0)")
+
+
+def add_max_mem_arg(parser: argparse.ArgumentParser, what: str = "refuse to start when the estimate exceeds it") -> None:
+    parser.add_argument(
+        "--max-mem-gb", type=float_arg(0.0, None), default=None, metavar="G",
+        help=f"memory the command may use, GB: {what} (default: the memory available now)",
+    )  # fmt: skip
 
 
 def load_config_arg(args: argparse.Namespace) -> Any:
@@ -79,21 +93,47 @@ class Progress:
             print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def int_arg(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_arg(above: float, maximum: float | None = None):
+    """An argparse type: a finite number greater than `above` (and at most maximum)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and value > above and (maximum is None or value <= maximum)):
+            bound = f"greater than {above:g}" + (f" and at most {maximum:g}" if maximum is not None else "")
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or any(not 1 <= v <= SIZE_MAX for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers from 1 to {SIZE_MAX}, got {text!r}")
     return values
 
 
 def str_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def check_output_path(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"output folder {parent!r} does not exist")

@@ -11,7 +11,8 @@ from typing import IO, Any
 
 from attnx._text import format_table
 from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS, BenchPlan, check_plot_path, plot_report, run_bench
-from attnx.commands._common import check_output_path, int_list, load_config_arg, str_list
+from attnx._io import check_output_file
+from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 from attnx.model import PRESETS
 from attnx.model.contract import BENCH_ORT_LOWERINGS, EXPORT_ATTENTIONS, MODEL_DTYPES, TORCH_CORES, describe
@@ -33,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
     group.add_argument("--model", metavar="M.onnx", help="bench this attnx ONNX file on the ort-* backends")
     p.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated weights (default 0)")
+    p.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, help="seed of the generated weights (default 0)")
     p.add_argument(
         "--backends", type=str_list, default=list(DEFAULT_BACKENDS), help=f"default {','.join(DEFAULT_BACKENDS)}"
     )
@@ -50,16 +51,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default: = seq)")
     p.add_argument("--dtype", type=str_list, default=None, help=f"{' and/or '.join(MODEL_DTYPES)} (default fp32, or the --model's)")
-    p.add_argument("--repeat", type=int, default=10, help="timed calls per case (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before them (default 2)")
+    p.add_argument("--repeat", type=int_arg(1, 100_000), default=10, help="timed calls per case (default 10)")
+    p.add_argument("--warmup", type=int_arg(0, 10_000), default=2, help="untimed calls before them (default 2)")
     p.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="ORT intra-op and torch threads (default: all cores)"
+        "--threads", type=int_arg(1, 4096), default=os.cpu_count() or 1, help="ORT intra-op and torch threads (default: all cores)"
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="time budget per case in seconds (default 600)"
+        "--timeout", type=float_arg(0.0, 7 * 24 * 3600.0), default=600.0, metavar="S", help="time budget per case in seconds (default 600)"
     )
     p.add_argument(
-        "--max-mem-gb", type=float, default=None, help="skip cases estimated to need more (default: memory available)"
+        "--max-mem-gb", type=float_arg(0.0), default=None, help="skip cases estimated to need more (default: memory available)"
     )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON, rewritten after every case")
     p.add_argument("--plot", metavar="FILE.png", help="plot latency and peak memory against seq (needs matplotlib)")
@@ -194,7 +195,7 @@ def _notes(report: Any) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.json:
-        check_output_path(args.json)
+        check_output_file(args.json, "--json")
     if args.plot:
         check_plot_path(args.plot)  # before the sweep: a missing matplotlib is said now, not in an hour
     plan = _plan(args)

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from attnx._text import format_table
-from attnx.commands._common import Progress, add_model_args, load_config_arg, str_list, workflows
+from attnx.commands._common import Progress, add_max_mem_arg, add_model_args, load_config_arg, str_list, workflows
 from attnx.model.contract import BUILD_ATTENTION, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 
 HELP = "export, check and package the model: a folder that verifies itself on the deployment machine"
@@ -29,7 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"providers the package is for, comma-separated (default {','.join(PROVIDERS)}); "
         "each is verified here when it can run here",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing package at --out")
+    p.add_argument(
+        "--force", action="store_true",
+        help="replace an existing package at --out (only one holding nothing but its manifest's files)",
+    )  # fmt: skip
+    add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=run)
 
@@ -47,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         providers=args.provider,
         force=args.force,
+        max_mem_gb=args.max_mem_gb,
         progress=progress,
     )
     m = report.manifest

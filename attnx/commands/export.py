@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from attnx._text import format_table
-from attnx.commands._common import Progress, add_model_args, check_output_path, load_config_arg, workflows
+from attnx.commands._common import Progress, add_max_mem_arg, add_model_args, load_config_arg, workflows
 from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES
 
 HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
@@ -17,14 +17,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=EXPORT_ATTENTIONS, default="decomposed", help="lowering of the attention core")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
-    p.add_argument("--opset", type=int, help="ONNX opset (default 18; 23 for --attention onnx)")
+    p.add_argument("--opset", type=int, help="ONNX opset (default and lowest: 18; 23 for --attention onnx; at most 25)")
     p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
+    add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output_path(args.out)
     export_model = workflows("export").export_model
     progress = Progress()
     config = load_config_arg(args)
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         opset=args.opset,
         keep_io_fp32=args.keep_io_fp32,
         validate=not args.no_validate,
+        max_mem_gb=args.max_mem_gb,
         progress=progress,
     )
     for line in report.passes:

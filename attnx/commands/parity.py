@@ -6,11 +6,22 @@ import argparse
 import os
 import tempfile
 
+from attnx._io import check_output_file
 from attnx._text import format_table
-from attnx.commands._common import Progress, add_model_args, int_list, load_model_args, str_list, workflows
-from attnx.model.contract import BACKENDS, MODEL_DTYPES, provider_of_backend
-from attnx.runtimes import ModelSource, create_runner
-from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_SEQS, run_parity
+from attnx.commands._common import (
+    Progress,
+    add_max_mem_arg,
+    add_model_args,
+    int_list,
+    load_config_arg,
+    load_model_args,
+    str_list,
+    workflows,
+)
+from attnx.model.contract import BACKENDS, MODEL_DTYPES, check_choice, provider_of_backend
+from attnx.model.resources import check_memory, estimate_parity
+from attnx.runtimes import ModelSource, backend_names, create_runner
+from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, run_parity
 
 HELP = "compare backends (torch, ONNX Runtime, reference) case by case"
 DEFAULT_BACKENDS = ",".join(BACKENDS)
@@ -27,10 +38,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default 9)")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
     p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
+    add_max_mem_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Everything that can be refused is refused before the weights are made.
+    for name in [*args.backends, *args.require]:
+        check_choice("backend", name, backend_names())
+    if args.json:
+        check_output_file(args.json, "--json")
+    config = load_config_arg(args)
+    mem_seqs = (args.mem_seq or DEFAULT_MEM_SEQS) if config.cross else [None]
+    shapes = [(b, s, m) for b in args.batch for s in args.seq for m in mem_seqs]
+    needs_model = any(provider_of_backend(b) is not None for b in [*args.backends, *args.require])
+    check_memory(estimate_parity(config, shapes, onnx_model=needs_model), args.max_mem_gb)
     progress = Progress()
     config, weights = load_model_args(args, progress)
     for name in args.require:  # ProviderUnavailable exits 2 with the backend's reason
@@ -38,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
             args.backends.append(name)
     with tempfile.TemporaryDirectory(prefix="attnx-parity-") as tmp:
         model = args.model
-        needs_model = any(provider_of_backend(b) is not None for b in args.backends)
         if needs_model and model is None:
             export_model = workflows("parity (ort-* without --model: it exports one)").export_model
             model = os.path.join(tmp, "model.onnx")

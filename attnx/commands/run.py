@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import zipfile
 
 import numpy as np
 
-from attnx._io import write_npy_atomic
+from attnx._io import check_output_file, write_npy_atomic
 from attnx.errors import InputError, UsageError
 from attnx.model.contract import PROVIDERS
 from attnx.runtimes import ModelSource, create_runner
@@ -28,15 +30,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def load_npy(path: str, what: str) -> np.ndarray:
-    """np.load without pickles: an object array in a .npy is refused, never executed."""
+    """One array from a .npy file, without pickles: an object array is refused, never
+    executed; an empty, truncated or foreign file, or an .npz archive, is one InputError."""
     if not os.path.isfile(path):
-        raise InputError(f"{what} file {path!r} does not exist")
+        raise InputError(f"{what} file {path!r} does not exist" + (" (it is a folder)" if os.path.isdir(path) else ""))
     try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as e:
-        raise InputError(f"{what} file {path!r} is not a plain .npy array: {e}") from None
+        array = np.load(path, allow_pickle=False, mmap_mode=None)
+    except (ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{what} file {path!r} is not a plain .npy array: {first}") from None
     except OSError as e:
-        raise InputError(f"{what} file {path!r} cannot be read: {e}") from None
+        raise InputError(f"{what} file {path!r} cannot be read: {e.strerror or e}") from None
+    if not isinstance(array, np.ndarray):  # np.load opens an .npz archive, whatever its name
+        array.close()
+        raise InputError(f"{what} file {path!r} is an .npz archive, not one .npy array")
+    return array
 
 
 def open_runner(path: str, provider: str):
@@ -49,19 +57,26 @@ def open_runner(path: str, provider: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.output, "--output")
     feeds = {"x": load_npy(args.input, "--input")}
     if args.memory:
         feeds["memory"] = load_npy(args.memory, "--memory")
     if args.key_padding_mask:
         feeds["key_padding_mask"] = load_npy(args.key_padding_mask, "--key-padding-mask")
-    parent = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(parent):
-        raise UsageError(f"output folder {parent!r} does not exist")
+    for name, array in feeds.items():
+        # A NaN or an infinity in the input gives NaN outputs: the model is not at fault, say so.
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+            print(f"attnx run: warning: input {name!r} holds {bad} NaN or infinite value(s): the outputs that "
+                  "depend on them are not finite", file=sys.stderr)  # fmt: skip
     runner = open_runner(args.model, args.provider)
     try:
         y = runner.run(feeds)["y"]
     finally:
         runner.close()
+    if y.dtype.kind == "f" and not np.isfinite(y).all():
+        bad = y.size - int(np.count_nonzero(np.isfinite(y)))
+        print(f"attnx run: warning: output 'y' holds {bad} NaN or infinite value(s)", file=sys.stderr)
     write_npy_atomic(args.output, y)
     print(f"wrote {args.output}: y {list(y.shape)} {y.dtype}")
     return 0

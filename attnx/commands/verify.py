@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnx._io import write_json_atomic
+from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
 from attnx.commands._common import Progress
 from attnx.model.contract import PROVIDERS
@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json:
+        check_output_file(args.json, "--json")
     report = verify_package(args.package, args.provider, Progress())
     rows = [(c.name, "pass" if c else "FAIL", c.detail) for c in report.checks]
     print(format_table(["check", "status", "detail"], rows))

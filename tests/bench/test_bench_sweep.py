@@ -14,12 +14,12 @@ from attnx.bench import (
     BenchPlan,
     BenchReport,
     compare_lowerings,
-    estimate_peak_bytes,
     run_bench,
 )
 from attnx.bench._worker import run_spec, run_worker, time_stats, write_gemm_model
 from attnx.errors import UsageError
 from attnx.model import preset
+from attnx.model.resources import estimate_case
 from tests.conftest import CONFIGS
 
 FAST = {"repeat": 2, "warmup": 1, "threads": 1}
@@ -102,9 +102,9 @@ def test_estimate_matches_the_measured_peaks_of_the_cpu_baseline():
     # MultiHeadAttention 0.38 GB peak RSS. The guard's estimate must be of that size.
     gb = 1024**3
     large = preset("large")
-    assert 0.7 < estimate_peak_bytes(large, "ort-cpu", "decomposed", 1, 8192, None, "fp32") / (8.96 * gb) < 1.3
-    assert 0.7 < estimate_peak_bytes(large, "ort-cpu", "onnx", 1, 8192, None, "fp32") / (8.7 * gb) < 1.3
-    assert estimate_peak_bytes(large, "ort-cpu", "ort-fused", 1, 8192, None, "fp32") < 1 * gb
+    assert 0.7 < estimate_case(large, "ort-cpu", "decomposed", 1, 8192, None, "fp32").total / (8.96 * gb) < 1.3
+    assert 0.7 < estimate_case(large, "ort-cpu", "onnx", 1, 8192, None, "fp32").total / (8.7 * gb) < 1.3
+    assert estimate_case(large, "ort-cpu", "ort-fused", 1, 8192, None, "fp32").total < 1 * gb
 
 
 # The GEMM model and the worker -----------------------------------------------------------------

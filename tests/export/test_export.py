@@ -17,7 +17,7 @@ from attnx.export import export_onnx, save_model
 from attnx.export._export import name_contract_dims
 from attnx.model import AttentionConfig, init_weights, reference_attention, save_weights
 from attnx.model.contract import CONFIG_KEY as CONFIG_METADATA_KEY
-from attnx.model.contract import IR_VERSION
+from attnx.model.contract import IR_VERSION, MAX_OPSET
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
@@ -96,8 +96,23 @@ def test_unified_dims_are_an_error():
 
 
 def test_onnx_lowering_needs_opset_23():
-    with pytest.raises(UsageError, match="opset 23"):
+    with pytest.raises(UsageError, match=r"--opset 18 is outside what --attention onnx supports \(23 to 25\)"):
         export_onnx(CONFIGS["self"], attention="onnx", opset=18)
+
+
+@pytest.mark.parametrize("attention", ["decomposed", "onnx"])
+def test_an_opset_is_honoured_or_refused(attention, tmp_path):
+    """Every opset of a lowering's range is written as asked and loads in the pinned onnxruntime;
+    one outside is refused (the exporter would silently write 18)."""
+    low = 23 if attention == "onnx" else 18
+    for opset in (low, MAX_OPSET):
+        path = tmp_path / f"{opset}.onnx"
+        save_model(export_onnx(CONFIGS["kpm"], attention=attention, opset=opset), path)
+        assert onnx.load(path).opset_import[0].version == opset
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for opset in (7, low - 1, MAX_OPSET + 1, 99):
+        with pytest.raises(UsageError, match=f"outside what --attention {attention} supports"):
+            export_onnx(CONFIGS["kpm"], attention=attention, opset=opset)
 
 
 def test_external_data_is_one_relative_file(tmp_path):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -100,3 +102,65 @@ def test_nn_multihead_attention_unsupported_parts():
     mha = torch.nn.MultiheadAttention(16, 4)
     with pytest.raises(WeightsError, match="in_proj_weight has 48 rows, expected 96"):
         from_torch_mha_state_dict(mha.state_dict(), config)
+
+
+@pytest.mark.parametrize(("kdim", "heads"), [(None, 8), (24, 2)])
+def test_from_torch_mha_reads_the_module_and_matches_it(kdim, heads):
+    """The head count and the memory width come from the module: no config to get wrong (a state
+    dict converted with 4 heads for an 8-head module differs from it by ~20%)."""
+    from attnx.model import from_torch_mha
+
+    torch.manual_seed(1)
+    mha = torch.nn.MultiheadAttention(32, heads, batch_first=True, kdim=kdim, vdim=kdim).eval()
+    config, weights = from_torch_mha(mha, key_padding_mask=True)
+    assert (config.n_heads, config.cross, config.kv_dim) == (heads, kdim is not None, kdim or 32)
+    x = torch.randn(2, 5, 32)
+    m = torch.randn(2, 6, kdim) if kdim else x
+    kpm = torch.zeros(2, m.shape[1], dtype=torch.bool)
+    kpm[1, -3:] = True
+    with torch.no_grad():
+        expected, _ = mha(x, m, m, key_padding_mask=kpm, need_weights=False)
+        got = build_module(config, weights)(x, memory=m if kdim else None, key_padding_mask=kpm)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"add_zero_attn": True}, "add_zero_attn=True"), ({"add_bias_kv": True}, "add_bias_kv=True"),
+     ({"kdim": 24, "vdim": 16}, "kdim 24 != vdim 16")],
+)  # fmt: skip
+def test_from_torch_mha_refuses_what_attnx_cannot_express(kwargs, message):
+    from attnx.model import from_torch_mha
+
+    with pytest.raises(WeightsError, match=message):
+        from_torch_mha(torch.nn.MultiheadAttention(32, 4, **kwargs))
+
+
+def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
+    w = init_weights(CFG, 0)
+    w["k_proj.bias"][3] = np.nan
+    w["k_proj.bias"][5] = np.inf
+    save_weights(w, tmp_path / "w.safetensors")
+    with pytest.raises(WeightsError, match=r"tensor 'k_proj.bias' holds 2 NaN or infinite value\(s\)"):
+        load_weights(tmp_path / "w.safetensors", CFG)
+
+
+def test_weights_of_another_float_dtype_are_converted_with_a_note(tmp_path, caplog):
+    w = init_weights(CFG, 0)
+    save_weights({k: v.astype(np.float16) for k, v in w.items()}, tmp_path / "w16.safetensors")
+    with caplog.at_level("WARNING"):
+        got = load_weights(tmp_path / "w16.safetensors", CFG)
+    assert all(v.dtype == np.float32 for v in got.values())
+    np.testing.assert_array_equal(got["q_proj.weight"], w["q_proj.weight"].astype(np.float16).astype(np.float32))
+    (record,) = caplog.records
+    assert f"{len(w)} tensor(s) stored as float16 converted to float32" in record.getMessage()
+
+
+def test_a_weight_beyond_fp16_is_named_before_any_export_work(tmp_path):
+    from attnx.workflows import export_model
+
+    w = init_weights(CFG, 0)
+    w["out_proj.weight"][0, 0] = 7e4
+    with pytest.raises(WeightsError, match=r"'out_proj.weight' holds values up to 70000, beyond fp16's range"):
+        export_model(CFG, tmp_path / "m.onnx", w, dtype="fp16")
+    assert os.listdir(tmp_path) == []
