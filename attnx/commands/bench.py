@@ -9,9 +9,9 @@ import sys
 import time
 from typing import IO, Any
 
+from attnx._io import check_output_file
 from attnx._text import format_table
 from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS, BenchPlan, check_plot_path, plot_report, run_bench
-from attnx._io import check_output_file
 from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 from attnx.model import PRESETS
