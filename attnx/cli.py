@@ -91,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_ort_log_severity(3)  # ORT's C++ log: errors only (recorded: ort-cuda's log capture restores it)
     try:
         with sigterm_as_interrupt():
-            return args.run(args)
+            status = args.run(args)
+            sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at exit
+            return status
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise

@@ -52,6 +52,8 @@ def run_bench(
     series = plan.series()
     if not plan.model_path:  # the sweep holds the weights to export each lowering: refuse now what cannot fit
         check_memory(estimate_export(plan.config, [], what="the weights and one export"), plan.max_mem_gb)
+    # A weights file is read (and checked) now, before anything is measured or written.
+    weights = load_weights(plan.weights_path, plan.config) if plan.weights_path else None
     shapes = plan.shapes()
     total = len(series) * len(shapes) * len(plan.dtypes)
     report = BenchReport(meta={**_meta(plan), **(meta or {})})
@@ -64,7 +66,8 @@ def run_bench(
         try:
             unavailable = _measure_gemms(plan, report, workdir, say, total)
             save()
-            models, export_failed = _export_lowerings(plan, series, unavailable, workdir, say, total)
+            models, export_failed = _export_lowerings(plan, series, unavailable, workdir, say, total, weights)
+            del weights
             _measure_cases(plan, report, series, shapes, unavailable, models, export_failed, workdir, say, total, save)
             report.complete = True
         except KeyboardInterrupt:
@@ -172,10 +175,6 @@ def _measure_gemms(plan: BenchPlan, report: BenchReport, workdir: str, say: Prog
     return unavailable
 
 
-def _load_weights(plan: BenchPlan) -> Any:
-    return load_weights(plan.weights_path, plan.config) if plan.weights_path else init_weights(plan.config, plan.seed)
-
-
 def _export_lowerings(
     plan: BenchPlan,
     series: list[tuple[str, str]],
@@ -183,8 +182,10 @@ def _export_lowerings(
     workdir: str,
     say: Progress,
     total: int,
+    weights: Any = None,
 ) -> tuple[dict[tuple, str], dict[tuple, str]]:
-    """Export each ORT lowering once per dtype, for the ORT backends that can run here.
+    """Export each ORT lowering once per dtype, for the ORT backends that can run here (with
+    `weights`, or the plan's seeded ones).
     Returns ({(lowering, dtype): path}, {(lowering, dtype): why the export failed})."""
     models: dict[tuple, str] = {}
     failed: dict[tuple, str] = {}
@@ -197,13 +198,12 @@ def _export_lowerings(
     )
     if plan.model_path:
         return {key: plan.model_path for key in wanted}, failed
-    weights = None
     for attention, dtype in wanted:
         # onnx-ir and onnxscript: imported when a sweep exports, never in a case's worker process
         from attnx.workflows import export_model
 
         if weights is None:
-            weights = _load_weights(plan)
+            weights = init_weights(plan.config, plan.seed)
         path = os.path.join(workdir, f"model-{attention}-{dtype}.onnx")
         say(0, total, f"exporting the {attention} lowering ({dtype})")
         try:
