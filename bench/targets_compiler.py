@@ -28,11 +28,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from attnx._io import write_json_atomic
+from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
 from attnx.bench._costs import attention_flops, gemm_flops
 from attnx.bench._sweep import machine_info
 from attnx.bench._worker import run_worker, write_gemm_model
+from attnx.errors import UsageError
 from attnx.export import export_onnx, save_model
 from attnx.export.passes import lower, lowering_of, qk_weights
 from attnx.model import init_weights, preset
@@ -240,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.threads, args.repeat, args.rounds, args.long_repeat) < 1 or args.long_seq < 0:
         parser.error("--threads, --repeat, --rounds and --long-repeat must be positive, --long-seq >= 0")
+    if args.json:
+        try:
+            check_output_file(args.json, "--json")  # before the minutes of measuring, not after
+        except UsageError as e:
+            parser.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
 
