@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from attnx._io import output_lock
 from attnx.runtimes.package import verify_package
 from tests.faults.conftest import SENTINEL, Outcome, assert_contract, leftovers, run_process, snapshot
 
@@ -83,16 +84,16 @@ def test_a_killed_build_leaves_a_stage_the_next_build_removes(tmp_path):
     assert not any(os.path.exists(tmp_path / s) for s in stale)
 
 
-def test_a_second_writer_of_the_same_output_is_refused_at_once(tmp_path):
-    first = run_process(BUILD, tmp_path)
-    for line in first.stderr:
-        if "drawing seeded weights" in line:
-            break
-    second = run_process(BUILD, tmp_path)
-    _, err = second.communicate(timeout=120)
-    first_still_working = first.poll() is None  # refused before doing the work, not after it
-    first.communicate(timeout=300)
-    assert second.returncode == 2 and "is being written by another attnx (pid" in err, err[-1500:]
-    assert [ln for ln in err.splitlines() if "error" in ln] == [err.strip().splitlines()[-1]]
-    assert first.returncode == 0 and verify_package(tmp_path / "pkg").passed
-    assert first_still_working
+@pytest.mark.parametrize("args", [BUILD, EXPORT], ids=["build", "export"])
+def test_a_second_writer_of_the_same_output_is_refused_at_once(tmp_path, args):
+    """While one writer holds the output (here: this test, as a first build or export would), a
+    second is refused before it does any work: no stage, no output, one line naming the holder."""
+    out = tmp_path / args[-1]
+    with output_lock(out):
+        proc = run_process(args, tmp_path)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-1500:]
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("attnx ")]
+    assert f"is being written by another attnx (pid {os.getpid()})" in line
+    assert not any(ln.startswith("[") and "drawing" in ln for ln in err.splitlines())  # no work started
+    assert not out.exists() and leftovers(str(out)) == []
