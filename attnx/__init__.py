@@ -47,6 +47,8 @@ _EXPORTS = {
     "export_onnx": "attnx.export",
     "optimize_file": "attnx.workflows",
     "build_package": "attnx.workflows",
+    "import_model": "attnx.workflows",
+    "import_weights": "attnx.model.importers",
     "create_runner": "attnx.runtimes",
     "ModelSource": "attnx.runtimes",
     "backend_names": "attnx.runtimes",

@@ -19,14 +19,14 @@ import traceback
 from collections.abc import Iterator, Sequence
 
 from attnx import __version__
-from attnx.commands import bench, build, export, inspect, optimize, parity, run, verify
+from attnx.commands import bench, build, export, importer, inspect, optimize, parity, run, verify
 from attnx.errors import AttnxError, Terminated
 from attnx.runtimes.cuda import set_ort_log_severity
 
 # Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
 # imports what only some commands need (torch, onnx-ir) inside its run(), so that the
 # deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
-COMMANDS = [export, optimize, parity, bench, build, verify, run, inspect]
+COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect]
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 

@@ -1,8 +1,9 @@
 """attnx.workflows: what combines the graph layer and the run layer.
 
 Export with its validation at unseen shapes (export_model), optimize's parity gate
-(optimize_file), auto's measured choice of lowering (lower with attention="auto"), and the
-deployment package build (build_package). Below: attnx.model, attnx.export, attnx.runtimes;
+(optimize_file), auto's measured choice of lowering (lower with attention="auto"), the
+deployment package build (build_package), and the import of a model people have, checked
+against its source (import_model). Below: attnx.model, attnx.export, attnx.runtimes;
 above: attnx.bench and the API/CLI.
 """
 
@@ -31,6 +32,7 @@ from attnx.workflows._checks import (
     validate_against_torch,
 )
 from attnx.workflows._export import ExportReport, export_model
+from attnx.workflows._import import ImportReport, check_against_source, import_model
 from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
 from attnx.workflows._optimize import OptimizeResult, optimize_file
 
@@ -47,15 +49,18 @@ __all__ = [
     "CheckPlan",
     "Expected",
     "ExportReport",
+    "ImportReport",
     "OptimizeResult",
     "build_package",
     "check_against_expected",
+    "check_against_source",
     "check_dims",
     "check_model_file",
     "check_plan",
     "choose_lowering",
     "compare_models",
     "export_model",
+    "import_model",
     "lower",
     "optimize_file",
     "parity_markdown",

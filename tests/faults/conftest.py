@@ -134,11 +134,19 @@ def assets(tmp_path_factory):
     assert main(["export", "--config", str(root / "c.json"), "--out", str(root / "m.onnx"), "--no-validate"]) == 0
     assert main(["build", "--config", str(root / "c.json"), "--out", str(root / "pkg"), "--provider", "cpu"]) == 0
     rng = np.random.default_rng(0)
+    os.mkdir(root / "ckpt")  # a Hugging Face checkpoint folder (BERT layout), as attnx import reads one
+    (root / "ckpt" / "config.json").write_text('{"model_type": "bert", "hidden_size": 16, "num_attention_heads": 2}')
+    from safetensors.numpy import save_file
+
+    save_file({f"encoder.layer.0.attention.{p}.{t}": rng.standard_normal((16, 16) if t == "weight" else 16,
+                                                                          dtype=np.float32)
+               for p in ("self.query", "self.key", "self.value", "output.dense") for t in ("weight", "bias")},
+              root / "ckpt" / "model.safetensors")  # fmt: skip
     np.save(root / "x.npy", rng.standard_normal((2, 3, 16), dtype=np.float32))
     np.save(root / "k.npy", np.zeros((2, 3), dtype=bool))
     return {
         "config": root / "c.json", "weights": root / "w.safetensors", "model": root / "m.onnx",
-        "package": root / "pkg", "npy": root / "x.npy", "mask": root / "k.npy",
+        "package": root / "pkg", "npy": root / "x.npy", "mask": root / "k.npy", "checkpoint": root / "ckpt",
     }  # fmt: skip
 
 

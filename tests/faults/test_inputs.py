@@ -29,9 +29,16 @@ QUICK_BENCH = ["--backends", "ort-cpu", "--attention", "decomposed", "--seq", "4
                "--threads", "1"]  # fmt: skip
 
 
+FOLDER_OUTPUTS = ("pkg", "imp")  # outputs that are folders (absent before the run)
+
+
 def complete(path: str) -> None:
     """A written output is whole and what its kind says."""
-    if path.endswith(".onnx"):
+    if path.endswith("imp"):
+        from attnx.model import load_config, load_weights
+
+        load_weights(os.path.join(path, "weights.safetensors"), load_config(os.path.join(path, "config.json")))
+    elif path.endswith(".onnx"):
         assert describe(path).config is not None
     elif path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
@@ -73,10 +80,11 @@ FILE_CASES = {
     "run --key-padding-mask": ("mask", lambda p, a, w: ["run", a["model"], "--input", a["npy"], "--key-padding-mask",
                                                          p, "--output", w / "y.npy"], ["y.npy"]),
     "inspect DIR|MODEL": ("model", lambda p, a, w: ["inspect", p, "--json"], []),
+    "import CHECKPOINT_DIR": ("checkpoint", lambda p, a, w: ["import", p, "--out", w / "imp"], ["imp"]),
 }  # fmt: skip
 # A valid file of another kind, for each kind (what a user passes by mistake).
 OTHER_KIND = {"config": "weights", "weights": "config", "model": "npy", "package": "model", "npy": "model",
-              "mask": "config"}  # fmt: skip
+              "mask": "config", "checkpoint": "package"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
@@ -91,7 +99,7 @@ def test_a_bad_file_argument_is_refused_in_one_line(assets, tmp_path_factory, ca
     before = {}
     for name in outputs:  # an earlier output at each file output's path: it must survive a failure
         out = str(work / name)
-        if not name == "pkg":
+        if name not in FOLDER_OUTPUTS:
             with open(out, "wb") as f:
                 f.write(SENTINEL)
         before[out] = snapshot(out)
@@ -140,6 +148,7 @@ NUMERIC_CASES = {
                                      w / "b.json"], ["b.json"]),
     "optimize --auto-seq": (lambda v, a, w: ["optimize", a["model"], "--attention", "auto", "--auto-seq", v,
                                              "--out", w / "o.onnx"], ["o.onnx"]),
+    "import --layer": (lambda v, a, w: ["import", a["checkpoint"], "--layer", v, "--out", w / "imp"], ["imp"]),
 }  # fmt: skip
 # Valid values that run the whole command: kept to the classes where that is cheap.
 SLOW_AND_VALID = {("build --seed", "zero"), ("build --seed", "huge"), ("export --max-mem-gb", "huge"),
@@ -157,7 +166,7 @@ def test_a_bad_number_is_refused_or_honoured(assets, tmp_path_factory, case, cls
     before = {}
     for name in outputs:
         out = str(work / name)
-        if name != "pkg":
+        if name not in FOLDER_OUTPUTS:
             with open(out, "wb") as f:
                 f.write(SENTINEL)
         before[out] = snapshot(out)
