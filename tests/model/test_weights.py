@@ -164,3 +164,26 @@ def test_a_weight_beyond_fp16_is_named_before_any_export_work(tmp_path):
     with pytest.raises(WeightsError, match=r"'out_proj.weight' holds values up to 70000, beyond fp16's range"):
         export_model(CFG, tmp_path / "m.onnx", w, dtype="fp16")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_state_dict_cannot_say_its_head_count_the_module_can():
+    """The hazard the module form closes: 8 heads converted as 4 raise nothing and compute
+    something else; from_torch_mha reads 8 from the module."""
+    from attnx.model import from_torch_mha
+    from attnx.model.tolerance import problem_size, tolerance_for
+    from attnx.runtimes import compare_arrays
+
+    torch.manual_seed(2)
+    mha = torch.nn.MultiheadAttention(32, 8, batch_first=True).eval()
+    x = torch.randn(1, 6, 32)
+    with torch.no_grad():
+        expected = mha(x, x, x, need_weights=False)[0].numpy()
+
+    def agrees(config, weights) -> bool:
+        got = build_module(config, weights)(x).detach().numpy()
+        return bool(compare_arrays("y", got, expected, tolerance_for("fp32"), problem_size(config, weights, {"x": x.numpy()})))
+
+    wrong = AttentionConfig(d_model=32, n_heads=4)
+    assert not agrees(wrong, from_torch_mha_state_dict(mha.state_dict(), wrong))  # converted without a word
+    config, weights = from_torch_mha(mha)
+    assert config.n_heads == 8 and agrees(config, weights)
