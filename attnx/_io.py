@@ -68,7 +68,8 @@ def _alive(pid: int, start: int) -> bool:
         return False
     except PermissionError:  # someone else's process: alive, but not ours to judge by start time
         return True
-    return not (start and _start_time(pid) and _start_time(pid) != start)
+    now = _start_time(pid)
+    return not (start and now and now != start)
 
 
 def _stamp() -> str:

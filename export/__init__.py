@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from attnx.export._export import (
     EXPORTED_LOWERINGS,
-    default_opset,
     export_onnx,
     name_contract_dims,
     quiet,
@@ -17,7 +16,6 @@ from attnx.export._export import (
 
 __all__ = [
     "EXPORTED_LOWERINGS",
-    "default_opset",
     "export_onnx",
     "name_contract_dims",
     "quiet",

@@ -28,7 +28,6 @@ from attnx.model.contract import (
 
 __all__ = [
     "EXPORTED_LOWERINGS",
-    "default_opset",
     "export_onnx",
     "save_model",
     "name_contract_dims",
@@ -44,11 +43,6 @@ EXPORTED_LOWERINGS = tuple(name for name, lw in LOWERINGS.items() if not lw.by_p
 # Sizes of the example inputs the exporter traces with: none is 0 or 1 (which torch.export
 # would specialise) and no two are equal (which it could unify).
 EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_MEM_SEQ = 2, 5, 6
-
-
-def default_opset(attention: str) -> int:
-    """The opset a lowering is exported at (the contract's; 23 for the standard Attention op)."""
-    return LOWERINGS[attention].opset
 
 
 @contextlib.contextmanager

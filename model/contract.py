@@ -66,7 +66,6 @@ __all__ = [
     "BENCH_ORT_LOWERINGS",
     "BUILD_ATTENTION",
     "PASS_LOWERINGS",
-    "lowering",
     "check_choice",
     "contract_dims",
     "op_label",
@@ -256,10 +255,6 @@ BENCH_ORT_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.bench)
 # graph takes 1.18 s warm and 9 GB; README, "CPU baseline"). Not "auto": it times candidates, so
 # two builds could choose differently and the timings it records would differ byte for byte.
 BUILD_ATTENTION = "ort-fused"
-
-
-def lowering(name: str, what: str = "--attention") -> Lowering:
-    return LOWERINGS[check_choice(what, name, LOWERINGS)]
 
 
 def check_opset(attention: str, opset: int | None) -> int:

@@ -122,18 +122,22 @@ def estimate_case(
 
 
 def estimate_export(
-    config: AttentionConfig, shapes: Iterable[tuple[int, int, int | None]], core: str = "decomposed", what: str = "export"
+    config: AttentionConfig,
+    shapes: Iterable[tuple[int, int, int | None]],
+    core: str = "decomposed",
+    what: str = "export",
+    reference: bool = False,
 ) -> Estimate:
     """Export (and build): the weights, the exporter's or ONNX Runtime's copy of them, the
-    activations of the largest shape the model is checked at (on ONNX Runtime, `core`), and for
-    a build the float64 reference of its golden and parity cases."""
+    activations of the largest shape the model is checked at (on ONNX Runtime, `core`), and
+    with reference (a build) the float64 reference of its golden and parity cases."""
     shapes = list(shapes)
     parts = {
         "weights": weights_bytes(config),
         "a second copy (exporter, then onnxruntime)": weights_bytes(config),
         "activations": max((activation_bytes(config, b, t, m, core) for b, t, m in shapes), default=0),
     }
-    if what == "build":
+    if reference:
         parts["float64 reference"] = _reference_bytes(config, shapes)
     return Estimate(what, parts)
 

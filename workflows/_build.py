@@ -321,7 +321,7 @@ def build_package(
     plan = plan or check_plan(config)
     shapes = [*plan.validation_shapes, *plan.golden_shapes,
               *((b, s, m) for b in plan.parity_batches for s in plan.parity_seqs for m in plan.parity_mem_seqs)]  # fmt: skip
-    check_memory(estimate_export(config, shapes, what="build"), max_mem_gb)
+    check_memory(estimate_export(config, shapes, what="build", reference=True), max_mem_gb)
     # The lock first: a second build of the same folder is refused now, not after its work.
     with output_lock(out), Staging(out, folder=True) as stage:
         report = _build_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)

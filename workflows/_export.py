@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from attnx._io import Staging, check_output_file, output_lock
-from attnx.export import export_onnx, release_rewriter_state, save_model
+from attnx.export import EXPORTED_LOWERINGS, export_onnx, release_rewriter_state, save_model
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import EXPORT_ATTENTIONS, LOWERINGS, MODEL_DTYPES, check_choice, check_opset
+from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES, check_choice, check_opset
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
 from attnx.runtimes.compare import Comparison
@@ -69,7 +69,7 @@ def export_model(
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_choice("--dtype", dtype, MODEL_DTYPES)
     # The exporter writes the lowerings that are not passes; the others start from decomposed.
-    base = attention if attention in LOWERINGS and not LOWERINGS[attention].by_pass else "decomposed"
+    base = attention if attention in EXPORTED_LOWERINGS else "decomposed"
     opset = check_opset(attention, opset)
     check_output_file(out, "--out")
     shapes = VALIDATION_SHAPES if check and validate else ()

@@ -17,7 +17,7 @@ __all__ = [
     "add_model_args",
     "add_max_mem_arg",
     "load_config_arg",
-    "load_model_args",
+    "load_weights_arg",
     "Progress",
     "int_arg",
     "float_arg",
@@ -69,16 +69,13 @@ def load_config_arg(args: argparse.Namespace) -> Any:
     return preset(args.preset) if args.preset else load_config(args.config)
 
 
-def load_model_args(args: argparse.Namespace, progress: Progress | None = None) -> tuple[Any, Any]:
-    """(config, weights) from --preset/--config and --weights/--seed."""
-    config = load_config_arg(args)
+def load_weights_arg(args: argparse.Namespace, config: Any, progress: Progress | None = None) -> Any:
+    """The weights of --weights, or seeded ones (--seed), for the config of --preset/--config."""
     if getattr(args, "weights", None):
-        weights = load_weights(args.weights, config)
-    else:
-        if progress:
-            progress(f"drawing seeded weights (seed {args.seed}, {config.n_params:,} parameters)")
-        weights = init_weights(config, args.seed)
-    return config, weights
+        return load_weights(args.weights, config)
+    if progress:
+        progress(f"drawing seeded weights (seed {args.seed}, {config.n_params:,} parameters)")
+    return init_weights(config, args.seed)
 
 
 class Progress:

@@ -14,7 +14,7 @@ from attnx.commands._common import (
     add_model_args,
     int_list,
     load_config_arg,
-    load_model_args,
+    load_weights_arg,
     str_list,
     workflows,
 )
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     needs_model = any(provider_of_backend(b) is not None for b in [*args.backends, *args.require])
     check_memory(estimate_parity(config, shapes, onnx_model=needs_model), args.max_mem_gb)
     progress = Progress()
-    config, weights = load_model_args(args, progress)
+    weights = load_weights_arg(args, config, progress)
     for name in args.require:  # ProviderUnavailable exits 2 with the backend's reason
         if name not in args.backends:
             args.backends.append(name)
