@@ -5,6 +5,7 @@ an ONNX Runtime session (the checks that run a model are attnx.workflows).
 
 from __future__ import annotations
 
+from attnx.export._step import build_step_model
 from attnx.export._export import (
     EXPORTED_LOWERINGS,
     export_onnx,
@@ -15,6 +16,7 @@ from attnx.export._export import (
 )
 
 __all__ = [
+    "build_step_model",
     "EXPORTED_LOWERINGS",
     "export_onnx",
     "name_contract_dims",

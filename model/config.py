@@ -43,6 +43,10 @@ class AttentionConfig:
     cross: bool = False
     key_padding_mask: bool = False
     scale: float | None = None
+    # Decode (README, "Decoding: KV cache and grouped-query attention"): key/value heads shared
+    # by groups of query heads (None: n_heads; 1: multi-query), and the step model's signature.
+    n_kv_heads: int | None = None
+    kv_cache: bool = False
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
@@ -50,7 +54,9 @@ class AttentionConfig:
         for key in ("head_dim", "v_head_dim", "kv_dim"):
             if getattr(self, key) is not None:
                 _check_int(key, getattr(self, key))
-        for key in ("bias", "causal", "cross", "key_padding_mask"):
+        if self.n_kv_heads is not None:
+            _check_int("n_kv_heads", self.n_kv_heads)
+        for key in ("bias", "causal", "cross", "key_padding_mask", "kv_cache"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, got {getattr(self, key)!r}")
         if self.head_dim is None:
@@ -69,6 +75,18 @@ class AttentionConfig:
         if not self.cross and self.kv_dim != self.d_model:
             raise ConfigError(
                 f"config key 'kv_dim' ({self.kv_dim}) must equal d_model ({self.d_model}) without 'cross'"
+            )
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"config key 'n_kv_heads' ({self.n_kv_heads}) must divide n_heads ({self.n_heads}): "
+                "each key/value head serves an equal group of query heads"
+            )
+        if self.kv_cache and not (self.causal and not self.cross):
+            raise ConfigError(
+                "config key 'kv_cache' needs causal self-attention ('causal': true, 'cross': false): "
+                "a cache holds the keys of earlier tokens of the same sequence"
             )
         if self.scale is not None:
             if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
@@ -89,14 +107,30 @@ class AttentionConfig:
         return self.n_heads * self.v_head_dim
 
     @property
+    def kv_q_dim(self) -> int:
+        """Width of the concatenated k heads: n_kv_heads * head_dim (q_dim without grouping)."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_v_dim(self) -> int:
+        """Width of the concatenated v heads: n_kv_heads * v_head_dim (v_dim without grouping)."""
+        return self.n_kv_heads * self.v_head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head: query head n reads key/value head n // group_size."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     @property
     def n_params(self) -> int:
-        n = self.q_dim * self.d_model + self.q_dim * self.kv_dim + self.v_dim * self.kv_dim + self.d_model * self.v_dim
+        n = (self.q_dim * self.d_model + self.kv_q_dim * self.kv_dim + self.kv_v_dim * self.kv_dim
+             + self.d_model * self.v_dim)  # fmt: skip
         if self.bias:
-            n += self.q_dim * 2 + self.v_dim + self.d_model
+            n += self.q_dim + self.kv_q_dim + self.kv_v_dim + self.d_model
         return n
 
     def input_names(self) -> list[str]:
@@ -109,6 +143,13 @@ class AttentionConfig:
     def inputs(self, dtype: str = "fp32") -> list[TensorSpec]:
         """The model's inputs (README, "The ONNX graph"), with the contract's dim names."""
         specs = [TensorSpec("x", dtype, ("batch", "seq", self.d_model))]
+        if self.kv_cache:
+            # The step model: past keys/values in, a key padding mask over every position so far.
+            specs.append(TensorSpec("past_key", dtype, ("batch", self.n_kv_heads, "past_seq", self.head_dim)))
+            specs.append(TensorSpec("past_value", dtype, ("batch", self.n_kv_heads, "past_seq", self.v_head_dim)))
+            if self.key_padding_mask:
+                specs.append(TensorSpec("key_padding_mask", "bool", ("batch", "total_seq")))
+            return specs
         if self.cross:
             specs.append(TensorSpec("memory", dtype, ("batch", "mem_seq", self.kv_dim)))
         if self.key_padding_mask:
@@ -116,7 +157,11 @@ class AttentionConfig:
         return specs
 
     def outputs(self, dtype: str = "fp32") -> list[TensorSpec]:
-        return [TensorSpec("y", dtype, ("batch", "seq", self.d_model))]
+        specs = [TensorSpec("y", dtype, ("batch", "seq", self.d_model))]
+        if self.kv_cache:
+            specs.append(TensorSpec("present_key", dtype, ("batch", self.n_kv_heads, "total_seq", self.head_dim)))
+            specs.append(TensorSpec("present_value", dtype, ("batch", self.n_kv_heads, "total_seq", self.v_head_dim)))
+        return specs
 
     # JSON round trip. Every key is written, resolved defaults included, so a stored
     # config does not depend on the defaults of the attnx version that reads it.
@@ -161,6 +206,10 @@ PRESETS: dict[str, AttentionConfig] = {
     "large": AttentionConfig(d_model=1024, n_heads=16),
     # The seed's numbers: GPT-3's layer, 96 heads of 128 (604M weights, 2.4 GB in fp32).
     "gpt3": AttentionConfig(d_model=12288, n_heads=96, head_dim=128),
+    # Decoder layers with a KV cache: grouped-query (4 key/value heads for 16 query heads) and
+    # multi-query (one key/value head), the large preset's sizes.
+    "large-gqa": AttentionConfig(d_model=1024, n_heads=16, n_kv_heads=4, causal=True, kv_cache=True),
+    "large-mqa": AttentionConfig(d_model=1024, n_heads=16, n_kv_heads=1, causal=True, kv_cache=True),
 }
 
 

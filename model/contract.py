@@ -75,6 +75,10 @@ __all__ = [
     "describe",
     "config_from_metadata",
     "external_data_locations",
+    "DECODE_KEY",
+    "DECODE_FORMS",
+    "STEP_LOWERINGS",
+    "check_lowering",
 ]
 
 # Model files ------------------------------------------------------------------------------------
@@ -99,6 +103,7 @@ AUTO_KEY = "attnx.auto"  # auto's measurements and choice (JSON)
 DTYPE_KEY = "attnx.dtype"  # the compute dtype, where it is not the inputs' (fp16 with fp32 I/O)
 IO_DTYPE_KEY = "attnx.io_dtype"  # the dtype of the float inputs and output
 ORT_OPTIMIZED_KEY = "attnx.ort_optimized"  # ONNX Runtime offline optimization: provider, level, version
+DECODE_KEY = "attnx.decode"  # the step model's form (DECODE_FORMS), on models with config kv_cache
 
 
 def check_choice(what: str, value: Any, known: Iterable[str]) -> Any:
@@ -274,6 +279,48 @@ def contract_dims(config: AttentionConfig) -> dict[str, list[int | str]]:
     return {s.name: list(s.shape) for s in config.inputs() + config.outputs()}
 
 
+# Decode: the step model (config kv_cache) ---------------------------------------------------------
+# Its forms (README, "Decoding"): "growing" takes past_key/past_value [batch, n_kv_heads, past_seq, ..]
+# and returns present_* [.., total_seq, ..] (a new cache each step); "buffer" binds one
+# fixed-capacity cache as both past and present and writes only the new token's keys/values.
+DECODE_FORMS = ("growing", "buffer")
+# The lowerings the step model is built in, and what each is in its graph.
+STEP_LOWERINGS: dict[str, str] = {
+    "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",
+    "onnx": "the opset-23 Attention op with past_key/past_value (kv_num_heads)",
+    "ort-fused": f"{MS_DOMAIN}.GroupQueryAttention (past/present cache, kv_num_heads)",
+}
+
+
+def check_lowering(config: AttentionConfig, attention: str, step: bool = False) -> None:
+    """One UsageError when `attention` cannot express `config`: a fused full-sequence lowering
+    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none), or
+    a step-model lowering that is not in STEP_LOWERINGS."""
+    if step:
+        if attention not in STEP_LOWERINGS:
+            raise UsageError(
+                f"--attention {attention} has no step model (kv_cache); the step model is built as: "
+                f"{', '.join(STEP_LOWERINGS)}"
+            )
+        if attention == "ort-fused" and config.v_head_dim != config.head_dim:
+            raise UsageError(
+                f"--attention ort-fused ({MS_DOMAIN}.GroupQueryAttention) needs v_head_dim == head_dim "
+                f"(this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
+            )
+        return
+    if config.kv_cache and attention != "auto":
+        check_lowering(config, attention, step=True)
+        return
+    if attention in PASS_LOWERINGS and config.n_kv_heads != config.n_heads:
+        # Decided, not measured: repeating the shared key/value heads in the graph to feed the
+        # fused op would copy them group_size times, the traffic grouping exists to save.
+        raise UsageError(
+            f"--attention {attention} needs n_kv_heads == n_heads: {MS_DOMAIN}.MultiHeadAttention has no "
+            f"grouped key/value heads (this config: n_kv_heads {config.n_kv_heads} of n_heads {config.n_heads}); "
+            "use --attention decomposed or onnx"
+        )
+
+
 # Operators --------------------------------------------------------------------------------------
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -298,6 +345,8 @@ def lowering_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
     nodes = [(d if d not in _DEFAULT_DOMAINS else "", t, p) for d, t, p in nodes]
     if any(d == MS_DOMAIN and t == "Attention" for d, t, _ in nodes):
         return "ort-attention"
+    if any(d == MS_DOMAIN and t == "GroupQueryAttention" for d, t, _ in nodes):
+        return "ort-fused"  # the step model's fused form
     mhas = [p for d, t, p in nodes if d == MS_DOMAIN and t == "MultiHeadAttention"]
     if mhas:
         return "ort-fused-packed" if all(p == "Split" for p in mhas) else "ort-fused"
@@ -342,6 +391,7 @@ class ModelInfo:
     initializer_bytes: int  # from their shapes and types: external data is not read
     external_data: tuple[str, ...]
     file_bytes: int
+    decode: str | None = None  # the step model's form (DECODE_FORMS) when config kv_cache, else None
 
     def require_config(self, needed_for: str = "") -> AttentionConfig:
         """The config, or one ModelFileError saying why the model has none."""
@@ -369,6 +419,7 @@ class ModelInfo:
             "initializer_bytes": self.initializer_bytes,
             "external_data": list(self.external_data),
             "file_bytes": self.file_bytes,
+            "decode": self.decode,
         }
 
 
@@ -436,6 +487,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         initializer_bytes=_initializer_bytes(proto),
         external_data=tuple(_external_locations(proto, path)),
         file_bytes=os.path.getsize(path),
+        decode=metadata.get(DECODE_KEY),
     )
 
 

@@ -31,8 +31,8 @@ class MultiHeadAttention(nn.Module):
         self.core = core
         c = config
         self.q_proj = nn.Linear(c.d_model, c.q_dim, bias=c.bias)
-        self.k_proj = nn.Linear(c.kv_dim, c.q_dim, bias=c.bias)
-        self.v_proj = nn.Linear(c.kv_dim, c.v_dim, bias=c.bias)
+        self.k_proj = nn.Linear(c.kv_dim, c.kv_q_dim, bias=c.bias)  # n_kv_heads heads
+        self.v_proj = nn.Linear(c.kv_dim, c.kv_v_dim, bias=c.bias)
         self.out_proj = nn.Linear(c.v_dim, c.d_model, bias=c.bias)
 
     def forward(
@@ -40,16 +40,33 @@ class MultiHeadAttention(nn.Module):
         x: torch.Tensor,
         memory: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        past_key: torch.Tensor | None = None,
+        past_value: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """y; with config.kv_cache the step model: (y, present_key, present_value), where the
+        present cache is the past one with this step's keys/values appended (README, "Decoding")."""
         c = self.config
         B, T, _ = x.shape
         m = memory if c.cross else x
         S = m.shape[1]
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, N, T, hd)
-        k = self.k_proj(m).view(B, S, c.n_heads, c.head_dim).transpose(1, 2)  # (B, N, S, hd)
-        v = self.v_proj(m).view(B, S, c.n_heads, c.v_head_dim).transpose(1, 2)  # (B, N, S, vhd)
+        k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Nkv, S, hd)
+        v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim).transpose(1, 2)  # (B, Nkv, S, vhd)
+        past = 0
+        if c.kv_cache:
+            if past_key is None or past_value is None:
+                raise UsageError("this step model takes past_key and past_value (past_seq 0 for a prefill)")
+            past = past_key.shape[2]
+            k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (B, Nkv, P+S, hd): every position so far
+            v = torch.cat([past_value.to(v.dtype), v], dim=2)
+        present_k, present_v = k, v
+        if c.group_size > 1:
+            # Query head n reads key/value head n // group_size.
+            k = k.repeat_interleave(c.group_size, dim=1)  # (B, N, L, hd)
+            v = v.repeat_interleave(c.group_size, dim=1)  # (B, N, L, vhd)
+        L = k.shape[2]
 
-        hidden = self._hidden_keys(x, T, S, key_padding_mask)  # (B|1, 1, T|1, S) bool or None
+        hidden = self._hidden_keys(x, T, L, key_padding_mask, past)  # (B|1, 1, T|1, L) bool or None
         if self.core == "sdpa":
             z = self._sdpa(q, k, v, hidden)
         else:
@@ -60,15 +77,23 @@ class MultiHeadAttention(nn.Module):
             any_visible = ~hidden.all(dim=-1, keepdim=True)  # (B|1, 1, T|1, 1)
             z = torch.where(any_visible, z, torch.zeros((), dtype=z.dtype))
         z = z.transpose(1, 2).reshape(B, T, c.v_dim)  # (B, T, N*vhd), heads concatenated
-        return self.out_proj(z)
+        y = self.out_proj(z)
+        if c.kv_cache:
+            return y, present_k, present_v
+        return y
 
     def _hidden_keys(
-        self, x: torch.Tensor, T: int, S: int, key_padding_mask: torch.Tensor | None
+        self, x: torch.Tensor, T: int, S: int, key_padding_mask: torch.Tensor | None, past: int = 0
     ) -> torch.Tensor | None:
-        """True where key j is hidden from query i, broadcastable to (B, N, T, S)."""
+        """True where key j is hidden from query i, broadcastable to (B, N, T, S). With a cache,
+        query i sits at position past + i and key j at position j: the mask is over positions."""
         c = self.config
         hidden = None
-        if c.causal:
+        if c.causal and c.kv_cache:
+            i = torch.arange(T, device=x.device) + past  # query positions
+            j = torch.arange(S, device=x.device)  # key positions (S = past + T)
+            hidden = (j[None, :] > i[:, None])[None, None]  # (1, 1, T, S): key j after query i
+        elif c.causal:
             i = torch.arange(T, device=x.device)
             hidden = (i[None, :] > i[:, None])[None, None]  # (1, 1, T, S=T): key j > query i
         if c.key_padding_mask:
@@ -93,7 +118,8 @@ class MultiHeadAttention(nn.Module):
         scale = self.config.softmax_scale
         if hidden is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
-        if self.config.causal and not self.config.key_padding_mask:
+        if self.config.causal and not self.config.key_padding_mask and not self.config.kv_cache:
+            # (is_causal aligns the mask top-left: right only without a cache, where T == S.)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         # The mask is expanded to (B, 1, T, S): ONNX Runtime's Attention op does not
         # broadcast a query axis of size 1 in attn_mask.

@@ -21,8 +21,12 @@ def reference_attention(
     x: np.ndarray,
     memory: np.ndarray | None = None,
     key_padding_mask: np.ndarray | None = None,
-) -> np.ndarray:
-    """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]."""
+    past_key: np.ndarray | None = None,
+    past_value: np.ndarray | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]. With config.kv_cache,
+    (y, present_key, present_value): the keys/values of past_key/past_value (positions
+    0..past_seq-1) followed by this step's (positions past_seq..), query i at past_seq + i."""
     c = config
 
     def linear(inp: np.ndarray, name: str) -> np.ndarray:
@@ -37,20 +41,29 @@ def reference_attention(
     x = np.asarray(x, dtype=np.float64)
     m = np.asarray(memory, dtype=np.float64) if c.cross else x
     batch, t, _ = x.shape
-    s = m.shape[1]
     q = linear(x, "q_proj")  # (batch, t, N*hd)
-    k = linear(m, "k_proj")  # (batch, s, N*hd)
-    v = linear(m, "v_proj")  # (batch, s, N*vhd)
+    k = linear(m, "k_proj")  # (batch, s, Nkv*hd)
+    v = linear(m, "v_proj")  # (batch, s, Nkv*vhd)
+    past = 0
+    if c.kv_cache:
+        past = past_key.shape[2]
+        # The cache is per head, [batch, Nkv, past, hd]: laid out as the projections, [batch, past, Nkv*hd].
+        pk = np.asarray(past_key, dtype=np.float64).transpose(0, 2, 1, 3).reshape(batch, past, c.kv_q_dim)
+        pv = np.asarray(past_value, dtype=np.float64).transpose(0, 2, 1, 3).reshape(batch, past, c.kv_v_dim)
+        k = np.concatenate([pk, k], axis=1)  # (batch, past + t, Nkv*hd)
+        v = np.concatenate([pv, v], axis=1)
+    s = k.shape[1]
     z = np.zeros((batch, t, c.v_dim))  # heads concatenated
     for b in range(batch):
         for n in range(c.n_heads):
+            g = n // c.group_size  # the key/value head query head n reads
             qn = q[b, :, n * c.head_dim : (n + 1) * c.head_dim]
-            kn = k[b, :, n * c.head_dim : (n + 1) * c.head_dim]
-            vn = v[b, :, n * c.v_head_dim : (n + 1) * c.v_head_dim]
+            kn = k[b, :, g * c.head_dim : (g + 1) * c.head_dim]
+            vn = v[b, :, g * c.v_head_dim : (g + 1) * c.v_head_dim]
             for i in range(t):
                 visible = np.ones(s, dtype=bool)
                 if c.causal:
-                    visible[i + 1 :] = False  # key j > query i is hidden
+                    visible[past + i + 1 :] = False  # a key after the query's position is hidden
                 if key_padding_mask is not None:
                     visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
                 if not visible.any():
@@ -59,4 +72,9 @@ def reference_attention(
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
                 z[b, i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
-    return linear(z, "out_proj")
+    y = linear(z, "out_proj")
+    if not c.kv_cache:
+        return y
+    present_key = k.reshape(batch, s, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)  # (batch, Nkv, s, hd)
+    present_value = v.reshape(batch, s, c.n_kv_heads, c.v_head_dim).transpose(0, 2, 1, 3)
+    return y, present_key, present_value

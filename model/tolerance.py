@@ -100,14 +100,19 @@ def problem_size(config: AttentionConfig, weights: Mapping[str, np.ndarray], fee
     x = np.asarray(feeds["x"], dtype=np.float32)
     m = np.asarray(feeds["memory"], dtype=np.float32) if config.cross else x
     q = x @ np.asarray(weights["q_proj.weight"], np.float32).T  # (B, T, N*hd)
-    k = m @ np.asarray(weights["k_proj.weight"], np.float32).T  # (B, S, N*hd)
+    k = m @ np.asarray(weights["k_proj.weight"], np.float32).T  # (B, S, Nkv*hd)
     if config.bias:
         q += np.asarray(weights["q_proj.bias"], np.float32)
         k += np.asarray(weights["k_proj.bias"], np.float32)
     B, T, S, N, hd = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.head_dim
     q = q.reshape(B, T, N, hd).transpose(0, 2, 1, 3)  # (B, N, T, hd)
-    k = k.reshape(B, S, N, hd).transpose(0, 2, 3, 1)  # (B, N, hd, S)
+    k = k.reshape(B, S, config.n_kv_heads, hd).transpose(0, 2, 3, 1)  # (B, Nkv, hd, S)
+    if feeds.get("past_key") is not None:  # a step model: the cached keys are scored too
+        past = np.asarray(feeds["past_key"], np.float32).transpose(0, 1, 3, 2)  # (B, Nkv, hd, P)
+        k = np.concatenate([past, k], axis=3)
+        S = k.shape[3]
     score_max = 0.0
     for n in range(N):  # one head at a time bounds the memory at B*T*S
-        score_max = max(score_max, float(np.abs(q[:, n] @ k[:, n]).max()) * config.softmax_scale)
+        kn = k[:, n // config.group_size]  # query head n reads key/value head n // group_size
+        score_max = max(score_max, float(np.abs(q[:, n] @ kn).max()) * config.softmax_scale)
     return ProblemSize(reduction_length(config, S), score_max)

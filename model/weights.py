@@ -40,8 +40,8 @@ def weight_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for name, out_f, in_f in (
         ("q_proj", c.q_dim, c.d_model),
-        ("k_proj", c.q_dim, c.kv_dim),
-        ("v_proj", c.v_dim, c.kv_dim),
+        ("k_proj", c.kv_q_dim, c.kv_dim),  # n_kv_heads heads: fewer than n_heads when grouped
+        ("v_proj", c.kv_v_dim, c.kv_dim),
         ("out_proj", c.d_model, c.v_dim),
     ):
         shapes[f"{name}.weight"] = (out_f, in_f)

@@ -122,7 +122,7 @@ class Runner:
                             f"input {spec.name!r} has size {size} on axis {axis}, expected {dim} {_shape_str(spec.shape)}"
                         )
                     continue
-                if size == 0:
+                if size == 0 and dim != "past_seq":  # an empty cache is the prefill
                     raise InputError(f"input {spec.name!r} has an empty axis {axis} ({dim})")
                 if dim in bound and bound[dim][0] != size:
                     other_size, other = bound[dim]

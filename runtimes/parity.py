@@ -47,6 +47,8 @@ class ParityCase:
     p99_abs: float | None = None
     cosine: float | None = None
     needed_atol: float | None = None  # the atol that would have passed
+    prefill: int | None = None  # decode parity: the prefill length, then `steps` single-token steps
+    steps: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,11 +21,15 @@ class ReferenceRunner(Runner):
         self.outputs = [s.__class__(s.name, "fp64", s.shape) for s in cfg.outputs()]
 
     def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        y = reference_attention(
+        out = reference_attention(
             self.source.config,
             self.source.weights,
             feeds["x"],
             memory=feeds.get("memory"),
             key_padding_mask=feeds.get("key_padding_mask"),
+            past_key=feeds.get("past_key"),
+            past_value=feeds.get("past_value"),
         )
-        return {"y": y}
+        if self.source.config.kv_cache:  # the step model: y, present_key, present_value
+            return dict(zip(("y", "present_key", "present_value"), out))
+        return {"y": out}

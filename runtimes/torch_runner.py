@@ -73,8 +73,10 @@ class TorchRunner(Runner):
 
     def run_impl(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         y = self.forward(feeds)
-        out_dtype = DTYPES[self.source.dtype].numpy or "float32"  # numpy has no bf16: float32
-        return {"y": y.to(getattr(self._torch, out_dtype)).cpu().numpy()}
+        out_dtype = getattr(self._torch, DTYPES[self.source.dtype].numpy or "float32")  # numpy has no bf16
+        if self.source.config.kv_cache:  # the step model: y, present_key, present_value
+            return {s.name: t.to(out_dtype).cpu().numpy() for s, t in zip(self.outputs, y)}
+        return {"y": y.to(out_dtype).cpu().numpy()}
 
     def close_impl(self) -> None:
         del self.module

@@ -9,14 +9,18 @@ import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import onnx_ir as ir
 
 from attnx._io import Staging, check_output_file, output_lock
-from attnx.export import EXPORTED_LOWERINGS, export_onnx, release_rewriter_state, save_model
+from attnx.errors import ExportError, UsageError
+from attnx.export import EXPORTED_LOWERINGS, build_step_model, export_onnx, release_rewriter_state, save_model
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES, check_choice, check_opset
+from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES, check_choice, check_lowering, check_opset
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
+from attnx.runtimes.base import ModelSource
 from attnx.runtimes.compare import Comparison
+from attnx.runtimes.decode import run_decode_parity
 from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
 from attnx.workflows._lower import lower
 
@@ -68,6 +72,11 @@ def export_model(
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_choice("--dtype", dtype, MODEL_DTYPES)
+    if config.kv_cache:
+        return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
+                                  check=check, validate=validate, progress=progress)  # fmt: skip
+    if attention != "auto":
+        check_lowering(config, attention)  # a fused lowering of grouped heads: refused before any work
     # The exporter writes the lowerings that are not passes; the others start from decomposed.
     base = attention if attention in EXPORTED_LOWERINGS else "decomposed"
     opset = check_opset(attention, opset)
@@ -118,3 +127,58 @@ def export_model(
                 validation = check_against_expected(stage.path(), config, expected, dtype, io_dtype, label)
         files = stage.publish()
     return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, pass_lines)
+
+
+# The step model's validation: prefill then steps against the reference's full forward, at a
+# prefill the export never saw, batch 2 (README, "Decoding").
+STEP_VALIDATION = {"batch": 2, "prefills": (0, 5), "steps": 3}
+
+
+def _export_step_model(
+    config: AttentionConfig,
+    out: str | os.PathLike[str],
+    weights: Mapping[str, np.ndarray] | str | os.PathLike[str] | None,
+    *,
+    seed: int,
+    attention: str,
+    dtype: str,
+    opset: int | None,
+    check: bool,
+    validate: bool,
+    progress: Callable[[str], None],
+) -> ExportReport:
+    """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
+    checked like every export and validated step by step against the reference."""
+    if attention == "auto":
+        raise UsageError("--attention auto does not measure step models; choose one of decomposed, onnx, ort-fused")
+    check_lowering(config, attention, step=True)
+    if dtype != "fp32":
+        raise UsageError(f"the step model is built in fp32 only (--dtype {dtype} is not supported for kv_cache yet)")
+    if opset is not None and opset != (23 if attention == "onnx" else 18):
+        raise UsageError(f"the step model's {attention} lowering is written at opset {23 if attention == 'onnx' else 18}")
+    check_output_file(out, "--out")
+    with output_lock(out), Staging(out) as stage:
+        if weights is None:
+            weights = init_weights(config, seed)
+        elif isinstance(weights, (str, os.PathLike)):
+            weights = load_weights(weights, config)
+        else:
+            check_weights(config, weights)
+            check_finite(weights)
+        progress(f"building the step model ({attention})")
+        model = ir.from_proto(build_step_model(config, weights, attention))
+        opset_used = model.opset_imports.get("", 0)
+        save_model(model, stage.path())
+        del model
+        validation: list[Comparison] = []
+        if check:
+            label = f"{os.fspath(out)} (not written)"
+            check_model_file(stage.path(), config, label)
+            if validate:
+                progress("validating prefill + steps on onnxruntime against the reference's full forward")
+                report = run_decode_parity(ModelSource(config, weights, stage.path()), ["ort-cpu"], **STEP_VALIDATION)
+                failed = [c for c in report.cases if c.status != "pass"]
+                if failed:
+                    raise ExportError(f"{label}: step-by-step validation failed: {failed[0].reason}")
+        files = stage.publish()
+    return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, [f"lowering: {attention} (step model, growing cache)"])

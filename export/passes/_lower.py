@@ -24,7 +24,14 @@ from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjectio
 from attnx.export.passes._probe import lowering_of
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import ATTENTION_KEY, AUTO, MODEL_DTYPES, OPTIMIZE_ATTENTIONS, check_choice
+from attnx.model.contract import (
+    ATTENTION_KEY,
+    AUTO,
+    MODEL_DTYPES,
+    OPTIMIZE_ATTENTIONS,
+    check_choice,
+    check_lowering,
+)
 
 __all__ = ["LOWERING_PIPELINES", "LoweringResult", "lowering_passes", "lower"]
 
@@ -88,6 +95,7 @@ def lower(
         raise UsageError("--attention onnx is written by the exporter at opset 23 (attnx export --attention onnx)")
     if attention != "onnx":
         check_choice("--attention", attention, OPTIMIZE_ATTENTIONS)
+    check_lowering(config, attention)
     if attention == "decomposed" and lowering_of(model) != "decomposed":
         raise UsageError(f"the model's attention is {lowering_of(model)} already: no pass turns it back into decomposed")
     model, report = run_pipeline(model, lowering_passes(attention, dtype, keep_io_fp32))

@@ -1,0 +1,200 @@
+"""The step model (config.kv_cache): one decode step of the attention layer, built as an ONNX graph.
+
+    inputs   x [batch, seq, d_model]
+             past_key [batch, n_kv_heads, past_seq, head_dim], past_value [.., v_head_dim]
+             key_padding_mask bool [batch, total_seq]   (config.key_padding_mask; True hides)
+    outputs  y [batch, seq, d_model], present_key / present_value [batch, n_kv_heads, total_seq, ..]
+
+total_seq = past_seq + seq; query i of the step sits at position past_seq + i and key j at
+position j, and the causal mask is over positions (README, "Decoding"). past_seq = 0 is the
+prefill: the same model serves prefill and decode.
+
+The graph is written here node by node rather than traced from the torch module: the
+exporter has no form of the opset-23 Attention op or of ORT's contrib ops with a cache, and
+the concatenation of the cache is the point of the graph. The torch module and the numpy
+reference compute the same step (model/module.py, model/reference.py); the step parity
+(attnx.runtimes.decode) checks this graph against the reference, step by step.
+
+Lowerings (contract.STEP_LOWERINGS):
+- decomposed: Concat the new keys/values onto the cache, MatMul, Softmax, MatMul. Grouped
+  heads without a copy of the cache: the query heads of a group are stacked along the query
+  axis ([batch, n_kv_heads, group*seq, head_dim]) and multiply their one key head.
+- onnx: the opset-23 Attention op, with past_key/past_value and q_num_heads/kv_num_heads.
+- ort-fused: com.microsoft GroupQueryAttention (grouped heads natively; the cache as its
+  past/present; left padding as an additive attention_bias).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from attnx import __version__
+from attnx.errors import UsageError
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import (
+    ATTENTION_KEY,
+    CONFIG_KEY,
+    DECODE_KEY,
+    IR_VERSION,
+    MS_DOMAIN,
+    check_lowering,
+)
+
+__all__ = ["build_step_model"]
+
+_F = TensorProto.FLOAT
+
+
+class _Graph:
+    """A tiny builder: nodes, initializers and unique names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.n = 0
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", name: str | None = None,
+           **attrs) -> str | list[str]:  # fmt: skip
+        self.n += 1
+        outs = [name] if name and outputs == 1 else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=f"{op_type}_{self.n}", domain=domain,
+                                           **attrs))  # fmt: skip
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        if any(t.name == name for t in self.inits):  # one initializer per name
+            return name
+        self.inits.append(helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape,
+                                             value.tobytes(), raw=True))  # fmt: skip
+        return name
+
+    def ints(self, name: str, values: list[int]) -> str:
+        return self.const(name, np.asarray(values, dtype=np.int64))
+
+
+def _linear(g: _Graph, x: str, weights: Mapping[str, np.ndarray], name: str, bias: bool, out: str | None = None) -> str:
+    w = g.const(f"{name}.weight_t", np.ascontiguousarray(np.asarray(weights[f"{name}.weight"], np.float32).T))
+    y = g.op("MatMul", x, w, name=None if bias else out)
+    if bias:
+        y = g.op("Add", y, g.const(f"{name}.bias", np.asarray(weights[f"{name}.bias"], np.float32)), name=out)
+    return y
+
+
+def _heads(g: _Graph, x: str, n: int, d: str, label: str) -> str:
+    """[B, S, n*d] -> [B, n, S, d]."""
+    return g.op("Transpose", g.op("Reshape", x, g.ints(f"{label}_shape", [0, 0, n, int(d)])), perm=[0, 2, 1, 3])
+
+
+def _positions(g: _Graph, c: AttentionConfig, kpm: str | None) -> tuple[str, str, str, str]:
+    """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1], past_seq, total_seq as
+    int64 scalars): key j hidden from query i when j > past_seq + i or key_padding_mask[b, j]."""
+    zero = g.const("zero_i64", np.asarray(0, np.int64))
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))  # scalar P
+    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+    total = g.op("Add", past, seq)  # scalar T
+    qpos = g.op("Range", past, total, one)  # [S]: positions of this step's queries
+    kpos = g.op("Range", zero, total, one)  # [T]: positions of every key
+    hidden = g.op("Greater", g.op("Unsqueeze", kpos, g.ints("axes_0", [0])),
+                  g.op("Unsqueeze", qpos, g.ints("axes_1", [1])))  # [S, T]  # fmt: skip
+    hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
+    if kpm is not None:
+        hidden = g.op("Or", hidden, g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2])))  # [B, 1, S, T]
+    seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),
+                keepdims=1)  # fmt: skip
+    visible = g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S, 1]: some key visible to the query
+    return hidden, visible, past, total
+
+
+def build_step_model(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    attention: str = "decomposed",
+) -> onnx.ModelProto:
+    """The growing-cache step model of `config` (kv_cache true) in the lowering `attention`."""
+    c = config
+    if not c.kv_cache:
+        raise UsageError("the step model is for configs with 'kv_cache': true")
+    check_lowering(c, attention, step=True)
+    H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
+    g = _Graph()
+    kpm = "key_padding_mask" if c.key_padding_mask else None
+    q = _linear(g, "x", weights, "q_proj", c.bias)  # [B, S, H*hd]
+    k = _linear(g, "x", weights, "k_proj", c.bias)  # [B, S, Hkv*hd]
+    v = _linear(g, "x", weights, "v_proj", c.bias)  # [B, S, Hkv*vhd]
+    lowest = float(np.finfo(np.float32).min)
+    opsets = [helper.make_opsetid("", 18)]
+    if attention == "decomposed":
+        hidden, visible, _, _ = _positions(g, c, kpm)
+        present_k = g.op("Concat", "past_key", _heads(g, k, Hkv, hd, "k"), axis=2, name="present_key")
+        present_v = g.op("Concat", "past_value", _heads(g, v, Hkv, vhd, "v"), axis=2, name="present_value")
+        # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]: a group's
+        # query heads stacked along the query axis, so each multiplies its one key head (no copy).
+        q5 = g.op("Transpose", g.op("Reshape", q, g.ints("q_shape", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
+        qg = g.op("Reshape", q5, g.ints("qg_shape", [0, 0, -1, hd]))
+        scores = g.op("MatMul", qg, g.op("Transpose", present_k, perm=[0, 1, 3, 2]))  # [B, Hkv, G*S, T]
+        scores = g.op("Mul", scores, g.const("scale", np.asarray(c.softmax_scale, np.float32)))
+        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
+        scores = g.op("Where", hidden, g.const("lowest", np.asarray(lowest, np.float32)), scores)
+        p = g.op("Softmax", scores, axis=-1)
+        p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
+        z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
+        z = g.op("Where", visible, z, g.const("zero_f", np.asarray(0, np.float32)))  # all-hidden rows: 0
+        z = g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), g.ints("z_shape", [0, 0, H * vhd]))
+    elif attention == "onnx":
+        hidden, visible, _, _ = _positions(g, c, kpm)
+        opsets = [helper.make_opsetid("", 23)]
+        # The op's causal flag aligns its mask top-left; the mask over positions is given instead.
+        attend = g.op("Not", hidden)  # [B|1, 1, S, T]: True takes part
+        z, present_k, present_v = g.op(
+            "Attention", q, k, v, attend, "past_key", "past_value", outputs=3,
+            q_num_heads=H, kv_num_heads=Hkv, scale=c.softmax_scale,
+        )  # fmt: skip
+        g.nodes[-1].output[:] = [z, "present_key", "present_value"]
+        row = g.op("Squeeze", visible, g.ints("axes_1b", [1]))  # [B|1, S, 1]
+        z = g.op("Where", row, z, g.const("zero_f", np.asarray(0, np.float32)))
+    else:  # ort-fused: com.microsoft GroupQueryAttention
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        past = g.op("Shape", "past_key", start=2, end=3)  # [1]
+        seq = g.op("Shape", "x", start=1, end=2)
+        batch = g.op("Shape", "x", start=0, end=1)
+        total = g.op("Add", past, seq)  # [1] int64
+        total32 = g.op("Cast", g.op("Squeeze", total, g.ints("axis0", [0])), to=TensorProto.INT32)
+        # seqlens_k: per batch row, its total length - 1 (every row as long as the cache here).
+        seqlens = g.op("Expand", g.op("Sub", g.op("Cast", total, to=TensorProto.INT32),
+                                      g.const("one_i32", np.asarray([1], np.int32))), batch)  # fmt: skip
+        inputs = [q, k, v, "past_key", "past_value", seqlens, total32]
+        if kpm is not None:
+            # Left padding: an additive bias [B, 1, S, T], lowest where the key is padding.
+            bias = g.op("Where", g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2])),
+                        g.const("lowest", np.asarray(lowest, np.float32)),
+                        g.const("zero_f", np.asarray(0, np.float32)))  # fmt: skip
+            seq_t = g.op("Concat", batch, g.ints("one1", [1]), seq, total, axis=0)
+            bias = g.op("Expand", bias, seq_t)
+            inputs += ["", "", "", bias]
+        z, present_k, present_v = g.op(
+            "GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN,
+            num_heads=H, kv_num_heads=Hkv, scale=c.softmax_scale,
+        )  # fmt: skip
+        g.nodes[-1].output[:] = [z, "present_key", "present_value"]
+        if kpm is not None:
+            hidden, visible, _, _ = _positions(g, c, kpm)
+            row = g.op("Squeeze", visible, g.ints("axes_1b", [1]))  # [B, S, 1]
+            z = g.op("Where", row, z, g.const("zero_f2", np.asarray(0, np.float32)))
+    _linear(g, z, weights, "out_proj", c.bias, out="y")
+
+    def info(name: str, elem: int, shape: tuple) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, elem, list(shape))
+
+    inputs = [info(s.name, _F if s.dtype == "fp32" else TensorProto.BOOL, s.shape) for s in c.inputs()]
+    outputs = [info(s.name, _F, s.shape) for s in c.outputs()]
+    graph = helper.make_graph(g.nodes, "attnx_step", inputs, outputs, g.inits)
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="attnx",
+                              producer_version=__version__)  # fmt: skip
+    for key, value in ((CONFIG_KEY, c.to_json()), (ATTENTION_KEY, attention), (DECODE_KEY, "growing")):
+        model.metadata_props.add(key=key, value=value)
+    return model
