@@ -1,0 +1,130 @@
+"""The step model on every backend: prefill + single-token steps equal the full forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from attnx.errors import UsageError
+from attnx.export import build_step_model
+from attnx.model import AttentionConfig, init_weights
+from attnx.model.contract import describe
+from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.decode import Decoder, make_decode_inputs, run_decode_parity
+from attnx.runtimes.parity import run_parity
+
+BACKENDS = ["reference", "torch", "ort-cpu", "ort-cuda", "torch-cuda"]
+
+
+def _step(heads: int, kv_heads: int, kpm: bool = True) -> AttentionConfig:
+    return AttentionConfig(d_model=32, n_heads=heads, n_kv_heads=kv_heads, causal=True, key_padding_mask=kpm,
+                           kv_cache=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def step_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    cache = {}
+
+    def get(config: AttentionConfig, attention: str) -> str:
+        key = (config, attention)
+        if key not in cache:
+            path = str(root / f"step-{len(cache)}.onnx")
+            onnx.save(build_step_model(config, init_weights(config, 0), attention), path)
+            cache[key] = path
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("attention", ["decomposed", "onnx", "ort-fused"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_decode_parity_every_backend(step_models, attention, heads, kv_heads):
+    """P in {0, 1, 37}, 64 steps, batch 3 left-padded (row 2's first queries see no key)."""
+    c = _step(heads, kv_heads)
+    w = init_weights(c, 0)
+    backends = BACKENDS if attention == "decomposed" else ["ort-cpu", "ort-cuda"]
+    report = run_decode_parity(ModelSource(c, w, step_models(c, attention)), backends, prefills=(0, 1, 37), steps=64,
+                               batch=3)  # fmt: skip
+    ran = {case.backend for case in report.cases if case.status == "pass"}
+    assert report.passed, [case.reason for case in report.cases if case.status == "fail"]
+    assert {"ort-cpu"} <= ran and (attention != "decomposed" or {"reference", "torch"} <= ran)
+    assert {case.prefill for case in report.cases} == {0, 1, 37} and {case.steps for case in report.cases} == {64}
+    for case in report.cases:
+        if case.status == "skipped":
+            assert case.backend.endswith("cuda") and case.reason
+
+
+def test_long_prefill_then_steps(step_models):
+    """P = 2048 (the long case), then 8 steps, GQA with left padding, on ORT's fused op and torch."""
+    c = _step(4, 2)
+    w = init_weights(c, 0)
+    report = run_decode_parity(ModelSource(c, w, step_models(c, "ort-fused")), ["ort-cpu", "torch"],
+                               prefills=(2048,), steps=8, batch=2)  # fmt: skip
+    assert report.passed and len([x for x in report.cases if x.status == "pass"]) == 2
+
+
+def test_a_step_that_drops_the_cache_fails(step_models):
+    """The check can fail: a decoder that forgets the cache between steps disagrees."""
+    c = _step(4, 2, kpm=False)
+    w = init_weights(c, 0)
+    path = step_models(c, "decomposed")
+
+    class Forgetful(Decoder):
+        def step(self, x, state, key_padding_mask=None):
+            y, new = super().step(x, state, key_padding_mask)
+            if state.length:  # keep only this step's keys/values
+                new.past_key, new.past_value = (np.asarray(a)[:, :, -x.shape[1] :] for a in new.cache_numpy())
+            return y, new
+
+    import attnx.runtimes.decode as decode
+
+    original = decode.Decoder
+    decode.Decoder = Forgetful
+    try:
+        report = run_decode_parity(ModelSource(c, w, path), ["ort-cpu"], prefills=(3,), steps=4, batch=1)
+    finally:
+        decode.Decoder = original
+    assert not report.passed and report.cases[0].status == "fail" and "y[" in report.cases[0].reason
+
+
+def test_decoder_api_and_describe(step_models):
+    c = _step(4, 1)
+    w = init_weights(c, 0)
+    path = step_models(c, "onnx")
+    info = describe(path)
+    assert info.decode == "growing" and info.lowering == "onnx" and info.config == c
+    assert [s.shape for s in info.inputs][1] == ("batch", 1, "past_seq", 8)
+    feeds = make_decode_inputs(c, 2, 6, seed=4)
+    with (
+        create_runner("ort-cpu", ModelSource(c, w, path)) as runner,
+        create_runner("reference", ModelSource(c, w)) as ref,
+    ):
+        dec, rdec = Decoder(runner, c), Decoder(ref, c)
+        y, state = dec.prefill(feeds["x"][:, :5], feeds["key_padding_mask"][:, :5])
+        y1, state = dec.step(feeds["x"][:, 5:], state)
+        ry, rstate = rdec.prefill(feeds["x"][:, :5], feeds["key_padding_mask"][:, :5])
+        ry1, _ = rdec.step(feeds["x"][:, 5:], rstate)
+        assert state.length == 6 and state.key_padding_mask.shape == (2, 6)
+        assert np.allclose(y, ry, atol=1e-5) and np.allclose(y1, ry1, atol=1e-5)
+        assert type(state.past_key).__name__ == "OrtValue"  # the cache stayed in ORT's buffers
+
+
+def test_grouped_full_sequence_parity_and_fused_refusal(tmp_path):
+    """Full-sequence GQA/MQA (no cache): the exported decomposed and onnx lowerings pass the
+    parity matrix; the fused ones refuse by name."""
+    from attnx.workflows import export_model
+
+    for kv_heads in (2, 1):
+        c = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=kv_heads, causal=True, key_padding_mask=True)
+        w = init_weights(c, 0)
+        for attention in ("decomposed", "onnx"):
+            path = str(tmp_path / f"{attention}-{kv_heads}.onnx")
+            export_model(c, path, w, attention=attention)
+            report = run_parity(ModelSource(c, w, path), ["reference", "torch", "ort-cpu"], batches=(1, 3),
+                                seqs=(1, 7, 40))  # fmt: skip
+            assert report.passed and not [x for x in report.cases if x.status != "pass"]
+        with pytest.raises(UsageError, match="n_kv_heads == n_heads"):
+            export_model(c, str(tmp_path / "fused.onnx"), w, attention="ort-fused")
+        assert not (tmp_path / "fused.onnx").exists()
