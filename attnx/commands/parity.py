@@ -7,8 +7,10 @@ import os
 import tempfile
 
 from attnx._io import check_output_file
+from attnx.errors import UsageError
 from attnx._text import format_table
 from attnx.commands._common import (
+    SIZE_MAX,
     Progress,
     add_max_mem_arg,
     add_model_args,
@@ -21,7 +23,8 @@ from attnx.commands._common import (
 from attnx.model.contract import BACKENDS, MODEL_DTYPES, check_choice, provider_of_backend
 from attnx.model.resources import check_memory, estimate_parity
 from attnx.runtimes import ModelSource, backend_names, create_runner
-from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, run_parity
+from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_parity
+from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 
 HELP = "compare backends (torch, ONNX Runtime, reference) case by case"
 DEFAULT_BACKENDS = ",".join(BACKENDS)
@@ -38,8 +41,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default 9)")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
     p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
+    p.add_argument("--decode", action="store_true",
+                   help="step by step (a kv_cache config): a prefill of each --prefill length, then --steps single-token "
+                   "steps feeding the cache back, against the reference's full forward")  # fmt: skip
+    p.add_argument("--prefill", type=_lengths, default=list(DEFAULT_PREFILLS), help="with --decode (default 0,1,37)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"with --decode (default {DEFAULT_STEPS})")
+    p.add_argument("--attention", default="decomposed", help="with --decode and no --model: the step model's lowering")
     add_max_mem_arg(p)
     p.set_defaults(run=run)
+
+
+def _lengths(text: str) -> list[int]:
+    """Prefill lengths: like int_list, 0 included (no prefill: every token is a step)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or any(not 0 <= v <= SIZE_MAX for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers from 0 to {SIZE_MAX}, got {text!r}")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, "--json")
     config = load_config_arg(args)
+    if args.decode and not config.kv_cache:
+        raise UsageError("--decode needs a step model: a config with 'kv_cache': true (e.g. --preset large-gqa)")
+    if config.kv_cache and not args.decode:
+        raise UsageError("this config has 'kv_cache': true: its parity is step by step, attnx parity --decode")
     mem_seqs = (args.mem_seq or DEFAULT_MEM_SEQS) if config.cross else [None]
     shapes = [(b, s, m) for b in args.batch for s in args.seq for m in mem_seqs]
     needs_model = any(provider_of_backend(b) is not None for b in [*args.backends, *args.require])
@@ -63,19 +87,31 @@ def run(args: argparse.Namespace) -> int:
         if needs_model and model is None:
             export_model = workflows("parity (ort-* without --model: it exports one)").export_model
             model = os.path.join(tmp, "model.onnx")
-            export_model(config, model, weights, dtype=args.dtype, validate=False, progress=progress)
+            export_model(config, model, weights, dtype=args.dtype, validate=False, progress=progress,
+                         **({"attention": args.attention} if args.decode else {}))  # fmt: skip
         source = ModelSource(config, weights, model, args.dtype)
         for name in args.require:
             with create_runner(name, source):
                 pass
-        report = run_parity(
-            source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
-        )
+        if args.decode:
+            report = ParityReport([
+                case for batch in args.batch
+                for case in run_decode_parity(source, args.backends, prefills=args.prefill, steps=args.steps,
+                                              batch=batch, progress=progress).cases
+            ])  # fmt: skip
+        else:
+            report = run_parity(
+                source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
+            )
     rows = [
         (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine)
         for c in report.cases
     ]
     headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "status", "max_abs", "max_rel", "atol", "cosine"]
+    if args.decode:
+        rows = [(c.backend, c.reference, c.dtype, c.batch, c.prefill, c.steps, c.status, c.max_abs, c.max_rel, c.atol,
+                 c.cosine) for c in report.cases]  # fmt: skip
+        headers[4:6] = ["prefill", "steps"]
     print(format_table(headers, rows))
     reasons = {c.backend: c.reason for c in report.cases if c.status == "skipped"}
     for backend, reason in reasons.items():

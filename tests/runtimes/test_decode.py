@@ -128,3 +128,22 @@ def test_grouped_full_sequence_parity_and_fused_refusal(tmp_path):
         with pytest.raises(UsageError, match="n_kv_heads == n_heads"):
             export_model(c, str(tmp_path / "fused.onnx"), w, attention="ort-fused")
         assert not (tmp_path / "fused.onnx").exists()
+
+
+def test_cli_parity_decode(tmp_path, capsys):
+    import json
+
+    from attnx.cli import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(_step(4, 2).to_dict()))
+    out = tmp_path / "p.json"
+    rc = main(["parity", "--config", str(cfg), "--decode", "--prefill", "0,3", "--steps", "4", "--batch", "2",
+               "--backends", "reference,ort-cpu", "--attention", "onnx", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert {(c["backend"], c["prefill"], c["steps"], c["status"]) for c in cases} == {
+        (b, p, 4, "pass") for b in ("reference", "ort-cpu") for p in (0, 3)
+    }
+    assert main(["parity", "--config", str(cfg)]) == 2  # a step model's parity is --decode
+    assert "attnx parity --decode" in capsys.readouterr().err
