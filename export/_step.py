@@ -38,9 +38,11 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
     CONFIG_KEY,
+    DECODE_FORMS,
     DECODE_KEY,
     IR_VERSION,
     MS_DOMAIN,
+    check_choice,
     check_lowering,
 )
 
@@ -114,12 +116,17 @@ def build_step_model(
     config: AttentionConfig,
     weights: Mapping[str, np.ndarray],
     attention: str = "decomposed",
+    form: str = "growing",
 ) -> onnx.ModelProto:
-    """The growing-cache step model of `config` (kv_cache true) in the lowering `attention`."""
+    """The step model of `config` (kv_cache true) in the lowering `attention`, in the growing-cache
+    form or the buffer form (ort-fused only; README, "Decoding": the buffer form)."""
     c = config
     if not c.kv_cache:
         raise UsageError("the step model is for configs with 'kv_cache': true")
     check_lowering(c, attention, step=True)
+    check_choice("decode form", form, DECODE_FORMS)
+    if form == "buffer":
+        return _buffer_model(c, weights, attention)
     H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
     g = _Graph()
     kpm = "key_padding_mask" if c.key_padding_mask else None
@@ -196,5 +203,59 @@ def build_step_model(
     model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="attnx",
                               producer_version=__version__)  # fmt: skip
     for key, value in ((CONFIG_KEY, c.to_json()), (ATTENTION_KEY, attention), (DECODE_KEY, "growing")):
+        model.metadata_props.add(key=key, value=value)
+    return model
+
+
+def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str) -> onnx.ModelProto:
+    """The buffer form: GroupQueryAttention on one fixed-capacity cache bound as both past and
+    present (the op writes the new tokens' keys/values at their positions, in place).
+
+        inputs   x [batch, seq, d_model]
+                 past_key [batch, n_kv_heads, capacity, head_dim], past_value [.., v_head_dim]
+                 seqlens_k int32 [batch]: positions filled after this step, minus 1
+                 total_sequence_length int32 []: positions filled after this step
+        outputs  y, present_key / present_value: the same buffers (bind one OrtValue to both)
+    """
+    if attention != "ort-fused":
+        raise UsageError(
+            f"the buffer form is built as ort-fused ({MS_DOMAIN}.GroupQueryAttention writes into the cache in "
+            f"place); --attention {attention} has the growing-cache form only"
+        )
+    if c.key_padding_mask:
+        raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
+    H, Hkv, hd, vhd = c.n_heads, c.n_kv_heads, c.head_dim, c.v_head_dim
+    g = _Graph()
+    q = _linear(g, "x", weights, "q_proj", c.bias)
+    k = _linear(g, "x", weights, "k_proj", c.bias)
+    v = _linear(g, "x", weights, "v_proj", c.bias)
+    z, _, _ = g.op(
+        "GroupQueryAttention", q, k, v, "past_key", "past_value", "seqlens_k", "total_sequence_length",
+        outputs=3, domain=MS_DOMAIN, num_heads=H, kv_num_heads=Hkv, scale=c.softmax_scale,
+    )  # fmt: skip
+    g.nodes[-1].output[:] = [z, "present_key", "present_value"]
+    _linear(g, z, weights, "out_proj", c.bias, out="y")
+    info = helper.make_tensor_value_info
+    inputs = [
+        info("x", _F, ["batch", "seq", c.d_model]),
+        info("past_key", _F, ["batch", Hkv, "capacity", hd]),
+        info("past_value", _F, ["batch", Hkv, "capacity", vhd]),
+        info("seqlens_k", TensorProto.INT32, ["batch"]),
+        info("total_sequence_length", TensorProto.INT32, []),
+    ]
+    outputs = [
+        info("y", _F, ["batch", "seq", c.d_model]),
+        info("present_key", _F, ["batch", Hkv, "capacity", hd]),
+        info("present_value", _F, ["batch", Hkv, "capacity", vhd]),
+    ]
+    graph = helper.make_graph(g.nodes, "attnx_step_buffer", inputs, outputs, g.inits)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)],
+        ir_version=IR_VERSION,
+        producer_name="attnx",
+        producer_version=__version__,
+    )
+    for key, value in ((CONFIG_KEY, c.to_json()), (ATTENTION_KEY, attention), (DECODE_KEY, "buffer")):
         model.metadata_props.add(key=key, value=value)
     return model

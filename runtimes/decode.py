@@ -31,10 +31,12 @@ from attnx.runtimes.parity import ParityCase, ParityReport
 __all__ = [
     "DEFAULT_PREFILLS",
     "DEFAULT_STEPS",
+    "BufferDecoder",
     "DecodeState",
     "Decoder",
     "empty_cache",
     "make_decode_inputs",
+    "run_buffer_parity",
     "run_decode_parity",
 ]
 
@@ -125,6 +127,58 @@ class Decoder:
                   for k, v in feeds.items()}  # fmt: skip
         names = [o.name for o in self.runner.outputs]
         return dict(zip(names, self._ort.run_with_ort_values(names, values)))
+
+
+class BufferDecoder:
+    """Prefill and steps over an ort-* runner of the buffer form: one cache buffer per tensor,
+    [batch, n_kv_heads, capacity, ..], allocated once and bound through IOBinding as both the
+    past input and the present output, so each step writes only its new tokens' keys/values.
+    The state is the number of positions filled."""
+
+    def __init__(self, runner: Runner, config: AttentionConfig, capacity: int, batch: int) -> None:
+        import onnxruntime as ort
+
+        session = getattr(runner, "session", None)
+        if session is None:
+            raise UsageError(f"the buffer form runs on ONNX Runtime (IOBinding), not on backend {runner.name!r}")
+        self.runner, self.config, self.capacity, self.batch = runner, config, capacity, batch
+        self.session = session
+        device = getattr(runner, "binding_device", "cpu")
+        self.device = device
+        self.key = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32), device, 0
+        )
+        self.value = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((batch, config.n_kv_heads, capacity, config.v_head_dim), np.float32), device, 0
+        )
+        self.binding = session.io_binding()
+        self.length = 0
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """y of the new tokens x [batch, seq, d_model]; their keys/values are written into the
+        buffers at positions length..length+seq-1."""
+        seq = x.shape[1]
+        if x.shape[0] != self.batch:
+            raise InputError(f"x has batch {x.shape[0]}, the cache buffers were made for batch {self.batch}")
+        if self.length + seq > self.capacity:
+            raise InputError(f"the cache holds {self.capacity} positions: {self.length} + {seq} do not fit")
+        total = self.length + seq
+        b = self.binding
+        b.bind_cpu_input("x", np.ascontiguousarray(x, np.float32))
+        b.bind_cpu_input("seqlens_k", np.full(self.batch, total - 1, np.int32))
+        b.bind_cpu_input("total_sequence_length", np.asarray(total, np.int32))
+        b.bind_ortvalue_input("past_key", self.key)
+        b.bind_ortvalue_input("past_value", self.value)
+        b.bind_output("y", self.device)
+        b.bind_ortvalue_output("present_key", self.key)  # the same buffer: written in place
+        b.bind_ortvalue_output("present_value", self.value)
+        self.session.run_with_iobinding(b)
+        self.length = total
+        return b.get_outputs()[0].numpy()
+
+    def cache_numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """The filled part of the cache, [batch, n_kv_heads, length, ..]."""
+        return self.key.numpy()[:, :, : self.length], self.value.numpy()[:, :, : self.length]
 
 
 def _shape_only(value: Any) -> np.ndarray:
@@ -235,3 +289,38 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
     failed = [c for c in cmps if not c]
     return ParityCase(**common, status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
                       atol=cmps[0].atol, rtol=cmps[0].rtol, **cmps[0].stats())  # fmt: skip
+
+
+def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills: Iterable[int] = DEFAULT_PREFILLS,
+                      steps: int = DEFAULT_STEPS, batch: int = 2, seed: int = 0) -> ParityReport:  # fmt: skip
+    """run_decode_parity for a model of the buffer form: the cache preallocated at P + steps
+    positions, one buffer bound as past and present, against the reference's full forward."""
+    config = source.config
+    ref = create_runner(REFERENCE, dataclasses.replace(source, model_path=None)).load()
+    cases = []
+    tol = tolerance_for(source.dtype, backend)
+    try:
+        with create_runner(backend, source) as runner:
+            for i, prefill in enumerate(prefills):
+                total = prefill + steps
+                feeds = make_decode_inputs(config, batch, total, source.dtype, seed + i)
+                pk, pv = empty_cache(config, batch, source.dtype)
+                full = {**feeds, "past_key": pk, "past_value": pv}
+                expected = ref.run(full)
+                size = problem_size(config, source.weights, full)
+                dec = BufferDecoder(runner, config, total, batch)
+                x = feeds["x"]
+                ys = [dec.step(x[:, :prefill])] if prefill else []
+                ys += [dec.step(x[:, t : t + 1]) for t in range(prefill, total)]
+                got_k, got_v = dec.cache_numpy()
+                label = f"[batch={batch},prefill={prefill},steps={steps},buffer]"
+                cmps = [compare_arrays(f"{n}{label}", got, expected[n], tol, size)
+                        for n, got in (("y", np.concatenate(ys, 1)), ("present_key", got_k), ("present_value", got_v))]  # fmt: skip
+                failed = [c for c in cmps if not c]
+                cases.append(ParityCase(backend=backend, reference=REFERENCE, dtype=source.dtype, batch=batch,
+                                        seq=total, mem_seq=None, prefill=prefill, steps=steps,
+                                        status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
+                                        atol=cmps[0].atol, rtol=cmps[0].rtol, **cmps[0].stats()))  # fmt: skip
+    finally:
+        ref.close()
+    return ParityReport(cases)

@@ -78,7 +78,7 @@ def test_a_step_that_drops_the_cache_fails(step_models):
                 new.past_key, new.past_value = (np.asarray(a)[:, :, -x.shape[1] :] for a in new.cache_numpy())
             return y, new
 
-    import attnx.runtimes.decode as decode
+    from attnx.runtimes import decode
 
     original = decode.Decoder
     decode.Decoder = Forgetful
@@ -147,3 +147,30 @@ def test_cli_parity_decode(tmp_path, capsys):
     }
     assert main(["parity", "--config", str(cfg)]) == 2  # a step model's parity is --decode
     assert "attnx parity --decode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_buffer_form_step_parity(tmp_path, heads, kv_heads):
+    """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps."""
+    from attnx.runtimes.decode import run_buffer_parity
+
+    c = _step(heads, kv_heads, kpm=False)
+    w = init_weights(c, 0)
+    path = str(tmp_path / "buffer.onnx")
+    onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
+    info = describe(path)
+    assert info.decode == "buffer" and info.lowering == "ort-fused"
+    assert [s.name for s in info.inputs] == ["x", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    report = run_buffer_parity(ModelSource(c, w, path), prefills=(0, 1, 37), steps=64, batch=3)
+    assert report.passed and len(report.cases) == 3 and all(x.status == "pass" for x in report.cases)
+
+
+def test_buffer_form_refusals():
+    c = _step(4, 2, kpm=False)
+    w = init_weights(c, 0)
+    with pytest.raises(UsageError, match="buffer form is built as ort-fused"):
+        build_step_model(c, w, "decomposed", form="buffer")
+    with pytest.raises(UsageError, match="takes no key_padding_mask"):
+        build_step_model(_step(4, 2), init_weights(_step(4, 2), 0), "ort-fused", form="buffer")
+    with pytest.raises(UsageError, match="has no step model"):
+        build_step_model(c, w, "ort-attention")
