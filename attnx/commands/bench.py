@@ -64,7 +64,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON, rewritten after every case")
     p.add_argument("--plot", metavar="FILE.png", help="plot latency and peak memory against seq (needs matplotlib)")
+    p.add_argument("--decode", action="store_true",
+                   help="time the per-token step of the step model (batch 1, fp32) at each --past against the "
+                   "memory-bandwidth bound, with torch eager's step as the peer (README, \"Decoding\")")  # fmt: skip
+    p.add_argument("--past", type=int_list, default=[128, 2048, 8192], help="with --decode (default 128,2048,8192)")
+    p.add_argument("--kv-heads", type=int_arg(1, 1 << 20), default=None,
+                   help="with --decode: n_kv_heads of the step model (default: the config's)")  # fmt: skip
     p.set_defaults(run=run)
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    """attnx bench --decode: one process, every number of a row measured in the same run."""
+    import dataclasses
+
+    from attnx._io import write_json_atomic
+    from attnx.bench._decode import run_decode_bench
+
+    if args.model:
+        raise UsageError("--decode builds its step models from --preset or --config")
+    config = load_config_arg(args)
+    kv = args.kv_heads if args.kv_heads is not None else config.n_kv_heads
+    config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
+    config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
+    impls = ["ort-fused buffer", "ort-fused growing", "decomposed growing", "torch eager"]
+    rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
+                            impls=impls, progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
+    table = []
+    for r in rows:
+        for impl in impls:
+            flushed, warm = r.times_ms[f"{impl} flushed"], r.times_ms[f"{impl} warm"]
+            table.append((r.past, impl, f"{flushed:.3f}", f"{warm:.3f}", f"{r.step_bytes / 1e6:.1f}", f"{r.bound_ms:.3f}",
+                          f"{flushed / r.bound_ms:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}"))  # fmt: skip
+    print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
+          f"fp32, {args.threads} threads; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (large copy, this run)")  # fmt: skip
+    headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this"]
+    print(format_table(headers, table))
+    if args.json:
+        write_json_atomic(args.json, {"config": config.to_dict(), "threads": args.threads,
+                                      "rows": [r.to_dict() for r in rows]})  # fmt: skip
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> Any:
@@ -196,6 +234,8 @@ def _notes(report: Any) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, "--json")
+    if args.decode:
+        return run_decode(args)
     if args.plot:
         check_plot_path(args.plot)  # before the sweep: a missing matplotlib is said now, not in an hour
     plan = _plan(args)

@@ -1,0 +1,204 @@
+"""attnx bench --decode: the per-token step of the step model against the memory-bandwidth bound.
+
+For each past length P, batch 1 (one process, one run, so every ratio compares numbers measured
+together):
+
+- bandwidth: a large copy (numpy, 512 MB read + 512 MB written), best of 5: bytes moved / time.
+- bytes per step (the least any implementation must move): the weights once, the cache read
+  once (P + 1 positions, keys and values) and the new token's keys/values written.
+  bound = bytes / bandwidth.
+- the ort-fused buffer form (GroupQueryAttention on one cache bound as past and present,
+  IOBinding: only the new token is written); the ort-fused and decomposed growing forms (a new
+  cache each step: the old one read and the new one written on top); torch eager's step as
+  the peer (torch.cat onto the cache + scaled_dot_product_attention, grouped heads by enable_gqa).
+
+Timing: each timed step is preceded, outside the timer, by a write of 256 MB (more than every
+cache level), so the weights and the cache come from memory as in a layer among many ("flushed");
+"warm" repeats the step back to back. ORT's worker threads spin after a run by default, which
+would steal a core from the flush and from torch: the sessions here set
+session.intra_op.allow_spinning = 0. The median of `repeat` steps is reported. The step writes
+position P each time (the state is reset), so every timed step is the step from P to P + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnx.model.config import AttentionConfig
+from attnx.model.weights import init_weights
+
+__all__ = ["DecodeBenchRow", "run_decode_bench", "step_bytes", "measure_bandwidth"]
+
+_FLUSH_BYTES = 256 * 1024**2
+
+
+@dataclasses.dataclass
+class DecodeBenchRow:
+    past: int
+    step_bytes: int
+    bandwidth_gbs: float
+    bound_ms: float
+    times_ms: dict[str, float]  # "<impl> flushed" / "<impl> warm" -> median ms
+
+    def ratio(self, impl: str) -> float:
+        return self.times_ms[f"{impl} flushed"] / self.bound_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int = 4) -> int:
+    """Bytes one step must move at least: weights, the cache read (past + 1 positions), the new
+    keys/values written, x and y."""
+    c = config
+    cache_row = c.n_kv_heads * (c.head_dim + c.v_head_dim) * itemsize * batch
+    return c.n_params * itemsize + cache_row * (past + 1) + cache_row + 2 * batch * c.d_model * itemsize
+
+
+def measure_bandwidth(nbytes: int = 512 * 1024**2, repeat: int = 5) -> float:
+    """Bytes per second of a large copy (read + write counted)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+class _Flusher:
+    def __init__(self) -> None:
+        self.buf = np.empty(_FLUSH_BYTES // 4, np.float32)
+        self.value = np.float32(0)
+
+    def __call__(self) -> None:
+        self.value += 1
+        self.buf.fill(self.value)
+
+
+def _median_ms(fn: Callable[[], Any], flush: Callable[[], None] | None, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        if flush is not None:
+            flush()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+def _session(model: Any, threads: int) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    with tempfile.TemporaryDirectory(prefix="attnx-decode-bench-") as tmp:
+        import onnx
+
+        path = os.path.join(tmp, "step.onnx")
+        onnx.save(model, path, save_as_external_data=model.ByteSize() > 1024**3, location="step.onnx.data")
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def run_decode_bench(
+    config: AttentionConfig,
+    pasts: Sequence[int],
+    *,
+    threads: int = 2,
+    repeat: int = 20,
+    seed: int = 0,
+    impls: Sequence[str] = ("ort-fused buffer", "ort-fused growing", "decomposed growing", "torch eager"),
+    progress: Callable[[str], None] = lambda msg: None,
+) -> list[DecodeBenchRow]:
+    import onnxruntime as ort
+    import torch
+    import torch.nn.functional as F
+
+    from attnx.export import build_step_model
+
+    c = config
+    torch.set_num_threads(threads)
+    weights = init_weights(c, seed)
+    flush = _Flusher()
+    progress("measuring the memory bandwidth (large copy)")
+    bandwidth = measure_bandwidth()
+    sessions = {}
+    for impl in impls:
+        if impl == "torch eager":
+            continue
+        lowering, form = impl.split()
+        progress(f"building the step model: {impl}")
+        sessions[impl] = _session(build_step_model(c, weights, lowering, form), threads)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, 1, c.d_model), dtype=np.float32)
+    tw = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
+    rows = []
+    for past in pasts:
+        cap = past + 1
+        key = rng.standard_normal((1, c.n_kv_heads, cap, c.head_dim), dtype=np.float32)
+        value = rng.standard_normal((1, c.n_kv_heads, cap, c.v_head_dim), dtype=np.float32)
+        times: dict[str, float] = {}
+        for impl, sess in sessions.items():
+            if impl.endswith("buffer"):
+                kv = ort.OrtValue.ortvalue_from_numpy(key)
+                vv = ort.OrtValue.ortvalue_from_numpy(value)
+                b = sess.io_binding()
+                b.bind_cpu_input("x", x)
+                b.bind_cpu_input("seqlens_k", np.full(1, past, np.int32))
+                b.bind_cpu_input("total_sequence_length", np.asarray(past + 1, np.int32))
+                b.bind_ortvalue_input("past_key", kv)
+                b.bind_ortvalue_input("past_value", vv)
+                b.bind_output("y")
+                b.bind_ortvalue_output("present_key", kv)
+                b.bind_ortvalue_output("present_value", vv)
+
+                def fn(sess=sess, b=b):
+                    sess.run_with_iobinding(b)
+            else:
+                feeds = {
+                    "x": ort.OrtValue.ortvalue_from_numpy(x),
+                    "past_key": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(key[:, :, :past])),
+                    "past_value": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value[:, :, :past])),
+                }
+                names = [o.name for o in sess.get_outputs()]
+
+                def fn(sess=sess, feeds=feeds, names=names):
+                    sess.run_with_ort_values(names, feeds)
+
+            progress(f"past {past}: {impl}")
+            times[f"{impl} flushed"] = _median_ms(fn, flush, repeat)
+            times[f"{impl} warm"] = _median_ms(fn, None, repeat)
+        if "torch eager" in impls:
+            kc = torch.from_numpy(np.ascontiguousarray(key[:, :, :past]))
+            vc = torch.from_numpy(np.ascontiguousarray(value[:, :, :past]))
+            xt = torch.from_numpy(x)
+
+            def torch_step():
+                with torch.inference_mode():
+                    q = F.linear(xt, tw["q_proj.weight"], tw.get("q_proj.bias")).view(1, 1, c.n_heads, c.head_dim)
+                    k = F.linear(xt, tw["k_proj.weight"], tw.get("k_proj.bias")).view(1, 1, c.n_kv_heads, c.head_dim)
+                    v = F.linear(xt, tw["v_proj.weight"], tw.get("v_proj.bias")).view(1, 1, c.n_kv_heads, c.v_head_dim)
+                    k_all = torch.cat([kc, k.transpose(1, 2)], dim=2)  # the growing cache: a new tensor per step
+                    v_all = torch.cat([vc, v.transpose(1, 2)], dim=2)
+                    z = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, scale=c.softmax_scale,
+                                                       enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip
+                    return F.linear(z.transpose(1, 2).reshape(1, 1, c.v_dim), tw["out_proj.weight"],
+                                    tw.get("out_proj.bias"))  # fmt: skip
+
+            progress(f"past {past}: torch eager")
+            times["torch eager flushed"] = _median_ms(torch_step, flush, repeat)
+            times["torch eager warm"] = _median_ms(torch_step, None, repeat)
+        nbytes = step_bytes(c, past)
+        rows.append(DecodeBenchRow(past, nbytes, bandwidth / 1e9, nbytes / bandwidth * 1e3, times))
+    return rows
