@@ -16,7 +16,7 @@ import numpy as np
 
 from attnx.errors import InputError, UsageError
 from attnx.model.config import AttentionConfig, TensorSpec
-from attnx.model.contract import dtype_name
+from attnx.model.contract import DTYPES, dtype_name
 
 __all__ = [
     "ModelSource",
@@ -26,6 +26,7 @@ __all__ = [
     "backend_names",
     "backend_unavailable_reason",
     "BACKENDS",
+    "DecodeState",
 ]
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,30 @@ class ModelSource:
     weights: Mapping[str, np.ndarray] | None = None
     model_path: str | None = None
     dtype: str = "fp32"
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """Where a decode stands after a prefill or a step of a step model (config kv_cache).
+
+    y: the output of that run, [batch, seq, d_model]; past_key/past_value: the cache to feed
+    next (numpy arrays, or a backend's own buffers: ORT OrtValues, which stay in ORT's memory);
+    key_padding_mask: the mask of every position so far (None when the model takes none);
+    length: total_seq so far."""
+
+    y: np.ndarray
+    past_key: Any
+    past_value: Any
+    key_padding_mask: np.ndarray | None
+    length: int
+
+    def cache_numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cache as numpy arrays (a copy out of the backend's buffers where it holds them)."""
+        return _as_numpy(self.past_key), _as_numpy(self.past_value)
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    return np.asarray(value) if isinstance(value, np.ndarray) or not hasattr(value, "numpy") else value.numpy()
 
 
 class Runner:
@@ -65,6 +90,69 @@ class Runner:
             raise UsageError(f"runner {self.name!r} is not loaded: call load() or use it as a context manager")
         self.check_feeds(feeds)
         return self.run_impl(feeds)
+
+    # Decoding (a step model: config kv_cache) ------------------------------------------------
+    def prefill(self, x: Any, key_padding_mask: np.ndarray | None = None) -> DecodeState:
+        """Run the prompt x [batch, P, d_model] on an empty cache (past_seq 0); the state holds
+        its output y and the cache. key_padding_mask [batch, P]: True hides (left padding)."""
+        config = self._step_config()
+        batch = x.shape[0]
+        dtype = self._float_dtype()
+        empty_k = np.zeros((batch, config.n_kv_heads, 0, config.head_dim), dtype)
+        empty_v = np.zeros((batch, config.n_kv_heads, 0, config.v_head_dim), dtype)
+        mask = np.zeros((batch, 0), bool) if config.key_padding_mask else None
+        _, state = self.step(x, DecodeState(np.zeros((batch, 0, config.d_model)), empty_k, empty_v, mask, 0),
+                             key_padding_mask)  # fmt: skip
+        return state
+
+    def step(
+        self, x: Any, state: DecodeState, key_padding_mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, DecodeState]:
+        """y of the new tokens x [batch, seq, d_model] at positions state.length.., and the state
+        after them (the present cache fed back as past). key_padding_mask [batch, seq]: True
+        hides these positions (default: none hidden)."""
+        config = self._step_config()
+        if not self.is_loaded:
+            raise UsageError(f"runner {self.name!r} is not loaded: call load() or use it as a context manager")
+        feeds: dict[str, Any] = {"x": x, "past_key": state.past_key, "past_value": state.past_value}
+        mask = None
+        if config.key_padding_mask:
+            new = np.zeros(tuple(x.shape[:2]), bool) if key_padding_mask is None else np.asarray(key_padding_mask)
+            if new.dtype != np.bool_ or new.shape != tuple(x.shape[:2]):
+                raise InputError(
+                    f"key_padding_mask of a step must be bool {list(x.shape[:2])} (batch, seq of x), "
+                    f"got {new.dtype} {list(new.shape)}"
+                )
+            mask = np.concatenate([state.key_padding_mask, new], axis=1)  # [batch, total_seq]
+            feeds["key_padding_mask"] = mask
+        elif key_padding_mask is not None:
+            raise InputError("this model takes no key_padding_mask")
+        out = self.run_step_impl(feeds)
+        y = _as_numpy(out["y"])
+        return y, DecodeState(y, out["present_key"], out["present_value"], mask, state.length + int(x.shape[1]))
+
+    def run_step_impl(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One run of the step model. Default: the cache as numpy arrays in the model's input dtype
+        (the float64 reference's cache is fed back as the float32 its inputs declare)."""
+        dtype = self._float_dtype()
+        feeds = dict(feeds)
+        for name in ("past_key", "past_value"):
+            feeds[name] = _as_numpy(feeds[name]).astype(dtype, copy=False)
+        return self.run(feeds)
+
+    def _step_config(self) -> AttentionConfig:
+        config = self.source.config
+        if config is None or not config.kv_cache:
+            raise UsageError(
+                f"prefill/step need a step model (a config with 'kv_cache': true); backend {self.name!r} runs "
+                + ("a model without a cache" if config is not None else "a model without a config")
+            )
+        return config
+
+    def _float_dtype(self) -> np.dtype:
+        spec = next((s for s in self.inputs if s.name == "past_key"), None)
+        name = spec.dtype if spec is not None else self.source.dtype
+        return np.dtype(DTYPES[name].numpy or "float32")
 
     def close(self) -> None:
         if self.is_loaded:

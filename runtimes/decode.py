@@ -1,21 +1,22 @@
 """Decoding with the step model (config kv_cache): prefill, then one step at a time, on any backend,
 and the step-by-step parity that proves it equals the full-sequence forward.
 
-    decoder = Decoder(runner)                 # a loaded Runner of a kv_cache model
-    state = decoder.prefill(x)                # x [batch, P, d_model] (P >= 1)
-    y, state = decoder.step(x_t, state)       # x_t [batch, 1, d_model]
+    runner = attnx.load(package)          # or any loaded Runner of a kv_cache model
+    state = runner.prefill(x)             # x [batch, P, d_model]; state.y is the prompt's y
+    y, state = runner.step(x_t, state)    # x_t [batch, 1, d_model]
 
-The state holds the cache (present_key/present_value of the last run, fed back as past) and the
-key padding mask of every position so far. On ONNX Runtime the cache stays in ORT's own
-buffers between steps (run_with_ort_values: the presents are fed back as OrtValues, never
-copied through numpy); the reference and torch backends hold numpy arrays.
+(Runner.prefill/step, attnx.runtimes.base.) The state holds the cache (present_key/present_value
+of the last run, fed back as past) and the key padding mask of every position so far. On ONNX
+Runtime the cache stays in ORT's own buffers between steps (run_with_ort_values: the presents are
+fed back as OrtValues, never copied through numpy); the reference and torch backends hold numpy
+arrays. BufferDecoder runs the buffer form (one preallocated cache, IOBinding).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from attnx.errors import InputError, ProviderUnavailable, UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import REFERENCE, numpy_dtype
 from attnx.model.tolerance import problem_size, tolerance_for
-from attnx.runtimes.base import ModelSource, Runner, create_runner
+from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.parity import ParityCase, ParityReport
 
@@ -33,7 +34,6 @@ __all__ = [
     "DEFAULT_STEPS",
     "BufferDecoder",
     "DecodeState",
-    "Decoder",
     "empty_cache",
     "make_decode_inputs",
     "run_buffer_parity",
@@ -52,81 +52,6 @@ def empty_cache(config: AttentionConfig, batch: int, dtype: str = "fp32") -> tup
     dt = numpy_dtype(dtype)
     return (np.zeros((batch, config.n_kv_heads, 0, config.head_dim), dt),
             np.zeros((batch, config.n_kv_heads, 0, config.v_head_dim), dt))  # fmt: skip
-
-
-@dataclasses.dataclass
-class DecodeState:
-    """The cache after the last run (numpy arrays, or ORT OrtValues on ORT backends) and the
-    key padding mask of every position so far (None when the model takes none)."""
-
-    past_key: Any
-    past_value: Any
-    key_padding_mask: np.ndarray | None
-    length: int  # total_seq so far
-
-    def cache_numpy(self) -> tuple[np.ndarray, np.ndarray]:
-        return _numpy(self.past_key), _numpy(self.past_value)
-
-
-def _numpy(value: Any) -> np.ndarray:
-    return value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else np.asarray(value)
-
-
-class Decoder:
-    """Prefill and steps over one loaded Runner of a step model."""
-
-    def __init__(self, runner: Runner, config: AttentionConfig, dtype: str = "fp32") -> None:
-        if not config.kv_cache:
-            raise UsageError("decoding needs a step model: a config with 'kv_cache': true (README, \"Decoding\")")
-        self.runner = runner
-        self.config = config
-        self.dtype = dtype
-        session = getattr(runner, "session", None)
-        # ORT: keep the cache in ORT's buffers (OrtValues) from one step to the next.
-        self._ort = session if session is not None and hasattr(session, "run_with_ort_values") else None
-
-    def prefill(self, x: np.ndarray, key_padding_mask: np.ndarray | None = None) -> tuple[np.ndarray, DecodeState]:
-        """y of the prompt x [batch, P, d_model] and the state after it."""
-        pk, pv = empty_cache(self.config, x.shape[0], self.dtype)
-        empty_mask = np.zeros((x.shape[0], 0), bool) if self.config.key_padding_mask else None
-        return self.step(x, DecodeState(pk, pv, empty_mask, 0), key_padding_mask)
-
-    def step(
-        self, x: np.ndarray, state: DecodeState, key_padding_mask: np.ndarray | None = None
-    ) -> tuple[np.ndarray, DecodeState]:
-        """y of the new tokens x [batch, seq, d_model] (key_padding_mask [batch, seq] for them:
-        True hides) and the state after them."""
-        c = self.config
-        feeds: dict[str, Any] = {"x": x, "past_key": state.past_key, "past_value": state.past_value}
-        mask = None
-        if c.key_padding_mask:
-            new = np.zeros(x.shape[:2], bool) if key_padding_mask is None else np.asarray(key_padding_mask, bool)
-            if new.shape != tuple(x.shape[:2]):
-                raise InputError(
-                    f"key_padding_mask of a step has shape {list(new.shape)}, expected {list(x.shape[:2])}"
-                )
-            mask = np.concatenate([state.key_padding_mask, new], axis=1)  # [batch, total_seq]
-            feeds["key_padding_mask"] = mask
-        elif key_padding_mask is not None:
-            raise InputError("this model takes no key_padding_mask")
-        if self._ort is not None:
-            out = self._run_ort(feeds)
-        else:
-            # The model's own dtype: the float64 reference's cache is fed back as the inputs it declares.
-            dt = numpy_dtype(self.dtype)
-            feeds["past_key"], feeds["past_value"] = (a.astype(dt, copy=False) for a in state.cache_numpy())
-            out = self.runner.run(feeds)
-        return _numpy(out["y"]), DecodeState(out["present_key"], out["present_value"], mask, state.length + x.shape[1])
-
-    def _run_ort(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        import onnxruntime as ort
-
-        # The cache fed back is ORT's own OrtValue: checked by shape and dtype without a copy.
-        self.runner.check_feeds({k: v if isinstance(v, np.ndarray) else _shape_only(v) for k, v in feeds.items()})
-        values = {k: v if not isinstance(v, np.ndarray) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
-                  for k, v in feeds.items()}  # fmt: skip
-        names = [o.name for o in self.runner.outputs]
-        return dict(zip(names, self._ort.run_with_ort_values(names, values)))
 
 
 class BufferDecoder:
@@ -181,14 +106,6 @@ class BufferDecoder:
         return self.key.numpy()[:, :, : self.length], self.value.numpy()[:, :, : self.length]
 
 
-def _shape_only(value: Any) -> np.ndarray:
-    """A zero-stride array with an OrtValue's shape and dtype (no data read)."""
-    dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(value.data_type(), np.float32)
-    return np.lib.stride_tricks.as_strided(
-        np.zeros(1, dtype), shape=tuple(value.shape()), strides=(0,) * len(value.shape())
-    )
-
-
 def make_decode_inputs(config: AttentionConfig, batch: int, total: int, dtype: str = "fp32",
                        seed: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
     """x [batch, total, d_model] ~ N(0, 1) and, when the model takes one, a left-padded key
@@ -204,18 +121,17 @@ def make_decode_inputs(config: AttentionConfig, batch: int, total: int, dtype: s
     return feeds
 
 
-def decode_sequence(decoder: Decoder, feeds: dict[str, np.ndarray], prefill: int) -> tuple[np.ndarray, DecodeState]:
-    """y over every position: a prefill of `prefill` tokens (none when 0), then one token per step."""
+def decode_sequence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int) -> tuple[np.ndarray, DecodeState]:
+    """y over every position: a prefill of `prefill` tokens (an empty one when 0: the first token
+    is then a step like the others), then one token per step, each feeding the cache back."""
     x, mask = feeds["x"], feeds.get("key_padding_mask")
-    total = x.shape[1]
-    pk, pv = empty_cache(decoder.config, x.shape[0], decoder.dtype)
-    state = DecodeState(pk, pv, np.zeros((x.shape[0], 0), bool) if mask is not None else None, 0)
-    ys = []
-    if prefill:
-        y, state = decoder.step(x[:, :prefill], state, None if mask is None else mask[:, :prefill])
-        ys.append(y)
-    for t in range(prefill, total):
-        y, state = decoder.step(x[:, t : t + 1], state, None if mask is None else mask[:, t : t + 1])
+    state = runner.prefill(x[:, :prefill], None if mask is None else mask[:, :prefill]) if prefill else None
+    if state is None:  # no prefill: start from the empty cache with the first step
+        state = runner.prefill(x[:, :1], None if mask is None else mask[:, :1])
+        prefill = 1
+    ys = [state.y]
+    for t in range(prefill, x.shape[1]):
+        y, state = runner.step(x[:, t : t + 1], state, None if mask is None else mask[:, t : t + 1])
         ys.append(y)
     return np.concatenate(ys, axis=1), state
 
@@ -281,7 +197,7 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip
-    y, state = decode_sequence(Decoder(runner, config, dtype), feeds, prefill)
+    y, state = decode_sequence(runner, feeds, prefill)
     pk, pv = state.cache_numpy()
     label = f"[batch={batch},prefill={prefill},steps={steps}]"
     cmps = [compare_arrays(f"{out}{label}", got, expected[out], tol, size)

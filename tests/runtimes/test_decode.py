@@ -11,7 +11,7 @@ from attnx.export import build_step_model
 from attnx.model import AttentionConfig, init_weights
 from attnx.model.contract import describe
 from attnx.runtimes import ModelSource, create_runner
-from attnx.runtimes.decode import Decoder, make_decode_inputs, run_decode_parity
+from attnx.runtimes.decode import make_decode_inputs, run_decode_parity
 from attnx.runtimes.parity import run_parity
 
 BACKENDS = ["reference", "torch", "ort-cpu", "ort-cuda", "torch-cuda"]
@@ -66,26 +66,25 @@ def test_long_prefill_then_steps(step_models):
 
 
 def test_a_step_that_drops_the_cache_fails(step_models):
-    """The check can fail: a decoder that forgets the cache between steps disagrees."""
+    """The check can fail: a runner that forgets the cache between steps disagrees."""
+    from attnx.runtimes.ort_runner import OrtCpuRunner
+
     c = _step(4, 2, kpm=False)
     w = init_weights(c, 0)
-    path = step_models(c, "decomposed")
 
-    class Forgetful(Decoder):
-        def step(self, x, state, key_padding_mask=None):
-            y, new = super().step(x, state, key_padding_mask)
-            if state.length:  # keep only this step's keys/values
-                new.past_key, new.past_value = (np.asarray(a)[:, :, -x.shape[1] :] for a in new.cache_numpy())
-            return y, new
+    class Forgetful(OrtCpuRunner):
+        def run_step_impl(self, feeds):
+            feeds = dict(feeds)
+            for name in ("past_key", "past_value"):  # keep only the last position
+                cache = feeds[name].numpy() if hasattr(feeds[name], "numpy") else feeds[name]
+                feeds[name] = np.ascontiguousarray(cache[:, :, -1:])
+            return super().run_step_impl(feeds)
 
-    from attnx.runtimes import decode
+    def factory(name, source):
+        return Forgetful(source) if name == "ort-cpu" else create_runner(name, source)
 
-    original = decode.Decoder
-    decode.Decoder = Forgetful
-    try:
-        report = run_decode_parity(ModelSource(c, w, path), ["ort-cpu"], prefills=(3,), steps=4, batch=1)
-    finally:
-        decode.Decoder = original
+    report = run_decode_parity(ModelSource(c, w, step_models(c, "decomposed")), ["ort-cpu"], prefills=(3,), steps=4,
+                               batch=1, runner_factory=factory)  # fmt: skip
     assert not report.passed and report.cases[0].status == "fail" and "y[" in report.cases[0].reason
 
 
@@ -97,18 +96,27 @@ def test_decoder_api_and_describe(step_models):
     assert info.decode == "growing" and info.lowering == "onnx" and info.config == c
     assert [s.shape for s in info.inputs][1] == ("batch", 1, "past_seq", 8)
     feeds = make_decode_inputs(c, 2, 6, seed=4)
+    x, kpm = feeds["x"], feeds["key_padding_mask"]
     with (
         create_runner("ort-cpu", ModelSource(c, w, path)) as runner,
         create_runner("reference", ModelSource(c, w)) as ref,
     ):
-        dec, rdec = Decoder(runner, c), Decoder(ref, c)
-        y, state = dec.prefill(feeds["x"][:, :5], feeds["key_padding_mask"][:, :5])
-        y1, state = dec.step(feeds["x"][:, 5:], state)
-        ry, rstate = rdec.prefill(feeds["x"][:, :5], feeds["key_padding_mask"][:, :5])
-        ry1, _ = rdec.step(feeds["x"][:, 5:], rstate)
-        assert state.length == 6 and state.key_padding_mask.shape == (2, 6)
-        assert np.allclose(y, ry, atol=1e-5) and np.allclose(y1, ry1, atol=1e-5)
+        state = runner.prefill(x[:, :5], kpm[:, :5])
+        rstate = ref.prefill(x[:, :5], kpm[:, :5])
+        assert state.y.shape == (2, 5, 32) and np.allclose(state.y, rstate.y, atol=1e-5)  # the prompt's y
+        y1, state = runner.step(x[:, 5:], state)
+        ry1, rstate = ref.step(x[:, 5:], rstate)
+        assert state.length == 6 and state.key_padding_mask.shape == (2, 6) and state.y is y1
+        assert np.allclose(y1, ry1, atol=1e-5)
         assert type(state.past_key).__name__ == "OrtValue"  # the cache stayed in ORT's buffers
+        with pytest.raises(Exception, match="key_padding_mask of a step must be bool"):
+            runner.step(x[:, 5:], state, np.zeros((2, 2), bool))
+    plain = AttentionConfig(d_model=32, n_heads=4)
+    with (
+        create_runner("reference", ModelSource(plain, init_weights(plain, 0))) as ref,
+        pytest.raises(UsageError, match="need a step model"),
+    ):
+        ref.prefill(x)
 
 
 def test_grouped_full_sequence_parity_and_fused_refusal(tmp_path):
