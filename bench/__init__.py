@@ -12,6 +12,7 @@ and its baseline memory should be the runtime's, not ours.
 from __future__ import annotations
 
 from attnx.bench._costs import GEMM_ROWS, attention_flops, gemm_flops, gemm_shape
+from attnx.bench._decode import DecodeBenchRow, measure_bandwidth, run_decode_bench, step_bytes
 from attnx.bench._plan import (
     DEFAULT_BACKENDS,
     DEFAULT_SEQS,
@@ -47,4 +48,8 @@ __all__ = [
     "TORCH_LOWERINGS",
     "ORT_LOWERINGS",
     "SCHEMA",
+    "DecodeBenchRow",
+    "measure_bandwidth",
+    "run_decode_bench",
+    "step_bytes",
 ]

@@ -218,6 +218,12 @@ class Runner:
                         f"input {spec.name!r} has {dim}={size} on axis {axis}, but {other!r} has {dim}={other_size}"
                     )
                 bound.setdefault(dim, (size, spec.name))
+        if {"past_seq", "seq", "total_seq"} <= set(bound):  # a step model's mask covers every position
+            (past, _), (seq, _), (total, name) = bound["past_seq"], bound["seq"], bound["total_seq"]
+            if total != past + seq:
+                raise InputError(
+                    f"input {name!r} covers {total} positions; past_seq {past} + seq {seq} = {past + seq} expected"
+                )
 
 
 def _shape_str(shape: tuple[int | str, ...]) -> str:

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
 import time
 from typing import IO, Any
 
-from attnx._io import check_output_file
+from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
-from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS, BenchPlan, check_plot_path, plot_report, run_bench
+from attnx.bench import (
+    DEFAULT_BACKENDS,
+    DEFAULT_SEQS,
+    BenchPlan,
+    check_plot_path,
+    plot_report,
+    run_bench,
+    run_decode_bench,
+)
 from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 from attnx.model import PRESETS
@@ -75,11 +84,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_decode(args: argparse.Namespace) -> int:
     """attnx bench --decode: one process, every number of a row measured in the same run."""
-    import dataclasses
-
-    from attnx._io import write_json_atomic
-    from attnx.bench._decode import run_decode_bench
-
     if args.model:
         raise UsageError("--decode builds its step models from --preset or --config")
     config = load_config_arg(args)

@@ -24,8 +24,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", required=True, metavar="x.npy")
     p.add_argument("--memory", metavar="m.npy")
     p.add_argument("--key-padding-mask", metavar="k.npy")
+    p.add_argument("--past-key", metavar="k.npy", help="a step model's past_key (default: an empty cache, the prefill)")
+    p.add_argument("--past-value", metavar="v.npy", help="a step model's past_value (with --past-key)")
     p.add_argument("--provider", choices=list(PROVIDERS), default="cpu")
     p.add_argument("--output", required=True, metavar="y.npy")
+    p.add_argument("--present-key", metavar="k.npy", help="write a step model's present_key here")
+    p.add_argument("--present-value", metavar="v.npy", help="write a step model's present_value here")
     p.set_defaults(run=run)
 
 
@@ -56,8 +60,33 @@ def open_runner(path: str, provider: str):
     return create_runner(PROVIDERS[provider].backend, ModelSource(model_path=path)).load()
 
 
+def _step_feeds(args: argparse.Namespace, runner, feeds: dict[str, np.ndarray]) -> None:
+    """past_key/past_value of a step model: the files given, or an empty cache (past_seq 0)."""
+    takes = {s.name: s for s in runner.inputs}
+    if "past_key" not in takes:
+        if args.past_key or args.past_value or args.present_key or args.present_value:
+            raise UsageError(
+                "--past-key/--past-value/--present-* are for a step model (kv_cache); this one has no cache"
+            )
+        return
+    if bool(args.past_key) != bool(args.past_value):
+        raise UsageError("--past-key and --past-value go together (or neither: an empty cache)")
+    if args.past_key:
+        feeds["past_key"] = load_npy(args.past_key, "--past-key")
+        feeds["past_value"] = load_npy(args.past_value, "--past-value")
+        return
+    batch = feeds["x"].shape[0] if feeds["x"].ndim == 3 else 1
+    for name in ("past_key", "past_value"):
+        spec = takes[name]  # [batch, n_kv_heads, past_seq, dim]: zero positions
+        shape = (batch, *(d if isinstance(d, int) else 0 for d in spec.shape[1:]))
+        feeds[name] = np.zeros(shape, feeds["x"].dtype)
+
+
 def run(args: argparse.Namespace) -> int:
     check_output_file(args.output, "--output")
+    for flag in ("present_key", "present_value"):
+        if getattr(args, flag):
+            check_output_file(getattr(args, flag), "--" + flag.replace("_", "-"))
     feeds = {"x": load_npy(args.input, "--input")}
     if args.memory:
         feeds["memory"] = load_npy(args.memory, "--memory")
@@ -71,12 +100,18 @@ def run(args: argparse.Namespace) -> int:
                   "depend on them are not finite", file=sys.stderr)  # fmt: skip
     runner = open_runner(args.model, args.provider)
     try:
-        y = runner.run(feeds)["y"]
+        _step_feeds(args, runner, feeds)
+        outputs = runner.run(feeds)
     finally:
         runner.close()
+    y = outputs["y"]
     if y.dtype.kind == "f" and not np.isfinite(y).all():
         bad = y.size - int(np.count_nonzero(np.isfinite(y)))
         print(f"attnx run: warning: output 'y' holds {bad} NaN or infinite value(s)", file=sys.stderr)
     write_npy_atomic(args.output, y)
     print(f"wrote {args.output}: y {list(y.shape)} {y.dtype}")
+    for name in ("present_key", "present_value"):
+        if getattr(args, name):
+            write_npy_atomic(getattr(args, name), outputs[name])
+            print(f"wrote {getattr(args, name)}: {name} {list(outputs[name].shape)} {outputs[name].dtype}")
     return 0

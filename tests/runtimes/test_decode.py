@@ -182,3 +182,28 @@ def test_buffer_form_refusals():
         build_step_model(_step(4, 2), init_weights(_step(4, 2), 0), "ort-fused", form="buffer")
     with pytest.raises(UsageError, match="has no step model"):
         build_step_model(c, w, "ort-attention")
+
+
+def test_cli_run_with_a_cache(step_models, tmp_path):
+    """attnx run on a step model: a prefill writes the cache, a step reads it back; equal to the full run."""
+    from attnx.cli import main
+
+    c = _step(4, 2)
+    path = step_models(c, "ort-fused")
+    feeds = make_decode_inputs(c, 2, 6, seed=7)
+    files = {}
+    for name, array in (("x5", feeds["x"][:, :5]), ("x1", feeds["x"][:, 5:]), ("x6", feeds["x"]),
+                        ("m5", feeds["key_padding_mask"][:, :5]), ("m6", feeds["key_padding_mask"])):  # fmt: skip
+        files[name] = str(tmp_path / f"{name}.npy")
+        np.save(files[name], array)
+    out = {n: str(tmp_path / f"{n}.npy") for n in ("y5", "pk", "pv", "y1", "y6")}
+    assert main(["run", path, "--input", files["x5"], "--key-padding-mask", files["m5"], "--output", out["y5"],
+                 "--present-key", out["pk"], "--present-value", out["pv"]]) == 0  # fmt: skip
+    assert main(["run", path, "--input", files["x1"], "--key-padding-mask", files["m6"], "--past-key", out["pk"],
+                 "--past-value", out["pv"], "--output", out["y1"]]) == 0  # fmt: skip
+    assert main(["run", path, "--input", files["x6"], "--key-padding-mask", files["m6"], "--output", out["y6"]]) == 0
+    stepped = np.concatenate([np.load(out["y5"]), np.load(out["y1"])], axis=1)
+    assert np.allclose(stepped, np.load(out["y6"]), atol=1e-5)
+    # the mask must cover past + new positions: one clear error, exit 2
+    assert main(["run", path, "--input", files["x1"], "--key-padding-mask", files["m5"], "--past-key", out["pk"],
+                 "--past-value", out["pv"], "--output", out["y1"]]) == 2  # fmt: skip
