@@ -37,6 +37,7 @@ from attnx.model.contract import MODEL_DTYPES, describe, external_data_locations
 from attnx.model.tolerance import ProblemSize, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.decode import decode_sequence
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
@@ -407,7 +408,22 @@ def _load_golden(path: str, case: Mapping[str, Any]) -> tuple[dict[str, np.ndarr
 
 def _case_label(case: Mapping[str, Any]) -> str:
     mem = f" mem_seq={case['mem_seq']}" if case.get("mem_seq") else ""
+    decode = case.get("decode")
+    if isinstance(decode, dict):
+        return f"batch={case.get('batch')} prefill={decode.get('prefill')} + {decode.get('steps')} steps"
     return f"batch={case.get('batch')} seq={case.get('seq')}{mem}"
+
+
+def _replay_decode(runner: Runner, case: Mapping[str, Any], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A golden decode sequence replayed: the prefill, then one token per step, each step's
+    cache fed back as past (runner.prefill/step); y of every position and the final cache."""
+    decode = case["decode"]
+    prefill = decode.get("prefill") if isinstance(decode, dict) else None
+    if not isinstance(prefill, int) or isinstance(prefill, bool) or not 0 <= prefill < feeds["x"].shape[1]:
+        raise _BadGolden(f"its 'decode' entry {decode!r} gives no prefill length within its {feeds['x'].shape[1]} tokens")
+    y, state = decode_sequence(runner, feeds, prefill)
+    present_key, present_value = state.cache_numpy()
+    return {"y": y, "present_key": present_key, "present_value": present_value}
 
 
 def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> list[Check]:
@@ -418,7 +434,7 @@ def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> lis
         label = _case_label(case)
         try:
             feeds, expected = _load_golden(member_path(root, name, "a golden file"), case)
-            got = runner.run(feeds)
+            got = _replay_decode(runner, case, feeds) if "decode" in case else runner.run(feeds)
         except _BadGolden as e:
             checks.append(Check(name, False, str(e)))
             continue

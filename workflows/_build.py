@@ -50,6 +50,7 @@ from attnx.model.tolerance import problem_size
 from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison
+from attnx.runtimes.decode import empty_cache, make_decode_inputs, run_decode_parity
 from attnx.runtimes.package import (
     FORMAT,
     FORMAT_VERSION,
@@ -324,7 +325,8 @@ def build_package(
     check_memory(estimate_export(config, shapes, what="build", reference=True), max_mem_gb)
     # The lock first: a second build of the same folder is refused now, not after its work.
     with output_lock(out), Staging(out, folder=True) as stage:
-        report = _build_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)
+        build = _build_step_into if config.kv_cache else _build_into
+        report = build(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)
         progress(f"moving the package into place: {out}")
         stage.publish(replace_folder=lambda target: _check_target(target, force))
     report.directory = out
@@ -609,3 +611,102 @@ def parity_markdown(parity: ParityReport, config: AttentionConfig, dtype: str) -
         if c.status == "fail":
             lines.append(f"- FAIL {c.backend} batch={c.batch} seq={c.seq}: {c.reason}")
     return "\n".join(lines) + "\n"
+
+
+# Step models (config kv_cache) -----------------------------------------------------------------
+# The decode parity of a step-model build, and its golden decode sequence (a prefill, then steps).
+STEP_PARITY = {"prefills": (0, 1, 37), "steps": 64, "batch": 3}
+STEP_PARITY_LARGE = {"prefills": (0, 8), "steps": 4, "batch": 1}
+STEP_GOLDEN = {"prefill": 5, "steps": 4, "batch": 2}
+
+
+def _build_step_into(
+    tmp: str,
+    config: AttentionConfig,
+    weights_arg: Any,
+    seed: int,
+    attention: str,
+    dtype: str,
+    providers: list[str],
+    plan: CheckPlan,
+    progress: Callable[[str], None],
+) -> BuildReport:
+    """The package of a step model: the model, its step-by-step parity on every backend here
+    (prefill then single-token steps against the reference's full forward), a golden decode
+    sequence that `attnx verify` replays, the manifest, and the package's own verify.
+
+    Unlike _build_into the weights stay in memory beside one ONNX Runtime session at a time
+    (the step model is checked by decoding, which the replay of recorded outputs does not cover)."""
+    model_path = os.path.join(tmp, MODEL_FILE)
+    weights, weights_info = _load_weights(config, weights_arg, seed, progress)
+    weights_info["sha256"] = _weights_sha256(config, weights)
+    exported = export_model(config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False,
+                            check=False, progress=progress)  # fmt: skip
+    progress("checking the saved model (onnx checker, dims, onnxruntime load)")
+    check_model_file(model_path, config)
+    step_parity = STEP_PARITY if 4 * config.n_params <= LARGE_MODEL_BYTES else STEP_PARITY_LARGE
+    source = ModelSource(config, weights, model_path, dtype)
+    backends = [b for b in BACKENDS if plan.check_reference or b != REFERENCE]
+    parity = ParityReport([])
+    for backend in backends:  # one backend at a time: two sessions never coexist
+        progress(f"decode parity: {backend} (prefill {list(step_parity['prefills'])} + {step_parity['steps']} steps)")
+        parity.cases += run_decode_parity(source, [backend], progress=progress, **step_parity).cases
+    if not parity.passed:
+        failed = [c for c in parity.cases if c.status == "fail"]
+        raise CheckFailed(
+            f"decode parity failed in {len(failed)} case(s), no package written: "
+            + "; ".join(f"{c.backend} prefill={c.prefill}: {c.reason}" for c in failed[:5])
+        )
+    progress("golden decode sequence (reference backend, float64)")
+    golden = [_write_golden_decode(tmp, config, weights, dtype)]
+    del weights, source
+    gc.collect()
+    parity.write_json(os.path.join(tmp, PARITY_JSON))
+    with open(os.path.join(tmp, PARITY_MD), "w", encoding="utf-8") as f:
+        f.write(parity_markdown(parity, config, dtype))
+    manifest = _manifest(
+        tmp, config, dtype, attention, exported.files, providers, parity, golden, weights_info, progress
+    )
+    _write_json(os.path.join(tmp, MANIFEST), manifest)
+    with open(os.path.join(tmp, MANIFEST), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(tmp, MANIFEST_SUM), "w", encoding="ascii") as f:
+        f.write(f"{digest}  {MANIFEST}\n")
+    for provider in manifest["verified_on"] or ["cpu"]:
+        progress(f"verifying the package as a deployment machine will (attnx verify, {provider})")
+        model_file = None if provider in manifest["verified_on"] else MODEL_FILE
+        verify = verify_package(tmp, provider, progress, model_file=model_file)
+        if not verify.passed:
+            raise CheckFailed(
+                f"the package fails its own verify on {provider}: "
+                + "; ".join(f"{c.name}: {c.detail}" for c in verify.failures())
+            )
+    return BuildReport(tmp, manifest, [], parity, verify, exported.passes)
+
+
+def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str, np.ndarray],
+                         dtype: str) -> dict[str, Any]:  # fmt: skip
+    """golden-decode-0.npz: the tokens (and their key padding mask) of a prefill then single-token
+    steps, with the reference's float64 full forward over them: y at every position and the
+    final cache. attnx verify replays the sequence (runner.prefill, runner.step) and compares."""
+    prefill, steps, batch = STEP_GOLDEN["prefill"], STEP_GOLDEN["steps"], STEP_GOLDEN["batch"]
+    feeds = make_decode_inputs(config, batch, prefill + steps, dtype, seed=GOLDEN_SEED)
+    pk, pv = empty_cache(config, batch, dtype)
+    full = {**feeds, "past_key": pk, "past_value": pv}
+    with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
+        expected = reference.run(full)
+    name = "golden-decode-0.npz"
+    write_npz(os.path.join(tmp, name), {**feeds, **expected})
+    return {
+        "file": name,
+        "batch": batch,
+        "seq": prefill + steps,
+        "mem_seq": None,
+        "seed": GOLDEN_SEED,
+        "decode": {"prefill": prefill, "steps": steps},
+        "inputs": list(feeds),
+        "outputs": ["y", "present_key", "present_value"],
+        "output_dtype": "fp64",
+        "backend": REFERENCE,
+        "problem_size": problem_size(config, weights, full).to_dict(),
+    }
