@@ -288,7 +288,8 @@ DECODE_FORMS = ("growing", "buffer")
 STEP_LOWERINGS: dict[str, str] = {
     "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",
     "onnx": "the opset-23 Attention op with past_key/past_value (kv_num_heads)",
-    "ort-fused": f"{MS_DOMAIN}.GroupQueryAttention (past/present cache, kv_num_heads)",
+    "ort-fused": f"{MS_DOMAIN}.MultiHeadAttention with past (n_kv_heads == n_heads), else "
+    f"{MS_DOMAIN}.GroupQueryAttention (kv_num_heads)",
 }
 
 
@@ -303,9 +304,10 @@ def check_lowering(config: AttentionConfig, attention: str, step: bool = False) 
                 f"{', '.join(STEP_LOWERINGS)}"
             )
         if attention == "ort-fused" and config.v_head_dim != config.head_dim:
+            # Both ops refuse it: MultiHeadAttention's past_value, GroupQueryAttention's value (measured).
             raise UsageError(
-                f"--attention ort-fused ({MS_DOMAIN}.GroupQueryAttention) needs v_head_dim == head_dim "
-                f"(this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
+                f"--attention ort-fused ({MS_DOMAIN}.MultiHeadAttention/GroupQueryAttention with a cache) needs "
+                f"v_head_dim == head_dim (this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
             )
         return
     if config.kv_cache and attention != "auto":

@@ -207,3 +207,20 @@ def test_cli_run_with_a_cache(step_models, tmp_path):
     # the mask must cover past + new positions: one clear error, exit 2
     assert main(["run", path, "--input", files["x1"], "--key-padding-mask", files["m5"], "--past-key", out["pk"],
                  "--past-value", out["pv"], "--output", out["y1"]]) == 2  # fmt: skip
+
+
+def test_step_model_other_shapes(tmp_path):
+    """v_head_dim != head_dim, no biases, a custom scale: decomposed and onnx pass step by step; the
+    fused ops (which need v_head_dim == head_dim) are refused by name; ort-fused without biases passes."""
+    odd = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=10, v_head_dim=6, causal=True,
+                          key_padding_mask=True, kv_cache=True)  # fmt: skip
+    plain = AttentionConfig(d_model=32, n_heads=4, bias=False, scale=0.3, causal=True, kv_cache=True)
+    for c, lowerings in ((odd, ("decomposed", "onnx")), (plain, ("decomposed", "onnx", "ort-fused"))):
+        w = init_weights(c, 0)
+        for attention in lowerings:
+            path = str(tmp_path / f"{attention}.onnx")
+            onnx.save(build_step_model(c, w, attention), path)
+            report = run_decode_parity(ModelSource(c, w, path), ["ort-cpu"], prefills=(0, 5), steps=6, batch=3)
+            assert report.passed and all(x.status == "pass" for x in report.cases), attention
+    with pytest.raises(UsageError, match="needs v_head_dim == head_dim"):
+        build_step_model(odd, init_weights(odd, 0), "ort-fused")
