@@ -46,6 +46,7 @@ from attnx.model.contract import (
     DECODE_KEY,
     IR_VERSION,
     MS_DOMAIN,
+    buffer_form_specs,
     check_choice,
     check_lowering,
 )
@@ -242,7 +243,7 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
         )
     if c.key_padding_mask:
         raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
-    H, Hkv, hd, vhd = c.n_heads, c.n_kv_heads, c.head_dim, c.v_head_dim
+    H, Hkv = c.n_heads, c.n_kv_heads
     g = _Graph()
     q = _linear(g, "x", weights, "q_proj", c.bias)
     k = _linear(g, "x", weights, "k_proj", c.bias)
@@ -253,19 +254,11 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
     )  # fmt: skip
     g.nodes[-1].output[:] = [z, "present_key", "present_value"]
     _linear(g, z, weights, "out_proj", c.bias, out="y")
-    info = helper.make_tensor_value_info
-    inputs = [
-        info("x", _F, ["batch", "seq", c.d_model]),
-        info("past_key", _F, ["batch", Hkv, "capacity", hd]),
-        info("past_value", _F, ["batch", Hkv, "capacity", vhd]),
-        info("seqlens_k", TensorProto.INT32, ["batch"]),
-        info("total_sequence_length", TensorProto.INT32, []),
-    ]
-    outputs = [
-        info("y", _F, ["batch", "seq", c.d_model]),
-        info("present_key", _F, ["batch", Hkv, "capacity", hd]),
-        info("present_value", _F, ["batch", Hkv, "capacity", vhd]),
-    ]
+    elem = {"fp32": _F, "int32": TensorProto.INT32}
+    inputs, outputs = (
+        [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in specs]
+        for specs in buffer_form_specs(c)
+    )
     graph = helper.make_graph(g.nodes, "attnx_step_buffer", inputs, outputs, g.inits)
     model = helper.make_model(
         graph,

@@ -78,6 +78,7 @@ __all__ = [
     "DECODE_KEY",
     "DECODE_FORMS",
     "STEP_LOWERINGS",
+    "buffer_form_specs",
     "check_lowering",
 ]
 
@@ -274,8 +275,12 @@ def check_opset(attention: str, opset: int | None) -> int:
     return opset
 
 
-def contract_dims(config: AttentionConfig) -> dict[str, list[int | str]]:
-    """Each graph input's and output's shape in the contract, dynamic dims by name."""
+def contract_dims(config: AttentionConfig, decode: str | None = None) -> dict[str, list[int | str]]:
+    """Each graph input's and output's shape in the contract, dynamic dims by name (decode
+    "buffer": the step model's buffer form, buffer_form_specs)."""
+    if decode == "buffer":
+        inputs, outputs = buffer_form_specs(config)
+        return {s.name: list(s.shape) for s in inputs + outputs}
     return {s.name: list(s.shape) for s in config.inputs() + config.outputs()}
 
 
@@ -291,6 +296,29 @@ STEP_LOWERINGS: dict[str, str] = {
     "ort-fused": f"{MS_DOMAIN}.MultiHeadAttention with past (n_kv_heads == n_heads), else "
     f"{MS_DOMAIN}.GroupQueryAttention (kv_num_heads)",
 }
+
+
+def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs of the step model's buffer form (README, "Decoding"): the cache is one
+    buffer of `capacity` positions bound as both past_* and present_* (the same memory);
+    seqlens_k int32 [batch] is the number of positions filled after this step minus 1 and
+    total_sequence_length int32 [] the number filled after this step."""
+    c = config
+    cache_k = ("batch", c.n_kv_heads, "capacity", c.head_dim)
+    cache_v = ("batch", c.n_kv_heads, "capacity", c.v_head_dim)
+    inputs = [
+        TensorSpec("x", dtype, ("batch", "seq", c.d_model)),
+        TensorSpec("past_key", dtype, cache_k),
+        TensorSpec("past_value", dtype, cache_v),
+        TensorSpec("seqlens_k", "int32", ("batch",)),
+        TensorSpec("total_sequence_length", "int32", ()),
+    ]
+    outputs = [
+        TensorSpec("y", dtype, ("batch", "seq", c.d_model)),
+        TensorSpec("present_key", dtype, cache_k),
+        TensorSpec("present_value", dtype, cache_v),
+    ]
+    return inputs, outputs
 
 
 def check_lowering(config: AttentionConfig, attention: str, step: bool = False) -> None:

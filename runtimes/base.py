@@ -147,6 +147,11 @@ class Runner:
                 f"prefill/step need a step model (a config with 'kv_cache': true); backend {self.name!r} runs "
                 + ("a model without a cache" if config is not None else "a model without a config")
             )
+        if any(s.name == "seqlens_k" for s in self.inputs):
+            raise UsageError(
+                "this step model is the buffer form (one cache bound as past and present): decode it with "
+                "attnx.runtimes.decode.BufferDecoder; prefill/step run the growing form"
+            )
         return config
 
     def _float_dtype(self) -> np.dtype:

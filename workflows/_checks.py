@@ -62,7 +62,7 @@ def check_dims(path: str | os.PathLike[str], config: AttentionConfig) -> None:
     """Every input and output has the contract's shape, dynamic dims named batch/seq/mem_seq."""
     info = describe(path)
     values = {s.name: list(s.shape) for s in (*info.inputs, *info.outputs)}
-    for name, dims in contract_dims(config).items():
+    for name, dims in contract_dims(config, info.decode).items():
         if name not in values:
             raise ExportError(f"model has no {name!r}")
         if values[name] != dims:

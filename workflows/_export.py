@@ -15,12 +15,19 @@ from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
 from attnx.export import EXPORTED_LOWERINGS, build_step_model, export_onnx, release_rewriter_state, save_model
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES, check_choice, check_lowering, check_opset
+from attnx.model.contract import (
+    DECODE_FORMS,
+    EXPORT_ATTENTIONS,
+    MODEL_DTYPES,
+    check_choice,
+    check_lowering,
+    check_opset,
+)
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
 from attnx.runtimes.base import ModelSource
 from attnx.runtimes.compare import Comparison
-from attnx.runtimes.decode import run_decode_parity
+from attnx.runtimes.decode import run_buffer_parity, run_decode_parity
 from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
 from attnx.workflows._lower import lower
 
@@ -54,6 +61,7 @@ def export_model(
     check: bool = True,
     max_mem_gb: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
+    decode_form: str = "growing",
 ) -> ExportReport:
     """Export `config` to `out`, check the written file (onnx checker, contract dims, loads in
     onnxruntime, and with validate agrees with torch at shapes the export never saw), and only
@@ -72,9 +80,12 @@ def export_model(
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_choice("--dtype", dtype, MODEL_DTYPES)
+    check_choice("--decode-form", decode_form, DECODE_FORMS)
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
-                                  check=check, validate=validate, progress=progress)  # fmt: skip
+                                  check=check, validate=validate, progress=progress, form=decode_form)  # fmt: skip
+    if decode_form != "growing":
+        raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
         check_lowering(config, attention)  # a fused lowering of grouped heads: refused before any work
     # The exporter writes the lowerings that are not passes; the others start from decomposed.
@@ -146,6 +157,7 @@ def _export_step_model(
     check: bool,
     validate: bool,
     progress: Callable[[str], None],
+    form: str = "growing",
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
     checked like every export and validated step by step against the reference."""
@@ -165,8 +177,8 @@ def _export_step_model(
         else:
             check_weights(config, weights)
             check_finite(weights)
-        progress(f"building the step model ({attention})")
-        model = ir.from_proto(build_step_model(config, weights, attention))
+        progress(f"building the step model ({attention}, {form} form)")
+        model = ir.from_proto(build_step_model(config, weights, attention, form))
         opset_used = model.opset_imports.get("", 0)
         save_model(model, stage.path())
         del model
@@ -176,9 +188,13 @@ def _export_step_model(
             check_model_file(stage.path(), config, label)
             if validate:
                 progress("validating prefill + steps on onnxruntime against the reference's full forward")
-                report = run_decode_parity(ModelSource(config, weights, stage.path()), ["ort-cpu"], **STEP_VALIDATION)
+                source = ModelSource(config, weights, stage.path())
+                if form == "buffer":
+                    report = run_buffer_parity(source, "ort-cpu", **STEP_VALIDATION)
+                else:
+                    report = run_decode_parity(source, ["ort-cpu"], **STEP_VALIDATION)
                 failed = [c for c in report.cases if c.status != "pass"]
                 if failed:
                     raise ExportError(f"{label}: step-by-step validation failed: {failed[0].reason}")
         files = stage.publish()
-    return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, [f"lowering: {attention} (step model, growing cache)"])
+    return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, [f"lowering: {attention} (step model, {form} form)"])

@@ -6,7 +6,7 @@ import argparse
 
 from attnx._text import format_table
 from attnx.commands._common import Progress, add_max_mem_arg, add_model_args, load_config_arg, workflows
-from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES
+from attnx.model.contract import DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
 
 HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
 
@@ -19,6 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--opset", type=int, help="ONNX opset (default and lowest: 18; 23 for --attention onnx; at most 25)")
     p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
+    p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
+                   help="a kv_cache config's step model: growing (past -> present, every lowering) or buffer "
+                   "(ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx")
     p.set_defaults(run=run)
@@ -40,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         validate=not args.no_validate,
         max_mem_gb=args.max_mem_gb,
         progress=progress,
+        decode_form=args.decode_form,
     )
     for line in report.passes:
         print(line)

@@ -69,6 +69,11 @@ def _step_feeds(args: argparse.Namespace, runner, feeds: dict[str, np.ndarray]) 
                 "--past-key/--past-value/--present-* are for a step model (kv_cache); this one has no cache"
             )
         return
+    if "seqlens_k" in takes:
+        raise UsageError(
+            "this step model is the buffer form (one cache bound as past and present through IOBinding): "
+            "run it with attnx.runtimes.decode.BufferDecoder; attnx run takes the growing form"
+        )
     if bool(args.past_key) != bool(args.past_value):
         raise UsageError("--past-key and --past-value go together (or neither: an empty cache)")
     if args.past_key:

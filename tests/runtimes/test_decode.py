@@ -224,3 +224,32 @@ def test_step_model_other_shapes(tmp_path):
             assert report.passed and all(x.status == "pass" for x in report.cases), attention
     with pytest.raises(UsageError, match="needs v_head_dim == head_dim"):
         build_step_model(odd, init_weights(odd, 0), "ort-fused")
+
+
+def test_export_buffer_form_cli(tmp_path, capsys):
+    """attnx export --decode-form buffer writes and validates the buffer form; inspect names it;
+    attnx run and runner.prefill point at BufferDecoder; the form is refused where it does not apply."""
+    import json
+
+    from attnx.cli import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(_step(4, 2, kpm=False).to_dict()))
+    model = str(tmp_path / "buffer.onnx")
+    assert main(["export", "--config", str(cfg), "--attention", "ort-fused", "--decode-form", "buffer",
+                 "--out", model]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["inspect", model, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["decode"] == "buffer" and info["lowering"] == "ort-fused"
+    assert [i["name"] for i in info["inputs"]][3:] == ["seqlens_k", "total_sequence_length"]
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((1, 2, 32), np.float32))
+    assert main(["run", model, "--input", str(x), "--output", str(tmp_path / "y.npy")]) == 2
+    assert "BufferDecoder" in capsys.readouterr().err
+    with create_runner("ort-cpu", ModelSource(_step(4, 2, kpm=False), None, model)) as runner:
+        with pytest.raises(UsageError, match="buffer form"):
+            runner.prefill(np.zeros((1, 2, 32), np.float32))
+    assert main(["export", "--config", str(cfg), "--decode-form", "buffer", "--out", str(tmp_path / "d.onnx")]) == 2
+    assert main(["export", "--preset", "tiny", "--decode-form", "buffer", "--out", str(tmp_path / "t.onnx")]) == 2
+    assert not (tmp_path / "d.onnx").exists() and not (tmp_path / "t.onnx").exists()
