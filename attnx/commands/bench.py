@@ -17,6 +17,7 @@ from attnx.bench import (
     DEFAULT_SEQS,
     BenchPlan,
     check_plot_path,
+    machine_info,
     plot_report,
     run_bench,
     run_decode_bench,
@@ -90,7 +91,7 @@ def run_decode(args: argparse.Namespace) -> int:
     kv = args.kv_heads if args.kv_heads is not None else config.n_kv_heads
     config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
-    impls = ["ort-fused buffer", "ort-fused growing", "decomposed growing", "torch eager"]
+    impls = ["ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager"]
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
                             impls=impls, progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
     table = []
@@ -99,12 +100,15 @@ def run_decode(args: argparse.Namespace) -> int:
             flushed, warm = r.times_ms[f"{impl} flushed"], r.times_ms[f"{impl} warm"]
             table.append((r.past, impl, f"{flushed:.3f}", f"{warm:.3f}", f"{r.step_bytes / 1e6:.1f}", f"{r.bound_ms:.3f}",
                           f"{flushed / r.bound_ms:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}"))  # fmt: skip
+    machine = machine_info()
     print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
-          f"fp32, {args.threads} threads; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (large copy, this run)")  # fmt: skip
+          f"fp32, {args.threads} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
+          f"large copy of this run: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0].copies_gbs.items())
+          + "); flushed: a 256 MB read before each timed step; lowest median of 3 rounds")  # fmt: skip
     headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this"]
     print(format_table(headers, table))
     if args.json:
-        write_json_atomic(args.json, {"config": config.to_dict(), "threads": args.threads,
+        write_json_atomic(args.json, {"config": config.to_dict(), "threads": args.threads, "machine": machine,
                                       "rows": [r.to_dict() for r in rows]})  # fmt: skip
     return 0
 
