@@ -43,6 +43,7 @@ NUMBER_SETTINGS = settings(FAULT_SETTINGS, max_examples=3 if PROFILE == "default
 ALLOWED = {0, 1, 2, 130, 143}
 SENTINEL = b"what was here before the command ran\n"
 TINY_CONFIG = '{"d_model": 16, "n_heads": 2, "key_padding_mask": true}'
+STEP_CONFIG = '{"d_model": 16, "n_heads": 2, "n_kv_heads": 1, "causal": true, "kv_cache": true}'
 
 
 @dataclasses.dataclass
@@ -144,9 +145,16 @@ def assets(tmp_path_factory):
               root / "ckpt" / "model.safetensors")  # fmt: skip
     np.save(root / "x.npy", rng.standard_normal((2, 3, 16), dtype=np.float32))
     np.save(root / "k.npy", np.zeros((2, 3), dtype=bool))
+    # A step model (kv_cache) and a cache of 3 positions for it (attnx run --past-key/--past-value).
+    (root / "step.json").write_text(STEP_CONFIG)
+    assert main(["export", "--config", str(root / "step.json"), "--out", str(root / "step.onnx"), "--no-validate"]) == 0
+    np.save(root / "pk.npy", rng.standard_normal((2, 1, 3, 8), dtype=np.float32))
+    np.save(root / "pv.npy", rng.standard_normal((2, 1, 3, 8), dtype=np.float32))
+    np.save(root / "x1.npy", rng.standard_normal((2, 1, 16), dtype=np.float32))
     return {
         "config": root / "c.json", "weights": root / "w.safetensors", "model": root / "m.onnx",
         "package": root / "pkg", "npy": root / "x.npy", "mask": root / "k.npy", "checkpoint": root / "ckpt",
+        "step": root / "step.onnx", "past": root / "pk.npy", "past_value": root / "pv.npy", "x1": root / "x1.npy",
     }  # fmt: skip
 
 

@@ -79,12 +79,14 @@ FILE_CASES = {
                                              "--output", w / "y.npy"], ["y.npy"]),
     "run --key-padding-mask": ("mask", lambda p, a, w: ["run", a["model"], "--input", a["npy"], "--key-padding-mask",
                                                          p, "--output", w / "y.npy"], ["y.npy"]),
+    "run --past-key": ("past", lambda p, a, w: ["run", a["step"], "--input", a["x1"], "--past-key", p, "--past-value",
+                                                 a["past_value"], "--output", w / "y.npy"], ["y.npy"]),
     "inspect DIR|MODEL": ("model", lambda p, a, w: ["inspect", p, "--json"], []),
     "import CHECKPOINT_DIR": ("checkpoint", lambda p, a, w: ["import", p, "--out", w / "imp"], ["imp"]),
 }  # fmt: skip
 # A valid file of another kind, for each kind (what a user passes by mistake).
 OTHER_KIND = {"config": "weights", "weights": "config", "model": "npy", "package": "model", "npy": "model",
-              "mask": "config", "checkpoint": "package"}  # fmt: skip
+              "mask": "config", "checkpoint": "package", "past": "npy"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
