@@ -55,6 +55,7 @@ _EXPORTS = {
     "run_parity": "attnx.runtimes.parity",
     "load": "attnx.runtimes.package",
     "verify_package": "attnx.runtimes.package",
+    "run_decode_parity": "attnx.runtimes.decode",
 }
 
 __all__ = [
