@@ -38,6 +38,8 @@ __all__ = [
     "estimate_export",
     "estimate_parity",
     "check_memory",
+    "cache_bytes",
+    "estimate_decode_bench",
 ]
 
 GB = 1024**3
@@ -155,6 +157,28 @@ def estimate_parity(
             "onnxruntime's copy": weights_bytes(config) if onnx_model else 0,
             "activations": max((activation_bytes(config, b, t, m, "decomposed") for b, t, m in shapes), default=0),
             "float64 reference": _reference_bytes(config, shapes),
+        },
+    )
+
+
+def cache_bytes(config: AttentionConfig, batch: int, positions: int, itemsize: int = 4) -> int:
+    """A key/value cache of `positions` positions: keys and values of every key/value head."""
+    return batch * config.n_kv_heads * (config.head_dim + config.v_head_dim) * positions * itemsize
+
+
+def estimate_decode_bench(config: AttentionConfig, pasts: Iterable[int], sessions: int) -> Estimate:
+    """attnx bench --decode: the weights, one copy per ONNX Runtime session (the step models are
+    built from them), the largest past's cache about six times (the random cache, the buffer
+    form's copy, the growing form's past and present, torch's cat), the bandwidth copies
+    (2 x 512 MB) and the flush buffer (256 MB)."""
+    largest = max(pasts, default=0) + 1
+    return Estimate(
+        "bench --decode",
+        {
+            "weights": weights_bytes(config),
+            f"{sessions} onnxruntime sessions' weights": sessions * weights_bytes(config),
+            "caches": 6 * cache_bytes(config, 1, largest),
+            "bandwidth copies and flush": 1280 * 1024**2,
         },
     )
 

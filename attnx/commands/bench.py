@@ -26,6 +26,7 @@ from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_
 from attnx.errors import UsageError
 from attnx.model import PRESETS
 from attnx.model.contract import BENCH_ORT_LOWERINGS, EXPORT_ATTENTIONS, MODEL_DTYPES, TORCH_CORES, describe
+from attnx.model.resources import check_memory, estimate_decode_bench
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
 
@@ -92,6 +93,7 @@ def run_decode(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
     impls = ["ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager"]
+    check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
                             impls=impls, progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
     table = []

@@ -7,19 +7,20 @@ import os
 import tempfile
 
 from attnx._io import check_output_file
-from attnx.errors import UsageError
 from attnx._text import format_table
 from attnx.commands._common import (
     SIZE_MAX,
     Progress,
     add_max_mem_arg,
     add_model_args,
+    int_arg,
     int_list,
     load_config_arg,
     load_weights_arg,
     str_list,
     workflows,
 )
+from attnx.errors import UsageError
 from attnx.model.contract import BACKENDS, MODEL_DTYPES, check_choice, provider_of_backend
 from attnx.model.resources import check_memory, estimate_parity
 from attnx.runtimes import ModelSource, backend_names, create_runner
@@ -45,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="step by step (a kv_cache config): a prefill of each --prefill length, then --steps single-token "
                    "steps feeding the cache back, against the reference's full forward")  # fmt: skip
     p.add_argument("--prefill", type=_lengths, default=list(DEFAULT_PREFILLS), help="with --decode (default 0,1,37)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"with --decode (default {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=int_arg(1, SIZE_MAX), default=DEFAULT_STEPS,
+                   help=f"with --decode (default {DEFAULT_STEPS})")  # fmt: skip
     p.add_argument("--attention", default="decomposed", help="with --decode and no --model: the step model's lowering")
     add_max_mem_arg(p)
     p.set_defaults(run=run)
@@ -75,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("this config has 'kv_cache': true: its parity is step by step, attnx parity --decode")
     mem_seqs = (args.mem_seq or DEFAULT_MEM_SEQS) if config.cross else [None]
     shapes = [(b, s, m) for b in args.batch for s in args.seq for m in mem_seqs]
+    if args.decode:  # the reference's full forward over every token of the longest case
+        shapes = [(b, max(args.prefill) + args.steps, None) for b in args.batch]
     needs_model = any(provider_of_backend(b) is not None for b in [*args.backends, *args.require])
     check_memory(estimate_parity(config, shapes, onnx_model=needs_model), args.max_mem_gb)
     progress = Progress()

@@ -34,3 +34,10 @@ def test_cli_bench_decode(tmp_path, capsys):
         assert impls == {"ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager"}
         assert all(t > 0 for t in r["times_ms"].values())
     assert main(["bench", "--preset", "tiny", "--decode", "--kv-heads", "3"]) == 2  # must divide n_heads
+
+
+def test_decode_refusals_before_any_work(capsys):
+    """A past the machine cannot hold and a step count out of range: exit 2, one line, nothing run."""
+    assert main(["bench", "--preset", "large", "--decode", "--past", "100000000"]) == 2
+    assert "not started: it needs" in capsys.readouterr().err
+    assert main(["bench", "--preset", "tiny", "--decode", "--past", "8", "--max-mem-gb", "0.5"]) == 2

@@ -253,3 +253,36 @@ def test_export_buffer_form_cli(tmp_path, capsys):
     assert main(["export", "--config", str(cfg), "--decode-form", "buffer", "--out", str(tmp_path / "d.onnx")]) == 2
     assert main(["export", "--preset", "tiny", "--decode-form", "buffer", "--out", str(tmp_path / "t.onnx")]) == 2
     assert not (tmp_path / "d.onnx").exists() and not (tmp_path / "t.onnx").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention", ["decomposed", "onnx", "ort-fused"])
+def test_decode_parity_on_the_gpu(step_models, attention):
+    """ort-cuda (the cache fed back as ORT's device OrtValues) and torch-cuda, step by step;
+    skipped with the backend's own reason where no GPU runs."""
+    from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
+    from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
+
+    reasons = [r for r in (ort_cuda_unavailable_reason(), torch_cuda_unavailable_reason()) if r]
+    if len(reasons) == 2:
+        pytest.skip("; ".join(reasons))
+    c = _step(4, 2)
+    w = init_weights(c, 0)
+    report = run_decode_parity(ModelSource(c, w, step_models(c, attention)), ["ort-cuda", "torch-cuda"],
+                               prefills=(0, 37), steps=16, batch=3)  # fmt: skip
+    assert report.passed, [x.reason for x in report.cases if x.status != "pass"]
+
+
+@pytest.mark.cuda
+def test_buffer_form_on_the_gpu(tmp_path):
+    from attnx.runtimes.decode import run_buffer_parity
+    from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
+
+    reason = ort_cuda_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    c = _step(4, 2, kpm=False)
+    w = init_weights(c, 0)
+    path = str(tmp_path / "buffer.onnx")
+    onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
+    assert run_buffer_parity(ModelSource(c, w, path), "ort-cuda", prefills=(0, 37), steps=16, batch=2).passed
