@@ -101,3 +101,14 @@ def test_step_by_step_equals_full_forward_in_the_formula(n_kv_heads):
                             past_key=torch.from_numpy(empty), past_value=torch.from_numpy(empty))  # fmt: skip
     for name, got, want in (("y", yt, y_full), ("k", kt, k_full), ("v", vt, v_full)):
         assert compare_arrays(name, got.numpy(), want, tol, size)
+
+
+def test_decode_presets():
+    from attnx.model import preset
+
+    gqa, mqa = preset("large-gqa"), preset("large-mqa")
+    assert (gqa.n_heads, gqa.n_kv_heads, gqa.group_size, gqa.kv_cache, gqa.causal) == (16, 4, 4, True, True)
+    assert (mqa.n_kv_heads, mqa.group_size, mqa.kv_q_dim) == (1, 16, 64)
+    assert AttentionConfig.from_json(gqa.to_json()) == gqa
+    assert [s.name for s in gqa.outputs()] == ["y", "present_key", "present_value"]
+    assert gqa.inputs()[1].shape == ("batch", 4, "past_seq", 64)
