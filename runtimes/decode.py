@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILLS = (0, 1, 37)
 DEFAULT_STEPS = 64
-_CACHE = ("present_key", "present_value")
 
 
 def empty_cache(config: AttentionConfig, batch: int, dtype: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +54,7 @@ def empty_cache(config: AttentionConfig, batch: int, dtype: str = "fp32") -> tup
 
 
 class BufferDecoder:
-    """Prefill and steps over an ort-* runner of the buffer form: one cache buffer per tensor,
+    """Steps (the first one the prefill) over an ort-* runner of the buffer form: one cache buffer per tensor,
     [batch, n_kv_heads, capacity, ..], allocated once and bound through IOBinding as both the
     past input and the present output, so each step writes only its new tokens' keys/values.
     The state is the number of positions filled."""

@@ -247,9 +247,9 @@ def test_export_buffer_form_cli(tmp_path, capsys):
     np.save(x, np.zeros((1, 2, 32), np.float32))
     assert main(["run", model, "--input", str(x), "--output", str(tmp_path / "y.npy")]) == 2
     assert "BufferDecoder" in capsys.readouterr().err
-    with create_runner("ort-cpu", ModelSource(_step(4, 2, kpm=False), None, model)) as runner:
-        with pytest.raises(UsageError, match="buffer form"):
-            runner.prefill(np.zeros((1, 2, 32), np.float32))
+    source = ModelSource(_step(4, 2, kpm=False), None, model)
+    with create_runner("ort-cpu", source) as runner, pytest.raises(UsageError, match="buffer form"):
+        runner.prefill(np.zeros((1, 2, 32), np.float32))
     assert main(["export", "--config", str(cfg), "--decode-form", "buffer", "--out", str(tmp_path / "d.onnx")]) == 2
     assert main(["export", "--preset", "tiny", "--decode-form", "buffer", "--out", str(tmp_path / "t.onnx")]) == 2
     assert not (tmp_path / "d.onnx").exists() and not (tmp_path / "t.onnx").exists()
