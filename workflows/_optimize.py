@@ -74,6 +74,11 @@ def optimize_file(
     progress(f"loading {in_path}")
     info = describe(in_path)
     config = info.require_config("optimize works on models written by attnx export")
+    if config.kv_cache:
+        raise UsageError(
+            f"{in_path!r} is a step model ('kv_cache': true): it is built in its lowering by attnx export "
+            "--attention decomposed|onnx|ort-fused, not rewritten by optimize"
+        )
     dtype = dtype or info.dtype
     if info.dtype == "fp16" and dtype == "fp32":
         raise UsageError(f"{in_path!r} is a float16 model: it cannot be optimized back to fp32")

@@ -132,6 +132,8 @@ def _plan(args: argparse.Namespace) -> Any:
         config = load_config_arg(args)
         if args.weights and not os.path.isfile(args.weights):
             raise UsageError(f"--weights {args.weights!r} does not exist")
+    if config.kv_cache:
+        raise UsageError("this is a step model ('kv_cache': true): its bench is the per-token step, attnx bench --decode")
     return BenchPlan(
         config=config,
         backends=args.backends,

@@ -286,3 +286,24 @@ def test_buffer_form_on_the_gpu(tmp_path):
     path = str(tmp_path / "buffer.onnx")
     onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
     assert run_buffer_parity(ModelSource(c, w, path), "ort-cuda", prefills=(0, 37), steps=16, batch=2).passed
+
+
+def test_commands_that_do_not_take_a_step_model_say_so(step_models, tmp_path, capsys):
+    import json
+
+    from attnx.cli import main
+
+    c = _step(4, 2, kpm=False)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(c.to_dict()))
+    model = step_models(c, "decomposed")
+    for argv, needle in (
+        (["bench", "--config", str(cfg), "--seq", "8"], "attnx bench --decode"),
+        (["bench", "--model", model], "attnx bench --decode"),
+        (["optimize", model, "--out", str(tmp_path / "o.onnx")], "not rewritten by optimize"),
+        (["export", "--config", str(cfg), "--attention", "auto", "--out", str(tmp_path / "a.onnx")], "auto"),
+        (["export", "--config", str(cfg), "--dtype", "fp16", "--out", str(tmp_path / "h.onnx")], "fp32 only"),
+    ):
+        assert main(argv) == 2, argv
+        assert needle in capsys.readouterr().err
+    assert not any(p.suffix == ".onnx" for p in tmp_path.iterdir())
