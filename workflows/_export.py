@@ -83,7 +83,8 @@ def export_model(
     check_choice("--decode-form", decode_form, DECODE_FORMS)
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
-                                  check=check, validate=validate, progress=progress, form=decode_form)  # fmt: skip
+                                  check=check, validate=validate, progress=progress, form=decode_form,
+                                  max_mem_gb=max_mem_gb)  # fmt: skip
     if decode_form != "growing":
         raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
@@ -158,6 +159,7 @@ def _export_step_model(
     validate: bool,
     progress: Callable[[str], None],
     form: str = "growing",
+    max_mem_gb: float | None = None,
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
     checked like every export and validated step by step against the reference."""
@@ -169,6 +171,8 @@ def _export_step_model(
     if opset is not None and opset != (23 if attention == "onnx" else 18):
         raise UsageError(f"the step model's {attention} lowering is written at opset {23 if attention == 'onnx' else 18}")
     check_output_file(out, "--out")
+    total = max(STEP_VALIDATION["prefills"]) + STEP_VALIDATION["steps"]
+    check_memory(estimate_export(config, [(STEP_VALIDATION["batch"], total, None)], reference=validate), max_mem_gb)
     with output_lock(out), Staging(out) as stage:
         if weights is None:
             weights = init_weights(config, seed)
