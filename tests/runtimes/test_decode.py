@@ -129,7 +129,7 @@ def test_grouped_full_sequence_parity_and_fused_refusal(tmp_path):
         w = init_weights(c, 0)
         for attention in ("decomposed", "onnx"):
             path = str(tmp_path / f"{attention}-{kv_heads}.onnx")
-            export_model(c, path, w, attention=attention)
+            export_model(c, path, w, attention=attention, validate=False)  # the parity matrix below checks it
             report = run_parity(ModelSource(c, w, path), ["reference", "torch", "ort-cpu"], batches=(1, 3),
                                 seqs=(1, 7, 40))  # fmt: skip
             assert report.passed and not [x for x in report.cases if x.status != "pass"]
