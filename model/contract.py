@@ -75,6 +75,15 @@ __all__ = [
     "describe",
     "config_from_metadata",
     "external_data_locations",
+    # Reduced precision (issue 12)
+    "QUANT_KEY",
+    "Quantization",
+    "QUANTIZATIONS",
+    "QUANTIZED_DTYPES",
+    "BF16_RUNTIMES",
+    "float_dtype",
+    "check_model_dtype",
+    "quantization_of",
 ]
 
 # Model files ------------------------------------------------------------------------------------
@@ -99,6 +108,7 @@ AUTO_KEY = "attnx.auto"  # auto's measurements and choice (JSON)
 DTYPE_KEY = "attnx.dtype"  # the compute dtype, where it is not the inputs' (fp16 with fp32 I/O)
 IO_DTYPE_KEY = "attnx.io_dtype"  # the dtype of the float inputs and output
 ORT_OPTIMIZED_KEY = "attnx.ort_optimized"  # ONNX Runtime offline optimization: provider, level, version
+QUANT_KEY = "attnx.quantization"  # a quantized form's scheme, bits, block size, projections (JSON)
 
 
 def check_choice(what: str, value: Any, known: Iterable[str]) -> Any:
@@ -131,10 +141,77 @@ DTYPES: dict[str, DType] = {
         DType("bool", "bool", "bool", 9, "tensor(bool)"),
         DType("int32", "int32", "int32", 6, "tensor(int32)"),
         DType("int64", "int64", "int64", 7, "tensor(int64)"),
+        DType("int8", "int8", "int8", 3, "tensor(int8)"),
+        DType("uint8", "uint8", "uint8", 2, "tensor(uint8)"),
+        DType("int4", None, "int4", 22, "tensor(int4)"),  # no numpy or torch int4 type
     )
 }
 # The dtypes a model computes in (--dtype of export, optimize, build, parity, bench).
 MODEL_DTYPES = ("fp32", "fp16")
+
+
+# Quantized forms (issue 12) ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A precision form whose four projections are quantized and whose inputs, outputs and
+    attention core stay float32 (attnx.export.passes.quantize writes it; its error model is in
+    attnx.model.tolerance)."""
+
+    name: str  # int8, int4
+    op: str  # the ONNX Runtime operator each projection becomes
+    bits: int
+    weights: str  # how the weights are quantized
+    activations: str  # how the projection's input is quantized at run time ("none": weight-only)
+
+
+QUANTIZATIONS: dict[str, Quantization] = {
+    q.name: q
+    for q in (
+        # DynamicQuantizeMatMul (MLAS u8s8 GEMM, VNNI): measured fastest of the int8 candidates on
+        # this project's AMD EPYC (attnx.export.passes.quantize has the numbers).
+        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric int8 per output channel",
+                     "dynamic uint8 per tensor"),
+        Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
+                     "int8 per block of K (accuracy_level 4)"),
+    )
+}  # fmt: skip
+QUANTIZED_DTYPES = tuple(QUANTIZATIONS)
+MODEL_DTYPES = (*MODEL_DTYPES, *QUANTIZED_DTYPES)
+# bf16 is no graph of attnx's: ONNX Runtime's CPU provider has no fast bfloat16 MatMul (its bf16
+# kernels are reference loops), so bf16 is a runtime precision set on the fp32 graph.
+BF16_RUNTIMES = "OpenVINO with inference precision bf16 on the fp32 graph (backend openvino), or torch in bf16"
+
+
+def float_dtype(dtype: str) -> str:
+    """The float dtype a model of `dtype` takes and computes its attention core in: fp32 for the
+    quantized forms (their inputs, outputs and core stay float), the dtype itself otherwise."""
+    return "fp32" if dtype in QUANTIZATIONS else dtype
+
+
+def check_model_dtype(dtype: str, what: str = "--dtype") -> str:
+    """`dtype` when a model may be written in it; bf16 is refused saying where it runs."""
+    if dtype == "bf16":
+        raise UsageError(
+            f"{what} bf16: no attnx graph computes in bfloat16 (ONNX Runtime's CPU provider has no fast bf16 "
+            f"MatMul); bf16 is a runtime precision of the fp32 model: {BF16_RUNTIMES}"
+        )
+    return check_choice(what, dtype, MODEL_DTYPES)
+
+
+def quantization_of(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """The quantization a model's metadata records (QUANT_KEY), or None for a float model."""
+    import json
+
+    text = metadata.get(QUANT_KEY)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ModelFileError(f"the model's {QUANT_KEY!r} metadata is not JSON") from None
+    if not isinstance(value, dict) or value.get("dtype") not in QUANTIZATIONS:
+        raise ModelFileError(f"the model's {QUANT_KEY!r} metadata names no known quantized dtype")
+    return value
 
 _BY_NUMPY = {np.dtype(d.numpy): d.name for d in DTYPES.values() if d.numpy}
 _BY_TORCH = {f"torch.{d.torch}": d.name for d in DTYPES.values()}
