@@ -213,6 +213,7 @@ def quantization_of(metadata: Mapping[str, str]) -> dict[str, Any] | None:
         raise ModelFileError(f"the model's {QUANT_KEY!r} metadata names no known quantized dtype")
     return value
 
+
 _BY_NUMPY = {np.dtype(d.numpy): d.name for d in DTYPES.values() if d.numpy}
 _BY_TORCH = {f"torch.{d.torch}": d.name for d in DTYPES.values()}
 _BY_ONNX = {d.onnx: d.name for d in DTYPES.values()}

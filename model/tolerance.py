@@ -87,7 +87,9 @@ def tolerance_for(dtype: str, backend: str | None = None, quantization: Mapping 
         row = TOLERANCES[dtype]
     if isinstance(row, QuantTolerance):
         if quantization is None:
-            raise UsageError(f"the {dtype} tolerance is sized from the model's quantization metadata, and none was given")
+            raise UsageError(
+                f"the {dtype} tolerance is sized from the model's quantization metadata, and none was given"
+            )
         return row.for_model(quantization)
     return row
 

@@ -153,7 +153,9 @@ def run_parity(
     quantization = None
     if dtype in QUANTIZATIONS:
         if source.model_path is None:
-            raise UsageError(f"parity of {dtype} needs the quantized model (--model), written by attnx export --dtype {dtype}")
+            raise UsageError(
+                f"parity of {dtype} needs the quantized model (--model), written by attnx export --dtype {dtype}"
+            )
         quantization = quantization_of(describe(source.model_path).metadata)
         if quantization is None or quantization["dtype"] != dtype:
             raise UsageError(f"{source.model_path!r} is not an {dtype} model (attnx inspect shows its dtype)")

@@ -52,13 +52,13 @@ from attnx.export.passes._masks import const_array
 from attnx.model.contract import DTYPE_KEY, IO_DTYPE_KEY, MS_DOMAIN, QUANT_KEY, QUANTIZATIONS
 
 __all__ = [
+    "BLOCK_SIZES",
+    "DEFAULT_ACCURACY_LEVEL",
+    "DEFAULT_BLOCK_SIZE",
     "QuantizeProjections",
+    "dequantize_node",
     "quantize_int8",
     "quantize_nbits",
-    "dequantize_node",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_ACCURACY_LEVEL",
-    "BLOCK_SIZES",
 ]
 
 DEFAULT_BLOCK_SIZE = 32
@@ -179,8 +179,11 @@ def _roles(model: ir.Model) -> dict[int, str]:
         elif node.op_type == "Softmax" and node.domain in _STD:
             scores = node.inputs[0]
             while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add"):
-                scores = p.inputs[2] if p.op_type == "Where" else next(
-                    (i for i in p.inputs if i is not None and const_array(i) is None), p.inputs[0])
+                scores = (
+                    p.inputs[2]
+                    if p.op_type == "Where"
+                    else next((i for i in p.inputs if i is not None and const_array(i) is None), p.inputs[0])
+                )
             p = scores.producer()
             if p is not None and p.op_type == "MatMul":
                 mark(p.inputs[0], "q")
@@ -275,7 +278,9 @@ class QuantizeProjections(ir.passes.InPlacePass):
             value = ir.Value(name=t.name, shape=ir.Shape(t.shape), type=ir.TensorType(t.dtype), const_value=t)
             model.graph.register_initializer(value)
             values.append(value)
-        new = ir.node(op, [node.inputs[0], *values], attributes=attrs, domain=MS_DOMAIN, name=f"{role}_proj_{self.dtype}")
+        new = ir.node(
+            op, [node.inputs[0], *values], attributes=attrs, domain=MS_DOMAIN, name=f"{role}_proj_{self.dtype}"
+        )
         old_out = node.outputs[0]
         new.outputs[0].name, new.outputs[0].shape, new.outputs[0].type = old_out.name, old_out.shape, old_out.type
         model.graph.insert_before(node, new)
