@@ -420,6 +420,7 @@ class ModelInfo:
     initializer_bytes: int  # from their shapes and types: external data is not read
     external_data: tuple[str, ...]
     file_bytes: int
+    quantization: dict[str, Any] | None = None  # QUANT_KEY's record, for the quantized forms
 
     def require_config(self, needed_for: str = "") -> AttentionConfig:
         """The config, or one ModelFileError saying why the model has none."""
@@ -438,7 +439,8 @@ class ModelInfo:
             "config": self.config.to_dict() if self.config is not None else None,
             "lowering": self.lowering,
             "dtype": self.dtype,
-            "metadata": {k: v for k, v in self.metadata.items() if k != CONFIG_KEY},
+            **({"quantization": _quant_summary(self.quantization)} if self.quantization else {}),
+            "metadata": {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, QUANT_KEY)},
             "inputs": [s.to_dict() for s in self.inputs],
             "outputs": [s.to_dict() for s in self.outputs],
             "nodes": sum(self.operators.values()),
@@ -514,7 +516,27 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         initializer_bytes=_initializer_bytes(proto),
         external_data=tuple(_external_locations(proto, path)),
         file_bytes=os.path.getsize(path),
+        quantization=_quantization_or_none(metadata),
     )
+
+
+def _quantization_or_none(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    try:
+        return quantization_of(metadata)
+    except ModelFileError:
+        return None  # describe() reads what is there; the checks that need it raise
+
+
+def _quant_summary(q: Mapping[str, Any]) -> dict[str, Any]:
+    """What `attnx inspect` shows of a quantization: its scheme, and per projection its size and
+    the relative RMS error its step gives the weights (the tolerance's input)."""
+    keys = ("op", "bits", "weights", "per_channel", "block_size", "accuracy_level", "activations")
+    out = {k: q.get(k) for k in keys if q.get(k) is not None}
+    out["projections"] = {
+        role: f"[{p['k']}, {p['n']}] step rms {p['step_rms']:.3g}, weight rel error {p['rel_error']:.3g}"
+        for role, p in dict(q.get("projections") or {}).items()
+    }
+    return out
 
 
 def _initializer_bytes(proto: Any) -> int:

@@ -13,7 +13,8 @@ import numpy as np
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.export import EXPORTED_LOWERINGS, export_onnx, release_rewriter_state, save_model
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import EXPORT_ATTENTIONS, MODEL_DTYPES, check_choice, check_opset
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
+from attnx.model.contract import EXPORT_ATTENTIONS, check_choice, check_model_dtype, check_opset
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
 from attnx.runtimes.compare import Comparison
@@ -50,6 +51,8 @@ def export_model(
     check: bool = True,
     max_mem_gb: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> ExportReport:
     """Export `config` to `out`, check the written file (onnx checker, contract dims, loads in
     onnxruntime, and with validate agrees with torch at shapes the export never saw), and only
@@ -67,7 +70,7 @@ def export_model(
     itself after releasing the weights, as `attnx build` does.
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
-    check_choice("--dtype", dtype, MODEL_DTYPES)
+    check_model_dtype(dtype)
     # The exporter writes the lowerings that are not passes; the others start from decomposed.
     base = attention if attention in EXPORTED_LOWERINGS else "decomposed"
     opset = check_opset(attention, opset)
@@ -92,7 +95,10 @@ def export_model(
             progress("running graph passes")
             # auto measures each lowering on ORT CPU at batch 1, seq 512 (attnx optimize --provider
             # picks another target) and records its choice and timings in the model's metadata.
-            result = lower(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress)
+            result = lower(
+                model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress,
+                block_size=block_size, accuracy_level=accuracy_level,
+            )  # fmt: skip
             model, pass_lines = result.model, result.lines()
             del result
         opset_used = model.opset_imports.get("", 0)

@@ -17,6 +17,16 @@ from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjectio
 from attnx.export.passes._probe import lowering_of, qk_weights
 from attnx.export.passes.fp16 import ConvertToFloat16
 
+# Reduced precision (issue 12)
+from attnx.export.passes._probe import v_weights  # noqa: E402
+from attnx.export.passes.quantize import (  # noqa: E402
+    BLOCK_SIZES,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    QuantizeProjections,
+    dequantize_node,
+)
+
 __all__ = [
     "LOWERING_PIPELINES",
     "AttnxPass",
@@ -37,4 +47,11 @@ __all__ = [
     "lowering_passes",
     "qk_weights",
     "run_pipeline",
+    # Reduced precision (issue 12)
+    "BLOCK_SIZES",
+    "DEFAULT_ACCURACY_LEVEL",
+    "DEFAULT_BLOCK_SIZE",
+    "QuantizeProjections",
+    "dequantize_node",
+    "v_weights",
 ]
