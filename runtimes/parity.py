@@ -151,7 +151,8 @@ def run_parity(
     # A quantized model (int8, int4) runs on the backends that read its file; the torch module and
     # the reference compute the float formula, and are held to fp32's rule.
     quantization = None
-    if dtype in QUANTIZATIONS:
+    module_backends = {REFERENCE, *(p.torch_backend for p in PROVIDERS.values())}
+    if dtype in QUANTIZATIONS and any(b not in module_backends for b in backends):
         if source.model_path is None:
             raise UsageError(
                 f"parity of {dtype} needs the quantized model (--model), written by attnx export --dtype {dtype}"
@@ -160,7 +161,6 @@ def run_parity(
         if quantization is None or quantization["dtype"] != dtype:
             raise UsageError(f"{source.model_path!r} is not an {dtype} model (attnx inspect shows its dtype)")
     float_source = dataclasses.replace(source, dtype=float_dtype(dtype))
-    module_backends = {REFERENCE, *(p.torch_backend for p in PROVIDERS.values())}
 
     def case_source(name: str) -> ModelSource:
         return float_source if name in module_backends else source
@@ -181,7 +181,7 @@ def run_parity(
             progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else ""))
             feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i)
             ref_y = ref_runner.run(feeds)["y"]
-            size = problem_size(config, source.weights, feeds, activations=quantization is not None)
+            size = problem_size(config, source.weights, feeds, activations=dtype in QUANTIZATIONS)
             if check_reference:
                 f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
                 cases.append(_case(reference, "torch-fp64", "fp64", batch, seq, mem_seq, runners[reference],
