@@ -38,12 +38,15 @@ from attnx.model.contract import (
     BUILD_ATTENTION,
     EXPORT_ATTENTIONS,
     PROVIDERS,
+    QUANTIZATIONS,
     REFERENCE,
     check_choice,
+    check_model_dtype,
     describe,
+    float_dtype,
     get_provider,
+    quantization_of,
 )
-from attnx.model.contract import QUANTIZATIONS, check_model_dtype, float_dtype, quantization_of
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.tolerance import problem_size
