@@ -79,13 +79,13 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def quantize_nbits(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """W [K, N] float -> MatMulNBits' (B uint8 [N, K/block, block*bits/8], scales float32
-    [N*K/block], zero_points uint8), asymmetric per block of K: W ~ (q - zp) * scale."""
+    """W [K, N] float -> MatMulNBits' (B uint8 [N, ceil(K/block), block*bits/8], scales float32
+    [N*ceil(K/block)], zero_points uint8), asymmetric per block of K: W ~ (q - zp) * scale."""
     k, n = w.shape
-    if k % block_size:
-        raise UsageError(f"--block-size {block_size} does not divide the projection's input width {k}")
-    blocks = k // block_size
-    wb = np.ascontiguousarray(w.T, dtype=np.float32).reshape(n, blocks, block_size)  # (N, K/block, block)
+    blocks = -(-k // block_size)  # the last block is padded with zero weights (exact in every block)
+    padded = np.zeros((blocks * block_size, n), np.float32)
+    padded[:k] = w
+    wb = np.ascontiguousarray(padded.T).reshape(n, blocks, block_size)  # (N, K/block, block)
     qmax = 2**bits - 1
     lo, hi = np.minimum(wb.min(-1), 0.0), np.maximum(wb.max(-1), 0.0)  # the range holds 0: zp is exact
     scale = ((hi - lo) / qmax).astype(np.float32)
@@ -217,13 +217,13 @@ class QuantizeProjections(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError("the model is quantized already")
         if model.metadata_props.get(DTYPE_KEY, "fp32") != "fp32":
             raise ir.passes.PreconditionError("only a float32 model can be quantized")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.notes = []
         if any(n.op_type == "Attention" and n.domain == MS_DOMAIN for n in model.graph):
             # its q/k/v weights are an input of the fused op itself: no projection MatMul is left
             raise UsageError("com.microsoft.Attention (ort-attention) holds its q/k/v weights: quantize "
                              "ort-fused, ort-fused-packed or decomposed")  # fmt: skip
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.notes = []
         roles = _roles(model)
         projections: dict[str, dict[str, Any]] = {}
         for node in list(model.graph):
@@ -282,13 +282,14 @@ class QuantizeProjections(ir.passes.InPlacePass):
             op, [node.inputs[0], *values], attributes=attrs, domain=MS_DOMAIN, name=f"{role}_proj_{self.dtype}"
         )
         old_out = node.outputs[0]
-        new.outputs[0].name, new.outputs[0].shape, new.outputs[0].type = old_out.name, old_out.shape, old_out.type
+        new.outputs[0].shape, new.outputs[0].type = old_out.shape, old_out.type
         model.graph.insert_before(node, new)
-        ir.convenience.replace_all_uses_with(old_out, new.outputs[0])
-        if old_out.is_graph_output():
+        if old_out.is_graph_output():  # y itself when the output projection has no bias
             model.graph.outputs[model.graph.outputs.index(old_out)] = new.outputs[0]
-        weight = node.inputs[1]
+        ir.convenience.replace_all_uses_with(old_out, new.outputs[0])
+        weight, name = node.inputs[1], old_out.name
         model.graph.remove(node, safe=True)
+        new.outputs[0].name = name  # once the old value is gone: names stay unique
         if weight is not None and not weight.uses() and weight.name in model.graph.initializers:
             del model.graph.initializers[weight.name]
         w_rms = float(np.sqrt(np.mean(w.astype(np.float64) ** 2)))
