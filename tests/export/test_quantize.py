@@ -46,7 +46,7 @@ def quantize(path, name, dtype, tmp_path, **options):
 @pytest.mark.parametrize("key", [("cross_kpm", "ort-fused"), ("causal", "decomposed")])
 def test_the_four_projections_are_quantized_and_recorded(base_models, key, dtype, tmp_path):
     name, attention = key
-    path, result = quantize(base_models[key], name, dtype, tmp_path)
+    path, _ = quantize(base_models[key], name, dtype, tmp_path)
     info = describe(path)
     assert info.lowering == attention  # the probe reads the core of a quantized graph
     assert info.dtype == dtype and info.io_dtype == "fp32"
