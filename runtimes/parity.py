@@ -47,6 +47,9 @@ class ParityCase:
     p99_abs: float | None = None
     cosine: float | None = None
     needed_atol: float | None = None  # the atol that would have passed
+    # What the backend computed in, as it reports it (openvino: read back from the compiled
+    # model; torch: the module's dtype); None where the backend reports none.
+    precision: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +106,7 @@ def _case(
     cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, size)
     return ParityCase(
         **common, status="pass" if cmp else "fail", reason=None if cmp else str(cmp), atol=cmp.atol, rtol=cmp.rtol,
-        **cmp.stats(),
+        **cmp.stats(), precision=getattr(runner, "precision", None),
     )  # fmt: skip
 
 
