@@ -20,10 +20,11 @@ from attnx.model.contract import (
     MODEL_DTYPES,
     PROVIDERS,
     REFERENCE,
+    RUNTIME_DTYPES,
     TORCH_CORES,
     check_choice,
     describe,
-    provider_of_backend,
+    runs_onnx_model,
 )
 
 __all__ = [
@@ -81,7 +82,7 @@ class BenchPlan:
         for name in self.attentions or ():
             check_choice("--attention value", name, valid)
         for name in self.dtypes:
-            check_choice("--dtype value", name, MODEL_DTYPES)
+            check_choice("--dtype value", name, (*MODEL_DTYPES, *RUNTIME_DTYPES))
         for flag, values in (("batch", self.batches), ("seq", self.seqs), ("dtype", self.dtypes)):
             if not values:
                 raise UsageError(f"--{flag} is empty")
@@ -106,7 +107,7 @@ class BenchPlan:
         """(backend, attention) pairs in table order."""
         out = []
         for backend in self.backends:
-            if provider_of_backend(backend) is None:  # a torch backend: the module's cores
+            if not runs_onnx_model(backend):  # a torch backend: the module's cores
                 default, valid = TORCH_LOWERINGS, TORCH_LOWERINGS
             elif self.model_path:  # the file's own lowering, read from its graph
                 out.append((backend, describe(self.model_path).lowering))

@@ -22,7 +22,7 @@ from attnx.bench._costs import attention_flops, gemm_flops, gemm_shape
 from attnx.bench._plan import BenchCase, BenchPlan, BenchReport, GemmResult
 from attnx.bench._worker import run_worker, time_stats, write_gemm_model
 from attnx.model import init_weights, load_weights
-from attnx.model.contract import backend_device, provider_of_backend
+from attnx.model.contract import backend_device, graph_dtype, runs_onnx_model
 from attnx.model.resources import (
     GB,
     available_memory_bytes,
@@ -146,10 +146,10 @@ def _measure_gemms(plan: BenchPlan, report: BenchReport, workdir: str, say: Prog
             "kind": "gemm", "backend": backend, "dtype": dtype, "m": m, "k": k, "n": n,
             "threads": plan.threads, "repeat": max(plan.repeat, 10), "warmup": max(plan.warmup, 2),
         }  # fmt: skip
-        if provider_of_backend(backend) is not None:
-            spec["model_path"] = os.path.join(workdir, f"gemm-{dtype}.onnx")
+        if runs_onnx_model(backend):  # a bf16 run reads the fp32 graph (graph_dtype)
+            spec["model_path"] = os.path.join(workdir, f"gemm-{graph_dtype(dtype)}.onnx")
             if not os.path.exists(spec["model_path"]):
-                write_gemm_model(spec["model_path"], m, k, n, dtype)
+                write_gemm_model(spec["model_path"], m, k, n, graph_dtype(dtype))
         result = run_worker(spec, workdir, f"gemm-{backend}-{dtype}", plan.timeout_s)
         g = GemmResult(
             backend,
@@ -193,7 +193,7 @@ def _export_lowerings(
         {
             (attention, dtype)
             for (backend, attention), dtype in itertools.product(series, plan.dtypes)
-            if provider_of_backend(backend) is not None and (backend, dtype) not in unavailable
+            if runs_onnx_model(backend) and (backend, dtype) not in unavailable
         }
     )
     if plan.model_path:
@@ -205,9 +205,9 @@ def _export_lowerings(
         if weights is None:
             weights = init_weights(plan.config, plan.seed)
         path = os.path.join(workdir, f"model-{attention}-{dtype}.onnx")
-        say(0, total, f"exporting the {attention} lowering ({dtype})")
+        say(0, total, f"exporting the {attention} lowering ({graph_dtype(dtype)})")
         try:
-            export_model(plan.config, path, weights, attention=attention, dtype=dtype, validate=False)
+            export_model(plan.config, path, weights, attention=attention, dtype=graph_dtype(dtype), validate=False)
             models[(attention, dtype)] = path
         except Exception as e:  # a lowering that cannot be built yet is a skipped series, not a crash
             text = str(e).strip()
@@ -260,12 +260,12 @@ def _skip_reason(
     backend, attention, dtype = case.backend, case.attention, case.dtype
     if (backend, dtype) in unavailable:
         return unavailable[(backend, dtype)]
-    if provider_of_backend(backend) is None and plan.model_path:
+    if not runs_onnx_model(backend) and plan.model_path:
         return (
             "torch runs the attnx module from a config and weights; "
             "--model gives only an ONNX file (use --preset or --config)"
         )
-    if provider_of_backend(backend) is not None and (attention, dtype) not in models:
+    if runs_onnx_model(backend) and (attention, dtype) not in models:
         return export_failed.get((attention, dtype), "no model for this lowering")
     if stopped:
         return stopped

@@ -84,6 +84,11 @@ __all__ = [
     "float_dtype",
     "check_model_dtype",
     "quantization_of",
+    "OPENVINO",
+    "RUNTIME_DTYPES",
+    "graph_dtype",
+    "host_dtype",
+    "runs_onnx_model",
 ]
 
 # Model files ------------------------------------------------------------------------------------
@@ -272,7 +277,7 @@ PROVIDERS: dict[str, Provider] = {
 
 # Every backend attnx has, in the order reports list them (runners: attnx.runtimes).
 REFERENCE = "reference"  # the numpy float64 formula every backend is compared with
-BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda")
+BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda", "openvino")
 
 
 def get_provider(name: str, what: str = "provider") -> Provider:
@@ -599,3 +604,34 @@ def _node_tensors(nodes: Any) -> Iterator[Any]:
                 yield from _tensors(attr.g)
             for g in attr.graphs:
                 yield from _tensors(g)
+
+
+# Runtimes beside ONNX Runtime, and the precisions a runtime makes itself ------------------------
+# OpenVINO (the `openvino` backend, the extra attnx[openvino]): its own runtime, on the CPU, reading
+# attnx's ONNX graphs. Its precision is its INFERENCE_PRECISION_HINT, set from the dtype asked and
+# read back from the compiled model (attnx.runtimes.openvino_runner).
+OPENVINO = "openvino"
+# Dtypes a runtime computes in from attnx's fp32 graph (or the torch module), converting as it
+# compiles: no graph of their own is written. bf16: the torch module in torch.bfloat16, OpenVINO's
+# bf16 precision hint. Inputs and outputs stay float32 on the host (numpy has no bfloat16).
+RUNTIME_DTYPES = ("bf16",)
+
+
+def graph_dtype(dtype: str) -> str:
+    """The dtype of the ONNX graph a run in `dtype` reads: fp32 for a runtime dtype (bf16)."""
+    return "fp32" if dtype in RUNTIME_DTYPES else dtype
+
+
+def host_dtype(dtype: str) -> str:
+    """The dtype of the host (numpy) arrays a run in `dtype` takes and returns: the dtype itself,
+    or fp32 where numpy has none (bf16)."""
+    d = DTYPES.get(dtype)
+    if dtype in QUANTIZATIONS:  # issue 12: a quantized model's inputs and output are float32
+        return "fp32"
+    return dtype if d is not None and d.numpy is not None else "fp32"
+
+
+def runs_onnx_model(backend: str) -> bool:
+    """Whether a backend runs an ONNX model file (ort-*, openvino) rather than the torch module
+    or the numpy reference."""
+    return provider_of_backend(backend) is not None or backend == OPENVINO

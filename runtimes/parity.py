@@ -14,7 +14,15 @@ import numpy as np
 
 from attnx._io import write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
-from attnx.model.contract import PROVIDERS, QUANTIZATIONS, REFERENCE, describe, float_dtype, quantization_of
+from attnx.model.contract import (
+    PROVIDERS,
+    QUANTIZATIONS,
+    REFERENCE,
+    describe,
+    float_dtype,
+    provider_of_backend,
+    quantization_of,
+)
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
@@ -48,6 +56,9 @@ class ParityCase:
     cosine: float | None = None
     needed_atol: float | None = None  # the atol that would have passed
     rel_rms: float | None = None  # ||out - ref|| / ||ref||
+    # What the backend computed in, as it reports it (openvino: read back from the compiled
+    # model; torch: the module's dtype); None where the backend reports none.
+    precision: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -105,7 +116,7 @@ def _case(
     cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, size)
     return ParityCase(
         **common, status="pass" if cmp else "fail", reason=None if cmp else str(cmp), atol=cmp.atol, rtol=cmp.rtol,
-        **cmp.stats(),
+        **cmp.stats(), precision=getattr(runner, "precision", None),
     )  # fmt: skip
 
 
@@ -170,7 +181,12 @@ def run_parity(
 
     ref_runner = runner_factory(reference, float_source)
     ref_runner.load()  # a reference that cannot run is an error, not a skip
-    runners: dict[str, Runner | str] = {name: _load(runner_factory(name, case_source(name))) for name in backends}
+    runners: dict[str, Runner | str] = {
+        name: f"backend {name!r} does not run attnx's {dtype} form: its {QUANTIZATIONS[dtype].op} is ONNX Runtime's"
+        if dtype in QUANTIZATIONS and name not in module_backends and provider_of_backend(name) is None
+        else _load(runner_factory(name, case_source(name)))
+        for name in backends
+    }
     if check_reference:
         checker = _load(runner_factory("torch", dataclasses.replace(source, dtype="fp64")))
         runners[reference] = checker if isinstance(checker, Runner) else f"cannot check the reference: {checker}"

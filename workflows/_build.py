@@ -46,6 +46,7 @@ from attnx.model.contract import (
     float_dtype,
     get_provider,
     quantization_of,
+    runs_onnx_model,
 )
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_export
@@ -386,7 +387,8 @@ def _build_into(
     # Torch backends first, while the weights are in memory; each ONNX Runtime backend after.
     ort_backends = [p.backend for p in PROVIDERS.values()]
     first = [REFERENCE] if plan.check_reference else []
-    first += [b for b in BACKENDS if b != REFERENCE and b not in ort_backends]
+    # (openvino, a model-file backend of its own, is not part of a build: `attnx parity --backends openvino`)
+    first += [b for b in BACKENDS if b != REFERENCE and b not in ort_backends and not runs_onnx_model(b)]
     progress(f"parity: {', '.join(first)} against the reference")
     parity_args = dict(batches=plan.parity_batches, seqs=plan.parity_seqs, mem_seqs=plan.parity_mem_seqs)
     cases = run_parity(source, first, runner_factory=recording_factory, progress=progress, **parity_args).cases

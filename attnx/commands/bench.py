@@ -15,7 +15,15 @@ from attnx.bench import DEFAULT_BACKENDS, DEFAULT_SEQS, BenchPlan, check_plot_pa
 from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 from attnx.model import PRESETS
-from attnx.model.contract import BENCH_ORT_LOWERINGS, EXPORT_ATTENTIONS, MODEL_DTYPES, TORCH_CORES, describe
+from attnx.model.contract import (
+    BENCH_ORT_LOWERINGS,
+    EXPORT_ATTENTIONS,
+    MODEL_DTYPES,
+    RUNTIME_DTYPES,
+    TORCH_CORES,
+    describe,
+    graph_dtype,
+)
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
 
@@ -50,7 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--seq", type=int_list, default=list(DEFAULT_SEQS), help=f"default {','.join(map(str, DEFAULT_SEQS))}"
     )
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default: = seq)")
-    p.add_argument("--dtype", type=str_list, default=None, help=f"{' and/or '.join(MODEL_DTYPES)} (default fp32, or the --model's)")
+    p.add_argument(
+        "--dtype",
+        type=str_list,
+        default=None,
+        help=f"{', '.join((*MODEL_DTYPES, *RUNTIME_DTYPES))} (default fp32, or the --model's; bf16: torch in bfloat16 "
+        "and openvino's bf16 hint on the fp32 graph)",
+    )
     p.add_argument("--repeat", type=int_arg(1, 100_000), default=10, help="timed calls per case (default 10)")
     p.add_argument("--warmup", type=int_arg(0, 10_000), default=2, help="untimed calls before them (default 2)")
     p.add_argument(
@@ -77,9 +91,10 @@ def _plan(args: argparse.Namespace) -> Any:
         info = describe(args.model)
         config = info.require_config()
         model_dtype = info.io_dtype  # what the model is fed, and so what the sweep makes
-        if args.dtype and args.dtype != [model_dtype]:
+        # a runtime dtype (bf16) runs the fp32 model itself (graph_dtype)
+        if args.dtype and any(graph_dtype(d) != model_dtype for d in args.dtype):
             raise UsageError(f"--model {args.model!r} is {model_dtype}; --dtype {','.join(args.dtype)} does not apply")
-        dtypes = [model_dtype]
+        dtypes = args.dtype or [model_dtype]
     else:
         config = load_config_arg(args)
         if args.weights and not os.path.isfile(args.weights):
