@@ -166,6 +166,9 @@ class BenchCase:
     times_ms: list[float] | None = None
     warmup_ms: list[float] | None = None
     timed: str | None = None  # the call that was timed, and where its inputs and outputs were
+    # issue 12: the output's rel RMS error against the float64 torch module on the same inputs
+    # (||y - ref|| / ||ref||, attnx.runtimes.compare): the frontier's accuracy axis
+    rel_rms: float | None = None
 
     @property
     def label(self) -> str:

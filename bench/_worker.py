@@ -237,6 +237,10 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         result["load_rss_mb"] = rss_mb("VmRSS")
         result["warmup_ms"], result["times_ms"] = time_calls(fn, spec["repeat"], spec["warmup"], sync)
         _gpu_memory(spec, result)
+        if spec.get("output_path"):  # issue 12: y once more, untimed, for the sweep's accuracy check
+            out = fn()
+            if isinstance(out, dict) and "y" in out:
+                np.save(spec["output_path"], np.asarray(out["y"], dtype=np.float32))
     except ProviderUnavailable as e:
         result.update(status="skipped", reason=str(e))
     except Exception as e:  # a failed case is a result, with its reason

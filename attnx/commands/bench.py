@@ -159,7 +159,8 @@ def report_table(report: Any) -> str:
     unavailable backend, a lowering that does not export) is one row."""
     cross = any(c.mem_seq is not None for c in report.cases)
     headers = ["backend", "attention", "dtype", "batch", "seq"] + (["mem_seq"] if cross else [])
-    headers += ["median_ms", "p10_ms", "p90_ms", "first_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "status"]
+    headers += ["median_ms", "p10_ms", "p90_ms", "first_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "rel_rms"]
+    headers += ["status"]
     series: dict[tuple, list[Any]] = {}
     for c in report.cases:
         series.setdefault((c.backend, c.attention, c.dtype), []).append(c)
@@ -173,7 +174,7 @@ def report_table(report: Any) -> str:
         rows.append(
             [c.backend, c.attention, c.dtype, c.batch, c.seq] + ([c.mem_seq] if cross else [])
             + [_num(v) for v in (c.median_ms, c.p10_ms, c.p90_ms, c.first_ms, c.tokens_per_s, c.gflops)]
-            + [c.roofline, _num(c.peak_mem_mb), c.status]
+            + [c.roofline, _num(c.peak_mem_mb), c.rel_rms, c.status]
         )  # fmt: skip
     rows += skipped_rows
     return format_table(headers, rows)
@@ -234,4 +235,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_report(report: Any) -> str:
-    return "\n".join([report_table(report), "", *_notes(report)]).rstrip()
+    return "\n".join([report_table(report), "", *_notes(report), *frontier_lines(report)]).rstrip()
+
+
+def frontier_lines(report: Any) -> list[str]:
+    """issue 12: per shape, every measured form as (median ms, rel RMS error against the float64
+    module), fastest first; * marks the speed-accuracy frontier (no other form is both faster and
+    more accurate)."""
+    groups: dict[tuple, list[Any]] = {}
+    for c in report.cases:
+        if c.status == "ok" and c.median_ms is not None and c.rel_rms is not None:
+            groups.setdefault((c.batch, c.seq, c.mem_seq), []).append(c)
+    lines: list[str] = []
+    for (batch, seq, mem_seq), cases in groups.items():
+        if len({c.dtype for c in cases}) < 2 and len(cases) < 2:
+            continue
+        lines += ["", f"frontier, batch {batch} seq {seq}" + (f" mem_seq {mem_seq}" if mem_seq else "") + ":"]
+        rows = []
+        for c in sorted(cases, key=lambda c: c.median_ms):
+            dominated = any(o.median_ms < c.median_ms and o.rel_rms < c.rel_rms for o in cases)
+            rows.append(["" if dominated else "*", f"{c.backend}/{c.attention}", c.dtype, c.median_ms, c.rel_rms])
+        lines += format_table(["", "form", "dtype", "median_ms", "rel_rms"], rows).splitlines()
+    return lines
