@@ -188,6 +188,7 @@ def _frontier_axes(ax: Any, plain: Any) -> None:
     ax.set_xlabel("rel RMS error vs the float64 module")
     ax.set_ylabel("latency, median (ms)")
     ax.yaxis.set_major_formatter(plain(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(plain(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", alpha=0.12)
     ax.set_title("speed-accuracy frontier (points: seq)")

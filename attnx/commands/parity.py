@@ -78,10 +78,12 @@ def run(args: argparse.Namespace) -> int:
             source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
         )
     rows = [
-        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine)
+        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine,
+         c.rel_rms)  # fmt: skip
         for c in report.cases
     ]
     headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "status", "max_abs", "max_rel", "atol", "cosine"]
+    headers += ["rel_rms"]  # issue 12
     print(format_table(headers, rows))
     precisions = {c.backend: c.precision for c in report.cases if c.precision and c.backend != "reference"}
     if precisions:
