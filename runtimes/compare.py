@@ -113,7 +113,9 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
     ref_norm = float(np.linalg.norm(r))
     rel_rms = float(np.linalg.norm(o - r) / ref_norm) if ref_norm > 0 and finite else (0.0 if finite else math.inf)
     rms_bound = (
-        tol.rel_rms_bound(size, max(scale, np.finfo(np.float32).tiny)) if hasattr(tol, "rel_rms_bound") else None
+        tol.rel_rms_bound(size, max(scale, np.finfo(np.float32).tiny), int(r.size))
+        if hasattr(tol, "rel_rms_bound")
+        else None
     )
     if rms_bound is not None and not rel_rms <= rms_bound:
         passed = False
