@@ -9,8 +9,10 @@ import json
 import numpy as np
 import pytest
 
+from attnx.export import export_onnx, save_model
+from attnx.model.contract import describe
 from attnx.runtimes.package import MANIFEST, MANIFEST_SUM, verify_package
-from attnx.workflows import build_package, write_npz
+from attnx.workflows import build_package, optimize_file, write_npz
 from tests.conftest import CONFIGS, weights_for
 
 
@@ -49,3 +51,13 @@ def test_a_quantized_package_records_its_error_model_and_verifies(tmp_path, dtyp
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def test_optimize_quantizes_and_auto_times_the_forms_that_quantize(tmp_path):
+    config = CONFIGS["causal_kpm"]
+    src = str(tmp_path / "m.onnx")
+    save_model(export_onnx(config, weights_for("causal_kpm")), src)
+    result = optimize_file(src, tmp_path / "q.onnx", attention="auto", dtype="int8", auto_shape=(1, 64, 64))
+    assert result.passed and describe(tmp_path / "q.onnx").dtype == "int8"
+    assert result.lowering.auto.status["ort-attention"].startswith("not applicable")
+    assert all(result.lowering.auto.status[name] == "pass" for name in ("ort-fused", "ort-fused-packed"))
