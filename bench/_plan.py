@@ -20,10 +20,11 @@ from attnx.model.contract import (
     MODEL_DTYPES,
     PROVIDERS,
     REFERENCE,
+    RUNTIME_DTYPES,
     TORCH_CORES,
     check_choice,
     describe,
-    provider_of_backend,
+    runs_onnx_model,
 )
 
 __all__ = [
@@ -81,7 +82,7 @@ class BenchPlan:
         for name in self.attentions or ():
             check_choice("--attention value", name, valid)
         for name in self.dtypes:
-            check_choice("--dtype value", name, MODEL_DTYPES)
+            check_choice("--dtype value", name, (*MODEL_DTYPES, *RUNTIME_DTYPES))
         for flag, values in (("batch", self.batches), ("seq", self.seqs), ("dtype", self.dtypes)):
             if not values:
                 raise UsageError(f"--{flag} is empty")
@@ -106,7 +107,7 @@ class BenchPlan:
         """(backend, attention) pairs in table order."""
         out = []
         for backend in self.backends:
-            if provider_of_backend(backend) is None:  # a torch backend: the module's cores
+            if not runs_onnx_model(backend):  # a torch backend: the module's cores
                 default, valid = TORCH_LOWERINGS, TORCH_LOWERINGS
             elif self.model_path:  # the file's own lowering, read from its graph
                 out.append((backend, describe(self.model_path).lowering))
@@ -165,6 +166,9 @@ class BenchCase:
     times_ms: list[float] | None = None
     warmup_ms: list[float] | None = None
     timed: str | None = None  # the call that was timed, and where its inputs and outputs were
+    # issue 12: the output's rel RMS error against the float64 torch module on the same inputs
+    # (||y - ref|| / ||ref||, attnx.runtimes.compare): the frontier's accuracy axis
+    rel_rms: float | None = None
 
     @property
     def label(self) -> str:

@@ -71,8 +71,11 @@ def plot_report(report: BenchReport, path: str | os.PathLike[str]) -> None:
     for c in report.cases:
         lines.setdefault(label(c), []).append(c)
 
-    fig = Figure(figsize=(13, 5.5), layout="constrained")
-    ax_time, ax_mem = fig.subplots(1, 2)
+    # issue 12: with the cases' rel RMS errors, a third panel: the speed-accuracy frontier
+    accuracy = any(c.status == "ok" and c.rel_rms for c in report.cases)
+    fig = Figure(figsize=(19.5 if accuracy else 13, 5.5), layout="constrained")
+    axes = fig.subplots(1, 3 if accuracy else 2)
+    ax_time, ax_mem = axes[0], axes[1]
     seqs = sorted({c.seq for c in report.cases})
     skipped: dict[tuple, list[str]] = {}  # (backend, status, reason) -> lowerings
     markers = "osD^v<>ph*"
@@ -88,6 +91,8 @@ def plot_report(report: BenchReport, path: str | os.PathLike[str]) -> None:
         mem = [(c.seq, c.peak_mem_mb) for c in ok if c.peak_mem_mb]
         if mem:
             ax_mem.plot([m[0] for m in mem], [m[1] for m in mem], **style)
+        if accuracy:
+            _frontier_points(axes[2], [c for c in ok if c.rel_rms], style)
     for ax, ylabel in ((ax_time, "latency, median (ms)"), (ax_mem, "peak memory (MB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -106,6 +111,8 @@ def plot_report(report: BenchReport, path: str | os.PathLike[str]) -> None:
             ax.legend(fontsize=9)
         else:
             ax.text(0.5, 0.5, "no measured case", ha="center", va="center", transform=ax.transAxes)
+    if accuracy:
+        _frontier_axes(axes[2], _Plain)
     ax_time.set_title("latency per call")
     ax_mem.set_title(_memory_title(report))
     fig.suptitle(_title(report), fontsize=11)
@@ -163,3 +170,27 @@ def _title(report: BenchReport) -> str:
     if report.interrupted:
         parts.append("INTERRUPTED: partial")
     return " | ".join(p for p in parts if p)
+
+
+# The speed-accuracy frontier (issue 12) ---------------------------------------------------------------
+def _frontier_points(ax: Any, cases: list[BenchCase], style: dict[str, Any]) -> None:
+    """One form's cases as (rel RMS error, median ms), each point labelled with its seq."""
+    if not cases:
+        return
+    ax.plot([c.rel_rms for c in cases], [c.median_ms for c in cases], linestyle=":", **style)
+    for c in cases:
+        ax.annotate(str(c.seq), (c.rel_rms, c.median_ms), fontsize=7, xytext=(3, 3), textcoords="offset points")
+
+
+def _frontier_axes(ax: Any, plain: Any) -> None:
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("rel RMS error vs the float64 module")
+    ax.set_ylabel("latency, median (ms)")
+    ax.yaxis.set_major_formatter(plain(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(plain(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    ax.grid(True, which="major", alpha=0.35)
+    ax.grid(True, which="minor", alpha=0.12)
+    ax.set_title("speed-accuracy frontier (points: seq)")
+    if ax.get_lines():
+        ax.legend(fontsize=8)

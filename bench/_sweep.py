@@ -10,6 +10,7 @@ is rewritten (atomically) after every case: Ctrl-C keeps what was measured.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import itertools
 import logging
 import os
@@ -18,11 +19,22 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from attnx.bench._costs import attention_flops, gemm_flops, gemm_shape
 from attnx.bench._plan import BenchCase, BenchPlan, BenchReport, GemmResult
 from attnx.bench._worker import run_worker, time_stats, write_gemm_model
 from attnx.model import init_weights, load_weights
-from attnx.model.contract import backend_device, provider_of_backend
+from attnx.model.contract import (
+    QUANTIZATIONS,
+    backend_device,
+    float_dtype,
+    graph_dtype,
+    host_dtype,
+    provider_of_backend,
+    runs_onnx_model,
+)
+from attnx.model.inputs import make_inputs
 from attnx.model.resources import (
     GB,
     available_memory_bytes,
@@ -31,6 +43,9 @@ from attnx.model.resources import (
     estimate_export,
     meminfo_bytes,
 )
+from attnx.model.tolerance import ProblemSize, reduction_length, tolerance_for
+from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.compare import compare_arrays
 
 __all__ = ["run_bench", "machine_info", "Progress"]
 
@@ -69,6 +84,8 @@ def run_bench(
             models, export_failed = _export_lowerings(plan, series, unavailable, workdir, say, total, weights)
             del weights
             _measure_cases(plan, report, series, shapes, unavailable, models, export_failed, workdir, say, total, save)
+            say(len(report.cases), total, "rel RMS error of each case against the float64 module")
+            _measure_accuracy(plan, report, workdir)
             report.complete = True
         except KeyboardInterrupt:
             logger.info("interrupted: keeping %d measured cases", len(report.cases))
@@ -141,15 +158,23 @@ def _measure_gemms(plan: BenchPlan, report: BenchReport, workdir: str, say: Prog
     m, k, n = gemm_shape(plan.config)
     unavailable: dict[tuple, str] = {}
     for backend, dtype in itertools.product(plan.backends, plan.dtypes):
+        if dtype in QUANTIZATIONS and provider_of_backend(backend) is None:
+            # issue 12: the quantized forms are ONNX Runtime graphs (com.microsoft operators)
+            unavailable[(backend, dtype)] = (
+                f"{backend} does not run attnx's {dtype} form: {QUANTIZATIONS[dtype].op} is ONNX Runtime's"
+            )
+            report.gemm.append(GemmResult(backend, dtype, m, k, n, "skipped", unavailable[(backend, dtype)]))
+            continue
         say(0, total, f"GEMM {m}x{k}x{n} {dtype} on {backend}")
         spec: dict[str, Any] = {
             "kind": "gemm", "backend": backend, "dtype": dtype, "m": m, "k": k, "n": n,
             "threads": plan.threads, "repeat": max(plan.repeat, 10), "warmup": max(plan.warmup, 2),
         }  # fmt: skip
-        if provider_of_backend(backend) is not None:
-            spec["model_path"] = os.path.join(workdir, f"gemm-{dtype}.onnx")
+        if runs_onnx_model(backend):  # a bf16 run reads the fp32 graph (graph_dtype)
+            gemm_dtype = float_dtype(graph_dtype(dtype))  # a quantized form's roofline: the float32 GEMM
+            spec["model_path"] = os.path.join(workdir, f"gemm-{gemm_dtype}.onnx")
             if not os.path.exists(spec["model_path"]):
-                write_gemm_model(spec["model_path"], m, k, n, dtype)
+                write_gemm_model(spec["model_path"], m, k, n, gemm_dtype)
         result = run_worker(spec, workdir, f"gemm-{backend}-{dtype}", plan.timeout_s)
         g = GemmResult(
             backend,
@@ -193,7 +218,7 @@ def _export_lowerings(
         {
             (attention, dtype)
             for (backend, attention), dtype in itertools.product(series, plan.dtypes)
-            if provider_of_backend(backend) is not None and (backend, dtype) not in unavailable
+            if runs_onnx_model(backend) and (backend, dtype) not in unavailable
         }
     )
     if plan.model_path:
@@ -205,9 +230,9 @@ def _export_lowerings(
         if weights is None:
             weights = init_weights(plan.config, plan.seed)
         path = os.path.join(workdir, f"model-{attention}-{dtype}.onnx")
-        say(0, total, f"exporting the {attention} lowering ({dtype})")
+        say(0, total, f"exporting the {attention} lowering ({graph_dtype(dtype)})")
         try:
-            export_model(plan.config, path, weights, attention=attention, dtype=dtype, validate=False)
+            export_model(plan.config, path, weights, attention=attention, dtype=graph_dtype(dtype), validate=False)
             models[(attention, dtype)] = path
         except Exception as e:  # a lowering that cannot be built yet is a skipped series, not a crash
             text = str(e).strip()
@@ -260,12 +285,12 @@ def _skip_reason(
     backend, attention, dtype = case.backend, case.attention, case.dtype
     if (backend, dtype) in unavailable:
         return unavailable[(backend, dtype)]
-    if provider_of_backend(backend) is None and plan.model_path:
+    if not runs_onnx_model(backend) and plan.model_path:
         return (
             "torch runs the attnx module from a config and weights; "
             "--model gives only an ONNX file (use --preset or --config)"
         )
-    if provider_of_backend(backend) is not None and (attention, dtype) not in models:
+    if runs_onnx_model(backend) and (attention, dtype) not in models:
         return export_failed.get((attention, dtype), "no model for this lowering")
     if stopped:
         return stopped
@@ -291,6 +316,7 @@ def _run_case(
         "threads": plan.threads, "repeat": plan.repeat, "warmup": plan.warmup,
         "weights_path": plan.weights_path, "seed": plan.seed,
         "model_path": models.get((case.attention, case.dtype)),
+        "output_path": os.path.join(workdir, f"case{index}-y.npy") if backend_device(case.backend) != "cuda" else None,
     }  # fmt: skip
     result = run_worker(spec, workdir, f"case{index}", plan.timeout_s)
     case.status, case.reason = result["status"], result.get("reason")
@@ -310,3 +336,29 @@ def _run_case(
     else:
         case.peak_mem_mb, case.mem_kind = case.peak_rss_mb, "peak RSS of the case process (VmHWM)"
     return False
+
+
+# Accuracy (issue 12) -------------------------------------------------------------------------------
+def _measure_accuracy(plan: BenchPlan, report: BenchReport, workdir: str) -> None:
+    """Each measured CPU case's rel RMS error (attnx.runtimes.compare) against the attnx module run
+    in float64 by torch on the same inputs (the worker's make_inputs), one reference per shape and
+    input dtype. Not for --model (no weights) or where torch is missing: rel_rms stays None."""
+    if plan.model_path or importlib.util.find_spec("torch") is None:
+        return
+    weights = (
+        load_weights(plan.weights_path, plan.config) if plan.weights_path else init_weights(plan.config, plan.seed)
+    )
+    refs: dict[tuple, Any] = {}
+    with create_runner("torch", ModelSource(plan.config, weights, None, "fp64"), core="sdpa") as module:
+        for index, case in enumerate(report.cases):
+            path = os.path.join(workdir, f"case{index}-y.npy")
+            if case.status != "ok" or not os.path.exists(path):
+                continue
+            key = (case.batch, case.seq, case.mem_seq, host_dtype(case.dtype))
+            feeds = make_inputs(plan.config, case.batch, case.seq, case.mem_seq, key[3])
+            if key not in refs:
+                f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
+                refs = {key: module.run(f64)["y"]}  # one shape held at a time
+            size = ProblemSize(reduction_length(plan.config, case.mem_seq or case.seq))
+            case.rel_rms = compare_arrays("y", np.load(path), refs[key], tolerance_for("fp32"), size).rel_rms
+            os.remove(path)

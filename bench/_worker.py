@@ -36,7 +36,7 @@ import numpy as np
 from attnx._io import write_json_atomic
 from attnx.errors import ProviderUnavailable
 from attnx.model import AttentionConfig, init_weights, load_weights
-from attnx.model.contract import IR_VERSION, backend_device, numpy_dtype, provider_of_backend
+from attnx.model.contract import DTYPES, IR_VERSION, OPENVINO, backend_device, host_dtype, numpy_dtype, runs_onnx_model
 from attnx.model.inputs import make_inputs
 from attnx.runtimes import BACKENDS, ModelSource
 from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
@@ -85,7 +85,9 @@ def _import_runtime(backend: str) -> None:
     """Import the backend's library first, so that import_rss_mb is the interpreter, numpy,
     attnx and the runtime library (torch alone is some 200 MB) before any model is loaded."""
     try:
-        if provider_of_backend(backend) is not None:
+        if backend == OPENVINO:
+            import openvino  # noqa: F401
+        elif runs_onnx_model(backend):
             import onnxruntime  # noqa: F401
         else:
             import torch  # noqa: F401
@@ -105,7 +107,8 @@ def _torch_setup(spec: dict[str, Any]) -> Any:
 
 
 def _ort_call(spec: dict[str, Any], config: Any, feeds: dict[str, Any], result: dict[str, Any]) -> tuple:
-    """(call, sync, runner) through an ORT backend, the runner loaded. On ort-cuda the call
+    """(call, sync, runner) through an ORT backend or openvino (its precision: the spec's dtype,
+    bf16 on the fp32 graph), the runner loaded. On ort-cuda the call
     is run_on_device (IOBinding, outputs left on the GPU; ORT synchronises its stream at the
     end of the run), with the inputs already on the GPU where torch can put them there."""
     source = ModelSource(config=config, model_path=spec["model_path"], dtype=spec["dtype"])
@@ -143,7 +146,7 @@ def _case(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
     config = AttentionConfig.from_dict(spec["config"])
     backend = spec["backend"]
     feeds: dict[str, Any] = make_inputs(config, spec["batch"], spec["seq"], spec["mem_seq"], spec["dtype"])
-    if provider_of_backend(backend) is not None:
+    if runs_onnx_model(backend):
         return _ort_call(spec, config, feeds, result)
     torch = _torch_setup(spec)
     weights = (
@@ -165,8 +168,8 @@ def _gemm(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
     m, k, n = spec["m"], spec["k"], spec["n"]
     backend = spec["backend"]
     rng = np.random.Generator(np.random.PCG64(0))
-    a = rng.standard_normal((m, k), dtype=np.float32).astype(numpy_dtype(spec["dtype"]))
-    if provider_of_backend(backend) is not None:
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(numpy_dtype(host_dtype(spec["dtype"])))
+    if runs_onnx_model(backend):
         return _ort_call(spec, None, {"a": a}, result)
 
     torch = _torch_setup(spec)
@@ -177,10 +180,12 @@ def _gemm(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
             raise ProviderUnavailable(f"backend 'torch-cuda' is unavailable: {reason}")
         torch.backends.cuda.matmul.allow_tf32 = False  # a float32 limit, as torch-cuda runs the cases
         device, sync = "cuda", torch.cuda.synchronize
-    ta = torch.from_numpy(a).to(device)
+    compute = getattr(torch, DTYPES[spec["dtype"]].torch)  # bf16: float32 host arrays, cast here
+    ta = torch.from_numpy(a).to(device, compute)
     # [n, k] and F.linear: the call the module's projections make (nn.Linear), which on a
     # CPU torch with MKL is faster than matmul with a [k, n] operand.
-    tw = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32).astype(numpy_dtype(spec["dtype"]))).to(device)
+    w = rng.standard_normal((n, k), dtype=np.float32).astype(numpy_dtype(host_dtype(spec["dtype"])))
+    tw = torch.from_numpy(w).to(device, compute)
     result["timed"] = "torch.nn.functional.linear"
     return (lambda: torch.nn.functional.linear(ta, tw)), sync, None
 
@@ -232,6 +237,10 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         result["load_rss_mb"] = rss_mb("VmRSS")
         result["warmup_ms"], result["times_ms"] = time_calls(fn, spec["repeat"], spec["warmup"], sync)
         _gpu_memory(spec, result)
+        if spec.get("output_path"):  # issue 12: y once more, untimed, for the sweep's accuracy check
+            out = fn()
+            if isinstance(out, dict) and "y" in out:
+                np.save(spec["output_path"], np.asarray(out["y"], dtype=np.float32))
     except ProviderUnavailable as e:
         result.update(status="skipped", reason=str(e))
     except Exception as e:  # a failed case is a result, with its reason

@@ -41,7 +41,7 @@ from attnx.bench._plan import BenchPlan
 from attnx.bench._sweep import machine_info, run_bench
 from attnx.errors import AttnxError
 from attnx.model import PRESETS, init_weights, preset
-from attnx.model.contract import BENCH_ORT_LOWERINGS, MODEL_DTYPES, PROVIDERS, provider_of_backend
+from attnx.model.contract import BENCH_ORT_LOWERINGS, MODEL_DTYPES, PROVIDERS, QUANTIZED_DTYPES, provider_of_backend
 from attnx.runtimes import ModelSource
 from attnx.runtimes.base import backend_unavailable_reason
 from attnx.runtimes.parity import run_parity
@@ -64,6 +64,9 @@ PARITY_BATCHES = (2,)
 BENCH_LOWERINGS = ("ort-fused", "sdpa")
 BENCH_DTYPE = "fp16"
 
+
+# The float dtypes the GPU check covers (the quantized forms are CPU forms: issue 12).
+GPU_DTYPES = tuple(d for d in MODEL_DTYPES if d not in QUANTIZED_DTYPES)
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help=f"benchmark seq {','.join(map(str, QUICK_SEQS))} only")
     p.add_argument("--parity-preset", default="large", help="the model of the parity matrix (default large)")
     p.add_argument("--parity-seqs", type=_positive_ints, default=PARITY_SEQS, help="default 1,7,128,515")
-    p.add_argument("--dtypes", type=_names, default=MODEL_DTYPES, help="parity dtypes (default fp32,fp16)")
+    p.add_argument("--dtypes", type=_names, default=GPU_DTYPES, help="parity dtypes (default fp32,fp16)")
     p.add_argument("--steps", type=_names, default=("parity", "bench"), help="parity and/or bench (default both)")
     p.add_argument("--repeat", type=int, default=10, help="timed calls per benchmark case (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    known = {"backends": set(DEVICE_BACKENDS), "presets": set(PRESETS), "dtypes": set(MODEL_DTYPES),
+    known = {"backends": set(DEVICE_BACKENDS), "presets": set(PRESETS), "dtypes": set(GPU_DTYPES),
              "steps": {"parity", "bench"}}  # fmt: skip
     for key, values in (("backends", args.backends), ("presets", args.presets), ("dtypes", args.dtypes),
                         ("steps", args.steps)):  # fmt: skip

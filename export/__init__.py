@@ -5,7 +5,6 @@ an ONNX Runtime session (the checks that run a model are attnx.workflows).
 
 from __future__ import annotations
 
-from attnx.export._step import build_step_model
 from attnx.export._export import (
     EXPORTED_LOWERINGS,
     export_onnx,
@@ -14,6 +13,7 @@ from attnx.export._export import (
     release_rewriter_state,
     save_model,
 )
+from attnx.export._step import build_step_model
 
 __all__ = [
     "build_step_model",

@@ -80,6 +80,20 @@ __all__ = [
     "STEP_LOWERINGS",
     "buffer_form_specs",
     "check_lowering",
+    # Reduced precision (issue 12)
+    "QUANT_KEY",
+    "Quantization",
+    "QUANTIZATIONS",
+    "QUANTIZED_DTYPES",
+    "BF16_RUNTIMES",
+    "float_dtype",
+    "check_model_dtype",
+    "quantization_of",
+    "OPENVINO",
+    "RUNTIME_DTYPES",
+    "graph_dtype",
+    "host_dtype",
+    "runs_onnx_model",
 ]
 
 # Model files ------------------------------------------------------------------------------------
@@ -105,6 +119,7 @@ DTYPE_KEY = "attnx.dtype"  # the compute dtype, where it is not the inputs' (fp1
 IO_DTYPE_KEY = "attnx.io_dtype"  # the dtype of the float inputs and output
 ORT_OPTIMIZED_KEY = "attnx.ort_optimized"  # ONNX Runtime offline optimization: provider, level, version
 DECODE_KEY = "attnx.decode"  # the step model's form (DECODE_FORMS), on models with config kv_cache
+QUANT_KEY = "attnx.quantization"  # a quantized form's scheme, bits, block size, projections (JSON)
 
 
 def check_choice(what: str, value: Any, known: Iterable[str]) -> Any:
@@ -137,10 +152,78 @@ DTYPES: dict[str, DType] = {
         DType("bool", "bool", "bool", 9, "tensor(bool)"),
         DType("int32", "int32", "int32", 6, "tensor(int32)"),
         DType("int64", "int64", "int64", 7, "tensor(int64)"),
+        DType("int8", "int8", "int8", 3, "tensor(int8)"),
+        DType("uint8", "uint8", "uint8", 2, "tensor(uint8)"),
+        DType("int4", None, "int4", 22, "tensor(int4)"),  # no numpy or torch int4 type
     )
 }
 # The dtypes a model computes in (--dtype of export, optimize, build, parity, bench).
 MODEL_DTYPES = ("fp32", "fp16")
+
+
+# Quantized forms (issue 12) ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A precision form whose four projections are quantized and whose inputs, outputs and
+    attention core stay float32 (attnx.export.passes.quantize writes it; its error model is in
+    attnx.model.tolerance)."""
+
+    name: str  # int8, int4
+    op: str  # the ONNX Runtime operator each projection becomes
+    bits: int
+    weights: str  # how the weights are quantized
+    activations: str  # how the projection's input is quantized at run time ("none": weight-only)
+
+
+QUANTIZATIONS: dict[str, Quantization] = {
+    q.name: q
+    for q in (
+        # DynamicQuantizeMatMul (MLAS u8s8 GEMM, VNNI): measured fastest of the int8 candidates on
+        # this project's AMD EPYC (attnx.export.passes.quantize has the numbers).
+        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric int8 per output channel",
+                     "dynamic uint8 per tensor"),
+        Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
+                     "int8 per block of K (accuracy_level 4)"),
+    )
+}  # fmt: skip
+QUANTIZED_DTYPES = tuple(QUANTIZATIONS)
+MODEL_DTYPES = (*MODEL_DTYPES, *QUANTIZED_DTYPES)
+# bf16 is no graph of attnx's: ONNX Runtime's CPU provider has no fast bfloat16 MatMul (its bf16
+# kernels are reference loops), so bf16 is a runtime precision set on the fp32 graph.
+BF16_RUNTIMES = "OpenVINO with inference precision bf16 on the fp32 graph (backend openvino), or torch in bf16"
+
+
+def float_dtype(dtype: str) -> str:
+    """The float dtype a model of `dtype` takes and computes its attention core in: fp32 for the
+    quantized forms (their inputs, outputs and core stay float), the dtype itself otherwise."""
+    return "fp32" if dtype in QUANTIZATIONS else dtype
+
+
+def check_model_dtype(dtype: str, what: str = "--dtype") -> str:
+    """`dtype` when a model may be written in it; bf16 is refused saying where it runs."""
+    if dtype == "bf16":
+        raise UsageError(
+            f"{what} bf16: no attnx graph computes in bfloat16 (ONNX Runtime's CPU provider has no fast bf16 "
+            f"MatMul); bf16 is a runtime precision of the fp32 model: {BF16_RUNTIMES}"
+        )
+    return check_choice(what, dtype, MODEL_DTYPES)
+
+
+def quantization_of(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """The quantization a model's metadata records (QUANT_KEY), or None for a float model."""
+    import json
+
+    text = metadata.get(QUANT_KEY)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ModelFileError(f"the model's {QUANT_KEY!r} metadata is not JSON") from None
+    if not isinstance(value, dict) or value.get("dtype") not in QUANTIZATIONS:
+        raise ModelFileError(f"the model's {QUANT_KEY!r} metadata names no known quantized dtype")
+    return value
+
 
 _BY_NUMPY = {np.dtype(d.numpy): d.name for d in DTYPES.values() if d.numpy}
 _BY_TORCH = {f"torch.{d.torch}": d.name for d in DTYPES.values()}
@@ -200,7 +283,7 @@ PROVIDERS: dict[str, Provider] = {
 
 # Every backend attnx has, in the order reports list them (runners: attnx.runtimes).
 REFERENCE = "reference"  # the numpy float64 formula every backend is compared with
-BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda")
+BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda", "openvino")
 
 
 def get_provider(name: str, what: str = "provider") -> Provider:
@@ -422,6 +505,7 @@ class ModelInfo:
     external_data: tuple[str, ...]
     file_bytes: int
     decode: str | None = None  # the step model's form (DECODE_FORMS) when config kv_cache, else None
+    quantization: dict[str, Any] | None = None  # QUANT_KEY's record, for the quantized forms
 
     def require_config(self, needed_for: str = "") -> AttentionConfig:
         """The config, or one ModelFileError saying why the model has none."""
@@ -440,7 +524,8 @@ class ModelInfo:
             "config": self.config.to_dict() if self.config is not None else None,
             "lowering": self.lowering,
             "dtype": self.dtype,
-            "metadata": {k: v for k, v in self.metadata.items() if k != CONFIG_KEY},
+            **({"quantization": _quant_summary(self.quantization)} if self.quantization else {}),
+            "metadata": {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, QUANT_KEY)},
             "inputs": [s.to_dict() for s in self.inputs],
             "outputs": [s.to_dict() for s in self.outputs],
             "nodes": sum(self.operators.values()),
@@ -518,7 +603,27 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         external_data=tuple(_external_locations(proto, path)),
         file_bytes=os.path.getsize(path),
         decode=metadata.get(DECODE_KEY),
+        quantization=_quantization_or_none(metadata),
     )
+
+
+def _quantization_or_none(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    try:
+        return quantization_of(metadata)
+    except ModelFileError:
+        return None  # describe() reads what is there; the checks that need it raise
+
+
+def _quant_summary(q: Mapping[str, Any]) -> dict[str, Any]:
+    """What `attnx inspect` shows of a quantization: its scheme, and per projection its size and
+    the relative RMS error its step gives the weights (the tolerance's input)."""
+    keys = ("op", "bits", "weights", "per_channel", "block_size", "accuracy_level", "activations")
+    out = {k: q.get(k) for k in keys if q.get(k) is not None}
+    out["projections"] = {
+        role: f"[{p['k']}, {p['n']}] step rms {p['step_rms']:.3g}, weight rel error {p['rel_error']:.3g}"
+        for role, p in dict(q.get("projections") or {}).items()
+    }
+    return out
 
 
 def _initializer_bytes(proto: Any) -> int:
@@ -581,3 +686,34 @@ def _node_tensors(nodes: Any) -> Iterator[Any]:
                 yield from _tensors(attr.g)
             for g in attr.graphs:
                 yield from _tensors(g)
+
+
+# Runtimes beside ONNX Runtime, and the precisions a runtime makes itself ------------------------
+# OpenVINO (the `openvino` backend, the extra attnx[openvino]): its own runtime, on the CPU, reading
+# attnx's ONNX graphs. Its precision is its INFERENCE_PRECISION_HINT, set from the dtype asked and
+# read back from the compiled model (attnx.runtimes.openvino_runner).
+OPENVINO = "openvino"
+# Dtypes a runtime computes in from attnx's fp32 graph (or the torch module), converting as it
+# compiles: no graph of their own is written. bf16: the torch module in torch.bfloat16, OpenVINO's
+# bf16 precision hint. Inputs and outputs stay float32 on the host (numpy has no bfloat16).
+RUNTIME_DTYPES = ("bf16",)
+
+
+def graph_dtype(dtype: str) -> str:
+    """The dtype of the ONNX graph a run in `dtype` reads: fp32 for a runtime dtype (bf16)."""
+    return "fp32" if dtype in RUNTIME_DTYPES else dtype
+
+
+def host_dtype(dtype: str) -> str:
+    """The dtype of the host (numpy) arrays a run in `dtype` takes and returns: the dtype itself,
+    or fp32 where numpy has none (bf16)."""
+    d = DTYPES.get(dtype)
+    if dtype in QUANTIZATIONS:  # issue 12: a quantized model's inputs and output are float32
+        return "fp32"
+    return dtype if d is not None and d.numpy is not None else "fp32"
+
+
+def runs_onnx_model(backend: str) -> bool:
+    """Whether a backend runs an ONNX model file (ort-*, openvino) rather than the torch module
+    or the numpy reference."""
+    return provider_of_backend(backend) is not None or backend == OPENVINO

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import DTYPES, numpy_dtype
+from attnx.model.contract import DTYPES, float_dtype, numpy_dtype
 
 __all__ = ["make_inputs"]
 
@@ -24,6 +24,7 @@ def make_inputs(
     if config.cross and mem_seq is None:
         raise ValueError("cross-attention inputs need mem_seq")
     rng = np.random.Generator(np.random.PCG64(seed))
+    dtype = float_dtype(dtype)  # a quantized model (int8, int4) takes float32 inputs
     np_dtype = numpy_dtype(dtype) if dtype in DTYPES and DTYPES[dtype].numpy else np.dtype(np.float32)
     feeds = {"x": rng.standard_normal((batch, seq, config.d_model), dtype=np.float32).astype(np_dtype)}
     kv_len = seq

@@ -44,13 +44,15 @@ class Comparison:
     rtol: float
     needed_atol: float  # the smallest atol that passes with this rtol
     shape_error: str | None = None
+    rel_rms: float = float("nan")  # ||out - ref|| / ||ref||: the frontier's accuracy axis
+    rel_rms_bound: float | None = None  # a quantized form's error model bounds it too (tolerance)
 
     def __bool__(self) -> bool:
         return self.passed
 
     def stats(self) -> dict[str, float | None]:
         """The error statistics as JSON numbers (None where not finite: a failed run)."""
-        keys = ("max_abs", "max_rel", "mean_abs", "p99_abs", "cosine", "needed_atol")
+        keys = ("max_abs", "max_rel", "mean_abs", "p99_abs", "cosine", "needed_atol", "rel_rms")
         return {k: _finite(getattr(self, k)) for k in keys}
 
     def detail(self) -> str:
@@ -59,7 +61,15 @@ class Comparison:
         if self.shape_error:
             return self.shape_error
         need = "" if self.passed else f"; would need atol>={self.needed_atol:.3g}"
-        return f"max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}{need}) cos={self.cosine:.9f}"
+        return (
+            f"max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}{need}) cos={self.cosine:.9f}"
+            + self._rms_text()
+        )
+
+    def _rms_text(self) -> str:
+        if self.rel_rms_bound is None:
+            return f" rel_rms={self.rel_rms:.3g}"
+        return f" rel_rms={self.rel_rms:.3g} (bound {self.rel_rms_bound:.3g})"
 
     def __str__(self) -> str:
         if self.shape_error:
@@ -68,6 +78,7 @@ class Comparison:
         return (
             f"{self.name}: {verdict} max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}; "
             f"would need atol>={self.needed_atol:.3g}) max_rel={self.max_rel:.3g} cos={self.cosine:.9f}"
+            + self._rms_text()
         )
 
 
@@ -88,9 +99,26 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
     if not finite:
         diff = np.where(np.isfinite(o), diff, np.inf)
     bound = tol.rtol * np.abs(r)
-    passed = finite and bool((diff <= atol + bound).all())
-    needed = float(np.max(diff - bound)) if diff.size else 0.0
+    quantized = hasattr(tol, "quant_bound") and r.ndim > 0
+    if quantized:  # a quantized form: its error model's share, row by row (attnx.model.tolerance)
+        float_atol = Tolerance.atol(tol, size, max(scale, np.finfo(np.float32).tiny))
+        bound = bound + float_atol + tol.quant_bound(size, np.sqrt(np.mean(r * r, axis=-1, keepdims=True)))
+        passed = finite and bool((diff <= bound).all())
+        # reported: the bound at a row of RMS rms(ref), and that scaled by the worst ratio
+        needed = atol * float(np.max(diff / np.maximum(bound, np.finfo(np.float64).tiny))) if diff.size else 0.0
+    else:
+        passed = finite and bool((diff <= atol + bound).all())
+        needed = float(np.max(diff - bound)) if diff.size else 0.0
     rel = diff / np.maximum(np.abs(r), scale)  # relative to the value, floored at the RMS
+    ref_norm = float(np.linalg.norm(r))
+    rel_rms = float(np.linalg.norm(o - r) / ref_norm) if ref_norm > 0 and finite else (0.0 if finite else math.inf)
+    rms_bound = (
+        tol.rel_rms_bound(size, max(scale, np.finfo(np.float32).tiny), int(r.size))
+        if hasattr(tol, "rel_rms_bound")
+        else None
+    )
+    if rms_bound is not None and not rel_rms <= rms_bound:
+        passed = False
     denom = float(np.linalg.norm(o) * np.linalg.norm(r))
     cosine = float(np.sum(o * r) / denom) if denom > 0 and finite else (1.0 if np.array_equal(o, r) else 0.0)
     return Comparison(
@@ -104,6 +132,8 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
         atol=atol,
         rtol=tol.rtol,
         needed_atol=max(needed, 0.0),
+        rel_rms=rel_rms,
+        rel_rms_bound=rms_bound,
     )
 
 

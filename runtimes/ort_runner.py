@@ -29,7 +29,7 @@ import numpy as np
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.config import TensorSpec
-from attnx.model.contract import DTYPES, IR_VERSION, PROVIDERS, dtype_name, dtype_of_ort
+from attnx.model.contract import DTYPES, IR_VERSION, PROVIDERS, RUNTIME_DTYPES, dtype_name, dtype_of_ort
 from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source
 from attnx.runtimes.cuda import (
     ASSIGNMENT_INFO_KEY,
@@ -143,6 +143,11 @@ class OrtRunner(Runner):
 
     def load_impl(self) -> None:
         require_source(self, model_path=True)
+        if self.source.dtype in RUNTIME_DTYPES:  # never the fp32 graph reported as a bf16 run
+            raise ProviderUnavailable(
+                f"backend {self.name!r} has no {self.source.dtype} form: ONNX Runtime runs the graph in its own "
+                f"dtype, and attnx writes no {self.source.dtype} graph ({self.source.dtype} runs: torch, openvino)"
+            )
         path = self.source.model_path
         if not os.path.isfile(path):
             raise ModelFileError(f"model file {path!r} does not exist")

@@ -428,7 +428,7 @@ def _replay_decode(runner: Runner, case: Mapping[str, Any], feeds: dict[str, np.
 
 def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> list[Check]:
     checks: list[Check] = []
-    tol = tolerance_for(manifest["dtype"], runner.name)
+    tol = tolerance_for(manifest["dtype"], runner.name, manifest.get("quantization"))
     for case in manifest["golden"]:
         name = case["file"]
         label = _case_label(case)
@@ -444,7 +444,7 @@ def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> lis
         except Exception as e:  # ORT's own error types: the model fails to run
             checks.append(Check(name, False, f"{label}: onnxruntime fails: {str(e).strip().splitlines()[0][:300]}"))
             continue
-        size = ProblemSize(int(case["problem_size"]["k"]), float(case["problem_size"]["score_max"]))
+        size = ProblemSize.from_dict(case["problem_size"])
         for out_name, ref in expected.items():
             if out_name not in got:
                 checks.append(Check(f"{name} {out_name}", False, f"{label}: the model has no output {out_name!r}"))

@@ -14,7 +14,15 @@ import numpy as np
 
 from attnx._io import write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
-from attnx.model.contract import REFERENCE
+from attnx.model.contract import (
+    PROVIDERS,
+    QUANTIZATIONS,
+    REFERENCE,
+    describe,
+    float_dtype,
+    provider_of_backend,
+    quantization_of,
+)
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
@@ -49,6 +57,10 @@ class ParityCase:
     needed_atol: float | None = None  # the atol that would have passed
     prefill: int | None = None  # decode parity: the prefill length, then `steps` single-token steps
     steps: int | None = None
+    rel_rms: float | None = None  # ||out - ref|| / ||ref||
+    # What the backend computed in, as it reports it (openvino: read back from the compiled
+    # model; torch: the module's dtype); None where the backend reports none.
+    precision: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,9 +107,10 @@ def _case(
     feeds: dict[str, np.ndarray],
     ref_y: np.ndarray,
     size: ProblemSize,
+    quantization: dict | None = None,
 ) -> ParityCase:
     """Run one backend on one case and compare; a str runner is the reason it is skipped."""
-    tol = tolerance_for(dtype, backend)
+    tol = tolerance_for(dtype, backend, quantization)
     common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq)
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
@@ -105,7 +118,7 @@ def _case(
     cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, size)
     return ParityCase(
         **common, status="pass" if cmp else "fail", reason=None if cmp else str(cmp), atol=cmp.atol, rtol=cmp.rtol,
-        **cmp.stats(),
+        **cmp.stats(), precision=getattr(runner, "precision", None),
     )  # fmt: skip
 
 
@@ -148,10 +161,34 @@ def run_parity(
         if batch < 1 or seq < 1 or (mem_seq is not None and mem_seq < 1):
             raise UsageError(f"batch, seq and mem_seq must be positive, got batch={batch} seq={seq} mem_seq={mem_seq}")
     dtype = source.dtype
+    # A quantized model (int8, int4) runs on the backends that read its file; the torch module and
+    # the reference compute the float formula, and are held to fp32's rule.
+    quantization = None
+    module_backends = {REFERENCE, *(p.torch_backend for p in PROVIDERS.values())}
+    if dtype in QUANTIZATIONS and any(b not in module_backends for b in backends):
+        if source.model_path is None:
+            raise UsageError(
+                f"parity of {dtype} needs the quantized model (--model), written by attnx export --dtype {dtype}"
+            )
+        quantization = quantization_of(describe(source.model_path).metadata)
+        if quantization is None or quantization["dtype"] != dtype:
+            raise UsageError(f"{source.model_path!r} is not an {dtype} model (attnx inspect shows its dtype)")
+    float_source = dataclasses.replace(source, dtype=float_dtype(dtype))
 
-    ref_runner = runner_factory(reference, source)
+    def case_source(name: str) -> ModelSource:
+        return float_source if name in module_backends else source
+
+    def case_dtype(name: str) -> str:
+        return case_source(name).dtype
+
+    ref_runner = runner_factory(reference, float_source)
     ref_runner.load()  # a reference that cannot run is an error, not a skip
-    runners: dict[str, Runner | str] = {name: _load(runner_factory(name, source)) for name in backends}
+    runners: dict[str, Runner | str] = {
+        name: f"backend {name!r} does not run attnx's {dtype} form: its {QUANTIZATIONS[dtype].op} is ONNX Runtime's"
+        if dtype in QUANTIZATIONS and name not in module_backends and provider_of_backend(name) is None
+        else _load(runner_factory(name, case_source(name)))
+        for name in backends
+    }
     if check_reference:
         checker = _load(runner_factory("torch", dataclasses.replace(source, dtype="fp64")))
         runners[reference] = checker if isinstance(checker, Runner) else f"cannot check the reference: {checker}"
@@ -160,15 +197,16 @@ def run_parity(
     try:
         for i, (batch, seq, mem_seq) in enumerate(shapes):
             progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else ""))
-            feeds = make_inputs(config, batch, seq, mem_seq, dtype=dtype, seed=seed + i)
+            feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i)
             ref_y = ref_runner.run(feeds)["y"]
-            size = problem_size(config, source.weights, feeds)
+            size = problem_size(config, source.weights, feeds, activations=dtype in QUANTIZATIONS)
             if check_reference:
                 f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
                 cases.append(_case(reference, "torch-fp64", "fp64", batch, seq, mem_seq, runners[reference],
                                    f64, ref_y, size))  # fmt: skip
             for name in backends:
-                cases.append(_case(name, reference, dtype, batch, seq, mem_seq, runners[name], feeds, ref_y, size))
+                cases.append(_case(name, reference, case_dtype(name), batch, seq, mem_seq, runners[name], feeds, ref_y,
+                                   size, quantization if case_dtype(name) in QUANTIZATIONS else None))  # fmt: skip
     finally:
         ref_runner.close()
         for runner in runners.values():

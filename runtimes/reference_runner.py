@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from attnx.model.contract import host_dtype
 from attnx.model.reference import reference_attention
 from attnx.runtimes.base import Runner, register_backend, require_source
 
@@ -17,7 +18,7 @@ class ReferenceRunner(Runner):
     def load_impl(self) -> None:
         require_source(self, config=True, weights=True)
         cfg = self.source.config
-        self.inputs = cfg.inputs(self.source.dtype)
+        self.inputs = cfg.inputs(host_dtype(self.source.dtype))  # a bf16 run's inputs are float32
         self.outputs = [s.__class__(s.name, "fp64", s.shape) for s in cfg.outputs()]
 
     def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

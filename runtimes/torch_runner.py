@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.contract import DTYPES, PROVIDERS
+from attnx.model.contract import DTYPES, PROVIDERS, host_dtype
 from attnx.runtimes.base import Runner, register_backend, require_source
 
 __all__ = ["TorchRunner", "TorchCudaRunner", "torch_cuda_unavailable_reason"]
@@ -55,14 +55,17 @@ class TorchRunner(Runner):
         cfg = self.source.config
         self._dtype = getattr(torch, DTYPES[self.source.dtype].torch)
         self.module = build_module(cfg, self.source.weights, core=self.core).to(self.device, self._dtype)
-        self.inputs = cfg.inputs(self.source.dtype)
-        self.outputs = cfg.outputs(self.source.dtype)
+        # bf16: float32 on the host (numpy has no bfloat16), cast to the module's dtype in to_device
+        self.inputs = cfg.inputs(host_dtype(self.source.dtype))
+        self.outputs = cfg.outputs(host_dtype(self.source.dtype))
+        self.precision = self.source.dtype
 
     def to_device(self, value: Any) -> Any:
         torch = self._torch
-        if isinstance(value, torch.Tensor):
-            return value.to(self.device)
-        return torch.from_numpy(np.ascontiguousarray(value)).to(self.device)
+        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+        if tensor.is_floating_point() and tensor.dtype != self._dtype:  # float32 feeds of a bf16 run
+            tensor = tensor.to(self._dtype)
+        return tensor.to(self.device)
 
     def forward(self, feeds: Mapping[str, Any]) -> Any:
         """y as a torch tensor on the runner's device (no host copy)."""

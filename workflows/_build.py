@@ -37,12 +37,16 @@ from attnx.model.contract import (
     BACKENDS,
     BUILD_ATTENTION,
     EXPORT_ATTENTIONS,
-    MODEL_DTYPES,
     PROVIDERS,
+    QUANTIZATIONS,
     REFERENCE,
     check_choice,
+    check_model_dtype,
     describe,
+    float_dtype,
     get_provider,
+    quantization_of,
+    runs_onnx_model,
 )
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_export
@@ -243,7 +247,7 @@ class _ReplayRunner(Runner):
 # The build ---------------------------------------------------------------------------------
 def _check_args(attention: str, dtype: str, providers: Sequence[str]) -> None:
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
-    check_choice("--dtype", dtype, MODEL_DTYPES)
+    check_model_dtype(dtype)
     if not providers:
         raise UsageError("--provider needs at least one of: " + ", ".join(PROVIDERS))
     for name in providers:
@@ -304,6 +308,8 @@ def build_package(
     plan: CheckPlan | None = None,
     max_mem_gb: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
+    block_size: int = 32,
+    accuracy_level: int = 4,
 ) -> BuildReport:
     """Export, check and package `config` into the folder `out`.
 
@@ -325,8 +331,11 @@ def build_package(
     check_memory(estimate_export(config, shapes, what="build", reference=True), max_mem_gb)
     # The lock first: a second build of the same folder is refused now, not after its work.
     with output_lock(out), Staging(out, folder=True) as stage:
-        build = _build_step_into if config.kv_cache else _build_into
-        report = build(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)
+        quant = {"block_size": block_size, "accuracy_level": accuracy_level}
+        if config.kv_cache:
+            report = _build_step_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)
+        else:
+            report = _build_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress, quant)
         progress(f"moving the package into place: {out}")
         stage.publish(replace_folder=lambda target: _check_target(target, force))
     report.directory = out
@@ -357,6 +366,7 @@ def _build_into(
     providers: list[str],
     plan: CheckPlan,
     progress: Callable[[str], None],
+    quant: Mapping[str, int] | None = None,
 ) -> BuildReport:
     model_path = os.path.join(tmp, MODEL_FILE)
     scratch = os.path.join(tmp, ".scratch")
@@ -366,7 +376,7 @@ def _build_into(
     weights_info["sha256"] = _weights_sha256(config, weights)
     exported = export_model(
         config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False, check=False,
-        progress=progress,
+        progress=progress, **(quant or {}),
     )  # fmt: skip
     release_rewriter_state()  # the lowering passes' rewrite rules may hold the graph, and so the weights
     progress(f"torch module at the validation shapes {_shapes_text(plan.validation_shapes)}")
@@ -381,7 +391,8 @@ def _build_into(
     # Torch backends first, while the weights are in memory; each ONNX Runtime backend after.
     ort_backends = [p.backend for p in PROVIDERS.values()]
     first = [REFERENCE] if plan.check_reference else []
-    first += [b for b in BACKENDS if b != REFERENCE and b not in ort_backends]
+    # (openvino, a model-file backend of its own, is not part of a build: `attnx parity --backends openvino`)
+    first += [b for b in BACKENDS if b != REFERENCE and b not in ort_backends and not runs_onnx_model(b)]
     progress(f"parity: {', '.join(first)} against the reference")
     parity_args = dict(batches=plan.parity_batches, seqs=plan.parity_seqs, mem_seqs=plan.parity_mem_seqs)
     cases = run_parity(source, first, runner_factory=recording_factory, progress=progress, **parity_args).cases
@@ -470,6 +481,8 @@ def _write_golden(
     reference. Rounding them to the model dtype would add half an ulp of error to the golden
     file itself (for fp16 a sizable part of the tolerance)."""
     entries = []
+    quantized = dtype in QUANTIZATIONS  # its inputs are float32; its error model needs the activations
+    dtype = float_dtype(dtype)
     with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
         for i, (batch, seq, mem_seq) in enumerate(shapes):
             mem = mem_seq if config.cross else None
@@ -489,7 +502,7 @@ def _write_golden(
                 "backend": REFERENCE,
                 # The tolerance rule needs the largest attention score, which needs the
                 # weights: computed here, where they are.
-                "problem_size": problem_size(config, weights, feeds).to_dict(),
+                "problem_size": problem_size(config, weights, feeds, activations=quantized).to_dict(),
             })  # fmt: skip
     return entries
 
@@ -550,6 +563,7 @@ def _manifest(
         "format_version": FORMAT_VERSION,
         "config": config.to_dict(),
         "dtype": dtype,
+        **({"quantization": quantization_of(info.metadata)} if dtype in QUANTIZATIONS else {}),
         "attention": attention,
         "inputs": [spec.to_dict() for spec in info.inputs],
         "outputs": [spec.to_dict() for spec in info.outputs],

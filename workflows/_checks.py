@@ -16,7 +16,15 @@ import onnx
 
 from attnx.errors import CheckFailed, ExportError, ModelFileError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import PROVIDERS, contract_dims, describe, get_provider
+from attnx.model.contract import (
+    PROVIDERS,
+    QUANTIZATIONS,
+    contract_dims,
+    describe,
+    float_dtype,
+    get_provider,
+    quantization_of,
+)
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, problem_size, reduction_length, tolerance_for
 from attnx.runtimes import ModelSource, Runner, create_runner
@@ -115,12 +123,16 @@ def torch_expected(
     # The SDPA core: the same module with a fused kernel, so that the expected outputs at seq
     # 1031 do not hold the whole score matrix (0.4 GB per copy for the gpt3 preset).
     expected = []
+    # A quantized form is held to the float module (its error model sizes the tolerance).
+    quantized = dtype in QUANTIZATIONS
+    dtype, io_dtype = float_dtype(dtype), float_dtype(io_dtype)
     with create_runner("torch", ModelSource(config, weights, None, dtype), core="sdpa") as module:
         for batch, seq, mem_seq in shapes:
             mem = mem_seq if config.cross else None
             feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=seq)
             y = np.asarray(module.run(feeds)["y"], dtype=np.float32)
-            size = problem_size(config, weights, make_inputs(config, batch, seq, mem, dtype=io_dtype, seed=seq))
+            case_feeds = make_inputs(config, batch, seq, mem, dtype=io_dtype, seed=seq)
+            size = problem_size(config, weights, case_feeds, activations=quantized)
             expected.append(Expected(batch, seq, mem, y, size))
     return expected
 
@@ -138,10 +150,11 @@ def check_against_expected(
     io_dtype = io_dtype or dtype
     name = label or os.fspath(path)
     results, failures = [], []
+    quantization = quantization_of(describe(path).metadata) if dtype in QUANTIZATIONS else None
     with check_runner(path) as runner:
-        tol = tolerance_for(dtype, runner.name)
+        tol = tolerance_for(dtype, runner.name, quantization)
         for e in expected:
-            feeds = make_inputs(config, e.batch, e.seq, e.mem_seq, dtype=io_dtype, seed=e.seq)
+            feeds = make_inputs(config, e.batch, e.seq, e.mem_seq, dtype=float_dtype(io_dtype), seed=e.seq)
             try:
                 y = runner.run(feeds)["y"]
             except Exception as err:  # ORT's own error types: a shape the graph cannot run
@@ -193,7 +206,10 @@ def compare_models(
     0, which is stricter. Raises ProviderUnavailable when the provider cannot run here; a
     candidate that fails to run is a failed comparison."""
     backend = get_provider(provider).backend
-    tol = tolerance_for(dtype, backend)
+    quantization = quantization_of(describe(candidate).metadata) if dtype in QUANTIZATIONS else None
+    if quantization is not None and (weights is None or "v_proj.weight" not in weights):
+        raise ModelFileError(f"{os.fspath(candidate)!r}: the {dtype} error model needs the q, k and v projections")
+    tol = tolerance_for(dtype, backend, quantization)
     ref_runner = create_runner(PROVIDERS["cpu"].backend, ModelSource(config, None, os.fspath(reference), "fp32"))
     cand_runner = create_runner(backend, ModelSource(config, None, os.fspath(candidate), dtype))
     results: list[Comparison] = []
@@ -211,7 +227,7 @@ def compare_models(
                 results.append(failed_run(label, e))
                 continue
             size = (
-                problem_size(config, weights, ref_feeds)
+                problem_size(config, weights, ref_feeds, activations=quantization is not None)
                 if weights is not None
                 else ProblemSize(reduction_length(config, mem or seq))
             )

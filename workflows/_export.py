@@ -14,13 +14,14 @@ import onnx_ir as ir
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
 from attnx.export import EXPORTED_LOWERINGS, build_step_model, export_onnx, release_rewriter_state, save_model
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     DECODE_FORMS,
     EXPORT_ATTENTIONS,
-    MODEL_DTYPES,
     check_choice,
     check_lowering,
+    check_model_dtype,
     check_opset,
 )
 from attnx.model.resources import check_memory, estimate_export
@@ -62,6 +63,8 @@ def export_model(
     max_mem_gb: float | None = None,
     progress: Callable[[str], None] = lambda msg: None,
     decode_form: str = "growing",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> ExportReport:
     """Export `config` to `out`, check the written file (onnx checker, contract dims, loads in
     onnxruntime, and with validate agrees with torch at shapes the export never saw), and only
@@ -79,7 +82,7 @@ def export_model(
     itself after releasing the weights, as `attnx build` does.
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
-    check_choice("--dtype", dtype, MODEL_DTYPES)
+    check_model_dtype(dtype)
     check_choice("--decode-form", decode_form, DECODE_FORMS)
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
@@ -113,7 +116,10 @@ def export_model(
             progress("running graph passes")
             # auto measures each lowering on ORT CPU at batch 1, seq 512 (attnx optimize --provider
             # picks another target) and records its choice and timings in the model's metadata.
-            result = lower(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress)
+            result = lower(
+                model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress,
+                block_size=block_size, accuracy_level=accuracy_level,
+            )  # fmt: skip
             model, pass_lines = result.model, result.lines()
             del result
         opset_used = model.opset_imports.get("", 0)

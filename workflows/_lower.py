@@ -17,7 +17,16 @@ import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export import save_model
-from attnx.export.passes import LoweringResult, lowering_of, lowering_passes, qk_weights, run_pipeline
+from attnx.export.passes import (
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    LoweringResult,
+    lowering_of,
+    lowering_passes,
+    qk_weights,
+    run_pipeline,
+    v_weights,
+)
 from attnx.export.passes import lower as lower_graph
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, get_provider
@@ -68,15 +77,19 @@ def lower(
     provider: str = "cpu",
     auto_shape: tuple[int, int, int] = AUTO_SHAPE,
     progress: Callable[[str], None] = lambda msg: None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> LoweringResult:
     """Run the pipeline of `attention` on `model` in place (auto: measure, then run the
     fastest that passes parity on `provider`) and record the result in its metadata."""
+    quant = {"block_size": block_size, "accuracy_level": accuracy_level}
     if attention != AUTO:
-        return lower_graph(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32)
+        return lower_graph(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, **quant)
     auto = choose_lowering(
-        model, config, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider, shape=auto_shape, progress=progress
-    )
-    result = lower_graph(model, config, attention=auto.choice, dtype=dtype, keep_io_fp32=keep_io_fp32)
+        model, config, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider, shape=auto_shape, progress=progress,
+        **quant,
+    )  # fmt: skip
+    result = lower_graph(model, config, attention=auto.choice, dtype=dtype, keep_io_fp32=keep_io_fp32, **quant)
     result.model.metadata_props[AUTO_KEY] = auto.to_json()
     result.requested, result.auto = AUTO, auto
     return result
@@ -93,6 +106,8 @@ def choose_lowering(
     candidates: Sequence[str] = AUTO_CANDIDATES,
     repeat: int = AUTO_REPEAT,
     progress: Callable[[str], None] = lambda msg: None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> AutoChoice:
     """Build every candidate lowering from `model` (not changed), check its parity against
     `model` on `provider`, time those that pass at `shape`, and return the fastest.
@@ -109,12 +124,19 @@ def choose_lowering(
         base_path = os.path.join(tmp, "base.onnx")
         save_model(model, base_path)
         weights = qk_weights(model)
+        if weights is not None:  # a quantized form's error model also needs v
+            weights.update(v_weights(model) or {})
         for name in candidates:
             label = f"base ({base_form})" if name == "base" else name
             progress(f"auto: building {label}")
             candidate = ir.load(base_path)
             lowering = base_form if name == "base" else name
-            candidate, report = run_pipeline(candidate, lowering_passes(lowering, dtype, keep_io_fp32))
+            passes = lowering_passes(lowering, dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level)
+            try:
+                candidate, report = run_pipeline(candidate, passes)
+            except UsageError as e:  # a form the precision pass refuses (int8 of ort-attention)
+                status[label], times[label] = f"not applicable: {e}", None
+                continue
             got = lowering_of(candidate)
             if got != lowering:
                 notes = [n for r in report.records for n in r.notes if n.startswith("not ")]

@@ -19,8 +19,8 @@ import onnx_ir as ir
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import CheckFailed, ModelFileError, UsageError
 from attnx.export import save_model
-from attnx.export.passes import LoweringResult, qk_weights
-from attnx.model.contract import describe, get_provider
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, LoweringResult, qk_weights, v_weights
+from attnx.model.contract import QUANTIZATIONS, check_model_dtype, describe, get_provider
 from attnx.runtimes import create_runner
 from attnx.runtimes.base import ModelSource
 from attnx.runtimes.compare import Comparison
@@ -61,6 +61,8 @@ def optimize_file(
     auto_shape: tuple[int, int, int] = AUTO_SHAPE,
     raise_on_failure: bool = True,
     progress: Callable[[str], None] = lambda msg: None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> OptimizeResult:
     """Lower IN, check OUT against IN on `provider` at `shapes`, write OUT only if it passes.
 
@@ -82,6 +84,9 @@ def optimize_file(
     dtype = dtype or info.dtype
     if info.dtype == "fp16" and dtype == "fp32":
         raise UsageError(f"{in_path!r} is a float16 model: it cannot be optimized back to fp32")
+    check_model_dtype(dtype)
+    if info.dtype in QUANTIZATIONS:
+        raise UsageError(f"{in_path!r} is an {info.dtype} model: optimize the float32 model it was quantized from")
     if provider != "cpu":
         progress(f"checking that {backend} runs here")
         with create_runner(backend, ModelSource(config, None, in_path, info.dtype)):
@@ -91,10 +96,12 @@ def optimize_file(
     except Exception as e:  # describe() read it: only its external data can fail here
         raise ModelFileError(f"{in_path!r} cannot be loaded: {str(e).strip().splitlines()[0]}") from None
     weights = qk_weights(model)  # before lowering: the tolerance is sized from IN's own weights
+    if weights is not None:  # a quantized form's error model also needs v
+        weights.update(v_weights(model) or {})
     progress(f"running graph passes ({attention}, {dtype})")
     result = lower(
         model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider,
-        auto_shape=auto_shape, progress=progress,
+        auto_shape=auto_shape, progress=progress, block_size=block_size, accuracy_level=accuracy_level,
     )  # fmt: skip
     with output_lock(out_path), Staging(out_path) as stage:
         staged = stage.path()

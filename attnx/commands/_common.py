@@ -134,3 +134,13 @@ def int_list(text: str) -> list[int]:
 
 def str_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+# Reduced precision (issue 12) ------------------------------------------------------------------
+def add_quant_args(parser: argparse.ArgumentParser) -> None:
+    """--block-size and --accuracy-level: int4's MatMulNBits parameters (attnx.export.passes.quantize;
+    the values are listed here, not imported: the CLI starts without onnx-ir)."""
+    parser.add_argument("--block-size", type=int, choices=(16, 32, 64, 128, 256), default=32,
+                        help="with --dtype int4: weights per quantization block along K (default 32)")  # fmt: skip
+    parser.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
+                        help="with --dtype int4: 4 multiplies in int8 (default), 0 or 1 in float32")  # fmt: skip

@@ -25,7 +25,15 @@ from attnx.bench import (
 from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 from attnx.model import PRESETS
-from attnx.model.contract import BENCH_ORT_LOWERINGS, EXPORT_ATTENTIONS, MODEL_DTYPES, TORCH_CORES, describe
+from attnx.model.contract import (
+    BENCH_ORT_LOWERINGS,
+    EXPORT_ATTENTIONS,
+    MODEL_DTYPES,
+    RUNTIME_DTYPES,
+    TORCH_CORES,
+    describe,
+    graph_dtype,
+)
 from attnx.model.resources import check_memory, estimate_decode_bench
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
@@ -61,7 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--seq", type=int_list, default=list(DEFAULT_SEQS), help=f"default {','.join(map(str, DEFAULT_SEQS))}"
     )
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default: = seq)")
-    p.add_argument("--dtype", type=str_list, default=None, help=f"{' and/or '.join(MODEL_DTYPES)} (default fp32, or the --model's)")
+    p.add_argument(
+        "--dtype",
+        type=str_list,
+        default=None,
+        help=f"{', '.join((*MODEL_DTYPES, *RUNTIME_DTYPES))} (default fp32, or the --model's; bf16: torch in bfloat16 "
+        "and openvino's bf16 hint on the fp32 graph)",
+    )
     p.add_argument("--repeat", type=int_arg(1, 100_000), default=10, help="timed calls per case (default 10)")
     p.add_argument("--warmup", type=int_arg(0, 10_000), default=2, help="untimed calls before them (default 2)")
     p.add_argument(
@@ -125,9 +139,10 @@ def _plan(args: argparse.Namespace) -> Any:
         info = describe(args.model)
         config = info.require_config()
         model_dtype = info.io_dtype  # what the model is fed, and so what the sweep makes
-        if args.dtype and args.dtype != [model_dtype]:
+        # a runtime dtype (bf16) runs the fp32 model itself (graph_dtype)
+        if args.dtype and any(graph_dtype(d) != model_dtype for d in args.dtype):
             raise UsageError(f"--model {args.model!r} is {model_dtype}; --dtype {','.join(args.dtype)} does not apply")
-        dtypes = [model_dtype]
+        dtypes = args.dtype or [model_dtype]
     else:
         config = load_config_arg(args)
         if args.weights and not os.path.isfile(args.weights):
@@ -194,7 +209,8 @@ def report_table(report: Any) -> str:
     unavailable backend, a lowering that does not export) is one row."""
     cross = any(c.mem_seq is not None for c in report.cases)
     headers = ["backend", "attention", "dtype", "batch", "seq"] + (["mem_seq"] if cross else [])
-    headers += ["median_ms", "p10_ms", "p90_ms", "first_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "status"]
+    headers += ["median_ms", "p10_ms", "p90_ms", "first_ms", "tokens/s", "GFLOP/s", "roofline", "peak_MB", "rel_rms"]
+    headers += ["status"]
     series: dict[tuple, list[Any]] = {}
     for c in report.cases:
         series.setdefault((c.backend, c.attention, c.dtype), []).append(c)
@@ -208,7 +224,7 @@ def report_table(report: Any) -> str:
         rows.append(
             [c.backend, c.attention, c.dtype, c.batch, c.seq] + ([c.mem_seq] if cross else [])
             + [_num(v) for v in (c.median_ms, c.p10_ms, c.p90_ms, c.first_ms, c.tokens_per_s, c.gflops)]
-            + [c.roofline, _num(c.peak_mem_mb), c.status]
+            + [c.roofline, _num(c.peak_mem_mb), c.rel_rms, c.status]
         )  # fmt: skip
     rows += skipped_rows
     return format_table(headers, rows)
@@ -271,4 +287,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_report(report: Any) -> str:
-    return "\n".join([report_table(report), "", *_notes(report)]).rstrip()
+    return "\n".join([report_table(report), "", *_notes(report), *frontier_lines(report)]).rstrip()
+
+
+def frontier_lines(report: Any) -> list[str]:
+    """issue 12: per shape, every measured form as (median ms, rel RMS error against the float64
+    module), fastest first; * marks the speed-accuracy frontier (no other form is both faster and
+    more accurate)."""
+    groups: dict[tuple, list[Any]] = {}
+    for c in report.cases:
+        if c.status == "ok" and c.median_ms is not None and c.rel_rms is not None:
+            groups.setdefault((c.batch, c.seq, c.mem_seq), []).append(c)
+    lines: list[str] = []
+    for (batch, seq, mem_seq), cases in groups.items():
+        if len({c.dtype for c in cases}) < 2 and len(cases) < 2:
+            continue
+        lines += ["", f"frontier, batch {batch} seq {seq}" + (f" mem_seq {mem_seq}" if mem_seq else "") + ":"]
+        rows = []
+        for c in sorted(cases, key=lambda c: c.median_ms):
+            dominated = any(o.median_ms < c.median_ms and o.rel_rms < c.rel_rms for o in cases)
+            rows.append(["" if dominated else "*", f"{c.backend}/{c.attention}", c.dtype, c.median_ms, c.rel_rms])
+        lines += format_table(["", "form", "dtype", "median_ms", "rel_rms"], rows).splitlines()
+    return lines

@@ -6,7 +6,15 @@ import argparse
 import os
 
 from attnx._text import format_table
-from attnx.commands._common import Progress, add_max_mem_arg, add_model_args, load_config_arg, str_list, workflows
+from attnx.commands._common import (
+    Progress,
+    add_max_mem_arg,
+    add_model_args,
+    add_quant_args,
+    load_config_arg,
+    str_list,
+    workflows,
+)
 from attnx.model.contract import BUILD_ATTENTION, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 
 HELP = "export, check and package the model: a folder that verifies itself on the deployment machine"
@@ -21,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=BUILD_ATTENTION,
         help=f"lowering of the attention core (default {BUILD_ATTENTION})",
     )
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
+    p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default="fp32", help="bf16: refused, saying where it runs")
+    add_quant_args(p)
     p.add_argument(
         "--provider",
         type=str_list,
@@ -53,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         max_mem_gb=args.max_mem_gb,
         progress=progress,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
     )
     m = report.manifest
     for line in report.export_lines:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from attnx._text import format_table
-from attnx.commands._common import Progress, add_max_mem_arg, add_model_args, load_config_arg, workflows
+from attnx.commands._common import (
+    Progress,
+    add_max_mem_arg,
+    add_model_args,
+    add_quant_args,
+    load_config_arg,
+    workflows,
+)
 from attnx.model.contract import DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
 
 HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
@@ -15,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help=HELP, description=HELP)
     add_model_args(p)
     p.add_argument("--attention", choices=EXPORT_ATTENTIONS, default="decomposed", help="lowering of the attention core")
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
+    p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default="fp32", help="bf16: refused, saying where it runs")
+    add_quant_args(p)
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--opset", type=int, help="ONNX opset (default and lowest: 18; 23 for --attention onnx; at most 25)")
     p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
@@ -44,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         max_mem_gb=args.max_mem_gb,
         progress=progress,
         decode_form=args.decode_form,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
     )
     for line in report.passes:
         print(line)

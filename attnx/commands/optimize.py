@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from attnx._text import format_table
-from attnx.commands._common import Progress, workflows
+from attnx.commands._common import Progress, add_quant_args, workflows
 from attnx.model.contract import MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
 
 HELP = "lower an exported model's attention (ort-fused, auto, fp16), check parity, then write it"
@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--attention", choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
         help="lowering of the attention core (default ort-fused; auto measures each on --provider)",
     )  # fmt: skip
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="default: the input model's")
+    p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default=None, help="default: the input model's")
+    add_quant_args(p)
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="where parity is checked and auto times")
     p.add_argument("--auto-seq", type=_shape, default=None, help="sequence length auto times at (default 512)")
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     auto_shape = flows.AUTO_SHAPE if args.auto_seq is None else (flows.AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
     result = flows.optimize_file(
         args.model, args.out, attention=args.attention, dtype=args.dtype, keep_io_fp32=args.keep_io_fp32,
+        block_size=args.block_size, accuracy_level=args.accuracy_level,
         provider=args.provider, auto_shape=auto_shape, raise_on_failure=False, progress=progress,
     )  # fmt: skip
     lowering = result.lowering

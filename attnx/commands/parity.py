@@ -21,7 +21,7 @@ from attnx.commands._common import (
     workflows,
 )
 from attnx.errors import UsageError
-from attnx.model.contract import BACKENDS, MODEL_DTYPES, check_choice, provider_of_backend
+from attnx.model.contract import BACKENDS, MODEL_DTYPES, RUNTIME_DTYPES, check_choice, graph_dtype, runs_onnx_model
 from attnx.model.resources import check_memory, estimate_parity
 from attnx.runtimes import ModelSource, backend_names, create_runner
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_parity
@@ -40,7 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES))
     p.add_argument("--seq", type=int_list, default=list(DEFAULT_SEQS))
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default 9)")
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=(*MODEL_DTYPES, *RUNTIME_DTYPES),
+        default="fp32",
+        help="the precision every backend computes in (bf16: the torch module in bfloat16 and OpenVINO's bf16 "
+        "precision hint on the fp32 graph; ort-* have no bf16 form and are skipped)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
     p.add_argument("--decode", action="store_true",
                    help="step by step (a kv_cache config): a prefill of each --prefill length, then --steps single-token "
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = [(b, s, m) for b in args.batch for s in args.seq for m in mem_seqs]
     if args.decode:  # the reference's full forward over every token of the longest case
         shapes = [(b, max(args.prefill) + args.steps, None) for b in args.batch]
-    needs_model = any(provider_of_backend(b) is not None for b in [*args.backends, *args.require])
+    needs_model = any(runs_onnx_model(b) for b in [*args.backends, *args.require])
     check_memory(estimate_parity(config, shapes, onnx_model=needs_model), args.max_mem_gb)
     progress = Progress()
     weights = load_weights_arg(args, config, progress)
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         if needs_model and model is None:
             export_model = workflows("parity (ort-* without --model: it exports one)").export_model
             model = os.path.join(tmp, "model.onnx")
-            export_model(config, model, weights, dtype=args.dtype, validate=False, progress=progress,
+            export_model(config, model, weights, dtype=graph_dtype(args.dtype), validate=False, progress=progress,
                          **({"attention": args.attention} if args.decode else {}))  # fmt: skip
         source = ModelSource(config, weights, model, args.dtype)
         for name in args.require:
@@ -108,15 +114,22 @@ def run(args: argparse.Namespace) -> int:
                 source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
             )
     rows = [
-        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine)
+        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine,
+         c.rel_rms)  # fmt: skip
         for c in report.cases
     ]
     headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "status", "max_abs", "max_rel", "atol", "cosine"]
+    headers += ["rel_rms"]  # issue 12
     if args.decode:
         rows = [(c.backend, c.reference, c.dtype, c.batch, c.prefill, c.steps, c.status, c.max_abs, c.max_rel, c.atol,
-                 c.cosine) for c in report.cases]  # fmt: skip
+                 c.cosine, c.rel_rms) for c in report.cases]  # fmt: skip
         headers[4:6] = ["prefill", "steps"]
     print(format_table(headers, rows))
+    precisions = {c.backend: c.precision for c in report.cases if c.precision and c.backend != "reference"}
+    if precisions:
+        print("computed in: " + ", ".join(f"{b} {p}" for b, p in precisions.items())
+              + (" (openvino: INFERENCE_PRECISION_HINT read back from the compiled model)" if "openvino" in precisions
+                 else ""))  # fmt: skip
     reasons = {c.backend: c.reason for c in report.cases if c.status == "skipped"}
     for backend, reason in reasons.items():
         print(f"skipped {backend}: {reason}")

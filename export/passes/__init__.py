@@ -14,8 +14,21 @@ from attnx.export.passes._fuse_mha import FuseAttentionToMHA, FusionPlan, attent
 from attnx.export.passes._lower import LOWERING_PIPELINES, LoweringResult, lower, lowering_passes
 from attnx.export.passes._masks import KeyMask, NotFusable
 from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjections
-from attnx.export.passes._probe import lowering_of, qk_weights
+
+# Reduced precision (issue 12)
+from attnx.export.passes._probe import (
+    lowering_of,
+    qk_weights,
+    v_weights,  # noqa: E402
+)
 from attnx.export.passes.fp16 import ConvertToFloat16
+from attnx.export.passes.quantize import (  # noqa: E402
+    BLOCK_SIZES,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    QuantizeProjections,
+    dequantize_node,
+)
 
 __all__ = [
     "LOWERING_PIPELINES",
@@ -37,4 +50,11 @@ __all__ = [
     "lowering_passes",
     "qk_weights",
     "run_pipeline",
+    # Reduced precision (issue 12)
+    "BLOCK_SIZES",
+    "DEFAULT_ACCURACY_LEVEL",
+    "DEFAULT_BLOCK_SIZE",
+    "QuantizeProjections",
+    "dequantize_node",
+    "v_weights",
 ]

@@ -23,14 +23,16 @@ from attnx.export.passes._fuse_mha import FuseAttentionToMHA
 from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjections
 from attnx.export.passes._probe import lowering_of
 from attnx.export.passes.fp16 import ConvertToFloat16
+from attnx.export.passes.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeProjections
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
     AUTO,
-    MODEL_DTYPES,
     OPTIMIZE_ATTENTIONS,
+    QUANTIZATIONS,
     check_choice,
     check_lowering,
+    check_model_dtype,
 )
 
 __all__ = ["LOWERING_PIPELINES", "LoweringResult", "lowering_passes", "lower"]
@@ -53,13 +55,25 @@ LOWERING_PIPELINES: dict[str, Callable[[str], list[ir.passes.PassBase]]] = {
 }
 
 
-def lowering_passes(lowering: str, dtype: str = "fp32", keep_io_fp32: bool = False) -> list[ir.passes.PassBase]:
-    """The passes of one lowering, in order, with the fp16 conversion last for dtype fp16."""
+def lowering_passes(
+    lowering: str,
+    dtype: str = "fp32",
+    keep_io_fp32: bool = False,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+) -> list[ir.passes.PassBase]:
+    """The passes of one lowering, in order, with the precision pass last: the fp16 conversion
+    for fp16, the projections' quantization for int8 and int4 (block_size and accuracy_level:
+    int4's MatMulNBits). The lowering's own passes see the float32 graph."""
     check_choice("lowering", lowering, LOWERING_PIPELINES)
-    check_choice("dtype", dtype, MODEL_DTYPES)
-    passes = LOWERING_PIPELINES[lowering](dtype)
+    check_model_dtype(dtype, "dtype")
+    float_dtype = "fp32" if dtype in QUANTIZATIONS else dtype
+    passes = LOWERING_PIPELINES[lowering](float_dtype)
     if dtype == "fp16":
         passes.append(ConvertToFloat16(keep_io_fp32=keep_io_fp32))
+    if dtype in QUANTIZATIONS:
+        passes += [QuantizeProjections(dtype, block_size, accuracy_level), _cleanup()]
     return passes
 
 
@@ -86,6 +100,8 @@ def lower(
     attention: str = "ort-fused",
     dtype: str = "fp32",
     keep_io_fp32: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> LoweringResult:
     """Run the pipeline of `attention` on `model` in place and record the lowering the graph
     then holds in its metadata. `auto` is measured, not declared: attnx.workflows.lower."""
@@ -98,7 +114,8 @@ def lower(
     check_lowering(config, attention)
     if attention == "decomposed" and lowering_of(model) != "decomposed":
         raise UsageError(f"the model's attention is {lowering_of(model)} already: no pass turns it back into decomposed")
-    model, report = run_pipeline(model, lowering_passes(attention, dtype, keep_io_fp32))
+    passes = lowering_passes(attention, dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level)
+    model, report = run_pipeline(model, passes)
     lowering = lowering_of(model)
     model.metadata_props[ATTENTION_KEY] = lowering
     return LoweringResult(model, attention, lowering, report)

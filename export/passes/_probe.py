@@ -14,9 +14,10 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes._masks import const_array
+from attnx.export.passes.quantize import dequantize_node
 from attnx.model.contract import MS_DOMAIN, lowering_from_nodes
 
-__all__ = ["lowering_of", "qk_weights"]
+__all__ = ["lowering_of", "qk_weights", "v_weights"]
 
 _STD = ("", "ai.onnx")
 
@@ -66,6 +67,9 @@ def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
         w, b = packed
         cols = slice(start, start + int(sizes[index]))
         return w[:, cols], (b[cols] if b is not None else bias)
+    if node is not None and node.domain == MS_DOMAIN and node.op_type in ("DynamicQuantizeMatMul", "MatMulNBits"):
+        w = dequantize_node(node)  # a quantized projection: the weights it computes with
+        return (w, bias) if w is not None else None
     if not _is(node, "MatMul"):
         return None
     w = const_array(node.inputs[1])
@@ -129,3 +133,25 @@ def qk_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
         out[f"{name}.weight"] = np.asarray(w, dtype=np.float32).T
         out[f"{name}.bias"] = np.asarray(b if b is not None else np.zeros(w.shape[1]), dtype=np.float32)
     return out
+
+
+def v_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
+    """The v projection feeding the attention core ({"v_proj.weight" [out, in], "v_proj.bias"}),
+    for a quantized form's error model (the attention output it quantizes); None when not found."""
+    found = None
+    for node in model.graph:
+        if _is(node, "MultiHeadAttention", (MS_DOMAIN,)) and len(node.inputs) > 2:
+            found = _projection(node.inputs[2])
+            bias = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+            if found is not None and bias is not None:  # the op's packed bias: [Dq | Dk | Dv]
+                found = (found[0], bias[bias.shape[0] - found[0].shape[1] :])
+        elif _is(node, "Attention") and len(node.inputs) > 2:
+            found = _projection(_strip_layout(node.inputs[2]))
+        elif _is(node, "Softmax"):
+            uses = [use for use, _ in node.outputs[0].uses() if _is(use, "MatMul")]
+            found = _projection(_strip_layout(uses[0].inputs[1])) if uses else None
+        if found is not None:
+            w, b = found
+            return {"v_proj.weight": np.asarray(w, np.float32).T,
+                    "v_proj.bias": np.asarray(b if b is not None else np.zeros(w.shape[1]), np.float32)}  # fmt: skip
+    return None

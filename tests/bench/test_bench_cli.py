@@ -111,7 +111,7 @@ def test_missing_matplotlib_is_said_before_any_measuring(monkeypatch, tmp_path, 
         (["--preset", "tiny", "--plot", "b.jpg"], "must end in .png"),
         (["--preset", "tiny", "--json", "no/such/dir/b.json"], "does not exist"),
         (["--preset", "tiny", "--backends", "gpu"], "unknown --backends value 'gpu'"),
-        (["--preset", "tiny", "--dtype", "int8"], "unknown --dtype value 'int8'"),
+        (["--preset", "tiny", "--dtype", "int2"], "unknown --dtype value 'int2'"),
     ],
 )
 def test_bad_usage_exits_2_with_one_line(args, message, capsys):

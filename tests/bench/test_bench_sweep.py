@@ -50,7 +50,7 @@ def test_plan_shapes_shortest_first_and_cross_memory_defaults_to_seq():
         ({"backends": ["tpu"]}, "unknown --backends value 'tpu'"),
         ({"backends": ["reference"]}, "unknown --backends value 'reference'"),
         ({"attentions": ["flash"]}, "unknown --attention value 'flash'"),
-        ({"dtypes": ["int8"]}, "unknown --dtype value 'int8'"),
+        ({"dtypes": ["int2"]}, "unknown --dtype value 'int2'"),
         ({"mem_seqs": [4]}, "--mem-seq is for cross-attention"),
         ({"seqs": []}, "--seq is empty"),
         ({"repeat": 0}, "--repeat"),

@@ -42,8 +42,8 @@ def test_export_then_parity_json(tiny_model, tmp_path, capsys):
     statuses = {}
     for c in data["cases"]:
         statuses.setdefault(c["backend"], set()).add(c["status"])
-    # The GPU backends pass where they run, and are skipped with their own reason elsewhere.
-    gpu = {b: backend_unavailable_reason(b) for b in ("ort-cuda", "torch-cuda")}
+    # The GPU backends (and openvino, an extra) pass where they run, and are skipped with their own reason elsewhere.
+    gpu = {b: backend_unavailable_reason(b) for b in ("ort-cuda", "torch-cuda", "openvino")}
     assert statuses == {"reference": {"pass"}, "torch": {"pass"}, "ort-cpu": {"pass"},
                         **{b: {"pass" if reason is None else "skipped"} for b, reason in gpu.items()}}  # fmt: skip
     printed = capsys.readouterr().out

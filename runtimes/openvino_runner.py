@@ -1,0 +1,206 @@
+"""`openvino`: attnx's ONNX graphs on the OpenVINO runtime, CPU (the extra attnx[openvino]).
+
+OpenVINO reads the ONNX file itself (`Core.read_model`, its ONNX frontend): every attnx
+lowering, com.microsoft.MultiHeadAttention and Attention included (measured with OpenVINO
+2026.4.1). Not through ONNX Runtime's OpenVINO execution provider: that ships as
+onnxruntime-openvino, a build of its own that owns the `onnxruntime` module (it cannot sit
+beside the pinned onnxruntime-gpu), refuses bf16 on CPU (then silently runs the session on
+CPUExecutionProvider), leaves MultiHeadAttention to ORT's CPU kernels and cannot read the
+standard Attention op.
+
+Its precision is never the machine's default. OpenVINO's CPU plugin computes in bf16 by
+default where the CPU has bf16 instructions (AMX, AVX-512 BF16), which moves the numbers by
+~3e-3 relative. So INFERENCE_PRECISION_HINT is always set from the dtype asked (fp32 -> f32,
+bf16 -> bf16, fp16 -> f16), read back from the compiled model, and a compiled model that
+computes in anything else is refused (ProviderUnavailable, with what it got): a CPU without
+float16 compute compiles f16 as bf16, and that is not a float16 run. Threads likewise
+(INFERENCE_NUM_THREADS), when given.
+
+The CPU plugin's runtime cache of shape-specialised kernels is switched off
+(CPU_RUNTIME_CACHE_CAPACITY 0): with it, OpenVINO 2026.4.1 computes plain self-attention (no
+mask; every lowering) wrongly at seq >= 16 after a call at seq 1 on the same compiled model
+(max abs error 10.2 against the reference, cosine 0.16, on the parity matrix's batch 1: seq 1,
+7, then 128; right when seq 128 comes first). Without the cache each new shape builds its
+kernels afresh; a run at a fixed shape (a benchmark) pays that on its first call only.
+
+One more fault is refused by name: OpenVINO 2026.4.1 reads com.microsoft.Attention (the
+ort-attention lowering) but ignores its `scale` attribute, so a model with a custom scale
+computes softmax(q.k / sqrt(head_dim)) instead (max abs error 0.107 at scale 0.2, head_dim 8).
+
+openvino is imported when a runner loads, never at module level.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
+from attnx.model.contract import MS_DOMAIN, OPENVINO, describe, host_dtype
+from attnx.runtimes.base import Runner, register_backend, require_source
+
+__all__ = ["OPENVINO_PRECISIONS", "OpenvinoRunner", "openvino_unavailable_reason"]
+
+# attnx's dtype -> OpenVINO's INFERENCE_PRECISION_HINT (an ov.Type's name).
+OPENVINO_PRECISIONS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+_FROM_OPENVINO = {v: k for k, v in OPENVINO_PRECISIONS.items()}
+DEVICE = "CPU"
+
+
+def openvino_unavailable_reason() -> str | None:
+    """Why the openvino backend cannot run here (the package is missing), or None."""
+    if importlib.util.find_spec("openvino") is None:
+        return "openvino is not installed: pip install 'attnx[openvino]'"
+    return None
+
+
+@register_backend(OPENVINO)
+class OpenvinoRunner(Runner):
+    """An attnx ONNX model compiled by OpenVINO for the CPU, in an explicit precision.
+
+    precision: "fp32", "bf16" or "fp16" (None: the source's dtype, the model's compute
+    dtype). The compiled model's precision is read back and must be the one asked for;
+    `precision` then holds it. threads: INFERENCE_NUM_THREADS (None: OpenVINO's choice)."""
+
+    def __init__(self, source: Any, *, precision: str | None = None, threads: int | None = None) -> None:
+        super().__init__(source)
+        wanted = precision if precision is not None else source.dtype
+        if wanted not in OPENVINO_PRECISIONS:
+            raise UsageError(
+                f"backend {OPENVINO!r} computes in {', '.join(OPENVINO_PRECISIONS)} (its INFERENCE_PRECISION_HINT), "
+                f"not {wanted!r}"
+            )
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise UsageError(f"threads must be a positive integer, got {threads!r}")
+        self.requested = wanted
+        self.threads = threads
+        self.precision: str | None = None  # read back from the compiled model at load
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        reason = openvino_unavailable_reason()
+        return None if reason is None else f"backend {OPENVINO!r} is unavailable: {reason}"
+
+    def load_impl(self) -> None:
+        require_source(self, model_path=True)
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise ProviderUnavailable(reason)
+        import openvino as ov
+
+        path = self.source.model_path
+        if not os.path.isfile(path):
+            raise ModelFileError(f"model file {path!r} does not exist")
+        info = describe(path)  # the contract's names and dims (OpenVINO keeps no dim names)
+        core = ov.Core()
+        if DEVICE not in core.available_devices:
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} is unavailable: OpenVINO {ov.__version__} finds no {DEVICE} device "
+                f"(devices: {', '.join(core.available_devices) or 'none'})"
+            )
+        fault = _known_fault(path, info.lowering)
+        if fault is not None:
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} cannot run the {info.lowering} lowering of this model: {fault}"
+            )
+        try:
+            model = core.read_model(path)
+        except RuntimeError as e:  # OpenVINO's errors (GeneralFailure, ...) are RuntimeErrors with a long text
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} cannot run the {info.lowering} lowering: OpenVINO {ov.__version__} cannot "
+                f"read {os.path.basename(path)!r}: {_reason(e)}"
+            ) from None
+        config: dict[str, Any] = {
+            "INFERENCE_PRECISION_HINT": OPENVINO_PRECISIONS[self.requested],
+            "CPU_RUNTIME_CACHE_CAPACITY": 0,  # its shape cache gives wrong results (module doc)
+        }
+        if self.threads is not None:
+            config["INFERENCE_NUM_THREADS"] = self.threads
+        try:
+            self.compiled = core.compile_model(model, DEVICE, config)
+        except RuntimeError as e:
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} cannot compile the {info.lowering} lowering of {os.path.basename(path)!r} "
+                f"in {self.requested}: {_reason(e)}"
+            ) from None
+        self.precision = self.check_compiled()
+        self.request = self.compiled.create_infer_request()
+        self.ov_version = ov.__version__
+        self.lowering = info.lowering
+        # Host arrays: float inputs and output in the graph's own dtype (fp32 for a bf16 run).
+        self.inputs = [s.__class__(s.name, host_dtype(s.dtype), s.shape) for s in info.inputs]
+        self.outputs = [s.__class__(s.name, host_dtype(s.dtype), s.shape) for s in info.outputs]
+        compiled_names = sorted(p.get_any_name() for p in self.compiled.inputs)
+        if compiled_names != sorted(s.name for s in self.inputs):
+            raise ModelFileError(
+                f"OpenVINO compiled {os.path.basename(path)!r} with inputs {compiled_names}, the file declares "
+                f"{sorted(s.name for s in self.inputs)}"
+            )
+        self._ports = {p.get_any_name(): p for p in self.compiled.outputs}
+
+    def check_compiled(self) -> str:
+        """The precision the compiled model computes in, read back; ProviderUnavailable when it
+        is not the one asked for (the CPU lacks it and OpenVINO chose another) or the threads
+        differ from those asked for."""
+        got_type = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        got = _FROM_OPENVINO.get(got_type.get_type_name(), got_type.get_type_name())
+        if got != self.requested:
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} cannot run in {self.requested} here: asked INFERENCE_PRECISION_HINT="
+                f"{OPENVINO_PRECISIONS[self.requested]}, the compiled model computes in {got} "
+                f"(this CPU has no {self.requested} compute OpenVINO uses)"
+            )
+        if self.threads is not None:
+            threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
+            if threads != self.threads:
+                raise ProviderUnavailable(
+                    f"backend {OPENVINO!r}: asked INFERENCE_NUM_THREADS={self.threads}, the compiled model uses {threads}"
+                )
+        return got
+
+    def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # share_outputs=False (the default): the results are copies, not views of the request's
+        # buffers that the next run overwrites.
+        results = self.request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        return {name: np.asarray(results[port]) for name, port in self._ports.items()}
+
+    def close_impl(self) -> None:
+        del self.request
+        del self.compiled
+
+
+def _known_fault(path: str, lowering: str) -> str | None:
+    """Why OpenVINO would compute this model wrongly, for the faults measured (module doc), or None."""
+    if lowering != "ort-attention":
+        return None
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    for node in graph.node:
+        if node.domain != MS_DOMAIN or node.op_type != "Attention":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        hidden = attrs.get("qkv_hidden_sizes")
+        if "scale" not in attrs or not hidden:
+            continue
+        default = 1.0 / math.sqrt(hidden[0] / attrs["num_heads"])
+        if not math.isclose(attrs["scale"], default, rel_tol=1e-6):
+            return (
+                f"OpenVINO ignores {MS_DOMAIN}.Attention's scale attribute ({attrs['scale']:.6g} here, "
+                f"it computes with {default:.6g}); the ort-fused lowering carries the scale it reads"
+            )
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """The informative line of an OpenVINO error (its first lines are a source location)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if "does not support" in line or "not supported" in line:
+            return line[:300]
+    return (lines[-1] if lines else type(e).__name__)[:300]

@@ -1,0 +1,104 @@
+"""The int8 and int4 forms: the pass replaces the four projections, records its parameters in
+the metadata, and the probe still reads the lowering and the weights of a quantized model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from attnx.errors import UsageError
+from attnx.export import export_onnx, save_model
+from attnx.export.passes import lower, lowering_of, qk_weights, v_weights
+from attnx.model.contract import IR_VERSION, MS_DOMAIN, QUANT_KEY, describe
+from attnx.runtimes import ModelSource, create_runner
+from attnx.workflows import export_model
+from tests.conftest import CONFIGS, weights_for
+
+OPS = {"int8": f"{MS_DOMAIN}.DynamicQuantizeMatMul", "int4": f"{MS_DOMAIN}.MatMulNBits"}
+
+
+@pytest.fixture(scope="module")
+def base_models(tmp_path_factory):
+    """{(name, attention): fp32 model path} exported once; each test quantizes a fresh load."""
+    root = tmp_path_factory.mktemp("quant")
+    paths = {}
+    for name, attention in (("cross_kpm", "ort-fused"), ("causal", "decomposed"), ("self", "ort-fused")):
+        config = CONFIGS[name]
+        model = export_onnx(config, weights_for(name))
+        if attention != "decomposed":
+            model = lower(model, config, attention=attention).model
+        paths[(name, attention)] = str(root / f"{name}-{attention}.onnx")
+        save_model(model, paths[(name, attention)])
+    return paths
+
+
+def quantize(path, name, dtype, tmp_path, **options):
+    result = lower(ir.load(path), CONFIGS[name], attention=lowering_of(ir.load(path)), dtype=dtype, **options)
+    out = str(tmp_path / f"{name}-{dtype}.onnx")
+    save_model(result.model, out)
+    return out, result
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("key", [("cross_kpm", "ort-fused"), ("causal", "decomposed")])
+def test_the_four_projections_are_quantized_and_recorded(base_models, key, dtype, tmp_path):
+    name, attention = key
+    path, _ = quantize(base_models[key], name, dtype, tmp_path)
+    info = describe(path)
+    assert info.lowering == attention  # the probe reads the core of a quantized graph
+    assert info.dtype == dtype and info.io_dtype == "fp32"
+    assert info.operators[OPS[dtype]] == 4
+    assert info.operators.get("MatMul", 0) == (2 if attention == "decomposed" else 0)  # q.k and p.v stay float
+    assert info.ir_version == IR_VERSION and info.opsets[MS_DOMAIN] == 1
+    record = json.loads(info.metadata[QUANT_KEY])
+    assert record["dtype"] == dtype and record["op"] == OPS[dtype]
+    assert set(record["projections"]) == {"q", "k", "v", "out"}
+    assert record["block_size"] == (32 if dtype == "int4" else None)
+    assert record["per_channel"] == (dtype == "int8")
+    assert info.quantization == record and "quantization" in info.to_dict()
+    with create_runner("ort-cpu", ModelSource(model_path=path, dtype=dtype)) as runner:  # loads in the pinned ORT
+        assert runner.inputs[0].dtype == "fp32"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_dequantized_weights_are_within_half_a_step(base_models, dtype, tmp_path):
+    """The probe reads the weights a quantized node computes with: every one within half its
+    step of the float weight (the error model's premise), and the recorded step is the scales'."""
+    name = "cross_kpm"  # kv_dim 40: int4's last block of k and v is padded
+    path, _ = quantize(base_models[(name, "ort-fused")], name, dtype, tmp_path, block_size=16)
+    model = ir.load(path)
+    got = {**qk_weights(model), **v_weights(model)}
+    record = json.loads(model.metadata_props[QUANT_KEY])
+    want = weights_for(name)
+    for role in ("q", "k", "v"):
+        w, ref = got[f"{role}_proj.weight"], want[f"{role}_proj.weight"]
+        assert w.shape == ref.shape
+        err = np.abs(w - ref)
+        step = record["projections"][role]["step_rms"]
+        assert 0 < err.max() and float(np.sqrt(np.mean(err**2))) <= step / np.sqrt(12) * 1.3
+        limit = np.abs(ref).max(axis=1, keepdims=True) / 127 if dtype == "int8" else None
+        if limit is not None:
+            assert (err <= limit / 2 * (1 + 1e-5)).all()
+
+
+def test_int4_parameters_are_recorded_and_checked(base_models, tmp_path):
+    path, _ = quantize(base_models[("self", "ort-fused")], "self", "int4", tmp_path, block_size=16, accuracy_level=0)
+    record = describe(path).quantization
+    assert (record["block_size"], record["accuracy_level"], record["activations"]) == (16, 0, "none")
+    with pytest.raises(UsageError, match="block-size"):
+        quantize(base_models[("self", "ort-fused")], "self", "int4", tmp_path, block_size=24)
+
+
+def test_bf16_is_refused_saying_where_it_runs(tmp_path):
+    with pytest.raises(UsageError, match="OpenVINO") as e:
+        export_model(CONFIGS["self"], tmp_path / "m.onnx", dtype="bf16")
+    assert "fp32" in str(e.value) and not (tmp_path / "m.onnx").exists()
+
+
+def test_ort_attention_is_not_quantized(base_models):
+    model = lower(ir.load(base_models[("self", "ort-fused")]), CONFIGS["self"], attention="ort-attention").model
+    with pytest.raises(UsageError, match="holds its q/k/v weights"):
+        lower(model, CONFIGS["self"], attention="ort-fused", dtype="int8")
