@@ -169,8 +169,12 @@ def run_case_process(spec: dict[str, Any], workdir: str, name: str, timeout_s: f
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
     cmd = [sys.executable, "-c", WORKER_MAIN, spec_path, result_path]
+    started = time.time()
     with open(log_path, "wb") as log:
+        # A session of its own: a Ctrl-C at the terminal reaches the driver, which stops the case
+        # itself (a case process must not die of it first and be reported failed).
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True,
                                 preexec_fn=_die_with_parent if _PRCTL else None)  # noqa: PLW1509  # fmt: skip
         if running is not None:
             running.add(proc)
@@ -189,7 +193,9 @@ def run_case_process(spec: dict[str, Any], workdir: str, name: str, timeout_s: f
                 running.discard(proc)
     if returncode == 0 and os.path.exists(result_path):
         with open(result_path, encoding="utf-8") as f:
-            return json.load(f)
+            result = json.load(f)
+        result["span"] = [started, time.time()]  # when the case's process ran (epoch seconds)
+        return result
     with open(log_path, encoding="utf-8", errors="replace") as f:
         tail = [line.strip() for line in f.read().splitlines() if line.strip()][-1:]
     if returncode < 0:
