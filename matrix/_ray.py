@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -140,13 +141,20 @@ class RayExecutor:
         self.address = address
         self.poll_s = poll_s
         self._tmp: str | None = None
+        self._env: dict[str, str] = {}
 
     def describe(self) -> str:
         return f"ray {self.address}"
 
     def _init(self, ray: Any) -> None:
-        common = {"logging_level": logging.WARNING, "log_to_driver": False, "include_dashboard": False}
+        common = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
         if self.address == "local":
+            # Ray's default for a new local cluster writes a token to ~/.ray/auth_token, which turns
+            # token authentication on for every later Ray of this user: the token stays in this
+            # process's environment (inherited by the cluster's processes) instead.
+            if "RAY_AUTH_MODE" not in os.environ:
+                self._env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+                os.environ.update(self._env)
             self._tmp = tempfile.mkdtemp(prefix="attnx-ray-")
             ray.init(address="local", resources={BENCH_SLOT: 1}, _temp_dir=self._tmp, _node_ip_address="127.0.0.1",
                      object_store_memory=256 * 1024**2, **common)  # fmt: skip
@@ -230,5 +238,7 @@ class RayExecutor:
             raise
         finally:
             ray.shutdown()
+            for key in self._env:
+                os.environ.pop(key, None)
             if self._tmp:
                 shutil.rmtree(self._tmp, ignore_errors=True)

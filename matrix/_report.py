@@ -34,7 +34,7 @@ def _now() -> str:
 def host_key(host: dict[str, Any] | None) -> str:
     """A host's column in the table: its name and the start of its node id."""
     if not host:
-        return "-"
+        return "not placed"
     node = host.get("node_id") or ""
     return f"{host.get('hostname')}" + (f" ({node[:8]})" if node and node != "local" else "")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,8 +18,15 @@ import time
 
 WAIT_NODES = """
 import json, sys, time, ray
-ray.init(address=sys.argv[1], _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
 deadline = time.monotonic() + float(sys.argv[3])
+while True:  # the head's GCS may not listen yet
+    try:
+        ray.init(address=sys.argv[1], _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+        break
+    except ConnectionError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
 while True:
     nodes = [n for n in ray.nodes() if n["Alive"]]
     if len(nodes) >= int(sys.argv[2]) or time.monotonic() > deadline:
@@ -44,6 +52,10 @@ class RayCluster:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
+        # Token authentication with a token of this cluster's own, given in the environment (the
+        # nodes, the drivers): nothing is written to ~/.ray, which every Ray of the machine reads.
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token",
+                        RAY_AUTH_TOKEN=secrets.token_hex(32))  # fmt: skip
 
     def _start(self, args: list[str], name: str) -> None:
         ports = [
@@ -55,10 +67,9 @@ class RayCluster:
         cmd = [self.ray_bin, "start", *args, "--node-ip-address=127.0.0.1", *ports, "--object-store-memory=100000000",
                "--disable-usage-stats", "--block"]  # fmt: skip
         log = open(os.path.join(self.tmp, f"{name}.log"), "wb")  # noqa: SIM115 (kept open for the process)
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         # a session of its own: its process group holds the node's raylet, workers and case processes
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True, env=env))  # fmt: skip
+                                           start_new_session=True, env=self.env))  # fmt: skip
 
     def start(self, num_cpus: int = 1, resources: dict | None = None) -> None:
         self._start([f"--port={self.port}", "--head", "--include-dashboard=false", f"--temp-dir={self.tmp}",
@@ -73,7 +84,7 @@ class RayCluster:
         when they are not within the timeout."""
         try:
             out = subprocess.run([sys.executable, "-c", WAIT_NODES, self.address, str(nodes), str(timeout_s)],
-                                 capture_output=True, text=True, timeout=timeout_s + 30, check=False)  # fmt: skip
+                                 capture_output=True, text=True, timeout=timeout_s + 30, check=False, env=self.env)  # fmt: skip
             found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout else {}
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             found, out = {}, None

@@ -53,9 +53,15 @@ CLI = (
 RAY = shutil.which("ray", path=os.path.dirname(sys.executable))
 
 
-def attnx(*args: str, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def attnx(*args: str, cwd: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-c", CLI, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
     )
 
 
@@ -161,7 +167,7 @@ def test_ray_run_places_by_resources_matches_local_and_loses_no_case_to_a_killed
     os.makedirs(out)
     shutil.copytree(os.path.join(work, "local", "models"), os.path.join(out, "models"))  # the exports, reused
     proc = subprocess.Popen([sys.executable, "-c", CLI, "matrix", "plan.json", "--out", "ray", "--ray", cluster.address],
-                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env)  # fmt: skip
     killed = None  # (the Ray worker's pid, the case it was running)
     deadline = time.monotonic() + 120
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
@@ -223,7 +229,9 @@ def test_ray_resume_reruns_nothing_finished(work, cluster):
     with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f)
     before = by_id(report)
-    run = attnx("matrix", "plan.json", "--out", "ray-resume", "--ray", cluster.address, "--resume", cwd=work)
+    run = attnx(
+        "matrix", "plan.json", "--out", "ray-resume", "--ray", cluster.address, "--resume", cwd=work, env=cluster.env
+    )
     assert run.returncode == 1, run.stderr[-2000:]
     assert "3 of 24 cases to run" in run.stderr  # the two dropped and the unschedulable one
     after = by_id(read(out))
