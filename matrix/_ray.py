@@ -149,15 +149,12 @@ class RayExecutor:
     def _init(self, ray: Any) -> None:
         common = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
         if self.address == "local":
-            # Ray's default for a new local cluster writes a token to ~/.ray/auth_token, which turns
-            # token authentication on for every later Ray of this user: the token stays in this
-            # process's environment (inherited by the cluster's processes) instead.
-            if "RAY_AUTH_MODE" not in os.environ:
-                self._env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-                os.environ.update(self._env)
             self._tmp = tempfile.mkdtemp(prefix="attnx-ray-")
-            ray.init(address="local", resources={BENCH_SLOT: 1}, _temp_dir=self._tmp, _node_ip_address="127.0.0.1",
-                     object_store_memory=256 * 1024**2, **common)  # fmt: skip
+            try:
+                ray.init(address="local", resources={BENCH_SLOT: 1}, _temp_dir=self._tmp, _node_ip_address="127.0.0.1",
+                         object_store_memory=256 * 1024**2, **common)  # fmt: skip
+            except (RuntimeError, ConnectionError, OSError) as e:
+                raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
             return
         host = urlparse(self.address if "://" in self.address else f"x://{self.address}").hostname
         extra = {"_node_ip_address": "127.0.0.1"} if host in _LOOPBACK else {}
@@ -169,10 +166,17 @@ class RayExecutor:
 
     def run(self, items: list[Any], plan: MatrixPlan, report: MatrixReport,
             on_result: Callable[[Any, dict[str, Any], dict[str, Any] | None], None]) -> None:  # fmt: skip
+        if self.address == "local" and "RAY_AUTH_MODE" not in os.environ:
+            # Ray's default for a new local cluster writes a token to ~/.ray/auth_token, which turns
+            # token authentication on for every later Ray of this user: the token stays in this
+            # process's environment (inherited by the cluster's processes) instead, set before ray
+            # is imported (its token loader reads it once).
+            self._env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+            os.environ.update(self._env)
         ray = _import_ray()
-        self._init(ray)
         pending: dict[Any, tuple[Any, float, dict[str, float]]] = {}
         try:
+            self._init(ray)
             nodes = _nodes(ray)
             report.nodes.update(nodes)
             task = ray.remote(run_on_node)

@@ -276,6 +276,30 @@ def test_ctrl_c_keeps_every_finished_case_and_resume_completes_it(work, local):
     assert len(after) == 8 and all(after[i] == c for i, c in kept.items())
 
 
+def test_ray_local_starts_a_cluster_of_its_own_and_leaves_no_token_behind(work, local):
+    if RAY is None or importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed here (pip install 'attnx[ray]')")
+    plan = {"presets": ["tiny"], "backends": ["ort-cpu"], "lowerings": ["decomposed"], "batches": [1], "seqs": [1, 2],
+            "jobs": ["parity"]}  # fmt: skip
+    with open(os.path.join(work, "two.json"), "w", encoding="utf-8") as f:
+        json.dump(plan, f)
+    out = os.path.join(work, "ray-local")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(work, "local", "models"), os.path.join(out, "models"))
+    token = os.path.expanduser("~/.ray/auth_token")
+    had_token = os.path.exists(token)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run = attnx("matrix", "two.json", "--out", "ray-local", "--ray", "local", cwd=work, env=env)
+    if run.returncode == 2 and "Ray could not start on this machine" in run.stderr:
+        pytest.skip(run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = read(out)
+    assert [c["status"] for c in report["cases"]] == ["pass", "pass"] and report["executor"] == "ray local"
+    (node,) = report["nodes"]
+    assert {c["host"]["node_id"] for c in report["cases"]} == {node} and report["nodes"][node]["resources"][BENCH_SLOT]
+    assert os.path.exists(token) == had_token  # Ray's default would have written one
+
+
 # The plan, the content checks, the resume rule: no processes -------------------------------------
 @pytest.mark.parametrize(
     ("plan", "message"),
