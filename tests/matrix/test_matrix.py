@@ -300,6 +300,26 @@ def test_ray_local_starts_a_cluster_of_its_own_and_leaves_no_token_behind(work, 
     assert os.path.exists(token) == had_token  # Ray's default would have written one
 
 
+def test_a_damaged_package_fails_by_name_in_verify_and_is_not_timed(work, tmp_path):
+    from attnx.matrix._worker import run_case
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(os.path.join(work, "pkg"), pkg)
+    data = bytearray((pkg / "model.onnx").read_bytes())
+    data[100] ^= 0xFF
+    (pkg / "model.onnx").write_bytes(bytes(data))
+    common = {"backend": "ort-cpu", "lowering": "ort-fused", "dtype": "fp32", "seed": 0, "package": str(pkg),
+              "config": {"d_model": 64, "n_heads": 4}}  # fmt: skip
+    verify = run_case({**common, "job": "verify", "provider": "cpu", "batch": None, "seq": None, "mem_seq": None})
+    bench = run_case({**common, "job": "bench", "batch": 1, "seq": 3, "mem_seq": None, "repeat": 2, "warmup": 0,
+                      "model_path": str(pkg / "model.onnx")})  # fmt: skip
+    for result in (verify, bench):
+        assert (
+            result["status"] == "fail" and "model.onnx: sha256" in result["reason"] and "(altered)" in result["reason"]
+        )
+    assert "bench" not in bench
+
+
 # The plan, the content checks, the resume rule: no processes -------------------------------------
 @pytest.mark.parametrize(
     ("plan", "message"),
