@@ -28,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
+from attnx._io import Staging
 from attnx.errors import UsageError
-from attnx.matrix._content import files_bundle, materialize, package_bundle
+from attnx.matrix._content import cache_root, files_bundle, materialize, package_bundle
 from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
 from attnx.matrix._report import MatrixReport
 from attnx.matrix._worker import CaseKilled, host_info, run_case_process
@@ -70,12 +71,12 @@ def run_on_node(spec: dict[str, Any], bundles: dict[str, Any], blobs: dict[str, 
     if "model" in bundles:
         folder = materialize(bundles["model"], fetch)
         spec["model_path"] = os.path.join(folder, bundles["model_name"])
-    workdir = tempfile.mkdtemp(prefix="attnx-matrix-case-")
-    try:
+    # The case's folder is a stage of attnx._io: removed when the task ends, and the one a killed
+    # worker left is removed by the next case on this node (its process is provably gone).
+    os.makedirs(cache_root(), mode=0o700, exist_ok=True)
+    with Staging(os.path.join(cache_root(), "case"), folder=True) as stage:
         name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in spec["id"])
-        result = run_case_process(spec, workdir, name, timeout_s)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        result = run_case_process(spec, stage.path(), name, timeout_s)
     result["worker_pid"] = os.getpid()
     return result, host_info(node_id)
 
