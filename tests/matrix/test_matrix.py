@@ -393,3 +393,33 @@ def test_placement_asks_ray_for_the_requirement_and_the_bench_slot():
     assert not feasible(need, nodes)  # no one node has it all
     nodes["b"]["resources"].update({"GPU": 1.0, BENCH_SLOT: 1.0})
     assert feasible(need, nodes)
+
+
+def test_a_case_killed_in_every_attempt_is_reported_lost_with_the_reason(tmp_path, monkeypatch):
+    """The local pool's retries: a case whose process is killed each time is lost, never dropped."""
+    from attnx.matrix import _run
+    from attnx.matrix._worker import CaseKilled
+
+    (tmp_path / "plan.json").write_text(json.dumps({"presets": ["tiny"], "jobs": ["parity"], "backends": ["torch"],
+                                                    "seqs": [1], "batches": [1], "retries": 2}))  # fmt: skip
+    plan = load_plan(tmp_path / "plan.json")
+    calls = []
+
+    def killed(spec, workdir, name, timeout_s, running=None):
+        calls.append(name)
+        raise CaseKilled("the case process was killed by SIGKILL")
+
+    monkeypatch.setattr(_run, "run_case_process", killed)
+    report = _run.run_matrix(plan, tmp_path / "out", _run.LocalExecutor(1))
+    (case,) = report.ordered()
+    assert len(calls) == 3 and case["status"] == "lost" and case["attempts"] == 3
+    assert case["reason"] == "the case process was killed by SIGKILL (3 attempts, 2 retries)"
+    assert read(str(tmp_path / "out"))["summary"]["lost"] == 1 and not report.passed
+
+
+def test_a_task_whose_ray_worker_died_past_its_retries_is_lost_with_the_reason():
+    ray = pytest.importorskip("ray")
+    from attnx.matrix._ray import _lost_or_failed
+
+    result = _lost_or_failed(ray, ray.exceptions.WorkerCrashedError(), 2)
+    assert result["status"] == "lost" and "WorkerCrashedError" in result["reason"] and "2 retries" in result["reason"]
