@@ -18,10 +18,12 @@ ray is imported inside this module's functions only: the local path (attnx matri
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -141,11 +143,31 @@ class RayExecutor:
             raise UsageError("--ray needs an address: local, auto, HOST:PORT or ray://HOST:PORT")
         self.address = address
         self.poll_s = poll_s
+        self._check()
         self._tmp: str | None = None
         self._env: dict[str, str] = {}
 
     def describe(self) -> str:
         return f"ray {self.address}"
+
+    def _check(self) -> None:
+        """Before any work: Ray is installed, and the address is one a cluster answers at (Ray
+        itself retries an address where nothing listens for minutes)."""
+        if importlib.util.find_spec("ray") is None:
+            _import_ray()  # the one error saying what to install
+        if self.address in ("local", "auto"):
+            return
+        url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if not url.hostname or port is None:
+            raise UsageError(f"--ray {self.address!r}: give local, auto, HOST:PORT or ray://HOST:PORT")
+        try:
+            socket.create_connection((url.hostname, port), timeout=10).close()
+        except OSError as e:
+            raise UsageError(f"--ray {self.address}: no Ray cluster answers there ({e})") from None
 
     def _init(self, ray: Any) -> None:
         common = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
@@ -157,13 +179,14 @@ class RayExecutor:
             except (RuntimeError, ConnectionError, OSError) as e:
                 raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
             return
-        host = urlparse(self.address if "://" in self.address else f"x://{self.address}").hostname
-        extra = {"_node_ip_address": "127.0.0.1"} if host in _LOOPBACK else {}
+        url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
+        extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
         del common["include_dashboard"]  # a setting of the cluster, not of a driver that joins it
         try:
             ray.init(address=self.address, **common, **extra)
-        except ConnectionError as e:
-            raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {e}") from None
+        except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
 
     def run(self, items: list[Any], plan: MatrixPlan, report: MatrixReport,
             on_result: Callable[[Any, dict[str, Any], dict[str, Any] | None], None]) -> None:  # fmt: skip

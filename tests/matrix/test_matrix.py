@@ -423,3 +423,15 @@ def test_a_task_whose_ray_worker_died_past_its_retries_is_lost_with_the_reason()
 
     result = _lost_or_failed(ray, ray.exceptions.WorkerCrashedError(), 2)
     assert result["status"] == "lost" and "WorkerCrashedError" in result["reason"] and "2 retries" in result["reason"]
+
+
+def test_a_ray_address_where_no_cluster_answers_is_refused_before_any_work():
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed here (pip install 'attnx[ray]')")
+    from attnx.matrix import RayExecutor
+    from tests.matrix._cluster import _free_port
+
+    with pytest.raises(UsageError, match="give local, auto, HOST:PORT"):
+        RayExecutor("nonsense")
+    with pytest.raises(UsageError, match="no Ray cluster answers there"):
+        RayExecutor(f"127.0.0.1:{_free_port()}")
