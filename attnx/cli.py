@@ -27,6 +27,10 @@ from attnx.runtimes.cuda import set_ort_log_severity
 # imports what only some commands need (torch, onnx-ir) inside its run(), so that the
 # deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
 COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect]
+# attnx matrix (issue 15): the plan's cases here or across a Ray cluster
+from attnx.commands import matrix
+
+COMMANDS.append(matrix)
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 

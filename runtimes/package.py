@@ -257,6 +257,8 @@ class Check:
     name: str
     passed: bool
     detail: str
+    # A golden output's comparison (attnx.runtimes.compare): its statistics, atol and rtol
+    stats: dict[str, float | None] | None = None
 
     def __bool__(self) -> bool:
         return self.passed
@@ -450,7 +452,8 @@ def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> lis
                 checks.append(Check(f"{name} {out_name}", False, f"{label}: the model has no output {out_name!r}"))
                 continue
             cmp = compare_arrays(out_name, got[out_name], ref, tol, size)
-            checks.append(Check(f"{name} {out_name}", cmp.passed, f"{label}: {cmp.detail()}"))
+            stats = {**cmp.stats(), "atol": cmp.atol, "rtol": cmp.rtol}
+            checks.append(Check(f"{name} {out_name}", cmp.passed, f"{label}: {cmp.detail()}", stats))
     return checks
 
 

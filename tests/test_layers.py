@@ -39,6 +39,8 @@ LAYERS = {
     "attnx.runtimes": ("run", 1),
     "attnx.workflows": ("workflows", 2),
     "attnx.bench": ("bench", 3),
+    # issue 15: the matrix runs parity, verify and bench (below it) for the CLI (above it)
+    "attnx.matrix": ("matrix", 3.5),
     "attnx.commands": ("top", 4),
     "attnx.cli": ("top", 4),
 }
@@ -193,3 +195,19 @@ def test_every_package_folder_is_a_declared_package():
                 rel = os.path.relpath(dirpath, ROOT).split(os.sep)
                 package = ".".join(["attnx"] + rel[1:]) if rel[0] == "attnx" else ".".join(["attnx"] + rel)
                 assert package in packages, f"{dirpath} is not in pyproject's packages"
+
+
+def test_the_matrix_layer_sits_between_bench_and_the_cli():
+    """attnx.matrix (issue 15) imports bench and what lies below, the CLI imports it, and its
+    folder is a declared package (the check above walks the folders it knew before it)."""
+    sources = read_sources()
+    assert "attnx.matrix._run" in sources and layer_of("attnx.matrix._run") == ("matrix", 3.5)
+    planted = dict(sources, **{"attnx.matrix._planted": "from attnx.commands import _common\n"})
+    assert any("(matrix) imports attnx.commands._common (top)" in p for p in check_layers(planted))
+    planted = dict(sources, **{"attnx.bench._planted": "from attnx.matrix import _plan\n"})
+    assert any("(bench) imports attnx.matrix._plan (matrix)" in p for p in check_layers(planted))
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, "matrix")):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "__"))]
+        if "__init__.py" in filenames:
+            rel = os.path.relpath(dirpath, ROOT).split(os.sep)
+            assert ".".join(["attnx"] + rel) in sources, f"{dirpath} is not in pyproject's packages"

@@ -1,0 +1,369 @@
+"""The plan: what the matrix runs (sources x jobs x backends x lowerings x dtypes x shapes), read
+from a JSON (or YAML) file, checked before any work, and expanded into cases.
+
+A plan names its model sources (`presets`, `configs`: AttentionConfig JSON files, `packages`:
+folders built by `attnx build`), the jobs (`parity`, `verify`, `bench`) and the axes. Every axis
+may be set at the top (for every job) and overridden in a job's own object:
+
+    {"presets": ["tiny"], "packages": ["pkg"],
+     "backends": ["torch", "ort-cpu"], "lowerings": ["decomposed", "ort-fused"],
+     "batches": [1, 2], "seqs": [1, 7],
+     "requirements": {"torch": {"tagged": 1}, "ort-cuda": {"GPU": 1}},
+     "jobs": {"parity": {}, "verify": {"backends": ["ort-cpu", "ort-cuda"]},
+              "bench": {"backends": ["ort-cpu"], "lowerings": ["ort-fused"], "repeat": 5}}}
+
+`jobs` may also be a list of job names (no overrides). Which sources each job takes: parity and
+bench run presets and configs (seeded weights, `seed`); verify runs packages; bench also times a
+package's own model on the ort-* backends. Relative paths are read from the plan file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attnx.errors import ConfigError, UsageError
+from attnx.model.config import AttentionConfig, load_config, preset
+from attnx.model.contract import (
+    BACKENDS,
+    BENCH_ORT_LOWERINGS,
+    LOWERINGS,
+    MODEL_DTYPES,
+    REFERENCE,
+    TORCH_CORES,
+    check_choice,
+    provider_of_backend,
+)
+from attnx.runtimes.package import read_manifest
+from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS
+
+__all__ = ["BENCH_SLOT", "JOBS", "CaseSpec", "JobAxes", "MatrixPlan", "Source", "load_plan"]
+
+JOBS = ("parity", "verify", "bench")
+# The Ray resource a node declares once to take timed work: a bench case holds it while it runs,
+# so that at most one timed case runs on a node at a time.
+BENCH_SLOT = "attnx_bench_slot"
+_AXES = ("backends", "lowerings", "dtypes", "batches", "seqs", "mem_seqs")
+_BENCH_KEYS = ("repeat", "warmup", "threads")
+_TOP_KEYS = frozenset(
+    {"presets", "configs", "packages", "jobs", "requirements", "seed", "timeout_s", "retries",
+     "unschedulable_timeout_s", *_AXES, *_BENCH_KEYS}
+)  # fmt: skip
+_DEFAULTS: dict[str, Any] = {
+    "backends": ["torch", "ort-cpu"],
+    "lowerings": list(BENCH_ORT_LOWERINGS),
+    "dtypes": ["fp32"],
+    "batches": list(DEFAULT_BATCHES),
+    "seqs": list(DEFAULT_SEQS),
+    "mem_seqs": list(DEFAULT_MEM_SEQS),
+    "repeat": 10,
+    "warmup": 2,
+    "threads": None,  # None: every core of the node the case runs on
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A model source: a preset, a config file or a package. label names it in case ids."""
+
+    kind: str  # "preset" | "config" | "package"
+    label: str  # "preset:tiny", "config:cfg/causal.json", "package:pkg"
+    config: AttentionConfig
+    path: str | None = None  # the config file or package folder (absolute)
+    manifest: dict[str, Any] | None = None  # a package's manifest (its names and sha256 checked)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobAxes:
+    backends: tuple[str, ...]
+    lowerings: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    batches: tuple[int, ...]
+    seqs: tuple[int, ...]
+    mem_seqs: tuple[int, ...]
+    repeat: int
+    warmup: int
+    threads: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    """One case: a job on one source, backend, lowering, dtype and shape, with the host
+    resources it needs. `id` is stable across runs (what --resume matches)."""
+
+    id: str
+    job: str
+    source: str  # the Source's label
+    backend: str
+    lowering: str | None  # the ONNX lowering (ort-*), the torch core (bench on torch), None (torch parity)
+    dtype: str
+    batch: int | None
+    seq: int | None
+    mem_seq: int | None
+    requires: dict[str, float]  # Ray resources (CPU and GPU included) beyond the default one CPU
+    timed: bool  # a bench case: holds the node's bench slot
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class MatrixPlan:
+    path: str
+    sha256: str  # of the plan as read (its canonical JSON): --resume refuses a report of another plan
+    data: dict[str, Any]
+    sources: list[Source]
+    jobs: dict[str, JobAxes]
+    requirements: dict[str, dict[str, float]]
+    seed: int = 0
+    timeout_s: float = 600.0
+    retries: int = 2
+    unschedulable_timeout_s: float = 60.0
+
+    def source(self, label: str) -> Source:
+        return next(s for s in self.sources if s.label == label)
+
+    def cases(self) -> list[CaseSpec]:
+        """Every case of the plan, in order: job by job, source by source."""
+        out: list[CaseSpec] = []
+        for job, axes in self.jobs.items():
+            for src in self.sources:
+                out += _job_cases(self, job, axes, src)
+        ids = [c.id for c in out]
+        dup = next((i for i in ids if ids.count(i) > 1), None)
+        if dup:  # cannot happen with distinct sources; a guard for the resume key
+            raise UsageError(f"the plan gives case {dup!r} twice")
+        return out
+
+
+def _job_cases(plan: MatrixPlan, job: str, axes: JobAxes, src: Source) -> list[CaseSpec]:
+    out = []
+    shapes = _shapes(src.config, axes)
+
+    def add(backend: str, lowering: str | None, dtype: str, shape: tuple | None, timed: bool = False) -> None:
+        batch, seq, mem_seq = shape or (None, None, None)
+        parts = [job, src.label, backend, lowering or "-", dtype]
+        if shape:
+            parts += [f"b{batch}", f"s{seq}"] + ([f"m{mem_seq}"] if mem_seq else [])
+        requires = dict(plan.requirements.get(backend, {}))
+        out.append(CaseSpec(":".join(parts), job, src.label, backend, lowering, dtype, batch, seq, mem_seq,
+                            requires, timed))  # fmt: skip
+
+    if job == "verify":
+        if src.kind == "package":
+            for backend in axes.backends:
+                if provider_of_backend(backend) is not None:  # verify runs a package on a provider
+                    add(backend, src.manifest.get("attention"), src.manifest["dtype"], None)
+        return out
+    if src.kind == "package":
+        if job == "bench":  # the package's own model, on the ort-* backends
+            for backend in axes.backends:
+                if provider_of_backend(backend) is not None:
+                    for shape in shapes:
+                        add(backend, src.manifest.get("attention"), src.manifest["dtype"], shape, timed=True)
+        return out  # parity needs the weights, which a package holds only inside its model
+    for dtype in axes.dtypes:
+        for backend in axes.backends:
+            if provider_of_backend(backend) is not None:
+                lowerings: list[str | None] = list(axes.lowerings)
+            elif job == "parity":
+                lowerings = [None]  # the torch module (reference: checked against torch in float64)
+            else:  # bench on torch: the module's cores among the lowerings asked for
+                lowerings = [c for c in TORCH_CORES if c in axes.lowerings] or [TORCH_CORES[0]]
+            if job == "bench" and backend == REFERENCE:
+                continue  # the reference is written to be read, not timed
+            for lowering in lowerings:
+                for shape in shapes:
+                    add(backend, lowering, dtype, shape, timed=job == "bench")
+    return out
+
+
+def _shapes(config: AttentionConfig, axes: JobAxes) -> list[tuple[int, int, int | None]]:
+    mems: list[int | None] = list(axes.mem_seqs) if config.cross else [None]
+    return [(b, s, m) for b in axes.batches for s in axes.seqs for m in mems]
+
+
+# Reading -----------------------------------------------------------------------------------------
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"plan {path!r} does not exist" if not os.path.exists(path) else f"plan {path!r} is not a file"
+        )
+    with open(path, "rb") as f:
+        raw = f.read(4 * 1024**2 + 1)
+    if len(raw) > 4 * 1024**2:
+        raise UsageError(f"plan {path!r} is larger than 4 MB: not a plan")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"plan {path!r} is not UTF-8 text") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise UsageError(
+                f"plan {path!r} is YAML, which needs PyYAML: pip install pyyaml (or write it as JSON)"
+            ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise UsageError(f"plan {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"plan {path!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"plan {path!r} must be an object (JSON) or a mapping (YAML)")
+    return data
+
+
+def _list(data: Mapping[str, Any], key: str, kind: type, where: str) -> list[Any] | None:
+    if key not in data:
+        return None
+    value = data[key]
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        value = [value]
+    ok = isinstance(value, list) and value and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+    if not ok:
+        raise UsageError(f"plan {where}{key!r} must be a non-empty list of {kind.__name__}s, got {value!r}")
+    return value
+
+
+def _positive_ints(values: Sequence[int], key: str, where: str) -> None:
+    if any(v < 1 for v in values):
+        raise UsageError(f"plan {where}{key!r} must hold positive integers, got {list(values)}")
+
+
+def _number(data: Mapping[str, Any], key: str, default: Any, low: float, where: str = "", integer: bool = False) -> Any:
+    value = data.get(key, default)
+    if value is None and default is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value >= low or math.isnan(value):
+        what = "an integer" if integer else "a number"
+        raise UsageError(f"plan {where}{key!r} must be {what} of at least {low:g}, got {value!r}")
+    return value
+
+
+def _axes(data: Mapping[str, Any], base: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = dict(base)
+    for key, kind in (("backends", str), ("lowerings", str), ("dtypes", str), ("batches", int), ("seqs", int),
+                      ("mem_seqs", int)):  # fmt: skip
+        value = _list(data, key, kind, where)
+        if value is not None:
+            out[key] = value
+    for key in _BENCH_KEYS:
+        if key in data:
+            out[key] = _number(data, key, None, 0 if key == "warmup" else 1, where, integer=True)
+    for name in out["backends"]:
+        check_choice(f"backend in plan {where}'backends':", name, BACKENDS)
+    exportable = [lw.name for lw in LOWERINGS.values() if lw.export]
+    for name in out["lowerings"]:
+        check_choice(f"lowering in plan {where}'lowerings':", name, [*exportable, *TORCH_CORES])
+    for name in out["dtypes"]:
+        check_choice(f"dtype in plan {where}'dtypes':", name, MODEL_DTYPES)
+    for key in ("batches", "seqs", "mem_seqs"):
+        _positive_ints(out[key], key, where)
+    return out
+
+
+def _requirements(data: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    req = data.get("requirements", {})
+    if not isinstance(req, dict):
+        raise UsageError(f"plan 'requirements' must map a backend to Ray resources, got {req!r}")
+    out = {}
+    for backend, resources in req.items():
+        check_choice("backend in plan 'requirements':", backend, BACKENDS)
+        if not isinstance(resources, dict) or not resources:
+            raise UsageError(
+                f'plan requirements[{backend!r}] must be a non-empty object of Ray resources, e.g. {{"GPU": 1}}'
+            )
+        for name, amount in resources.items():
+            if not isinstance(name, str) or not name or name == BENCH_SLOT:
+                raise UsageError(
+                    f"plan requirements[{backend!r}] names resource {name!r}: not a resource a plan may ask for"
+                )
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                raise UsageError(f"plan requirements[{backend!r}][{name!r}] must be a positive number, got {amount!r}")
+        out[backend] = {k: float(v) for k, v in resources.items()}
+    return out
+
+
+def _sources(data: Mapping[str, Any], folder: str) -> list[Source]:
+    sources = []
+    for name in _list(data, "presets", str, "") or []:
+        try:
+            sources.append(Source("preset", f"preset:{name}", preset(name)))
+        except ConfigError as e:
+            raise UsageError(f"plan 'presets': {e}") from None
+    for name in _list(data, "configs", str, "") or []:
+        path = os.path.join(folder, name)
+        try:
+            config = load_config(path)
+        except ConfigError as e:
+            raise UsageError(f"plan 'configs': {e}") from None
+        sources.append(Source("config", f"config:{name}", config, os.path.abspath(path)))
+    for name in _list(data, "packages", str, "") or []:
+        path = os.path.join(folder, name)
+        root, manifest = read_manifest(path)  # not a package, a name outside it: PackageError (exit 2)
+        sources.append(Source("package", f"package:{name}", AttentionConfig.from_dict(dict(manifest["config"])), root,
+                              manifest))  # fmt: skip
+    labels = [s.label for s in sources]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"plan names a source twice: {', '.join(sorted({x for x in labels if labels.count(x) > 1}))}")
+    if not sources:
+        raise UsageError("plan names no source: give 'presets', 'configs' and/or 'packages'")
+    return sources
+
+
+def load_plan(path: str | os.PathLike[str]) -> MatrixPlan:
+    """Read and check a plan file; one UsageError (exit 2) naming what is wrong."""
+    path = os.fspath(path)
+    data = _read(path)
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise UsageError(f"plan {path!r}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+    folder = os.path.dirname(os.path.abspath(path))
+    base = _axes(data, _DEFAULTS, "")
+    jobs_value = data.get("jobs")
+    if isinstance(jobs_value, list) and jobs_value and all(isinstance(j, str) for j in jobs_value):
+        jobs_value = {j: {} for j in jobs_value}
+    if not isinstance(jobs_value, dict) or not jobs_value:
+        raise UsageError(
+            f"plan 'jobs' must name the jobs to run ({', '.join(JOBS)}): a list, or an object of overrides"
+        )
+    jobs = {}
+    for job, overrides in jobs_value.items():
+        check_choice("job in plan 'jobs':", job, JOBS)
+        if not isinstance(overrides, dict):
+            raise UsageError(f"plan jobs[{job!r}] must be an object of axis overrides, got {overrides!r}")
+        unknown = sorted(set(overrides) - set(_AXES) - set(_BENCH_KEYS))
+        if unknown:
+            raise UsageError(
+                f"plan jobs[{job!r}]: unknown key {unknown[0]!r} (known: {', '.join(_AXES + _BENCH_KEYS)})"
+            )
+        jobs[job] = JobAxes(**{k: tuple(v) if isinstance(v, list) else v
+                               for k, v in _axes(overrides, base, f"jobs[{job!r}] ").items()})  # fmt: skip
+    plan = MatrixPlan(
+        path=os.path.abspath(path),
+        sha256=hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest(),
+        data=data,
+        sources=_sources(data, folder),
+        jobs=jobs,
+        requirements=_requirements(data),
+        seed=_number(data, "seed", 0, 0, integer=True),
+        timeout_s=float(_number(data, "timeout_s", 600.0, 1e-3)),
+        retries=_number(data, "retries", 2, 0, integer=True),
+        unschedulable_timeout_s=float(_number(data, "unschedulable_timeout_s", 60.0, 0)),
+    )
+    if not plan.cases():
+        raise UsageError(
+            "the plan has no case: verify needs 'packages' and an ort-* backend; parity needs 'presets' or 'configs'"
+        )
+    return plan

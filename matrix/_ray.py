@@ -1,0 +1,272 @@
+"""The Ray executor: each case a Ray task placed on a node that has the resources it requires.
+
+ray is imported inside this module's functions only: the local path (attnx matrix without
+--ray) never imports it, and attnx works without it installed (the `ray` extra).
+
+- Placement: a case asks for one CPU (or the plan's requirement of its backend: "CPU", "GPU" and
+  custom resources such as {"cpu_amx": 1}); a bench case also holds the node's BENCH_SLOT, which
+  a node declares once (`ray start --resources '{"attnx_bench_slot": 1}'`): at most one timed
+  case per node at a time.
+- Content: package files and exported models go into the object store once per sha256; the
+  task writes them into the node's cache, checking every name and hash (attnx.matrix._content).
+- Faults: a task whose Ray worker dies, or whose case process is killed (CaseKilled), is retried
+  by Ray (max_retries, retry_exceptions) and then reported lost with the reason; a case no node
+  can hold (its resources exist on no node of the cluster) is cancelled after the plan's
+  unschedulable_timeout_s and reported unschedulable, naming what is missing.
+- Ctrl-C cancels every task (force: their workers and case processes end) and returns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from attnx._io import Staging
+from attnx.errors import UsageError
+from attnx.matrix._content import cache_root, files_bundle, materialize, package_bundle
+from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
+from attnx.matrix._report import MatrixReport
+from attnx.matrix._worker import CaseKilled, host_info, run_case_process
+
+__all__ = ["RayExecutor", "feasible", "placement", "run_on_node"]
+
+logger = logging.getLogger(__name__)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(
+            "attnx matrix --ray needs Ray, which this installation lacks: pip install 'attnx[ray]'"
+        ) from None
+    return ray
+
+
+def run_on_node(spec: dict[str, Any], bundles: dict[str, Any], blobs: dict[str, Any], timeout_s: float
+                ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The Ray task: fetch the case's files by content, run the case in a process of its own,
+    return (result, host). Raises CaseKilled when that process is killed (Ray retries it)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    spec = dict(spec)
+
+    def fetch(digest: str) -> bytes:
+        return ray.get(blobs[digest])
+
+    if "package" in bundles:
+        folder = materialize(bundles["package"], fetch)
+        spec["package"] = folder
+        if bundles.get("package_model"):
+            spec["model_path"] = os.path.join(folder, bundles["package_model"])
+    if "model" in bundles:
+        folder = materialize(bundles["model"], fetch)
+        spec["model_path"] = os.path.join(folder, bundles["model_name"])
+    # The case's folder is a stage of attnx._io: removed when the task ends, and the one a killed
+    # worker left is removed by the next case on this node (its process is provably gone).
+    os.makedirs(cache_root(), mode=0o700, exist_ok=True)
+    with Staging(os.path.join(cache_root(), "case"), folder=True) as stage:
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in spec["id"])
+        result = run_case_process(spec, stage.path(), name, timeout_s)
+    result["worker_pid"] = os.getpid()
+    return result, host_info(node_id)
+
+
+def placement(case: Any) -> tuple[dict[str, float], dict[str, Any]]:
+    """(every resource the case needs, the task options that ask Ray for them)."""
+    custom = dict(case.requires)
+    cpus = custom.pop("CPU", 1.0)
+    gpus = custom.pop("GPU", 0.0)
+    if case.timed:
+        custom[BENCH_SLOT] = 1.0
+    need = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}
+    options = {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
+    return need, options
+
+
+def feasible(need: dict[str, float], nodes: dict[str, dict[str, Any]]) -> bool:
+    """Whether any alive node has, in all, every resource of `need`."""
+    return any(all(n["resources"].get(k, 0.0) >= v for k, v in need.items()) for n in nodes.values())
+
+
+def _nodes(ray: Any) -> dict[str, dict[str, Any]]:
+    return {
+        n["NodeID"]: {"address": n.get("NodeManagerAddress"), "hostname": n.get("NodeManagerHostname"),
+                      "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")}}
+        for n in ray.nodes() if n.get("Alive")
+    }  # fmt: skip
+
+
+def _missing(need: dict[str, float], nodes: dict[str, dict[str, Any]]) -> str:
+    have: dict[str, float] = {}
+    for n in nodes.values():
+        for k, v in n["resources"].items():
+            have[k] = max(have.get(k, 0.0), v)
+    short = [f"{k}: {v:g} (the most any node has: {have.get(k, 0):g})" for k, v in need.items() if have.get(k, 0) < v]
+    hint = (f"; a node takes bench cases when started with --resources '{{\"{BENCH_SLOT}\": 1}}'"
+            if any(k == BENCH_SLOT for k, v in need.items() if have.get(k, 0) < v) else "")  # fmt: skip
+    return f"no node of the cluster ({len(nodes)} alive) has {', '.join(short)}{hint}"
+
+
+def _lost_or_failed(ray: Any, error: BaseException, retries: int) -> dict[str, Any]:
+    """The result of a task that raised: lost when its process or worker died (after Ray's
+    retries), failed when the task itself refused to run (a file that did not match its hash)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, CaseKilled):
+            return {"status": "lost", "reason": f"{cause} (and in each of Ray's {retries} retries)"}
+        if cause is not None:
+            return {"status": "fail", "reason": f"{type(cause).__name__}: {cause}"}
+    what = type(error).__name__
+    return {"status": "lost", "reason": f"{what}: its Ray worker or node died, {retries} retries used: {first}"}
+
+
+class RayExecutor:
+    """Runs the cases as Ray tasks on the cluster at `address`: "local" (a cluster started on
+    this machine for the run, with one bench slot), "auto" (the cluster `ray start` runs on this
+    machine), HOST:PORT (the cluster's GCS), or ray://HOST:PORT (Ray Client, needs ray[client])."""
+
+    def __init__(self, address: str, poll_s: float = 0.5) -> None:
+        if not address:
+            raise UsageError("--ray needs an address: local, auto, HOST:PORT or ray://HOST:PORT")
+        self.address = address
+        self.poll_s = poll_s
+        self._check()
+        self._tmp: str | None = None
+        self._env: dict[str, str] = {}
+
+    def describe(self) -> str:
+        return f"ray {self.address}"
+
+    def _check(self) -> None:
+        """Before any work: Ray is installed, and the address is one a cluster answers at (Ray
+        itself retries an address where nothing listens for minutes)."""
+        if importlib.util.find_spec("ray") is None:
+            _import_ray()  # the one error saying what to install
+        if self.address in ("local", "auto"):
+            return
+        url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if not url.hostname or port is None:
+            raise UsageError(f"--ray {self.address!r}: give local, auto, HOST:PORT or ray://HOST:PORT")
+        try:
+            socket.create_connection((url.hostname, port), timeout=10).close()
+        except OSError as e:
+            raise UsageError(f"--ray {self.address}: no Ray cluster answers there ({e})") from None
+
+    def _init(self, ray: Any) -> None:
+        common = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
+        if self.address == "local":
+            self._tmp = tempfile.mkdtemp(prefix="attnx-ray-")
+            try:
+                ray.init(address="local", resources={BENCH_SLOT: 1}, _temp_dir=self._tmp, _node_ip_address="127.0.0.1",
+                         object_store_memory=256 * 1024**2, **common)  # fmt: skip
+            except (RuntimeError, ConnectionError, OSError) as e:
+                raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
+            return
+        url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
+        extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
+        del common["include_dashboard"]  # a setting of the cluster, not of a driver that joins it
+        try:
+            ray.init(address=self.address, **common, **extra)
+        except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
+
+    def run(self, items: list[Any], plan: MatrixPlan, report: MatrixReport,
+            on_result: Callable[[Any, dict[str, Any], dict[str, Any] | None], None]) -> None:  # fmt: skip
+        if self.address == "local" and "RAY_AUTH_MODE" not in os.environ:
+            # Ray's default for a new local cluster writes a token to ~/.ray/auth_token, which turns
+            # token authentication on for every later Ray of this user: the token stays in this
+            # process's environment (inherited by the cluster's processes) instead, set before ray
+            # is imported (its token loader reads it once).
+            self._env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+            os.environ.update(self._env)
+        ray = _import_ray()
+        pending: dict[Any, tuple[Any, float, dict[str, float]]] = {}
+        try:
+            self._init(ray)
+            nodes = _nodes(ray)
+            report.nodes.update(nodes)
+            task = ray.remote(run_on_node)
+            blobs: dict[str, Any] = {}
+
+            def put(bundle: dict[str, Any], paths: dict[str, str]) -> None:
+                for name, digest in bundle["files"].items():
+                    if digest not in blobs:
+                        with open(paths[name], "rb") as f:
+                            blobs[digest] = ray.put(f.read())
+
+            bundled: dict[str, dict[str, Any]] = {}
+            for item in items:
+                bundles: dict[str, Any] = {}
+                if item.package_root:
+                    if item.package_root not in bundled:
+                        bundled[item.package_root] = package_bundle(item.package_root, item.package_manifest)
+                        put(bundled[item.package_root], {n: os.path.join(item.package_root, n)
+                                                         for n in bundled[item.package_root]["files"]})  # fmt: skip
+                    bundles["package"] = bundled[item.package_root]
+                    bundles["package_model"] = item.package_model
+                if item.model_files:
+                    key = item.model_files[0]
+                    if key not in bundled:
+                        bundled[key] = files_bundle(item.model_files)
+                        put(bundled[key], {os.path.basename(p): p for p in item.model_files})
+                    bundles["model"] = bundled[key]
+                    bundles["model_name"] = os.path.basename(key)
+                need, options = placement(item.case)
+                needed = {d: blobs[d] for b in (bundles.get("package"), bundles.get("model")) if b
+                          for d in b["files"].values()}  # fmt: skip
+                ref = task.options(**options, max_retries=plan.retries, retry_exceptions=[CaseKilled]).remote(
+                    item.spec, bundles, needed, plan.timeout_s
+                )
+                item.attempts = None
+                pending[ref] = (item, time.monotonic(), need)
+            checked = time.monotonic()
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_s)
+                for ref in ready:
+                    item, _, _ = pending.pop(ref)
+                    try:
+                        result, host = ray.get(ref)
+                    except ray.exceptions.RayError as e:
+                        result, host = _lost_or_failed(ray, e, plan.retries), None
+                    on_result(item, result, host)
+                now = time.monotonic()
+                if now - checked >= 2.0:  # nodes join and leave: judge feasibility on the live ones
+                    nodes, checked = _nodes(ray), now
+                    report.nodes.update(nodes)
+                for ref, (item, submitted, need) in list(pending.items()):
+                    if now - submitted >= plan.unschedulable_timeout_s and not feasible(need, nodes):
+                        ray.cancel(ref, force=False)
+                        del pending[ref]
+                        reason = f"{_missing(need, nodes)}; waited {plan.unschedulable_timeout_s:g} s"
+                        on_result(item, {"status": "unschedulable", "reason": reason}, None)
+        except BaseException:
+            for ref in pending:  # Ctrl-C: nothing of ours keeps running on the cluster
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:
+                    logger.debug("cancel failed", exc_info=True)
+            raise
+        finally:
+            ray.shutdown()
+            for key in self._env:
+                os.environ.pop(key, None)
+            if self._tmp:
+                shutil.rmtree(self._tmp, ignore_errors=True)

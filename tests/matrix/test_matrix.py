@@ -1,0 +1,437 @@
+"""attnx matrix: one plan of 24 tiny cases (parity on torch and two ONNX lowerings, verify of a
+package on cpu and cuda, bench on cpu) run here with the local pool (Ray never imported), then on
+a Ray cluster this module starts on the loopback address (a head and a second node tagged
+{"tagged": 1}; the plan sends every torch case to the tag and the cuda verify to a GPU no node has),
+with one Ray worker killed mid-run; then --resume and Ctrl-C. Verdicts must equal the local run's.
+
+Ray is started by the test and stopped by its own process ids (tests/matrix/_cluster.py). When Ray
+cannot start on this machine the Ray tests skip, saying why; a wrong result never skips.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from attnx.errors import PackageError, UsageError
+from attnx.matrix import BENCH_SLOT, load_plan
+from attnx.matrix._content import files_bundle, materialize
+from attnx.matrix._ray import feasible, placement
+from attnx.matrix._report import MatrixReport
+from tests.matrix._cluster import RayCluster
+
+PLAN = {
+    "presets": ["tiny"],
+    "packages": ["pkg"],
+    "backends": ["torch", "ort-cpu"],
+    "lowerings": ["decomposed", "ort-fused"],
+    "batches": [1, 2],
+    "seqs": [1, 3, 5],
+    "requirements": {"torch": {"tagged": 1}, "ort-cuda": {"GPU": 1}},
+    "unschedulable_timeout_s": 3,
+    "jobs": {
+        "parity": {},
+        "verify": {"backends": ["ort-cpu", "ort-cuda"]},
+        "bench": {"backends": ["ort-cpu"], "lowerings": ["ort-fused"], "batches": [1], "seqs": [1, 5], "repeat": 3,
+                  "warmup": 1, "threads": 1},
+    },
+}  # fmt: skip
+GPU_CASE = "verify:package:pkg:ort-cuda:ort-fused:fp32"
+# The CLI in a process of its own, saying at the end whether anything imported ray.
+CLI = (
+    "import sys; from attnx.cli import main; rc = main(sys.argv[1:]); "
+    "print('ray imported' if 'ray' in sys.modules else 'ray not imported', file=sys.stderr); sys.exit(rc)"
+)
+RAY = shutil.which("ray", path=os.path.dirname(sys.executable))
+
+
+def attnx(*args: str, cwd: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
+
+
+def read(out: str) -> dict:
+    with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def by_id(report: dict) -> dict[str, dict]:
+    return {c["id"]: c for c in report["cases"]}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A folder with the plan and the package it verifies and times."""
+    from attnx.model import preset
+    from attnx.workflows import build_package
+
+    root = tmp_path_factory.mktemp("matrix")
+    build_package(preset("tiny"), root / "pkg")
+    (root / "plan.json").write_text(json.dumps(PLAN))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def local(work):
+    """The plan run here, without --ray: (the finished process, its report)."""
+    run = attnx("matrix", "plan.json", "--out", "local", cwd=work)
+    return run, read(os.path.join(work, "local"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if RAY is None or importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed here (pip install 'attnx[ray]')")
+    c = RayCluster(RAY)
+    try:
+        c.start(num_cpus=1, resources={BENCH_SLOT: 1})
+        c.add(num_cpus=1, resources={"tagged": 1, BENCH_SLOT: 1})
+        c.nodes = c.wait(2, timeout_s=60)
+    except (RuntimeError, OSError) as e:
+        c.stop()
+        pytest.skip(f"Ray could not start on this machine: {e}")
+    yield c
+    c.stop()
+
+
+def test_local_run_reports_every_case_and_never_imports_ray(work, local):
+    run, report = local
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ray not imported" in run.stderr
+    plan = load_plan(os.path.join(work, "plan.json"))
+    assert len(plan.cases()) == 24 and [c["id"] for c in report["cases"]] == [c.id for c in plan.cases()]
+    assert report["complete"] and report["passed"] and not report["interrupted"]
+    cases = by_id(report)
+    # no CUDA here: skipped with onnxruntime's own reason, never run on the CPU instead
+    assert cases[GPU_CASE]["status"] == "skipped" and "CUDA" in cases[GPU_CASE]["reason"]
+    assert {c["status"] for i, c in cases.items() if i != GPU_CASE} == {"pass"}
+    for c in report["cases"]:
+        assert c["host"]["hostname"] and c["host"]["node_id"] == "local" and c["host"]["onnxruntime"]
+        if c["job"] != "bench" and c["status"] == "pass":  # the comparator's statistics, within its tolerance
+            assert 0 <= c["stats"]["needed_atol"] <= c["stats"]["atol"] and c["stats"]["cosine"] > 0.999
+    bench = [c for c in report["cases"] if c["job"] == "bench"]
+    assert len(bench) == 4 and all(c["bench"]["median_ms"] > 0 for c in bench)
+    # a timed case ran alone: no other case's process overlaps it
+    for b in bench:
+        for c in report["cases"]:
+            if c is not b and c.get("span"):
+                assert c["span"][1] <= b["span"][0] or c["span"][0] >= b["span"][1], (b["id"], c["id"])
+    with open(os.path.join(work, "local", "report.md"), encoding="utf-8") as f:
+        md = f.read()
+    assert "| case |" in md and "| parity:preset:tiny:torch:-:fp32:b1:s1 | pass, needs atol" in md
+
+
+def test_local_resume_of_a_finished_report_runs_nothing(work, local):
+    before = read(os.path.join(work, "local"))
+    run = attnx("matrix", "plan.json", "--out", "local", "--resume", cwd=work)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "0 of 24 cases to run" in run.stderr
+    assert by_id(read(os.path.join(work, "local"))) == by_id(before)
+    again = attnx("matrix", "plan.json", "--out", "local", cwd=work)  # without --resume: refused, kept
+    assert (
+        again.returncode == 2
+        and "--resume" in again.stderr
+        and by_id(read(os.path.join(work, "local"))) == by_id(before)
+    )
+
+
+def _case_processes(sessions: set[int]) -> list[tuple[int, int, str]]:
+    """(pid, parent pid, spec path) of the matrix case processes whose parent (a Ray worker) is
+    in one of the cluster's sessions (a case process has a session of its own)."""
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,ppid=,sid=,args="], capture_output=True, text=True, check=False
+    ).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    session = {int(r[0]): int(r[2]) for r in rows if len(r) >= 3}
+    return [(int(r[0]), int(r[1]), r[3].split()[-2]) for r in rows
+            if len(r) == 4 and "attnx.matrix._worker" in r[3] and session.get(int(r[1])) in sessions]  # fmt: skip
+
+
+def test_ray_run_places_by_resources_matches_local_and_loses_no_case_to_a_killed_worker(work, local, cluster):
+    out = os.path.join(work, "ray")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(work, "local", "models"), os.path.join(out, "models"))  # the exports, reused
+    proc = subprocess.Popen([sys.executable, "-c", CLI, "matrix", "plan.json", "--out", "ray", "--ray", cluster.address],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env)  # fmt: skip
+    killed = None  # (the Ray worker's pid, the case it was running)
+    deadline = time.monotonic() + 120
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        for pid, parent, spec_path in _case_processes(cluster.sessions()):
+            try:
+                with open(spec_path, encoding="utf-8") as f:
+                    case_id = json.load(f)["id"]
+            except (OSError, ValueError):
+                continue
+            os.kill(parent, signal.SIGKILL)  # the Ray worker running the case, mid-case
+            killed = (parent, case_id)
+            break
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=240)
+    assert killed is not None, "no case process was seen to kill"
+    assert proc.returncode == 1, stderr[-3000:]  # 1: the GPU case is unschedulable on this cluster
+    assert "ray not imported" not in stderr
+    report, local_report = read(out), local[1]
+    cases = by_id(report)
+    assert list(cases) == [c["id"] for c in local_report["cases"]] and report["complete"]
+    # the killed case was retried by Ray and finished, in another worker, with the local verdict
+    assert cases[killed[1]]["status"] == by_id(local_report)[killed[1]]["status"]
+    assert cases[killed[1]]["worker_pid"] != killed[0]
+    assert not [c for c in report["cases"] if c["status"] == "lost"]
+    # verdicts equal the local run's; the GPU case is unschedulable, naming the missing resource
+    assert {i: c["status"] for i, c in cases.items() if i != GPU_CASE} == {
+        c["id"]: c["status"] for c in local_report["cases"] if c["id"] != GPU_CASE
+    }
+    gpu = cases[GPU_CASE]
+    assert gpu["status"] == "unschedulable" and "GPU: 1" in gpu["reason"] and "waited 3 s" in gpu["reason"]
+    # every case ran on a node that has what it requires; the tagged ones on the tagged node
+    nodes = report["nodes"]
+    assert set(nodes) == set(cluster.nodes)
+    tagged = {n for n, r in cluster.nodes.items() if r.get("tagged")}
+    assert len(tagged) == 1
+    ran = [c for c in report["cases"] if c["status"] != "unschedulable"]
+    for c in ran:
+        need, _ = placement(type("Case", (), {"requires": c["requires"], "timed": c["timed"]})())
+        assert feasible(need, {c["host"]["node_id"]: nodes[c["host"]["node_id"]]}), c["id"]
+    assert {c["host"]["node_id"] for c in ran if c["requires"].get("tagged")} == tagged
+    assert len([c for c in ran if c["requires"].get("tagged")]) == 6
+    # at most one timed case per node at a time
+    bench = [c for c in ran if c["timed"]]
+    for a in bench:
+        for b in bench:
+            if a is not b and a["host"]["node_id"] == b["host"]["node_id"]:
+                assert a["span"][1] <= b["span"][0] or a["span"][0] >= b["span"][1], (a["id"], b["id"])
+
+
+def test_ray_resume_reruns_nothing_finished(work, cluster):
+    src = os.path.join(work, "ray")
+    if not os.path.exists(os.path.join(src, "report.json")):
+        pytest.skip("needs the Ray run's report (test above)")
+    out = os.path.join(work, "ray-resume")
+    shutil.copytree(src, out)
+    report = read(out)
+    dropped = [report["cases"][0]["id"], report["cases"][-1]["id"]]
+    report["cases"] = [c for c in report["cases"] if c["id"] not in dropped]
+    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f)
+    before = by_id(report)
+    run = attnx(
+        "matrix", "plan.json", "--out", "ray-resume", "--ray", cluster.address, "--resume", cwd=work, env=cluster.env
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "3 of 24 cases to run" in run.stderr  # the two dropped and the unschedulable one
+    after = by_id(read(out))
+    assert list(after) == list(by_id(read(src)))
+    for case_id, record in before.items():
+        if record["status"] != "unschedulable":
+            assert after[case_id] == record, case_id  # kept as it was: not run again
+    for case_id in dropped:
+        assert after[case_id]["status"] == "pass" and after[case_id]["finished"]
+
+
+def test_ctrl_c_keeps_every_finished_case_and_resume_completes_it(work, local):
+    plan = {"presets": ["tiny"], "backends": ["ort-cpu"], "lowerings": ["decomposed"], "batches": [1],
+            "seqs": [1, 2, 3, 4, 5, 6, 7, 8], "jobs": ["parity"]}  # fmt: skip
+    with open(os.path.join(work, "small.json"), "w", encoding="utf-8") as f:
+        json.dump(plan, f)
+    out = os.path.join(work, "interrupted")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(work, "local", "models"), os.path.join(out, "models"))
+    proc = subprocess.Popen([sys.executable, "-c", CLI, "matrix", "small.json", "--out", "interrupted", "--jobs", "1"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    path = os.path.join(out, "report.json")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                if len(json.load(f)["cases"]) >= 2:  # valid JSON whenever it is read
+                    break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    report = read(out)
+    assert report["interrupted"] and not report["complete"] and 2 <= len(report["cases"]) < 8
+    assert all(c["status"] == "pass" for c in report["cases"])
+    assert not [n for n in os.listdir(out) if ".partial-" in n or n.endswith(".lock")]
+    kept = by_id(report)
+    run = attnx("matrix", "small.json", "--out", "interrupted", "--resume", cwd=work)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"{8 - len(kept)} of 8 cases to run" in run.stderr
+    after = by_id(read(out))
+    assert len(after) == 8 and all(after[i] == c for i, c in kept.items())
+
+
+def test_ray_local_starts_a_cluster_of_its_own_and_leaves_no_token_behind(work, local):
+    if RAY is None or importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed here (pip install 'attnx[ray]')")
+    plan = {"presets": ["tiny"], "backends": ["ort-cpu"], "lowerings": ["decomposed"], "batches": [1], "seqs": [1, 2],
+            "jobs": ["parity"]}  # fmt: skip
+    with open(os.path.join(work, "two.json"), "w", encoding="utf-8") as f:
+        json.dump(plan, f)
+    out = os.path.join(work, "ray-local")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(work, "local", "models"), os.path.join(out, "models"))
+    token = os.path.expanduser("~/.ray/auth_token")
+    had_token = os.path.exists(token)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run = attnx("matrix", "two.json", "--out", "ray-local", "--ray", "local", cwd=work, env=env)
+    if run.returncode == 2 and "Ray could not start on this machine" in run.stderr:
+        pytest.skip(run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = read(out)
+    assert [c["status"] for c in report["cases"]] == ["pass", "pass"] and report["executor"] == "ray local"
+    (node,) = report["nodes"]
+    assert {c["host"]["node_id"] for c in report["cases"]} == {node} and report["nodes"][node]["resources"][BENCH_SLOT]
+    assert os.path.exists(token) == had_token  # Ray's default would have written one
+
+
+def test_a_damaged_package_fails_by_name_in_verify_and_is_not_timed(work, tmp_path):
+    from attnx.matrix._worker import run_case
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(os.path.join(work, "pkg"), pkg)
+    data = bytearray((pkg / "model.onnx").read_bytes())
+    data[100] ^= 0xFF
+    (pkg / "model.onnx").write_bytes(bytes(data))
+    common = {"backend": "ort-cpu", "lowering": "ort-fused", "dtype": "fp32", "seed": 0, "package": str(pkg),
+              "config": {"d_model": 64, "n_heads": 4}}  # fmt: skip
+    verify = run_case({**common, "job": "verify", "provider": "cpu", "batch": None, "seq": None, "mem_seq": None})
+    bench = run_case({**common, "job": "bench", "batch": 1, "seq": 3, "mem_seq": None, "repeat": 2, "warmup": 0,
+                      "model_path": str(pkg / "model.onnx")})  # fmt: skip
+    for result in (verify, bench):
+        assert (
+            result["status"] == "fail" and "model.onnx: sha256" in result["reason"] and "(altered)" in result["reason"]
+        )
+    assert "bench" not in bench
+
+
+# The plan, the content checks, the resume rule: no processes -------------------------------------
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({"presets": ["tiny"], "jobs": ["parity"], "colour": 1}, "unknown key 'colour'"),
+        ({"presets": ["tiny"], "jobs": ["parity"], "backends": ["ort-tpu"]}, "'ort-tpu'"),
+        ({"presets": ["huge"], "jobs": ["parity"]}, "unknown preset 'huge'"),
+        ({"presets": ["tiny"], "jobs": ["parity"], "seqs": [0]}, "'seqs' must hold positive integers"),
+        ({"presets": ["tiny"], "jobs": ["parity"], "requirements": {"torch": {"GPU": -1}}}, "positive number"),
+        ({"presets": ["tiny"], "jobs": ["parity"], "requirements": {"torch": {BENCH_SLOT: 1}}}, BENCH_SLOT),
+        ({"presets": ["tiny"], "jobs": ["deploy"]}, "unknown job"),
+        ({"presets": ["tiny"], "jobs": {"bench": {"repeat": 0}}}, "'repeat' must be an integer of at least 1"),
+        ({"presets": ["tiny"], "jobs": ["verify"]}, "the plan has no case"),
+        ({"jobs": ["parity"]}, "names no source"),
+        ({"presets": ["tiny"], "configs": ["missing.json"], "jobs": ["parity"]}, "missing.json"),
+        ({"presets": ["tiny"], "packages": ["."], "jobs": ["verify"]}, "not an attnx package"),
+    ],
+)
+def test_a_bad_plan_is_one_error_naming_what_is_wrong(tmp_path, plan, message):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(UsageError, match=None) as info:
+        load_plan(path)
+    assert message in str(info.value)
+
+
+def test_a_yaml_plan_reads_as_its_json(tmp_path):
+    pytest.importorskip("yaml")
+    (tmp_path / "p.yaml").write_text("presets: [tiny]\njobs: [parity]\nbackends: [ort-cpu]\nseqs: [4]\nbatches: [1]\n")
+    plan = load_plan(tmp_path / "p.yaml")
+    assert [c.id for c in plan.cases()] == [
+        f"parity:preset:tiny:ort-cpu:{lw}:fp32:b1:s4" for lw in ("decomposed", "onnx", "ort-fused")
+    ]
+
+
+def test_content_is_checked_on_the_node_before_use(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"weights")
+    bundle = files_bundle([str(tmp_path / "model.onnx")])
+    store = {bundle["files"]["model.onnx"]: b"weights"}
+    folder = materialize(bundle, store.__getitem__, str(tmp_path / "cache"))
+    with open(os.path.join(folder, "model.onnx"), "rb") as f:
+        assert f.read() == b"weights"
+    assert materialize(bundle, lambda d: pytest.fail("an intact cached copy is not fetched again"),
+                       str(tmp_path / "cache")) == folder  # fmt: skip
+    with pytest.raises(PackageError, match="not the"):  # bytes that are not what their hash says
+        materialize(bundle, lambda d: b"altered", str(tmp_path / "other"))
+    escape = {"key": bundle["key"], "files": {"../outside": bundle["files"]["model.onnx"]}}
+    with pytest.raises(PackageError, match="plain files"):  # a name that leaves the folder
+        materialize(escape, store.__getitem__, str(tmp_path / "third"))
+    assert not os.path.exists(tmp_path / "outside") and not os.listdir(tmp_path / "third")
+
+
+def test_resume_refuses_a_report_of_another_plan(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"presets": ["tiny"], "jobs": ["parity"], "seqs": [1]}))
+    (tmp_path / "b.json").write_text(json.dumps({"presets": ["tiny"], "jobs": ["parity"], "seqs": [2]}))
+    first = MatrixReport(load_plan(tmp_path / "a.json"), "local", str(tmp_path))
+    first.write()
+    with pytest.raises(UsageError, match="another plan"):
+        MatrixReport(load_plan(tmp_path / "b.json"), "local", str(tmp_path)).resume_from(first.json_path)
+
+
+def test_placement_asks_ray_for_the_requirement_and_the_bench_slot():
+    case = type("Case", (), {"requires": {"GPU": 1.0, "cpu_amx": 1.0}, "timed": True})()
+    need, options = placement(case)
+    assert need == {"CPU": 1.0, "GPU": 1.0, "cpu_amx": 1.0, BENCH_SLOT: 1.0}
+    assert options == {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"cpu_amx": 1.0, BENCH_SLOT: 1.0}}
+    nodes = {
+        "a": {"resources": {"CPU": 8.0, "GPU": 1.0, BENCH_SLOT: 1.0}},
+        "b": {"resources": {"CPU": 2.0, "cpu_amx": 1.0}},
+    }
+    assert not feasible(need, nodes)  # no one node has it all
+    nodes["b"]["resources"].update({"GPU": 1.0, BENCH_SLOT: 1.0})
+    assert feasible(need, nodes)
+
+
+def test_a_case_killed_in_every_attempt_is_reported_lost_with_the_reason(tmp_path, monkeypatch):
+    """The local pool's retries: a case whose process is killed each time is lost, never dropped."""
+    from attnx.matrix import _run
+    from attnx.matrix._worker import CaseKilled
+
+    (tmp_path / "plan.json").write_text(json.dumps({"presets": ["tiny"], "jobs": ["parity"], "backends": ["torch"],
+                                                    "seqs": [1], "batches": [1], "retries": 2}))  # fmt: skip
+    plan = load_plan(tmp_path / "plan.json")
+    calls = []
+
+    def killed(spec, workdir, name, timeout_s, running=None):
+        calls.append(name)
+        raise CaseKilled("the case process was killed by SIGKILL")
+
+    monkeypatch.setattr(_run, "run_case_process", killed)
+    report = _run.run_matrix(plan, tmp_path / "out", _run.LocalExecutor(1))
+    (case,) = report.ordered()
+    assert len(calls) == 3 and case["status"] == "lost" and case["attempts"] == 3
+    assert case["reason"] == "the case process was killed by SIGKILL (3 attempts, 2 retries)"
+    assert read(str(tmp_path / "out"))["summary"]["lost"] == 1 and not report.passed
+
+
+def test_a_task_whose_ray_worker_died_past_its_retries_is_lost_with_the_reason():
+    ray = pytest.importorskip("ray")
+    from attnx.matrix._ray import _lost_or_failed
+
+    result = _lost_or_failed(ray, ray.exceptions.WorkerCrashedError(), 2)
+    assert result["status"] == "lost" and "WorkerCrashedError" in result["reason"] and "2 retries" in result["reason"]
+
+
+def test_a_ray_address_where_no_cluster_answers_is_refused_before_any_work():
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed here (pip install 'attnx[ray]')")
+    from attnx.matrix import RayExecutor
+    from tests.matrix._cluster import _free_port
+
+    with pytest.raises(UsageError, match="give local, auto, HOST:PORT"):
+        RayExecutor("nonsense")
+    with pytest.raises(UsageError, match="no Ray cluster answers there"):
+        RayExecutor(f"127.0.0.1:{_free_port()}")
