@@ -183,3 +183,18 @@ def test_torch_bf16_takes_float32_feeds_and_returns_float32(exported):
     size = problem_size(config, weights, feeds)
     assert compare_arrays("y", y, ref, tolerance_for("bf16"), size)
     assert not compare_arrays("y", y, ref, tolerance_for("fp32"), size)  # computed in bf16, not float32
+
+
+@needs_openvino
+def test_cli_parity_in_bf16_lists_what_each_backend_computed_in(tmp_path, capsys):
+    from attnx.cli import main
+
+    out = tmp_path / "p.json"
+    argv = ["parity", "--preset", "tiny", "--dtype", "bf16", "--backends", "reference,torch,ort-cpu,openvino",
+            "--batch", "3", "--seq", "7", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "computed in: torch bf16, openvino bf16" in printed and "skipped ort-cpu: " in printed
+    cases = {c["backend"]: c for c in __import__("json").loads(out.read_text())["cases"]}
+    assert cases["openvino"]["precision"] == "bf16" and cases["openvino"]["dtype"] == "bf16"
+    assert cases["reference"]["status"] == "pass"  # the reference is still checked against torch in float64
