@@ -159,6 +159,11 @@ def test_options_are_checked_before_loading():
         create_runner("openvino", ModelSource(model_path="m.onnx"), precision="int8")
     with pytest.raises(UsageError, match="threads must be a positive integer"):
         create_runner("openvino", ModelSource(model_path="m.onnx"), threads=0)
+    # a parity run in a dtype openvino has no form for: skipped with the reason, not an error
+    runner = create_runner("openvino", ModelSource(model_path="m.onnx", dtype="fp64"))
+    if backend_unavailable_reason("openvino") is None:
+        with pytest.raises(ProviderUnavailable, match="has no fp64 form: it computes in fp32, bf16, fp16"):
+            runner.load()
 
 
 def test_without_openvino_the_backend_is_skipped_with_the_extra(exported, monkeypatch):
