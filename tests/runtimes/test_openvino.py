@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import save_model
-from attnx.model import reference_attention
+from attnx.model import contract, reference_attention
 from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
@@ -203,3 +203,10 @@ def test_cli_parity_in_bf16_lists_what_each_backend_computed_in(tmp_path, capsys
     cases = {c["backend"]: c for c in __import__("json").loads(out.read_text())["cases"]}
     assert cases["openvino"]["precision"] == "bf16" and cases["openvino"]["dtype"] == "bf16"
     assert cases["reference"]["status"] == "pass"  # the reference is still checked against torch in float64
+
+
+def test_the_contract_names_runtime_dtypes_and_model_file_backends():
+    assert contract.RUNTIME_DTYPES == ("bf16",) and contract.OPENVINO in contract.BACKENDS
+    assert contract.graph_dtype("bf16") == "fp32" and contract.graph_dtype("fp16") == "fp16"
+    assert contract.host_dtype("bf16") == "fp32" and contract.host_dtype("fp16") == "fp16"
+    assert [b for b in contract.BACKENDS if contract.runs_onnx_model(b)] == ["ort-cpu", "ort-cuda", "openvino"]
