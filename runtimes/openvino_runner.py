@@ -104,6 +104,12 @@ class OpenvinoRunner(Runner):
         if not os.path.isfile(path):
             raise ModelFileError(f"model file {path!r} does not exist")
         info = describe(path)  # the contract's names and dims (OpenVINO keeps no dim names)
+        if info.decode is not None and info.lowering == "ort-fused":  # decomposed and onnx step models pass
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} cannot run the ort-fused step model ({info.decode} cache): OpenVINO "
+                f"{ov.__version__} fails at run time on com.microsoft MultiHeadAttention/GroupQueryAttention with a "
+                "past (a Reshape whose pattern disagrees with its input)"
+            )
         core = ov.Core()
         if DEVICE not in core.available_devices:
             raise ProviderUnavailable(
