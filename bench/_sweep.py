@@ -227,16 +227,23 @@ def _export_lowerings(
         # onnx-ir and onnxscript: imported when a sweep exports, never in a case's worker process
         from attnx.workflows import export_model
 
+        path = os.path.join(workdir, f"model-{attention}-{graph_dtype(dtype)}.onnx")
+        if (attention, graph_dtype(dtype)) in models:  # bf16 runs the fp32 graph: exported once
+            models[(attention, dtype)] = path
+            continue
+        if (attention, graph_dtype(dtype)) in failed:
+            failed[(attention, dtype)] = failed[(attention, graph_dtype(dtype))]
+            continue
         if weights is None:
             weights = init_weights(plan.config, plan.seed)
-        path = os.path.join(workdir, f"model-{attention}-{dtype}.onnx")
         say(0, total, f"exporting the {attention} lowering ({graph_dtype(dtype)})")
         try:
             export_model(plan.config, path, weights, attention=attention, dtype=graph_dtype(dtype), validate=False)
-            models[(attention, dtype)] = path
+            models[(attention, dtype)] = models[(attention, graph_dtype(dtype))] = path
         except Exception as e:  # a lowering that cannot be built yet is a skipped series, not a crash
             text = str(e).strip()
             failed[(attention, dtype)] = f"export failed: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
+            failed[(attention, graph_dtype(dtype))] = failed[(attention, dtype)]
             logger.info("%s lowering (%s): %s", attention, dtype, failed[(attention, dtype)])
     return models, failed
 

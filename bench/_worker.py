@@ -86,6 +86,9 @@ def _import_runtime(backend: str) -> None:
     attnx and the runtime library (torch alone is some 200 MB) before any model is loaded."""
     try:
         if backend == OPENVINO:
+            reason = BACKENDS[OPENVINO].unavailable_reason()  # names the extra that installs it
+            if reason is not None:
+                raise ProviderUnavailable(reason)
             import openvino  # noqa: F401
         elif runs_onnx_model(backend):
             import onnxruntime  # noqa: F401

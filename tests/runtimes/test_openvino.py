@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import save_model
-from attnx.model import reference_attention
+from attnx.model import contract, reference_attention
 from attnx.model.contract import IR_VERSION
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
@@ -60,7 +60,12 @@ def test_openvino_passes_the_parity_matrix_in_fp32_and_bf16(exported, name):
                       **MATRIX, **mem)  # fmt: skip
     assert bf16.passed, [c.reason for c in bf16.cases if c.status == "fail"]
     by = {b: [c for c in bf16.cases if c.backend == b] for b in ("torch", "openvino", "ort-cpu")}
+    if by["openvino"][0].status == "skipped":  # a CPU without bf16 instructions: OpenVINO compiles f32
+        assert "cannot run in bf16 here" in by["openvino"][0].reason
+        del by["openvino"]
     for backend in ("torch", "openvino"):
+        if backend not in by:
+            continue
         assert {(c.status, c.dtype, c.precision) for c in by[backend]} == {("pass", "bf16", "bf16")}
         # really bf16: at the largest case the error is beyond what the fp32 row allows
         worst = max(by[backend], key=lambda c: c.max_abs)
@@ -159,6 +164,11 @@ def test_options_are_checked_before_loading():
         create_runner("openvino", ModelSource(model_path="m.onnx"), precision="int8")
     with pytest.raises(UsageError, match="threads must be a positive integer"):
         create_runner("openvino", ModelSource(model_path="m.onnx"), threads=0)
+    # a parity run in a dtype openvino has no form for: skipped with the reason, not an error
+    runner = create_runner("openvino", ModelSource(model_path="m.onnx", dtype="fp64"))
+    if backend_unavailable_reason("openvino") is None:
+        with pytest.raises(ProviderUnavailable, match="has no fp64 form: it computes in fp32, bf16, fp16"):
+            runner.load()
 
 
 def test_without_openvino_the_backend_is_skipped_with_the_extra(exported, monkeypatch):
@@ -183,3 +193,25 @@ def test_torch_bf16_takes_float32_feeds_and_returns_float32(exported):
     size = problem_size(config, weights, feeds)
     assert compare_arrays("y", y, ref, tolerance_for("bf16"), size)
     assert not compare_arrays("y", y, ref, tolerance_for("fp32"), size)  # computed in bf16, not float32
+
+
+@needs_openvino
+def test_cli_parity_in_bf16_lists_what_each_backend_computed_in(tmp_path, capsys):
+    from attnx.cli import main
+
+    out = tmp_path / "p.json"
+    argv = ["parity", "--preset", "tiny", "--dtype", "bf16", "--backends", "reference,torch,ort-cpu,openvino",
+            "--batch", "3", "--seq", "7", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "computed in: torch bf16, openvino bf16" in printed and "skipped ort-cpu: " in printed
+    cases = {c["backend"]: c for c in __import__("json").loads(out.read_text())["cases"]}
+    assert cases["openvino"]["precision"] == "bf16" and cases["openvino"]["dtype"] == "bf16"
+    assert cases["reference"]["status"] == "pass"  # the reference is still checked against torch in float64
+
+
+def test_the_contract_names_runtime_dtypes_and_model_file_backends():
+    assert contract.RUNTIME_DTYPES == ("bf16",) and contract.OPENVINO in contract.BACKENDS
+    assert contract.graph_dtype("bf16") == "fp32" and contract.graph_dtype("fp16") == "fp16"
+    assert contract.host_dtype("bf16") == "fp32" and contract.host_dtype("fp16") == "fp16"
+    assert [b for b in contract.BACKENDS if contract.runs_onnx_model(b)] == ["ort-cpu", "ort-cuda", "openvino"]
