@@ -171,17 +171,20 @@ def _with_activations(
 ) -> ProblemSize:
     """`size` with the scores' RMS (visible keys only) and the RMS and range of every input a
     quantized form quantizes: x, memory and z, the attention output (float32, the masks applied)."""
-    if feeds.get("past_key") is not None:
-        raise UsageError("the quantized forms' error model has no step model (kv_cache) form")
     B, T, S, N, dv = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.v_head_dim
     g = config.group_size  # query head n reads key/value head n // g
     v = m @ np.asarray(weights["v_proj.weight"], np.float32).T  # (B, S, Nkv*dv)
     if config.bias:
         v += np.asarray(weights["v_proj.bias"], np.float32)
     v = v.reshape(B, S, config.n_kv_heads, dv).transpose(0, 2, 1, 3)  # (B, Nkv, S, dv)
+    past = 0
+    if feeds.get("past_key") is not None:  # a step model: k holds the past keys already (problem_size)
+        past_v = np.asarray(feeds["past_value"], np.float32)  # (B, Nkv, P, dv)
+        past, v = past_v.shape[2], np.concatenate([past_v, v], axis=2)  # (B, Nkv, P + S, dv)
+        S = v.shape[2]
     hidden = np.zeros((B, T, S), bool)
-    if config.causal:
-        hidden |= np.triu(np.ones((T, S), bool), k=1)[None]
+    if config.causal:  # over positions: query i sits at past + i and key j at j (README, "Decoding")
+        hidden |= np.triu(np.ones((T, S), bool), k=1 + past)[None]
     if config.key_padding_mask:
         hidden |= np.asarray(feeds["key_padding_mask"], bool)[:, None, :]
     z = np.zeros((B, N, T, dv), np.float32)
@@ -321,6 +324,14 @@ class QuantTolerance(Tolerance):
         error's RMS by chance, a million cannot."""
         sampling = math.sqrt(1.0 + QUANT_TAIL * math.sqrt(2.0 / n)) if n else 1.0
         return QUANT_RMS_SLACK * sampling * self.sigma(size, scale) / scale + Tolerance.atol(self, size, 1.0)
+
+    def for_cache(self, which: str) -> QuantTolerance:
+        """The tolerance of a step model's present_key (which "k") or present_value ("v"): the
+        cache holds that projection's output itself, so its error is the projection's own (its
+        weights' and its input's, as v's passes to y unchanged): the error model of that one
+        projection taken as v. The packed q/k/v (buffer form) counts with its recorded error."""
+        own = tuple(dataclasses.replace(p, role="v") for p in self.projections if p.role in (which, "qkv"))
+        return dataclasses.replace(self, projections=own)
 
 
 # The quantized rows: the float part is fp32's (inputs, core and outputs are float32).

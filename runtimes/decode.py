@@ -23,8 +23,17 @@ import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import REFERENCE, numpy_dtype
-from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.model.contract import (
+    PROVIDERS,
+    QUANTIZATIONS,
+    REFERENCE,
+    describe,
+    float_dtype,
+    numpy_dtype,
+    provider_of_backend,
+    quantization_of,
+)
+from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.parity import ParityCase, ParityReport
@@ -158,28 +167,42 @@ def run_decode_parity(
         raise UsageError(
             f"decode parity needs steps >= 1, prefills >= 0, batch >= 1 (got {steps}, {prefills}, {batch})"
         )
-    ref = runner_factory(REFERENCE, dataclasses.replace(source, model_path=None)).load()
+    # A quantized step model (int8, int4) runs on the ort-* backends that read its file; the
+    # reference and the torch module compute the float formula, held to fp32's rule (as run_parity).
+    quantization = _quantization(source)
+    float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
+    module_backends = {REFERENCE, *(p.torch_backend for p in PROVIDERS.values())}
+    ref = runner_factory(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
     runners: dict[str, Runner | str] = {}
     for name in backends:
+        if quantization is not None and name not in module_backends and provider_of_backend(name) is None:
+            runners[name] = (f"backend {name!r} does not run attnx's {source.dtype} form: its "
+                             f"{QUANTIZATIONS[source.dtype].op} is ONNX Runtime's")  # fmt: skip
+            continue
         try:
             runners[name] = runner_factory(
-                name, source if name != REFERENCE else dataclasses.replace(source, model_path=None)
-            ).load()
+                name,
+                source if name not in module_backends
+                else dataclasses.replace(float_source, model_path=None) if name == REFERENCE else float_source,
+            ).load()  # fmt: skip
         except ProviderUnavailable as e:
             runners[name] = str(e)
     cases: list[ParityCase] = []
     try:
         for i, prefill in enumerate(prefills):
             total = prefill + steps
-            feeds = make_decode_inputs(config, batch, total, source.dtype, seed + i)
-            pk, pv = empty_cache(config, batch, source.dtype)
+            feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i)
+            pk, pv = empty_cache(config, batch, float_source.dtype)
             full = {**feeds, "past_key": pk, "past_value": pv}
             progress(f"decode case {i + 1}/{len(prefills)}: prefill {prefill} + {steps} steps")
             ran = any(isinstance(r, Runner) for r in runners.values())
             expected = ref.run(full) if ran else {}  # no reference forward for backends that cannot run
-            size = problem_size(config, source.weights, full) if ran else None
+            size = problem_size(config, source.weights, full, activations=quantization is not None) if ran else None
             for name, runner in runners.items():
-                cases.append(_decode_case(name, runner, config, source.dtype, feeds, prefill, steps, expected, size))
+                quantized = quantization is not None and name not in module_backends
+                cases.append(_decode_case(name, runner, config, source.dtype if quantized else float_source.dtype,
+                                          feeds, prefill, steps, expected, size,
+                                          quantization if quantized else None))  # fmt: skip
     finally:
         ref.close()
         for runner in runners.values():
@@ -188,9 +211,32 @@ def run_decode_parity(
     return ParityReport(cases)
 
 
+def _quantization(source: ModelSource) -> dict | None:
+    """The quantization record of a quantized step model (int8, int4), None for a float one."""
+    if source.dtype not in QUANTIZATIONS:
+        return None
+    if source.model_path is None:
+        raise UsageError(f"decode parity of {source.dtype} needs the quantized step model (--model), written by "
+                         f"attnx export --dtype {source.dtype}")  # fmt: skip
+    quantization = quantization_of(describe(source.model_path).metadata)
+    if quantization is None or quantization["dtype"] != source.dtype:
+        raise UsageError(f"{source.model_path!r} is not an {source.dtype} model (attnx inspect shows its dtype)")
+    return quantization
+
+
+def _cache_tols(tol: Tolerance) -> dict[str, Tolerance]:
+    """The tolerance of each compared output: y's, and for a quantized model its caches' own
+    (the k and v projections' errors, QuantTolerance.for_cache)."""
+    if not isinstance(tol, QuantTolerance):
+        return {"y": tol, "present_key": tol, "present_value": tol}
+    return {"y": tol, "present_key": tol.for_cache("k"), "present_value": tol.for_cache("v")}
+
+
 def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype: str, feeds: dict[str, np.ndarray],
-                 prefill: int, steps: int, expected: dict[str, np.ndarray], size: Any) -> ParityCase:  # fmt: skip
-    tol = tolerance_for(dtype, name)
+                 prefill: int, steps: int, expected: dict[str, np.ndarray], size: Any,
+                 quantization: dict | None = None) -> ParityCase:  # fmt: skip
+    tol = tolerance_for(dtype, name, quantization)
+    tols = _cache_tols(tol)
     batch, total = feeds["x"].shape[:2]
     common = {"backend": name, "reference": REFERENCE, "dtype": dtype, "batch": batch, "seq": total, "mem_seq": None,
                   "prefill": prefill, "steps": steps}  # fmt: skip
@@ -200,7 +246,7 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
     y, state = decode_sequence(runner, feeds, prefill)
     pk, pv = state.cache_numpy()
     label = f"[batch={batch},prefill={prefill},steps={steps}]"
-    cmps = [compare_arrays(f"{out}{label}", got, expected[out], tol, size)
+    cmps = [compare_arrays(f"{out}{label}", got, expected[out], tols[out], size)
             for out, got in (("y", y), ("present_key", pk), ("present_value", pv))]  # fmt: skip
     failed = [c for c in cmps if not c]
     return ParityCase(**common, status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
@@ -212,25 +258,28 @@ def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills
     """run_decode_parity for a model of the buffer form: the cache preallocated at P + steps
     positions, one buffer bound as past and present, against the reference's full forward."""
     config = source.config
-    ref = create_runner(REFERENCE, dataclasses.replace(source, model_path=None)).load()
+    quantization = _quantization(source)
+    float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
+    ref = create_runner(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
     cases = []
-    tol = tolerance_for(source.dtype, backend)
+    tol = tolerance_for(source.dtype, backend, quantization)
+    tols = _cache_tols(tol)
     try:
         with create_runner(backend, source) as runner:
             for i, prefill in enumerate(prefills):
                 total = prefill + steps
-                feeds = make_decode_inputs(config, batch, total, source.dtype, seed + i)
-                pk, pv = empty_cache(config, batch, source.dtype)
+                feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i)
+                pk, pv = empty_cache(config, batch, float_source.dtype)
                 full = {**feeds, "past_key": pk, "past_value": pv}
                 expected = ref.run(full)
-                size = problem_size(config, source.weights, full)
+                size = problem_size(config, source.weights, full, activations=quantization is not None)
                 dec = BufferDecoder(runner, config, total, batch)
                 x = feeds["x"]
                 ys = [dec.step(x[:, :prefill])] if prefill else []
                 ys += [dec.step(x[:, t : t + 1]) for t in range(prefill, total)]
                 got_k, got_v = dec.cache_numpy()
                 label = f"[batch={batch},prefill={prefill},steps={steps},buffer]"
-                cmps = [compare_arrays(f"{n}{label}", got, expected[n], tol, size)
+                cmps = [compare_arrays(f"{n}{label}", got, expected[n], tols[n], size)
                         for n, got in (("y", np.concatenate(ys, 1)), ("present_key", got_k), ("present_value", got_v))]  # fmt: skip
                 failed = [c for c in cmps if not c]
                 cases.append(ParityCase(backend=backend, reference=REFERENCE, dtype=source.dtype, batch=batch,

@@ -19,6 +19,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     DECODE_FORMS,
     EXPORT_ATTENTIONS,
+    QUANTIZATIONS,
     check_choice,
     check_lowering,
     check_model_dtype,
@@ -87,7 +88,8 @@ def export_model(
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
                                   check=check, validate=validate, progress=progress, form=decode_form,
-                                  max_mem_gb=max_mem_gb)  # fmt: skip
+                                  max_mem_gb=max_mem_gb, block_size=block_size,
+                                  accuracy_level=accuracy_level)  # fmt: skip
     if decode_form != "growing":
         raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
@@ -166,14 +168,20 @@ def _export_step_model(
     progress: Callable[[str], None],
     form: str = "growing",
     max_mem_gb: float | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
-    checked like every export and validated step by step against the reference."""
+    checked like every export and validated step by step against the reference. dtype int8/int4
+    quantizes its projections with the full-sequence forms' pass and metadata; the validation
+    then holds it to the quantized error model (run_decode_parity)."""
     if attention == "auto":
         raise UsageError("--attention auto does not measure step models; choose one of decomposed, onnx, ort-fused")
     check_lowering(config, attention, step=True)
-    if dtype != "fp32":
-        raise UsageError(f"the step model is built in fp32 only (--dtype {dtype} is not supported for kv_cache yet)")
+    if dtype not in ("fp32", *QUANTIZATIONS):
+        raise UsageError(
+            f"the step model is built in fp32, int8 or int4 (--dtype {dtype} is not supported for kv_cache)"
+        )
     if opset is not None and opset != (23 if attention == "onnx" else 18):
         raise UsageError(f"the step model's {attention} lowering is written at opset {23 if attention == 'onnx' else 18}")
     check_output_file(out, "--out")
@@ -187,8 +195,9 @@ def _export_step_model(
         else:
             check_weights(config, weights)
             check_finite(weights)
-        progress(f"building the step model ({attention}, {form} form)")
-        model = ir.from_proto(build_step_model(config, weights, attention, form))
+        check_fits(weights, dtype)
+        progress(f"building the step model ({attention}, {form} form, {dtype})")
+        model = ir.from_proto(build_step_model(config, weights, attention, form, dtype, block_size, accuracy_level))
         opset_used = model.opset_imports.get("", 0)
         save_model(model, stage.path())
         del model
@@ -198,7 +207,7 @@ def _export_step_model(
             check_model_file(stage.path(), config, label)
             if validate:
                 progress("validating prefill + steps on onnxruntime against the reference's full forward")
-                source = ModelSource(config, weights, stage.path())
+                source = ModelSource(config, weights, stage.path(), dtype=dtype)
                 if form == "buffer":
                     report = run_buffer_parity(source, "ort-cpu", **STEP_VALIDATION)
                 else:
@@ -207,4 +216,7 @@ def _export_step_model(
                 if failed:
                     raise ExportError(f"{label}: step-by-step validation failed: {failed[0].reason}")
         files = stage.publish()
-    return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, [f"lowering: {attention} (step model, {form} form)"])
+    lines = [f"lowering: {attention} (step model, {form} form)"]
+    if dtype != "fp32":
+        lines.append(f"precision: {dtype} projections (QuantizeProjections)")
+    return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, lines)

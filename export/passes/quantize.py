@@ -67,6 +67,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits' block sizes: powers of 2, a
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 _STD = ("", "ai.onnx")
+_CACHE_ROLES = {"present_key": "k", "present_value": "v"}  # the step model's cache outputs (export/_step.py)
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -176,9 +177,19 @@ def _roles(model: ir.Model) -> dict[int, str]:
         if node.op_type == "MultiHeadAttention" and node.domain == MS_DOMAIN or node.op_type == "Attention":
             for value, role in zip(node.inputs[:3], ("q", "k", "v")):
                 mark(value, role)
+        elif node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN:
+            # the step model's ort-fused grouped form; the buffer form packs q/k/v into its query input
+            if len(node.inputs) > 1 and node.inputs[1] is not None:
+                for value, role in zip(node.inputs[:3], ("q", "k", "v")):
+                    mark(value, role)
+            elif (qkv := _matmul_of(node.inputs[0])) is not None:
+                roles[id(qkv)] = "qkv"
+        elif node.op_type == "Concat" and node.domain in _STD and node.outputs[0].name in _CACHE_ROLES:
+            # the decomposed step model: present = Concat(past, the new tokens' heads)
+            mark(node.inputs[-1], _CACHE_ROLES[node.outputs[0].name])
         elif node.op_type == "Softmax" and node.domain in _STD:
             scores = node.inputs[0]
-            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add"):
+            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add", "Reshape"):
                 scores = (
                     p.inputs[2]
                     if p.op_type == "Where"
