@@ -12,7 +12,14 @@ and its baseline memory should be the runtime's, not ours.
 from __future__ import annotations
 
 from attnx.bench._costs import GEMM_ROWS, attention_flops, gemm_flops, gemm_shape
-from attnx.bench._decode import DecodeBenchRow, measure_bandwidth, run_decode_bench, step_bytes
+from attnx.bench._decode import (
+    DECODE_DTYPES,
+    DecodeBenchRow,
+    measure_bandwidth,
+    run_decode_bench,
+    step_bytes,
+    weight_bytes,
+)
 from attnx.bench._plan import (
     DEFAULT_BACKENDS,
     DEFAULT_SEQS,
@@ -49,6 +56,8 @@ __all__ = [
     "ORT_LOWERINGS",
     "SCHEMA",
     "DecodeBenchRow",
+    "DECODE_DTYPES",
+    "weight_bytes",
     "measure_bandwidth",
     "run_decode_bench",
     "step_bytes",

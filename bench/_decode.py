@@ -12,6 +12,9 @@ together):
   IOBinding: only the new token is written); the ort-fused and decomposed growing forms (a new
   cache each step: the old one read and the new one written on top); torch eager's step as
   the peer (torch.cat onto the cache + scaled_dot_product_attention, grouped heads by enable_gqa).
+- with int8/int4 (`attnx bench --decode --dtype fp32,int8,int4`): the buffer and ort-fused growing
+  forms of the step model with quantized projections ("ort-fused buffer int8"), each against the
+  bound of its own bytes per step (weight_bytes: the weights as that model stores them).
 
 Timing: each timed step is preceded, outside the timer, by a read of 256 MB (more than every
 cache level), so the weights and the cache come from memory as in a layer among many ("flushed");
@@ -34,10 +37,14 @@ from typing import Any
 
 import numpy as np
 
+from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.weights import init_weights
+from attnx.model.weights import init_weights, weight_shapes
 
-__all__ = ["DecodeBenchRow", "measure_bandwidth", "run_decode_bench", "step_bytes"]
+__all__ = ["DECODE_DTYPES", "DecodeBenchRow", "measure_bandwidth", "run_decode_bench", "step_bytes", "weight_bytes"]
+
+DECODE_DTYPES = ("fp32", "int8", "int4")  # the step model's weights: float, or QuantizeProjections' forms
+DEFAULT_BLOCK_SIZE = 32  # attnx.export.passes.DEFAULT_BLOCK_SIZE (int4), the block size the bench builds
 
 _FLUSH_BYTES = 256 * 1024**2
 
@@ -50,20 +57,52 @@ class DecodeBenchRow:
     bound_ms: float
     times_ms: dict[str, float]  # "<impl> flushed" / "<impl> warm" -> median ms
     copies_gbs: dict[str, float] = dataclasses.field(default_factory=dict)  # each large copy measured
+    # a quantized step model's own bytes per step and bound ("int8"/"int4"; fp32's are the above)
+    dtype_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def bound_for(self, impl: str) -> tuple[int, float]:
+        """(bytes per step, bound ms) of `impl`: of its dtype when it names one ("ort-fused buffer int8")."""
+        dtype = impl.split()[-1]
+        nbytes = self.dtype_bytes.get(dtype, self.step_bytes)
+        return nbytes, nbytes / self.step_bytes * self.bound_ms
 
     def ratio(self, impl: str) -> float:
-        return self.times_ms[f"{impl} flushed"] / self.bound_ms
+        return self.times_ms[f"{impl} flushed"] / self.bound_for(impl)[1]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int = 4) -> int:
-    """Bytes one step must move at least: weights, the cache read (past + 1 positions), the new
-    keys/values written, x and y."""
+def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int = 4, dtype: str = "fp32",
+               block_size: int = DEFAULT_BLOCK_SIZE) -> int:  # fmt: skip
+    """Bytes one step must move at least: weights (as stored in `dtype`: weight_bytes), the cache
+    read (past + 1 positions), the new keys/values written, x and y."""
     c = config
     cache_row = c.n_kv_heads * (c.head_dim + c.v_head_dim) * itemsize * batch
-    return c.n_params * itemsize + cache_row * (past + 1) + cache_row + 2 * batch * c.d_model * itemsize
+    weights = c.n_params * itemsize if dtype == "fp32" else weight_bytes(c, dtype, block_size)
+    return weights + cache_row * (past + 1) + cache_row + 2 * batch * c.d_model * itemsize
+
+
+def weight_bytes(config: AttentionConfig, dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The bytes of the projections' weights as a step model of `dtype` stores them
+    (QuantizeProjections): fp32 4 per weight; int8 1 per weight plus a float32 scale and an int8
+    zero point per output channel; int4 half a byte per weight (K padded to whole blocks) plus a
+    float32 scale and a 4-bit zero point per block. Biases stay float32. The buffer form packs
+    q/k/v into one weight: per output channel, so the same bytes."""
+    total = 0
+    for shape in weight_shapes(config).values():
+        if len(shape) == 1 or dtype == "fp32":  # a bias, or a float weight
+            total += 4 * int(np.prod(shape))
+            continue
+        n, k = shape  # torch's [out, in]
+        if dtype == "int8":
+            total += k * n + 4 * n + n
+        elif dtype == "int4":
+            blocks = -(-k // block_size)
+            total += n * blocks * block_size // 2 + 4 * n * blocks + n * -(-blocks // 2)
+        else:
+            raise UsageError(f"no step model weights in {dtype!r} (fp32, int8, int4)")
+    return total
 
 
 def measure_bandwidth(threads: int, nbytes: int = 512 * 1024**2, repeat: int = 5) -> dict[str, float]:
@@ -165,9 +204,10 @@ def run_decode_bench(
     for impl in impls:
         if impl == "torch eager":
             continue
-        lowering, form = impl.split()
+        lowering, form, *dtype = impl.split()  # "ort-fused buffer" or "ort-fused buffer int8"
         progress(f"building the step model: {impl}")
-        sessions[impl] = _session(build_step_model(c, weights, lowering, form), threads)
+        model = build_step_model(c, weights, lowering, form, dtype[0] if dtype else "fp32", DEFAULT_BLOCK_SIZE)
+        sessions[impl] = _session(model, threads)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, 1, c.d_model), dtype=np.float32)
     tw = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
@@ -178,7 +218,7 @@ def run_decode_bench(
         value = rng.standard_normal((1, c.n_kv_heads, cap, c.v_head_dim), dtype=np.float32)
         steps: dict[str, Callable[[], Any]] = {}
         for impl, sess in sessions.items():
-            if impl.endswith("buffer"):
+            if impl.split()[1] == "buffer":
                 kv = ort.OrtValue.ortvalue_from_numpy(key)
                 vv = ort.OrtValue.ortvalue_from_numpy(value)
                 b = sess.io_binding()
@@ -235,6 +275,8 @@ def run_decode_bench(
                 samples[f"{impl} warm"].append(_median_ms(steps[impl], None, repeat))
         times = {k: min(v) for k, v in samples.items()}
         nbytes = step_bytes(c, past)
+        quantized = sorted({i.split()[2] for i in impls if len(i.split()) == 3})
         rows.append(DecodeBenchRow(past, nbytes, bandwidth / 1e9, nbytes / bandwidth * 1e3, times,
-                                   {k: v / 1e9 for k, v in copies.items()}))  # fmt: skip
+                                   {k: v / 1e9 for k, v in copies.items()},
+                                   {d: step_bytes(c, past, dtype=d) for d in quantized}))  # fmt: skip
     return rows

@@ -13,6 +13,7 @@ from typing import IO, Any
 from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
 from attnx.bench import (
+    DECODE_DTYPES,
     DEFAULT_BACKENDS,
     DEFAULT_SEQS,
     BenchPlan,
@@ -90,7 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON, rewritten after every case")
     p.add_argument("--plot", metavar="FILE.png", help="plot latency and peak memory against seq (needs matplotlib)")
     p.add_argument("--decode", action="store_true",
-                   help="time the per-token step of the step model (batch 1, fp32) at each --past against the "
+                   help="time the per-token step of the step model (batch 1, fp32; --dtype fp32,int8,int4 adds the "
+                   "quantized step models) at each --past against the "
                    "memory-bandwidth bound, with torch eager's step as the peer (README, \"Decoding\")")  # fmt: skip
     p.add_argument("--past", type=int_list, default=[128, 2048, 8192], help="with --decode (default 128,2048,8192)")
     p.add_argument("--kv-heads", type=int_arg(1, 1 << 20), default=None,
@@ -107,6 +109,17 @@ def run_decode(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
     impls = ["ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager"]
+    # --dtype int8,int4: the step model with quantized projections (export --dtype), its buffer
+    # form and ort-fused growing form, each against the bound of its own bytes per step
+    dtypes = args.dtype or ["fp32"]
+    for dtype in dtypes:
+        if dtype not in DECODE_DTYPES:
+            raise UsageError(
+                f"--decode --dtype {dtype}: the step model's weights are one of {', '.join(DECODE_DTYPES)}"
+            )
+    if "fp32" not in dtypes:
+        raise UsageError("--decode --dtype must include fp32: the quantized steps are compared with it and torch's")
+    impls[4:4] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "growing")]
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
                             impls=impls, progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
@@ -114,11 +127,12 @@ def run_decode(args: argparse.Namespace) -> int:
     for r in rows:
         for impl in impls:
             flushed, warm = r.times_ms[f"{impl} flushed"], r.times_ms[f"{impl} warm"]
-            table.append((r.past, impl, f"{flushed:.3f}", f"{warm:.3f}", f"{r.step_bytes / 1e6:.1f}", f"{r.bound_ms:.3f}",
-                          f"{flushed / r.bound_ms:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}"))  # fmt: skip
+            nbytes, bound = r.bound_for(impl)
+            table.append((r.past, impl, f"{flushed:.3f}", f"{warm:.3f}", f"{nbytes / 1e6:.1f}", f"{bound:.3f}",
+                          f"{flushed / bound:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}"))  # fmt: skip
     machine = machine_info()
     print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
-          f"fp32, {args.threads} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
+          f"{','.join(dtypes)}, {args.threads} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
           f"large copy of this run: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0].copies_gbs.items())
           + "); flushed: a 256 MB read before each timed step; lowest median of 3 rounds")  # fmt: skip
     headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this"]

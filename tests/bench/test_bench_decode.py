@@ -41,3 +41,52 @@ def test_decode_refusals_before_any_work(capsys):
     assert main(["bench", "--preset", "large", "--decode", "--past", "100000000"]) == 2
     assert "not started: it needs" in capsys.readouterr().err
     assert main(["bench", "--preset", "tiny", "--decode", "--past", "8", "--max-mem-gb", "0.5"]) == 2
+
+
+# int8/int4 step weights (issue 13, deliverable 8) ---------------------------------------------------
+def test_weight_bytes_are_the_quantized_models_own():
+    """weight_bytes(dtype) is what the quantized step model stores: its projections' initializers
+    (int8: 1 byte a weight + scale + zero point per channel; int4: half a byte + per-block scale
+    and 4-bit zero point), the biases in float32; in both forms (the buffer form packs q/k/v)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from attnx.bench import weight_bytes
+    from attnx.bench._decode import DEFAULT_BLOCK_SIZE
+    from attnx.export import build_step_model
+    from attnx.export.passes import DEFAULT_BLOCK_SIZE as PASS_BLOCK_SIZE
+    from attnx.model.weights import init_weights
+
+    assert DEFAULT_BLOCK_SIZE == PASS_BLOCK_SIZE
+    c = AttentionConfig(d_model=96, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True)  # K = 96: 3 int4 blocks
+    w = init_weights(c, 0)
+    assert weight_bytes(c, "fp32") == 4 * c.n_params
+    for dtype in ("int8", "int4"):
+        for form in ("growing", "buffer"):
+            model = build_step_model(c, w, "ort-fused", form, dtype)
+            names = {i for n in model.graph.node if n.domain == "com.microsoft" and n.name.endswith(dtype)
+                     for i in n.input[1:]} | {i.name for i in model.graph.initializer if i.name.endswith(".bias")}  # fmt: skip
+            stored = sum(numpy_helper.to_array(i).nbytes for i in model.graph.initializer if i.name in names)
+            assert weight_bytes(c, dtype) == stored, (dtype, form)
+    assert weight_bytes(c, "int4") < weight_bytes(c, "int8") < weight_bytes(c, "fp32") / 3
+    assert step_bytes(c, 64, dtype="int8") - step_bytes(c, 64) == weight_bytes(c, "int8") - 4 * c.n_params
+    assert np.isclose(weight_bytes(preset("large"), "int8") / (4 * preset("large").n_params), 0.25, atol=0.01)
+
+
+def test_cli_bench_decode_dtypes(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert main(["bench", "--preset", "tiny", "--decode", "--past", "8", "--kv-heads", "2", "--repeat", "2",
+                 "--threads", "1", "--dtype", "fp32,int8,int4", "--json", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "ort-fused buffer int8" in text and "ort-fused growing int4" in text
+    (row,) = json.loads(out.read_text())["rows"]
+    impls = {k.rsplit(" ", 1)[0] for k in row["times_ms"]}
+    assert {
+        "ort-fused buffer int8",
+        "ort-fused growing int8",
+        "ort-fused buffer int4",
+        "ort-fused growing int4",
+    } <= impls
+    assert row["step_bytes"] > row["dtype_bytes"]["int8"] > row["dtype_bytes"]["int4"]
+    assert main(["bench", "--preset", "tiny", "--decode", "--dtype", "fp16"]) == 2
+    assert "fp32, int8, int4" in capsys.readouterr().err
