@@ -324,6 +324,11 @@ def build_package(
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
+    if config.kv_cache and dtype in QUANTIZATIONS:
+        # attnx export writes int8/int4 step models; their package's golden decode sequence and its
+        # replay under the quantized error model are not written yet: refused before any work
+        raise UsageError(f"--dtype {dtype} packages of a step model ('kv_cache': true) are not built yet; "
+                         f"attnx export --dtype {dtype} writes the model, attnx parity --decode checks it")  # fmt: skip
     _check_target(out, force)
     plan = plan or check_plan(config)
     shapes = [*plan.validation_shapes, *plan.golden_shapes,

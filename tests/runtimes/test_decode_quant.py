@@ -159,3 +159,12 @@ def test_build_step_model_int8_weights_only_change():
     assert q8.ir_version == f32.ir_version
     ops = [n.op_type for n in q8.graph.node]
     assert ops.count("DynamicQuantizeMatMul") == 2 and "MatMul" not in ops and "GroupQueryAttention" in ops
+
+
+def test_build_of_a_quantized_step_package_is_refused_before_any_work(tmp_path, capsys):
+    from attnx.cli import main
+
+    cfg = tmp_path / "kv.json"
+    cfg.write_text(GQA.to_json())
+    assert main(["build", "--config", str(cfg), "--dtype", "int8", "--out", str(tmp_path / "pkg")]) == 2
+    assert "not built yet" in capsys.readouterr().err and not (tmp_path / "pkg").exists()
