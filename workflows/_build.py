@@ -434,29 +434,9 @@ def _build_into(
         )
 
     # The package's files, then its own verify. -------------------------------------------
-    parity.write_json(os.path.join(tmp, PARITY_JSON))
-    with open(os.path.join(tmp, PARITY_MD), "w", encoding="utf-8") as f:
-        f.write(parity_markdown(parity, config, dtype))
-    manifest = _manifest(
-        tmp, config, dtype, attention, exported.files, providers, parity, golden, weights_info, progress
+    return _write_and_verify(
+        tmp, config, dtype, attention, exported, providers, parity, golden, weights_info, validation, progress
     )
-    _write_json(os.path.join(tmp, MANIFEST), manifest)
-    with open(os.path.join(tmp, MANIFEST), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    with open(os.path.join(tmp, MANIFEST_SUM), "w", encoding="ascii") as f:
-        f.write(f"{digest}  {MANIFEST}\n")
-    # Each provider verified here runs the package's own verify; with none (a cuda-only
-    # package built without CUDA), the model still runs its golden cases on cpu.
-    for provider in manifest["verified_on"] or ["cpu"]:
-        progress(f"verifying the package as a deployment machine will (attnx verify, {provider})")
-        model_file = None if provider in manifest["verified_on"] else MODEL_FILE
-        verify = verify_package(tmp, provider, progress, model_file=model_file)
-        if not verify.passed:
-            raise CheckFailed(
-                f"the package fails its own verify on {provider}: "
-                + "; ".join(f"{c.name}: {c.detail}" for c in verify.failures())
-            )
-    return BuildReport(tmp, manifest, validation, parity, verify, exported.passes)
 
 
 def _shapes_text(shapes: Sequence[tuple[int, int, int]]) -> str:
@@ -680,27 +660,9 @@ def _build_step_into(
     golden = [_write_golden_decode(tmp, config, weights, dtype)]
     del weights, source
     gc.collect()
-    parity.write_json(os.path.join(tmp, PARITY_JSON))
-    with open(os.path.join(tmp, PARITY_MD), "w", encoding="utf-8") as f:
-        f.write(parity_markdown(parity, config, dtype))
-    manifest = _manifest(
-        tmp, config, dtype, attention, exported.files, providers, parity, golden, weights_info, progress
+    return _write_and_verify(
+        tmp, config, dtype, attention, exported, providers, parity, golden, weights_info, [], progress
     )
-    _write_json(os.path.join(tmp, MANIFEST), manifest)
-    with open(os.path.join(tmp, MANIFEST), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    with open(os.path.join(tmp, MANIFEST_SUM), "w", encoding="ascii") as f:
-        f.write(f"{digest}  {MANIFEST}\n")
-    for provider in manifest["verified_on"] or ["cpu"]:
-        progress(f"verifying the package as a deployment machine will (attnx verify, {provider})")
-        model_file = None if provider in manifest["verified_on"] else MODEL_FILE
-        verify = verify_package(tmp, provider, progress, model_file=model_file)
-        if not verify.passed:
-            raise CheckFailed(
-                f"the package fails its own verify on {provider}: "
-                + "; ".join(f"{c.name}: {c.detail}" for c in verify.failures())
-            )
-    return BuildReport(tmp, manifest, [], parity, verify, exported.passes)
 
 
 def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str, np.ndarray],
@@ -729,3 +691,42 @@ def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str
         "backend": REFERENCE,
         "problem_size": problem_size(config, weights, full).to_dict(),
     }
+
+
+def _write_and_verify(
+    tmp: str,
+    config: AttentionConfig,
+    dtype: str,
+    attention: str,
+    exported: Any,
+    providers: Sequence[str],
+    parity: ParityReport,
+    golden: list,
+    weights_info: dict,
+    validation: list,
+    progress: Callable[[str], None],
+) -> BuildReport:
+    """The package's parity report, manifest and its checksum, then the package's own verify on
+    each provider verified here (with none, a cuda-only package built without CUDA, the model
+    still runs its golden cases on cpu). Shared by the full-sequence and the step-model builds."""
+    parity.write_json(os.path.join(tmp, PARITY_JSON))
+    with open(os.path.join(tmp, PARITY_MD), "w", encoding="utf-8") as f:
+        f.write(parity_markdown(parity, config, dtype))
+    manifest = _manifest(
+        tmp, config, dtype, attention, exported.files, providers, parity, golden, weights_info, progress
+    )
+    _write_json(os.path.join(tmp, MANIFEST), manifest)
+    with open(os.path.join(tmp, MANIFEST), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(tmp, MANIFEST_SUM), "w", encoding="ascii") as f:
+        f.write(f"{digest}  {MANIFEST}\n")
+    for provider in manifest["verified_on"] or ["cpu"]:
+        progress(f"verifying the package as a deployment machine will (attnx verify, {provider})")
+        model_file = None if provider in manifest["verified_on"] else MODEL_FILE
+        verify = verify_package(tmp, provider, progress, model_file=model_file)
+        if not verify.passed:
+            raise CheckFailed(
+                f"the package fails its own verify on {provider}: "
+                + "; ".join(f"{c.name}: {c.detail}" for c in verify.failures())
+            )
+    return BuildReport(tmp, manifest, validation, parity, verify, exported.passes)

@@ -101,16 +101,7 @@ def export_model(
     shapes = VALIDATION_SHAPES if check and validate else ()
     check_memory(estimate_export(config, shapes, core=base), max_mem_gb)
     with output_lock(out), Staging(out) as stage:
-        if weights is None:
-            progress(f"drawing seeded weights (seed {seed}, {config.n_params:,} parameters)")
-            weights = init_weights(config, seed)
-        elif isinstance(weights, (str, os.PathLike)):
-            progress(f"reading {os.fspath(weights)}")
-            weights = load_weights(weights, config)
-        else:
-            check_weights(config, weights)
-            check_finite(weights)
-        check_fits(weights, dtype)
+        weights = _resolve_weights(config, weights, seed, dtype, progress)
         progress(f"exporting ({base} attention)")
         model = export_onnx(config, weights, attention=base, opset=opset)
         pass_lines: list[str] = []
@@ -188,14 +179,7 @@ def _export_step_model(
     total = max(STEP_VALIDATION["prefills"]) + STEP_VALIDATION["steps"]
     check_memory(estimate_export(config, [(STEP_VALIDATION["batch"], total, None)], reference=validate), max_mem_gb)
     with output_lock(out), Staging(out) as stage:
-        if weights is None:
-            weights = init_weights(config, seed)
-        elif isinstance(weights, (str, os.PathLike)):
-            weights = load_weights(weights, config)
-        else:
-            check_weights(config, weights)
-            check_finite(weights)
-        check_fits(weights, dtype)
+        weights = _resolve_weights(config, weights, seed, dtype, progress)
         progress(f"building the step model ({attention}, {form} form, {dtype})")
         model = ir.from_proto(build_step_model(config, weights, attention, form, dtype, block_size, accuracy_level))
         opset_used = model.opset_imports.get("", 0)
@@ -220,3 +204,25 @@ def _export_step_model(
     if dtype != "fp32":
         lines.append(f"precision: {dtype} projections (QuantizeProjections)")
     return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, lines)
+
+
+def _resolve_weights(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray] | str | os.PathLike[str] | None,
+    seed: int,
+    dtype: str,
+    progress: Callable[[str], None],
+) -> Mapping[str, np.ndarray]:
+    """The weights to export: drawn from `seed` (None), read from a file (a path), or the given
+    arrays checked against the config; in every case checked to fit `dtype`."""
+    if weights is None:
+        progress(f"drawing seeded weights (seed {seed}, {config.n_params:,} parameters)")
+        weights = init_weights(config, seed)
+    elif isinstance(weights, (str, os.PathLike)):
+        progress(f"reading {os.fspath(weights)}")
+        weights = load_weights(weights, config)
+    else:
+        check_weights(config, weights)
+        check_finite(weights)
+    check_fits(weights, dtype)
+    return weights
