@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -28,13 +29,20 @@ from attnx.model.tolerance import ProblemSize, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 
-__all__ = ["ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS"]
+__all__ = [
+    "ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS", "DEFAULT_MEANS",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCHES = (1, 3)
 DEFAULT_SEQS = (1, 7, 128)
 DEFAULT_MEM_SEQS = (9,)
+# The inputs' means, taken in turn by the cases (case i: DEFAULT_MEANS[i % 2]). Zero-mean inputs
+# alone hide every fault that moves a whole weight column by one amount, a quantized weight's
+# zero point off by one for one: its error, step * sum_k x_k, averages out when x has no mean and
+# grows with K * mean when it has one (as real activations have: after a GELU, a LayerNorm's shift).
+DEFAULT_MEANS = (0.0, 0.5)
 
 
 @dataclasses.dataclass
@@ -61,6 +69,7 @@ class ParityCase:
     # What the backend computed in, as it reports it (openvino: read back from the compiled
     # model; torch: the module's dtype); None where the backend reports none.
     precision: str | None = None
+    input_mean: float = 0.0  # x (and memory) ~ N(input_mean, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,10 +117,12 @@ def _case(
     ref_y: np.ndarray,
     size: ProblemSize,
     quantization: dict | None = None,
+    input_mean: float = 0.0,
 ) -> ParityCase:
     """Run one backend on one case and compare; a str runner is the reason it is skipped."""
     tol = tolerance_for(dtype, backend, quantization)
-    common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq)
+    common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq,
+                  input_mean=input_mean)  # fmt: skip
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip
@@ -139,6 +150,7 @@ def run_parity(
     batches: Iterable[int] = DEFAULT_BATCHES,
     seqs: Iterable[int] = DEFAULT_SEQS,
     mem_seqs: Iterable[int] | None = None,
+    means: Sequence[float] = DEFAULT_MEANS,
     seed: int = 0,
     runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
@@ -146,7 +158,8 @@ def run_parity(
     """Compare each backend's y with the reference backend's on the same inputs.
 
     A backend that cannot run here is reported skipped with its reason in every case. The
-    reference's outputs are computed once per shape.
+    reference's outputs are computed once per shape. Case i draws its inputs with mean
+    means[i % len(means)] (DEFAULT_MEANS: every second case has shifted inputs).
     """
     config = source.config
     if config is None:
@@ -160,6 +173,9 @@ def run_parity(
     for batch, seq, mem_seq in shapes:
         if batch < 1 or seq < 1 or (mem_seq is not None and mem_seq < 1):
             raise UsageError(f"batch, seq and mem_seq must be positive, got batch={batch} seq={seq} mem_seq={mem_seq}")
+    means = [float(m) for m in means]
+    if not means or not all(math.isfinite(m) for m in means):
+        raise UsageError(f"the inputs' means must be finite numbers, got {means}")
     dtype = source.dtype
     # A quantized model (int8, int4) runs on the backends that read its file; the torch module and
     # the reference compute the float formula, and are held to fp32's rule.
@@ -196,17 +212,19 @@ def run_parity(
     cases: list[ParityCase] = []
     try:
         for i, (batch, seq, mem_seq) in enumerate(shapes):
-            progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else ""))
-            feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i)
+            mean = means[i % len(means)]
+            progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else "")
+                     + (f" mean={mean:g}" if mean else ""))  # fmt: skip
+            feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i, mean=mean)
             ref_y = ref_runner.run(feeds)["y"]
             size = problem_size(config, source.weights, feeds, activations=dtype in QUANTIZATIONS)
             if check_reference:
                 f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
                 cases.append(_case(reference, "torch-fp64", "fp64", batch, seq, mem_seq, runners[reference],
-                                   f64, ref_y, size))  # fmt: skip
+                                   f64, ref_y, size, input_mean=mean))  # fmt: skip
             for name in backends:
                 cases.append(_case(name, reference, case_dtype(name), batch, seq, mem_seq, runners[name], feeds, ref_y,
-                                   size, quantization if case_dtype(name) in QUANTIZATIONS else None))  # fmt: skip
+                                   size, quantization if case_dtype(name) in QUANTIZATIONS else None, mean))  # fmt: skip
     finally:
         ref_runner.close()
         for runner in runners.values():

@@ -114,15 +114,16 @@ def run(args: argparse.Namespace) -> int:
                 source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
             )
     rows = [
-        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.status, c.max_abs, c.max_rel, c.atol, c.cosine,
-         c.rel_rms)  # fmt: skip
+        (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.input_mean, c.status, c.max_abs, c.max_rel,
+         c.atol, c.cosine, c.rel_rms)  # fmt: skip
         for c in report.cases
     ]
-    headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "status", "max_abs", "max_rel", "atol", "cosine"]
-    headers += ["rel_rms"]  # issue 12
+    headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "x mean", "status", "max_abs", "max_rel", "atol",
+               "cosine", "rel_rms"]  # fmt: skip
     if args.decode:
         rows = [(c.backend, c.reference, c.dtype, c.batch, c.prefill, c.steps, c.status, c.max_abs, c.max_rel, c.atol,
                  c.cosine, c.rel_rms) for c in report.cases]  # fmt: skip
+        headers = [h for h in headers if h != "x mean"]
         headers[4:6] = ["prefill", "steps"]
     print(format_table(headers, rows))
     precisions = {c.backend: c.precision for c in report.cases if c.precision and c.backend != "reference"}

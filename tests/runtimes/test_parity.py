@@ -14,7 +14,7 @@ from attnx.runtimes.parity import ParityReport, run_parity
 from tests.conftest import CONFIGS, weights_for
 
 CONTRACT_KEYS = {"backend", "reference", "dtype", "batch", "seq", "mem_seq", "status", "reason", "max_abs",
-                 "max_rel", "atol", "rtol"}  # fmt: skip
+                 "max_rel", "atol", "rtol", "input_mean"}  # fmt: skip
 
 
 @pytest.mark.parametrize("attention", ["decomposed", "onnx"])
@@ -27,6 +27,7 @@ def test_parity_matrix(exported, name, attention):
     assert report.passed, [c.reason for c in report.cases if c.status != "pass"]
     assert len(report.cases) == 3 * 2 * 3
     assert {c.status for c in report.cases} == {"pass"}
+    assert {c.input_mean for c in report.cases} == {0.0, 0.5}  # zero-mean and shifted inputs, in turn
     if config.cross:
         assert {c.mem_seq for c in report.cases} == {5}
 

@@ -90,24 +90,48 @@ def _transposed_block(op, q, scale, zp):
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8), scale, zp
 
 
+# Two models of FAULT_CONFIG: "flat", the seeded weights (score RMS 0.3-0.4: attention nearly
+# uniform, q and k barely move y), and "peaked", q and k doubled (score RMS ~1.5, max ~10, as a
+# trained model's attention is). A fault moves y only as much as its projection matters: in the
+# flat model a zero point off by one in q moves y less than the quantization's own noise, and no
+# comparison of outputs can see it there; in the peaked one the noise of q and k grows with the
+# scores and hides the out projection's. Each fault must fail in the model where it shows, and
+# every scale and transposed-block fault in both.
+FAULT_MODELS = {"flat": 1.0, "peaked": 2.0}
+ZERO_POINT_SHOWS = {"q": ("peaked",), "v": ("flat", "peaked"), "out": ("flat",)}
+# A zero point off by one in k is not among them: it adds step * sum_k x_k to every key, and the
+# part common to all keys (from the inputs' mean) moves every score of a query by the same amount,
+# which the softmax removes; what is left is a random walk 3.5x k's rounding noise, within the noise.
+
+
+@pytest.mark.parametrize("model", list(FAULT_MODELS))
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_the_bound_fails_real_faults(quantized, tmp_path, dtype):
+def test_the_bound_fails_real_faults(quantized, tmp_path, dtype, model):
+    """The parity cases alternate zero-mean and shifted inputs (run_parity's DEFAULT_MEANS): a zero
+    point off by one shifts a whole weight column, which only an input with a mean shows (its
+    error is step * sum_k x_k)."""
     config = FAULT_CONFIG
     weights = init_weights(config, seed=0)
-    path = quantized("fault", dtype, config=config, weights=weights)
+    for name in ("q_proj.weight", "k_proj.weight"):
+        weights[name] = weights[name] * np.float32(FAULT_MODELS[model])
+    path = quantized(f"fault-{model}", dtype, config=config, weights=weights)
 
     def parity(model_path):
         return run_parity(ModelSource(config, weights, model_path, dtype), ["ort-cpu"], batches=(1, 3), seqs=(7, 128))
 
     good = parity(path)
     assert good.passed, [c.reason for c in good.cases]
-    faults = {
-        "zero point off by one (out)": ("out", _zero_point_plus_one),
+    assert {c.input_mean for c in good.cases} == {0.0, 0.5}
+    faults = {f"zero point off by one ({role})": (role, _zero_point_plus_one)
+              for role, models in ZERO_POINT_SHOWS.items() if model in models}  # fmt: skip
+    faults.update({
+        "scale off by 2x (q)": ("q", _scale_times_two),
         "scale off by 2x (v)": ("v", _scale_times_two),
+        "transposed block (k)": ("k", _transposed_block),
         "transposed block (out)": ("out", _transposed_block),
-    }
+    })  # fmt: skip
     for label, (role, fault) in faults.items():
         bad = str(tmp_path / f"bad-{dtype}.onnx")
         _edit(path, bad, role, fault)
         report = parity(bad)
-        assert not report.passed, f"{dtype} {label} passed parity: {[c.rel_rms for c in report.cases]}"
+        assert not report.passed, f"{dtype} {model}: {label} passed parity: {[c.rel_rms for c in report.cases]}"
