@@ -65,6 +65,9 @@ class BenchPlan:
     dtypes: Sequence[str] = ("fp32",)
     repeat: int = 10
     warmup: int = 2
+    # each shape's cases are timed this many times, the order rotated between rounds; a case
+    # keeps its lowest median (round_medians_ms has them all)
+    rounds: int = 1
     threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     timeout_s: float = 600.0
     max_mem_gb: float | None = None  # None: the memory the machine has available per case
@@ -91,8 +94,8 @@ class BenchPlan:
                 raise UsageError(f"--{key} values must be positive integers, got {list(values)}")
         if self.mem_seqs and not self.config.cross:
             raise UsageError("--mem-seq is for cross-attention models; this config has cross false")
-        if self.repeat < 1 or self.warmup < 0 or self.threads < 1:
-            raise UsageError("--repeat and --threads must be at least 1, --warmup at least 0")
+        if self.repeat < 1 or self.warmup < 0 or self.threads < 1 or self.rounds < 1:
+            raise UsageError("--repeat, --rounds and --threads must be at least 1, --warmup at least 0")
         if not self.timeout_s > 0:
             raise UsageError(f"--timeout must be positive, got {self.timeout_s}")
         if self.max_mem_gb is not None and not self.max_mem_gb > 0:
@@ -169,6 +172,8 @@ class BenchCase:
     # issue 12: the output's rel RMS error against the float64 torch module on the same inputs
     # (||y - ref|| / ||ref||, attnx.runtimes.compare): the frontier's accuracy axis
     rel_rms: float | None = None
+    # with --rounds: every round's median, in the order measured (median_ms is the lowest)
+    round_medians_ms: list[float] | None = None
 
     @property
     def label(self) -> str:

@@ -9,6 +9,7 @@ is rewritten (atomically) after every case: Ctrl-C keeps what was measured.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 import itertools
@@ -265,18 +266,44 @@ def _measure_cases(
     # (backend, attention, dtype, batch, mem_seq) -> the seq at which that series timed out or
     # was killed: longer sequences of it are not started (they would only do so again).
     stopped: dict[tuple, str] = {}
-    for dtype, (batch, seq, mem_seq) in itertools.product(plan.dtypes, shapes):
-        for backend, attention in series:
+    for batch, seq, mem_seq in shapes:  # every form at one shape before the next shape
+        group: list[BenchCase] = []
+        for dtype, (backend, attention) in itertools.product(plan.dtypes, series):
             case = BenchCase(backend, attention, dtype, batch, seq, mem_seq, "skipped", threads=plan.threads)
             case.flops = attention_flops(plan.config, batch, seq, mem_seq)
-            key = (backend, attention, dtype, batch, mem_seq)
-            say(len(report.cases), total, f"{case.label} {dtype} batch {batch} seq {seq}")
-            case.reason = _skip_reason(plan, case, unavailable, models, export_failed, stopped.get(key))
-            if case.reason is None and _run_case(
-                plan, case, models, workdir, len(report.cases), peaks.get((backend, dtype))
-            ):
+            case.reason = _skip_reason(plan, case, unavailable, models, export_failed,
+                                       stopped.get((backend, attention, dtype, batch, mem_seq)))  # fmt: skip
+            group.append(case)
+        base = len(report.cases)  # a case's index in the report names its output file (_measure_accuracy)
+        runnable = [i for i, case in enumerate(group) if case.reason is None]
+        best: dict[int, BenchCase] = {}  # each case's round with the lowest median (or its failure)
+        halted: set[int] = set()  # timed out or killed: not again, nor its series' longer sequences
+        for r in range(plan.rounds):
+            # Rounds rotate the order, so that no form is always timed first (or last) of a shape
+            # and a slow spell of the machine is not all one form's: the lowest median is kept.
+            shift = r % len(runnable) if runnable else 0
+            for i in runnable[shift:] + runnable[:shift]:
+                if i in best and best[i].status != "ok":
+                    continue  # a round failed: that is the case's result
+                case = dataclasses.replace(group[i])
+                rounds = f" (round {r + 1}/{plan.rounds})" if plan.rounds > 1 else ""
+                say(base + len(best), total, f"{case.label} {case.dtype} batch {batch} seq {seq}{rounds}")
+                if _run_case(plan, case, models, workdir, base + i, peaks.get((case.backend, case.dtype))):
+                    halted.add(i)
+                if case.status != "ok":
+                    best[i] = case
+                    continue
+                medians = [*(best[i].round_medians_ms or []), case.median_ms] if i in best else [case.median_ms]
+                if i not in best or case.median_ms < best[i].median_ms:
+                    best[i] = case
+                best[i].round_medians_ms = medians
+        for i, case in enumerate(group):
+            case = best.get(i, case)
+            if i in halted:
                 what = "timed out" if case.status == "timeout" else "was killed"
-                stopped[key] = f"not run: seq {seq} of this series {what}"
+                stopped[(case.backend, case.attention, case.dtype, batch, mem_seq)] = (
+                    f"not run: seq {seq} of this series {what}"
+                )
             report.cases.append(case)
             save()
 

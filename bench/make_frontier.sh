@@ -14,5 +14,5 @@ mkdir -p "$out"
 attnx=$(command -v attnx || echo .venv/bin/attnx)
 "$attnx" bench --preset large --batch 1 --seq 512,4096 --threads 2 \
     --backends torch,ort-cpu,openvino --attention sdpa,ort-fused --dtype fp32,int8,int4,bf16 \
-    --repeat 10 --warmup 2 --timeout 1800 \
+    --repeat 10 --warmup 2 --rounds 3 --timeout 1800 \
     --json "$out/cpu_frontier.json" --plot "$out/cpu_frontier.png" "$@"

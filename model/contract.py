@@ -181,7 +181,7 @@ QUANTIZATIONS: dict[str, Quantization] = {
         # DynamicQuantizeMatMul (MLAS u8s8 GEMM, VNNI): measured fastest of the int8 candidates on
         # this project's AMD EPYC (attnx.export.passes.quantize has the numbers).
         Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric int8 per output channel",
-                     "dynamic uint8 per tensor"),
+                     "dynamic uint8 per row (each row divided by its max |x|, then per tensor)"),
         Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
                      "int8 per block of K (accuracy_level 4)"),
     )

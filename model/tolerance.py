@@ -106,25 +106,28 @@ class ProblemSize:
     k: int  # the longest reduction
     score_max: float = 0.0  # the largest |scale * q.k| of the case
     # What a quantized form's error model needs (problem_size(..., activations=True)): the RMS of
-    # the scores, and per quantized input its RMS and range ("x", "memory", "z": the attention
-    # output, the output projection's input).
+    # the scores, and per quantized input its RMS, range and the RMS over its rows of each row's
+    # max |value| ("x", "memory", "z": the attention output, the output projection's input).
     score_rms: float = 0.0
-    activations: tuple[tuple[str, float, float, float], ...] = ()  # (name, rms, min, max)
+    activations: tuple[tuple[str, float, float, float, float], ...] = ()  # (name, rms, min, max, row peak rms)
 
     def to_dict(self) -> dict[str, float]:
         out: dict = {"k": self.k, "score_max": self.score_max}
         if self.activations:
             out["score_rms"] = self.score_rms
-            out["activations"] = {n: [r, lo, hi] for n, r, lo, hi in self.activations}
+            out["activations"] = {n: [r, lo, hi, peak] for n, r, lo, hi, peak in self.activations}
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ProblemSize:
-        acts = tuple((n, float(v[0]), float(v[1]), float(v[2])) for n, v in dict(data.get("activations") or {}).items())
+        # a record written before the row peaks (three numbers): the tensor's largest |value| bounds every row's
+        acts = tuple((n, float(v[0]), float(v[1]), float(v[2]), float(v[3]) if len(v) > 3 else max(-float(v[1]), float(v[2])))
+                     for n, v in dict(data.get("activations") or {}).items())  # fmt: skip
         return cls(int(data["k"]), float(data["score_max"]), float(data.get("score_rms", 0.0)), acts)
 
-    def activation(self, name: str) -> tuple[float, float, float] | None:
-        return next(((r, lo, hi) for n, r, lo, hi in self.activations if n == name), None)
+    def activation(self, name: str) -> tuple[float, float, float, float] | None:
+        """(rms, min, max, RMS of the rows' max |value|) of one quantized input, or None."""
+        return next(((r, lo, hi, peak) for n, r, lo, hi, peak in self.activations if n == name), None)
 
 
 def problem_size(
@@ -200,9 +203,10 @@ def _with_activations(
     z = z.transpose(0, 2, 1, 3).reshape(B, T, N * dv)  # (B, T, N*dv): the output projection's input
     stats = [("x", x)] + ([("memory", m)] if config.cross else []) + [("z", z)]
     acts = tuple(
-        (name, float(np.sqrt(np.mean(np.square(a, dtype=np.float64)))), float(a.min()), float(a.max()))
+        (name, float(np.sqrt(np.mean(np.square(a, dtype=np.float64)))), float(a.min()), float(a.max()),
+         float(np.sqrt(np.mean(np.square(np.abs(a).max(axis=-1), dtype=np.float64)))))
         for name, a in stats
-    )
+    )  # fmt: skip
     return dataclasses.replace(size, score_rms=math.sqrt(score_sq / visible), activations=acts)
 
 
@@ -218,9 +222,11 @@ def _with_activations(
 # K = 1024 it is sqrt(3K) ~ 55x the RMS, a bound no fault could exceed, so the table uses the walk.
 # Relative to u itself (rms sqrt(K) rms(a) rms(W) for inputs not aligned with W), the weight's
 # relative error eta_w = s_rms / (sqrt(12) rms(W)): the pass records it per projection.
-# A dynamically quantized input (int8: uint8 per tensor, step (max(a,0) - min(a,0))/255; int4 at
-# accuracy_level 4: int8 per block, step at most max|a|/127) adds eta_a = step/(sqrt(12) rms(a)),
-# independent of eta_w, on the same argument.
+# A dynamically quantized input adds eta_a = step_rms/(sqrt(12) rms(a)), independent of eta_w, on
+# the same argument. int8 divides each row (token) by its max |a| before the op's per-tensor uint8
+# quantization, so row i gets step_i <= 2 max|a_i|/255 and step_rms = 2 rms_i(max|a_i|)/255 (a model
+# from before the row scales: uint8 per tensor, step (max(a,0) - min(a,0))/255); int4 at
+# accuracy_level 4: int8 per block, step at most max|a|/127.
 #
 # Through attention, relative to y (rms(ref)):
 # - v: linear, y = P (m Wv) Wo: eta_v passes unchanged (rows of P sum to 1; both the error and the
@@ -260,31 +266,35 @@ class QuantTolerance(Tolerance):
     own term from the error model above: atol += QUANT_TAIL * sigma, and rel RMS <= QUANT_RMS_SLACK
     * sigma / rms(ref). A table row has no projections; for_model() reads them from metadata."""
 
-    activations: str = "none"  # "none", "uint8 per tensor", "int8 per block"
+    activations: str = "none"  # "none", "uint8 per row", "uint8 per tensor", "int8 per block"
     projections: tuple[ProjectionError, ...] = ()
 
     def for_model(self, quantization: Mapping) -> QuantTolerance:
         acts = str(quantization.get("activations", "none"))
-        kind = "none" if acts == "none" else ("int8 per block" if "per block" in acts else "uint8 per tensor")
+        kind = ("none" if acts == "none" else "int8 per block" if "per block" in acts
+                else "uint8 per row" if "per row" in acts else "uint8 per tensor")  # fmt: skip
         projections = tuple(
             ProjectionError(role, int(p["k"]), float(p["rel_error"]), float(p["weight_rms"]))
             for role, p in sorted(dict(quantization.get("projections") or {}).items())
         )
         return dataclasses.replace(self, activations=kind, projections=projections)
 
-    def _act_step(self, rms_lo_hi: tuple[float, float, float] | None) -> float:
-        """The quantization step of an input of this RMS and range (0: not quantized)."""
-        if rms_lo_hi is None or self.activations == "none":
+    def _act_step(self, stats: tuple[float, float, float, float] | None) -> float:
+        """The RMS quantization step of an input of these statistics (rms, min, max, rows' peak
+        rms; 0: not quantized)."""
+        if stats is None or self.activations == "none":
             return 0.0
-        _, lo, hi = rms_lo_hi
+        _, lo, hi, row_peak = stats
         if self.activations == "int8 per block":
             return max(abs(lo), abs(hi)) / 127.0
+        if self.activations == "uint8 per row":
+            return 2.0 * row_peak / 255.0
         return (max(hi, 0.0) - min(lo, 0.0)) / 255.0
 
-    def _act_rel(self, rms_lo_hi: tuple[float, float, float] | None) -> float:
-        if rms_lo_hi is None or rms_lo_hi[0] <= 0:
+    def _act_rel(self, stats: tuple[float, float, float, float] | None) -> float:
+        if stats is None or stats[0] <= 0:
             return 0.0
-        return self._act_step(rms_lo_hi) / math.sqrt(12.0) / rms_lo_hi[0]
+        return self._act_step(stats) / math.sqrt(12.0) / stats[0]
 
     def rel_sigma(self, size: ProblemSize) -> float:
         """The predicted RMS error of y relative to its magnitude. It scales with each row's own

@@ -79,6 +79,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--repeat", type=int_arg(1, 100_000), default=10, help="timed calls per case (default 10)")
     p.add_argument("--warmup", type=int_arg(0, 10_000), default=2, help="untimed calls before them (default 2)")
+    p.add_argument("--rounds", type=int_arg(1, 100), default=None,
+                   help="time each shape's cases this many times, the order rotated between rounds, and keep each "
+                        "case's lowest median: a shared machine's slow spells then fall on no one form "
+                        "(default 1; --decode: 3)")  # fmt: skip
     p.add_argument(
         "--threads", type=int_arg(1, 4096), default=os.cpu_count() or 1, help="ORT intra-op and torch threads (default: all cores)"
     )
@@ -122,7 +126,8 @@ def run_decode(args: argparse.Namespace) -> int:
     impls[4:4] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "growing")]
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
-                            impls=impls, progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
+                            rounds=args.rounds or 3, impls=impls,
+                            progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
     table = []
     for r in rows:
         for impl in impls:
@@ -134,7 +139,7 @@ def run_decode(args: argparse.Namespace) -> int:
     print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
           f"{','.join(dtypes)}, {args.threads} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
           f"large copy of this run: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0].copies_gbs.items())
-          + "); flushed: a 256 MB read before each timed step; lowest median of 3 rounds")  # fmt: skip
+          + f"); flushed: a 256 MB read before each timed step; lowest median of {args.rounds or 3} rounds")  # fmt: skip
     headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this"]
     print(format_table(headers, table))
     if args.json:
@@ -173,6 +178,7 @@ def _plan(args: argparse.Namespace) -> Any:
         dtypes=dtypes,
         repeat=args.repeat,
         warmup=args.warmup,
+        rounds=args.rounds or 1,
         threads=args.threads,
         timeout_s=args.timeout,
         max_mem_gb=args.max_mem_gb,

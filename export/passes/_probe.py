@@ -67,6 +67,10 @@ def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
         w, b = packed
         cols = slice(start, start + int(sizes[index]))
         return w[:, cols], (b[cols] if b is not None else bias)
+    if _is(node, "Mul"):  # int8's row rescale: DynamicQuantizeMatMul(x / r, ...) * r
+        inner = next((i.producer() for i in node.inputs if i is not None and i.producer() is not None
+                      and i.producer().op_type == "DynamicQuantizeMatMul"), None)  # fmt: skip
+        node = inner if inner is not None else node
     if node is not None and node.domain == MS_DOMAIN and node.op_type in ("DynamicQuantizeMatMul", "MatMulNBits"):
         w = dequantize_node(node)  # a quantized projection: the weights it computes with
         return (w, bias) if w is not None else None

@@ -54,6 +54,7 @@ def test_plan_shapes_shortest_first_and_cross_memory_defaults_to_seq():
         ({"mem_seqs": [4]}, "--mem-seq is for cross-attention"),
         ({"seqs": []}, "--seq is empty"),
         ({"repeat": 0}, "--repeat"),
+        ({"rounds": 0}, "--rounds"),
         ({"timeout_s": 0}, "--timeout must be positive"),
         ({"backends": ["torch"], "attentions": ["onnx"]}, "nothing to run"),
     ],
@@ -209,6 +210,30 @@ def test_a_lowering_that_fails_to_export_is_skipped_with_the_reason(monkeypatch,
     assert by["decomposed"].status == "ok"
     assert by["onnx"].status == "skipped"
     assert by["onnx"].reason == "export failed: RuntimeError: no Attention op today"
+
+
+def test_rounds_rotate_the_cases_of_a_shape_and_keep_each_ones_lowest_median(exported, monkeypatch):
+    import attnx.bench._sweep as sweep
+
+    order = []
+    real = sweep._run_case
+
+    def run_case(plan, case, *args):
+        order.append((case.backend, case.seq))
+        return real(plan, case, *args)
+
+    monkeypatch.setattr(sweep, "_run_case", run_case)
+    plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu", "torch"], seqs=[8, 16], rounds=3, **FAST)
+    plan.attentions = ["decomposed"]
+    report = run_bench(plan)
+    # per shape, three rounds of both forms, the first form of a round rotating; shapes in turn
+    assert order == [("ort-cpu", 8), ("torch", 8), ("torch", 8), ("ort-cpu", 8), ("ort-cpu", 8), ("torch", 8),
+                     ("ort-cpu", 16), ("torch", 16), ("torch", 16), ("ort-cpu", 16), ("ort-cpu", 16), ("torch", 16)]
+    assert [(c.backend, c.seq) for c in report.cases] == [("ort-cpu", 8), ("torch", 8), ("ort-cpu", 16), ("torch", 16)]
+    for case in report.cases:
+        assert case.status == "ok" and len(case.round_medians_ms) == 3
+        assert case.median_ms == min(case.round_medians_ms)
+        assert case.rel_rms is not None  # the kept round's output is the one compared
 
 
 def test_after_a_timeout_the_longer_sequences_of_the_series_are_not_started(exported):

@@ -59,8 +59,46 @@ def test_the_four_projections_are_quantized_and_recorded(base_models, key, dtype
     assert record["block_size"] == (32 if dtype == "int4" else None)
     assert record["per_channel"] == (dtype == "int8")
     assert info.quantization == record and "quantization" in info.to_dict()
+    # int8's row scales: one per distinct projection input (x, memory for cross-attention, z)
+    inputs = 3 if CONFIGS[name].cross else 2
+    row_maxes = [n for n in ir.load(path).graph if n.op_type == "ReduceMax" and n.name.startswith("int8_row_max")]
+    assert len(row_maxes) == (inputs if dtype == "int8" else 0)
+    assert ("per row" in record["activations"]) == (dtype == "int8")
     with create_runner("ort-cpu", ModelSource(model_path=path, dtype=dtype)) as runner:  # loads in the pinned ORT
         assert runner.inputs[0].dtype == "fp32"
+
+
+def test_int8_quantizes_each_row_of_its_input_on_its_own_scale(tmp_path):
+    """A token 1000x larger than the rest leaves their error as it was: the input is quantized per
+    row (per tensor, the large row's range would round every other row to a few steps)."""
+    k, n = 64, 32
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((k, n)).astype(np.float32) / 8
+    x = ir.Value(name="x", shape=ir.Shape([2, 5, k]), type=ir.TensorType(ir.DataType.FLOAT))
+    weight = ir.Value(name="w", shape=ir.Shape([k, n]), type=ir.TensorType(ir.DataType.FLOAT),
+                      const_value=ir.tensor(w, name="w"))  # fmt: skip
+    node = ir.node("MatMul", [x, weight], name="proj")
+    node.outputs[0].name, node.outputs[0].shape = "y", ir.Shape([2, 5, n])
+    node.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([x], [node.outputs[0]], nodes=[node], initializers=[weight], opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=IR_VERSION)
+    from attnx.export.passes import QuantizeProjections
+
+    QuantizeProjections("int8")(model)
+    path = str(tmp_path / "one.onnx")
+    save_model(model, path)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feed = rng.standard_normal((2, 5, k)).astype(np.float32)
+    feed[0, 2] *= 1000  # one loud token
+    feed[1, 4] = 0  # and a silent one: 0 / FLT_MIN, not a NaN
+    y = session.run(None, {"x": feed})[0]
+    ref = feed.astype(np.float64) @ w
+    rel = np.sqrt(np.mean((y - ref) ** 2, axis=-1) / np.maximum(np.mean(ref**2, axis=-1), 1e-300))
+    assert np.all(np.isfinite(y)) and np.all(y[1, 4] == 0)
+    quiet = np.delete(rel.reshape(-1), [2, 9])  # every other row keeps int8's ~1% error
+    assert rel[0, 2] < 0.05 and quiet.max() < 0.05, rel
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

@@ -121,9 +121,11 @@ def test_problem_size_of_a_step_masks_over_positions():
     # z (the attention output) of the last 3 queries: the full forward's, recomputed by hand (a
     # causal mask without the past offset would hide keys 1..8 from the step's first query)
     z_full = _z(c, w, feeds)[:, 6:]
-    rms, lo, hi = step.activation("z")
+    rms, lo, hi, row_peak = step.activation("z")
     assert rms == pytest.approx(float(np.sqrt(np.mean(z_full.astype(np.float64) ** 2))), rel=1e-5)
     assert (lo, hi) == pytest.approx((float(z_full.min()), float(z_full.max())), rel=1e-5)
+    peaks = np.abs(z_full.astype(np.float64)).max(axis=-1)  # each query's largest |z|: int8's row scale
+    assert row_peak == pytest.approx(float(np.sqrt(np.mean(peaks**2))), rel=1e-5)
     # x: the step's own new tokens
     assert step.activation("x")[0] == pytest.approx(float(np.sqrt(np.mean(x[:, 6:].astype(np.float64) ** 2))))
 
