@@ -11,6 +11,8 @@ from onnx import numpy_helper
 from attnx.export import export_onnx, save_model
 from attnx.export.passes import lower
 from attnx.model.config import AttentionConfig
+from attnx.model.contract import QUANTIZATIONS
+from attnx.model.tolerance import ProblemSize, tolerance_for
 from attnx.model.weights import init_weights
 from attnx.runtimes import ModelSource
 from attnx.runtimes.parity import run_parity
@@ -135,3 +137,24 @@ def test_the_bound_fails_real_faults(quantized, tmp_path, dtype, model):
         _edit(path, bad, role, fault)
         report = parity(bad)
         assert not report.passed, f"{dtype} {model}: {label} passed parity: {[c.rel_rms for c in report.cases]}"
+
+
+def test_the_error_model_reads_int8s_row_scales_and_the_records_written_before_them():
+    """int8 quantizes its input per row: step 2 rms_rows(max |x|)/255; a model or package written
+    when int8 was per tensor keeps that model (its metadata says so), and a golden case recorded
+    then (three numbers per input) reads the tensor's max |x| as every row's."""
+    old = ProblemSize.from_dict({"k": 64, "score_max": 1.0, "score_rms": 0.5, "activations": {"x": [1.0, -4.0, 3.0]}})
+    assert old.activation("x") == (1.0, -4.0, 3.0, 4.0)
+    size = ProblemSize(64, 1.0, 0.5, (("x", 1.0, -4.0, 3.0, 2.5), ("z", 0.1, -0.4, 0.3, 0.25)))
+    assert ProblemSize.from_dict(size.to_dict()) == size
+    projections = {role: {"k": 64, "n": 64, "rel_error": 0.0, "weight_rms": 1.0} for role in ("v", "out")}
+    per_row = tolerance_for("int8", quantization={"activations": QUANTIZATIONS["int8"].activations,
+                                                  "projections": projections})  # fmt: skip
+    per_tensor = tolerance_for("int8", quantization={"activations": "dynamic uint8 per tensor",
+                                                     "projections": projections})  # fmt: skip
+    assert per_row.activations == "uint8 per row" and per_tensor.activations == "uint8 per tensor"
+    # v reads x, out reads z: each input's step / sqrt(12) / its rms, added in squares
+    row = [2 * 2.5 / 255 / 1.0, 2 * 0.25 / 255 / 0.1]
+    tensor = [7.0 / 255 / 1.0, 0.7 / 255 / 0.1]
+    assert per_row.rel_sigma(size) == pytest.approx(float(np.hypot(*row)) / np.sqrt(12))
+    assert per_tensor.rel_sigma(size) == pytest.approx(float(np.hypot(*tensor)) / np.sqrt(12))
