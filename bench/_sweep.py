@@ -278,25 +278,30 @@ def _measure_cases(
         runnable = [i for i, case in enumerate(group) if case.reason is None]
         best: dict[int, BenchCase] = {}  # each case's round with the lowest median (or its failure)
         halted: set[int] = set()  # timed out or killed: not again, nor its series' longer sequences
-        for r in range(plan.rounds):
-            # Rounds rotate the order, so that no form is always timed first (or last) of a shape
-            # and a slow spell of the machine is not all one form's: the lowest median is kept.
-            shift = r % len(runnable) if runnable else 0
-            for i in runnable[shift:] + runnable[:shift]:
-                if i in best and best[i].status != "ok":
-                    continue  # a round failed: that is the case's result
-                case = dataclasses.replace(group[i])
-                rounds = f" (round {r + 1}/{plan.rounds})" if plan.rounds > 1 else ""
-                say(base + len(best), total, f"{case.label} {case.dtype} batch {batch} seq {seq}{rounds}")
-                if _run_case(plan, case, models, workdir, base + i, peaks.get((case.backend, case.dtype))):
-                    halted.add(i)
-                if case.status != "ok":
-                    best[i] = case
-                    continue
-                medians = [*(best[i].round_medians_ms or []), case.median_ms] if i in best else [case.median_ms]
-                if i not in best or case.median_ms < best[i].median_ms:
-                    best[i] = case
-                best[i].round_medians_ms = medians
+        try:
+            for r in range(plan.rounds):
+                # Rounds rotate the order, so that no form is always timed first (or last) of a shape
+                # and a slow spell of the machine is not all one form's: the lowest median is kept.
+                shift = r % len(runnable) if runnable else 0
+                for i in runnable[shift:] + runnable[:shift]:
+                    if i in best and best[i].status != "ok":
+                        continue  # a round failed: that is the case's result
+                    case = dataclasses.replace(group[i])
+                    rounds = f" (round {r + 1}/{plan.rounds})" if plan.rounds > 1 else ""
+                    say(base + len(best), total, f"{case.label} {case.dtype} batch {batch} seq {seq}{rounds}")
+                    if _run_case(plan, case, models, workdir, base + i, peaks.get((case.backend, case.dtype))):
+                        halted.add(i)
+                    if case.status != "ok":
+                        best[i] = case
+                        continue
+                    medians = [*(best[i].round_medians_ms or []), case.median_ms] if i in best else [case.median_ms]
+                    if i not in best or case.median_ms < best[i].median_ms:
+                        best[i] = case
+                    best[i].round_medians_ms = medians
+        except KeyboardInterrupt:  # keep what this shape measured so far
+            report.cases.extend(best[i] for i in sorted(best))
+            save()
+            raise
         for i, case in enumerate(group):
             case = best.get(i, case)
             if i in halted:

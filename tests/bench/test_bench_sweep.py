@@ -236,6 +236,24 @@ def test_rounds_rotate_the_cases_of_a_shape_and_keep_each_ones_lowest_median(exp
         assert case.rel_rms is not None  # the kept round's output is the one compared
 
 
+def test_ctrl_c_within_a_shape_keeps_the_cases_of_it_already_measured(tmp_path):
+    out = tmp_path / "b.json"
+    plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu", "torch"], seqs=[8], rounds=2, **FAST)
+    plan.attentions = ["decomposed"]
+    calls = []
+
+    def progress(done: int, total: int, message: str) -> None:
+        calls.append(message)
+        if "round 2/2" in message:  # both forms measured once; Ctrl-C as the second round starts
+            raise KeyboardInterrupt
+
+    report = run_bench(plan, json_path=out, progress=progress)
+    assert report.interrupted
+    data = json.loads(out.read_text())
+    assert sorted(c["backend"] for c in data["cases"]) == ["ort-cpu", "torch"]
+    assert all(c["status"] == "ok" and len(c["round_medians_ms"]) == 1 for c in data["cases"])
+
+
 def test_after_a_timeout_the_longer_sequences_of_the_series_are_not_started(exported):
     plan = BenchPlan(CONFIGS["self"], backends=["ort-cpu"], seqs=[8, 16, 32], model_path=exported("self"), **FAST)
     plan.timeout_s = 0.01  # the GEMM and every case run past it
