@@ -27,12 +27,11 @@ from attnx.bench._plan import BenchCase, BenchPlan, BenchReport, GemmResult
 from attnx.bench._worker import run_worker, time_stats, write_gemm_model
 from attnx.model import init_weights, load_weights
 from attnx.model.contract import (
-    QUANTIZATIONS,
     backend_device,
     float_dtype,
     graph_dtype,
     host_dtype,
-    provider_of_backend,
+    quantized_form_unavailable,
     runs_onnx_model,
 )
 from attnx.model.inputs import make_inputs
@@ -159,11 +158,9 @@ def _measure_gemms(plan: BenchPlan, report: BenchReport, workdir: str, say: Prog
     m, k, n = gemm_shape(plan.config)
     unavailable: dict[tuple, str] = {}
     for backend, dtype in itertools.product(plan.backends, plan.dtypes):
-        if dtype in QUANTIZATIONS and provider_of_backend(backend) is None:
+        if (reason := quantized_form_unavailable(backend, dtype)) is not None:
             # issue 12: the quantized forms are ONNX Runtime graphs (com.microsoft operators)
-            unavailable[(backend, dtype)] = (
-                f"{backend} does not run attnx's {dtype} form: {QUANTIZATIONS[dtype].op} is ONNX Runtime's"
-            )
+            unavailable[(backend, dtype)] = reason
             report.gemm.append(GemmResult(backend, dtype, m, k, n, "skipped", unavailable[(backend, dtype)]))
             continue
         say(0, total, f"GEMM {m}x{k}x{n} {dtype} on {backend}")

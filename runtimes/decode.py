@@ -32,6 +32,7 @@ from attnx.model.contract import (
     numpy_dtype,
     provider_of_backend,
     quantization_of,
+    quantized_form_unavailable,
 )
 from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
@@ -176,8 +177,7 @@ def run_decode_parity(
     runners: dict[str, Runner | str] = {}
     for name in backends:
         if quantization is not None and name not in module_backends and provider_of_backend(name) is None:
-            runners[name] = (f"backend {name!r} does not run attnx's {source.dtype} form: its "
-                             f"{QUANTIZATIONS[source.dtype].op} is ONNX Runtime's")  # fmt: skip
+            runners[name] = quantized_form_unavailable(name, source.dtype)
             continue
         try:
             runners[name] = runner_factory(

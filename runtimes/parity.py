@@ -23,6 +23,7 @@ from attnx.model.contract import (
     float_dtype,
     provider_of_backend,
     quantization_of,
+    quantized_form_unavailable,
 )
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, problem_size, tolerance_for
@@ -200,7 +201,7 @@ def run_parity(
     ref_runner = runner_factory(reference, float_source)
     ref_runner.load()  # a reference that cannot run is an error, not a skip
     runners: dict[str, Runner | str] = {
-        name: f"backend {name!r} does not run attnx's {dtype} form: its {QUANTIZATIONS[dtype].op} is ONNX Runtime's"
+        name: quantized_form_unavailable(name, dtype)
         if dtype in QUANTIZATIONS and name not in module_backends and provider_of_backend(name) is None
         else _load(runner_factory(name, case_source(name)))
         for name in backends

@@ -141,3 +141,13 @@ def test_describe_refuses_what_is_not_an_attnx_model(tmp_path):
         describe(tmp_path / "junk.onnx")
     with pytest.raises(ModelFileError, match="does not exist"):
         describe(tmp_path / "none.onnx")
+
+
+def test_why_a_backend_does_not_run_a_quantized_form_is_said_per_backend():
+    from attnx.model.contract import quantized_form_unavailable
+
+    assert quantized_form_unavailable("ort-cpu", "int8") is None and quantized_form_unavailable("ort-cuda", "int4") is None
+    assert quantized_form_unavailable("torch", "fp32") is None  # not a quantized form
+    assert "ONNX Runtime's" in quantized_form_unavailable("torch", "int8")
+    reason = quantized_form_unavailable("openvino", "int4")  # it reads the graph: the reason is the error model
+    assert "MatMulNBits" in reason and "error model" in reason
