@@ -41,7 +41,7 @@ one interleaved run (large, batch 1, 2 threads, medians; rel RMS vs float64):
     DynamicQuantizeMatMul, per tensor     13.3 ms, 1.01%    420 ms, 0.62%
     DynamicQuantizeMatMul, per row        14.1 ms, 0.81%    429 ms, 0.50%
     static QDQ (ORT quantize_static, per-channel, MinMax / Percentile / Entropy calibration on
-    four other seeded inputs)            no faster (under load), 1.42-1.52%
+    four other seeded inputs)            20.4-24.8 ms against 18.6 in one noisy run, 1.42-1.52%
     OpenVINO bf16 on the fp32 graph       16.4 ms, 0.76%    383 ms, 0.85%
 
 The row scales cost 6% at seq 512 (three elementwise passes over x and y) and 2% at seq 4096 for a
