@@ -24,20 +24,14 @@ import numpy as np
 from attnx.errors import InputError, ProviderUnavailable, UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
-    PROVIDERS,
-    QUANTIZATIONS,
     REFERENCE,
-    describe,
     float_dtype,
     numpy_dtype,
-    provider_of_backend,
-    quantization_of,
-    quantized_form_unavailable,
 )
 from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.parity import ParityCase, ParityReport
+from attnx.runtimes.parity import MODULE_BACKENDS, ParityCase, ParityReport, quantized_skip, source_quantization
 
 __all__ = [
     "DEFAULT_PREFILLS",
@@ -170,19 +164,18 @@ def run_decode_parity(
         )
     # A quantized step model (int8, int4) runs on the ort-* backends that read its file; the
     # reference and the torch module compute the float formula, held to fp32's rule (as run_parity).
-    quantization = _quantization(source)
+    quantization = source_quantization(source, "decode parity", "step model")
     float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
-    module_backends = {REFERENCE, *(p.torch_backend for p in PROVIDERS.values())}
     ref = runner_factory(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
     runners: dict[str, Runner | str] = {}
     for name in backends:
-        if quantization is not None and name not in module_backends and provider_of_backend(name) is None:
-            runners[name] = quantized_form_unavailable(name, source.dtype)
+        if (skip := quantized_skip(name, source.dtype)) is not None:
+            runners[name] = skip
             continue
         try:
             runners[name] = runner_factory(
                 name,
-                source if name not in module_backends
+                source if name not in MODULE_BACKENDS
                 else dataclasses.replace(float_source, model_path=None) if name == REFERENCE else float_source,
             ).load()  # fmt: skip
         except ProviderUnavailable as e:
@@ -199,7 +192,7 @@ def run_decode_parity(
             expected = ref.run(full) if ran else {}  # no reference forward for backends that cannot run
             size = problem_size(config, source.weights, full, activations=quantization is not None) if ran else None
             for name, runner in runners.items():
-                quantized = quantization is not None and name not in module_backends
+                quantized = quantization is not None and name not in MODULE_BACKENDS
                 cases.append(_decode_case(name, runner, config, source.dtype if quantized else float_source.dtype,
                                           feeds, prefill, steps, expected, size,
                                           quantization if quantized else None))  # fmt: skip
@@ -209,19 +202,6 @@ def run_decode_parity(
             if isinstance(runner, Runner):
                 runner.close()
     return ParityReport(cases)
-
-
-def _quantization(source: ModelSource) -> dict | None:
-    """The quantization record of a quantized step model (int8, int4), None for a float one."""
-    if source.dtype not in QUANTIZATIONS:
-        return None
-    if source.model_path is None:
-        raise UsageError(f"decode parity of {source.dtype} needs the quantized step model (--model), written by "
-                         f"attnx export --dtype {source.dtype}")  # fmt: skip
-    quantization = quantization_of(describe(source.model_path).metadata)
-    if quantization is None or quantization["dtype"] != source.dtype:
-        raise UsageError(f"{source.model_path!r} is not an {source.dtype} model (attnx inspect shows its dtype)")
-    return quantization
 
 
 def _cache_tols(tol: Tolerance) -> dict[str, Tolerance]:
@@ -258,7 +238,7 @@ def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills
     """run_decode_parity for a model of the buffer form: the cache preallocated at P + steps
     positions, one buffer bound as past and present, against the reference's full forward."""
     config = source.config
-    quantization = _quantization(source)
+    quantization = source_quantization(source, "decode parity", "step model")
     float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
     ref = create_runner(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
     cases = []

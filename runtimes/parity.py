@@ -21,7 +21,6 @@ from attnx.model.contract import (
     REFERENCE,
     describe,
     float_dtype,
-    provider_of_backend,
     quantization_of,
     quantized_form_unavailable,
 )
@@ -32,6 +31,7 @@ from attnx.runtimes.compare import compare_arrays
 
 __all__ = [
     "ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS", "DEFAULT_MEANS",
+    "MODULE_BACKENDS", "source_quantization", "quantized_skip",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,31 @@ def _case(
     )  # fmt: skip
 
 
+# The backends that compute the float formula from the config and weights (the reference, the torch
+# module), not from the model file: a quantized model's parity holds them to its float dtype's rule.
+MODULE_BACKENDS = frozenset({REFERENCE, *(p.torch_backend for p in PROVIDERS.values())})
+
+
+def source_quantization(source: ModelSource, what: str = "parity", model: str = "model") -> dict | None:
+    """The quantization record of a quantized source (int8, int4; None for a float one), read
+    from its model file: a UsageError when there is no file or the file is not of that dtype."""
+    dtype = source.dtype
+    if dtype not in QUANTIZATIONS:
+        return None
+    if source.model_path is None:
+        raise UsageError(f"{what} of {dtype} needs the quantized {model} (--model), written by attnx export --dtype {dtype}")
+    quantization = quantization_of(describe(source.model_path).metadata)
+    if quantization is None or quantization["dtype"] != dtype:
+        raise UsageError(f"{source.model_path!r} is not an {dtype} model (attnx inspect shows its dtype)")
+    return quantization
+
+
+def quantized_skip(name: str, dtype: str) -> str | None:
+    """Why backend `name` is skipped in a parity run of a quantized `dtype` model, or None: the
+    module backends run the float formula; the others must run the model file itself."""
+    return None if name in MODULE_BACKENDS else quantized_form_unavailable(name, dtype)
+
+
 def _load(runner: Runner) -> Runner | str:
     """The loaded runner, or the reason it cannot run here (its cases are then skipped)."""
     try:
@@ -180,20 +205,12 @@ def run_parity(
     dtype = source.dtype
     # A quantized model (int8, int4) runs on the backends that read its file; the torch module and
     # the reference compute the float formula, and are held to fp32's rule.
-    quantization = None
-    module_backends = {REFERENCE, *(p.torch_backend for p in PROVIDERS.values())}
-    if dtype in QUANTIZATIONS and any(b not in module_backends for b in backends):
-        if source.model_path is None:
-            raise UsageError(
-                f"parity of {dtype} needs the quantized model (--model), written by attnx export --dtype {dtype}"
-            )
-        quantization = quantization_of(describe(source.model_path).metadata)
-        if quantization is None or quantization["dtype"] != dtype:
-            raise UsageError(f"{source.model_path!r} is not an {dtype} model (attnx inspect shows its dtype)")
+    reads_file = any(b not in MODULE_BACKENDS for b in backends)
+    quantization = source_quantization(source) if reads_file else None
     float_source = dataclasses.replace(source, dtype=float_dtype(dtype))
 
     def case_source(name: str) -> ModelSource:
-        return float_source if name in module_backends else source
+        return float_source if name in MODULE_BACKENDS else source
 
     def case_dtype(name: str) -> str:
         return case_source(name).dtype
@@ -201,10 +218,7 @@ def run_parity(
     ref_runner = runner_factory(reference, float_source)
     ref_runner.load()  # a reference that cannot run is an error, not a skip
     runners: dict[str, Runner | str] = {
-        name: quantized_form_unavailable(name, dtype)
-        if dtype in QUANTIZATIONS and name not in module_backends and provider_of_backend(name) is None
-        else _load(runner_factory(name, case_source(name)))
-        for name in backends
+        name: quantized_skip(name, dtype) or _load(runner_factory(name, case_source(name))) for name in backends
     }
     if check_reference:
         checker = _load(runner_factory("torch", dataclasses.replace(source, dtype="fp64")))
