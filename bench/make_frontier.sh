@@ -4,8 +4,8 @@
 # Preset large (d_model 1024, 16 heads), batch 1, 2 threads, seq 512 and 4096, ONE run: attnx's
 # forms on ONNX Runtime CPU (ort-fused in fp32, int8, int4) and the peers measured beside them
 # (torch eager in fp32 and bf16, SDPA core; OpenVINO on attnx's fp32 ort-fused graph with its f32
-# and bf16 hints), each as (median ms, rel RMS error against the float64 module on the same
-# inputs). Needs attnx[openvino] for the OpenVINO peer (skipped with the reason otherwise). Run it
+# and bf16 hints), OpenVINO on attnx's int8 and int4 graphs too (f32 hint, its own int8 inputs),
+# each as (median ms, rel RMS error against the float64 module on the same inputs). Needs attnx[openvino] for the OpenVINO peer (skipped with the reason otherwise). Run it
 # on a quiet machine; a few minutes on 2 cores. Extra arguments go to attnx bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."

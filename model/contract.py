@@ -716,17 +716,11 @@ def host_dtype(dtype: str) -> str:
 
 def quantized_form_unavailable(backend: str, dtype: str) -> str | None:
     """Why `backend` does not run attnx's quantized `dtype` graph (int8, int4), or None where it
-    does (the ort-* backends)."""
-    if dtype not in QUANTIZATIONS or provider_of_backend(backend) is not None:
+    does: the ort-* backends, and openvino (which quantizes the inputs its own way: its own rows in
+    the tolerance table, attnx.runtimes.openvino_runner)."""
+    if dtype not in QUANTIZATIONS or runs_onnx_model(backend):
         return None
     op = QUANTIZATIONS[dtype].op
-    if backend == OPENVINO:
-        # Measured with OpenVINO 2026.4.1 on the large preset's int8 graph (per-tensor inputs then):
-        # it reads the graph, but quantizes the inputs at run time its own way (0.64% rel RMS error
-        # against ONNX Runtime's 1.01%, 0.99% with its bf16 hint), which attnx's error model of the
-        # form (the step ONNX Runtime's kernels take) does not describe.
-        return (f"backend {backend!r} does not verify attnx's {dtype} form: OpenVINO reads its {op} but quantizes "
-                "the inputs its own way at run time, which attnx's error model of the form does not describe")  # fmt: skip
     return f"backend {backend!r} does not run attnx's {dtype} form: it runs no ONNX graph, and {op} is ONNX Runtime's"
 
 

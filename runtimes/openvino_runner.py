@@ -24,6 +24,19 @@ mask; every lowering) wrongly at seq >= 16 after a call at seq 1 on the same com
 kernels afresh, and a run at one fixed shape costs 1.05-1.06x (large preset, seq 512, 2 threads,
 interleaved: f32 32.1 -> 33.7 ms, bf16 17.4 -> 18.5 ms): the price of right numbers.
 
+attnx's quantized forms (int8, int4) run too, with the f32 hint: their float part (the attention
+core, softmax, inputs and output) is float32 as on ONNX Runtime. OpenVINO reads their weights
+from the graph (com.microsoft DynamicQuantizeMatMul's int8 per channel, MatMulNBits' 4-bit
+blocks) but not the graph's quantization of the inputs: it runs each projection as one of its
+compressed-weight FullyConnected nodes and quantizes the input itself, int8 in groups of
+DYNAMIC_QUANTIZATION_GROUP_SIZE values along K (set here to OPENVINO_INPUT_GROUP, read back; 0
+would switch it off). Measured, OpenVINO 2026.4.1, large preset, seq 512, 2 threads, int8 graph,
+f32 hint (rel RMS error against float64; ONNX Runtime's 0.81%, its per-row uint8): group 0
+(float inputs) 0.39%, 30.2 ms; 32 (its default) 0.64%, 18.0 ms; 64 0.69%, 17.0 ms; 1024 (one row)
+0.82%, 19.6 ms. The tolerance table's openvino rows (model/tolerance.py) take that scheme's step,
+bounded by the row's peak: a group lies within a row. With the bf16 hint the same graph computes
+its core in bf16 too (1.01%, 15.8 ms): no form attnx verifies.
+
 One more fault is refused by name: OpenVINO 2026.4.1 reads com.microsoft.Attention (the
 ort-attention lowering) but ignores its `scale` attribute, so a model with a custom scale
 computes softmax(q.k / sqrt(head_dim)) instead (max abs error 0.107 at scale 0.2, head_dim 8).
@@ -42,13 +55,17 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
-from attnx.model.contract import MS_DOMAIN, OPENVINO, describe, host_dtype
+from attnx.model.contract import MS_DOMAIN, OPENVINO, QUANTIZATIONS, describe, float_dtype, host_dtype
 from attnx.runtimes.base import Runner, register_backend, require_source
 
-__all__ = ["OPENVINO_PRECISIONS", "OpenvinoRunner", "openvino_unavailable_reason"]
+__all__ = ["OPENVINO_INPUT_GROUP", "OPENVINO_PRECISIONS", "OpenvinoRunner", "openvino_unavailable_reason"]
 
 # attnx's dtype -> OpenVINO's INFERENCE_PRECISION_HINT (an ov.Type's name).
 OPENVINO_PRECISIONS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+# DYNAMIC_QUANTIZATION_GROUP_SIZE: how many values of a quantized projection's input share one int8
+# scale (OpenVINO's own default, made explicit; it acts on compressed weights only, so float graphs
+# are not touched).
+OPENVINO_INPUT_GROUP = 32
 _FROM_OPENVINO = {v: k for k, v in OPENVINO_PRECISIONS.items()}
 DEVICE = "CPU"
 
@@ -65,8 +82,9 @@ class OpenvinoRunner(Runner):
     """An attnx ONNX model compiled by OpenVINO for the CPU, in an explicit precision.
 
     precision: "fp32", "bf16" or "fp16" (None: the source's dtype, the model's compute
-    dtype). The compiled model's precision is read back and must be the one asked for;
-    `precision` then holds it. threads: INFERENCE_NUM_THREADS (None: OpenVINO's choice).
+    dtype; fp32 for an int8 or int4 model, whose float part is float32). The compiled model's
+    precision is read back and must be the one asked for; `precision` then holds it (with the
+    inputs' quantization for a quantized model). threads: INFERENCE_NUM_THREADS (None: OpenVINO's choice).
     A precision argument outside those is a UsageError at once; a source dtype outside them
     (a parity run in another dtype) makes the backend unavailable at load, with the reason."""
 
@@ -79,7 +97,7 @@ class OpenvinoRunner(Runner):
             )
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise UsageError(f"threads must be a positive integer, got {threads!r}")
-        self.requested = precision if precision is not None else source.dtype
+        self.requested = precision if precision is not None else float_dtype(source.dtype)
         self.threads = threads
         self.precision: str | None = None  # read back from the compiled model at load
 
@@ -131,6 +149,7 @@ class OpenvinoRunner(Runner):
         config: dict[str, Any] = {
             "INFERENCE_PRECISION_HINT": OPENVINO_PRECISIONS[self.requested],
             "CPU_RUNTIME_CACHE_CAPACITY": 0,  # its shape cache gives wrong results (module doc)
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": OPENVINO_INPUT_GROUP,  # the quantized forms' inputs (module doc)
         }
         if self.threads is not None:
             config["INFERENCE_NUM_THREADS"] = self.threads
@@ -142,6 +161,8 @@ class OpenvinoRunner(Runner):
                 f"in {self.requested}: {_reason(e)}"
             ) from None
         self.precision = self.check_compiled()
+        if self.source.dtype in QUANTIZATIONS:
+            self.precision += f", inputs int8 in groups of {OPENVINO_INPUT_GROUP}"
         self.request = self.compiled.create_infer_request()
         self.ov_version = ov.__version__
         self.lowering = info.lowering
@@ -158,8 +179,8 @@ class OpenvinoRunner(Runner):
 
     def check_compiled(self) -> str:
         """The precision the compiled model computes in, read back; ProviderUnavailable when it
-        is not the one asked for (the CPU lacks it and OpenVINO chose another) or the threads
-        differ from those asked for."""
+        is not the one asked for (the CPU lacks it and OpenVINO chose another), or the input
+        quantization's groups or the threads differ from those asked for."""
         got_type = self.compiled.get_property("INFERENCE_PRECISION_HINT")
         got = _FROM_OPENVINO.get(got_type.get_type_name(), got_type.get_type_name())
         if got != self.requested:
@@ -167,6 +188,12 @@ class OpenvinoRunner(Runner):
                 f"backend {OPENVINO!r} cannot run in {self.requested} here: asked INFERENCE_PRECISION_HINT="
                 f"{OPENVINO_PRECISIONS[self.requested]}, the compiled model computes in {got} "
                 f"(this CPU has no {self.requested} compute OpenVINO uses)"
+            )
+        group = int(self.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE"))
+        if group != OPENVINO_INPUT_GROUP:
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r}: asked DYNAMIC_QUANTIZATION_GROUP_SIZE={OPENVINO_INPUT_GROUP}, the compiled "
+                f"model uses {group} (the error model of its quantized inputs assumes the groups asked for)"
             )
         if self.threads is not None:
             threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))

@@ -143,11 +143,11 @@ def test_describe_refuses_what_is_not_an_attnx_model(tmp_path):
         describe(tmp_path / "none.onnx")
 
 
-def test_why_a_backend_does_not_run_a_quantized_form_is_said_per_backend():
+def test_the_backends_that_run_model_files_run_the_quantized_forms_and_torch_says_why_not():
     from attnx.model.contract import quantized_form_unavailable
 
     assert quantized_form_unavailable("ort-cpu", "int8") is None and quantized_form_unavailable("ort-cuda", "int4") is None
+    assert quantized_form_unavailable("openvino", "int8") is None  # its own input quantization: its tolerance rows
     assert quantized_form_unavailable("torch", "fp32") is None  # not a quantized form
-    assert "ONNX Runtime's" in quantized_form_unavailable("torch", "int8")
-    reason = quantized_form_unavailable("openvino", "int4")  # it reads the graph: the reason is the error model
-    assert "MatMulNBits" in reason and "error model" in reason
+    reason = quantized_form_unavailable("torch", "int4")
+    assert "runs no ONNX graph" in reason and "MatMulNBits" in reason

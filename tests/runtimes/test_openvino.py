@@ -98,6 +98,7 @@ def test_precision_and_threads_are_set_and_read_back(exported):
     with create_runner("openvino", ModelSource(model_path=path), threads=1) as r:
         assert r.precision == "fp32"
         assert r.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+        assert int(r.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 32  # set, whatever the default
         assert int(r.compiled.get_property("INFERENCE_NUM_THREADS")) == 1
     with create_runner("openvino", ModelSource(model_path=path), precision="bf16") as r:
         assert r.precision == "bf16" and r.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
@@ -126,6 +127,14 @@ def test_a_compiled_precision_that_differs_is_an_error(exported):
     real, runner.compiled = runner.compiled, Compiled()
     with pytest.raises(ProviderUnavailable, match=r"cannot run in fp32 here: asked INFERENCE_PRECISION_HINT=f32, "
                                                   r"the compiled model computes in bf16"):  # fmt: skip
+        runner.check_compiled()
+
+    class OtherGroups:  # the precision asked for, but its own groups for the quantized inputs
+        def get_property(self, key):
+            return {"INFERENCE_PRECISION_HINT": ov.Type.f32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 64}[key]
+
+    runner.compiled = OtherGroups()
+    with pytest.raises(ProviderUnavailable, match=r"asked DYNAMIC_QUANTIZATION_GROUP_SIZE=32, the compiled model uses 64"):
         runner.check_compiled()
     runner.compiled = real
     runner.close()
