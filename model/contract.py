@@ -95,6 +95,7 @@ __all__ = [
     "host_dtype",
     "runs_onnx_model",
     "quantized_form_unavailable",
+    "require_model_file",
 ]
 
 # Model files ------------------------------------------------------------------------------------
@@ -539,12 +540,18 @@ class ModelInfo:
         }
 
 
+def require_model_file(path: str) -> str:
+    """`path`, when it is a file; else the one ModelFileError every reader of a model file gives."""
+    if not os.path.isfile(path):
+        raise ModelFileError(f"model file {path!r} does not exist")
+    return path
+
+
 def _load_proto(path: str) -> Any:
     import onnx
     from google.protobuf.message import DecodeError
 
-    if not os.path.isfile(path):
-        raise ModelFileError(f"model file {path!r} does not exist")
+    require_model_file(path)
     try:
         proto = onnx.load(path, load_external_data=False)
     except (DecodeError, OSError, ValueError, RuntimeError) as e:

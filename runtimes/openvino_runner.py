@@ -119,9 +119,7 @@ class OpenvinoRunner(Runner):
         import openvino as ov
 
         path = self.source.model_path
-        if not os.path.isfile(path):
-            raise ModelFileError(f"model file {path!r} does not exist")
-        info = describe(path)  # the contract's names and dims (OpenVINO keeps no dim names)
+        info = describe(path)  # a missing or unreadable file is a ModelFileError here  # the contract's names and dims (OpenVINO keeps no dim names)
         if info.decode is not None and info.lowering == "ort-fused":  # decomposed and onnx step models pass
             raise ProviderUnavailable(
                 f"backend {OPENVINO!r} cannot run the ort-fused step model ({info.decode} cache): OpenVINO "

@@ -41,6 +41,7 @@ from attnx.model.contract import (
     describe,
     get_provider,
     op_counts,
+    require_model_file,
 )
 from attnx.runtimes.base import ModelSource, create_runner
 from attnx.runtimes.ort_runner import OrtRunner, import_onnxruntime
@@ -111,8 +112,7 @@ def optimize_for_provider(
         raise UsageError(f"unknown optimization level {level!r} (known: basic, extended, all)")
     model_path = os.path.abspath(os.fspath(model_path))
     out_path = os.path.abspath(os.fspath(out_path))
-    if not os.path.isfile(model_path):
-        raise ModelFileError(f"model file {model_path!r} does not exist")
+    require_model_file(model_path)
     if out_path == model_path:
         raise UsageError(f"the optimized model would overwrite its source {model_path!r}: choose another --out")
     check_output_file(out_path, "output")
@@ -256,8 +256,7 @@ def compare_speed(
     feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
     models = [(os.fspath(a_path), a_level), (os.fspath(b_path), b_level)]
     for path, _ in models:
-        if not os.path.isfile(path):
-            raise ModelFileError(f"model file {path!r} does not exist")
+        require_model_file(path)
     runners: list[OrtRunner | None] = [None, None]
     loads: tuple[list[float], list[float]] = ([], [])
     for _ in range(load_repeat):

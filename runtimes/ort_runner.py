@@ -29,7 +29,15 @@ import numpy as np
 
 from attnx.errors import InputError, ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.config import TensorSpec
-from attnx.model.contract import DTYPES, IR_VERSION, PROVIDERS, RUNTIME_DTYPES, dtype_name, dtype_of_ort
+from attnx.model.contract import (
+    DTYPES,
+    IR_VERSION,
+    PROVIDERS,
+    RUNTIME_DTYPES,
+    dtype_name,
+    dtype_of_ort,
+    require_model_file,
+)
 from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source
 from attnx.runtimes.cuda import (
     ASSIGNMENT_INFO_KEY,
@@ -148,10 +156,7 @@ class OrtRunner(Runner):
                 f"backend {self.name!r} has no {self.source.dtype} form: ONNX Runtime runs the graph in its own "
                 f"dtype, and attnx writes no {self.source.dtype} graph ({self.source.dtype} runs: torch, openvino)"
             )
-        path = self.source.model_path
-        if not os.path.isfile(path):
-            raise ModelFileError(f"model file {path!r} does not exist")
-        self.session = self.create_session(path)
+        self.session = self.create_session(require_model_file(self.source.model_path))
         self.check_providers()
         self.inputs = ort_tensor_specs(self.session.get_inputs())
         self.outputs = ort_tensor_specs(self.session.get_outputs())
