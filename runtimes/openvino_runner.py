@@ -97,6 +97,11 @@ class OpenvinoRunner(Runner):
             )
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise UsageError(f"threads must be a positive integer, got {threads!r}")
+        if precision not in (None, "fp32") and source.dtype in QUANTIZATIONS:
+            raise UsageError(
+                f"backend {OPENVINO!r} runs attnx's {source.dtype} form in fp32 (its float part), not {precision}: "
+                f"a {precision} core on top of the quantized projections is no form attnx verifies"
+            )
         self.requested = precision if precision is not None else float_dtype(source.dtype)
         self.threads = threads
         self.precision: str | None = None  # read back from the compiled model at load

@@ -173,6 +173,9 @@ def test_options_are_checked_before_loading():
         create_runner("openvino", ModelSource(model_path="m.onnx"), precision="int8")
     with pytest.raises(UsageError, match="threads must be a positive integer"):
         create_runner("openvino", ModelSource(model_path="m.onnx"), threads=0)
+    # a quantized form runs in fp32 (its float part): a bf16 core on it has no tolerance row
+    with pytest.raises(UsageError, match=r"runs attnx's int8 form in fp32 \(its float part\), not bf16"):
+        create_runner("openvino", ModelSource(model_path="m.onnx", dtype="int8"), precision="bf16")
     # a parity run in a dtype openvino has no form for: skipped with the reason, not an error
     runner = create_runner("openvino", ModelSource(model_path="m.onnx", dtype="fp64"))
     if backend_unavailable_reason("openvino") is None:
