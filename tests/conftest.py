@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 from attnx.model import AttentionConfig, init_weights
+
+
+def pytest_configure(config):
+    # A test run started in the background by a non-interactive shell (`cmd &`) inherits SIGINT
+    # ignored, and so would every attnx process the tests start (an ignored signal stays ignored
+    # across exec, and Python then installs no KeyboardInterrupt handler): the Ctrl-C tests would
+    # see the command finish (tests/matrix: rc 0, every case run). They test attnx's own handling,
+    # so the run restores Python's.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The registry of small models every test draws from: each feature of the contract once.
 CONFIGS: dict[str, AttentionConfig] = {
