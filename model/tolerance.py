@@ -230,8 +230,9 @@ def _with_activations(
 # from before the row scales: uint8 per tensor, step (max(a,0) - min(a,0))/255); int4 at
 # accuracy_level 4: int8 per block of K, step at most max|a_i|/127 in row i (a block lies within a
 # row, so its row's peak bounds its own), step_rms <= rms_i(max|a_i|)/127. OpenVINO quantizes the
-# inputs of both forms its own way (runtimes/openvino_runner.py): int8 in groups of K within a row,
-# whatever the graph says, so its rows ("openvino" below) take that per-block step.
+# inputs of both forms its own way (runtimes/openvino_runner.py): int8 in groups of consecutive
+# values along K, so within a row, whatever the graph says; its rows ("openvino" below) take that
+# per-block step.
 #
 # Through attention, relative to y (rms(ref)):
 # - v: linear, y = P (m Wv) Wo: eta_v passes unchanged (rows of P sum to 1; both the error and the

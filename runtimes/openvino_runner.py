@@ -124,7 +124,7 @@ class OpenvinoRunner(Runner):
         import openvino as ov
 
         path = self.source.model_path
-        info = describe(path)  # a missing or unreadable file is a ModelFileError here  # the contract's names and dims (OpenVINO keeps no dim names)
+        info = describe(path)  # the contract's names and dims (OpenVINO keeps none); a missing file: ModelFileError
         if info.decode is not None and info.lowering == "ort-fused":  # decomposed and onnx step models pass
             raise ProviderUnavailable(
                 f"backend {OPENVINO!r} cannot run the ort-fused step model ({info.decode} cache): OpenVINO "
@@ -196,7 +196,7 @@ class OpenvinoRunner(Runner):
         if group != OPENVINO_INPUT_GROUP:
             raise ProviderUnavailable(
                 f"backend {OPENVINO!r}: asked DYNAMIC_QUANTIZATION_GROUP_SIZE={OPENVINO_INPUT_GROUP}, the compiled "
-                f"model uses {group} (the error model of its quantized inputs assumes the groups asked for)"
+                f"model uses {group} (attnx sets every setting that changes the numbers, and checks it was taken)"
             )
         if self.threads is not None:
             threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
