@@ -159,7 +159,7 @@ def _measure_gemms(plan: BenchPlan, report: BenchReport, workdir: str, say: Prog
     unavailable: dict[tuple, str] = {}
     for backend, dtype in itertools.product(plan.backends, plan.dtypes):
         if (reason := quantized_form_unavailable(backend, dtype)) is not None:
-            # issue 12: the quantized forms are ONNX Runtime graphs (com.microsoft operators)
+            # issue 12: the quantized forms are ONNX graphs; a backend that runs none (torch) skips them
             unavailable[(backend, dtype)] = reason
             report.gemm.append(GemmResult(backend, dtype, m, k, n, "skipped", unavailable[(backend, dtype)]))
             continue

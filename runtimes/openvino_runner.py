@@ -24,6 +24,10 @@ mask; every lowering) wrongly at seq >= 16 after a call at seq 1 on the same com
 kernels afresh, and a run at one fixed shape costs 1.05-1.06x (large preset, seq 512, 2 threads,
 interleaved: f32 32.1 -> 33.7 ms, bf16 17.4 -> 18.5 ms): the price of right numbers.
 
+One more fault is refused by name: OpenVINO 2026.4.1 reads com.microsoft.Attention (the
+ort-attention lowering) but ignores its `scale` attribute, so a model with a custom scale
+computes softmax(q.k / sqrt(head_dim)) instead (max abs error 0.107 at scale 0.2, head_dim 8).
+
 attnx's quantized forms (int8, int4) run too, with the f32 hint: their float part (the attention
 core, softmax, inputs and output) is float32 as on ONNX Runtime. OpenVINO reads their weights
 from the graph (com.microsoft DynamicQuantizeMatMul's int8 per channel, MatMulNBits' 4-bit
@@ -36,10 +40,6 @@ f32 hint (rel RMS error against float64; ONNX Runtime's 0.81%, its per-row uint8
 0.82%, 19.6 ms. The tolerance table's openvino rows (model/tolerance.py) take that scheme's step,
 bounded by the row's peak: a group lies within a row. With the bf16 hint the same graph computes
 its core in bf16 too (1.01%, 15.8 ms): no form attnx verifies.
-
-One more fault is refused by name: OpenVINO 2026.4.1 reads com.microsoft.Attention (the
-ort-attention lowering) but ignores its `scale` attribute, so a model with a custom scale
-computes softmax(q.k / sqrt(head_dim)) instead (max abs error 0.107 at scale 0.2, head_dim 8).
 
 openvino is imported when a runner loads, never at module level.
 """

@@ -3,8 +3,6 @@ bound is tight enough to fail a real fault in the quantized initializers of a bu
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import onnx
 import pytest
@@ -17,6 +15,7 @@ from attnx.model.contract import QUANTIZATIONS
 from attnx.model.tolerance import ProblemSize, tolerance_for
 from attnx.model.weights import init_weights
 from attnx.runtimes import ModelSource
+from attnx.runtimes.base import backend_unavailable_reason
 from attnx.runtimes.parity import run_parity
 from tests.conftest import CONFIGS, weights_for
 
@@ -38,7 +37,9 @@ def quantized(tmp_path_factory):
     return get
 
 
-HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
+# The runtimes that run the quantized graphs: ONNX Runtime, and OpenVINO where installed (its own
+# quantization of the inputs, its own rows of the tolerance table).
+RUNTIMES = ["ort-cpu"] + (["openvino"] if backend_unavailable_reason("openvino") is None else [])
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -48,19 +49,18 @@ def test_parity_matrix(quantized, name, dtype):
     ONNX Runtime and, where installed, OpenVINO (its own quantization of the inputs, its own rows)."""
     config, weights = CONFIGS[name], weights_for(name)
     path = quantized(name, dtype, weights=weights)
-    runtimes = ["ort-cpu", "openvino"] if HAS_OPENVINO else ["ort-cpu"]
-    report = run_parity(ModelSource(config, weights, path, dtype), ["torch", *runtimes], batches=(1, 3),
+    report = run_parity(ModelSource(config, weights, path, dtype), ["torch", *RUNTIMES], batches=(1, 3),
                         seqs=(1, 7, 128), mem_seqs=(5,) if config.cross else None)  # fmt: skip
     assert report.passed, [c.reason for c in report.cases if c.status != "pass"]
     assert all(c.dtype == "fp32" for c in report.cases if c.backend == "torch")  # the float module, fp32's rule
     for c in report.cases:  # rel RMS and cosine for every case
         assert c.rel_rms is not None and c.cosine is not None
-    for backend in runtimes:
+    for backend in RUNTIMES:
         cases = [c for c in report.cases if c.backend == backend]
         assert len(cases) == 6 and all(c.dtype == dtype and c.status == "pass" for c in cases)
         # the quantization is really there: the error is far above float32's, and far below 100%
         assert all(1e-4 < c.rel_rms < (0.05 if dtype == "int8" else 0.3) for c in cases), backend
-    if HAS_OPENVINO:
+    if "openvino" in RUNTIMES:
         assert {c.precision for c in report.cases if c.backend == "openvino"} == {"fp32, inputs int8 in groups of 32"}
 
 
@@ -128,10 +128,8 @@ def test_the_bound_fails_real_faults(quantized, tmp_path, dtype, model):
         weights[name] = weights[name] * np.float32(FAULT_MODELS[model])
     path = quantized(f"fault-{model}", dtype, config=config, weights=weights)
 
-    runtimes = ["ort-cpu", "openvino"] if HAS_OPENVINO else ["ort-cpu"]
-
     def parity(model_path):
-        return run_parity(ModelSource(config, weights, model_path, dtype), runtimes, batches=(1, 3), seqs=(7, 128))
+        return run_parity(ModelSource(config, weights, model_path, dtype), RUNTIMES, batches=(1, 3), seqs=(7, 128))
 
     good = parity(path)
     assert good.passed, [c.reason for c in good.cases]
@@ -148,7 +146,7 @@ def test_the_bound_fails_real_faults(quantized, tmp_path, dtype, model):
         bad = str(tmp_path / f"bad-{dtype}.onnx")
         _edit(path, bad, role, fault)
         report = parity(bad)
-        for backend in runtimes:  # each runtime's own bound catches it
+        for backend in RUNTIMES:  # each runtime's own bound catches it
             cases = [c for c in report.cases if c.backend == backend]
             assert any(c.status == "fail" for c in cases), \
                 f"{dtype} {model}: {label} passed parity on {backend}: {[c.rel_rms for c in cases]}"
