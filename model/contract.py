@@ -73,6 +73,8 @@ __all__ = [
     "lowering_from_nodes",
     "ModelInfo",
     "describe",
+    "ModelForm",
+    "model_form",
     "config_from_metadata",
     "external_data_locations",
     "DECODE_KEY",
@@ -613,6 +615,61 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         decode=metadata.get(DECODE_KEY),
         quantization=_quantization_or_none(metadata),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelForm:
+    """What a command runs a model file as: its config, dtype, lowering and decode form, each the
+    model's own (model_form)."""
+
+    info: ModelInfo
+    config: AttentionConfig
+    dtype: str  # the dtype a run computes in: the model's, or a runtime dtype (bf16) of its fp32 graph
+    lowering: str  # read from the graph
+    decode: str | None  # the step model's form (DECODE_FORMS), None for a full-sequence model
+
+    def agree(
+        self,
+        *,
+        config: AttentionConfig | None = None,
+        dtype: str | None = None,
+        lowering: str | None = None,
+        decode: str | None = None,
+        flags: Mapping[str, str] | None = None,
+    ) -> ModelForm:
+        """This form with the values a caller gave checked against it: a value not given is the
+        model's; one that contradicts the model is one UsageError naming both, the flag spelt as
+        `flags` says ({"dtype": "--dtype", ...}). bf16 agrees with an fp32 model: it is a runtime
+        precision of the fp32 graph (RUNTIME_DTYPES)."""
+        flags = {"config": "--config", "dtype": "--dtype", "lowering": "--attention", "decode": "--decode-form",
+                 **(flags or {})}  # fmt: skip
+        path = self.info.path
+        where = f"the model {os.path.basename(path)!r}"
+        leave = "leave {} out to use the model's (attnx inspect " + path + " shows it)"
+        if config is not None and config != self.config:
+            mine, its = config.to_dict(), self.config.to_dict()
+            differ = ", ".join(f"{k} {mine.get(k)!r} vs {v!r}" for k, v in its.items() if mine.get(k) != v)
+            raise UsageError(f"{flags['config']} contradicts {where}, which was exported from another config "
+                             f"({differ}); " + leave.format(flags["config"]))  # fmt: skip
+        its = {
+            "dtype": (dtype, graph_dtype(dtype or "") != self.dtype, self.dtype),
+            "lowering": (lowering, lowering != self.lowering, f"{self.lowering} (read from its graph)"),
+            "decode": (decode, decode != self.decode,
+                       f"the {self.decode} step model" if self.decode else "a full-sequence model"),
+        }  # fmt: skip
+        for what, (given, differs, model_value) in its.items():
+            if given is not None and differs:
+                raise UsageError(f"{flags[what]} {given} contradicts {where}, which is {model_value}; "
+                                 + leave.format(flags[what]))  # fmt: skip
+        return dataclasses.replace(self, dtype=dtype or self.dtype)
+
+
+def model_form(path: str | os.PathLike[str], **given: Any) -> ModelForm:
+    """The model at `path` describes itself: its config, dtype, lowering and decode form, read from
+    the file (describe), with the values in `given` checked against them (ModelForm.agree)."""
+    info = describe(path)
+    config = info.require_config("attnx needs the config it was exported with")
+    return ModelForm(info, config, info.dtype, info.lowering, info.decode).agree(**given)
 
 
 def _quantization_or_none(metadata: Mapping[str, str]) -> dict[str, Any] | None:
