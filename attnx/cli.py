@@ -19,18 +19,14 @@ import traceback
 from collections.abc import Iterator, Sequence
 
 from attnx import __version__
-from attnx.commands import bench, build, export, importer, inspect, optimize, parity, run, verify
+from attnx.commands import bench, build, export, importer, inspect, matrix, optimize, parity, run, verify
 from attnx.errors import AttnxError, Terminated
 from attnx.runtimes.cuda import set_ort_log_severity
 
 # Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
 # imports what only some commands need (torch, onnx-ir) inside its run(), so that the
 # deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
-COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect]
-# attnx matrix (issue 15): the plan's cases here or across a Ray cluster
-from attnx.commands import matrix
-
-COMMANDS.append(matrix)
+COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect, matrix]
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 

@@ -84,7 +84,7 @@ def check_model_file(path: str | os.PathLike[str], config: AttentionConfig, labe
     name = label or repr(path)
     try:
         onnx.checker.check_model(path)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the checker raises its own ValidationError and protobuf's errors
         raise ExportError(f"onnx checker rejects {name}: {str(e).strip().splitlines()[0]}") from None
     try:
         check_dims(path, config)
@@ -157,7 +157,7 @@ def check_against_expected(
             feeds = make_inputs(config, e.batch, e.seq, e.mem_seq, dtype=float_dtype(io_dtype), seed=e.seq)
             try:
                 y = runner.run(feeds)["y"]
-            except Exception as err:  # ORT's own error types: a shape the graph cannot run
+            except Exception as err:  # noqa: BLE001 - ORT's own error types: a shape the graph cannot run
                 raise CheckFailed(
                     f"{name} fails at batch={e.batch} seq={e.seq}: {str(err).strip().splitlines()[0][:300]}"
                 ) from None
