@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,9 +28,29 @@ __all__ = [
     "backend_unavailable_reason",
     "BACKENDS",
     "DecodeState",
+    "THREADS_ENV",
+    "runtime_threads",
 ]
 
 logger = logging.getLogger(__name__)
+
+# The threads each runtime session attnx opens may use (ONNX Runtime's intra-op pool, OpenVINO's
+# INFERENCE_NUM_THREADS), when a caller gives none: on a shared host, or beside other processes
+# (the tests on every core), a session that takes every core and spins between runs slows all.
+THREADS_ENV = "ATTNX_THREADS"
+
+
+def runtime_threads(threads: int | None = None) -> int | None:
+    """`threads` when given, else ATTNX_THREADS when set (a positive integer, or one UsageError
+    naming the variable), else None: the runtime's own default (every core)."""
+    if threads is not None:
+        return threads
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{THREADS_ENV}={text!r}: expected a positive integer (threads per runtime session)")
+    return int(text)
 
 
 @dataclasses.dataclass(frozen=True)

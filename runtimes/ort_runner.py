@@ -38,7 +38,7 @@ from attnx.model.contract import (
     dtype_of_ort,
     require_model_file,
 )
-from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source
+from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source, runtime_threads
 from attnx.runtimes.cuda import (
     ASSIGNMENT_INFO_KEY,
     CPU_PROVIDER,
@@ -122,7 +122,7 @@ class OrtRunner(Runner):
 
     def __init__(self, source: Any, threads: int | None = None, session_options: Any = None) -> None:
         super().__init__(source)
-        self.threads = threads
+        self.threads = runtime_threads(threads)
         self.session_options = session_options
 
     @classmethod

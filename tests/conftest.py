@@ -18,6 +18,15 @@ def pytest_configure(config):
     # so the run restores Python's.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Under pytest-xdist (.ci/run: one worker per core) every worker shares the machine's cores: each
+    # runtime session gets its share (ATTNX_THREADS: ORT's intra-op pool, OpenVINO; OMP_NUM_THREADS:
+    # torch), inherited by the attnx processes the tests start. A pool of every core in each worker
+    # would spin against the others' (measured: -n 2 slower than one process, README "Tests").
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("ATTNX_THREADS", "OMP_NUM_THREADS"):
+            os.environ.setdefault(name, share)
 
 # The registry of small models every test draws from: each feature of the contract once.
 CONFIGS: dict[str, AttentionConfig] = {
