@@ -419,9 +419,9 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
 
 
 # Modern LLM attention (issue 22): the forms that express the config's LLM_KEYS so far. The others
-# are refused by name, never written without a term: the full-sequence decomposed graph is the one
-# built and verified in this phase; the step model, the fused and standard-op lowerings and the
-# reduced-precision forms come next (README, "Modern LLM attention").
+# are refused by name, never written without a term: the decomposed graph, full-sequence and step
+# model (growing cache), in fp32, is what is built and verified; the fused and standard-op lowerings,
+# the buffer form and the reduced-precision forms come next (README, "Modern LLM attention").
 LLM_LOWERINGS = ("decomposed",)
 LLM_DTYPES = ("fp32",)
 
@@ -430,15 +430,15 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
                       step: bool = False) -> None:  # fmt: skip
     """One UsageError naming the config's modern-LLM keys (rope, sliding_window, softcap, qk_norm,
     sinks) when the form asked cannot express them yet: a lowering other than decomposed (auto
-    included: it measures the fused ones), the step model, a dtype other than fp32."""
+    included: it measures the fused ones), full-sequence or step model, or a dtype other than fp32."""
     keys = config.llm_keys
     if not keys:
         return
     named = ", ".join(keys)
-    if step or config.kv_cache:
+    if (step or config.kv_cache) and attention is not None and attention not in LLM_LOWERINGS:
         raise UsageError(
-            f"the step model (kv_cache) of a config with {named} is not built yet: export the full-sequence "
-            "model ('kv_cache': false) with --attention decomposed"
+            f"the step model (kv_cache) of a config with {named} is built as --attention "
+            f"{' or '.join(LLM_LOWERINGS)} so far (--attention {attention} would leave them out)"
         )
     if attention is not None and attention not in LLM_LOWERINGS:
         raise UsageError(

@@ -72,6 +72,7 @@ __all__ = [
     # Rotary positions (issue 22)
     "ROPE_FACTOR",
     "ROPE_EPS",
+    "rotated_cache_size",
 ]
 
 # The rope term (module doc): the angle is rounded in float32 whatever the dtype of the rest.
@@ -229,6 +230,21 @@ def problem_size(
     if not activations:
         return size
     return _with_activations(config, weights, feeds, x, m, q, k, size)
+
+
+def rotated_cache_size(config: AttentionConfig, size: ProblemSize, cache: np.ndarray) -> ProblemSize:
+    """`size` for comparing a step model's present_key, the keys as rotated by rope: each stored pair
+    i moves by at most eps * P * w_i |k_i| itself (the module doc's first step, no score after it),
+    so the rope term (ROPE_FACTOR * eps * P * rope_qk * rms(ref)) gets rope_qk = max_i w_i |k_i| /
+    (ROPE_FACTOR * rms(cache)). Unchanged without rope. cache: the reference's present_key."""
+    if config.rope is None or not size.rope_position:
+        return size
+    cache = np.asarray(cache, np.float64)  # (B, Nkv, T, hd)
+    a, b = rope_pairs(config.rope)
+    pair_norm = np.sqrt(cache[..., a] ** 2 + cache[..., b] ** 2)  # (B, Nkv, T, dim/2)
+    w = np.maximum(*(rope_frequencies(config.rope, n)[0] for n in (None, int(size.rope_position) + 1)))
+    rms = float(np.sqrt(np.mean(cache**2))) or 1.0
+    return dataclasses.replace(size, rope_qk=float(np.max(pair_norm * w)) / (ROPE_FACTOR * rms))
 
 
 def _norm_and_rotate(
