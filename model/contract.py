@@ -61,6 +61,7 @@ __all__ = [
     "LOWERINGS",
     "AUTO",
     "TORCH_CORES",
+    "sdpa_core_expresses",
     "EXPORT_ATTENTIONS",
     "OPTIMIZE_ATTENTIONS",
     "BENCH_ORT_LOWERINGS",
@@ -82,6 +83,9 @@ __all__ = [
     "STEP_LOWERINGS",
     "buffer_form_specs",
     "check_lowering",
+    "check_llm_support",
+    "LLM_LOWERINGS",
+    "LLM_DTYPES",
     # Reduced precision (issue 12)
     "QUANT_KEY",
     "Quantization",
@@ -337,6 +341,14 @@ AUTO = "auto"  # not a lowering: the fastest of the candidates that passes parit
 # The torch module's cores (attnx.model.module): decomposed exports to MatMul/Softmax/MatMul,
 # sdpa (F.scaled_dot_product_attention) to the standard Attention op at opset 23.
 TORCH_CORES = ("decomposed", "sdpa")
+
+
+def sdpa_core_expresses(config: AttentionConfig) -> bool:
+    """Whether the torch module's sdpa core (F.scaled_dot_product_attention) computes `config`: it
+    has no softcap and no sink logit (the module refuses them rather than drop them)."""
+    return config.softcap is None and not config.sinks
+
+
 # What each command's --attention takes.
 EXPORT_ATTENTIONS = tuple(lw.name for lw in LOWERINGS.values() if lw.export) + (AUTO,)
 PASS_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.by_pass)
@@ -408,10 +420,46 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
     return inputs, outputs
 
 
+# Modern LLM attention (issue 22): the forms that express the config's LLM_KEYS so far. The others
+# are refused by name, never written without a term: the decomposed graph, full-sequence and step
+# model (growing cache), in fp32, is what is built and verified; the fused and standard-op lowerings,
+# the buffer form and the reduced-precision forms come next (README, "Modern LLM attention").
+LLM_LOWERINGS = ("decomposed",)
+LLM_DTYPES = ("fp32",)
+
+
+def check_llm_support(config: AttentionConfig, attention: str | None = None, dtype: str | None = None,
+                      step: bool = False) -> None:  # fmt: skip
+    """One UsageError naming the config's modern-LLM keys (rope, sliding_window, softcap, qk_norm,
+    sinks) when the form asked cannot express them yet: a lowering other than decomposed (auto
+    included: it measures the fused ones), full-sequence or step model, or a dtype other than fp32."""
+    keys = config.llm_keys
+    if not keys:
+        return
+    named = ", ".join(keys)
+    if (step or config.kv_cache) and attention is not None and attention not in LLM_LOWERINGS:
+        raise UsageError(
+            f"the step model (kv_cache) of a config with {named} is built as --attention "
+            f"{' or '.join(LLM_LOWERINGS)} so far (--attention {attention} would leave them out)"
+        )
+    if attention is not None and attention not in LLM_LOWERINGS:
+        raise UsageError(
+            f"--attention {attention} does not express {named} yet (its graph would leave them out): "
+            f"use --attention {' or '.join(LLM_LOWERINGS)}"
+        )
+    if dtype is not None and dtype not in LLM_DTYPES:
+        raise UsageError(
+            f"--dtype {dtype} is not built yet for a config with {named} (no tolerance row is derived for it): "
+            f"use --dtype {' or '.join(LLM_DTYPES)}"
+        )
+
+
 def check_lowering(config: AttentionConfig, attention: str, step: bool = False) -> None:
     """One UsageError when `attention` cannot express `config`: a fused full-sequence lowering
-    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none), or
-    a step-model lowering that is not in STEP_LOWERINGS."""
+    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none), a
+    step-model lowering that is not in STEP_LOWERINGS, or any form but the decomposed full-sequence
+    graph for a config with modern-LLM keys (check_llm_support)."""
+    check_llm_support(config, attention, step=step)
     if step:
         if attention not in STEP_LOWERINGS:
             raise UsageError(

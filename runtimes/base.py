@@ -113,9 +113,12 @@ class Runner:
         return self.run_impl(feeds)
 
     # Decoding (a step model: config kv_cache) ------------------------------------------------
-    def prefill(self, x: Any, key_padding_mask: np.ndarray | None = None) -> DecodeState:
+    def prefill(
+        self, x: Any, key_padding_mask: np.ndarray | None = None, position_ids: np.ndarray | None = None
+    ) -> DecodeState:
         """Run the prompt x [batch, P, d_model] on an empty cache (past_seq 0); the state holds
-        its output y and the cache. key_padding_mask [batch, P]: True hides (left padding)."""
+        its output y and the cache. key_padding_mask [batch, P]: True hides (left padding).
+        position_ids int64 [batch, P]: each token's position, for a model with rope (step())."""
         config = self._step_config()
         batch = x.shape[0]
         dtype = self._float_dtype()
@@ -123,15 +126,21 @@ class Runner:
         empty_v = np.zeros((batch, config.n_kv_heads, 0, config.v_head_dim), dtype)
         mask = np.zeros((batch, 0), bool) if config.key_padding_mask else None
         _, state = self.step(x, DecodeState(np.zeros((batch, 0, config.d_model)), empty_k, empty_v, mask, 0),
-                             key_padding_mask)  # fmt: skip
+                             key_padding_mask, position_ids)  # fmt: skip
         return state
 
     def step(
-        self, x: Any, state: DecodeState, key_padding_mask: np.ndarray | None = None
+        self,
+        x: Any,
+        state: DecodeState,
+        key_padding_mask: np.ndarray | None = None,
+        position_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, DecodeState]:
-        """y of the new tokens x [batch, seq, d_model] at positions state.length.., and the state
-        after them (the present cache fed back as past). key_padding_mask [batch, seq]: True
-        hides these positions (default: none hidden)."""
+        """y of the new tokens x [batch, seq, d_model] at token indices state.length.., and the
+        state after them (the present cache fed back as past). key_padding_mask [batch, seq]: True
+        hides these tokens (default: none hidden). position_ids int64 [batch, seq], for a model
+        with rope: the tokens' positions (Hugging Face's position_ids; required there, refused
+        elsewhere: a left-padded row's positions are not its token indices)."""
         config = self._step_config()
         if not self.is_loaded:
             raise UsageError(f"runner {self.name!r} is not loaded: call load() or use it as a context manager")
@@ -148,6 +157,12 @@ class Runner:
             feeds["key_padding_mask"] = mask
         elif key_padding_mask is not None:
             raise InputError("this model takes no key_padding_mask")
+        if config.rope is not None:
+            if position_ids is None:
+                raise InputError("this model has rope: each step takes position_ids int64 [batch, seq]")
+            feeds["position_ids"] = position_ids
+        elif position_ids is not None:
+            raise InputError("this model takes no position_ids (its config has no rope)")
         out = self.run_step_impl(feeds)
         y = _as_numpy(out["y"])
         return y, DecodeState(y, out["present_key"], out["present_value"], mask, state.length + int(x.shape[1]))

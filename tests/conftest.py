@@ -40,6 +40,23 @@ CONFIGS: dict[str, AttentionConfig] = {
     ),
 }
 
+# Modern LLM attention (issue 22): the registry's layer with every new term at once (rope with
+# yarn scaling on part of each head, interleaved pairs; a window; softcap; q/k norms; sinks; grouped
+# heads; key padding), and a Llama-3-shaped one (llama3 scaling, no biases).
+LLM_CONFIGS: dict[str, AttentionConfig] = {
+    "llm": AttentionConfig(
+        d_model=48, n_heads=4, n_kv_heads=2, head_dim=12, causal=True, key_padding_mask=True, sliding_window=4,
+        softcap=2.0, qk_norm={"eps": 1e-5}, sinks=True,
+        rope={"theta": 1000.0, "dim": 8, "interleaved": True,
+              "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    ),
+    "llama": AttentionConfig(
+        d_model=64, n_heads=4, n_kv_heads=2, causal=True, bias=False,
+        rope={"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+    ),
+}  # fmt: skip
+
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
@@ -53,7 +70,7 @@ def exported(tmp_path_factory):
         key = (name, attention, dtype)
         if key not in cache:
             path = os.path.join(root, f"{name}-{attention}-{dtype}.onnx")
-            config = CONFIGS[name]
+            config = CONFIGS[name] if name in CONFIGS else LLM_CONFIGS[name]
             export_model(config, path, init_weights(config, seed=1), seed=1, attention=attention, dtype=dtype)
             cache[key] = path
         return cache[key]
@@ -62,4 +79,4 @@ def exported(tmp_path_factory):
 
 
 def weights_for(name: str):
-    return init_weights(CONFIGS[name], seed=1)
+    return init_weights(CONFIGS[name] if name in CONFIGS else LLM_CONFIGS[name], seed=1)

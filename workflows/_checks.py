@@ -24,6 +24,7 @@ from attnx.model.contract import (
     float_dtype,
     get_provider,
     quantization_of,
+    sdpa_core_expresses,
 )
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, problem_size, reduction_length, tolerance_for
@@ -126,7 +127,8 @@ def torch_expected(
     # A quantized form is held to the float module (its error model sizes the tolerance).
     quantized = dtype in QUANTIZATIONS
     dtype, io_dtype = float_dtype(dtype), float_dtype(io_dtype)
-    with create_runner("torch", ModelSource(config, weights, None, dtype), core="sdpa") as module:
+    core = "sdpa" if sdpa_core_expresses(config) else "decomposed"  # no softcap, no sinks in SDPA
+    with create_runner("torch", ModelSource(config, weights, None, dtype), core=core) as module:
         for batch, seq, mem_seq in shapes:
             mem = mem_seq if config.cross else None
             feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=seq)
