@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import shutil
@@ -303,6 +304,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     failed = [c for c in report.cases if c.status == "failed"]
     if failed or not any(c.status == "ok" for c in report.cases):
+        # One line that says why the exit is 1, whatever the statuses were (a check that ran and
+        # failed says so on stdout: README, "Exit codes").
+        counts = collections.Counter(c.status for c in report.cases)
+        what = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        print(f"bench FAILED: {'a case failed' if failed else 'no case was measured'} ({what or 'no cases'})")
         return 1
     return 0
 
