@@ -363,9 +363,13 @@ def _check_description(root: str, manifest: Mapping[str, Any], model: Mapping[st
     differ = [key for key in said if said[key] != found[key]]
     if differ:
         key = differ[0]
+        ours, its = said[key], found[key]
+        if isinstance(ours, dict) and isinstance(its, dict):  # a config, the opsets: only the keys that differ
+            keys = [k for k in {**ours, **its} if ours.get(k) != its.get(k)]
+            ours, its = {k: ours.get(k) for k in keys}, {k: its.get(k) for k in keys}
         return Check(
             f"{name} description", False,
-            f"{MANIFEST} says {key} {json.dumps(said[key])[:200]}, the model itself {json.dumps(found[key])[:200]}"
+            f"{MANIFEST} says {key} {json.dumps(ours)[:200]}, the model itself {json.dumps(its)[:200]}"
             + (f" (and {len(differ) - 1} more: {', '.join(differ[1:])})" if len(differ) > 1 else ""),
         )  # fmt: skip
     return Check(f"{name} description", True, f"config, {info.lowering} lowering, {info.dtype}, dims as in {MANIFEST}")
