@@ -28,6 +28,31 @@ def pytest_configure(config):
         for name in ("ATTNX_THREADS", "OMP_NUM_THREADS"):
             os.environ.setdefault(name, share)
 
+
+# How the suite is split across pytest-xdist's workers (.ci/run: -n auto --dist loadfile): each test
+# file runs whole on one worker (its module fixtures are built once), so what must not run beside
+# itself is kept in one file on purpose:
+# - the Ray cluster tests (tests/matrix/test_matrix.py): one cluster at a time (a head and a node, a
+#   dozen processes and their ports);
+# - the signal tests (tests/faults/test_interrupts.py): each sends SIGINT/SIGTERM at moments it
+#   chooses and then reads the process table for what was left running.
+# (pytest-xdist's loadgroup would group across files, but sets a test id pytest 9 no longer reads.)
+# The files that take longest are handed out first (README "Tests"): one started last would leave
+# the other workers idle at the end.
+LONGEST_FIRST = ("tests/workflows/test_import.py", "tests/faults/test_interrupts.py", "tests/matrix/test_matrix.py",
+                 "tests/export/test_export.py", "tests/runtimes/test_quant_parity.py", "tests/export/test_fp16.py",
+                 "tests/test_readme.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # one process: collection order
+    first = {path: rank for rank, path in enumerate(LONGEST_FIRST)}
+    root = str(config.rootpath)
+    # stable: collection order within a rank (xdist keeps it with --no-loadscope-reorder)
+    items.sort(key=lambda item: first.get(os.path.relpath(str(item.path), root), len(first)))
+
+
 # The registry of small models every test draws from: each feature of the contract once.
 CONFIGS: dict[str, AttentionConfig] = {
     "self": AttentionConfig(d_model=32, n_heads=4),
