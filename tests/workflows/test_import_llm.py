@@ -26,7 +26,7 @@ from attnx.errors import UsageError  # noqa: E402
 from attnx.model.config import load_config  # noqa: E402
 from attnx.model.importers import import_weights  # noqa: E402
 from attnx.model.weights import load_weights  # noqa: E402
-from attnx.workflows import check_against_source, import_model  # noqa: E402
+from attnx.workflows import _build, check_against_source, import_model  # noqa: E402
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=16,
              vocab_size=64)  # fmt: skip
@@ -150,7 +150,10 @@ def test_an_import_checked_against_its_source_writes_the_folder(decoders, tmp_pa
     _expected("gemma3_text", config, weights, decoders["gemma3_text"])
 
 
-def test_the_cli_imports_gpt_oss_with_its_check_and_the_step_config(decoders, tmp_path, capsys):
+def test_the_cli_imports_gpt_oss_with_its_check_then_builds_and_verifies_its_package(decoders, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """attnx import --check --kv-cache, then attnx build of the imported step model (decomposed; its decode
+    parity cut to prefills 0 and 5 + 6 steps for the test) and attnx verify of the package."""
     out = tmp_path / "oss"
     code = main(["import", decoders["gpt_oss"], "--layer", "0", "--check", "--kv-cache", "--out", str(out)])
     text = capsys.readouterr().out
@@ -161,6 +164,13 @@ def test_the_cli_imports_gpt_oss_with_its_check_and_the_step_config(decoders, tm
     config = load_config(out / "config.json")
     assert config.kv_cache and config.sinks
     _expected("gpt_oss", config, load_weights(out / "weights.safetensors", config), decoders["gpt_oss"])
+    monkeypatch.setattr(_build, "STEP_PARITY", {"prefills": (0, 5), "steps": 6, "batch": 3})
+    pkg = tmp_path / "pkg"
+    assert main(["build", "--config", str(out / "config.json"), "--weights", str(out / "weights.safetensors"),
+                 "--attention", "decomposed", "--provider", "cpu", "--out", str(pkg)]) == 0  # fmt: skip
+    assert main(["verify", str(pkg)]) == 0
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["config"] == config.to_dict() and "position_ids" in manifest["golden"][0]["inputs"]
 
 
 def test_a_lowering_that_does_not_express_the_config_is_skipped_by_name(decoders):
