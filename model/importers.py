@@ -597,7 +597,7 @@ def _rope_config(hf: Mapping[str, Any], family: RotaryFamily, model_type: str, l
             scaling["beta_slow"] = params.get("beta_slow") or 1.0
             scaling["truncate"] = params.get("truncate", True)
     rope = {"theta": params["rope_theta"], "dim": dim, "interleaved": False, "scaling": scaling}
-    return rope, f"rope of {layer_type} layers: rope_type {kind}, theta {params['rope_theta']}, {dim} of {head_dim} dims"
+    return rope, f"rope: rope_type {kind}, theta {params['rope_theta']}, {dim} of {head_dim} dims rotated"
 
 
 def _import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: int,
@@ -643,7 +643,7 @@ def _import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: i
         window = number("sliding_window", window)
         notes.append(f"layer {layer} ({layer_type}): sliding window {window}")
     rope, rope_note = _rope_config(hf, family, model_type, layer_type, head_dim)
-    notes.append(rope_note)
+    notes.append(f"layer {layer} ({layer_type}): {rope_note}" if family.windows == "layer_types" else rope_note)
 
     ckpt = _Checkpoint(folder)
     names = family.names(layer)
