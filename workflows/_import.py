@@ -36,7 +36,8 @@ from attnx.model.contract import REFERENCE, check_lowering
 from attnx.model.importers import ROTARY_FAMILIES, ImportResult, check_import_target, import_weights, write_import
 from attnx.model.inputs import make_inputs
 from attnx.model.reference import reference_attention
-from attnx.model.tolerance import problem_size, rotated_cache_size, tolerance_for
+from attnx.model.rope import rope_frequencies
+from attnx.model.tolerance import ProblemSize, problem_size, rotated_cache_size, tolerance_for
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
 from attnx.runtimes.decode import decode_sequence, empty_cache, make_decode_inputs
@@ -234,8 +235,9 @@ def _check_decoder(
     label = f"[batch={batch},tokens={tokens},prefill={prefill}]"
     progress(f"running the source layer ({result.architecture} {result.layer}, transformers, eager) "
              f"full-sequence and as a prefill of {prefill} + {tokens - prefill} steps")  # fmt: skip
-    theirs_full, theirs_steps = _hugging_face_decoder(result, folder, feeds, prefill)
-    checks = [
+    theirs_full, theirs_steps, their_rope = _hugging_face_decoder(result, folder, feeds, prefill)
+    checks = [_rope_table_check(full, their_rope)]
+    checks += [
         compare_arrays(f"source layer vs attnx reference, full sequence{label} (rows with a visible key)",
                        theirs_full[keep], ref_y[keep], tol, size),
         compare_arrays(f"source layer vs attnx reference, prefill + steps{label} (rows with a visible key)",
@@ -270,14 +272,32 @@ def _check_decoder(
     return checks
 
 
+def _rope_table_check(config: AttentionConfig, theirs: dict[str, np.ndarray]) -> Comparison:
+    """attnx's rope table (inv_freq and attention_factor: attnx.model.rope.rope_frequencies) against
+    the one transformers built: the check's positions (to 8) turn the slow pairs by too little to
+    show a wrong low frequency (llama3's interpolated band, longrope's long factors), this does. The
+    tolerance is the fp32 rule of one rounding (transformers computes them in float32)."""
+    rope = config.rope
+    ours = {"short": np.append(*rope_frequencies(rope))}
+    if "long" in theirs:
+        ours["long"] = np.append(*rope_frequencies(rope, rope.scaling["original_max_position_embeddings"] + 1))
+    names = " and ".join(f"{k} factors" for k in theirs) if "long" in theirs else "inv_freq"
+    return compare_arrays(f"rope table vs transformers' ({names}, attention_factor)",
+                          np.concatenate([theirs[k] for k in sorted(theirs)]),
+                          np.concatenate([ours.get(k, np.zeros(0)) for k in sorted(theirs)]),
+                          tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
+
+
 def _hugging_face_decoder(
     result: ImportResult, folder: str, feeds: dict[str, np.ndarray], prefill: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """The layer's output in its own transformers model (eager, float32): the whole sequence at once,
     then a prefill of `prefill` tokens and one token per step on the cache transformers keeps. The
     model runs up to the layer (the layers above are dropped: no weights of theirs are read), with
     the layer's self_attn input replaced by the check's x (a forward pre-hook); its output is taken
-    by a forward hook. Hugging Face's attention mask (1 = token) and position_ids are fed as given."""
+    by a forward hook. Hugging Face's attention mask (1 = token) and position_ids are fed as given.
+    Also the rope tables the model built for the layer's type ({"short"[, "long"]}: inv_freq with
+    attention_factor appended), read from its rotary embedding (_hugging_face_rope)."""
     import torch
 
     try:
@@ -294,6 +314,7 @@ def _hugging_face_decoder(
         model = transformers.AutoModel.from_pretrained(folder, config=hf_config, attn_implementation="eager",
                                                        dtype=torch.float32).eval()  # fmt: skip
     attention = model.layers[n].self_attn
+    tables = _hugging_face_rope(model, n)
     x = torch.from_numpy(feeds["x"])
     tokens = x.shape[1]
     mask = feeds.get("key_padding_mask")
@@ -332,7 +353,30 @@ def _hugging_face_decoder(
             hook.remove()
     whole = outputs[0].numpy()
     steps = torch.cat(outputs[1:], dim=1).numpy()
-    return whole, steps
+    return whole, steps, tables
+
+
+def _hugging_face_rope(model: Any, layer: int) -> dict[str, np.ndarray]:
+    """The frequencies transformers' model rotates the layer by, with attention_factor appended:
+    its rotary embedding's inv_freq as built from the config (the layer type's, for Gemma 3), and
+    for longrope the long factors' set (its ROPE_INIT_FUNCTIONS at the original length + 1)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = model.rotary_emb
+    # a rotary embedding per layer type (Gemma 3): the layer's own
+    layer_type = model.config.layer_types[layer] if getattr(rotary, "layer_types", None) else None
+    prefix = f"{layer_type}_" if layer_type else ""
+    short = getattr(rotary, f"{prefix}original_inv_freq")
+    factor = getattr(rotary, f"{prefix}attention_scaling")
+    tables = {"short": np.append(short.double().numpy(), factor)}
+    kind = rotary.rope_type[layer_type] if layer_type else rotary.rope_type
+    if kind == "longrope":
+        params = model.config.rope_parameters[layer_type] if layer_type else model.config.rope_parameters
+        kw = {"layer_type": layer_type} if layer_type else {}
+        long, long_factor = ROPE_INIT_FUNCTIONS[kind](model.config, None,
+                                                      seq_len=params["original_max_position_embeddings"] + 1, **kw)  # fmt: skip
+        tables["long"] = np.append(long.double().numpy(), long_factor)
+    return tables
 
 
 @contextlib.contextmanager

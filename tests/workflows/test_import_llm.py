@@ -137,13 +137,14 @@ def test_each_family_agrees_with_its_source_full_sequence_and_step_by_step(decod
     result = import_weights(decoders[name], layer=FAMILIES[name][1])
     _expected(name, result.config, result.weights, decoders[name])
     checks = check_against_source(result, decoders[name], ("decomposed",), forms=("step",))
-    assert len(checks) == 5 and all(checks), [str(c) for c in checks if not c]
-    assert "full sequence" in checks[0].name and "prefill + steps" in checks[1].name
+    assert len(checks) == 6 and all(checks), [str(c) for c in checks if not c]
+    assert [c.name.split(" vs ")[0] for c in checks[:3]] == ["rope table", "source layer", "source layer"]
+    assert "full sequence" in checks[1].name and "prefill + steps" in checks[2].name
 
 
 def test_an_import_checked_against_its_source_writes_the_folder(decoders, tmp_path):
     report = import_model(decoders["gemma3_text"], tmp_path / "g3", layer=0, check=True, lowerings=())
-    assert report.passed and len(report.checks) == 2, [str(c) for c in report.checks if not c]
+    assert report.passed and len(report.checks) == 3, [str(c) for c in report.checks if not c]
     config = load_config(tmp_path / "g3" / "config.json")
     weights = load_weights(tmp_path / "g3" / "weights.safetensors", config)
     assert config == report.result.config and not config.kv_cache
@@ -177,8 +178,8 @@ def test_a_lowering_that_does_not_express_the_config_is_skipped_by_name(decoders
     result = import_weights(decoders["mistral"], layer=1)
     skipped = []
     checks = check_against_source(result, decoders["mistral"], ("onnx",), skipped=skipped, forms=("step",))
-    assert len(checks) >= 2 and all(checks)
-    if len(checks) == 2:  # the onnx step model of a rope config is not built yet
+    assert len(checks) >= 3 and all(checks)
+    if len(checks) == 3:  # the onnx step model of a rope config is not built yet
         assert len(skipped) == 1 and skipped[0].startswith("attnx onnx step model: ") and "rope" in skipped[0]
 
 
@@ -256,27 +257,36 @@ def _no_sinks(r):
     del r.weights["sinks"]
 
 
+def _config(r, **change):
+    r.config = dataclasses.replace(r.config, **change)
+
+
+# fault -> (family, how it is planted, which checks must fail: the source layer's outputs, or the rope
+# table: a wrong low frequency turns the check's positions (to 8) by too little to show in the outputs)
 FAULTS = {
-    "gemma3 norm weights w, not 1 + w": ("gemma3_text", _unfold),
-    "gemma3 local layer with the global theta": ("gemma3_text", lambda r: _rope(r, theta=1e6)),
-    "llama k and v swapped": ("llama", _swap_k_v),
-    "llama pairs (2i, 2i+1)": ("llama", lambda r: _rope(r, interleaved=True)),
-    "mistral window off by one": ("mistral", lambda r: setattr(r, "config", dataclasses.replace(r.config,
-                                                                                                sliding_window=5))),
-    "gemma2 scale head_dim^-1/2": ("gemma2", lambda r: setattr(r, "config", dataclasses.replace(r.config,
-                                                                                                 scale=None))),
-    "gpt-oss sinks dropped": ("gpt_oss", _no_sinks),
-    "phi3 the rope dict's original length": ("phi3", lambda r: _rope(r, original_max_position_embeddings=100)),
+    "gemma3 norm weights w, not 1 + w": ("gemma3_text", _unfold, "outputs"),
+    "gemma3 local layer with the global theta": ("gemma3_text", lambda r: _rope(r, theta=1e6), "both"),
+    "llama k and v swapped": ("llama", _swap_k_v, "outputs"),
+    "llama pairs (2i, 2i+1)": ("llama", lambda r: _rope(r, interleaved=True), "outputs"),
+    "llama3 scaling factor 4, not 8": ("llama", lambda r: _rope(r, factor=4.0), "both"),
+    "mistral window off by one": ("mistral", lambda r: _config(r, sliding_window=5), "outputs"),
+    "gemma2 scale head_dim^-1/2": ("gemma2", lambda r: _config(r, scale=None), "outputs"),
+    "gpt-oss sinks dropped": ("gpt_oss", _no_sinks, "outputs"),
+    "gpt-oss yarn's attention_factor of 1": ("gpt_oss", lambda r: _rope(r, attention_factor=1.0), "both"),
+    "phi3 the rope dict's original length": ("phi3", lambda r: _rope(r, original_max_position_embeddings=100),
+                                             "outputs"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_planted_fault_fails_the_check(decoders, fault):
-    name, plant = FAULTS[fault]
+    name, plant, fails = FAULTS[fault]
     result = import_weights(decoders[name], layer=FAMILIES[name][1])
     plant(result)
-    checks = check_against_source(result, decoders[name], (), forms=())
-    assert len(checks) == 2 and not any(checks), [str(c) for c in checks]
+    table, *outputs = check_against_source(result, decoders[name], (), forms=())
+    assert len(outputs) == 2 and "rope table" in table.name
+    assert bool(table) == (fails == "outputs"), str(table)
+    assert not any(outputs) if fails != "table" else all(outputs), [str(c) for c in outputs]
 
 
 def test_what_the_formula_does_not_express_is_refused_by_name(decoders, tmp_path):
