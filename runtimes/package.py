@@ -363,10 +363,16 @@ def _check_description(root: str, manifest: Mapping[str, Any], model: Mapping[st
     differ = [key for key in said if said[key] != found[key]]
     if differ:
         key = differ[0]
+        which = ""
+        if isinstance(said[key], dict) and isinstance(found[key], dict):
+            # a config is longer than the 200 characters shown: name the keys that differ
+            keys = sorted(k for k in {*said[key], *found[key]} if said[key].get(k) != found[key].get(k))
+            which = (f" (differing: {json.dumps({k: said[key].get(k) for k in keys})[:200]} against "
+                     f"{json.dumps({k: found[key].get(k) for k in keys})[:200]})")  # fmt: skip
         return Check(
             f"{name} description", False,
             f"{MANIFEST} says {key} {json.dumps(said[key])[:200]}, the model itself {json.dumps(found[key])[:200]}"
-            + (f" (and {len(differ) - 1} more: {', '.join(differ[1:])})" if len(differ) > 1 else ""),
+            + which + (f" (and {len(differ) - 1} more: {', '.join(differ[1:])})" if len(differ) > 1 else ""),
         )  # fmt: skip
     return Check(f"{name} description", True, f"config, {info.lowering} lowering, {info.dtype}, dims as in {MANIFEST}")
 
