@@ -1,19 +1,24 @@
-"""Importing the attention layers people have: one table of Hugging Face architectures, read from
+"""Importing the attention layers people have: tables of Hugging Face architectures, read from
 a checkpoint folder (config.json and *.safetensors, sharded included) with no torch, no
 transformers and no network, into attnx's contract (an AttentionConfig and its weights).
 
     ARCHITECTURES[model_type][(stack, attention)] -> Layout: where the four projections are,
     how they are stored, the config keys of the widths and head count, masks and scale.
+    ROTARY_FAMILIES[model_type] -> RotaryFamily: the rotary decoders (Llama, Mistral, Qwen2/3,
+    Gemma 2/3, Phi-3, gpt-oss), their config read as transformers reads it (class defaults, both
+    spellings of the rope keys) into the modern-LLM keys: rope, sliding_window, softcap, qk_norm, sinks.
 
 Every tensor the import reads and how it became an attnx tensor (transposed, split, a zero bias
 for a projection that has none) is recorded in ImportResult.mapping. What attnx's formula does
 not include is refused by name, never approximated: T5's self-attention adds a relative position
-bias, BERT's relative_key variants add position terms, rotary models (Llama, Mistral, Qwen) rotate
-q and k. A pickle checkpoint (pytorch_model.bin) is refused, never unpickled.
+bias, BERT's relative_key variants add position terms, DeepSeek's latent attention (MLA) and
+ALiBi models (BLOOM, MPT) bias or factor their scores otherwise, dynamic NTK rope depends on each
+run's length. A pickle checkpoint (pytorch_model.bin) is refused, never unpickled.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -27,10 +32,14 @@ import numpy as np
 from attnx._io import Staging, output_lock
 from attnx.errors import UsageError, WeightsError
 from attnx.model.config import AttentionConfig
+from attnx.model.rope import REFUSED_ROPE_TYPES
 from attnx.model.weights import check_finite, check_weights, from_torch_mha, save_weights
 
 __all__ = [
     "ARCHITECTURES",
+    "ROTARY_FAMILIES",
+    "KNOWN_ARCHITECTURES",
+    "RotaryFamily",
     "Layout",
     "ImportResult",
     "import_weights",
@@ -110,13 +119,14 @@ ARCHITECTURES: dict[str, dict[tuple[str, str], Layout]] = {
     },
 }  # fmt: skip
 # Architectures whose layers attnx's formula cannot reproduce, and why (checked before anything is read).
+_MLA = ("multi-head latent attention (MLA): q, k and v come from low-rank latents and only part of each "
+        "head is rotated (a separate rope key head), which attnx's formula does not include")
+_ALIBI = ("ALiBi: a per-head linear bias on every score by the distance between positions, which attnx's "
+          "formula does not include")
 NOT_EXPRESSIBLE = {
-    t: "its attention rotates q and k by their positions (rotary embeddings) and shares key/value heads between "
-    "query heads, neither of which attnx's formula includes"
-    for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
-}
-
-
+    **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")},
+    **{t: _ALIBI for t in ("bloom", "mpt")},
+}  # fmt: skip
 @dataclasses.dataclass
 class ImportResult:
     """What an import produced, and how."""
@@ -254,11 +264,22 @@ def import_weights(
     attention: str = "self",
     stack: str | None = None,
     key_padding_mask: bool | None = None,
+    kv_cache: bool = False,
 ) -> ImportResult:
     """The attnx config and weights of one attention layer of `source`: a Hugging Face checkpoint
     folder (a path; `layer`, `attention` self|cross, `stack` encoder|decoder where the architecture
     has both), or a torch.nn.MultiheadAttention module (attnx.model.from_torch_mha). key_padding_mask
-    None: the architecture's default (text models take one, ViT and Whisper's encoder do not)."""
+    None: the architecture's default (text models take one, ViT and Whisper's encoder do not).
+    kv_cache: the config of the layer's step model (README, "Decoding"), for a causal self-attention."""
+    result = _import(source, layer, attention, stack, key_padding_mask)
+    if kv_cache:
+        if not result.config.causal:
+            raise UsageError(f"--kv-cache needs a causal self-attention layer; {result.source} is not causal")
+        result.config = dataclasses.replace(result.config, kv_cache=True)
+    return result
+
+
+def _import(source: Any, layer: int, attention: str, stack: str | None, key_padding_mask: bool | None) -> ImportResult:
     if not isinstance(source, (str, os.PathLike)):
         config, weights = from_torch_mha(source, key_padding_mask=bool(key_padding_mask))
         return ImportResult(config, weights, "torch.nn.MultiheadAttention", _mha_mapping(source, config), [])
@@ -267,8 +288,18 @@ def import_weights(
     model_type = hf.get("model_type")
     if model_type in NOT_EXPRESSIBLE:
         raise UsageError(f"model_type {model_type!r}: {NOT_EXPRESSIBLE[model_type]}: not imported")
+    if model_type == "falcon" and hf.get("alibi"):
+        raise UsageError(f"falcon with alibi: {_ALIBI}: not imported")
+    if model_type == "gemma3":
+        raise UsageError("model_type 'gemma3' is Gemma 3's multimodal checkpoint (its text model's config under "
+                         "text_config, its layers beside a vision tower's): not in the table yet; a gemma3_text "
+                         "checkpoint (Gemma 3 1B, or the text model saved on its own) imports")  # fmt: skip
+    if model_type in ROTARY_FAMILIES:
+        if attention != "self" or stack not in (None, "decoder"):
+            raise UsageError(f"{model_type} is a decoder: it has decoder self-attention only")
+        return _import_rotary(folder, hf, model_type, layer, key_padding_mask)
     if model_type not in ARCHITECTURES:
-        raise UsageError(f"unknown architecture {model_type!r} (known: {', '.join(ARCHITECTURES)})")
+        raise UsageError(f"unknown architecture {model_type!r} (known: {', '.join(KNOWN_ARCHITECTURES)})")
     blocks = ARCHITECTURES[model_type]
     if attention not in ("self", "cross"):
         raise UsageError(f"--attention must be self or cross, got {attention!r}")
@@ -383,6 +414,313 @@ def _scale(model_type: str, hf: Mapping[str, Any], layer: int, lay: Layout) -> f
             scale /= layer + 1
         return None if scale == 1 / math.sqrt(head_dim) else scale
     return None
+
+
+# Rotary decoders ----------------------------------------------------------------------------------
+# The modern-LLM families (README, "Modern LLM attention"): their attention is attnx's formula with
+# the config keys rope, sliding_window, softcap, qk_norm and sinks. Their config.json is read as
+# transformers (5.24) reads it: each family's config class fills in defaults for the keys a
+# checkpoint omits, and the rope keys come in two spellings, the older rope_theta + rope_scaling and
+# the newer rope_parameters (nested by layer type for Gemma 3). Every default is resolved here and
+# written as a number.
+FULL, SLIDING = "full_attention", "sliding_attention"
+_LAYER_TYPE_NAMES = {"attention": FULL}  # transformers' remap of legacy layer type names
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryFamily:
+    """One rotary decoder family: where its attention keeps its tensors (model.layers.{N}.self_attn)
+    and how transformers reads its config (the class defaults of the keys read included)."""
+
+    defaults: Mapping[str, Any]  # the config class's defaults of every key the import reads
+    bias: str = "config"  # "config": attention_bias on all four projections; "qkv": q/k/v (Qwen2); "none"
+    fused_qkv: bool = False  # one qkv_proj, rows q | k | v (Phi-3)
+    qk_norm: str | None = None  # "w": RMSNorm weights as stored (Qwen3); "1+w": Gemma's (1 + w), folded
+    sinks: bool = False  # a learned sink logit per head (gpt-oss)
+    windows: str = "none"  # "all": sliding_window on every layer; "layer_types": the layer's type decides
+    pattern: str = "alternating"  # layer_types when the config gives none: "alternating", "qwen", "gemma3"
+    scale_key: str | None = None  # the config key whose ^-1/2 is the scale (Gemma); None: head_dim^-1/2
+    softcap_key: str | None = None  # the config key of the scores' softcap (Gemma)
+    rope_reader: str = "standard"  # transformers' convert_rope_params_to_dict: "standard", "gemma3", "phi3"
+    partial_rotary: bool = False  # whether its attention rotates only the first dims (Phi-3 slices q and k)
+
+    def names(self, layer: int) -> dict[str, str]:
+        base = f"layers.{layer}.self_attn"
+        if self.fused_qkv:
+            return {"qkv": f"{base}.qkv_proj", "o": f"{base}.o_proj", "base": base}
+        return {"q": f"{base}.q_proj", "k": f"{base}.k_proj", "v": f"{base}.v_proj", "o": f"{base}.o_proj",
+                "base": base}  # fmt: skip
+
+
+_COMMON = {"num_key_value_heads": None, "head_dim": None, "attention_bias": False, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "sliding_window": None}  # fmt: skip
+# transformers 5.24's config classes: models/<family>/configuration_<family>.py.
+ROTARY_FAMILIES: dict[str, RotaryFamily] = {
+    "llama": RotaryFamily({**_COMMON, "hidden_size": 4096, "num_attention_heads": 32,
+                           "max_position_embeddings": 2048}),
+    "mistral": RotaryFamily({**_COMMON, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                             "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+                            bias="none", windows="all"),
+    "qwen2": RotaryFamily({**_COMMON, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+                           "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+                           "max_window_layers": 28}, bias="qkv", windows="layer_types", pattern="qwen"),
+    "qwen3": RotaryFamily({**_COMMON, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+                           "head_dim": 128, "max_position_embeddings": 32768, "use_sliding_window": False,
+                           "sliding_window": 4096, "max_window_layers": 28},
+                          qk_norm="w", windows="layer_types", pattern="qwen"),
+    "gemma2": RotaryFamily({**_COMMON, "hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4,
+                            "head_dim": 256, "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
+                            "sliding_window": 4096, "attn_logit_softcapping": 50.0},
+                           windows="layer_types", scale_key="query_pre_attn_scalar",
+                           softcap_key="attn_logit_softcapping"),
+    "gemma3_text": RotaryFamily({**_COMMON, "hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                 "head_dim": 256, "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+                                 "sliding_window": 4096, "attn_logit_softcapping": None, "sliding_window_pattern": 6,
+                                 "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                                 "use_bidirectional_attention": False},
+                                qk_norm="1+w", windows="layer_types", pattern="gemma3",
+                                scale_key="query_pre_attn_scalar", softcap_key="attn_logit_softcapping",
+                                rope_reader="gemma3"),
+    "phi3": RotaryFamily({**_COMMON, "hidden_size": 3072, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
+                         bias="none", fused_qkv=True, windows="all", rope_reader="phi3", partial_rotary=True),
+    "gpt_oss": RotaryFamily({**_COMMON, "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+                             "head_dim": 64, "max_position_embeddings": 131072, "attention_bias": True,
+                             "sliding_window": 128, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                             "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 4096}},
+                            sinks=True, windows="layer_types"),
+}  # fmt: skip
+
+# Every model_type `attnx import` reads.
+KNOWN_ARCHITECTURES = (*ARCHITECTURES, *ROTARY_FAMILIES)
+
+def _layer_types(hf: Mapping[str, Any], family: RotaryFamily, n_layers: int) -> list[str]:
+    """config.layer_types, or the pattern the family's config class fills in when it has none."""
+    given = hf.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
+            raise UsageError(f"config.json 'layer_types' must be a list of names, got {given!r}")
+        return [_LAYER_TYPE_NAMES.get(t, t) for t in given]
+    if family.pattern == "qwen":
+        window = hf["sliding_window"] if hf.get("use_sliding_window") else None
+        return [SLIDING if window is not None and i >= hf["max_window_layers"] else FULL for i in range(n_layers)]
+    period = hf["sliding_window_pattern"] if family.pattern == "gemma3" else 2
+    return [SLIDING if (i + 1) % period else FULL for i in range(n_layers)]
+
+
+def _hf_rope_parameters(hf: Mapping[str, Any], family: RotaryFamily, layer_type: str) -> dict[str, Any]:
+    """The rope parameters transformers computes the layer's frequencies from, as its
+    convert_rope_params_to_dict and standardize_rope_params leave them: rope_type, rope_theta,
+    partial_rotary_factor, original_max_position_embeddings and the scaling's own keys."""
+    scaling = hf.get("rope_scaling")  # the older spelling, beside rope_theta
+    if family.rope_reader == "gemma3":
+        given = hf.get("rope_parameters")
+        params = copy.deepcopy(given) if given is not None else {SLIDING: {"rope_type": "default"},
+                                                                  FULL: {"rope_type": "default"}}  # fmt: skip
+        if not isinstance(params, dict):
+            raise UsageError(f"config.json 'rope_parameters' must be an object, got {given!r}")
+        if scaling is not None:  # the older checkpoints' rope_scaling applies to the global (full) layers
+            params.setdefault(FULL, {"rope_type": "default"}).update(scaling)
+        params[FULL] = params.get(FULL) or {"rope_type": "default"}
+        params[FULL].setdefault("rope_theta", hf["rope_theta"])
+        params[SLIDING] = params.get(SLIDING) or {"rope_type": "default"}
+        params[SLIDING].setdefault("rope_theta", hf["rope_local_base_freq"])  # the local layers' own theta
+        nested = True
+    else:
+        params = copy.deepcopy(scaling or hf.get("rope_parameters") or family.defaults.get("rope_parameters") or {})
+        if not isinstance(params, dict):
+            raise UsageError(f"config.json 'rope_parameters' must be an object, got {params!r}")
+        nested = any(key in (FULL, SLIDING) for key in params)
+        if family.rope_reader == "phi3":
+            params.setdefault("rope_theta", hf["rope_theta"])
+            params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if nested:
+        layer_params = params.get(layer_type)
+        if not isinstance(layer_params, dict):
+            raise UsageError(f"config.json 'rope_parameters' gives no parameters for the layer type {layer_type!r}")
+        params = layer_params
+    params.setdefault("rope_theta", hf["rope_theta"])
+    if hf.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.pop("type", None)
+    if family.rope_reader == "phi3" and params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"  # Phi-3's older names of its longrope
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        if not nested and "original_max_position_embeddings" in hf:
+            # transformers gives a top-level original_max_position_embeddings priority over the rope
+            # dict's (Phi-3 saves it there; its config class defaults it to 4096)
+            params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
+    return params
+
+
+# The keys of transformers' rope parameters each attnx scaling takes (README, "Modern LLM attention").
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor",
+             "mscale", "mscale_all_dim"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
+}  # fmt: skip
+
+
+def _rope_config(hf: Mapping[str, Any], family: RotaryFamily, model_type: str, layer_type: str,
+                 head_dim: int) -> tuple[dict[str, Any], str]:  # fmt: skip
+    """The config's `rope` for the layer, every default resolved, and a note of where it came from."""
+    params = _hf_rope_parameters(hf, family, layer_type)
+    kind = params["rope_type"]
+    if kind in REFUSED_ROPE_TYPES:
+        raise UsageError(f"{model_type} with rope_type {kind!r}: {REFUSED_ROPE_TYPES[kind]}: not imported")
+    if kind != "default" and kind not in _ROPE_KEYS:
+        raise UsageError(f"{model_type} with rope_type {kind!r}: a rotary scaling attnx's formula does not include "
+                         f"(it has: default, {', '.join(_ROPE_KEYS)}): not imported")  # fmt: skip
+    if family.rope_reader == "phi3" and kind not in ("default", "longrope"):
+        raise UsageError(f"phi3 with rope_type {kind!r}: transformers' Phi-3 takes only default and longrope")
+    factor = params.get("partial_rotary_factor", 1.0)
+    # Each family's default rope rotates every dim whatever the factor, but Phi-3's; the scaled
+    # types (transformers' ROPE_INIT_FUNCTIONS) read it everywhere.
+    dim = int(head_dim * factor) if family.partial_rotary or kind != "default" else head_dim
+    if dim != head_dim and not family.partial_rotary:
+        raise UsageError(f"{model_type} with partial_rotary_factor {factor}: its attention rotates every dim of a "
+                         "head (transformers' apply_rotary_pos_emb), so the factor has no layer to import")  # fmt: skip
+    scaling = None
+    if kind != "default":
+        scaling = {"rope_type": kind}
+        for key in _ROPE_KEYS[kind]:
+            if params.get(key) is not None:
+                scaling[key] = params[key]
+        if kind in ("yarn", "longrope") and scaling.get("factor") is None:
+            # transformers' default: the ratio of the two lengths
+            scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+        if kind == "yarn":
+            # transformers reads `beta_fast or 32`, `beta_slow or 1`; truncate from the top-level dict
+            scaling["beta_fast"] = params.get("beta_fast") or 32.0
+            scaling["beta_slow"] = params.get("beta_slow") or 1.0
+            scaling["truncate"] = params.get("truncate", True)
+    rope = {"theta": params["rope_theta"], "dim": dim, "interleaved": False, "scaling": scaling}
+    return rope, f"rope: rope_type {kind}, theta {params['rope_theta']}, {dim} of {head_dim} dims rotated"
+
+
+def _import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: int,
+                   key_padding_mask: bool | None) -> ImportResult:  # fmt: skip
+    """One self-attention layer of a rotary decoder (ROTARY_FAMILIES)."""
+    family = ROTARY_FAMILIES[model_type]
+    hf = {**family.defaults, **hf}  # a key the checkpoint gives, null included, overrides the class default
+    if model_type == "gemma3_text" and hf.get("use_bidirectional_attention"):
+        raise UsageError("gemma3_text with use_bidirectional_attention: its attention is not causal (every token "
+                         "sees a window on both sides), which attnx's decoder formula does not include: not imported")  # fmt: skip
+
+    def number(key: str, value: Any = None) -> int:
+        value = hf.get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{folder!r} config.json: {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    d_model, n_heads = number("hidden_size"), number("num_attention_heads")
+    n_kv_heads = number("num_key_value_heads", hf["num_key_value_heads"] or n_heads)
+    head_dim = number("head_dim", hf["head_dim"] or d_model // n_heads)
+    n_layers = number("num_hidden_layers")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise UsageError(f"--layer must be a non-negative integer, got {layer!r}")
+    if layer >= n_layers:
+        raise UsageError(f"{model_type} has {n_layers} layers: no layer {layer}")
+    layer_types = _layer_types(hf, family, n_layers) if family.windows == "layer_types" or \
+        family.rope_reader == "gemma3" else [FULL] * n_layers  # fmt: skip
+    if len(layer_types) != n_layers:
+        raise UsageError(f"config.json 'layer_types' has {len(layer_types)} entries for {n_layers} layers")
+    layer_type = layer_types[layer]
+    if layer_type not in (FULL, SLIDING):
+        raise UsageError(f"{model_type} layer {layer} is of type {layer_type!r}, which attnx's formula does not "
+                         f"include (it has {FULL} and {SLIDING}): not imported")  # fmt: skip
+    notes = []
+    window = None
+    if family.windows == "all":
+        window = hf["sliding_window"]
+    elif family.windows == "layer_types" and layer_type == SLIDING:
+        window = hf["sliding_window"] if family.pattern != "qwen" or hf.get("use_sliding_window") else None
+        if window is None:
+            raise UsageError(f"{model_type} layer {layer} is a {SLIDING} layer but the config has no sliding_window")
+    if window is not None:
+        window = number("sliding_window", window)
+        notes.append(f"layer {layer} ({layer_type}): sliding window {window}")
+    rope, rope_note = _rope_config(hf, family, model_type, layer_type, head_dim)
+    notes.append(f"layer {layer} ({layer_type}): {rope_note}" if family.windows == "layer_types" else rope_note)
+
+    ckpt = _Checkpoint(folder)
+    names = family.names(layer)
+    if ckpt.find(names["o"] + ".weight") is None:
+        raise UsageError(f"{model_type} has no layer {layer} ({names['o']}.weight is not in the checkpoint)")
+    weights: dict[str, np.ndarray] = {}
+    mapping: list[str] = []
+    if family.fused_qkv:
+        key, qkv = ckpt.get(names["qkv"] + ".weight")  # [(N + 2 Nkv) hd, d_model], rows q | k | v
+        q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+        if qkv.shape[0] != q_rows + 2 * kv_rows:
+            raise WeightsError(f"{key} has {qkv.shape[0]} rows, expected {q_rows} + 2 * {kv_rows} (q | k | v)")
+        parts = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows), "v_proj": (q_rows + kv_rows, len(qkv))}
+        for ours, (begin, end) in parts.items():
+            weights[f"{ours}.weight"] = qkv[begin:end]
+            mapping.append(f"{ours}.weight <- {key}[{begin}:{end}] (rows of the fused q|k|v)")
+    else:
+        for ours, theirs in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+            key, weights[f"{ours}.weight"] = ckpt.get(names[theirs] + ".weight")
+            mapping.append(f"{ours}.weight <- {key}")
+    key, weights["out_proj.weight"] = ckpt.get(names["o"] + ".weight")
+    mapping.append(f"out_proj.weight <- {key}")
+    biased = {"config": ("q", "k", "v", "o") if hf["attention_bias"] else (), "qkv": ("q", "k", "v"),
+              "none": ()}[family.bias]  # fmt: skip
+    for ours, theirs in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "o")):
+        if not biased:
+            break
+        if theirs in biased:
+            key, weights[f"{ours}.bias"] = ckpt.get(names[theirs] + ".bias")
+            mapping.append(f"{ours}.bias <- {key}")
+        else:  # a projection without bias is one with a zero bias: exact, and attnx's biases go together
+            weights[f"{ours}.bias"] = np.zeros(weights[f"{ours}.weight"].shape[0], np.float32)
+            mapping.append(f"{ours}.bias <- zeros (the source's {theirs} projection has no bias)")
+    qk_norm = None
+    if family.qk_norm is not None:
+        eps = hf["rms_norm_eps"]
+        qk_norm = {"eps": eps}
+        for which in ("q_norm", "k_norm"):
+            key, w = ckpt.get(f"{names['base']}.{which}.weight")
+            if family.qk_norm == "1+w":
+                # Gemma's RMSNorm scales by (1 + w), computed in float32: folded into the weight
+                weights[f"{which}.weight"] = np.float32(1.0) + w
+                mapping.append(f"{which}.weight <- 1 + {key} (Gemma's RMSNorm scales by 1 + w: folded)")
+            else:
+                weights[f"{which}.weight"] = w
+                mapping.append(f"{which}.weight <- {key}")
+    if family.sinks:
+        key, weights["sinks"] = ckpt.get(f"{names['base']}.sinks")
+        mapping.append(f"sinks <- {key}")
+    scale = None
+    if family.scale_key is not None:
+        pre = hf[family.scale_key]
+        if isinstance(pre, bool) or not isinstance(pre, (int, float)) or not pre > 0:
+            raise UsageError(f"{folder!r} config.json: {family.scale_key!r} must be a positive number, got {pre!r}")
+        scale = float(pre) ** -0.5  # transformers: query_pre_attn_scalar ** -0.5, whatever head_dim is
+        notes.append(f"scale {family.scale_key}^-1/2 = {pre}^-1/2 = {scale!r}")
+    softcap = hf.get(family.softcap_key) if family.softcap_key is not None else None
+    try:
+        config = AttentionConfig(
+            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+            bias=bool(biased), causal=True, key_padding_mask=True if key_padding_mask is None else key_padding_mask,
+            scale=scale, rope=rope, sliding_window=window, softcap=softcap, qk_norm=qk_norm, sinks=family.sinks,
+        )  # fmt: skip
+    except UsageError as e:
+        raise WeightsError(f"{folder!r}: layer {layer} does not fit attnx's config: {e}") from None
+    check_weights(config, weights, f"{folder!r} layer {layer}")
+    check_finite(weights, f"{folder!r} layer {layer}")
+    if ckpt.converted:
+        notes.append(f"tensors stored as {', '.join(sorted(ckpt.converted))} converted to float32")
+    notes.append("imported: the attention block only (its projections, q/k norms, sinks); the layer norms, "
+                 "residuals and MLP around it are not part of attnx's formula")  # fmt: skip
+    return ImportResult(config, weights, f"{folder} ({model_type}, decoder self-attention, layer {layer})",
+                        mapping, notes, model_type, layer, "decoder", "self")  # fmt: skip
 
 
 # Writing ------------------------------------------------------------------------------------------

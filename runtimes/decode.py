@@ -29,6 +29,7 @@ from attnx.model.contract import (
     numpy_dtype,
 )
 from attnx.model.inputs import position_ids_from_mask
+from attnx.model.rope import uses_long_factors
 from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, rotated_cache_size, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
@@ -217,6 +218,12 @@ def run_decode_parity(
             progress(f"decode case {i + 1}/{len(prefills)}: prefill {prefill} + {steps} steps")
             ran = any(isinstance(r, Runner) for r in runners.values())
             expected = ref.run(full) if ran else {}  # no reference forward for backends that cannot run
+            if ran and config.rope is not None and _longrope_switches(config, feeds["position_ids"], prefill):
+                # longrope picks its factors per call (transformers' rule): a decode whose calls choose
+                # differently from the full forward keeps keys rotated before the switch, so the
+                # reference decodes the same calls (step by step, float64) to be compared with.
+                y, (k, v) = decode_sequence(ref, feeds, prefill, config)
+                expected = {"y": y, "present_key": k, "present_value": v}
             size = problem_size(config, source.weights, full, activations=quantization is not None) if ran else None
             for name, runner in runners.items():
                 quantized = quantization is not None and name not in MODULE_BACKENDS
@@ -229,6 +236,17 @@ def run_decode_parity(
             if isinstance(runner, Runner):
                 runner.close()
     return ParityReport(cases)
+
+
+def _longrope_switches(config: AttentionConfig, positions: np.ndarray, prefill: int) -> bool:
+    """Whether a decode of `positions` (a prefill, then one token per call) has a call whose longrope
+    factors differ from those of the full forward over every position."""
+    if config.rope.rope_type != "longrope":
+        return False
+    whole = uses_long_factors(config.rope, positions)
+    calls = [positions[:, : max(prefill, 1)]] + [positions[:, t : t + 1] for t in range(max(prefill, 1),
+                                                                                       positions.shape[1])]  # fmt: skip
+    return any(uses_long_factors(config.rope, call) != whole for call in calls)
 
 
 def _cache_tols(tol: Tolerance) -> dict[str, Tolerance]:

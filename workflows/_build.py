@@ -41,6 +41,7 @@ from attnx.model.contract import (
     QUANTIZATIONS,
     REFERENCE,
     check_choice,
+    check_llm_support,
     check_model_dtype,
     describe,
     float_dtype,
@@ -54,7 +55,7 @@ from attnx.model.tolerance import problem_size
 from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison
-from attnx.runtimes.decode import empty_cache, make_decode_inputs, run_decode_parity
+from attnx.runtimes.decode import decode_sequence, empty_cache, make_decode_inputs, run_decode_parity
 from attnx.runtimes.package import (
     FORMAT,
     FORMAT_VERSION,
@@ -324,11 +325,9 @@ def build_package(
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
-    if config.llm_keys:
-        # issue 22: the model (full-sequence and step, decomposed fp32) is exported and checked; a
-        # package's golden cases and replay with position_ids are not written yet
-        raise UsageError(f"attnx build of a config with {', '.join(config.llm_keys)} is not built yet: attnx export "
-                         "--attention decomposed writes the model, attnx parity (--decode) checks it")  # fmt: skip
+    # A config with modern-LLM keys (rope, window, softcap, q/k norms, sinks) is packaged in the forms
+    # that express them (contract.check_llm_support: decomposed, fp32); the others are refused by name.
+    check_llm_support(config, attention, dtype, step=config.kv_cache)
     if config.kv_cache and dtype in QUANTIZATIONS:
         # attnx export writes int8/int4 step models; their package's golden decode sequence and its
         # replay under the quantized error model are not written yet: refused before any work
@@ -680,7 +679,14 @@ def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str
     pk, pv = empty_cache(config, batch, dtype)
     full = {**feeds, "past_key": pk, "past_value": pv}
     with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
-        expected = reference.run(full)
+        if config.rope is None:
+            expected = reference.run(full)
+        else:
+            # With rope the reference decodes the same sequence as verify replays it: each call's
+            # positions (position_ids, recorded in the golden file) choose longrope's factors for that
+            # call, so keys cached before a switch keep their rotation (transformers' rule).
+            y, (k, v) = decode_sequence(reference, feeds, prefill, config)
+            expected = {"y": y, "present_key": k, "present_value": v}
     name = "golden-decode-0.npz"
     write_npz(os.path.join(tmp, name), {**feeds, **expected})
     return {

@@ -8,33 +8,49 @@ when they agree. It also runs attnx's exported model (each lowering asked for) a
 reference. Rows whose keys are all hidden are left out of the comparison with the source: attnx
 gives the output bias there (z = 0), while Hugging Face's eager attention averages every value
 (a softmax over equal masked scores) and torch's nn.MultiheadAttention fast path gives NaN.
+
+A rotary decoder (Llama, Mistral, Qwen, Gemma, Phi-3, gpt-oss) is checked on a left-padded batch
+with Hugging Face's position_ids, full-sequence and as a prefill then single-token steps: its whole
+transformers model runs (eager, float32), with the layer's own input replaced by the check's x (a
+forward pre-hook on its self_attn), so the masks, rotary tables and cache are the ones transformers
+builds for that layer (its window, its layer type's rope). attnx's exported full-sequence graph and
+step model run the same sequence in each lowering asked for; a lowering that does not express the
+config yet is skipped with the reason (contract.check_lowering).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from attnx.errors import CheckFailed, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.importers import ImportResult, check_import_target, import_weights, write_import
+from attnx.model.contract import REFERENCE, check_lowering
+from attnx.model.importers import ROTARY_FAMILIES, ImportResult, check_import_target, import_weights, write_import
 from attnx.model.inputs import make_inputs
 from attnx.model.reference import reference_attention
-from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.model.rope import rope_frequencies
+from attnx.model.tolerance import ProblemSize, problem_size, rotated_cache_size, tolerance_for
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
+from attnx.runtimes.decode import decode_sequence, empty_cache, make_decode_inputs
 from attnx.workflows._export import export_model
 
-__all__ = ["ImportReport", "import_model", "check_against_source", "CHECK_SHAPE"]
+__all__ = ["ImportReport", "import_model", "check_against_source", "CHECK_SHAPE", "DECODE_CHECK"]
 
 # (batch, seq, mem_seq) the check runs at: make_inputs' padding mask hides every key of batch
 # element 1 (left out of the comparison with the source, see above) and some of the others'.
 CHECK_SHAPE = (3, 7, 5)
+# A rotary decoder's check: a batch of 3 left-padded rows (make_decode_inputs: 0, 2 and 4 padding
+# tokens) of 9 tokens, full-sequence, and as a prefill of 5 then 4 single-token steps.
+DECODE_CHECK = {"batch": 3, "tokens": 9, "prefill": 5}
 
 
 @dataclasses.dataclass
@@ -43,6 +59,7 @@ class ImportReport:
     out: str | None
     files: list[str]
     checks: list[Comparison]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # forms the check could not run, and why
 
     @property
     def passed(self) -> bool:
@@ -60,21 +77,25 @@ def import_model(
     check: bool = False,
     lowerings: Sequence[str] = ("decomposed",),
     force: bool = False,
+    kv_cache: bool = False,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> ImportReport:
     """Import, check (with check) and write the attnx folder `out` (config.json,
     weights.safetensors; attnx.model.importers.write_import), published only once the check
-    passed. CheckFailed (exit 1) when the import disagrees with its source: nothing is written."""
+    passed. CheckFailed (exit 1) when the import disagrees with its source: nothing is written.
+    kv_cache: write the step model's config (a causal decoder's: 'kv_cache': true)."""
     if out is not None:
         check_import_target(os.fspath(out), force)
     progress(f"reading {source if isinstance(source, (str, os.PathLike)) else type(source).__name__}")
-    result = import_weights(source, layer=layer, attention=attention, stack=stack, key_padding_mask=key_padding_mask)
-    checks = check_against_source(result, source, lowerings, progress) if check else []
+    result = import_weights(source, layer=layer, attention=attention, stack=stack, key_padding_mask=key_padding_mask,
+                            kv_cache=kv_cache)  # fmt: skip
+    skipped: list[str] = []
+    checks = check_against_source(result, source, lowerings, progress, skipped) if check else []
     failed = [c for c in checks if not c]
     if failed:
         raise CheckFailed("the import disagrees with its source, nothing written: " + "; ".join(map(str, failed[:3])))
     files = write_import(result, out, force=force) if out is not None else []
-    return ImportReport(result, None if out is None else os.fspath(out), files, checks)
+    return ImportReport(result, None if out is None else os.fspath(out), files, checks, skipped)
 
 
 def check_against_source(
@@ -82,9 +103,17 @@ def check_against_source(
     source: Any,
     lowerings: Sequence[str] = ("decomposed",),
     progress: Callable[[str], None] = lambda msg: None,
+    skipped: list[str] | None = None,
+    forms: Sequence[str] = ("full", "step"),
 ) -> list[Comparison]:
     """The source module and attnx's exported model (each lowering), each against attnx's float64
-    reference of the imported weights, on the same seeded inputs and masks."""
+    reference of the imported weights, on the same seeded inputs and masks. A rotary decoder is
+    checked full-sequence and step by step (_check_decoder; `forms` picks attnx's exported forms:
+    "full" the full-sequence graph, "step" the step model); the forms a lowering cannot build yet
+    are appended to `skipped` with the reason."""
+    if result.architecture in ROTARY_FAMILIES:
+        return _check_decoder(result, os.fspath(source), lowerings, progress,
+                              skipped if skipped is not None else [], forms)  # fmt: skip
     config, weights = result.config, result.weights
     batch, seq, mem_seq = CHECK_SHAPE
     feeds = make_inputs(config, batch, seq, mem_seq if config.cross else None, seed=11)
@@ -145,7 +174,8 @@ def _hugging_face_outputs(result: ImportResult, folder: str, x: Any, memory: Any
         import transformers
     except ImportError:
         raise UsageError("--check runs the source model, which needs transformers: pip install transformers") from None
-    model = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    with _quiet_transformers(transformers):
+        model = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     # The additive mask every eager attention takes, [batch, 1, queries, keys]: 0 sees, lowest hides.
     keys = memory.shape[1] if memory is not None else x.shape[1]
     hidden = torch.zeros(x.shape[0], 1, x.shape[1], keys, dtype=torch.bool)
@@ -173,3 +203,193 @@ def _hugging_face_outputs(result: ImportResult, folder: str, x: Any, memory: Any
         block = model.decoder.block[n].layer[1].EncDecAttention
         return block(x, mask=mask, key_value_states=memory)[0]
     raise UsageError(f"--check has no way to run {kind!r} modules")  # pragma: no cover - the table and this agree
+
+
+# Rotary decoders ----------------------------------------------------------------------------------
+def _check_decoder(
+    result: ImportResult,
+    folder: str,
+    lowerings: Sequence[str],
+    progress: Callable[[str], None],
+    skipped: list[str],
+    forms: Sequence[str],
+) -> list[Comparison]:
+    """The transformers layer, full-sequence and as a prefill then single-token steps, and attnx's
+    exported forms (each lowering), each against attnx's float64 reference, on one left-padded
+    batch with Hugging Face's position_ids (make_decode_inputs)."""
+    full = dataclasses.replace(result.config, kv_cache=False)
+    step = dataclasses.replace(result.config, kv_cache=True)
+    weights = result.weights
+    batch, tokens, prefill = DECODE_CHECK["batch"], DECODE_CHECK["tokens"], DECODE_CHECK["prefill"]
+    feeds = make_decode_inputs(full, batch, tokens, seed=11)
+    pk, pv = empty_cache(step, batch)
+    ref_y = reference_attention(full, weights, **feeds)
+    # The reference decodes too, step by step: longrope switches to its long factors for a whole call
+    # once its largest position + 1 passes the original length, so keys cached before the switch keep
+    # the short rotation (transformers' rule) and the steps differ from the full forward after it.
+    with create_runner(REFERENCE, ModelSource(step, weights)) as reference:
+        ref_steps, (ref_k, ref_v) = decode_sequence(reference, feeds, prefill, step)
+    size = problem_size(step, weights, {**feeds, "past_key": pk, "past_value": pv})
+    tol = tolerance_for("fp32")
+    keep = _visible_rows(full, feeds)
+    label = f"[batch={batch},tokens={tokens},prefill={prefill}]"
+    progress(f"running the source layer ({result.architecture} {result.layer}, transformers, eager) "
+             f"full-sequence and as a prefill of {prefill} + {tokens - prefill} steps")  # fmt: skip
+    theirs_full, theirs_steps, their_rope = _hugging_face_decoder(result, folder, feeds, prefill)
+    checks = [_rope_table_check(full, their_rope)]
+    checks += [
+        compare_arrays(f"source layer vs attnx reference, full sequence{label} (rows with a visible key)",
+                       theirs_full[keep], ref_y[keep], tol, size),
+        compare_arrays(f"source layer vs attnx reference, prefill + steps{label} (rows with a visible key)",
+                       theirs_steps[keep], ref_steps[keep], tol, size),
+    ]  # fmt: skip
+    cache_size = rotated_cache_size(step, size, ref_k)
+    with tempfile.TemporaryDirectory(prefix="attnx-import-check-") as tmp:
+        for lowering in lowerings:
+            for form, config in (("full", full), ("step", step)):
+                if form not in forms:
+                    continue
+                what = "full-sequence graph" if form == "full" else "step model"
+                try:
+                    check_lowering(config, lowering)
+                except UsageError as e:
+                    skipped.append(f"attnx {lowering} {what}: {e}")
+                    continue
+                progress(f"exporting and running the {lowering} {what}")
+                path = os.path.join(tmp, f"{lowering}-{form}.onnx")
+                export_model(config, path, weights, attention=lowering, validate=False)
+                with create_runner("ort-cpu", ModelSource(config, None, path)) as runner:
+                    if form == "full":
+                        ours = runner.run(feeds)["y"]
+                        checks.append(compare_arrays(f"attnx {lowering} {what} vs attnx reference{label}", ours,
+                                                     ref_y, tol, size))  # fmt: skip
+                        continue
+                    y, (k, v) = decode_sequence(runner, feeds, prefill, config)
+                for out, got, ref, out_size in (("y", y, ref_steps, size), ("present_key", k, ref_k, cache_size),
+                                                ("present_value", v, ref_v, size)):  # fmt: skip
+                    checks.append(compare_arrays(f"attnx {lowering} {what} {out} vs attnx reference, prefill + "
+                                                 f"steps{label}", got, ref, tol, out_size))  # fmt: skip
+    return checks
+
+
+def _rope_table_check(config: AttentionConfig, theirs: dict[str, np.ndarray]) -> Comparison:
+    """attnx's rope table (inv_freq and attention_factor: attnx.model.rope.rope_frequencies) against
+    the one transformers built: the check's positions (to 8) turn the slow pairs by too little to
+    show a wrong low frequency (llama3's interpolated band, longrope's long factors), this does. The
+    tolerance is the fp32 rule of one rounding (transformers computes them in float32)."""
+    rope = config.rope
+    ours = {"short": np.append(*rope_frequencies(rope))}
+    if "long" in theirs:
+        ours["long"] = np.append(*rope_frequencies(rope, rope.scaling["original_max_position_embeddings"] + 1))
+    names = " and ".join(f"{k} factors" for k in theirs) if "long" in theirs else "inv_freq"
+    return compare_arrays(f"rope table vs transformers' ({names}, attention_factor)",
+                          np.concatenate([theirs[k] for k in sorted(theirs)]),
+                          np.concatenate([ours.get(k, np.zeros(0)) for k in sorted(theirs)]),
+                          tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
+
+
+def _hugging_face_decoder(
+    result: ImportResult, folder: str, feeds: dict[str, np.ndarray], prefill: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The layer's output in its own transformers model (eager, float32): the whole sequence at once,
+    then a prefill of `prefill` tokens and one token per step on the cache transformers keeps. The
+    model runs up to the layer (the layers above are dropped: no weights of theirs are read), with
+    the layer's self_attn input replaced by the check's x (a forward pre-hook); its output is taken
+    by a forward hook. Hugging Face's attention mask (1 = token) and position_ids are fed as given.
+    Also the rope tables the model built for the layer's type ({"short"[, "long"]}: inv_freq with
+    attention_factor appended), read from its rotary embedding (_hugging_face_rope)."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("--check runs the source model, which needs transformers: pip install transformers") from None
+    n = result.layer
+    with _quiet_transformers(transformers):
+        hf_config = transformers.AutoConfig.from_pretrained(folder)
+    hf_config.num_hidden_layers = n + 1  # the layers above n are not needed, nor loaded
+    if getattr(hf_config, "layer_types", None) is not None:
+        hf_config.layer_types = hf_config.layer_types[: n + 1]
+    with _quiet_transformers(transformers):  # its load report would name every tensor of the layers dropped
+        model = transformers.AutoModel.from_pretrained(folder, config=hf_config, attn_implementation="eager",
+                                                       dtype=torch.float32).eval()  # fmt: skip
+    attention = model.layers[n].self_attn
+    tables = _hugging_face_rope(model, n)
+    x = torch.from_numpy(feeds["x"])
+    tokens = x.shape[1]
+    mask = feeds.get("key_padding_mask")
+    attended = torch.from_numpy(~mask if mask is not None else np.ones(x.shape[:2], bool)).to(torch.int64)
+    positions = torch.from_numpy(feeds["position_ids"])
+    current: dict[str, Any] = {}
+    outputs: list[Any] = []
+
+    def replace_input(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": current["x"]}
+        return (current["x"], *args[1:]), kwargs
+
+    def take_output(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        outputs.append(output[0].detach())
+
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    hooks = [attention.register_forward_pre_hook(replace_input, with_kwargs=True),
+             attention.register_forward_hook(take_output, with_kwargs=True)]  # fmt: skip
+
+    def run(start: int, stop: int, cache: Any) -> Any:
+        current["x"] = x[:, start:stop]
+        embeds = torch.zeros(x.shape[0], stop - start, hf_config.hidden_size)  # replaced at layer n
+        out = model(inputs_embeds=embeds, attention_mask=attended[:, :stop], position_ids=positions[:, start:stop],
+                    use_cache=cache is not False, **({cache_arg: cache} if cache not in (None, False) else {}))  # fmt: skip
+        return out["cache"] if "cache" in out else out.get("past_key_values")
+
+    try:
+        with torch.inference_mode(), _quiet_transformers(transformers):
+            run(0, tokens, False)
+            cache = run(0, prefill, None)
+            for t in range(prefill, tokens):
+                cache = run(t, t + 1, cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    whole = outputs[0].numpy()
+    steps = torch.cat(outputs[1:], dim=1).numpy()
+    return whole, steps, tables
+
+
+def _hugging_face_rope(model: Any, layer: int) -> dict[str, np.ndarray]:
+    """The frequencies transformers' model rotates the layer by, with attention_factor appended:
+    its rotary embedding's inv_freq as built from the config (the layer type's, for Gemma 3), and
+    for longrope the long factors' set (its ROPE_INIT_FUNCTIONS at the original length + 1)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = model.rotary_emb
+    # a rotary embedding per layer type (Gemma 3): the layer's own
+    layer_type = model.config.layer_types[layer] if getattr(rotary, "layer_types", None) else None
+    prefix = f"{layer_type}_" if layer_type else ""
+    short = getattr(rotary, f"{prefix}original_inv_freq")
+    factor = getattr(rotary, f"{prefix}attention_scaling")
+    tables = {"short": np.append(short.double().numpy(), factor)}
+    kind = rotary.rope_type[layer_type] if layer_type else rotary.rope_type
+    if kind == "longrope":
+        params = model.config.rope_parameters[layer_type] if layer_type else model.config.rope_parameters
+        kw = {"layer_type": layer_type} if layer_type else {}
+        long, long_factor = ROPE_INIT_FUNCTIONS[kind](model.config, None,
+                                                      seq_len=params["original_max_position_embeddings"] + 1, **kw)  # fmt: skip
+        tables["long"] = np.append(long.double().numpy(), long_factor)
+    return tables
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers: Any) -> Iterator[None]:
+    """transformers' warnings and progress bars off while it loads a checkpoint (the CLI's output
+    stays attnx's own), restored after."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()

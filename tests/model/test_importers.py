@@ -103,7 +103,12 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
 @pytest.mark.parametrize(
     ("config", "tensors", "kwargs", "error", "message"),
     [({"model_type": "electra"}, {}, {}, UsageError, "unknown architecture 'electra' (known: bert"),
-     ({"model_type": "llama"}, {}, {}, UsageError, "rotary embeddings"),
+     ({"model_type": "deepseek_v3"}, {}, {}, UsageError, "multi-head latent attention (MLA)"),
+     ({"model_type": "mpt"}, {}, {}, UsageError, "ALiBi"),
+     ({"model_type": "falcon", "alibi": True}, {}, {}, UsageError, "falcon with alibi: ALiBi"),
+     ({"model_type": "gemma3"}, {}, {}, UsageError, "a gemma3_text checkpoint"),
+     ({"model_type": "llama", "num_hidden_layers": 2}, {}, {"layer": 5}, UsageError, "llama has 2 layers: no layer 5"),
+     ({"model_type": "qwen2"}, {}, {"attention": "cross"}, UsageError, "decoder self-attention only"),
      ({"model_type": "t5", "d_model": 24, "num_heads": 3, "d_kv": 8}, {}, {}, UsageError, "relative position bias"),
      ({**BERT, "position_embedding_type": "relative_key"}, {}, {}, UsageError, "relative position terms"),
      (BERT, {}, {"attention": "cross"}, UsageError, "bert has no cross-attention"),

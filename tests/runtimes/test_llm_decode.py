@@ -10,10 +10,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attnx.errors import InputError, UsageError
+from attnx.errors import InputError
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import make_decode_inputs, run_decode_parity
-from attnx.workflows import build_package, export_model
+from attnx.workflows import export_model
 from tests.conftest import CONFIGS, LLM_CONFIGS, weights_for
 
 BACKENDS = ["reference", "torch", "ort-cpu", "openvino"]
@@ -78,9 +78,3 @@ def test_position_ids_are_required_exactly_with_rope(step_model):
     with create_runner("reference", ModelSource(plain, weights_for("causal"))) as ref:
         with pytest.raises(InputError, match="takes no position_ids"):
             ref.prefill(np.zeros((1, 2, 32), np.float32), position_ids=np.zeros((1, 2), np.int64))
-
-
-def test_packages_are_refused_by_name(tmp_path):
-    with pytest.raises(UsageError, match="attnx build of a config with rope.* is not built yet"):
-        build_package(LLM_CONFIGS["llama"], tmp_path / "pkg", attention="decomposed")
-    assert not (tmp_path / "pkg").exists()
