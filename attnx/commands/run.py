@@ -24,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", required=True, metavar="x.npy")
     p.add_argument("--memory", metavar="m.npy")
     p.add_argument("--key-padding-mask", metavar="k.npy")
+    p.add_argument("--position-ids", metavar="p.npy",
+                   help="int64 [batch, seq]: each token's position, for a model with rope (its input position_ids)")  # fmt: skip
     p.add_argument("--past-key", metavar="k.npy", help="a step model's past_key (default: an empty cache, the prefill)")
     p.add_argument("--past-value", metavar="v.npy", help="a step model's past_value (with --past-key)")
     p.add_argument("--provider", choices=list(PROVIDERS), default="cpu")
@@ -98,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         feeds["memory"] = load_npy(args.memory, "--memory")
     if args.key_padding_mask:
         feeds["key_padding_mask"] = load_npy(args.key_padding_mask, "--key-padding-mask")
+    if args.position_ids:
+        feeds["position_ids"] = load_npy(args.position_ids, "--position-ids")
     for name, array in feeds.items():
         # A NaN or an infinity in the input gives NaN outputs: the model is not at fault, say so.
         if array.dtype.kind == "f" and not np.isfinite(array).all():

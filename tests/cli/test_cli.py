@@ -138,3 +138,22 @@ def test_export_output_is_clean(tmp_path):
     assert r.stdout.strip().splitlines()[-1].startswith("wrote ")
     assert "torchvision" not in r.stdout + r.stderr and "Translate the graph" not in r.stdout + r.stderr
     assert os.path.exists(tmp_path / "m.onnx")
+
+
+def test_run_takes_the_positions_of_a_model_with_rope(exported, tmp_path, capsys):
+    from attnx.model.inputs import make_inputs
+    from tests.conftest import LLM_CONFIGS
+
+    config = LLM_CONFIGS["llama"]
+    feeds = make_inputs(config, 2, 5)  # a left-padded batch: its position_ids are not token indices
+    for name in ("x", "position_ids"):
+        np.save(tmp_path / f"{name}.npy", feeds[name])
+    model = exported("llama")
+    args = ["run", model, "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]
+    assert main(args) == 2
+    assert "position_ids" in capsys.readouterr().err
+    assert main([*args, "--position-ids", str(tmp_path / "position_ids.npy")]) == 0
+    weights = init_weights(config, seed=1)
+    ref = reference_attention(config, weights, feeds["x"], position_ids=feeds["position_ids"])
+    cmp = compare_arrays("y", np.load(tmp_path / "y.npy"), ref, tolerance_for("fp32"), problem_size(config, weights, feeds))
+    assert cmp, cmp
