@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import io
 import logging
 import os
@@ -10,6 +12,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from attnx import __version__
@@ -104,6 +107,10 @@ def export_onnx(
 
     attention is "decomposed" or "onnx" here; the fused lowerings are graph passes applied
     to this output (attnx.workflows.export_model runs the whole pipeline).
+
+    A process that exports the same model again (the same config, weights, lowering and opset)
+    gets a fresh copy of the first trace (TRACES): tracing is ~1 s even for a tiny model, and the
+    ort-fused lowering is the decomposed trace plus graph passes.
     """
     import torch
 
@@ -113,6 +120,9 @@ def export_onnx(
         raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
     opset = check_opset(attention, opset)
     check_llm_support(config, attention)  # rope, softcap, ...: the decomposed graph only, so far
+    key = TRACES.key(config, weights, seed, attention, opset)
+    if (model := TRACES.get(key)) is not None:
+        return model
     module = build_module(config, weights, seed=seed, core=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
@@ -143,7 +153,56 @@ def export_onnx(
     model.metadata_props[CONFIG_KEY] = config.to_json()
     model.metadata_props[ATTENTION_KEY] = attention
     release_rewriter_state()
+    TRACES.put(key, model)
     return model
+
+
+class TraceCache:
+    """Exports this process made, as serialized protos (a copy is handed out each time: graph
+    passes work in place), newest last, within `max_bytes`. A model whose weights pass a quarter
+    of it is neither hashed nor kept: a large model is exported once per command anyway."""
+
+    def __init__(self, max_bytes: int = 128 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self._protos: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+
+    def key(self, config: AttentionConfig, weights: Mapping[str, np.ndarray] | None, seed: int, attention: str,
+            opset: int) -> str | None:  # fmt: skip
+        """What decides the trace: the config, the weights (or the seed that draws them), the
+        lowering, the opset. None: not cached."""
+        digest = hashlib.sha256(f"{config.to_json()}|{attention}|{opset}".encode())
+        if weights is None:
+            digest.update(f"|seed {seed}".encode())
+        else:
+            arrays = {name: np.ascontiguousarray(weights[name]) for name in sorted(weights)}
+            if sum(a.nbytes for a in arrays.values()) > self.max_bytes // 4:
+                return None
+            for name, a in arrays.items():
+                digest.update(f"|{name} {a.dtype} {a.shape}".encode())
+                digest.update(a.tobytes())
+        return digest.hexdigest()
+
+    def get(self, key: str | None) -> ir.Model | None:
+        if key is None or key not in self._protos:
+            return None
+        self._protos.move_to_end(key)
+        return ir.serde.deserialize_model(onnx.ModelProto.FromString(self._protos[key]))
+
+    def put(self, key: str | None, model: ir.Model) -> None:
+        if key is None:
+            return
+        data = ir.serde.serialize_model(model).SerializeToString()
+        if len(data) > self.max_bytes:
+            return
+        self._protos[key] = data
+        while sum(map(len, self._protos.values())) > self.max_bytes:
+            self._protos.popitem(last=False)
+
+    def clear(self) -> None:
+        self._protos.clear()
+
+
+TRACES = TraceCache()
 
 
 def release_rewriter_state() -> None:

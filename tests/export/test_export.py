@@ -181,3 +181,27 @@ def test_no_rewrite_rule_keeps_the_exported_graph_alive():
     matchers = [o for o in gc.get_objects() if isinstance(o, SimplePatternMatcher)]
     assert matchers, "no matcher found: onnxscript's layout changed, release_rewriter_state releases nothing"
     assert all(getattr(m, "_graph", None) is None for m in matchers)
+
+
+def test_a_second_export_of_the_same_model_is_a_fresh_copy_of_the_first():
+    """export_onnx keeps this process's traces (TRACES): the same config, weights, lowering and
+    opset give a copy (a pass that changes it changes nothing of the next), anything else traces."""
+    from attnx.export._export import TRACES
+
+    config = CONFIGS["causal"]
+    weights = init_weights(config, 5)
+    first = export_onnx(config, weights)
+    first.graph.remove(list(first.graph)[-1], safe=False)  # as a pass working in place would
+    second = export_onnx(config, weights)
+    assert len(second.graph) == len(first.graph) + 1
+    assert TRACES.key(config, weights, 0, "decomposed", 18) == TRACES.key(config, dict(weights), 0, "decomposed", 18)
+    other = {**weights, "q_proj.bias": weights["q_proj.bias"] + 1}
+    assert TRACES.key(config, other, 0, "decomposed", 18) != TRACES.key(config, weights, 0, "decomposed", 18)
+    assert TRACES.key(config, None, 1, "decomposed", 18) != TRACES.key(config, None, 2, "decomposed", 18)
+    assert TRACES.key(config, weights, 0, "onnx", 23) != TRACES.key(config, weights, 0, "decomposed", 18)
+    feeds = make_inputs(config, 1, 3)
+    y = ort.InferenceSession(ir.to_proto(export_onnx(config, other)).SerializeToString(),
+                             providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    ref = reference_attention(config, other, feeds["x"])
+    cmp = compare_arrays("y", y, ref, tolerance_for("fp32"), problem_size(config, other, feeds))
+    assert cmp, cmp  # the other weights' own trace, not the first's
