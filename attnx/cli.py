@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib
 import logging
 import os
 import signal
@@ -19,28 +20,33 @@ import traceback
 from collections.abc import Iterator, Sequence
 
 from attnx import __version__
-from attnx.commands import bench, build, export, importer, inspect, matrix, optimize, parity, run, verify
+from attnx.commands import COMMANDS
 from attnx.errors import AttnxError, Terminated
 from attnx.runtimes.cuda import set_ort_log_severity
-
-# Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
-# imports what only some commands need (torch, onnx-ir) inside its run(), so that the
-# deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
-COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect, matrix]
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or with `only` of that one: the other commands are then
+    listed by name and help alone, and their modules (and what they import) are not loaded."""
     parser = argparse.ArgumentParser(
         prog="attnx", description="Multi-head attention from PyTorch to ONNX Runtime, verified number by number."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("--version", action="version", version=f"attnx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name, command in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(f"attnx.commands.{command.module}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=command.help)
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str:
+    """The command named on the command line ("" when none is: attnx --help, attnx --version)."""
+    return next((a for a in argv if not a.startswith("-")), "")
 
 
 @contextlib.contextmanager
@@ -82,8 +88,10 @@ def _error_line(error: BaseException) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)  # argparse exits 2 on bad usage
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    parser = build_parser(command if command in COMMANDS else "")
+    args = parser.parse_args(argv)  # argparse exits 2 on bad usage (an unknown command too)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

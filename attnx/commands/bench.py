@@ -24,6 +24,7 @@ from attnx.bench import (
     run_bench,
     run_decode_bench,
 )
+from attnx.commands import COMMANDS
 from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
 from attnx.errors import UsageError
 from attnx.model import PRESETS
@@ -39,7 +40,7 @@ from attnx.model.resources import check_memory, estimate_decode_bench
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
 
-HELP = "time backends x lowerings x shapes: latency, tokens/s, GFLOP/s, roofline ratio, peak memory"
+HELP = COMMANDS["bench"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

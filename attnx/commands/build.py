@@ -6,6 +6,7 @@ import argparse
 import os
 
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import (
     Progress,
     add_max_mem_arg,
@@ -17,7 +18,7 @@ from attnx.commands._common import (
 )
 from attnx.model.contract import BUILD_ATTENTION, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 
-HELP = "export, check and package the model: a folder that verifies itself on the deployment machine"
+HELP = COMMANDS["build"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import (
     Progress,
     add_max_mem_arg,
@@ -15,7 +16,7 @@ from attnx.commands._common import (
 )
 from attnx.model.contract import DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
 
-HELP = "export the model to ONNX (dynamic batch and sequence axes), then check it"
+HELP = COMMANDS["export"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,11 +6,12 @@ import argparse
 import os
 
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, int_arg, str_list, workflows
 from attnx.model.contract import EXPORT_ATTENTIONS, check_choice
 from attnx.model.importers import KNOWN_ARCHITECTURES, check_import_target, import_weights, write_import
 
-HELP = "import one attention layer of a Hugging Face checkpoint (safetensors) as attnx's config and weights"
+HELP = COMMANDS["import"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

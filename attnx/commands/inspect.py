@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 
+from attnx.commands import COMMANDS
 from attnx.errors import UsageError
 from attnx.model.contract import describe
 from attnx.runtimes.package import describe_package
 
-HELP = "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators"
+HELP = COMMANDS["inspect"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

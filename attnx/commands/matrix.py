@@ -8,11 +8,12 @@ import os
 import sys
 
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, int_arg
 from attnx.matrix import LocalExecutor, RayExecutor, load_plan, run_matrix
 from attnx.matrix._report import STATUSES, host_key
 
-HELP = "run a plan's parity / verify / bench cases here or across a Ray cluster, into one report"
+HELP = COMMANDS["matrix"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

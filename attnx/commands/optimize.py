@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, add_quant_args, workflows
 from attnx.model.contract import MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
 
-HELP = "lower an exported model's attention (ort-fused, auto, fp16), check parity, then write it"
+HELP = COMMANDS["optimize"].help
 
 
 def _shape(text: str) -> int:

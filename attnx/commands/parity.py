@@ -8,6 +8,7 @@ import tempfile
 
 from attnx._io import check_output_file
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import (
     SIZE_MAX,
     Progress,
@@ -35,7 +36,7 @@ from attnx.runtimes import ModelSource, backend_names, create_runner
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_parity
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 
-HELP = "compare backends (torch, ONNX Runtime, reference) case by case"
+HELP = COMMANDS["parity"].help
 DEFAULT_BACKENDS = ",".join(BACKENDS)
 
 

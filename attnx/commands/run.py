@@ -10,12 +10,13 @@ import zipfile
 import numpy as np
 
 from attnx._io import check_output_file, write_npy_atomic
+from attnx.commands import COMMANDS
 from attnx.errors import InputError, UsageError
 from attnx.model.contract import PROVIDERS, model_form
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.package import load
 
-HELP = "run an ONNX model or a package on .npy inputs"
+HELP = COMMANDS["run"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,11 +6,12 @@ import argparse
 
 from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
+from attnx.commands import COMMANDS
 from attnx.commands._common import Progress
 from attnx.model.contract import PROVIDERS
 from attnx.runtimes.package import verify_package
 
-HELP = "check a package here: file hashes, onnxruntime can load it, golden outputs within tolerance"
+HELP = COMMANDS["verify"].help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
