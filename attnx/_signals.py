@@ -61,6 +61,7 @@ __all__ = [
     "is_process_entry",
     "on_interrupt",
     "published",
+    "reclaim",
     "system_tempdir",
     "track_folder",
     "track_lock",
@@ -129,7 +130,9 @@ def track_lock(fd: int, path: str) -> int:
 def published(target: str) -> None:
     """Staging.publish, under critical(): `target` is in place. Once every output the command
     declared (begin) is, the command has done its work: a later signal does not undo it."""
-    _state.published.add(os.path.abspath(target))
+    target = os.path.abspath(target)
+    if target in _state.outputs:
+        _state.published.add(target)
 
 
 @contextlib.contextmanager
@@ -271,6 +274,18 @@ def install() -> bool:
     threading.Thread(target=_watch, args=(read_end,), name="attnx-signals", daemon=True).start()
     _state.installed = True
     return True
+
+
+def reclaim() -> None:
+    """After a library set handlers of its own (ray.init sets a SIGTERM handler that raises
+    SystemExit in the main thread): SIGINT and SIGTERM are the watcher's again. A no-op where
+    install() was not called (a library caller's process keeps what it chose)."""
+    if not _state.installed or threading.current_thread() is not threading.main_thread():
+        return
+    signal.set_wakeup_fd(_state.wake, warn_on_full_buffer=False)
+    for sig in SIGNALS:
+        if signal.getsignal(sig) not in (signal.SIG_IGN, _poke):
+            signal.signal(sig, _poke)
 
 
 def begin(command: str, outputs: Sequence[str] = ()) -> None:

@@ -19,26 +19,26 @@ from attnx import _signals
 if _signals.is_process_entry(__name__):
     _signals.install()  # before the imports below (a fifth of a second): a signal while attnx starts
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import errno  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-import traceback  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+import argparse
+import contextlib
+import errno
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
 
-from attnx import __version__  # noqa: E402
-from attnx.commands import bench, build, export, importer, inspect, optimize, parity, run, verify  # noqa: E402
-from attnx.errors import AttnxError  # noqa: E402
-from attnx.runtimes.cuda import set_ort_log_severity  # noqa: E402
+from attnx import __version__
+from attnx.commands import bench, build, export, importer, inspect, optimize, parity, run, verify
+from attnx.errors import AttnxError
+from attnx.runtimes.cuda import set_ort_log_severity
 
 # Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
 # imports what only some commands need (torch, onnx-ir) inside its run(), so that the
 # deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
 COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect]
 # attnx matrix (issue 15): the plan's cases here or across a Ray cluster
-from attnx.commands import matrix  # noqa: E402
+from attnx.commands import matrix
 
 COMMANDS.append(matrix)
 

@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from attnx._io import Staging
-from attnx._signals import critical, forget, on_interrupt, system_tempdir, track_folder
+from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
 from attnx.errors import UsageError
 from attnx.matrix._content import cache_root, files_bundle, materialize, package_bundle
 from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
@@ -186,6 +186,7 @@ class RayExecutor:
                          object_store_memory=256 * 1024**2, **common)  # fmt: skip
             except (RuntimeError, ConnectionError, OSError) as e:
                 raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
+            reclaim()  # ray.init set a SIGTERM handler of its own (SystemExit): attnx's watcher ends the run
             return
         url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
         extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
@@ -195,6 +196,7 @@ class RayExecutor:
         except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
+        reclaim()
 
     def run(self, items: list[Any], plan: MatrixPlan, report: MatrixReport,
             on_result: Callable[[Any, dict[str, Any], dict[str, Any] | None], None]) -> None:  # fmt: skip
