@@ -69,6 +69,7 @@ __all__ = [
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 SIGNALS = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
+_BYTES = {int(sig): bytes([sig]) for sig in SIGNALS}  # made once: the handler allocates nothing
 LOCK_WAIT_S = 10.0  # a critical section is a few renames: past this the watcher goes on without the lock
 CHILD_WAIT_S = 5.0  # a child killed with SIGKILL is gone in milliseconds; past this it is not waited for
 RETRIES = 20  # an action or a removal that met the main thread still changing what it reads
@@ -246,8 +247,8 @@ def _poke(signum: int, frame: object) -> None:
     """The Python-level handler: wakes the watcher (again: the C handler already wrote the
     byte, unless something replaced the wakeup fd). Returns; raises nothing, wherever it runs."""
     try:
-        os.write(_state.wake, bytes([signum]))
-    except OSError:  # the pipe is full: the watcher has its byte already
+        os.write(_state.wake, _BYTES[signum])
+    except (OSError, KeyError):  # the pipe is full: the watcher has its byte already
         pass
 
 
@@ -381,8 +382,9 @@ def _kill_children() -> None:
     for _, proc in children:
         _kill_group(proc.pid)
     deadline = time.monotonic() + CHILD_WAIT_S
-    for _, proc in children:
+    for token, proc in children:
         _reap(proc.pid, deadline)
+        _state.entries.pop(token, None)  # gone: its pid is not signalled again (it may be reused)
 
 
 def _run_actions() -> list[str | None]:
