@@ -18,7 +18,8 @@ watcher ends the command itself, in this order:
    cancelled;
 4. it removes the staging folders and the command's scratch folder (its temporary files), and
    releases the output locks;
-5. it writes the one line and ends the process with os._exit: 130 (SIGINT), 143 (SIGTERM).
+5. it writes the one line (to the stderr the process started with: a block may have pointed fd 2
+   at a file) and ends the process with os._exit: 130 (SIGINT), 143 (SIGTERM).
 
 Nothing is raised in the main thread, so nothing is swallowed or crosses C++, and os._exit
 cannot be caught. A second signal while it runs is ignored (the watcher acts on the first), and
@@ -91,6 +92,7 @@ class _State:
     ended: int | None = None  # the command's status, once it is final
     installed: bool = False
     wake: int = -1  # the write end of the watcher's pipe
+    stderr: int = 2  # the process's stderr as it started (a copy of fd 2: a block may point fd 2 elsewhere)
     silenced: bool = False  # the watcher ends the command: sys.stdout and sys.stderr write nothing
     mid_line: bool = False  # the last write to sys.stderr did not end its line
 
@@ -261,6 +263,8 @@ def install() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     read_end, write_end = os.pipe()  # both close-on-exec: children do not inherit them
+    with contextlib.suppress(OSError):  # the line goes there: fd 2 may be a capture when it is written
+        _state.stderr = os.dup(2)  # (attnx.runtimes.cuda points it at a file while ORT probes CUDA)
     os.set_blocking(write_end, False)
     _state.wake = write_end
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -359,7 +363,7 @@ def _finish(sig: signal.Signals) -> NoReturn:
             command = _state.command or _command_from_argv()
             prefix = "\n" if _state.mid_line else ""
             with contextlib.suppress(OSError):  # stderr closed: the line has nowhere to go
-                os.write(2, f"{prefix}attnx{' ' + command if command else ''}: {line}\n".encode())
+                os.write(_state.stderr, f"{prefix}attnx{' ' + command if command else ''}: {line}\n".encode())
     finally:
         os._exit(code)
 

@@ -12,6 +12,9 @@ environment:
                                  (Python called from C++) sees (an exception there crosses C++)
                        published just after Staging.publish put the output in place (the
                                  command has done its work: it must end with 0, the output kept)
+                       captured  inside attnx.runtimes.cuda.capture_native_stderr, while fd 2
+                                 points at a file (the ort-cuda runner's session creation): the
+                                 line must still reach the process's stderr
     ATTNX_TRAP_AT      the progress line (a part of it) after which the trap is set; for
                        published, the output's absolute path (not a file of the same name
                        published inside a stage)
@@ -71,6 +74,20 @@ def _set() -> None:
     elif KIND == "del":
         bomb = _Bomb()
         del bomb  # __del__ runs now
+    elif KIND == "captured":
+        import contextlib
+
+        from attnx.runtimes import ort_runner
+
+        original = ort_runner.capture_native_stderr
+
+        @contextlib.contextmanager
+        def capture(*args, **kwargs):
+            with original(*args, **kwargs) as out:
+                _spring("inside capture_native_stderr (fd 2 is a file)")
+                yield out
+
+        ort_runner.capture_native_stderr = capture
     elif KIND == "dispatch":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
