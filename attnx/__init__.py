@@ -58,7 +58,7 @@ _EXPORTS = {
     "run_decode_parity": "attnx.runtimes.decode",
 }
 
-__all__ = [
+__all__ = [  # noqa: PLE0604 - *_EXPORTS: the lazy exports' names (str keys)
     "__version__",
     "AttnxError",
     "CheckFailed",

@@ -29,18 +29,14 @@ import traceback
 from collections.abc import Sequence
 
 from attnx import __version__
-from attnx.commands import bench, build, export, importer, inspect, optimize, parity, run, verify
+from attnx.commands import bench, build, export, importer, inspect, matrix, optimize, parity, run, verify
 from attnx.errors import AttnxError
 from attnx.runtimes.cuda import set_ort_log_severity
 
 # Subcommands, in the order --help lists them: each module has add_parser() and run(). Each
 # imports what only some commands need (torch, onnx-ir) inside its run(), so that the
 # deployment side (verify, run, inspect) works where only numpy, onnx and onnxruntime are.
-COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect]
-# attnx matrix (issue 15): the plan's cases here or across a Ray cluster
-from attnx.commands import matrix
-
-COMMANDS.append(matrix)
+COMMANDS = [importer, export, optimize, parity, bench, build, verify, run, inspect, matrix]
 
 EXIT_INTERRUPTED = _signals.EXIT_INTERRUPTED
 # The arguments that name what a command writes and has done its work once all are in place: a

@@ -22,6 +22,7 @@ from attnx.model.contract import (
     EXTERNAL_DATA_THRESHOLD,
     IR_VERSION,
     LOWERINGS,
+    check_llm_support,
     check_opset,
     contract_dims,
 )
@@ -74,6 +75,10 @@ def _example_inputs(config: AttentionConfig) -> tuple[tuple, dict]:
         kv_len = EXAMPLE_MEM_SEQ
     if config.key_padding_mask:
         kwargs["key_padding_mask"] = torch.zeros(EXAMPLE_BATCH, kv_len, dtype=torch.bool)
+    if config.rope is not None:
+        # Distinct positions per element (a left-padded second one), so no value is taken as constant.
+        positions = torch.arange(EXAMPLE_SEQ, dtype=torch.int64).repeat(EXAMPLE_BATCH, 1)
+        kwargs["position_ids"] = positions - torch.arange(EXAMPLE_BATCH, dtype=torch.int64)[:, None].clamp(max=1)
     return (x,), kwargs
 
 
@@ -107,6 +112,7 @@ def export_onnx(
     if attention not in EXPORTED_LOWERINGS:
         raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
     opset = check_opset(attention, opset)
+    check_llm_support(config, attention)  # rope, softcap, ...: the decomposed graph only, so far
     module = build_module(config, weights, seed=seed, core=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
@@ -156,9 +162,14 @@ def release_rewriter_state() -> None:
         from onnxscript.rewriter._matcher import SimplePatternMatcher
     except ImportError:  # another onnxscript layout: nothing known to release
         return
-    with warnings.catch_warnings():  # isinstance() wakes torch's deprecated module attributes
-        warnings.simplefilter("ignore")
-        matchers = [obj for obj in gc.get_objects() if isinstance(obj, SimplePatternMatcher)]
+    # By exact type, not isinstance(): isinstance() on every live object costs ~0.1 s a scan in a
+    # process that has exported (half a million objects) and wakes torch's deprecated module attributes.
+    types, pending = set(), [SimplePatternMatcher]
+    while pending:
+        cls = pending.pop()
+        types.add(cls)
+        pending += cls.__subclasses__()
+    matchers = [obj for obj in gc.get_objects() if type(obj) in types]
     for obj in matchers:
         for attr in ("_graph", "_current_node", "_tracer"):
             if hasattr(obj, attr):

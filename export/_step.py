@@ -3,6 +3,7 @@
     inputs   x [batch, seq, d_model]
              past_key [batch, n_kv_heads, past_seq, head_dim], past_value [.., v_head_dim]
              key_padding_mask bool [batch, total_seq]   (config.key_padding_mask; True hides)
+             position_ids int64 [batch, seq]             (config.rope: the new tokens' positions)
     outputs  y [batch, seq, d_model], present_key / present_value [batch, n_kv_heads, total_seq, ..]
 
 total_seq = past_seq + seq; query i of the step sits at position past_seq + i and key j at
@@ -16,7 +17,10 @@ reference compute the same step (model/module.py, model/reference.py); the step 
 (attnx.runtimes.decode) checks this graph against the reference, step by step.
 
 Lowerings (contract.STEP_LOWERINGS):
-- decomposed: Concat the new keys/values onto the cache, MatMul, Softmax, MatMul. Grouped
+- decomposed: Concat the new keys/values onto the cache, MatMul, Softmax, MatMul. The modern-LLM
+  terms (README, "Modern LLM attention") are written here only: q/k RMSNorm and rope before the
+  cache (it holds the keys as scored), softcap, the window in the mask over token index, a sink
+  logit per head concatenated to the scores and dropped after the softmax. Grouped
   heads without a copy of the cache: the query heads of a group are stacked along the query
   axis ([batch, n_kv_heads, group*seq, head_dim]) and multiply their one key head.
 - onnx: the opset-23 Attention op, with past_key/past_value and q_num_heads/kv_num_heads.
@@ -52,6 +56,7 @@ from attnx.model.contract import (
     check_choice,
     check_lowering,
 )
+from attnx.model.rope import rope_frequencies
 
 __all__ = ["build_step_model"]
 
@@ -108,8 +113,11 @@ def _positions(g: _Graph, c: AttentionConfig, kpm: str | None) -> tuple[str, str
     total = g.op("Add", past, seq)  # scalar T
     qpos = g.op("Range", past, total, one)  # [S]: positions of this step's queries
     kpos = g.op("Range", zero, total, one)  # [T]: positions of every key
-    hidden = g.op("Greater", g.op("Unsqueeze", kpos, g.ints("axes_0", [0])),
-                  g.op("Unsqueeze", qpos, g.ints("axes_1", [1])))  # [S, T]  # fmt: skip
+    krow, qcol = g.op("Unsqueeze", kpos, g.ints("axes_0", [0])), g.op("Unsqueeze", qpos, g.ints("axes_1", [1]))
+    hidden = g.op("Greater", krow, qcol)  # [S, T]: key j after query i
+    if c.sliding_window is not None:  # outside the window: j <= i - W (over token index)
+        start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
+        hidden = g.op("Or", hidden, g.op("LessOrEqual", krow, start))
     hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
     if kpm is not None:
         hidden = g.op("Or", hidden, g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2])))  # [B, 1, S, T]
@@ -117,6 +125,70 @@ def _positions(g: _Graph, c: AttentionConfig, kpm: str | None) -> tuple[str, str
                 keepdims=1)  # fmt: skip
     visible = g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S, 1]: some key visible to the query
     return hidden, visible, past, total
+
+
+def _norm_and_rotate(
+    g: _Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str
+) -> tuple[str, str]:
+    """q [B, S, H*hd] and k [B, S, Hkv*hd] after qk_norm (RMSNorm over each head's head_dim) and rope
+    (pair i turned by position_ids * inv_freq_i, from the rope table; the angle in float32)."""
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    q4 = g.op("Reshape", q, g.ints("q4_shape", [0, 0, H, hd]))  # [B, S, H, hd]
+    k4 = g.op("Reshape", k, g.ints("k4_shape", [0, 0, Hkv, hd]))  # [B, S, Hkv, hd]
+    if c.qk_norm is not None:
+        eps = g.const("qk_norm_eps", np.asarray(c.qk_norm.eps, np.float32))
+
+        def rms_norm(u: str, name: str) -> str:
+            mean_sq = g.op("ReduceMean", g.op("Mul", u, u), g.ints("axes_last", [-1]), keepdims=1)
+            normed = g.op("Div", u, g.op("Sqrt", g.op("Add", mean_sq, eps)))
+            return g.op("Mul", normed, g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32)))
+
+        q4, k4 = rms_norm(q4, "q_norm"), rms_norm(k4, "k_norm")
+    if c.rope is not None:
+        cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
+        q4, k4 = _rotate(g, c, q4, cos, sin, "q"), _rotate(g, c, k4, cos, sin, "k")
+    return (g.op("Reshape", q4, g.ints("q_flat", [0, 0, H * hd])),
+            g.op("Reshape", k4, g.ints("k_flat", [0, 0, Hkv * hd])))  # fmt: skip
+
+
+def _rope_cos_sin(g: _Graph, c: AttentionConfig) -> tuple[str, str]:
+    """cos and sin of position_ids * inv_freq times attention_factor, [B, S, 1, dim/2] float32
+    (longrope: its long set for the whole call once max(position_ids) + 1 > the original length)."""
+    short, factor = rope_frequencies(c.rope)
+    inv_freq = g.const("rope_inv_freq", short.astype(np.float32))
+    if c.rope.rope_type == "longrope":
+        original = c.rope.scaling["original_max_position_embeddings"]
+        long = rope_frequencies(c.rope, original + 1)[0]
+        largest = g.op("ReduceMax", "position_ids", keepdims=0)  # scalar: the call's largest position
+        switch = g.op("Greater", largest, g.const("rope_original_minus1", np.asarray(original - 1, np.int64)))
+        inv_freq = g.op("Where", switch, g.const("rope_inv_freq_long", long.astype(np.float32)), inv_freq)
+    positions = g.op("Unsqueeze", g.op("Cast", "position_ids", to=_F), g.ints("axes_2_3", [2, 3]))  # [B, S, 1, 1]
+    angle = g.op("Mul", positions, inv_freq)  # [B, S, 1, dim/2]
+    f = g.const("rope_attention_factor", np.asarray(factor, np.float32))
+    return g.op("Mul", g.op("Cos", angle), f), g.op("Mul", g.op("Sin", angle), f)
+
+
+def _rotate(g: _Graph, c: AttentionConfig, u: str, cos: str, sin: str, label: str) -> str:
+    """u [B, S, heads, hd] with pair i of its first rope.dim dims turned by angle i; the rest pass."""
+    dim, hd = c.rope.dim, c.head_dim
+    last = g.ints("axes_m1", [-1])
+
+    def part(start: int, end: int, step: int = 1) -> str:
+        bounds = g.ints(f"s{start}", [start]), g.ints(f"e{end}", [end])
+        return g.op("Slice", u, *bounds, last, g.ints(f"st{step}", [step]))
+
+    if c.rope.interleaved:  # pairs (2i, 2i + 1): turned, then woven back [.., dim/2, 2] -> [.., dim]
+        a, b = part(0, dim, 2), part(1, dim, 2)
+    else:  # pairs (i, i + dim/2)
+        a, b = part(0, dim // 2), part(dim // 2, dim)
+    a2 = g.op("Sub", g.op("Mul", a, cos), g.op("Mul", b, sin))
+    b2 = g.op("Add", g.op("Mul", b, cos), g.op("Mul", a, sin))
+    if c.rope.interleaved:
+        pairs = g.op("Concat", g.op("Unsqueeze", a2, last), g.op("Unsqueeze", b2, last), axis=-1)
+        turned = g.op("Reshape", pairs, g.ints("rot_flat", [0, 0, 0, dim]))
+    else:
+        turned = g.op("Concat", a2, b2, axis=-1)
+    return turned if dim == hd else g.op("Concat", turned, part(dim, hd), axis=-1)
 
 
 def build_step_model(
@@ -185,6 +257,8 @@ def _build_float(
     opsets = [helper.make_opsetid("", 18)]
     if attention == "decomposed":
         hidden, visible, _, _ = _positions(g, c, kpm)
+        if c.qk_norm is not None or c.rope is not None:  # q and k as they are scored (and cached)
+            q, k = _norm_and_rotate(g, c, weights, q, k)
         present_k = g.op("Concat", "past_key", _heads(g, k, Hkv, hd, "k"), axis=2, name="present_key")
         present_v = g.op("Concat", "past_value", _heads(g, v, Hkv, vhd, "v"), axis=2, name="present_value")
         # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]: a group's
@@ -193,9 +267,20 @@ def _build_float(
         qg = g.op("Reshape", q5, g.ints("qg_shape", [0, 0, -1, hd]))
         scores = g.op("MatMul", qg, g.op("Transpose", present_k, perm=[0, 1, 3, 2]))  # [B, Hkv, G*S, T]
         scores = g.op("Mul", scores, g.const("scale", np.asarray(c.softmax_scale, np.float32)))
+        if c.softcap is not None:  # c * tanh(s / c), after the scale, before the masks
+            cap = g.const("softcap", np.asarray(c.softcap, np.float32))
+            scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
         scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
         scores = g.op("Where", hidden, g.const("lowest", np.asarray(lowest, np.float32)), scores)
-        p = g.op("Softmax", scores, axis=-1)
+        if c.sinks:
+            # One more logit per head, [B, H, S, 1], joins the softmax and is dropped after it (no value).
+            sink_shape = g.op("Concat", g.op("Shape", scores, start=0, end=3), g.ints("one1", [1]), axis=0)
+            sink = g.op("Expand", g.const("sinks", np.asarray(weights["sinks"], np.float32).reshape(1, H, 1, 1)),
+                        sink_shape)  # fmt: skip
+            p = g.op("Softmax", g.op("Concat", scores, sink, axis=-1), axis=-1)
+            p = g.op("Slice", p, g.ints("zero1", [0]), g.ints("minus1", [-1]), g.ints("axes_m1", [-1]))
+        else:
+            p = g.op("Softmax", scores, axis=-1)
         p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
         z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
         z = g.op("Where", visible, z, g.const("zero_f", np.asarray(0, np.float32)))  # all-hidden rows: 0
@@ -259,7 +344,8 @@ def _build_float(
     def info(name: str, elem: int, shape: tuple) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, elem, list(shape))
 
-    inputs = [info(s.name, _F if s.dtype == "fp32" else TensorProto.BOOL, s.shape) for s in c.inputs()]
+    elem = {"fp32": _F, "bool": TensorProto.BOOL, "int64": TensorProto.INT64}
+    inputs = [info(s.name, elem[s.dtype], s.shape) for s in c.inputs()]
     outputs = [info(s.name, _F, s.shape) for s in c.outputs()]
     graph = helper.make_graph(g.nodes, "attnx_step", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="attnx",

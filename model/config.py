@@ -9,8 +9,13 @@ import os
 from typing import Any
 
 from attnx.errors import ConfigError
+from attnx.model.rope import Rope, parse_rope
 
-__all__ = ["AttentionConfig", "TensorSpec", "PRESETS", "preset", "load_config"]
+__all__ = ["AttentionConfig", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
+
+# The keys of modern LLM attention (README, "Modern LLM attention"): absent or null, the formula is
+# the one without them. Each lowering that cannot express one refuses it by name (contract.check_lowering).
+LLM_KEYS = ("rope", "sliding_window", "softcap", "qk_norm", "sinks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +28,17 @@ class TensorSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QKNorm:
+    """The config's `qk_norm`: RMSNorm of each head's q and k over head_dim, x / sqrt(mean(x^2) + eps)
+    times the weights q_norm.weight / k_norm.weight [head_dim], before rope (Qwen3, Gemma 3)."""
+
+    eps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"eps": self.eps}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +63,13 @@ class AttentionConfig:
     # by groups of query heads (None: n_heads; 1: multi-query), and the step model's signature.
     n_kv_heads: int | None = None
     kv_cache: bool = False
+    # Modern LLM attention (README, "Modern LLM attention"), in the formula's order: qk_norm, rope,
+    # scale, softcap, masks (sliding_window), softmax with a sink logit per head.
+    rope: Rope | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    qk_norm: QKNorm | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
@@ -94,6 +117,43 @@ class AttentionConfig:
             if not (math.isfinite(self.scale) and self.scale > 0):
                 raise ConfigError(f"config key 'scale' must be a finite positive number, got {self.scale!r}")
             object.__setattr__(self, "scale", float(self.scale))
+        self._check_llm_keys()
+
+    def _check_llm_keys(self) -> None:
+        object.__setattr__(self, "rope", parse_rope(self.rope, self.head_dim))
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window)
+            if not self.causal:
+                raise ConfigError(
+                    "config key 'sliding_window' needs 'causal': true (query p sees key j only if p - W < j <= p)"
+                )
+        if self.softcap is not None:
+            if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)):
+                raise ConfigError(f"config key 'softcap' must be a number or null, got {self.softcap!r}")
+            if not (math.isfinite(self.softcap) and self.softcap > 0):
+                raise ConfigError(f"config key 'softcap' must be a finite positive number, got {self.softcap!r}")
+            object.__setattr__(self, "softcap", float(self.softcap))
+        norm = self.qk_norm
+        if norm is not None:
+            data = norm.to_dict() if isinstance(norm, QKNorm) else norm
+            if not isinstance(data, dict) or set(data) != {"eps"}:
+                raise ConfigError(f"config key 'qk_norm' must be null or an object {{\"eps\": number}}, got {norm!r}")
+            eps = data["eps"]
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+                raise ConfigError(f"config key 'qk_norm.eps' must be a finite positive number, got {eps!r}")
+            object.__setattr__(self, "qk_norm", QKNorm(float(eps)))
+        if not isinstance(self.sinks, bool):
+            raise ConfigError(f"config key 'sinks' must be true or false, got {self.sinks!r}")
+        if self.cross and (self.rope is not None or self.qk_norm is not None):
+            # Positions of a second sequence and per-head norms of its keys: no model attnx imports has them.
+            raise ConfigError(
+                f"config key {'rope' if self.rope is not None else 'qk_norm'!r} is for self-attention ('cross': false)"
+            )
+
+    @property
+    def llm_keys(self) -> tuple[str, ...]:
+        """The modern-LLM keys this config sets (LLM_KEYS), in their order; () for the plain formula."""
+        return tuple(k for k in LLM_KEYS if getattr(self, k) not in (None, False))
 
     # Derived sizes, named once so no caller recomputes them.
     @property
@@ -131,6 +191,10 @@ class AttentionConfig:
              + self.d_model * self.v_dim)  # fmt: skip
         if self.bias:
             n += self.q_dim + self.kv_q_dim + self.kv_v_dim + self.d_model
+        if self.qk_norm is not None:
+            n += 2 * self.head_dim
+        if self.sinks:
+            n += self.n_heads
         return n
 
     def input_names(self) -> list[str]:
@@ -149,11 +213,15 @@ class AttentionConfig:
             specs.append(TensorSpec("past_value", dtype, ("batch", self.n_kv_heads, "past_seq", self.v_head_dim)))
             if self.key_padding_mask:
                 specs.append(TensorSpec("key_padding_mask", "bool", ("batch", "total_seq")))
-            return specs
-        if self.cross:
-            specs.append(TensorSpec("memory", dtype, ("batch", "mem_seq", self.kv_dim)))
-        if self.key_padding_mask:
-            specs.append(TensorSpec("key_padding_mask", "bool", ("batch", self.kv_len_dim())))
+        else:
+            if self.cross:
+                specs.append(TensorSpec("memory", dtype, ("batch", "mem_seq", self.kv_dim)))
+            if self.key_padding_mask:
+                specs.append(TensorSpec("key_padding_mask", "bool", ("batch", self.kv_len_dim())))
+        if self.rope is not None:
+            # Each token's position (Hugging Face's position_ids): it only rotates q and k; the masks
+            # stay over token index. Last, as the torch module's forward takes it.
+            specs.append(TensorSpec("position_ids", "int64", ("batch", "seq")))
         return specs
 
     def outputs(self, dtype: str = "fp32") -> list[TensorSpec]:
@@ -166,7 +234,11 @@ class AttentionConfig:
     # JSON round trip. Every key is written, resolved defaults included, so a stored
     # config does not depend on the defaults of the attnx version that reads it.
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if isinstance(value, (Rope, QKNorm)) else value
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -210,6 +282,21 @@ PRESETS: dict[str, AttentionConfig] = {
     # multi-query (one key/value head), the large preset's sizes.
     "large-gqa": AttentionConfig(d_model=1024, n_heads=16, n_kv_heads=4, causal=True, kv_cache=True),
     "large-mqa": AttentionConfig(d_model=1024, n_heads=16, n_kv_heads=1, causal=True, kv_cache=True),
+    # Modern LLM layers (README, "Modern LLM attention"). Llama 3.1 8B's attention: 32 query heads and
+    # 8 key/value heads of 128, no biases, rope theta 500000 with Llama 3.1's frequency scaling
+    # (meta-llama/Llama-3.1-8B config.json, rope_scaling).
+    "llama3-8b": AttentionConfig(
+        d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, bias=False, causal=True,
+        rope={"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    ),
+    # Gemma 2 9B's sliding layer (google/gemma-2-9b config.json): 16 query heads and 8 key/value heads
+    # of 256 over a 3584-wide stream, no biases, rope theta 10000, window 4096, scores soft-capped at
+    # 50, and scale query_pre_attn_scalar^-1/2 = 256^-1/2 (head_dim's, written out as the number).
+    "gemma2-9b": AttentionConfig(
+        d_model=3584, n_heads=16, n_kv_heads=8, head_dim=256, bias=False, causal=True, scale=256**-0.5,
+        rope={"theta": 10000.0}, sliding_window=4096, softcap=50.0,
+    ),
 }
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "LOWERINGS",
     "AUTO",
     "TORCH_CORES",
+    "sdpa_core_expresses",
     "EXPORT_ATTENTIONS",
     "OPTIMIZE_ATTENTIONS",
     "BENCH_ORT_LOWERINGS",
@@ -73,6 +74,8 @@ __all__ = [
     "lowering_from_nodes",
     "ModelInfo",
     "describe",
+    "ModelForm",
+    "model_form",
     "config_from_metadata",
     "external_data_locations",
     "DECODE_KEY",
@@ -80,6 +83,9 @@ __all__ = [
     "STEP_LOWERINGS",
     "buffer_form_specs",
     "check_lowering",
+    "check_llm_support",
+    "LLM_LOWERINGS",
+    "LLM_DTYPES",
     # Reduced precision (issue 12)
     "QUANT_KEY",
     "Quantization",
@@ -335,6 +341,14 @@ AUTO = "auto"  # not a lowering: the fastest of the candidates that passes parit
 # The torch module's cores (attnx.model.module): decomposed exports to MatMul/Softmax/MatMul,
 # sdpa (F.scaled_dot_product_attention) to the standard Attention op at opset 23.
 TORCH_CORES = ("decomposed", "sdpa")
+
+
+def sdpa_core_expresses(config: AttentionConfig) -> bool:
+    """Whether the torch module's sdpa core (F.scaled_dot_product_attention) computes `config`: it
+    has no softcap and no sink logit (the module refuses them rather than drop them)."""
+    return config.softcap is None and not config.sinks
+
+
 # What each command's --attention takes.
 EXPORT_ATTENTIONS = tuple(lw.name for lw in LOWERINGS.values() if lw.export) + (AUTO,)
 PASS_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.by_pass)
@@ -406,10 +420,46 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
     return inputs, outputs
 
 
+# Modern LLM attention (issue 22): the forms that express the config's LLM_KEYS so far. The others
+# are refused by name, never written without a term: the decomposed graph, full-sequence and step
+# model (growing cache), in fp32, is what is built and verified; the fused and standard-op lowerings,
+# the buffer form and the reduced-precision forms come next (README, "Modern LLM attention").
+LLM_LOWERINGS = ("decomposed",)
+LLM_DTYPES = ("fp32",)
+
+
+def check_llm_support(config: AttentionConfig, attention: str | None = None, dtype: str | None = None,
+                      step: bool = False) -> None:  # fmt: skip
+    """One UsageError naming the config's modern-LLM keys (rope, sliding_window, softcap, qk_norm,
+    sinks) when the form asked cannot express them yet: a lowering other than decomposed (auto
+    included: it measures the fused ones), full-sequence or step model, or a dtype other than fp32."""
+    keys = config.llm_keys
+    if not keys:
+        return
+    named = ", ".join(keys)
+    if (step or config.kv_cache) and attention is not None and attention not in LLM_LOWERINGS:
+        raise UsageError(
+            f"the step model (kv_cache) of a config with {named} is built as --attention "
+            f"{' or '.join(LLM_LOWERINGS)} so far (--attention {attention} would leave them out)"
+        )
+    if attention is not None and attention not in LLM_LOWERINGS:
+        raise UsageError(
+            f"--attention {attention} does not express {named} yet (its graph would leave them out): "
+            f"use --attention {' or '.join(LLM_LOWERINGS)}"
+        )
+    if dtype is not None and dtype not in LLM_DTYPES:
+        raise UsageError(
+            f"--dtype {dtype} is not built yet for a config with {named} (no tolerance row is derived for it): "
+            f"use --dtype {' or '.join(LLM_DTYPES)}"
+        )
+
+
 def check_lowering(config: AttentionConfig, attention: str, step: bool = False) -> None:
     """One UsageError when `attention` cannot express `config`: a fused full-sequence lowering
-    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none), or
-    a step-model lowering that is not in STEP_LOWERINGS."""
+    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none), a
+    step-model lowering that is not in STEP_LOWERINGS, or any form but the decomposed full-sequence
+    graph for a config with modern-LLM keys (check_llm_support)."""
+    check_llm_support(config, attention, step=step)
     if step:
         if attention not in STEP_LOWERINGS:
             raise UsageError(
@@ -613,6 +663,61 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         decode=metadata.get(DECODE_KEY),
         quantization=_quantization_or_none(metadata),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelForm:
+    """What a command runs a model file as: its config, dtype, lowering and decode form, each the
+    model's own (model_form)."""
+
+    info: ModelInfo
+    config: AttentionConfig
+    dtype: str  # the dtype a run computes in: the model's, or a runtime dtype (bf16) of its fp32 graph
+    lowering: str  # read from the graph
+    decode: str | None  # the step model's form (DECODE_FORMS), None for a full-sequence model
+
+    def agree(
+        self,
+        *,
+        config: AttentionConfig | None = None,
+        dtype: str | None = None,
+        lowering: str | None = None,
+        decode: str | None = None,
+        flags: Mapping[str, str] | None = None,
+    ) -> ModelForm:
+        """This form with the values a caller gave checked against it: a value not given is the
+        model's; one that contradicts the model is one UsageError naming both, the flag spelt as
+        `flags` says ({"dtype": "--dtype", ...}). bf16 agrees with an fp32 model: it is a runtime
+        precision of the fp32 graph (RUNTIME_DTYPES)."""
+        flags = {"config": "--config", "dtype": "--dtype", "lowering": "--attention", "decode": "--decode-form",
+                 **(flags or {})}  # fmt: skip
+        path = self.info.path
+        where = f"the model {os.path.basename(path)!r}"
+        leave = "leave {} out to use the model's (attnx inspect " + path + " shows it)"
+        if config is not None and config != self.config:
+            mine, its = config.to_dict(), self.config.to_dict()
+            differ = ", ".join(f"{k} {mine.get(k)!r} vs {v!r}" for k, v in its.items() if mine.get(k) != v)
+            raise UsageError(f"{flags['config']} contradicts {where}, which was exported from another config "
+                             f"({differ}); " + leave.format(flags["config"]))  # fmt: skip
+        its = {
+            "dtype": (dtype, graph_dtype(dtype or "") != self.dtype, self.dtype),
+            "lowering": (lowering, lowering != self.lowering, f"{self.lowering} (read from its graph)"),
+            "decode": (decode, decode != self.decode,
+                       f"the {self.decode} step model" if self.decode else "a full-sequence model"),
+        }  # fmt: skip
+        for what, (given, differs, model_value) in its.items():
+            if given is not None and differs:
+                raise UsageError(f"{flags[what]} {given} contradicts {where}, which is {model_value}; "
+                                 + leave.format(flags[what]))  # fmt: skip
+        return dataclasses.replace(self, dtype=dtype or self.dtype)
+
+
+def model_form(path: str | os.PathLike[str], **given: Any) -> ModelForm:
+    """The model at `path` describes itself: its config, dtype, lowering and decode form, read from
+    the file (describe), with the values in `given` checked against them (ModelForm.agree)."""
+    info = describe(path)
+    config = info.require_config("attnx needs the config it was exported with")
+    return ModelForm(info, config, info.dtype, info.lowering, info.decode).agree(**given)
 
 
 def _quantization_or_none(metadata: Mapping[str, str]) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The torch module: scaled dot-product multi-head attention, self or cross, with masks."""
+"""The torch module: scaled dot-product multi-head attention, self or cross, with masks, and the
+modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, sliding window, sinks."""
 
 from __future__ import annotations
 
@@ -11,11 +12,26 @@ from torch import nn
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import TORCH_CORES
+from attnx.model.contract import TORCH_CORES, sdpa_core_expresses
+from attnx.model.rope import rope_frequencies
 from attnx.model.weights import check_weights, init_weights
 
 __all__ = ["MultiHeadAttention", "build_module"]
 
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last axis (head_dim): x / sqrt(mean(x^2) + eps) * weight, computed in
+    float32 at least (as transformers' Qwen3RMSNorm), returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x if x.dtype == torch.float64 else x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.to(h.dtype)).to(x.dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -34,6 +50,26 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(c.kv_dim, c.kv_q_dim, bias=c.bias)  # n_kv_heads heads
         self.v_proj = nn.Linear(c.kv_dim, c.kv_v_dim, bias=c.bias)
         self.out_proj = nn.Linear(c.v_dim, c.d_model, bias=c.bias)
+        if c.qk_norm is not None:
+            self.q_norm = HeadRMSNorm(c.head_dim, c.qk_norm.eps)
+            self.k_norm = HeadRMSNorm(c.head_dim, c.qk_norm.eps)
+        if c.sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.n_heads))
+        if core == "sdpa" and not sdpa_core_expresses(c):
+            # F.scaled_dot_product_attention has neither: the sdpa core would drop them silently.
+            raise UsageError(
+                f"the sdpa core has no {'softcap' if c.softcap is not None else 'sinks'}: use the decomposed core"
+            )
+        # The rope table's pair (attnx.model.rope), held as numpy (the module is built on the meta
+        # device) and made a tensor in forward: a constant of the exported graph. longrope keeps
+        # both sets and picks one per call (_rope_inv_freq).
+        self._rope = None
+        if c.rope is not None:
+            short, factor = rope_frequencies(c.rope)
+            long = None
+            if c.rope.rope_type == "longrope":
+                long = rope_frequencies(c.rope, c.rope.scaling["original_max_position_embeddings"] + 1)[0]
+            self._rope = (short, long, factor)
 
     def forward(
         self,
@@ -42,15 +78,27 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         past_key: torch.Tensor | None = None,
         past_value: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """y; with config.kv_cache the step model: (y, present_key, present_value), where the
-        present cache is the past one with this step's keys/values appended (README, "Decoding")."""
+        present cache is the past one with this step's keys/values appended (README, "Decoding"),
+        keys as they are scored (after qk_norm and rope). position_ids [B, T] int64: each token's
+        position, for config.rope."""
         c = self.config
         B, T, _ = x.shape
         m = memory if c.cross else x
         S = m.shape[1]
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, N, T, hd)
-        k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Nkv, S, hd)
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)  # (B, T, N, hd)
+        k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim)  # (B, S, Nkv, hd)
+        if c.qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head alike
+        if c.rope is not None:
+            if position_ids is None:
+                raise UsageError("this model takes position_ids (config rope)")
+            cos, sin = self._rope_cos_sin(position_ids, q.dtype)  # (B, T, 1, dim/2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q = q.transpose(1, 2)  # (B, N, T, hd)
+        k = k.transpose(1, 2)  # (B, Nkv, S, hd)
         v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim).transpose(1, 2)  # (B, Nkv, S, vhd)
         past = 0
         if c.kv_cache:
@@ -82,20 +130,48 @@ class MultiHeadAttention(nn.Module):
             return y, present_k, present_v
         return y
 
+    def _rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of position * inv_freq, times attention_factor, (B, T, 1, dim/2) in `dtype`.
+        The angle is computed in float32 (float64 for a float64 module), as transformers does: its
+        rounding grows with the position (the tolerance table's rope term)."""
+        short, long, factor = self._rope
+        angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        inv_freq = torch.tensor(short, dtype=angle_dtype, device=position_ids.device)
+        if long is not None:
+            # longrope, transformers' rule: the long factors for the whole call once its largest
+            # position + 1 exceeds the original length.
+            switch = position_ids.max() + 1 > self.config.rope.scaling["original_max_position_embeddings"]
+            inv_freq = torch.where(switch, torch.tensor(long, dtype=angle_dtype, device=position_ids.device), inv_freq)
+        angle = position_ids.to(angle_dtype)[..., None, None] * inv_freq  # (B, T, 1, dim/2)
+        return (angle.cos() * factor).to(dtype), (angle.sin() * factor).to(dtype)
+
+    def _rotate(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """u (B, T, heads, hd) with pair i of its first rope.dim dims turned by angle i; the rest pass."""
+        rope = self.config.rope
+        rot, rest = u[..., : rope.dim], u[..., rope.dim :]
+        if rope.interleaved:  # pairs (2i, 2i + 1)
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)  # (.., dim)
+        else:  # pairs (i, i + dim/2)
+            a, b = rot[..., : rope.dim // 2], rot[..., rope.dim // 2 :]
+            turned = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        return torch.cat((turned, rest), dim=-1) if rest.shape[-1] else turned
+
     def _hidden_keys(
         self, x: torch.Tensor, T: int, S: int, key_padding_mask: torch.Tensor | None, past: int = 0
     ) -> torch.Tensor | None:
         """True where key j is hidden from query i, broadcastable to (B, N, T, S). With a cache,
-        query i sits at position past + i and key j at position j: the mask is over positions."""
+        query i sits at token index past + i and key j at index j: the mask is over token index
+        (never over position_ids)."""
         c = self.config
         hidden = None
-        if c.causal and c.kv_cache:
-            i = torch.arange(T, device=x.device) + past  # query positions
-            j = torch.arange(S, device=x.device)  # key positions (S = past + T)
-            hidden = (j[None, :] > i[:, None])[None, None]  # (1, 1, T, S): key j after query i
-        elif c.causal:
-            i = torch.arange(T, device=x.device)
-            hidden = (i[None, :] > i[:, None])[None, None]  # (1, 1, T, S=T): key j > query i
+        if c.causal:
+            i = torch.arange(T, device=x.device) + past  # query token indices
+            j = torch.arange(S, device=x.device)  # key token indices (S = past + T)
+            hidden = j[None, :] > i[:, None]  # (T, S): key j after query i
+            if c.sliding_window is not None:
+                hidden = hidden | (j[None, :] <= i[:, None] - c.sliding_window)  # outside p - W < j
+            hidden = hidden[None, None]  # (1, 1, T, S)
         if c.key_padding_mask:
             if key_padding_mask is None:
                 raise UsageError("this model takes a key_padding_mask input")
@@ -106,19 +182,28 @@ class MultiHeadAttention(nn.Module):
     def _decomposed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None
     ) -> torch.Tensor:
-        scores = torch.matmul(q, k.transpose(-2, -1)) * self.config.softmax_scale  # (B, N, T, S)
+        c = self.config
+        scores = torch.matmul(q, k.transpose(-2, -1)) * c.softmax_scale  # (B, N, T, S)
+        if c.softcap is not None:
+            scores = torch.tanh(scores / c.softcap) * c.softcap
         if hidden is not None:
             # The dtype's lowest finite value, not -inf: exp(lowest - max) is exactly 0 for a
             # hidden key, and a fully hidden row stays finite (fp16 included).
             scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        p = torch.softmax(scores, dim=-1)
+        if c.sinks:
+            B, N, T, _ = scores.shape
+            sink = self.sinks.to(scores.dtype).view(1, N, 1, 1).expand(B, N, T, 1)
+            p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # the sink has no value
+        else:
+            p = torch.softmax(scores, dim=-1)
         return torch.matmul(p, v)  # (B, N, T, vhd)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         scale = self.config.softmax_scale
         if hidden is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
-        if self.config.causal and not self.config.key_padding_mask and not self.config.kv_cache:
+        c = self.config
+        if c.causal and not c.key_padding_mask and not c.kv_cache and c.sliding_window is None:
             # (is_causal aligns the mask top-left: right only without a cache, where T == S.)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         # The mask is expanded to (B, 1, T, S): ONNX Runtime's Attention op does not

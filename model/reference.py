@@ -1,7 +1,13 @@
 """The numpy reference: the formula of the README ("The model"), written to be read, not to be fast.
 
 float64 throughout, one head and one query at a time, so that it shares no code and no
-numerical shortcut with the torch module or the ONNX graph it checks.
+numerical shortcut with the torch module or the ONNX graph it checks. The one thing every form
+shares is the rope table (attnx.model.rope: inv_freq and attention_factor), which tests check
+against transformers' own.
+
+The order (README, "Modern LLM attention"): projections, qk_norm, rope, scale * q.k, softcap,
+masks (causal, sliding window, key padding: over token index), softmax over the visible keys and
+the head's sink logit, times v, out projection.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from attnx.model.config import AttentionConfig
+from attnx.model.rope import rope_cos_sin, rope_pairs
 
 __all__ = ["reference_attention"]
 
@@ -23,11 +30,16 @@ def reference_attention(
     key_padding_mask: np.ndarray | None = None,
     past_key: np.ndarray | None = None,
     past_value: np.ndarray | None = None,
+    position_ids: np.ndarray | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
     """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]. With config.kv_cache,
-    (y, present_key, present_value): the keys/values of past_key/past_value (positions
-    0..past_seq-1) followed by this step's (positions past_seq..), query i at past_seq + i."""
+    (y, present_key, present_value): the keys/values of past_key/past_value (token indices
+    0..past_seq-1) followed by this step's (past_seq..), query i at index past_seq + i; the cache
+    holds keys as they are scored (after qk_norm and rope). position_ids int64 [batch, seq]: each
+    new token's position, what rope rotates by (config.rope; the masks are over token index)."""
     c = config
+    if c.rope is not None and position_ids is None:
+        raise ValueError("a config with rope takes position_ids [batch, seq]")
 
     def linear(inp: np.ndarray, name: str) -> np.ndarray:
         # Each tensor is made float64 when used, not all up front: a float64 copy of every
@@ -44,6 +56,10 @@ def reference_attention(
     q = linear(x, "q_proj")  # (batch, t, N*hd)
     k = linear(m, "k_proj")  # (batch, s, Nkv*hd)
     v = linear(m, "v_proj")  # (batch, s, Nkv*vhd)
+    if c.qk_norm is not None or c.rope is not None:
+        q = _norm_and_rotate(c, weights, q, c.n_heads, "q_norm", position_ids)
+        k = _norm_and_rotate(c, weights, k, c.n_kv_heads, "k_norm", position_ids)
+    sinks = np.asarray(weights["sinks"], dtype=np.float64) if c.sinks else None
     past = 0
     if c.kv_cache:
         past = past_key.shape[2]
@@ -61,16 +77,22 @@ def reference_attention(
             kn = k[b, :, g * c.head_dim : (g + 1) * c.head_dim]
             vn = v[b, :, g * c.v_head_dim : (g + 1) * c.v_head_dim]
             for i in range(t):
+                p_index = past + i  # the query's token index
                 visible = np.ones(s, dtype=bool)
                 if c.causal:
-                    visible[past + i + 1 :] = False  # a key after the query's position is hidden
+                    visible[p_index + 1 :] = False  # a key after the query's token is hidden
+                if c.sliding_window is not None:
+                    visible[: max(p_index - c.sliding_window + 1, 0)] = False  # p - W < j only
                 if key_padding_mask is not None:
                     visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
                 if not visible.any():
-                    continue  # every key hidden: z_i = 0 by definition
+                    continue  # every key hidden: z_i = 0 by definition (a sink takes all the weight)
                 scores = c.softmax_scale * (kn[visible] @ qn[i])
-                p = np.exp(scores - scores.max())
-                p /= p.sum()
+                if c.softcap is not None:
+                    scores = c.softcap * np.tanh(scores / c.softcap)
+                logits = scores if sinks is None else np.append(scores, sinks[n])  # the sink: a logit, no value
+                e = np.exp(logits - logits.max())
+                p = e[: len(scores)] / e.sum()
                 z[b, i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
     y = linear(z, "out_proj")
     if not c.kv_cache:
@@ -78,3 +100,27 @@ def reference_attention(
     present_key = k.reshape(batch, s, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)  # (batch, Nkv, s, hd)
     present_value = v.reshape(batch, s, c.n_kv_heads, c.v_head_dim).transpose(0, 2, 1, 3)
     return y, present_key, present_value
+
+
+def _norm_and_rotate(
+    c: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    u: np.ndarray,
+    heads: int,
+    norm: str,
+    position_ids: np.ndarray | None,
+) -> np.ndarray:
+    """q or k [batch, t, heads*hd] after qk_norm (RMSNorm of each head over head_dim, times the
+    weights `norm`.weight) and rope (pair i of each head at position p turned by p * inv_freq_i)."""
+    batch, t, _ = u.shape
+    out = u.reshape(batch, t, heads, c.head_dim).copy()  # (batch, t, heads, hd)
+    if c.qk_norm is not None:
+        w = np.asarray(weights[f"{norm}.weight"], dtype=np.float64)
+        out = out / np.sqrt(np.mean(out**2, axis=-1, keepdims=True) + c.qk_norm.eps) * w
+    if c.rope is not None:
+        cos, sin = rope_cos_sin(c.rope, np.asarray(position_ids))  # (batch, t, dim/2), times attention_factor
+        a, b = rope_pairs(c.rope)  # pair i is (a[i], b[i]) of each head
+        qa, qb = out[..., a].copy(), out[..., b].copy()
+        out[..., a] = qa * cos[:, :, None] - qb * sin[:, :, None]
+        out[..., b] = qb * cos[:, :, None] + qa * sin[:, :, None]
+    return out.reshape(batch, t, heads * c.head_dim)

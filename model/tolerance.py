@@ -14,6 +14,34 @@ any magnitude (those made outside attnx included). A pair passes when
 |out - ref| <= atol + rtol * |ref| everywhere (attnx.runtimes.compare applies it).
 ulps counts the roundings that stack along the chain (four matmuls, a softmax, and for
 half precision the rounding of inputs, weights and every stored intermediate).
+
+Rotary positions (config rope) add one term, from this error model. Every form computes the
+angle of pair i at position p, theta_i = p * w_i (w = inv_freq), in float32 (as transformers does):
+w_i rounded (relative error <= eps/2), times p (exact below 2^24), rounded again (<= eps/2), so
+
+    |d theta_i| <= eps * |p| * w_i                    (eps the float32 epsilon, not the dtype's)
+
+an absolute error that grows with the position (p = 8192 and w_0 = 1: 1e-3 rad); the cos and sin
+of the rounded angle add only a few eps absolute each, inside the rule above. A pair (a, b) turned
+by theta + d theta is the exact result turned again by d theta: it moves by |d theta| |(a, b)|,
+at right angles. A score scale * q.k, summed over pairs, then moves by at most
+
+    |ds| <= scale * sum_i eps (|p_q| + |p_k|) w_i |q_i| |k_i|
+         <= 2 eps P * scale * Qw * Kw,      Qw = sqrt(sum_i w_i |q_i|^2), Kw alike
+
+(|q_i| the norm of pair i after rope, P the largest |position| of the case; the second line is
+Cauchy-Schwarz with weights w_i, so the slow pairs, whose angles barely round, weigh little).
+B = the largest scale * Qw * Kw of a query and a key that a head pairs. The softmax turns an
+absolute score error into at most twice that relative error of the output (dz = sum_j p_j
+(ds_j - mean_p ds) v_j: the centred error), so, relative to rms(ref):
+
+    atol += ROPE_FACTOR * eps32 * P * B * scale          ROPE_FACTOR = 4 (q and k, the centring)
+
+A bound, reached only if every rounding went the worst way at once; the error grows with P as it
+says (llama3-8b preset, seeded weights, torch against the reference: 4.4e-6, 5.3e-5 and 5.2e-4 of
+rms(ref) at positions to 15, 8192 and 65536, against atol 6.7e-5, 2.6e-3 and 2.0e-2 of it). It cannot hide a planted fault in the rotation: a wrong position, pair layout or
+frequency turns the fast pairs by whole radians, where this term is eps * P relative. At the
+positions of everyday parity (P < 200) the term is below the rule's own.
 """
 
 from __future__ import annotations
@@ -27,6 +55,7 @@ import numpy as np
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import OPENVINO
+from attnx.model.rope import rope_cos_sin, rope_frequencies, rope_pairs
 
 __all__ = [
     "Tolerance",
@@ -40,7 +69,15 @@ __all__ = [
     "ProjectionError",
     "QUANT_TAIL",
     "QUANT_RMS_SLACK",
+    # Rotary positions (issue 22)
+    "ROPE_FACTOR",
+    "ROPE_EPS",
+    "rotated_cache_size",
 ]
+
+# The rope term (module doc): the angle is rounded in float32 whatever the dtype of the rest.
+ROPE_FACTOR = 4.0
+ROPE_EPS = float(np.finfo(np.float32).eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +87,8 @@ class Tolerance:
     ulps: float  # how many eps of error the chain may stack up
 
     def atol(self, size: ProblemSize, scale: float) -> float:
-        return self.ulps * self.eps * (math.sqrt(size.k) + size.score_max) * scale
+        rope = ROPE_FACTOR * min(ROPE_EPS, self.eps) * size.rope_position * size.rope_qk  # 0 without rope
+        return (self.ulps * self.eps * (math.sqrt(size.k) + size.score_max) + rope) * scale
 
     @property
     def rtol(self) -> float:
@@ -112,9 +150,15 @@ class ProblemSize:
     # max |value| ("x", "memory", "z": the attention output, the output projection's input).
     score_rms: float = 0.0
     activations: tuple[tuple[str, float, float, float, float], ...] = ()  # (name, rms, min, max, row peak rms)
+    # Rotary positions (the module doc's rope term): P, the largest |position| of the case, and B,
+    # the largest scale * Qw * Kw (inv_freq-weighted norms) of a query and a key a head pairs.
+    rope_position: float = 0.0
+    rope_qk: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         out: dict = {"k": self.k, "score_max": self.score_max}
+        if self.rope_position:
+            out["rope_position"], out["rope_qk"] = self.rope_position, self.rope_qk
         if self.activations:
             out["score_rms"] = self.score_rms
             out["activations"] = {n: [r, lo, hi, peak] for n, r, lo, hi, peak in self.activations}
@@ -125,7 +169,8 @@ class ProblemSize:
         # a record written before the row peaks (three numbers): the tensor's largest |value| bounds every row's
         acts = tuple((n, float(v[0]), float(v[1]), float(v[2]), float(v[3]) if len(v) > 3 else max(-float(v[1]), float(v[2])))
                      for n, v in dict(data.get("activations") or {}).items())  # fmt: skip
-        return cls(int(data["k"]), float(data["score_max"]), float(data.get("score_rms", 0.0)), acts)
+        return cls(int(data["k"]), float(data["score_max"]), float(data.get("score_rms", 0.0)), acts,
+                   float(data.get("rope_position", 0.0)), float(data.get("rope_qk", 0.0)))  # fmt: skip
 
     def activation(self, name: str) -> tuple[float, float, float, float] | None:
         """(rms, min, max, RMS of the rows' max |value|) of one quantized input, or None."""
@@ -149,8 +194,30 @@ def problem_size(
         q += np.asarray(weights["q_proj.bias"], np.float32)
         k += np.asarray(weights["k_proj.bias"], np.float32)
     B, T, S, N, hd = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.head_dim
-    q = q.reshape(B, T, N, hd).transpose(0, 2, 1, 3)  # (B, N, T, hd)
-    k = k.reshape(B, S, config.n_kv_heads, hd).transpose(0, 2, 3, 1)  # (B, Nkv, hd, S)
+    q = q.reshape(B, T, N, hd)  # (B, T, N, hd)
+    k = k.reshape(B, S, config.n_kv_heads, hd)  # (B, S, Nkv, hd)
+    rope_position, weights_w = 0.0, None
+    if config.qk_norm is not None or config.rope is not None:  # the keys and queries as scored
+        positions = feeds.get("position_ids")
+        q = _norm_and_rotate(config, weights, q, "q_norm", positions)
+        k = _norm_and_rotate(config, weights, k, "k_norm", positions)
+        if config.rope is not None and np.size(positions):
+            rope_position = float(np.max(np.abs(positions)))
+            weights_w = rope_frequencies(config.rope, int(np.max(positions)) + 1)[0]  # the call's inv_freq
+    rope_qk = 0.0
+    if weights_w is not None:
+        a, b = rope_pairs(config.rope)
+
+        def weighted_norm(u: np.ndarray) -> np.ndarray:  # sqrt(sum_i w_i |u_i|^2) over the pairs i
+            pairs = np.square(u[..., a], dtype=np.float64) + np.square(u[..., b], dtype=np.float64)
+            return np.sqrt(np.sum(pairs * weights_w, axis=-1))
+
+        qw, kw = weighted_norm(q), weighted_norm(k)  # (B, T, N), (B, S, Nkv)
+        for n in range(N):
+            pair_max = float(qw[:, :, n].max() * kw[:, :, n // config.group_size].max())
+            rope_qk = max(rope_qk, pair_max * config.softmax_scale)
+    q = q.transpose(0, 2, 1, 3)  # (B, N, T, hd)
+    k = k.transpose(0, 2, 3, 1)  # (B, Nkv, hd, S)
     if feeds.get("past_key") is not None:  # a step model: the cached keys are scored too
         past = np.asarray(feeds["past_key"], np.float32).transpose(0, 1, 3, 2)  # (B, Nkv, hd, P)
         k = np.concatenate([past, k], axis=3)
@@ -159,9 +226,46 @@ def problem_size(
     for n in range(N):  # one head at a time bounds the memory at B*T*S
         kn = k[:, n // config.group_size]  # query head n reads key/value head n // group_size
         score_max = max(score_max, float(np.abs(q[:, n] @ kn).max()) * config.softmax_scale)
+    size = ProblemSize(reduction_length(config, S), score_max, rope_position=rope_position, rope_qk=rope_qk)
     if not activations:
-        return ProblemSize(reduction_length(config, S), score_max)
-    return _with_activations(config, weights, feeds, x, m, q, k, ProblemSize(reduction_length(config, S), score_max))
+        return size
+    return _with_activations(config, weights, feeds, x, m, q, k, size)
+
+
+def rotated_cache_size(config: AttentionConfig, size: ProblemSize, cache: np.ndarray) -> ProblemSize:
+    """`size` for comparing a step model's present_key, the keys as rotated by rope: each stored pair
+    i moves by at most eps * P * w_i |k_i| itself (the module doc's first step, no score after it),
+    so the rope term (ROPE_FACTOR * eps * P * rope_qk * rms(ref)) gets rope_qk = max_i w_i |k_i| /
+    (ROPE_FACTOR * rms(cache)). Unchanged without rope. cache: the reference's present_key."""
+    if config.rope is None or not size.rope_position:
+        return size
+    cache = np.asarray(cache, np.float64)  # (B, Nkv, T, hd)
+    a, b = rope_pairs(config.rope)
+    pair_norm = np.sqrt(cache[..., a] ** 2 + cache[..., b] ** 2)  # (B, Nkv, T, dim/2)
+    w = np.maximum(*(rope_frequencies(config.rope, n)[0] for n in (None, int(size.rope_position) + 1)))
+    rms = float(np.sqrt(np.mean(cache**2))) or 1.0
+    return dataclasses.replace(size, rope_qk=float(np.max(pair_norm * w)) / (ROPE_FACTOR * rms))
+
+
+def _norm_and_rotate(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    u: np.ndarray,
+    norm: str,
+    positions: np.ndarray | None,
+) -> np.ndarray:
+    """q or k [B, T, heads, hd] (float32) as the formula scores them: after qk_norm and rope."""
+    if config.qk_norm is not None:
+        w = np.asarray(weights[f"{norm}.weight"], np.float32)
+        u = u / np.sqrt(np.mean(np.square(u), axis=-1, keepdims=True) + np.float32(config.qk_norm.eps)) * w
+    if config.rope is not None:
+        cos, sin = (t.astype(np.float32)[:, :, None] for t in rope_cos_sin(config.rope, np.asarray(positions)))
+        a, b = rope_pairs(config.rope)
+        u = u.copy()
+        ua, ub = u[..., a].copy(), u[..., b]
+        u[..., a] = ua * cos - ub * sin
+        u[..., b] = ub * cos + ua * sin
+    return u
 
 
 def _with_activations(
@@ -176,6 +280,9 @@ def _with_activations(
 ) -> ProblemSize:
     """`size` with the scores' RMS (visible keys only) and the RMS and range of every input a
     quantized form quantizes: x, memory and z, the attention output (float32, the masks applied)."""
+    if config.softcap is not None or config.sliding_window is not None or config.sinks:
+        # The quantized forms refuse these configs (contract.check_lowering); this model has no such terms.
+        raise UsageError("the quantized error model has no softcap, sliding window or sinks")
     B, T, S, N, dv = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.v_head_dim
     g = config.group_size  # query head n reads key/value head n // g
     v = m @ np.asarray(weights["v_proj.weight"], np.float32).T  # (B, S, Nkv*dv)

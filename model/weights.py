@@ -47,23 +47,40 @@ def weight_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{name}.weight"] = (out_f, in_f)
         if c.bias:
             shapes[f"{name}.bias"] = (out_f,)
+    if c.qk_norm is not None:  # the RMSNorm weights of each head's q and k, shared by the heads
+        shapes["q_norm.weight"] = (c.head_dim,)
+        shapes["k_norm.weight"] = (c.head_dim,)
+    if c.sinks:  # one sink logit per query head
+        shapes["sinks"] = (c.n_heads,)
     return shapes
+
+
+# The seeded draws of the tensors that are no projection: [low, high) of each (a norm's weights
+# about 1, as trained ones are; sink logits of either sign, about as large as a score).
+_NON_PROJECTION_RANGES = {"q_norm.weight": (0.5, 1.5), "k_norm.weight": (0.5, 1.5), "sinks": (-2.0, 2.0)}
 
 
 def init_weights(config: AttentionConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded weights, the same on every machine: numpy's PCG64 drawn tensor by tensor.
 
-    U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as torch.nn.Linear, so activations keep their scale.
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as torch.nn.Linear, so activations keep their scale. The
+    q/k norm weights and the sinks (after the projections, so the projections' draws do not depend
+    on them) are drawn from _NON_PROJECTION_RANGES.
     """
     rng = np.random.Generator(np.random.PCG64(seed))
     shapes = weight_shapes(config)
     weights = {}
     for name, shape in shapes.items():
-        fan_in = shapes[name.replace(".bias", ".weight")][1]
-        bound = np.float32(1.0 / np.sqrt(fan_in))
         w = rng.random(shape, dtype=np.float32)  # [0, 1)
-        w *= 2 * bound
-        w -= bound
+        if name in _NON_PROJECTION_RANGES:
+            low, high = (np.float32(v) for v in _NON_PROJECTION_RANGES[name])
+            w *= high - low
+            w += low
+        else:
+            fan_in = shapes[name.replace(".bias", ".weight")][1]
+            bound = np.float32(1.0 / np.sqrt(fan_in))
+            w *= 2 * bound
+            w -= bound
         weights[name] = w
     return weights
 

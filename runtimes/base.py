@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,9 +28,29 @@ __all__ = [
     "backend_unavailable_reason",
     "BACKENDS",
     "DecodeState",
+    "THREADS_ENV",
+    "runtime_threads",
 ]
 
 logger = logging.getLogger(__name__)
+
+# The threads each runtime session attnx opens may use (ONNX Runtime's intra-op pool, OpenVINO's
+# INFERENCE_NUM_THREADS), when a caller gives none: on a shared host, or beside other processes
+# (the tests on every core), a session that takes every core and spins between runs slows all.
+THREADS_ENV = "ATTNX_THREADS"
+
+
+def runtime_threads(threads: int | None = None) -> int | None:
+    """`threads` when given, else ATTNX_THREADS when set (a positive integer, or one UsageError
+    naming the variable), else None: the runtime's own default (every core)."""
+    if threads is not None:
+        return threads
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{THREADS_ENV}={text!r}: expected a positive integer (threads per runtime session)")
+    return int(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +113,12 @@ class Runner:
         return self.run_impl(feeds)
 
     # Decoding (a step model: config kv_cache) ------------------------------------------------
-    def prefill(self, x: Any, key_padding_mask: np.ndarray | None = None) -> DecodeState:
+    def prefill(
+        self, x: Any, key_padding_mask: np.ndarray | None = None, position_ids: np.ndarray | None = None
+    ) -> DecodeState:
         """Run the prompt x [batch, P, d_model] on an empty cache (past_seq 0); the state holds
-        its output y and the cache. key_padding_mask [batch, P]: True hides (left padding)."""
+        its output y and the cache. key_padding_mask [batch, P]: True hides (left padding).
+        position_ids int64 [batch, P]: each token's position, for a model with rope (step())."""
         config = self._step_config()
         batch = x.shape[0]
         dtype = self._float_dtype()
@@ -102,15 +126,21 @@ class Runner:
         empty_v = np.zeros((batch, config.n_kv_heads, 0, config.v_head_dim), dtype)
         mask = np.zeros((batch, 0), bool) if config.key_padding_mask else None
         _, state = self.step(x, DecodeState(np.zeros((batch, 0, config.d_model)), empty_k, empty_v, mask, 0),
-                             key_padding_mask)  # fmt: skip
+                             key_padding_mask, position_ids)  # fmt: skip
         return state
 
     def step(
-        self, x: Any, state: DecodeState, key_padding_mask: np.ndarray | None = None
+        self,
+        x: Any,
+        state: DecodeState,
+        key_padding_mask: np.ndarray | None = None,
+        position_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, DecodeState]:
-        """y of the new tokens x [batch, seq, d_model] at positions state.length.., and the state
-        after them (the present cache fed back as past). key_padding_mask [batch, seq]: True
-        hides these positions (default: none hidden)."""
+        """y of the new tokens x [batch, seq, d_model] at token indices state.length.., and the
+        state after them (the present cache fed back as past). key_padding_mask [batch, seq]: True
+        hides these tokens (default: none hidden). position_ids int64 [batch, seq], for a model
+        with rope: the tokens' positions (Hugging Face's position_ids; required there, refused
+        elsewhere: a left-padded row's positions are not its token indices)."""
         config = self._step_config()
         if not self.is_loaded:
             raise UsageError(f"runner {self.name!r} is not loaded: call load() or use it as a context manager")
@@ -127,6 +157,12 @@ class Runner:
             feeds["key_padding_mask"] = mask
         elif key_padding_mask is not None:
             raise InputError("this model takes no key_padding_mask")
+        if config.rope is not None:
+            if position_ids is None:
+                raise InputError("this model has rope: each step takes position_ids int64 [batch, seq]")
+            feeds["position_ids"] = position_ids
+        elif position_ids is not None:
+            raise InputError("this model takes no position_ids (its config has no rope)")
         out = self.run_step_impl(feeds)
         y = _as_numpy(out["y"])
         return y, DecodeState(y, out["present_key"], out["present_value"], mask, state.length + int(x.shape[1]))

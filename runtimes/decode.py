@@ -28,7 +28,8 @@ from attnx.model.contract import (
     float_dtype,
     numpy_dtype,
 )
-from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, tolerance_for
+from attnx.model.inputs import position_ids_from_mask
+from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, rotated_cache_size, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.parity import MODULE_BACKENDS, ParityCase, ParityReport, quantized_skip, source_quantization
@@ -41,6 +42,7 @@ __all__ = [
     "empty_cache",
     "make_decode_inputs",
     "run_buffer_parity",
+    "is_buffer_form",
     "run_decode_parity",
 ]
 
@@ -105,38 +107,60 @@ class BufferDecoder:
         return b.get_outputs()[0].numpy()
 
     def cache_numpy(self) -> tuple[np.ndarray, np.ndarray]:
-        """The filled part of the cache, [batch, n_kv_heads, length, ..]."""
-        return self.key.numpy()[:, :, : self.length], self.value.numpy()[:, :, : self.length]
+        """The filled part of the cache, [batch, n_kv_heads, length, ..]: a copy (OrtValue.numpy() of a
+        CPU buffer may be a view of its memory, freed with the decoder)."""
+        return self.key.numpy()[:, :, : self.length].copy(), self.value.numpy()[:, :, : self.length].copy()
 
 
 def make_decode_inputs(config: AttentionConfig, batch: int, total: int, dtype: str = "fp32",
-                       seed: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
+                       seed: int = 0, position_offset: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
     """x [batch, total, d_model] ~ N(0, 1) and, when the model takes one, a left-padded key
     padding mask [batch, total]: row b hides its first b*(total//(2*batch)) + b positions (row 0
-    none; later rows more, so some queries see no key at all: y = bo there)."""
+    none; later rows more, so some queries see no key at all: y = bo there). A model with rope
+    also takes position_ids [batch, total]: Hugging Face's rule over that left padding (without a
+    mask, over the same padding, left_padding's rows), moved by position_offset."""
     rng = np.random.Generator(np.random.PCG64(seed))
     feeds = {"x": rng.standard_normal((batch, total, config.d_model), dtype=np.float32).astype(numpy_dtype(dtype))}
+    pad = np.zeros((batch, total), bool)
+    for b in range(batch):
+        pad[b, : min(total - 1, b * (total // (2 * batch)) + b)] = True
     if config.key_padding_mask:
-        mask = np.zeros((batch, total), bool)
-        for b in range(batch):
-            mask[b, : min(total - 1, b * (total // (2 * batch)) + b)] = True
-        feeds["key_padding_mask"] = mask
+        feeds["key_padding_mask"] = pad
+    if config.rope is not None:
+        feeds["position_ids"] = position_ids_from_mask(~pad) + np.int64(position_offset)
     return feeds
 
 
-def decode_sequence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int) -> tuple[np.ndarray, DecodeState]:
-    """y over every position: a prefill of `prefill` tokens (an empty one when 0: the first token
-    is then a step like the others), then one token per step, each feeding the cache back."""
-    x, mask = feeds["x"], feeds.get("key_padding_mask")
-    state = runner.prefill(x[:, :prefill], None if mask is None else mask[:, :prefill]) if prefill else None
-    if state is None:  # no prefill: start from the empty cache with the first step
-        state = runner.prefill(x[:, :1], None if mask is None else mask[:, :1])
-        prefill = 1
+def is_buffer_form(runner: Runner) -> bool:
+    """Whether a loaded runner runs a step model of the buffer form (its seqlens_k input)."""
+    return any(s.name == "seqlens_k" for s in runner.inputs)
+
+
+def decode_sequence(
+    runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int, config: AttentionConfig | None = None
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """y over every position and the final cache (present_key, present_value as numpy): a
+    prefill of `prefill` tokens (an empty one when 0: the first token is then a step like the
+    others), then one token per step, each feeding the cache back. A step model of either form:
+    the growing form through runner.prefill/step, the buffer form through a BufferDecoder of
+    every position (it takes no key padding mask nor positions)."""
+    x, mask, positions = feeds["x"], feeds.get("key_padding_mask"), feeds.get("position_ids")
+    if is_buffer_form(runner):
+        dec = BufferDecoder(runner, config or runner.source.config, x.shape[1], x.shape[0])
+        ys = [dec.step(x[:, :prefill])] if prefill else []
+        ys += [dec.step(x[:, t : t + 1]) for t in range(prefill, x.shape[1])]
+        return np.concatenate(ys, axis=1), dec.cache_numpy()
+
+    def cut(a: np.ndarray | None, start: int, stop: int) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[:, start:stop])
+
+    prefill = max(prefill, 1)  # no prefill: start from the empty cache with the first token, a step like the others
+    state = runner.prefill(x[:, :prefill], cut(mask, 0, prefill), cut(positions, 0, prefill))
     ys = [state.y]
     for t in range(prefill, x.shape[1]):
-        y, state = runner.step(x[:, t : t + 1], state, None if mask is None else mask[:, t : t + 1])
+        y, state = runner.step(x[:, t : t + 1], state, cut(mask, t, t + 1), cut(positions, t, t + 1))
         ys.append(y)
-    return np.concatenate(ys, axis=1), state
+    return np.concatenate(ys, axis=1), state.cache_numpy()
 
 
 def run_decode_parity(
@@ -149,11 +173,14 @@ def run_decode_parity(
     seed: int = 0,
     runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
+    position_offset: int = 0,
 ) -> ParityReport:
     """Per backend and prefill length P: a prefill of P tokens then `steps` single-token steps,
     feeding each present cache back as past, against the reference's full forward over the
     P + steps tokens (y at every position, and the final cache). The reference backend named
-    among `backends` is checked the same way, step by step against its own full forward."""
+    among `backends` is checked the same way, step by step against its own full forward. A model
+    with rope gets the position_ids of the left-padded batch, moved by position_offset (a long
+    context: make_decode_inputs)."""
     config = source.config
     if config is None or not config.kv_cache:
         raise UsageError("decode parity needs a step model: a config with 'kv_cache': true")
@@ -184,7 +211,7 @@ def run_decode_parity(
     try:
         for i, prefill in enumerate(prefills):
             total = prefill + steps
-            feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i)
+            feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i, position_offset)
             pk, pv = empty_cache(config, batch, float_source.dtype)
             full = {**feeds, "past_key": pk, "past_value": pv}
             progress(f"decode case {i + 1}/{len(prefills)}: prefill {prefill} + {steps} steps")
@@ -223,10 +250,11 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip
-    y, state = decode_sequence(runner, feeds, prefill)
-    pk, pv = state.cache_numpy()
-    label = f"[batch={batch},prefill={prefill},steps={steps}]"
-    cmps = [compare_arrays(f"{out}{label}", got, expected[out], tols[out], size)
+    y, (pk, pv) = decode_sequence(runner, feeds, prefill, config)
+    label = f"[batch={batch},prefill={prefill},steps={steps}{',buffer' if is_buffer_form(runner) else ''}]"
+    sizes = {"y": size, "present_key": rotated_cache_size(config, size, expected["present_key"]),
+             "present_value": size}  # fmt: skip
+    cmps = [compare_arrays(f"{out}{label}", got, expected[out], tols[out], sizes[out])
             for out, got in (("y", y), ("present_key", pk), ("present_value", pv))]  # fmt: skip
     failed = [c for c in cmps if not c]
     return ParityCase(**common, status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
@@ -235,37 +263,11 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
 
 def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills: Iterable[int] = DEFAULT_PREFILLS,
                       steps: int = DEFAULT_STEPS, batch: int = 2, seed: int = 0) -> ParityReport:  # fmt: skip
-    """run_decode_parity for a model of the buffer form: the cache preallocated at P + steps
-    positions, one buffer bound as past and present, against the reference's full forward."""
-    config = source.config
-    quantization = source_quantization(source, "decode parity", "step model")
-    float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
-    ref = create_runner(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
-    cases = []
-    tol = tolerance_for(source.dtype, backend, quantization)
-    tols = _cache_tols(tol)
-    try:
-        with create_runner(backend, source) as runner:
-            for i, prefill in enumerate(prefills):
-                total = prefill + steps
-                feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i)
-                pk, pv = empty_cache(config, batch, float_source.dtype)
-                full = {**feeds, "past_key": pk, "past_value": pv}
-                expected = ref.run(full)
-                size = problem_size(config, source.weights, full, activations=quantization is not None)
-                dec = BufferDecoder(runner, config, total, batch)
-                x = feeds["x"]
-                ys = [dec.step(x[:, :prefill])] if prefill else []
-                ys += [dec.step(x[:, t : t + 1]) for t in range(prefill, total)]
-                got_k, got_v = dec.cache_numpy()
-                label = f"[batch={batch},prefill={prefill},steps={steps},buffer]"
-                cmps = [compare_arrays(f"{n}{label}", got, expected[n], tols[n], size)
-                        for n, got in (("y", np.concatenate(ys, 1)), ("present_key", got_k), ("present_value", got_v))]  # fmt: skip
-                failed = [c for c in cmps if not c]
-                cases.append(ParityCase(backend=backend, reference=REFERENCE, dtype=source.dtype, batch=batch,
-                                        seq=total, mem_seq=None, prefill=prefill, steps=steps,
-                                        status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
-                                        atol=cmps[0].atol, rtol=cmps[0].rtol, **cmps[0].stats()))  # fmt: skip
-    finally:
-        ref.close()
-    return ParityReport(cases)
+    """run_decode_parity of one ort-* backend over a model of the buffer form: the cache
+    preallocated at P + steps positions, one buffer bound as past and present. A backend that
+    cannot run here is an error, not a skip."""
+    report = run_decode_parity(source, [backend], prefills=prefills, steps=steps, batch=batch, seed=seed)
+    skipped = next((c.reason for c in report.cases if c.status == "skipped"), None)
+    if skipped is not None:
+        raise ProviderUnavailable(skipped)
+    return report

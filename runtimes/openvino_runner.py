@@ -56,7 +56,7 @@ import numpy as np
 
 from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.contract import MS_DOMAIN, OPENVINO, QUANTIZATIONS, describe, float_dtype, host_dtype
-from attnx.runtimes.base import Runner, register_backend, require_source
+from attnx.runtimes.base import Runner, register_backend, require_source, runtime_threads
 
 __all__ = ["OPENVINO_INPUT_GROUP", "OPENVINO_PRECISIONS", "OpenvinoRunner", "openvino_unavailable_reason"]
 
@@ -90,6 +90,7 @@ class OpenvinoRunner(Runner):
 
     def __init__(self, source: Any, *, precision: str | None = None, threads: int | None = None) -> None:
         super().__init__(source)
+        threads = runtime_threads(threads)
         if precision is not None and precision not in OPENVINO_PRECISIONS:
             raise UsageError(
                 f"backend {OPENVINO!r} computes in {', '.join(OPENVINO_PRECISIONS)} (its INFERENCE_PRECISION_HINT), "

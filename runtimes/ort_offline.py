@@ -308,6 +308,6 @@ def _load(path: str, opts: Any, provider: str) -> OrtRunner:
 def _run(session: Any, feeds: Mapping[str, np.ndarray], path: str) -> None:
     try:
         session.run(None, feeds)
-    except Exception as e:  # ORT's InvalidArgument for a wrong name, dtype or shape
+    except Exception as e:  # noqa: BLE001 - ORT's InvalidArgument for a wrong name, dtype or shape
         text = str(e).strip()
         raise InputError(f"the feeds do not fit {path!r}: {text.splitlines()[0] if text else e!r}") from None

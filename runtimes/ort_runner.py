@@ -38,7 +38,7 @@ from attnx.model.contract import (
     dtype_of_ort,
     require_model_file,
 )
-from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source
+from attnx.runtimes.base import ModelSource, Runner, register_backend, require_source, runtime_threads
 from attnx.runtimes.cuda import (
     ASSIGNMENT_INFO_KEY,
     CPU_PROVIDER,
@@ -122,7 +122,7 @@ class OrtRunner(Runner):
 
     def __init__(self, source: Any, threads: int | None = None, session_options: Any = None) -> None:
         super().__init__(source)
-        self.threads = threads
+        self.threads = runtime_threads(threads)
         self.session_options = session_options
 
     @classmethod
@@ -166,7 +166,7 @@ class OrtRunner(Runner):
         ort = import_onnxruntime(self.name)
         try:
             return ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
-        except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types
+        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph/... types
             raise ModelFileError(f"onnxruntime cannot load {path!r}: {_first_line(e)}") from None
 
     def check_providers(self) -> None:
@@ -498,7 +498,7 @@ class OrtCudaRunner(OrtRunner):
             warnings.simplefilter("always")
             try:
                 session = ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - ORT raises its own types; kept to report after the loop
                 error = e
             else:
                 error = None
@@ -537,7 +537,7 @@ class OrtCudaRunner(OrtRunner):
         with capture_native_stderr(), contextlib.redirect_stdout(text):
             try:
                 ort.preload_dlls()
-            except Exception as e:  # it raises for a directory that does not exist
+            except Exception as e:  # noqa: BLE001 - it raises for a directory that does not exist
                 print(f"preload_dlls failed: {e}", file=text)
         if text.getvalue().strip():
             logger.debug("onnxruntime.preload_dlls():\n%s", text.getvalue().rstrip())

@@ -180,12 +180,16 @@ def run_parity(
     seed: int = 0,
     runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
+    position_offset: int = 0,
 ) -> ParityReport:
     """Compare each backend's y with the reference backend's on the same inputs.
 
     A backend that cannot run here is reported skipped with its reason in every case. The
     reference's outputs are computed once per shape. Case i draws its inputs with mean
-    means[i % len(means)] (DEFAULT_MEANS: every second case has shifted inputs).
+    means[i % len(means)] (DEFAULT_MEANS: every second case has shifted inputs). A model with
+    rope is fed position_ids as Hugging Face computes them for a left-padded batch (or from the
+    key padding mask), every position moved by position_offset (make_inputs): a long context is
+    a large offset.
     """
     config = source.config
     if config is None:
@@ -199,6 +203,10 @@ def run_parity(
     for batch, seq, mem_seq in shapes:
         if batch < 1 or seq < 1 or (mem_seq is not None and mem_seq < 1):
             raise UsageError(f"batch, seq and mem_seq must be positive, got batch={batch} seq={seq} mem_seq={mem_seq}")
+    if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
+        raise UsageError(f"the position offset must be a non-negative integer, got {position_offset!r}")
+    if position_offset and config.rope is None:
+        raise UsageError("a position offset moves rope's positions: this model has no rope")
     means = [float(m) for m in means]
     if not means or not all(math.isfinite(m) for m in means):
         raise UsageError(f"the inputs' means must be finite numbers, got {means}")
@@ -230,7 +238,8 @@ def run_parity(
             mean = means[i % len(means)]
             progress(f"case {i + 1}/{len(shapes)}: batch={batch} seq={seq}" + (f" mem_seq={mem_seq}" if mem_seq else "")
                      + (f" mean={mean:g}" if mean else ""))  # fmt: skip
-            feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i, mean=mean)
+            feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i, mean=mean,
+                                position_offset=position_offset)  # fmt: skip
             ref_y = ref_runner.run(feeds)["y"]
             size = problem_size(config, source.weights, feeds, activations=dtype in QUANTIZATIONS)
             if check_reference:

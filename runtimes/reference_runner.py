@@ -30,6 +30,7 @@ class ReferenceRunner(Runner):
             key_padding_mask=feeds.get("key_padding_mask"),
             past_key=feeds.get("past_key"),
             past_value=feeds.get("past_value"),
+            position_ids=feeds.get("position_ids"),
         )
         if self.source.config.kv_cache:  # the step model: y, present_key, present_value
             return dict(zip(("y", "present_key", "present_value"), out))

@@ -102,7 +102,7 @@ def torch_cuda_unavailable_reason(device_id: int = 0) -> str | None:
     try:
         probe = torch.ones(8, device=f"cuda:{device_id}")
         ok = float((probe @ probe).item()) == 8.0
-    except Exception as e:  # RuntimeError from the CUDA runtime: no kernel image, OOM, ...
+    except Exception as e:  # noqa: BLE001 - RuntimeError from the CUDA runtime: no kernel image, OOM, ...
         text = str(e).strip().splitlines()
         return f"torch cannot compute on cuda:{device_id}: {text[0] if text else type(e).__name__}"
     if not ok:

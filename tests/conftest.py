@@ -18,6 +18,15 @@ def pytest_configure(config):
     # so the run restores Python's.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Under pytest-xdist (.ci/run: one worker per core) every worker shares the machine's cores: each
+    # runtime session gets its share (ATTNX_THREADS: ORT's intra-op pool, OpenVINO; OMP_NUM_THREADS:
+    # torch), inherited by the attnx processes the tests start. A pool of every core in each worker
+    # would spin against the others' (measured: -n 2 slower than one process, README "Tests").
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("ATTNX_THREADS", "OMP_NUM_THREADS"):
+            os.environ.setdefault(name, share)
 
 # The registry of small models every test draws from: each feature of the contract once.
 CONFIGS: dict[str, AttentionConfig] = {
@@ -30,6 +39,23 @@ CONFIGS: dict[str, AttentionConfig] = {
         d_model=32, n_heads=2, head_dim=12, v_head_dim=20, cross=True, kv_dim=40, key_padding_mask=True, bias=False
     ),
 }
+
+# Modern LLM attention (issue 22): the registry's layer with every new term at once (rope with
+# yarn scaling on part of each head, interleaved pairs; a window; softcap; q/k norms; sinks; grouped
+# heads; key padding), and a Llama-3-shaped one (llama3 scaling, no biases).
+LLM_CONFIGS: dict[str, AttentionConfig] = {
+    "llm": AttentionConfig(
+        d_model=48, n_heads=4, n_kv_heads=2, head_dim=12, causal=True, key_padding_mask=True, sliding_window=4,
+        softcap=2.0, qk_norm={"eps": 1e-5}, sinks=True,
+        rope={"theta": 1000.0, "dim": 8, "interleaved": True,
+              "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    ),
+    "llama": AttentionConfig(
+        d_model=64, n_heads=4, n_kv_heads=2, causal=True, bias=False,
+        rope={"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+    ),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +70,7 @@ def exported(tmp_path_factory):
         key = (name, attention, dtype)
         if key not in cache:
             path = os.path.join(root, f"{name}-{attention}-{dtype}.onnx")
-            config = CONFIGS[name]
+            config = CONFIGS[name] if name in CONFIGS else LLM_CONFIGS[name]
             export_model(config, path, init_weights(config, seed=1), seed=1, attention=attention, dtype=dtype)
             cache[key] = path
         return cache[key]
@@ -53,4 +79,4 @@ def exported(tmp_path_factory):
 
 
 def weights_for(name: str):
-    return init_weights(CONFIGS[name], seed=1)
+    return init_weights(CONFIGS[name] if name in CONFIGS else LLM_CONFIGS[name], seed=1)

@@ -21,6 +21,7 @@ from attnx.model.contract import (
     EXPORT_ATTENTIONS,
     QUANTIZATIONS,
     check_choice,
+    check_llm_support,
     check_lowering,
     check_model_dtype,
     check_opset,
@@ -85,6 +86,7 @@ def export_model(
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_model_dtype(dtype)
     check_choice("--decode-form", decode_form, DECODE_FORMS)
+    check_llm_support(config, attention, dtype)  # rope, softcap, ...: the decomposed fp32 graph only, so far
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
                                   check=check, validate=validate, progress=progress, form=decode_form,

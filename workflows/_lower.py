@@ -29,7 +29,7 @@ from attnx.export.passes import (
 )
 from attnx.export.passes import lower as lower_graph
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, get_provider
+from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, check_llm_support, get_provider
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_case
 from attnx.runtimes import ModelSource, create_runner
@@ -82,6 +82,7 @@ def lower(
 ) -> LoweringResult:
     """Run the pipeline of `attention` on `model` in place (auto: measure, then run the
     fastest that passes parity on `provider`) and record the result in its metadata."""
+    check_llm_support(config, attention, dtype)  # auto measures fused lowerings: refused for rope, softcap, ...
     quant = {"block_size": block_size, "accuracy_level": accuracy_level}
     if attention != AUTO:
         return lower_graph(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, **quant)

@@ -93,7 +93,7 @@ def optimize_file(
             pass  # ProviderUnavailable (exit 2) with ORT's reason otherwise
     try:
         model = ir.load(in_path)
-    except Exception as e:  # describe() read it: only its external data can fail here
+    except Exception as e:  # noqa: BLE001 - describe() read it: only its external data can fail here
         raise ModelFileError(f"{in_path!r} cannot be loaded: {str(e).strip().splitlines()[0]}") from None
     weights = qk_weights(model)  # before lowering: the tolerance is sized from IN's own weights
     if weights is not None:  # a quantized form's error model also needs v

@@ -48,8 +48,10 @@ def workflows(command: str, needs: tuple[str, ...] = tuple(EXPORT_EXTRA)) -> Mod
     return attnx.workflows
 
 
-def add_model_args(parser: argparse.ArgumentParser, weights: bool = True) -> None:
-    group = parser.add_mutually_exclusive_group(required=True)
+def add_model_args(parser: argparse.ArgumentParser, weights: bool = True, required: bool = True) -> None:
+    """--preset or --config (one of them, when required; parity with --model reads the model's
+    config), and --weights and --seed."""
+    group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("--preset", help=f"a preset: {', '.join(PRESETS)}")
     group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
     if weights:
@@ -65,8 +67,10 @@ def add_max_mem_arg(parser: argparse.ArgumentParser, what: str = "refuse to star
 
 
 def load_config_arg(args: argparse.Namespace) -> Any:
-    """The AttentionConfig named by --preset or read from --config."""
-    return preset(args.preset) if args.preset else load_config(args.config)
+    """The AttentionConfig named by --preset or read from --config (None when neither was given)."""
+    if args.preset:
+        return preset(args.preset)
+    return load_config(args.config) if args.config else None
 
 
 def load_weights_arg(args: argparse.Namespace, config: Any, progress: Progress | None = None) -> Any:

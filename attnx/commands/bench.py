@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import shutil
@@ -32,8 +33,7 @@ from attnx.model.contract import (
     MODEL_DTYPES,
     RUNTIME_DTYPES,
     TORCH_CORES,
-    describe,
-    graph_dtype,
+    model_form,
 )
 from attnx.model.resources import check_memory, estimate_decode_bench
 
@@ -155,13 +155,15 @@ def _plan(args: argparse.Namespace) -> Any:
             raise UsageError("--weights does not go with --model: the model file holds its weights")
         if not os.path.isfile(args.model):
             raise UsageError(f"--model {args.model!r} does not exist")
-        info = describe(args.model)
-        config = info.require_config()
-        model_dtype = info.io_dtype  # what the model is fed, and so what the sweep makes
-        # a runtime dtype (bf16) runs the fp32 model itself (graph_dtype)
-        if args.dtype and any(graph_dtype(d) != model_dtype for d in args.dtype):
-            raise UsageError(f"--model {args.model!r} is {model_dtype}; --dtype {','.join(args.dtype)} does not apply")
-        dtypes = args.dtype or [model_dtype]
+        # The model describes itself: its config, dtype and lowering; a flag that contradicts them is an error.
+        form = model_form(args.model)
+        for dtype in args.dtype or []:
+            form.agree(dtype=dtype)
+        for lowering in args.attention or []:  # ort-* run the file's own lowering (sdpa is torch's alone)
+            if lowering in EXPORT_ATTENTIONS:
+                form.agree(lowering=lowering)
+        config = form.config
+        dtypes = args.dtype or [form.dtype]
     else:
         config = load_config_arg(args)
         if args.weights and not os.path.isfile(args.weights):
@@ -302,6 +304,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     failed = [c for c in report.cases if c.status == "failed"]
     if failed or not any(c.status == "ok" for c in report.cases):
+        # One line that says why the exit is 1, whatever the statuses were (a check that ran and
+        # failed says so on stdout: README, "Exit codes").
+        counts = collections.Counter(c.status for c in report.cases)
+        what = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        print(f"bench FAILED: {'a case failed' if failed else 'no case was measured'} ({what or 'no cases'})")
         return 1
     return 0
 

@@ -21,7 +21,15 @@ from attnx.commands._common import (
     workflows,
 )
 from attnx.errors import UsageError
-from attnx.model.contract import BACKENDS, MODEL_DTYPES, RUNTIME_DTYPES, check_choice, graph_dtype, runs_onnx_model
+from attnx.model.contract import (
+    BACKENDS,
+    MODEL_DTYPES,
+    RUNTIME_DTYPES,
+    check_choice,
+    graph_dtype,
+    model_form,
+    runs_onnx_model,
+)
 from attnx.model.resources import check_memory, estimate_parity
 from attnx.runtimes import ModelSource, backend_names, create_runner
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_parity
@@ -33,8 +41,11 @@ DEFAULT_BACKENDS = ",".join(BACKENDS)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("parity", help=HELP, description=HELP)
-    add_model_args(p)
-    p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model for ort-* (default: export one now)")
+    add_model_args(p, required=False)
+    p.add_argument("--model", metavar="MODEL.onnx",
+                   help="the ONNX model for ort-* and openvino (default: export one now); it describes itself: its "
+                   "config, dtype, lowering and decode form are read from it, and a flag that contradicts them is an "
+                   "error")  # fmt: skip
     p.add_argument("--backends", type=str_list, default=str_list(DEFAULT_BACKENDS), help=f"default {DEFAULT_BACKENDS}")
     p.add_argument("--require", type=str_list, default=[], help="backends that must be available (else exit 2)")
     p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES))
@@ -43,18 +54,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         choices=(*MODEL_DTYPES, *RUNTIME_DTYPES),
-        default="fp32",
-        help="the precision every backend computes in (bf16: the torch module in bfloat16 and OpenVINO's bf16 "
-        "precision hint on the fp32 graph; ort-* have no bf16 form and are skipped)",
+        default=None,
+        help="the precision every backend computes in (default: the --model's, else fp32; bf16: the torch module in "
+        "bfloat16 and OpenVINO's bf16 precision hint on the fp32 graph; ort-* have no bf16 form and are skipped)",
     )
     p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
     p.add_argument("--decode", action="store_true",
-                   help="step by step (a kv_cache config): a prefill of each --prefill length, then --steps single-token "
-                   "steps feeding the cache back, against the reference's full forward")  # fmt: skip
+                   help="step by step: a prefill of each --prefill length, then --steps single-token steps feeding the "
+                   "cache back, against the reference's full forward (the parity of every kv_cache config and step "
+                   "model, implied by them)")  # fmt: skip
     p.add_argument("--prefill", type=_lengths, default=list(DEFAULT_PREFILLS), help="with --decode (default 0,1,37)")
     p.add_argument("--steps", type=int_arg(1, SIZE_MAX), default=DEFAULT_STEPS,
                    help=f"with --decode (default {DEFAULT_STEPS})")  # fmt: skip
-    p.add_argument("--attention", default="decomposed", help="with --decode and no --model: the step model's lowering")
+    p.add_argument("--attention", default=None,
+                   help="without --model: the lowering of the model exported for the run (default decomposed); with "
+                   "--model: must be the model's")  # fmt: skip
     add_max_mem_arg(p)
     p.set_defaults(run=run)
 
@@ -76,14 +90,21 @@ def run(args: argparse.Namespace) -> int:
         check_choice("backend", name, backend_names())
     if args.json:
         check_output_file(args.json, "--json")
-    config = load_config_arg(args)
+    if args.model:  # the model describes itself; a flag that contradicts it is one error
+        form = model_form(args.model, config=load_config_arg(args), dtype=args.dtype, lowering=args.attention,
+                          flags={"config": "--preset" if args.preset else "--config"})  # fmt: skip
+        config, dtype = form.config, form.dtype
+    else:
+        config = load_config_arg(args)
+        if config is None:
+            raise UsageError("parity needs --preset, --config or --model (whose config it reads)")
+        dtype = args.dtype or "fp32"
     if args.decode and not config.kv_cache:
         raise UsageError("--decode needs a step model: a config with 'kv_cache': true (e.g. --preset large-gqa)")
-    if config.kv_cache and not args.decode:
-        raise UsageError("this config has 'kv_cache': true: its parity is step by step, attnx parity --decode")
+    decode = config.kv_cache  # a step model's parity is step by step
     mem_seqs = (args.mem_seq or DEFAULT_MEM_SEQS) if config.cross else [None]
     shapes = [(b, s, m) for b in args.batch for s in args.seq for m in mem_seqs]
-    if args.decode:  # the reference's full forward over every token of the longest case
+    if decode:  # the reference's full forward over every token of the longest case
         shapes = [(b, max(args.prefill) + args.steps, None) for b in args.batch]
     needs_model = any(runs_onnx_model(b) for b in [*args.backends, *args.require])
     check_memory(estimate_parity(config, shapes, onnx_model=needs_model), args.max_mem_gb)
@@ -97,13 +118,13 @@ def run(args: argparse.Namespace) -> int:
         if needs_model and model is None:
             export_model = workflows("parity (ort-* without --model: it exports one)").export_model
             model = os.path.join(tmp, "model.onnx")
-            export_model(config, model, weights, dtype=graph_dtype(args.dtype), validate=False, progress=progress,
-                         **({"attention": args.attention} if args.decode else {}))  # fmt: skip
-        source = ModelSource(config, weights, model, args.dtype)
+            export_model(config, model, weights, dtype=graph_dtype(dtype), validate=False, progress=progress,
+                         **({"attention": args.attention} if args.attention else {}))  # fmt: skip
+        source = ModelSource(config, weights, model, dtype)
         for name in args.require:
             with create_runner(name, source):
                 pass
-        if args.decode:
+        if decode:
             report = ParityReport([
                 case for batch in args.batch
                 for case in run_decode_parity(source, args.backends, prefills=args.prefill, steps=args.steps,
@@ -120,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     headers = ["backend", "vs", "dtype", "batch", "seq", "mem_seq", "x mean", "status", "max_abs", "max_rel", "atol",
                "cosine", "rel_rms"]  # fmt: skip
-    if args.decode:
+    if decode:
         rows = [(c.backend, c.reference, c.dtype, c.batch, c.prefill, c.steps, c.status, c.max_abs, c.max_rel, c.atol,
                  c.cosine, c.rel_rms) for c in report.cases]  # fmt: skip
         headers = [h for h in headers if h != "x mean"]

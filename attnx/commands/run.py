@@ -11,7 +11,7 @@ import numpy as np
 
 from attnx._io import check_output_file, write_npy_atomic
 from attnx.errors import InputError, UsageError
-from attnx.model.contract import PROVIDERS
+from attnx.model.contract import PROVIDERS, model_form
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.package import load
 
@@ -57,7 +57,8 @@ def open_runner(path: str, provider: str):
         return load(path, provider=provider)
     if not os.path.isfile(path):
         raise UsageError(f"{path!r} is neither a model file nor a package folder")
-    return create_runner(PROVIDERS[provider].backend, ModelSource(model_path=path)).load()
+    form = model_form(path)  # the model describes itself: its config and dtype
+    return create_runner(PROVIDERS[provider].backend, ModelSource(form.config, None, path, form.dtype)).load()
 
 
 def _step_feeds(args: argparse.Namespace, runner, feeds: dict[str, np.ndarray]) -> None:

@@ -19,10 +19,10 @@ from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjectio
 from attnx.export.passes._probe import (
     lowering_of,
     qk_weights,
-    v_weights,  # noqa: E402
+    v_weights,
 )
 from attnx.export.passes.fp16 import ConvertToFloat16
-from attnx.export.passes.quantize import (  # noqa: E402
+from attnx.export.passes.quantize import (
     BLOCK_SIZES,
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCK_SIZE,

@@ -31,6 +31,7 @@ from attnx.model.contract import (
     OPTIMIZE_ATTENTIONS,
     QUANTIZATIONS,
     check_choice,
+    check_llm_support,
     check_lowering,
     check_model_dtype,
 )
@@ -112,6 +113,7 @@ def lower(
     if attention != "onnx":
         check_choice("--attention", attention, OPTIMIZE_ATTENTIONS)
     check_lowering(config, attention)
+    check_llm_support(config, attention, dtype)  # rope, softcap, ...: decomposed fp32 only, so far
     if attention == "decomposed" and lowering_of(model) != "decomposed":
         raise UsageError(f"the model's attention is {lowering_of(model)} already: no pass turns it back into decomposed")
     passes = lowering_passes(attention, dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level)

@@ -125,4 +125,4 @@ def test_model_file_errors(exported, capsys):
     assert main(["bench", "--model", model, "--weights", "w.safetensors"]) == 2
     assert "--weights does not go with --model" in capsys.readouterr().err
     assert main(["bench", "--model", model, "--dtype", "fp16"]) == 2
-    assert "is fp32; --dtype fp16 does not apply" in capsys.readouterr().err
+    assert "--dtype fp16 contradicts the model" in capsys.readouterr().err

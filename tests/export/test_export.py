@@ -168,3 +168,16 @@ def test_weights_made_outside_attnx(tmp_path, config):
         assert np.isfinite(y).all()
         cmp = compare_arrays("y", y, ref, tolerance_for("fp32"), problem_size(config, weights, feeds))
         assert cmp, str(cmp)
+
+
+def test_no_rewrite_rule_keeps_the_exported_graph_alive():
+    """onnxscript's module-level rule matchers keep the last graph they matched (and through it
+    every weight: 2.4 GB for gpt3); export_onnx releases them (release_rewriter_state)."""
+    import gc
+
+    from onnxscript.rewriter._matcher import SimplePatternMatcher
+
+    export_onnx(CONFIGS["self"], init_weights(CONFIGS["self"], 1))
+    matchers = [o for o in gc.get_objects() if isinstance(o, SimplePatternMatcher)]
+    assert matchers, "no matcher found: onnxscript's layout changed, release_rewriter_state releases nothing"
+    assert all(getattr(m, "_graph", None) is None for m in matchers)

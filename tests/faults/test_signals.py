@@ -163,7 +163,7 @@ def output_problems(run: Run, output: str, before: object, complete) -> list[str
     if rc == 0 and now != before:
         try:
             complete(output)
-        except Exception as e:  # noqa: BLE001 (reported with the rest)
+        except Exception as e:
             found.append(f"{output} incomplete after exit 0: {type(e).__name__}: {e}")
     if leftovers(output):
         found.append(f"left beside the output: {leftovers(output)}")

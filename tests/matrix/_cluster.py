@@ -66,7 +66,7 @@ class RayCluster:
         ]  # fmt: skip
         cmd = [self.ray_bin, "start", *args, "--node-ip-address=127.0.0.1", *ports, "--object-store-memory=100000000",
                "--disable-usage-stats", "--block"]  # fmt: skip
-        log = open(os.path.join(self.tmp, f"{name}.log"), "wb")  # noqa: SIM115 (kept open for the process)
+        log = open(os.path.join(self.tmp, f"{name}.log"), "wb")
         # a session of its own: its process group holds the node's raylet, workers and case processes
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True, env=self.env))  # fmt: skip

@@ -171,7 +171,7 @@ def test_ray_run_places_by_resources_matches_local_and_loses_no_case_to_a_killed
     killed = None  # (the Ray worker's pid, the case it was running)
     deadline = time.monotonic() + 120
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        for pid, parent, spec_path in _case_processes(cluster.sessions()):
+        for _pid, parent, spec_path in _case_processes(cluster.sessions()):
             try:
                 with open(spec_path, encoding="utf-8") as f:
                     case_id = json.load(f)["id"]

@@ -48,7 +48,7 @@ def _expand_to_mha(c: AttentionConfig, w: dict[str, np.ndarray]) -> tuple[Attent
     """The MHA config and weights in which query head n has its own copy of k/v head n // group."""
     mha = AttentionConfig(**{**c.to_dict(), "n_kv_heads": c.n_heads})
     out = dict(w)
-    for name, width in (("k_proj", c.head_dim), ("v_proj", c.v_head_dim)):
+    for name in ("k_proj", "v_proj"):
         for part in ("weight", "bias"):
             heads = np.split(w[f"{name}.{part}"], c.n_kv_heads, axis=0)
             out[f"{name}.{part}"] = np.concatenate([heads[n // c.group_size] for n in range(c.n_heads)], axis=0)

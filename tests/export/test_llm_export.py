@@ -1,0 +1,91 @@
+"""Export of the modern-LLM layers: the decomposed full-sequence graph with a position_ids input, its
+metadata and describe(); every other form refused by name before any work (exit 2 on the CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from attnx.cli import main
+from attnx.errors import UsageError
+from attnx.export import export_onnx
+from attnx.export.passes import lower
+from attnx.model import reference_attention
+from attnx.model.contract import describe
+from attnx.model.inputs import make_inputs
+from attnx.workflows import export_model
+from tests.conftest import LLM_CONFIGS, weights_for
+
+
+def _dims(value: onnx.ValueInfoProto) -> list:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+@pytest.mark.parametrize("name", list(LLM_CONFIGS))
+def test_llm_export_takes_position_ids_and_describes_itself(exported, name):
+    config = LLM_CONFIGS[name]
+    path = exported(name)
+    proto = onnx.load(path)
+    inputs = {v.name: (v.type.tensor_type.elem_type, _dims(v)) for v in proto.graph.input}
+    assert inputs["position_ids"] == (onnx.TensorProto.INT64, ["batch", "seq"])
+    assert list(inputs) == [s.name for s in config.inputs()]
+    info = describe(path)
+    assert info.config == config and info.lowering == "decomposed"
+    shown = info.to_dict()["config"]  # what `attnx inspect` prints
+    assert shown["rope"]["scaling"]["rope_type"] == config.rope.rope_type
+    assert {k: shown[k] for k in ("sliding_window", "softcap", "sinks")} == {
+        "sliding_window": config.sliding_window, "softcap": config.softcap, "sinks": config.sinks}  # fmt: skip
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"Cos", "Sin", "Softmax"} <= ops and "Attention" not in ops
+    # the positions are read per element: a left-padded batch element matches the reference
+    feeds = make_inputs(config, 3, 10, seed=3, position_offset=100)
+    (y,) = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(["y"], feeds)
+    ref = reference_attention(config, weights_for(name), **feeds)
+    assert np.abs(y - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attention": "onnx"}, "--attention onnx does not express rope"),
+        ({"attention": "ort-fused"}, "--attention ort-fused does not express rope"),
+        ({"attention": "auto"}, "--attention auto does not express rope"),
+        ({"dtype": "fp16"}, "--dtype fp16 is not built yet for a config with rope"),
+        ({"dtype": "int8"}, "--dtype int8 is not built yet"),
+        ({"kv_cache": True, "attention": "ort-fused"}, r"the step model \(kv_cache\) of a config with rope"),
+        ({"kv_cache": True, "attention": "onnx"}, r"the step model \(kv_cache\) of a config with rope"),
+    ],
+)
+def test_other_forms_are_refused_before_any_work(tmp_path, change, message):
+    config = LLM_CONFIGS["llm"]
+    if change.pop("kv_cache", False):
+        config = dataclasses.replace(config, kv_cache=True)
+    out = tmp_path / "m.onnx"
+    with pytest.raises(UsageError, match=message):
+        export_model(config, out, **change)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_graph_layer_refuses_too(exported):
+    config = LLM_CONFIGS["llama"]
+    with pytest.raises(UsageError, match="--attention onnx does not express rope"):
+        export_onnx(config, attention="onnx")
+    model = ir.load(exported("llama"))
+    for attention in ("ort-fused", "ort-fused-packed", "ort-attention"):
+        with pytest.raises(UsageError, match=f"--attention {attention} does not express rope"):
+            lower(model, config, attention=attention)
+    with pytest.raises(UsageError, match="--dtype fp16 is not built yet"):
+        lower(model, config, attention="decomposed", dtype="fp16")
+
+
+def test_cli_refusal_exits_2(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(LLM_CONFIGS["llm"].to_dict()))
+    assert main(["export", "--config", str(path), "--attention", "ort-fused", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "does not express rope, sliding_window, softcap, qk_norm, sinks" in capsys.readouterr().err
