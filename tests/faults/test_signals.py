@@ -13,10 +13,11 @@ Every run is a real attnx process with real signals, and every run is held to th
 - The storm: signals at random moments over whole runs of export and build, both kinds, some
   runs two of them (the second while the first is being handled). Default profile: the tiny
   preset, 3 exports and 3 builds; ATTNX_FAULTS=long: the large preset, 100 and 100 (about 40
-  minutes on 2 cores; ATTNX_STORM=PRESET:EXPORTS:BUILDS sets them). Moments are drawn from 0.15 s after the start (before about 0.06 s the
-  interpreter has not reached attnx's first line: a signal there is Python's own) to 10% past
-  the command's uninterrupted time, from a seed printed in every failure (ATTNX_STORM_SEED=N
-  replays it; ATTNX_STORM_REPORT=FILE writes the counts as JSON).
+  minutes on 2 cores; ATTNX_STORM=PRESET:EXPORTS:BUILDS sets them). Moments are drawn from the
+  instant attnx's handlers are in place (the kernel's SigCgt shows SIGTERM caught; before it the
+  interpreter is starting, about 0.06 s idle, and a signal is Python's own) to 10% past the
+  command's uninterrupted time, from a seed printed in every failure (ATTNX_STORM_SEED=N replays
+  it; ATTNX_STORM_REPORT=FILE writes the counts as JSON).
 - Traps: the process sends itself the signal from inside a weakref callback, a __del__, and
   torch's dispatcher during torch.export's tracing (tests/faults/_signal_traps.py), and holds
   there: a handler that raised there was swallowed or aborted the process; also just after the
@@ -49,7 +50,6 @@ TRAP_MAIN = (
     f"import sys; sys.path.insert(0, {TRAPS!r}); import _signal_traps; from attnx.cli import main; sys.exit(main())"
 )
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-EARLIEST_S = 0.15
 STORM = {"default": ("tiny", 3, 3), "long": ("large", 100, 100)}[PROFILE]  # preset, exports, builds
 if os.environ.get("ATTNX_STORM"):  # PRESET:EXPORTS:BUILDS, e.g. large:100:100
     _preset, _exports, _builds = os.environ["ATTNX_STORM"].split(":")
@@ -76,6 +76,24 @@ class Run:
             self.start = time.monotonic()
             self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         self.sent: list[tuple[float, signal.Signals]] = []
+
+    def handlers_in_place(self, timeout: float = 60) -> float:
+        """Seconds from the start until attnx's handlers are in place: the kernel's SigCgt (the
+        signals the process catches) has SIGTERM, which attnx._signals.install() catches first
+        thing. Before that the interpreter starts (about 0.06 s on an idle machine, more on a
+        loaded one): a signal there is Python's own, as in any program."""
+        bit = 1 << (signal.SIGTERM - 1)
+        deadline = self.start + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with open(f"/proc/{self.proc.pid}/status", encoding="ascii") as f:
+                    caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+            except (OSError, StopIteration, ValueError):
+                caught = 0
+            if caught & bit:
+                break
+            time.sleep(0.002)
+        return time.monotonic() - self.start
 
     def at(self, moment: float, sig: signal.Signals) -> None:
         """Send `sig` `moment` seconds after the start (at once if that is past)."""
@@ -225,9 +243,11 @@ def test_signals_at_random_moments_end_export_and_build_as_asked(originals, tmp_
             args = ["build", "--preset", preset, "--provider", "cpu", "--force", "--out", "pkg"]
         before = snapshot(output)
         first = rng.choice([signal.SIGINT, signal.SIGTERM])
-        moment = rng.uniform(EARLIEST_S, 1.1 * durations[command])
+        share = rng.random()  # of the run from attnx's handlers in place to 10% past its uninterrupted end
         second = rng.choice([None, None, signal.SIGINT, signal.SIGTERM])  # a third of the runs: two signals
         run = Run(args, where)
+        ready = run.handlers_in_place()
+        moment = ready + share * max(0.0, 1.1 * durations[command] - ready)
         run.at(moment, first)
         if second is not None:
             run.at(moment + rng.uniform(0.0, 0.05), second)
