@@ -13,6 +13,10 @@ folder whose process is provably gone (remove_stale).
 Writers of expensive outputs (export, optimize, build) also hold the target's lock
 (output_lock) from before they start working: a second writer of the same target is refused at
 once, not after it has done all the work.
+
+Stages and locks register with attnx._signals as they are created, and a publish's renames run
+under its lock (critical): in the CLI's process a signal is handled by a watcher that removes
+what is registered and ends the process, and it never lands between two renames of a publish.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx import _signals
 from attnx.errors import UsageError
 
 __all__ = [
@@ -132,17 +137,25 @@ class Staging:
         self.folder = folder
         self.dir = ""
         self.published = False
+        self._token: int | None = None  # its registration with attnx._signals
 
     def __enter__(self) -> Staging:
         check_output_parent(self.target)
         remove_stale(self.target)
         self.dir = os.path.join(self.parent, f"{_staging_prefix(self.target)}{_stamp()}-{secrets.token_hex(4)}")
-        os.mkdir(self.dir)
+        with _signals.critical():  # registered before it exists: no moment has it unknown to the watcher
+            self._token = _signals.track_folder(self.dir)
+            try:
+                os.mkdir(self.dir)
+            except BaseException:
+                _signals.forget(self._token)
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         if os.path.lexists(self.dir):
             shutil.rmtree(self.dir, ignore_errors=True)
+        _signals.forget(self._token)
 
     def path(self, name: str | None = None) -> str:
         """Where to write: the output itself (a file under its final name, or the folder), or
@@ -159,32 +172,40 @@ class Staging:
         is moved aside and deleted once the new one is in place. Returns the paths written."""
         if self.folder:
             self._publish_folder(replace_folder)
-            self.published = True
             return [self.target]
         data = f"{self.name}.data"
         written = [self.target]
-        if os.path.exists(self.path(data)):
-            os.replace(self.path(data), os.path.join(self.parent, data))
-            written.append(os.path.join(self.parent, data))
-        elif os.path.exists(os.path.join(self.parent, data)):
-            os.remove(os.path.join(self.parent, data))
-        os.replace(self.path(), self.target)
-        self.published = True
+        with _signals.critical():  # the renames are one step: a signal finds the old output or the new
+            if os.path.exists(self.path(data)):
+                os.replace(self.path(data), os.path.join(self.parent, data))
+                written.append(os.path.join(self.parent, data))
+            os.replace(self.path(), self.target)
+            if len(written) == 1 and os.path.exists(os.path.join(self.parent, data)):
+                os.remove(os.path.join(self.parent, data))  # an earlier model's, after the model that needs none
+            self.published = True
+            _signals.published(self.target)
         return written
 
     def _publish_folder(self, replace_folder: Any) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self.dir, 0o777 & ~umask)  # an ordinary folder once it is the output
-        if not os.path.lexists(self.target):
-            os.rename(self.dir, self.target)
-            return
-        if replace_folder is not None:
+        if os.path.lexists(self.target) and replace_folder is not None:
             replace_folder(self.target)
         old = os.path.join(self.parent, f"{_staging_prefix(self.target)}{_stamp()}-old-{secrets.token_hex(4)}")
-        os.rename(self.target, old)
-        os.rename(self.dir, self.target)
-        shutil.rmtree(old, ignore_errors=True)
+        old_token = None
+        with _signals.critical():  # the renames are one step: a signal finds the old output or the new
+            if os.path.lexists(self.target):
+                old_token = _signals.track_folder(old)
+                os.rename(self.target, old)
+            os.rename(self.dir, self.target)
+            _signals.forget(self._token)  # the stage is the output now: nothing to remove
+            self._token = None
+            self.published = True
+            _signals.published(self.target)
+        if old_token is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            _signals.forget(old_token)
 
 
 @contextlib.contextmanager
@@ -233,32 +254,37 @@ def output_lock(target: str | os.PathLike[str]) -> Iterator[None]:
     check_output_parent(target)
     lock_path = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}{LOCK}")
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").split("-")[0].strip() or "?"
+        with _signals.critical():  # taken and registered at once (flock with LOCK_NB never waits)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").split("-")[0].strip() or "?"
+                os.close(fd)
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    raise UsageError(
+                        f"{target!r} is being written by another attnx (pid {holder}): wait for it, or choose another "
+                        "output"
+                    ) from None
+                raise
+            try:  # the lock file may have been removed by its last holder after we opened it
+                same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                token = _signals.track_lock(fd, lock_path)
+                break
             os.close(fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise UsageError(
-                    f"{target!r} is being written by another attnx (pid {holder}): wait for it, or choose another output"
-                ) from None
-            raise
-        try:  # the lock file may have been removed by its last holder after we opened it
-            same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, _stamp().encode(), 0)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(lock_path)
-        os.close(fd)
+        with _signals.critical():
+            with contextlib.suppress(OSError):
+                os.remove(lock_path)
+            os.close(fd)
+            _signals.forget(token)
 
 
 # Small files ---------------------------------------------------------------------------------

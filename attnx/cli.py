@@ -1,11 +1,23 @@
 """The attnx command line: a thin layer, each subcommand calls one public function.
 
 main() is the one error boundary: whatever a command raises ends as one line on stderr and an
-exit status (README, "Exit codes"); --debug adds the traceback, with the same status. SIGTERM is
-handled as Ctrl-C is (cleanup runs, nothing half-written is left), with status 143.
+exit status (README, "Exit codes"); --debug adds the traceback, with the same status.
+
+Run as the process (the `attnx` script, `python -m attnx.cli`), Ctrl-C and SIGTERM belong to
+attnx._signals from the first line of this module: a watcher thread removes what the command
+registered (stages, locks, child processes, its scratch folder), keeps what it promised to keep
+(bench's and matrix's finished cases), prints the one line and ends the process with 130 or 143;
+no handler ever raises into the command. Called with argv from another program, main() leaves
+that program's signal handling as it is (Ctrl-C raises KeyboardInterrupt, which unwinds the same
+with-blocks and ends as status 130).
 """
 
 from __future__ import annotations
+
+from attnx import _signals
+
+if _signals.is_process_entry(__name__):
+    _signals.install()  # before the imports below (a fifth of a second): a signal while attnx starts
 
 import argparse
 import contextlib
@@ -13,18 +25,20 @@ import errno
 import importlib
 import logging
 import os
-import signal
 import sys
-import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from attnx import __version__
 from attnx.commands import COMMANDS
-from attnx.errors import AttnxError, Terminated
+from attnx.errors import AttnxError
 from attnx.runtimes.cuda import set_ort_log_severity
 
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+EXIT_INTERRUPTED = _signals.EXIT_INTERRUPTED
+# The arguments that name what a command writes and has done its work once all are in place: a
+# signal after that keeps them and ends the process with 0 (attnx._signals: commit).
+OUTPUTS = {"export": ("out",), "optimize": ("out",), "build": ("out",), "import": ("out",),
+           "run": ("output", "present_key", "present_value")}  # fmt: skip
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -49,29 +63,10 @@ def _command_of(argv: Sequence[str]) -> str:
     return next((a for a in argv if not a.startswith("-")), "")
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread for the block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, frame: object) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _error_line(error: BaseException) -> tuple[str, int]:
     """(the one line, exit status) for an error a command raised."""
     if isinstance(error, AttnxError):
         return f"error: {error}", error.exit_code
-    if isinstance(error, Terminated):
-        return "terminated (SIGTERM): nothing half-written was left", EXIT_TERMINATED
     if isinstance(error, KeyboardInterrupt):
         return "interrupted: nothing half-written was left", EXIT_INTERRUPTED
     if isinstance(error, BrokenPipeError):
@@ -88,6 +83,12 @@ def _error_line(error: BaseException) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command of argv. Without argv (the process's own command line) main is the
+    process: it installs the signal watcher, and ends the process itself once the command
+    ended (attnx._signals.end: no return). With argv it returns the status."""
+    process = argv is None
+    if process:
+        _signals.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     parser = build_parser(command if command in COMMANDS else "")
@@ -95,13 +96,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    if process:
+        outputs = [getattr(args, name) for name in OUTPUTS.get(args.command, ()) if getattr(args, name, None)]
+        _signals.begin(args.command, outputs)
+    status = _run(args)
+    if process:
+        _signals.end(status)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     if not args.debug:
         set_ort_log_severity(3)  # ORT's C++ log: errors only (recorded: ort-cuda's log capture restores it)
     try:
-        with sigterm_as_interrupt():
-            status = args.run(args)
-            sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at exit
-            return status
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at exit
+        return status
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise

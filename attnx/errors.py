@@ -13,7 +13,6 @@ __all__ = [
     "ProviderUnavailable",
     "CheckFailed",
     "PackageError",
-    "Terminated",
     "interrupt_in",
 ]
 
@@ -64,14 +63,10 @@ class CheckFailed(AttnxError):
     exit_code = 1
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread by the CLI's handler, so that it unwinds and cleans up
-    as Ctrl-C does (every `except KeyboardInterrupt` and `finally` runs); exit status 143."""
-
-
 def interrupt_in(error: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C or SIGTERM a library wrapped into an error of its own (torch's exporter does),
-    found along the error's causes, or None."""
+    """The Ctrl-C (KeyboardInterrupt) a library wrapped into an error of its own (torch's
+    exporter does), found along the error's causes, or None. In a library caller's process
+    only: the CLI's process never raises on a signal (attnx._signals)."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, KeyboardInterrupt):

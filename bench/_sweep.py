@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx._signals import on_interrupt
 from attnx.bench._costs import attention_flops, gemm_flops, gemm_shape
 from attnx.bench._plan import BenchCase, BenchPlan, BenchReport, GemmResult
 from attnx.bench._worker import run_worker, time_stats, write_gemm_model
@@ -61,7 +62,8 @@ def run_bench(
     meta: dict[str, Any] | None = None,
 ) -> BenchReport:
     """Measure every case of the plan. The report (and json_path, rewritten after each case)
-    holds what was measured; Ctrl-C stops the sweep and returns it with interrupted True."""
+    holds what was measured; Ctrl-C stops the sweep and returns it with interrupted True (in the
+    CLI's process the signal watcher writes that JSON instead, and ends the process)."""
     plan.validate()
     say = progress or (lambda done, total, message: None)
     series = plan.series()
@@ -77,13 +79,26 @@ def run_bench(
         if json_path is not None:
             report.write_json(json_path)
 
-    with tempfile.TemporaryDirectory(prefix="attnx-bench-") as workdir:
+    pending: list[BenchCase] = []  # the cases measured at the shape in progress, not yet in the report
+
+    def keep_measured() -> str | None:
+        """What Ctrl-C keeps in the CLI's process (attnx._signals ends it from its watcher, while
+        this thread may still run: read as a snapshot): every measured case, interrupted."""
+        if json_path is None:
+            return None
+        cases = list(report.cases)
+        cases += [c for c in list(pending) if all(c is not k for k in cases)]
+        dataclasses.replace(report, cases=cases, complete=False, interrupted=True).write_json(json_path)
+        return f"kept {len(cases)} measured cases in {os.fspath(json_path)}"
+
+    with tempfile.TemporaryDirectory(prefix="attnx-bench-") as workdir, on_interrupt(keep_measured):
         try:
             unavailable = _measure_gemms(plan, report, workdir, say, total)
             save()
             models, export_failed = _export_lowerings(plan, series, unavailable, workdir, say, total, weights)
             del weights
-            _measure_cases(plan, report, series, shapes, unavailable, models, export_failed, workdir, say, total, save)
+            _measure_cases(plan, report, series, shapes, unavailable, models, export_failed, workdir, say, total, save,
+                           pending)  # fmt: skip
             say(len(report.cases), total, "rel RMS error of each case against the float64 module")
             _measure_accuracy(plan, report, workdir)
             report.complete = True
@@ -258,7 +273,11 @@ def _measure_cases(
     say: Progress,
     total: int,
     save: Callable[[], None],
+    pending: list[BenchCase] | None = None,
 ) -> None:
+    """Each shape's cases, every runnable form per round. `pending` holds, at every moment, the
+    cases of the shape in progress measured so far (what an interrupt keeps of that shape)."""
+    pending = [] if pending is None else pending
     peaks = {(g.backend, g.dtype): g.gflops for g in report.gemm if g.status == "ok"}
     # (backend, attention, dtype, batch, mem_seq) -> the seq at which that series timed out or
     # was killed: longer sequences of it are not started (they would only do so again).
@@ -290,11 +309,13 @@ def _measure_cases(
                         halted.add(i)
                     if case.status != "ok":
                         best[i] = case
+                        pending[:] = [best[j] for j in sorted(best)]
                         continue
                     medians = [*(best[i].round_medians_ms or []), case.median_ms] if i in best else [case.median_ms]
                     if i not in best or case.median_ms < best[i].median_ms:
                         best[i] = case
                     best[i].round_medians_ms = medians
+                    pending[:] = [best[j] for j in sorted(best)]
         except KeyboardInterrupt:  # keep what this shape measured so far
             report.cases.extend(best[i] for i in sorted(best))
             save()
@@ -308,6 +329,7 @@ def _measure_cases(
                 )
             report.cases.append(case)
             save()
+        pending.clear()
 
 
 def _skip_reason(

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from attnx._io import write_json_atomic
+from attnx._signals import child_process
 from attnx.errors import ProviderUnavailable
 from attnx.model import AttentionConfig, init_weights, load_weights
 from attnx.model.contract import DTYPES, IR_VERSION, OPENVINO, backend_device, host_dtype, numpy_dtype, runs_onnx_model
@@ -272,18 +273,15 @@ def run_worker(spec: dict[str, Any], workdir: str, name: str, timeout_s: float) 
     # main() by import, not `-m`: the package's own import of this module (the parent's side,
     # through attnx.bench) would otherwise run it a second time as __main__.
     cmd = [sys.executable, "-c", WORKER_MAIN, spec_path, result_path]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    # A child that ends with attnx (attnx._signals): Ctrl-C drops the case, the worker never outlives us.
+    with open(log_path, "wb") as log, child_process(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                                    stderr=subprocess.STDOUT) as proc:  # fmt: skip
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             return {"status": "timeout", "reason": f"ran past the {timeout_s:g} s budget per case (--timeout)"}
-        except BaseException:  # Ctrl-C: the case is dropped, the worker must not outlive us
-            proc.kill()
-            proc.wait()
-            raise
     if os.path.exists(result_path):
         with open(result_path, encoding="utf-8") as f:
             return json.load(f)

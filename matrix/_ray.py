@@ -13,11 +13,13 @@ ray is imported inside this module's functions only: the local path (attnx matri
   by Ray (max_retries, retry_exceptions) and then reported lost with the reason; a case no node
   can hold (its resources exist on no node of the cluster) is cancelled after the plan's
   unschedulable_timeout_s and reported unschedulable, naming what is missing.
-- Ctrl-C cancels every task (force: their workers and case processes end) and returns.
+- Ctrl-C cancels every task (force: their workers and case processes end) and returns; in the
+  CLI's process the signal watcher cancels them (attnx._signals), for at most CANCEL_LIMIT_S.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -31,6 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from attnx._io import Staging
+from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
 from attnx.errors import UsageError
 from attnx.matrix._content import cache_root, files_bundle, materialize, package_bundle
 from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
@@ -40,6 +43,7 @@ from attnx.matrix._worker import CaseKilled, host_info, run_case_process
 __all__ = ["RayExecutor", "feasible", "placement", "run_on_node"]
 
 logger = logging.getLogger(__name__)
+CANCEL_LIMIT_S = 10.0  # how long an interrupt waits for Ray to cancel the tasks and stop
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -145,6 +149,7 @@ class RayExecutor:
         self.poll_s = poll_s
         self._check()
         self._tmp: str | None = None
+        self._tmp_token: int | None = None
         self._env: dict[str, str] = {}
 
     def describe(self) -> str:
@@ -172,12 +177,16 @@ class RayExecutor:
     def _init(self, ray: Any) -> None:
         common = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
         if self.address == "local":
-            self._tmp = tempfile.mkdtemp(prefix="attnx-ray-")
+            # Not in the command's scratch folder: Ray's socket paths under it have a length limit.
+            with critical():  # created and registered at once: an interrupt removes it
+                self._tmp = tempfile.mkdtemp(prefix="attnx-ray-", dir=system_tempdir())
+                self._tmp_token = track_folder(self._tmp)
             try:
                 ray.init(address="local", resources={BENCH_SLOT: 1}, _temp_dir=self._tmp, _node_ip_address="127.0.0.1",
                          object_store_memory=256 * 1024**2, **common)  # fmt: skip
             except (RuntimeError, ConnectionError, OSError) as e:
                 raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
+            reclaim()  # ray.init set a SIGTERM handler of its own (SystemExit): attnx's watcher ends the run
             return
         url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
         extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
@@ -187,6 +196,7 @@ class RayExecutor:
         except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
+        reclaim()
 
     def run(self, items: list[Any], plan: MatrixPlan, report: MatrixReport,
             on_result: Callable[[Any, dict[str, Any], dict[str, Any] | None], None]) -> None:  # fmt: skip
@@ -199,6 +209,16 @@ class RayExecutor:
             os.environ.update(self._env)
         ray = _import_ray()
         pending: dict[Any, tuple[Any, float, dict[str, float]]] = {}
+
+        def cancel() -> None:
+            """Ctrl-C in the CLI's process (attnx._signals' watcher, for at most CANCEL_LIMIT_S):
+            nothing of ours keeps running on the cluster, and a local cluster stops."""
+            for ref in list(pending):
+                ray.cancel(ref, force=True)
+            ray.shutdown()
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(on_interrupt(cancel, limit_s=CANCEL_LIMIT_S))
         try:
             self._init(ray)
             nodes = _nodes(ray)
@@ -265,8 +285,10 @@ class RayExecutor:
                     logger.debug("cancel failed", exc_info=True)
             raise
         finally:
+            stack.close()
             ray.shutdown()
             for key in self._env:
                 os.environ.pop(key, None)
             if self._tmp:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+                forget(self._tmp_token)

@@ -24,6 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from attnx._io import check_output_parent, output_lock, write_json_atomic
+from attnx._signals import on_interrupt
 from attnx.errors import UsageError
 from attnx.matrix._plan import CaseSpec, MatrixPlan, Source
 from attnx.matrix._report import MatrixReport, host_key
@@ -188,7 +189,8 @@ def run_matrix(plan: MatrixPlan, out: str | os.PathLike[str], executor: Any, *, 
     """Run the plan's cases with `executor` into out/report.json and out/report.md (rewritten
     after every finished case). With resume, the finished cases of out/report.json (pass, fail,
     skipped) are kept and not run again. Ctrl-C stops the run and returns the report with
-    interrupted True; every finished case is in it."""
+    interrupted True; every finished case is in it. (In the CLI's process the signal watcher
+    writes that report, kills the case processes and ends the process: attnx._signals.)"""
     say = progress or (lambda message: None)
     out = os.path.abspath(os.fspath(out))
     check_output_parent(out, "--out")
@@ -223,16 +225,25 @@ def run_matrix(plan: MatrixPlan, out: str | os.PathLike[str], executor: Any, *, 
             report.write()
             say(f"{len(report.cases)}/{total} {result['status']} {case.id} on {host_key(host)}")
 
-        try:
-            items, failed = _prepare(plan, cases, out, say)
-            for case, reason in failed:
-                record(case, {"status": "skipped", "reason": reason}, host_info("local"), 0)
+        def keep_finished() -> str:
+            """What Ctrl-C keeps in the CLI's process (attnx._signals ends it from its watcher
+            while the driver's threads may still run; a report changed under it is retried):
+            the finished cases, the report marked interrupted; the running ones are dropped."""
+            report.interrupted = True
             report.write()
-            if items:
-                executor.run(items, plan, report, lambda item, result, host: record(item.case, result, host,
-                                                                                    item.attempts))  # fmt: skip
+            return f"kept {len(report.cases)} finished cases in {report_path} (--resume continues)"
+
+        try:
+            with on_interrupt(keep_finished):
+                items, failed = _prepare(plan, cases, out, say)
+                for case, reason in failed:
+                    record(case, {"status": "skipped", "reason": reason}, host_info("local"), 0)
+                report.write()
+                if items:
+                    executor.run(items, plan, report, lambda item, result, host: record(item.case, result, host,
+                                                                                        item.attempts))  # fmt: skip
             report.complete = len(report.cases) == total
-        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the caller re-raises it (exit 130 or 143)
+        except KeyboardInterrupt as e:  # Ctrl-C in a library caller: the caller re-raises it (exit 130)
             report.interrupted, report.interrupt = True, e
         finally:
             report.write()

@@ -32,6 +32,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from attnx._io import write_json_atomic
+from attnx._signals import child_process
 from attnx.bench._worker import run_spec, time_stats
 from attnx.errors import AttnxError, ProviderUnavailable
 from attnx.model import AttentionConfig, init_weights
@@ -139,25 +140,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The parent's side --------------------------------------------------------------------------------
-def _prctl() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError, ImportError):
-        return None
-
-
-_PRCTL = _prctl() if sys.platform == "linux" else None  # resolved here: the child only calls it
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: receive SIGKILL when the parent (a Ray worker, the driver)
-    dies, so that a killed parent leaves no case running on. Nothing is imported or allocated
-    here (the parent has threads: only an async-signal-safe call between fork and exec)."""
-    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def run_case_process(spec: dict[str, Any], workdir: str, name: str, timeout_s: float,
                      running: Any = None) -> dict[str, Any]:  # fmt: skip
     """Run one case in a process of its own and return its result. A process past timeout_s is
@@ -173,12 +155,12 @@ def run_case_process(spec: dict[str, Any], workdir: str, name: str, timeout_s: f
         json.dump(spec, f)
     cmd = [sys.executable, "-c", WORKER_MAIN, spec_path, result_path]
     started = time.time()
-    with open(log_path, "wb") as log:
-        # A session of its own: a Ctrl-C at the terminal reaches the driver, which stops the case
-        # itself (a case process must not die of it first and be reported failed).
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                preexec_fn=_die_with_parent if _PRCTL else None)  # noqa: PLW1509  # fmt: skip
+    # A child that ends with its parent (attnx._signals.child_process): a session of its own, so a
+    # Ctrl-C at the terminal reaches the driver, which stops the case itself (a case process must
+    # not die of it first and be reported failed); SIGKILL when the parent (a Ray worker, the
+    # driver) dies; killed when the block leaves early (Ctrl-C, a cancelled task).
+    with open(log_path, "wb") as log, child_process(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                                    stderr=subprocess.STDOUT) as proc:  # fmt: skip
         if running is not None:
             running.add(proc)
         try:
@@ -187,10 +169,6 @@ def run_case_process(spec: dict[str, Any], workdir: str, name: str, timeout_s: f
             proc.kill()
             proc.wait()
             return {"status": "fail", "reason": f"ran past the plan's timeout_s of {timeout_s:g} s: killed"}
-        except BaseException:  # Ctrl-C, a cancelled task: the case process must not outlive us
-            proc.kill()
-            proc.wait()
-            raise
         finally:
             if running is not None:
                 running.discard(proc)

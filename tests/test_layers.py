@@ -1,6 +1,6 @@
 """The layers import in one direction (README, "Architecture"), read from the source with ast.
 
-    ground    attnx.model, and attnx's own helpers (attnx, attnx.errors, attnx._io, attnx._text)
+    ground    attnx.model, and attnx's own helpers (attnx, attnx.errors, attnx._io, attnx._signals, attnx._text)
     graph     attnx.export          run   attnx.runtimes        (siblings: neither imports the other)
     workflows attnx.workflows
     bench     attnx.bench
@@ -31,7 +31,7 @@ else:  # pragma: no cover
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAVY = frozenset({"torch", "onnx_ir", "onnxscript", "onnxruntime", "matplotlib"})
-GROUND_HELPERS = frozenset({"attnx", "attnx.errors", "attnx._io", "attnx._text"})
+GROUND_HELPERS = frozenset({"attnx", "attnx.errors", "attnx._io", "attnx._signals", "attnx._text"})
 # (layer, rank). Same rank, different layer: siblings, which may not import each other.
 LAYERS = {
     "attnx.model": ("ground", 0),

@@ -177,7 +177,8 @@ class _SpilledWeights(Mapping[str, np.ndarray]):
     a second copy of the weights."""
 
     def __init__(self, folder: str, weights: Mapping[str, np.ndarray]) -> None:
-        os.makedirs(folder, exist_ok=True)
+        # mkdir, not makedirs: inside a stage an interrupt removed, it fails rather than create the stage again
+        os.mkdir(folder)
         self.paths = {}
         for i, (name, array) in enumerate(weights.items()):
             path = os.path.join(folder, f"w{i}.npy")
