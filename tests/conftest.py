@@ -31,17 +31,15 @@ def pytest_configure(config):
 
 # How the suite is split across pytest-xdist's workers (.ci/run: -n auto --dist loadfile): each test
 # file runs whole on one worker (its module fixtures are built once), so what must not run beside
-# itself is kept in one file on purpose:
-# - the Ray cluster tests (tests/matrix/test_matrix.py): one cluster at a time (a head and a node, a
-#   dozen processes and their ports);
-# - the signal tests (tests/faults/test_interrupts.py): each sends SIGINT/SIGTERM at moments it
-#   chooses and then reads the process table for what was left running.
+# itself is kept in one file on purpose: the Ray cluster tests (tests/matrix/test_matrix.py), one
+# cluster at a time (a head and a node, a dozen processes and their ports). The signal tests run
+# beside the others: each run tags its processes and reads the process table for its own tag alone.
 # (pytest-xdist's loadgroup would group across files, but sets a test id pytest 9 no longer reads.)
 # The files that take longest are handed out first (README "Tests"): one started last would leave
 # the other workers idle at the end.
-LONGEST_FIRST = ("tests/workflows/test_import.py", "tests/faults/test_interrupts.py", "tests/matrix/test_matrix.py",
-                 "tests/export/test_export.py", "tests/runtimes/test_quant_parity.py", "tests/export/test_fp16.py",
-                 "tests/test_readme.py")  # fmt: skip
+LONGEST_FIRST = ("tests/matrix/test_matrix.py", "tests/workflows/test_import.py", "tests/faults/test_signals.py",
+                 "tests/export/test_export.py", "tests/faults/test_interrupts.py", "tests/test_readme.py",
+                 "tests/runtimes/test_quant_parity.py", "tests/cli/test_cli.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
