@@ -112,7 +112,12 @@ def export_onnx(
     if attention not in EXPORTED_LOWERINGS:
         raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
     opset = check_opset(attention, opset)
-    check_llm_support(config, attention)  # rope, softcap, ...: the decomposed graph only, so far
+    check_llm_support(config, attention)  # rope, softcap, ...: a lowering that expresses them
+    if config.llm_keys and attention != "decomposed":
+        raise UsageError(
+            f"the {attention} graph of a config with {', '.join(config.llm_keys)} is built node by node "
+            "(attnx.export.build_full_model), not traced"
+        )
     module = build_module(config, weights, seed=seed, core=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
