@@ -56,7 +56,12 @@ def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool) -> tup
         hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
     if kpm is not None:
         padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
-        hidden = padded if hidden is None else g.op("Or", hidden, padded)  # [B, 1, S, T]
+        if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
+            rows = g.op("Concat", g.ints("one_one", [1, 1]), g.op("Shape", "x", start=1, end=2), g.ints("one1", [1]),
+                        axis=0)  # fmt: skip
+            hidden = g.op("Expand", padded, rows)
+        else:
+            hidden = g.op("Or", hidden, padded)  # [B, 1, S, T]
     if hidden is None:
         return None, None
     seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),

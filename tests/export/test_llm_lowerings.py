@@ -208,3 +208,14 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
     with pytest.raises(UsageError, match="is written at opset 23"):
         export_model(LLM_FUSED_CONFIGS["onnx"], out, attention="onnx", opset=24)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_a_bidirectional_layer_with_rope(tmp_path, lowering):
+    """No causal mask (an encoder with rope): GroupQueryAttention with causal=0; Attention-23 with the
+    key padding mask alone, one row per query (the op broadcasts no query axis of its mask)."""
+    config = dataclasses.replace(LLM_FUSED_CONFIGS[lowering], causal=False, sliding_window=None)
+    weights = init_weights(config, 2)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(build_full_model(config, weights, lowering), path)
+    _passed(run_parity(ModelSource(config, weights, path), ["ort-cpu"], batches=(3,), seqs=(1, 9)))
