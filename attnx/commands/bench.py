@@ -97,7 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="store_true",
                    help="time the per-token step of the step model (batch 1, fp32; --dtype fp32,int8,int4 adds the "
                    "quantized step models) at each --past against the "
-                   "memory-bandwidth bound, with torch eager's step as the peer (README, \"Decoding\")")  # fmt: skip
+                   "memory-bandwidth bound, with torch's growing-cache and static-cache steps as the peers and OpenVINO on the onnx step model (README, \"Decoding\")")  # fmt: skip
     p.add_argument("--past", type=int_list, default=[128, 2048, 8192], help="with --decode (default 128,2048,8192)")
     p.add_argument("--kv-heads", type=int_arg(1, 1 << 20), default=None,
                    help="with --decode: n_kv_heads of the step model (default: the config's)")  # fmt: skip
