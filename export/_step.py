@@ -112,8 +112,9 @@ def build_step_model(
 
 def quantize_step_model(model: onnx.ModelProto, dtype: str, block_size: int | None = None,
                         accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
-    """The fp32 step model `model` with its four projections (or the packed q/k/v and out)
-    quantized to `dtype` by QuantizeProjections; a projection the pass does not find is an error."""
+    """The fp32 step model `model` (or a hand-built full-sequence graph) with its four projections
+    (or the packed q/k/v and out) quantized to `dtype` by QuantizeProjections; a projection the pass
+    does not find is an error."""
     import onnx_ir as ir
 
     from attnx.export.passes.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeProjections
@@ -134,10 +135,13 @@ def quantize_step_model(model: onnx.ModelProto, dtype: str, block_size: int | No
     return out
 
 
-def build_full_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str) -> onnx.ModelProto:
+def build_full_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str,
+                     dtype: str = "fp32", block_size: int | None = None,
+                     accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
     """The full-sequence graph (no cache) of a config with modern-LLM keys in `attention` onnx or
     ort-fused (the decomposed one is the torch module's export): the same graph as the step model's
-    without past and present (README, "Modern LLM attention")."""
+    without past and present (README, "Modern LLM attention"); int8/int4 quantize its projections
+    as build_step_model does."""
     c = config
     if c.kv_cache:
         raise UsageError("a config with 'kv_cache': true has the step model (build_step_model)")
@@ -147,7 +151,9 @@ def build_full_model(config: AttentionConfig, weights: Mapping[str, np.ndarray],
             "config is the exporter's (attnx.export.export_onnx) and the graph passes'"
         )
     check_lowering(c, attention)
-    return _build_float(c, weights, attention, "growing", step=False)
+    check_llm_support(c, attention, dtype)
+    model = _build_float(c, weights, attention, "growing", step=False)
+    return model if dtype == "fp32" else quantize_step_model(model, dtype, block_size, accuracy_level)
 
 
 def _build_float(

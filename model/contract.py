@@ -427,8 +427,8 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
 # step model, and what each cannot express (refused by name, never written without a term). The
 # decomposed full-sequence graph is the torch module's export; the others are built node by node
 # (attnx.export: build_full_model, build_step_model). The graph passes (ort-fused-packed,
-# ort-attention, and auto, which measures them) do not rewrite these graphs; the reduced-precision
-# forms are not built yet (README, "Modern LLM attention").
+# ort-attention, and auto, which measures them) do not rewrite these graphs; of the reduced-precision
+# forms, int8 and int4 without a window, softcap or sinks (README, "Modern LLM attention").
 LLM_LOWERINGS = ("decomposed", "onnx", "ort-fused")
 LLM_DTYPES = ("fp32",)
 # The rows of the buffer form's cos/sin table (GroupQueryAttention do_rotary) unless told: positions
@@ -468,10 +468,20 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
             f"--attention ort-fused ({MS_DOMAIN}.GroupQueryAttention) needs v_head_dim == head_dim, a multiple of 8 "
             f"(this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
         )
-    if dtype is not None and dtype not in LLM_DTYPES:
+    if dtype in QUANTIZATIONS:
+        # The quantized error model (attnx.model.tolerance) composes with rope (a rotation keeps each
+        # pair's norm: q's and k's relative errors pass unchanged) and the q/k norms (an RMSNorm drops
+        # the error's radial part), plus the rope term; it has no term for these three yet.
+        beyond = [k for k in ("sliding_window", "softcap", "sinks") if k in keys]
+        if beyond:
+            raise UsageError(
+                f"--dtype {dtype} is not built yet for a config with {', '.join(beyond)} (the quantized error model "
+                "has no term for it): int8/int4 take rope and qk_norm; use --dtype fp32"
+            )
+    elif dtype is not None and dtype not in LLM_DTYPES:
         raise UsageError(
             f"--dtype {dtype} is not built yet for a config with {named} (no tolerance row is derived for it): "
-            f"use --dtype {' or '.join(LLM_DTYPES)}"
+            f"use --dtype {' or '.join(LLM_DTYPES)} (or int8/int4 without a window, softcap or sinks)"
         )
 
 

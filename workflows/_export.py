@@ -120,8 +120,10 @@ def export_model(
         pass_lines: list[str] = []
         if built:
             progress(f"building the {attention} graph")
-            model = ir.from_proto(build_full_model(config, weights, attention))
+            model = ir.from_proto(build_full_model(config, weights, attention, dtype, block_size, accuracy_level))
             pass_lines.append(f"lowering: {attention} (built directly: {', '.join(config.llm_keys)})")
+            if dtype != "fp32":
+                pass_lines.append(f"precision: {dtype} projections (QuantizeProjections)")
         else:
             progress(f"exporting ({base} attention)")
             model = export_onnx(config, weights, attention=base, opset=opset)

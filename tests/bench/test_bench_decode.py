@@ -132,8 +132,10 @@ def test_cli_bench_decode_of_a_rope_config(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(dataclasses.replace(LLM_CONFIGS["llama"], qk_norm={"eps": 1e-6}).to_dict()))
     assert main(["bench", "--config", str(path), "--decode", "--past", "8", "--repeat", "2", "--rounds", "1",
-                 "--threads", "1"]) == 0  # fmt: skip
+                 "--threads", "1", "--dtype", "fp32,int8"]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert "torch static" in text and "ort-fused buffer" in text and "static/this" in text
-    assert main(["bench", "--config", str(path), "--decode", "--past", "8", "--dtype", "fp32,int8"]) == 2
-    assert "--dtype int8 is not built yet for a config with rope" in capsys.readouterr().err
+    assert "torch static" in text and "ort-fused buffer int8" in text and "static/this" in text
+    path.write_text(json.dumps(dataclasses.replace(LLM_CONFIGS["llama"], softcap=30.0).to_dict()))
+    assert main(["bench", "--config", str(path), "--decode", "--past", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "SDPA" in err and "this config has softcap" in err

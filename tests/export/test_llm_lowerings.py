@@ -219,3 +219,39 @@ def test_a_bidirectional_layer_with_rope(tmp_path, lowering):
     path = str(tmp_path / "m.onnx")
     onnx.save(build_full_model(config, weights, lowering), path)
     _passed(run_parity(ModelSource(config, weights, path), ["ort-cpu"], batches=(3,), seqs=(1, 9)))
+
+
+# int8 / int4 projections: rope and q/k norms compose with the quantized error model ----------------
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_projections_of_a_rope_and_qk_norm_layer(tmp_path, dtype):
+    """The projections quantized in the onnx full-sequence graph, the ort-fused growing step model and
+    the buffer form (its packed q/k/v split for the norms): the pass finds q, k and v behind the
+    norms and the rotation, each form passes under the quantized rows plus the rope term, and a step
+    fed positions one too far fails there too."""
+    config = dataclasses.replace(LLM_CONFIGS["llama"], qk_norm={"eps": 1e-6}, bias=True)
+    weights = init_weights(config, 1)
+    full = str(tmp_path / "full.onnx")
+    export_model(config, full, weights, attention="onnx", dtype=dtype)
+    assert set(describe(full).quantization["projections"]) == {"q", "k", "v", "out"}
+    _passed(run_parity(ModelSource(config, weights, full, dtype=dtype), BACKENDS, batches=(3,), seqs=(1, 9)))
+    step = dataclasses.replace(config, kv_cache=True)
+    for form in ("growing", "buffer"):
+        path = str(tmp_path / f"{form}.onnx")
+        export_model(step, path, weights, attention="ort-fused", dtype=dtype, decode_form=form)
+        source = ModelSource(step, weights, path, dtype=dtype)
+        if form == "buffer":
+            assert set(describe(path).quantization["projections"]) == {"qkv", "out"}
+            _passed(run_buffer_parity(source, prefills=(0, 5), steps=4, batch=2))
+            continue
+
+        def factory(name, source):
+            runner = create_runner(name, source)
+            right = runner.step
+            runner.step = lambda x, state, m=None, p=None: right(x, state, m, p + 1 if state.length else p)
+            return runner
+
+        _passed(run_decode_parity(source, ["ort-cpu"], prefills=(0, 5), steps=4, batch=2))
+        wrong = run_decode_parity(source, ["ort-cpu"], prefills=(5,), steps=4, batch=2, runner_factory=factory)
+        assert [c.status for c in wrong.cases] == ["fail"]
+    with pytest.raises(UsageError, match=f"--dtype {dtype} is not built yet for a config with sliding_window"):
+        export_model(dataclasses.replace(step, sliding_window=4), tmp_path / "w.onnx", attention="ort-fused", dtype=dtype)
