@@ -255,3 +255,20 @@ def test_quantized_projections_of_a_rope_and_qk_norm_layer(tmp_path, dtype):
         assert [c.status for c in wrong.cases] == ["fail"]
     with pytest.raises(UsageError, match=f"--dtype {dtype} is not built yet for a config with sliding_window"):
         export_model(dataclasses.replace(step, sliding_window=4), tmp_path / "w.onnx", attention="ort-fused", dtype=dtype)
+
+
+def test_the_buffer_forms_rope_table_at_long_positions():
+    """The table GroupQueryAttention rotates from, rows 8192..: the cos/sin of the float32 angle, within
+    the rope term's eps * p * inv_freq of the float64 angle (a whole-prefill parity at position 8192
+    measured 2.1e-5 against atol 2.6e-3: too slow for the suite, so the table itself is held here)."""
+    from attnx.export._llm import rope_table
+    from attnx.model.rope import rope_cos_sin, rope_frequencies
+
+    config = LLM_FUSED_CONFIGS["buffer"]
+    cos, sin = rope_table(config, 8200)
+    positions = np.arange(8192, 8200)
+    want_cos, want_sin = rope_cos_sin(config.rope, positions)
+    inv_freq, factor = rope_frequencies(config.rope)
+    bound = np.finfo(np.float32).eps * (positions[:, None] * inv_freq + 4) * factor  # the angle's rounding, a few ulps
+    assert np.all(np.abs(cos[8192:] - want_cos) <= bound) and np.all(np.abs(sin[8192:] - want_sin) <= bound)
+    assert np.abs(cos[8193:] - want_cos[:-1]).max() > 100 * bound.max()  # a row off by one is far outside it
