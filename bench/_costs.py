@@ -3,10 +3,10 @@ limit. (The memory a case needs is attnx.model.resources', the one estimator.)
 
 Counted as 2 FLOPs per multiply-add of the four projections and of the two attention
 matmuls, for batch b, t queries, s keys (s = t and kv_dim = d_model in self-attention),
-N heads:
+N heads of which Nkv key/value heads (grouped-query attention: Nkv < N):
 
     q:                   2 * b * t * d_model * N * head_dim
-    k and v:             2 * b * s * kv_dim * N * (head_dim + v_head_dim)
+    k and v:             2 * b * s * kv_dim * Nkv * (head_dim + v_head_dim)
     scores, weighted sum: 2 * b * N * t * s * (head_dim + v_head_dim)
     output:              2 * b * t * N * v_head_dim * d_model
 
@@ -39,7 +39,7 @@ def attention_flops(config: AttentionConfig, batch: int, seq: int, mem_seq: int 
     b, t = batch, seq
     s = (mem_seq if mem_seq is not None else seq) if c.cross else seq
     q = 2 * b * t * c.d_model * c.n_heads * c.head_dim
-    kv = 2 * b * s * c.kv_dim * c.n_heads * (c.head_dim + c.v_head_dim)
+    kv = 2 * b * s * c.kv_dim * c.n_kv_heads * (c.head_dim + c.v_head_dim)  # grouped heads: Nkv projections
     core = 2 * b * c.n_heads * t * s * (c.head_dim + c.v_head_dim)
     out = 2 * b * t * c.n_heads * c.v_head_dim * c.d_model
     return q + kv + core + out

@@ -15,6 +15,12 @@ together):
 - with int8/int4 (`attnx bench --decode --dtype fp32,int8,int4`): the buffer and ort-fused growing
   forms of the step model with quantized projections ("ort-fused buffer int8"), each against the
   bound of its own bytes per step (weight_bytes: the weights as that model stores them).
+- with a modern-LLM config (rope, qk_norm): the growing forms take the step's position_ids, the
+  buffer form rotates inside GroupQueryAttention (do_rotary) at its token index; the torch peers
+  rotate as transformers does (cos/sin of position_ids * inv_freq, rotate_half); "torch static" is
+  the static-cache peer (a preallocated cache written in place with index_copy_, as transformers'
+  StaticCache, then SDPA over it); "openvino onnx growing" runs attnx's onnx step model on OpenVINO
+  (f32, the step's threads).
 
 Timing: each timed step is preceded, outside the timer, by a read of 256 MB (more than every
 cache level), so the weights and the cache come from memory as in a layer among many ("flushed");
@@ -39,7 +45,9 @@ import numpy as np
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
+from attnx.model.rope import rope_frequencies
 from attnx.model.weights import init_weights, weight_shapes
+from attnx.runtimes import ModelSource, create_runner
 
 __all__ = ["DECODE_DTYPES", "DecodeBenchRow", "measure_bandwidth", "run_decode_bench", "step_bytes", "weight_bytes"]
 
@@ -184,12 +192,13 @@ def run_decode_bench(
         "onnx growing",
         "decomposed growing",
         "torch eager",
+        "torch static",
     ),
     progress: Callable[[str], None] = lambda msg: None,
 ) -> list[DecodeBenchRow]:
+    import onnx
     import onnxruntime as ort
     import torch
-    import torch.nn.functional as F
 
     from attnx.export import build_step_model
 
@@ -200,9 +209,21 @@ def run_decode_bench(
     progress("measuring the memory bandwidth (large copies)")
     copies = measure_bandwidth(threads)
     bandwidth = max(copies.values())
-    sessions = {}
+    if c.softcap is not None or c.sinks or c.sliding_window is not None:
+        raise UsageError("attnx bench --decode times torch's SDPA as the peer: it has no softcap, sinks or window; "
+                         "this config has " + ", ".join(k for k in ("sliding_window", "softcap", "sinks")
+                                                         if k in c.llm_keys))  # fmt: skip
+    sessions, openvino = {}, {}
+    tmp = tempfile.TemporaryDirectory(prefix="attnx-decode-bench-")
     for impl in impls:
-        if impl == "torch eager":
+        if impl.startswith("torch"):
+            continue
+        if impl.startswith("openvino"):  # "openvino onnx growing": attnx's step model on OpenVINO
+            _, lowering, form = impl.split()
+            progress(f"building the step model: {impl}")
+            path = os.path.join(tmp.name, f"{lowering}-{form}.onnx")
+            onnx.save(build_step_model(c, weights, lowering, form), path)
+            openvino[impl] = create_runner("openvino", ModelSource(c, weights, path), threads=threads).load()
             continue
         lowering, form, *dtype = impl.split()  # "ort-fused buffer" or "ort-fused buffer int8"
         progress(f"building the step model: {impl}")
@@ -239,30 +260,50 @@ def run_decode_bench(
                     "past_key": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(key[:, :, :past])),
                     "past_value": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value[:, :, :past])),
                 }
+                if c.rope is not None:  # the new token at position `past`
+                    feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.full((1, 1), past, np.int64))
                 names = [o.name for o in sess.get_outputs()]
 
                 def fn(sess=sess, feeds=feeds, names=names):
                     sess.run_with_ort_values(names, feeds)
 
             steps[impl] = fn
+        for impl, runner in openvino.items():
+            ov_feeds = {"x": x, "past_key": np.ascontiguousarray(key[:, :, :past]),
+                        "past_value": np.ascontiguousarray(value[:, :, :past])}  # fmt: skip
+            if c.rope is not None:
+                ov_feeds["position_ids"] = np.full((1, 1), past, np.int64)
+            steps[impl] = lambda runner=runner, ov_feeds=ov_feeds: runner.run_impl(ov_feeds)
+        peer = _TorchPeer(c, tw, past)
         if "torch eager" in impls:
             kc = torch.from_numpy(np.ascontiguousarray(key[:, :, :past]))
             vc = torch.from_numpy(np.ascontiguousarray(value[:, :, :past]))
             xt = torch.from_numpy(x)
 
-            def torch_step(xt=xt, kc=kc, vc=vc):
+            def torch_step(xt=xt, kc=kc, vc=vc, peer=peer):
                 with torch.inference_mode():
-                    q = F.linear(xt, tw["q_proj.weight"], tw.get("q_proj.bias")).view(1, 1, c.n_heads, c.head_dim)
-                    k = F.linear(xt, tw["k_proj.weight"], tw.get("k_proj.bias")).view(1, 1, c.n_kv_heads, c.head_dim)
-                    v = F.linear(xt, tw["v_proj.weight"], tw.get("v_proj.bias")).view(1, 1, c.n_kv_heads, c.v_head_dim)
-                    k_all = torch.cat([kc, k.transpose(1, 2)], dim=2)  # the growing cache: a new tensor per step
-                    v_all = torch.cat([vc, v.transpose(1, 2)], dim=2)
-                    z = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, scale=c.softmax_scale,
-                                                       enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip
-                    return F.linear(z.transpose(1, 2).reshape(1, 1, c.v_dim), tw["out_proj.weight"],
-                                    tw.get("out_proj.bias"))  # fmt: skip
+                    q, k, v = peer.qkv(xt)
+                    k_all = torch.cat([kc, k], dim=2)  # the growing cache: a new tensor per step
+                    v_all = torch.cat([vc, v], dim=2)
+                    return peer.attend(q, k_all, v_all)
 
             steps["torch eager"] = torch_step
+        if "torch static" in impls:
+            # transformers' StaticCache: the cache preallocated (here past + 1 positions, all filled by
+            # this step), the new token written in place at its position with index_copy_.
+            ks = torch.from_numpy(key.copy())
+            vs = torch.from_numpy(value.copy())
+            xt = torch.from_numpy(x)
+            at = torch.tensor([past])
+
+            def static_step(xt=xt, ks=ks, vs=vs, at=at, peer=peer):
+                with torch.inference_mode():
+                    q, k, v = peer.qkv(xt)
+                    ks.index_copy_(2, at, k)
+                    vs.index_copy_(2, at, v)
+                    return peer.attend(q, ks, vs)
+
+            steps["torch static"] = static_step
         # Rounds, each timing every implementation in a rotated order; the lowest median of the
         # rounds is kept: another process on these shared cores, or one runtime's threads still
         # waking up after another's, slows one round, not all of them.
@@ -275,8 +316,63 @@ def run_decode_bench(
                 samples[f"{impl} warm"].append(_median_ms(steps[impl], None, repeat))
         times = {k: min(v) for k, v in samples.items()}
         nbytes = step_bytes(c, past)
-        quantized = sorted({i.split()[2] for i in impls if len(i.split()) == 3})
+        quantized = sorted({i.split()[-1] for i in impls if i.split()[-1] in DECODE_DTYPES[1:]})
         rows.append(DecodeBenchRow(past, nbytes, bandwidth / 1e9, nbytes / bandwidth * 1e3, times,
                                    {k: v / 1e9 for k, v in copies.items()},
                                    {d: step_bytes(c, past, dtype=d) for d in quantized}))  # fmt: skip
+    for runner in openvino.values():
+        runner.close()
+    tmp.cleanup()
     return rows
+
+
+class _TorchPeer:
+    """The torch peers' step, as Hugging Face's eager Llama/Qwen3 attention computes it: the
+    projections, q/k RMSNorm (qk_norm), rotary embeddings (cos/sin of position_ids * inv_freq times
+    attention_factor, rotate_half or interleaved pairs, on the first rope dim dims), then SDPA
+    (grouped heads by enable_gqa) and the out projection. The new token sits at position `past`."""
+
+    def __init__(self, config: AttentionConfig, weights: dict, past: int) -> None:
+        import torch
+
+        self.c, self.w = config, weights
+        self.position = torch.tensor([[past]], dtype=torch.int64)
+        if config.rope is not None:
+            inv_freq, self.factor = rope_frequencies(config.rope)
+            self.inv_freq = torch.from_numpy(inv_freq.astype(np.float32))
+
+    def _rotate(self, u, cos, sin):
+        import torch
+
+        dim = self.c.rope.dim
+        rot, rest = u[..., :dim], u[..., dim:]
+        if self.c.rope.interleaved:  # pairs (2i, 2i + 1)
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+        else:  # transformers' rotate_half over cat(freqs, freqs)
+            cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+            rot = rot * cos2 + torch.cat((-rot[..., dim // 2 :], rot[..., : dim // 2]), -1) * sin2
+        return rot if rest.shape[-1] == 0 else torch.cat((rot, rest), -1)
+
+    def qkv(self, xt):
+        import torch.nn.functional as F
+
+        c, w = self.c, self.w
+        q = F.linear(xt, w["q_proj.weight"], w.get("q_proj.bias")).view(1, 1, c.n_heads, c.head_dim).transpose(1, 2)
+        k = F.linear(xt, w["k_proj.weight"], w.get("k_proj.bias")).view(1, 1, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = F.linear(xt, w["v_proj.weight"], w.get("v_proj.bias")).view(1, 1, c.n_kv_heads, c.v_head_dim).transpose(1, 2)
+        if c.qk_norm is not None:
+            q = F.rms_norm(q, (c.head_dim,), w["q_norm.weight"], c.qk_norm.eps)
+            k = F.rms_norm(k, (c.head_dim,), w["k_norm.weight"], c.qk_norm.eps)
+        if c.rope is not None:
+            freqs = self.position.float()[..., None] * self.inv_freq  # [1, 1, dim/2]
+            cos, sin = (freqs.cos() * self.factor)[:, None], (freqs.sin() * self.factor)[:, None]  # [1, 1, 1, dim/2]
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k_all, v_all):
+        import torch.nn.functional as F
+
+        c = self.c
+        z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale, enable_gqa=c.n_kv_heads != c.n_heads)
+        return F.linear(z.transpose(1, 2).reshape(1, 1, c.v_dim), self.w["out_proj.weight"], self.w.get("out_proj.bias"))

@@ -13,12 +13,14 @@ from attnx.export._export import (
     release_rewriter_state,
     save_model,
 )
-from attnx.export._step import build_step_model
+from attnx.export._step import build_full_model, build_step_model, graph_opset
 
 __all__ = [
+    "build_full_model",
     "build_step_model",
     "EXPORTED_LOWERINGS",
     "export_onnx",
+    "graph_opset",
     "name_contract_dims",
     "quiet",
     "release_rewriter_state",

@@ -119,7 +119,12 @@ def export_onnx(
     if attention not in EXPORTED_LOWERINGS:
         raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
     opset = check_opset(attention, opset)
-    check_llm_support(config, attention)  # rope, softcap, ...: the decomposed graph only, so far
+    check_llm_support(config, attention)  # rope, softcap, ...: a lowering that expresses them
+    if config.llm_keys and attention != "decomposed":
+        raise UsageError(
+            f"the {attention} graph of a config with {', '.join(config.llm_keys)} is built node by node "
+            "(attnx.export.build_full_model), not traced"
+        )
     key = TRACES.key(config, weights, seed, attention, opset)
     if (model := TRACES.get(key)) is not None:
         return model

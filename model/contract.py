@@ -84,6 +84,9 @@ __all__ = [
     "buffer_form_specs",
     "check_lowering",
     "check_llm_support",
+    "check_buffer_rope",
+    "DEFAULT_ROPE_POSITIONS",
+    "ROPE_POSITIONS_KEY",
     "LLM_LOWERINGS",
     "LLM_DTYPES",
     # Reduced precision (issue 12)
@@ -392,8 +395,8 @@ DECODE_FORMS = ("growing", "buffer")
 STEP_LOWERINGS: dict[str, str] = {
     "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",
     "onnx": "the opset-23 Attention op with past_key/past_value (kv_num_heads)",
-    "ort-fused": f"{MS_DOMAIN}.MultiHeadAttention with past (n_kv_heads == n_heads), else "
-    f"{MS_DOMAIN}.GroupQueryAttention (kv_num_heads)",
+    "ort-fused": f"{MS_DOMAIN}.MultiHeadAttention with past (n_kv_heads == n_heads, no modern-LLM key), else "
+    f"{MS_DOMAIN}.GroupQueryAttention (kv_num_heads; softcap, local_window_size, head_sink)",
 }
 
 
@@ -420,45 +423,96 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
     return inputs, outputs
 
 
-# Modern LLM attention (issue 22): the forms that express the config's LLM_KEYS so far. The others
-# are refused by name, never written without a term: the decomposed graph, full-sequence and step
-# model (growing cache), in fp32, is what is built and verified; the fused and standard-op lowerings,
-# the buffer form and the reduced-precision forms come next (README, "Modern LLM attention").
-LLM_LOWERINGS = ("decomposed",)
+# Modern LLM attention (issue 22): the lowerings that express the config's LLM_KEYS, full-sequence and
+# step model, and what each cannot express (refused by name, never written without a term). The
+# decomposed full-sequence graph is the torch module's export; the others are built node by node
+# (attnx.export: build_full_model, build_step_model). The graph passes (ort-fused-packed,
+# ort-attention, and auto, which measures them) do not rewrite these graphs; of the reduced-precision
+# forms, int8 and int4 without a window, softcap or sinks (README, "Modern LLM attention").
+LLM_LOWERINGS = ("decomposed", "onnx", "ort-fused")
 LLM_DTYPES = ("fp32",)
+# The rows of the buffer form's cos/sin table (GroupQueryAttention do_rotary) unless told: positions
+# 0..32767 (16 MB of float32 for a head of 128). A position past it is the op's error.
+DEFAULT_ROPE_POSITIONS = 32768
+ROPE_POSITIONS_KEY = "attnx.rope_positions"  # the buffer form's table rows (its positions 0..rows-1)
 
 
 def check_llm_support(config: AttentionConfig, attention: str | None = None, dtype: str | None = None,
                       step: bool = False) -> None:  # fmt: skip
     """One UsageError naming the config's modern-LLM keys (rope, sliding_window, softcap, qk_norm,
-    sinks) when the form asked cannot express them yet: a lowering other than decomposed (auto
-    included: it measures the fused ones), full-sequence or step model, or a dtype other than fp32."""
+    sinks) when the form asked cannot express them: a lowering not in LLM_LOWERINGS (auto included:
+    it measures the pass lowerings), a term the lowering's operator lacks (the standard Attention
+    op has no sink logit), or a dtype other than fp32."""
     keys = config.llm_keys
     if not keys:
         return
     named = ", ".join(keys)
-    if (step or config.kv_cache) and attention is not None and attention not in LLM_LOWERINGS:
-        raise UsageError(
-            f"the step model (kv_cache) of a config with {named} is built as --attention "
-            f"{' or '.join(LLM_LOWERINGS)} so far (--attention {attention} would leave them out)"
-        )
+    what = "the step model (kv_cache)" if step or config.kv_cache else "the full-sequence model"
     if attention is not None and attention not in LLM_LOWERINGS:
         raise UsageError(
-            f"--attention {attention} does not express {named} yet (its graph would leave them out): "
-            f"use --attention {' or '.join(LLM_LOWERINGS)}"
+            f"--attention {attention} does not express {named} ({what}): its graph passes do not rewrite these "
+            f"terms, and its graph would leave them out; use --attention {', '.join(LLM_LOWERINGS)}"
         )
-    if dtype is not None and dtype not in LLM_DTYPES:
+    if attention == "onnx" and config.sinks:
+        raise UsageError(
+            "--attention onnx cannot express sinks: the standard Attention op (opset 23) has no sink logit in "
+            "its softmax; use --attention decomposed or ort-fused (GroupQueryAttention's head_sink)"
+        )
+    if attention in ("onnx", "ort-fused") and config.cross:
+        raise UsageError(
+            f"--attention {attention} of a cross-attention config with {named} is not built; use --attention decomposed"
+        )
+    if attention == "ort-fused" and (config.v_head_dim != config.head_dim or config.head_dim % 8):
+        # measured: the op refuses a head_dim % 8 != 0 ('head_size must be a multiple of 8')
+        raise UsageError(
+            f"--attention ort-fused ({MS_DOMAIN}.GroupQueryAttention) needs v_head_dim == head_dim, a multiple of 8 "
+            f"(this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
+        )
+    if dtype in QUANTIZATIONS:
+        # The quantized error model (attnx.model.tolerance) composes with rope (a rotation keeps each
+        # pair's norm: q's and k's relative errors pass unchanged) and the q/k norms (an RMSNorm drops
+        # the error's radial part), plus the rope term; it has no term for these three yet.
+        beyond = [k for k in ("sliding_window", "softcap", "sinks") if k in keys]
+        if beyond:
+            raise UsageError(
+                f"--dtype {dtype} is not built yet for a config with {', '.join(beyond)} (the quantized error model "
+                "has no term for it): int8/int4 take rope and qk_norm; use --dtype fp32"
+            )
+    elif dtype is not None and dtype not in LLM_DTYPES:
         raise UsageError(
             f"--dtype {dtype} is not built yet for a config with {named} (no tolerance row is derived for it): "
-            f"use --dtype {' or '.join(LLM_DTYPES)}"
+            f"use --dtype {' or '.join(LLM_DTYPES)} (or int8/int4 without a window, softcap or sinks)"
+        )
+
+
+def check_buffer_rope(config: AttentionConfig) -> None:
+    """One UsageError when the buffer form (GroupQueryAttention rotating q and k itself, do_rotary,
+    from one cos/sin table) cannot express the config's rope: longrope switches to its long factors
+    for a whole call once the call's largest position passes the original length (no one table
+    holds that), and the op takes a cos/sin width (rope dim / 2) that is a multiple of 8 only
+    (measured: 'cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8')."""
+    rope = config.rope
+    if rope is None:
+        return
+    if rope.rope_type == "longrope":
+        raise UsageError(
+            "the buffer form cannot express longrope: its factors switch for a whole call once the call's largest "
+            "position passes original_max_position_embeddings, and the op rotates from one cos/sin table; use the "
+            "growing form (--decode-form growing)"
+        )
+    if (rope.dim // 2) % 8:
+        raise UsageError(
+            f"the buffer form cannot rotate rope dim {rope.dim}: {MS_DOMAIN}.GroupQueryAttention takes a cos/sin "
+            "table of width dim/2 that is a multiple of 8 only; use the growing form (--decode-form growing)"
         )
 
 
 def check_lowering(config: AttentionConfig, attention: str, step: bool = False) -> None:
     """One UsageError when `attention` cannot express `config`: a fused full-sequence lowering
-    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none), a
-    step-model lowering that is not in STEP_LOWERINGS, or any form but the decomposed full-sequence
-    graph for a config with modern-LLM keys (check_llm_support)."""
+    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none; a
+    modern-LLM config's ort-fused graph is GroupQueryAttention, which has them), a
+    step-model lowering that is not in STEP_LOWERINGS, or a form that cannot express the config's
+    modern-LLM keys (check_llm_support)."""
     check_llm_support(config, attention, step=step)
     if step:
         if attention not in STEP_LOWERINGS:
@@ -476,6 +530,8 @@ def check_lowering(config: AttentionConfig, attention: str, step: bool = False) 
     if config.kv_cache and attention != "auto":
         check_lowering(config, attention, step=True)
         return
+    if config.llm_keys and attention == "ort-fused":
+        return  # GroupQueryAttention, built directly (check_llm_support held the rest)
     if attention in PASS_LOWERINGS and config.n_kv_heads != config.n_heads:
         # Decided, not measured: repeating the shared key/value heads in the graph to feed the
         # fused op would copy them group_size times, the traffic grouping exists to save.

@@ -24,7 +24,10 @@ import numpy as np
 from attnx.errors import InputError, ProviderUnavailable, UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
+    DECODE_KEY,
     REFERENCE,
+    ROPE_POSITIONS_KEY,
+    describe,
     float_dtype,
     numpy_dtype,
 )
@@ -64,7 +67,9 @@ class BufferDecoder:
     """Steps (the first one the prefill) over an ort-* runner of the buffer form: one cache buffer per tensor,
     [batch, n_kv_heads, capacity, ..], allocated once and bound through IOBinding as both the
     past input and the present output, so each step writes only its new tokens' keys/values.
-    The state is the number of positions filled."""
+    The state is the number of positions filled. With rope, token i of every row is at position i
+    (the op rotates from seqlens_k): positions 0..capacity-1 must lie in the model's cos/sin table
+    (attnx.rope_positions rows), checked here, before any step."""
 
     def __init__(self, runner: Runner, config: AttentionConfig, capacity: int, batch: int) -> None:
         import onnxruntime as ort
@@ -72,6 +77,12 @@ class BufferDecoder:
         session = getattr(runner, "session", None)
         if session is None:
             raise UsageError(f"the buffer form runs on ONNX Runtime (IOBinding), not on backend {runner.name!r}")
+        rows = session.get_modelmeta().custom_metadata_map.get(ROPE_POSITIONS_KEY)
+        if rows is not None and capacity > int(rows):
+            raise InputError(
+                f"a cache of {capacity} positions reaches past the model's rope table (positions 0..{int(rows) - 1}): "
+                f"build the buffer form with rope_positions >= {capacity}"
+            )
         self.runner, self.config, self.capacity, self.batch = runner, config, capacity, batch
         self.session = session
         device = getattr(runner, "binding_device", "cpu")
@@ -114,16 +125,18 @@ class BufferDecoder:
 
 
 def make_decode_inputs(config: AttentionConfig, batch: int, total: int, dtype: str = "fp32",
-                       seed: int = 0, position_offset: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
+                       seed: int = 0, position_offset: int = 0, buffer: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
     """x [batch, total, d_model] ~ N(0, 1) and, when the model takes one, a left-padded key
     padding mask [batch, total]: row b hides its first b*(total//(2*batch)) + b positions (row 0
     none; later rows more, so some queries see no key at all: y = bo there). A model with rope
     also takes position_ids [batch, total]: Hugging Face's rule over that left padding (without a
-    mask, over the same padding, left_padding's rows), moved by position_offset."""
+    mask, over the same padding, left_padding's rows), moved by position_offset. buffer: the buffer
+    form's inputs: no padding (it takes no mask), each token at its token index (its positions are
+    seqlens_k's)."""
     rng = np.random.Generator(np.random.PCG64(seed))
     feeds = {"x": rng.standard_normal((batch, total, config.d_model), dtype=np.float32).astype(numpy_dtype(dtype))}
     pad = np.zeros((batch, total), bool)
-    for b in range(batch):
+    for b in range(batch if not buffer else 0):
         pad[b, : min(total - 1, b * (total // (2 * batch)) + b)] = True
     if config.key_padding_mask:
         feeds["key_padding_mask"] = pad
@@ -193,6 +206,9 @@ def run_decode_parity(
     # A quantized step model (int8, int4) runs on the ort-* backends that read its file; the
     # reference and the torch module compute the float formula, held to fp32's rule (as run_parity).
     quantization = source_quantization(source, "decode parity", "step model")
+    buffer = source.model_path is not None and describe(source.model_path).metadata.get(DECODE_KEY) == "buffer"
+    if buffer and position_offset:
+        raise UsageError("the buffer form's positions are its token indices (from 0): no position offset")
     float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
     ref = runner_factory(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
     runners: dict[str, Runner | str] = {}
@@ -212,7 +228,7 @@ def run_decode_parity(
     try:
         for i, prefill in enumerate(prefills):
             total = prefill + steps
-            feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i, position_offset)
+            feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i, position_offset, buffer)
             pk, pv = empty_cache(config, batch, float_source.dtype)
             full = {**feeds, "past_key": pk, "past_value": pv}
             progress(f"decode case {i + 1}/{len(prefills)}: prefill {prefill} + {steps} steps")

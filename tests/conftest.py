@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -77,6 +78,19 @@ LLM_CONFIGS: dict[str, AttentionConfig] = {
         d_model=64, n_heads=4, n_kv_heads=2, causal=True, bias=False,
         rope={"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+    ),
+}  # fmt: skip
+# The same terms in the shapes ONNX Runtime's GroupQueryAttention takes (head_dim a multiple of 8;
+# the buffer form's rotation a cos/sin width that is a multiple of 8): the onnx and ort-fused
+# lowerings (tests/export/test_llm_lowerings.py). "onnx" drops the sinks the standard op lacks.
+LLM_FUSED_CONFIGS: dict[str, AttentionConfig] = {
+    "ort-fused": dataclasses.replace(LLM_CONFIGS["llm"], head_dim=16, v_head_dim=16),
+    "onnx": dataclasses.replace(LLM_CONFIGS["llm"], head_dim=16, v_head_dim=16, sinks=False),
+    "buffer": AttentionConfig(
+        d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, causal=True, kv_cache=True, sliding_window=4, softcap=2.0,
+        qk_norm={"eps": 1e-5}, sinks=True,
+        rope={"theta": 1000.0, "dim": 16, "interleaved": True,
+              "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
     ),
 }  # fmt: skip
 

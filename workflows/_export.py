@@ -13,7 +13,15 @@ import onnx_ir as ir
 
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
-from attnx.export import EXPORTED_LOWERINGS, build_step_model, export_onnx, release_rewriter_state, save_model
+from attnx.export import (
+    EXPORTED_LOWERINGS,
+    build_full_model,
+    build_step_model,
+    export_onnx,
+    graph_opset,
+    release_rewriter_state,
+    save_model,
+)
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
@@ -86,7 +94,7 @@ def export_model(
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_model_dtype(dtype)
     check_choice("--decode-form", decode_form, DECODE_FORMS)
-    check_llm_support(config, attention, dtype)  # rope, softcap, ...: the decomposed fp32 graph only, so far
+    check_llm_support(config, attention, dtype)  # rope, softcap, ...: a lowering that expresses them, fp32
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
                                   check=check, validate=validate, progress=progress, form=decode_form,
@@ -96,18 +104,30 @@ def export_model(
         raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
         check_lowering(config, attention)  # a fused lowering of grouped heads: refused before any work
-    # The exporter writes the lowerings that are not passes; the others start from decomposed.
+    # The exporter writes the lowerings that are not passes; the others start from decomposed. A
+    # modern-LLM config's onnx and ort-fused graphs are built node by node (build_full_model).
     base = attention if attention in EXPORTED_LOWERINGS else "decomposed"
+    built = bool(config.llm_keys) and attention in ("onnx", "ort-fused")
+    if built and opset is not None and opset != graph_opset(config, attention):
+        raise UsageError(f"the {attention} graph of a config with {', '.join(config.llm_keys)} is written at opset "
+                         f"{graph_opset(config, attention)} (--opset {opset})")  # fmt: skip
     opset = check_opset(attention, opset)
     check_output_file(out, "--out")
     shapes = VALIDATION_SHAPES if check and validate else ()
     check_memory(estimate_export(config, shapes, core=base), max_mem_gb)
     with output_lock(out), Staging(out) as stage:
         weights = _resolve_weights(config, weights, seed, dtype, progress)
-        progress(f"exporting ({base} attention)")
-        model = export_onnx(config, weights, attention=base, opset=opset)
         pass_lines: list[str] = []
-        if attention != base or dtype != "fp32":
+        if built:
+            progress(f"building the {attention} graph")
+            model = ir.from_proto(build_full_model(config, weights, attention, dtype, block_size, accuracy_level))
+            pass_lines.append(f"lowering: {attention} (built directly: {', '.join(config.llm_keys)})")
+            if dtype != "fp32":
+                pass_lines.append(f"precision: {dtype} projections (QuantizeProjections)")
+        else:
+            progress(f"exporting ({base} attention)")
+            model = export_onnx(config, weights, attention=base, opset=opset)
+        if not built and (attention != base or dtype != "fp32"):
             progress("running graph passes")
             # auto measures each lowering on ORT CPU at batch 1, seq 512 (attnx optimize --provider
             # picks another target) and records its choice and timings in the model's metadata.
@@ -175,8 +195,8 @@ def _export_step_model(
         raise UsageError(
             f"the step model is built in fp32, int8 or int4 (--dtype {dtype} is not supported for kv_cache)"
         )
-    if opset is not None and opset != (23 if attention == "onnx" else 18):
-        raise UsageError(f"the step model's {attention} lowering is written at opset {23 if attention == 'onnx' else 18}")
+    if opset is not None and opset != graph_opset(config, attention):
+        raise UsageError(f"the step model's {attention} lowering is written at opset {graph_opset(config, attention)}")
     check_output_file(out, "--out")
     total = max(STEP_VALIDATION["prefills"]) + STEP_VALIDATION["steps"]
     check_memory(estimate_export(config, [(STEP_VALIDATION["batch"], total, None)], reference=validate), max_mem_gb)

@@ -37,6 +37,7 @@ from attnx.model.contract import (
     model_form,
 )
 from attnx.model.resources import check_memory, estimate_decode_bench
+from attnx.runtimes.base import backend_unavailable_reason
 
 __all__ = ["add_parser", "run", "ProgressBar", "report_table", "format_report"]
 
@@ -98,7 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="store_true",
                    help="time the per-token step of the step model (batch 1, fp32; --dtype fp32,int8,int4 adds the "
                    "quantized step models) at each --past against the "
-                   "memory-bandwidth bound, with torch eager's step as the peer (README, \"Decoding\")")  # fmt: skip
+                   "memory-bandwidth bound, with torch's growing-cache and static-cache steps as the peers and OpenVINO on the onnx step model (README, \"Decoding\")")  # fmt: skip
     p.add_argument("--past", type=int_list, default=[128, 2048, 8192], help="with --decode (default 128,2048,8192)")
     p.add_argument("--kv-heads", type=int_arg(1, 1 << 20), default=None,
                    help="with --decode: n_kv_heads of the step model (default: the config's)")  # fmt: skip
@@ -113,7 +114,10 @@ def run_decode(args: argparse.Namespace) -> int:
     kv = args.kv_heads if args.kv_heads is not None else config.n_kv_heads
     config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
-    impls = ["ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager"]
+    impls = ["ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "openvino onnx growing",
+             "torch eager", "torch static"]
+    if backend_unavailable_reason("openvino") is not None:
+        impls.remove("openvino onnx growing")
     # --dtype int8,int4: the step model with quantized projections (export --dtype), its buffer
     # form and ort-fused growing form, each against the bound of its own bytes per step
     dtypes = args.dtype or ["fp32"]
@@ -124,7 +128,8 @@ def run_decode(args: argparse.Namespace) -> int:
             )
     if "fp32" not in dtypes:
         raise UsageError("--decode --dtype must include fp32: the quantized steps are compared with it and torch's")
-    impls[4:4] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "growing")]
+    at = impls.index("decomposed growing") + 1
+    impls[at:at] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "growing")]
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
                             rounds=args.rounds or 3, impls=impls,
@@ -135,13 +140,14 @@ def run_decode(args: argparse.Namespace) -> int:
             flushed, warm = r.times_ms[f"{impl} flushed"], r.times_ms[f"{impl} warm"]
             nbytes, bound = r.bound_for(impl)
             table.append((r.past, impl, f"{flushed:.3f}", f"{warm:.3f}", f"{nbytes / 1e6:.1f}", f"{bound:.3f}",
-                          f"{flushed / bound:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}"))  # fmt: skip
+                          f"{flushed / bound:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}",
+                          f"{r.times_ms['torch static flushed'] / flushed:.2f}"))  # fmt: skip
     machine = machine_info()
     print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
           f"{','.join(dtypes)}, {args.threads} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
           f"large copy of this run: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0].copies_gbs.items())
           + f"); flushed: a 256 MB read before each timed step; lowest median of {args.rounds or 3} rounds")  # fmt: skip
-    headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this"]
+    headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this", "static/this"]
     print(format_table(headers, table))
     if args.json:
         write_json_atomic(args.json, {"config": config.to_dict(), "threads": args.threads, "machine": machine,

@@ -113,7 +113,12 @@ def lower(
     if attention != "onnx":
         check_choice("--attention", attention, OPTIMIZE_ATTENTIONS)
     check_lowering(config, attention)
-    check_llm_support(config, attention, dtype)  # rope, softcap, ...: decomposed fp32 only, so far
+    check_llm_support(config, attention, dtype)  # rope, softcap, ...: a lowering that expresses them, fp32
+    if config.llm_keys and attention != "decomposed":
+        raise UsageError(
+            f"the graph passes do not rewrite a graph with {', '.join(config.llm_keys)}: its {attention} graph is built "
+            f"directly (attnx export --attention {attention})"
+        )
     if attention == "decomposed" and lowering_of(model) != "decomposed":
         raise UsageError(f"the model's attention is {lowering_of(model)} already: no pass turns it back into decomposed")
     passes = lowering_passes(attention, dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level)

@@ -184,6 +184,28 @@ def _matmul_of(value: ir.Value | None) -> ir.Node | None:
     return node if node is not None and node.op_type == "MatMul" else None
 
 
+def _projection_behind(value: ir.Value) -> tuple[ir.Node, bool] | None:
+    """(the one projection MatMul a core input is computed from, whether a Split lies between) by a
+    walk back through every producer (layout, bias, q/k norms, rotation: RotaryEmbedding or its
+    arithmetic, whose cos/sin come from position_ids and reach no projection), stopping at each
+    MatMul with a constant 2-D weight; None unless exactly one is found."""
+    found: dict[int, ir.Node] = {}
+    split, seen, pending = False, set(), [value]
+    while pending:
+        node = pending.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "MatMul" and node.domain in _STD:
+            w = const_array(node.inputs[1])
+            if w is not None and w.ndim == 2:
+                found[id(node)] = node
+                continue
+        split |= node.op_type == "Split"
+        pending += [i for i in node.inputs if i is not None and const_array(i) is None]
+    return (next(iter(found.values())), split) if len(found) == 1 else None
+
+
 def _roles(model: ir.Model) -> dict[int, str]:
     """{id(MatMul node): "q" | "k" | "v" | "qkv"} for the projections feeding the core; the rest
     (the output projection) are "out"."""
@@ -193,6 +215,9 @@ def _roles(model: ir.Model) -> dict[int, str]:
         node = _matmul_of(value)
         if node is not None:
             roles[id(node)] = "qkv" if _strip_layout(value).producer().op_type == "Split" else role
+        elif value is not None and (behind := _projection_behind(value)) is not None:
+            # a modern-LLM graph: q and k reach the core through their norms and rotation
+            roles[id(behind[0])] = "qkv" if behind[1] else role
 
     for node in model.graph:
         if node.op_type == "MultiHeadAttention" and node.domain == MS_DOMAIN or node.op_type == "Attention":

@@ -31,7 +31,8 @@ def test_cli_bench_decode(tmp_path, capsys):
         assert abs(r["bound_ms"] - r["step_bytes"] / (r["bandwidth_gbs"] * 1e9) * 1e3) < 1e-9
         assert r["bandwidth_gbs"] == max(r["copies_gbs"].values())
         impls = {k.rsplit(" ", 1)[0] for k in r["times_ms"]}
-        assert impls == {"ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager"}
+        assert {"ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "torch eager",
+                "torch static"} <= impls <= {*impls, "openvino onnx growing"}  # fmt: skip
         assert all(t > 0 for t in r["times_ms"].values())
     assert main(["bench", "--preset", "tiny", "--decode", "--kv-heads", "3"]) == 2  # must divide n_heads
 
@@ -90,3 +91,51 @@ def test_cli_bench_decode_dtypes(tmp_path, capsys):
     assert row["step_bytes"] > row["dtype_bytes"]["int8"] > row["dtype_bytes"]["int4"]
     assert main(["bench", "--preset", "tiny", "--decode", "--dtype", "fp16"]) == 2
     assert "fp32, int8, int4" in capsys.readouterr().err
+
+
+# Modern LLM attention (issue 22, item 6) ------------------------------------------------------------
+def test_torch_peers_compute_the_formula():
+    """The decode bench's torch peers (growing cache with torch.cat, static cache with index_copy_)
+    rotate and normalize as the formula: one step from a reference prefill equals the reference's."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from attnx.bench._decode import _TorchPeer
+    from attnx.model import init_weights, reference_attention
+    from tests.conftest import LLM_CONFIGS
+
+    base = dataclasses.replace(LLM_CONFIGS["llama"], kv_cache=True)
+    for config in (base, dataclasses.replace(base, qk_norm={"eps": 1e-5}, rope={**base.rope.to_dict(), "dim": 8}),
+                   dataclasses.replace(base, rope={**base.rope.to_dict(), "interleaved": True})):  # fmt: skip
+        w = init_weights(config, 3)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((1, 6, config.d_model)).astype(np.float32)
+        empty = np.zeros((1, config.n_kv_heads, 0, config.head_dim), np.float32)
+        pos = np.arange(6, dtype=np.int64)[None]
+        y, k, v = reference_attention(config, w, x, past_key=empty, past_value=empty, position_ids=pos)
+        peer = _TorchPeer(config, {n: torch.from_numpy(np.asarray(a, np.float32)) for n, a in w.items()}, 5)
+        with torch.inference_mode():
+            q, kn, vn = peer.qkv(torch.from_numpy(x[:, 5:]))
+            past = (torch.from_numpy(k[:, :, :5].astype(np.float32)), torch.from_numpy(v[:, :, :5].astype(np.float32)))
+            got = peer.attend(q, torch.cat([past[0], kn], 2), torch.cat([past[1], vn], 2)).numpy()
+        assert np.abs(got - y[:, 5:]).max() < 1e-4 * np.abs(y).max(), config
+        assert np.abs(kn.numpy() - k[:, :, 5:]).max() < 1e-4 * np.abs(k).max()
+
+
+def test_cli_bench_decode_of_a_rope_config(tmp_path, capsys):
+    import dataclasses
+
+    from tests.conftest import LLM_CONFIGS
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(dataclasses.replace(LLM_CONFIGS["llama"], qk_norm={"eps": 1e-6}).to_dict()))
+    assert main(["bench", "--config", str(path), "--decode", "--past", "8", "--repeat", "2", "--rounds", "1",
+                 "--threads", "1", "--dtype", "fp32,int8"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "torch static" in text and "ort-fused buffer int8" in text and "static/this" in text
+    path.write_text(json.dumps(dataclasses.replace(LLM_CONFIGS["llama"], softcap=30.0).to_dict()))
+    assert main(["bench", "--config", str(path), "--decode", "--past", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "SDPA" in err and "this config has softcap" in err

@@ -32,18 +32,21 @@ def counted_flops(config: AttentionConfig, batch: int, seq: int, mem_seq: int | 
         .reshape(batch, seq, c.n_heads, c.head_dim)
         .transpose(0, 2, 1, 3)
     )
-    k = mm(m, rng.standard_normal((c.kv_dim, c.q_dim))).reshape(batch, s, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
-    v = mm(m, rng.standard_normal((c.kv_dim, c.v_dim))).reshape(batch, s, c.n_heads, c.v_head_dim).transpose(0, 2, 1, 3)
+    k = mm(m, rng.standard_normal((c.kv_dim, c.kv_q_dim))).reshape(batch, s, c.n_kv_heads, c.head_dim)
+    v = mm(m, rng.standard_normal((c.kv_dim, c.kv_v_dim))).reshape(batch, s, c.n_kv_heads, c.v_head_dim)
+    g = c.group_size  # query head n reads key/value head n // g: the heads repeated for the core's count
+    k = np.repeat(k, g, axis=2).transpose(0, 2, 1, 3)
+    v = np.repeat(v, g, axis=2).transpose(0, 2, 1, 3)
     scores = mm(q, k.transpose(0, 1, 3, 2))  # (b, N, t, s)
     z = mm(scores, v).transpose(0, 2, 1, 3).reshape(batch, seq, c.v_dim)
     mm(z, rng.standard_normal((c.v_dim, c.d_model)))
     return total
 
 
-@pytest.mark.parametrize("name", ["self", "cross", "causal", "cross_kpm"])
+@pytest.mark.parametrize("name", ["self", "cross", "causal", "cross_kpm", "grouped"])
 @pytest.mark.parametrize("batch, seq, mem_seq", [(1, 5, 9), (3, 17, 4)])
 def test_flops_match_a_count_of_the_formulas_matmuls(name, batch, seq, mem_seq):
-    config = CONFIGS[name]
+    config = CONFIGS[name] if name != "grouped" else AttentionConfig(d_model=64, n_heads=8, n_kv_heads=2, causal=True)
     assert attention_flops(config, batch, seq, mem_seq) == counted_flops(config, batch, seq, mem_seq)
 
 

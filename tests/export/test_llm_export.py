@@ -1,5 +1,6 @@
 """Export of the modern-LLM layers: the decomposed full-sequence graph with a position_ids input, its
-metadata and describe(); every other form refused by name before any work (exit 2 on the CLI)."""
+metadata and describe(); what a lowering cannot express refused by name before any work (exit 2 on
+the CLI). The onnx and ort-fused graphs: tests/export/test_llm_lowerings.py."""
 
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ def test_llm_export_takes_position_ids_and_describes_itself(exported, name):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"attention": "onnx"}, "--attention onnx does not express rope"),
-        ({"attention": "ort-fused"}, "--attention ort-fused does not express rope"),
+        ({"attention": "onnx"}, "--attention onnx cannot express sinks"),
+        ({"attention": "ort-fused"}, r"GroupQueryAttention\) needs v_head_dim == head_dim, a multiple of 8"),
         ({"attention": "auto"}, "--attention auto does not express rope"),
         ({"dtype": "fp16"}, "--dtype fp16 is not built yet for a config with rope"),
         ({"dtype": "int8"}, "--dtype int8 is not built yet"),
-        ({"kv_cache": True, "attention": "ort-fused"}, r"the step model \(kv_cache\) of a config with rope"),
-        ({"kv_cache": True, "attention": "onnx"}, r"the step model \(kv_cache\) of a config with rope"),
+        ({"kv_cache": True, "attention": "ort-fused"}, "a multiple of 8"),
+        ({"kv_cache": True, "attention": "onnx"}, "--attention onnx cannot express sinks"),
     ],
 )
 def test_other_forms_are_refused_before_any_work(tmp_path, change, message):
@@ -74,10 +75,12 @@ def test_other_forms_are_refused_before_any_work(tmp_path, change, message):
 
 def test_the_graph_layer_refuses_too(exported):
     config = LLM_CONFIGS["llama"]
-    with pytest.raises(UsageError, match="--attention onnx does not express rope"):
+    with pytest.raises(UsageError, match="built node by node"):
         export_onnx(config, attention="onnx")
     model = ir.load(exported("llama"))
-    for attention in ("ort-fused", "ort-fused-packed", "ort-attention"):
+    with pytest.raises(UsageError, match="the graph passes do not rewrite a graph with rope"):
+        lower(model, config, attention="ort-fused")
+    for attention in ("ort-fused-packed", "ort-attention"):
         with pytest.raises(UsageError, match=f"--attention {attention} does not express rope"):
             lower(model, config, attention=attention)
     with pytest.raises(UsageError, match="--dtype fp16 is not built yet"):
@@ -87,5 +90,5 @@ def test_the_graph_layer_refuses_too(exported):
 def test_cli_refusal_exits_2(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(LLM_CONFIGS["llm"].to_dict()))
-    assert main(["export", "--config", str(path), "--attention", "ort-fused", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert main(["export", "--config", str(path), "--attention", "auto", "--out", str(tmp_path / "m.onnx")]) == 2
     assert "does not express rope, sliding_window, softcap, qk_norm, sinks" in capsys.readouterr().err

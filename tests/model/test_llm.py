@@ -309,16 +309,25 @@ def test_planted_faults_fail(name):
         assert not cmp, f"{what} passed: {cmp}"
 
 
-def test_every_form_but_decomposed_fp32_full_sequence_is_refused_by_name():
-    c = LLM_CONFIGS["all"]
-    check_lowering(c, "decomposed")
-    for attention in ("onnx", "ort-fused", "ort-fused-packed", "ort-attention", "auto"):
+def test_what_each_lowering_cannot_express_is_refused_by_name():
+    c = LLM_CONFIGS["all"]  # head_dim 12: not GroupQueryAttention's (a multiple of 8)
+    for attention in ("decomposed", "onnx"):
+        check_lowering(dataclasses.replace(c, sinks=False), attention)
+    for attention in ("ort-fused-packed", "ort-attention", "auto"):
         with pytest.raises(UsageError, match=f"--attention {attention} does not express rope, sliding_window"):
             check_llm_support(c, attention)
-    with pytest.raises(UsageError, match="--dtype int8 is not built yet for a config with rope"):
+    with pytest.raises(UsageError, match="--attention onnx cannot express sinks: the standard Attention op"):
+        check_llm_support(c, "onnx")
+    with pytest.raises(UsageError, match="GroupQueryAttention.* needs v_head_dim == head_dim, a multiple of 8"):
+        check_llm_support(c, "ort-fused")
+    check_lowering(dataclasses.replace(c, head_dim=16, v_head_dim=16), "ort-fused")  # grouped heads: GroupQueryAttention has them
+    with pytest.raises(UsageError, match="--dtype int8 is not built yet for a config with sliding_window, softcap, sinks"):
         check_llm_support(c, "decomposed", "int8")
-    step = dataclasses.replace(c, kv_cache=True)
-    check_lowering(step, "decomposed", step=True)
-    for attention in ("onnx", "ort-fused"):
-        with pytest.raises(UsageError, match="step model .kv_cache. of a config with rope.* --attention decomposed"):
-            check_lowering(step, attention, step=True)
+    check_llm_support(LLM_CONFIGS["rope_llama3"], "decomposed", "int4")  # rope (and qk_norm) compose with it
+    with pytest.raises(UsageError, match="--dtype fp16 is not built yet for a config with rope"):
+        check_llm_support(LLM_CONFIGS["rope_llama3"], "decomposed", "fp16")
+    step = dataclasses.replace(c, kv_cache=True, head_dim=16, v_head_dim=16)
+    for attention in ("decomposed", "ort-fused"):
+        check_lowering(step, attention, step=True)
+    with pytest.raises(UsageError, match="onnx cannot express sinks"):
+        check_lowering(step, "onnx", step=True)

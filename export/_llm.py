@@ -1,0 +1,176 @@
+"""The modern-LLM terms (README, "Modern LLM attention") as pieces of the hand-built graphs, in
+each lowering's own operators:
+
+- decomposed: RMSNorm as ReduceMean/Sqrt/Div, rope as Slice/Mul/Concat over cos/sin computed
+  from position_ids (the step model's decomposed form; the full-sequence decomposed graph is
+  the torch module's export);
+- onnx: RMSNormalization-23 and RotaryEmbedding-23, fed cos/sin [batch, seq, dim/2] computed for
+  the call's own position_ids (no table: any position);
+- ort-fused: RMSNormalization-23 as its own node (GroupQueryAttention's q_norm_weight/k_norm_weight
+  are CUDA/WebGPU only; ONNX Runtime's SimplifiedLayerNormalization is no ONNX op: the checker
+  refuses it) and com.microsoft.RotaryEmbedding, fed the same cos/sin as a [batch*seq, dim/2]
+  table indexed by arange(batch*seq): each token's row is its own position's, any position.
+  The buffer form rotates inside GroupQueryAttention instead (do_rotary, rope_table): its
+  positions are token indices, from seqlens_k.
+
+Every form reads the one (inv_freq, attention_factor) pair of attnx.model.rope; the angle is
+computed in float32 from position_ids, as transformers does (the tolerance's rope term).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from onnx import TensorProto
+
+from attnx.export._graph import Graph
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import MS_DOMAIN
+from attnx.model.rope import rope_frequencies
+
+__all__ = ["visibility", "norm_and_rotate", "rope_table"]
+
+_F = TensorProto.FLOAT
+
+
+def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool) -> tuple[str | None, str | None]:
+    """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1]), over token index: key j
+    hidden from query i (at index past_seq + i in the step model, i otherwise) when j is after it
+    (causal), outside the window (j <= i - W) or padded (key_padding_mask). (None, None) when
+    nothing is hidden (a full-sequence model without causal mask or padding)."""
+    zero = g.const("zero_i64", np.asarray(0, np.int64))
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0])) if step else zero
+    total = g.op("Add", past, seq) if step else seq  # scalar T
+    hidden = None
+    if c.causal:
+        qpos = g.op("Range", past, total, one)  # [S]: token indices of this call's queries
+        kpos = g.op("Range", zero, total, one)  # [T]: token indices of every key
+        krow, qcol = g.op("Unsqueeze", kpos, g.ints("axes_0", [0])), g.op("Unsqueeze", qpos, g.ints("axes_1", [1]))
+        hidden = g.op("Greater", krow, qcol)  # [S, T]: key j after query i
+        if c.sliding_window is not None:  # outside the window: j <= i - W
+            start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
+            hidden = g.op("Or", hidden, g.op("LessOrEqual", krow, start))
+        hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
+    if kpm is not None:
+        padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
+        if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
+            rows = g.op("Concat", g.ints("one_one", [1, 1]), g.op("Shape", "x", start=1, end=2), g.ints("one1", [1]),
+                        axis=0)  # fmt: skip
+            hidden = g.op("Expand", padded, rows)
+        else:
+            hidden = g.op("Or", hidden, padded)  # [B, 1, S, T]
+    if hidden is None:
+        return None, None
+    seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),
+                keepdims=1)  # fmt: skip
+    return hidden, g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S|1, 1]: some key visible to the query
+
+
+def norm_and_rotate(
+    g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str, lowering: str
+) -> tuple[str, str]:
+    """q [B, S, H*hd] and k [B, S, Hkv*hd] after qk_norm and rope, in `lowering`'s operators."""
+    if lowering == "decomposed":
+        return _decomposed(g, c, weights, q, k)
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    if c.qk_norm is not None:
+
+        def norm(u: str, heads: int, name: str) -> str:
+            u4 = g.op("Reshape", u, g.ints(f"{name}_4d", [0, 0, heads, hd]))  # [B, S, heads, hd]
+            w = g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32))
+            normed = g.op("RMSNormalization", u4, w, axis=-1, epsilon=c.qk_norm.eps)  # opset 23
+            return g.op("Reshape", normed, g.ints(f"{name}_3d", [0, 0, heads * hd]))
+
+        q, k = norm(q, H, "q_norm"), norm(k, Hkv, "k_norm")
+    if c.rope is not None:
+        cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
+        attrs = {"rotary_embedding_dim": c.rope.dim, "interleaved": int(c.rope.interleaved)}
+        if lowering == "onnx":  # RotaryEmbedding-23 without position_ids: cos/sin [B, S, dim/2]
+            axis2 = g.ints("axes_2", [2])
+            cos, sin = g.op("Squeeze", cos, axis2), g.op("Squeeze", sin, axis2)
+            q = g.op("RotaryEmbedding", q, cos, sin, num_heads=H, **attrs)
+            k = g.op("RotaryEmbedding", k, cos, sin, num_heads=Hkv, **attrs)
+        else:  # com.microsoft.RotaryEmbedding: a table of B*S rows, token (b, s) reads row b*S + s
+            rows = g.ints("rope_rows", [-1, c.rope.dim // 2])
+            cos, sin = g.op("Reshape", cos, rows), g.op("Reshape", sin, rows)
+            shape = g.op("Shape", "position_ids")
+            count = g.op("ReduceProd", shape, keepdims=0)  # scalar B*S
+            index = g.op("Reshape", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), count,
+                                         g.const("one_i64", np.asarray(1, np.int64))), shape)  # fmt: skip
+            q = g.op("RotaryEmbedding", q, index, cos, sin, domain=MS_DOMAIN, num_heads=H, **attrs)
+            k = g.op("RotaryEmbedding", k, index, cos, sin, domain=MS_DOMAIN, num_heads=Hkv, **attrs)
+    return q, k
+
+
+def rope_table(c: AttentionConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """GroupQueryAttention's cos_cache/sin_cache (do_rotary): [positions, dim/2] float32, row p the
+    cos/sin of p * inv_freq times attention_factor (the angle in float32, as every form)."""
+    inv_freq, factor = rope_frequencies(c.rope)
+    angle = np.arange(positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    return ((np.cos(angle.astype(np.float64)) * factor).astype(np.float32),
+            (np.sin(angle.astype(np.float64)) * factor).astype(np.float32))  # fmt: skip
+
+
+def _decomposed(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str) -> tuple[str, str]:
+    """qk_norm as RMSNorm over each head's head_dim and rope as pair i turned by
+    position_ids * inv_freq_i, in standard arithmetic ops."""
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    q4 = g.op("Reshape", q, g.ints("q4_shape", [0, 0, H, hd]))  # [B, S, H, hd]
+    k4 = g.op("Reshape", k, g.ints("k4_shape", [0, 0, Hkv, hd]))  # [B, S, Hkv, hd]
+    if c.qk_norm is not None:
+        eps = g.const("qk_norm_eps", np.asarray(c.qk_norm.eps, np.float32))
+
+        def rms_norm(u: str, name: str) -> str:
+            mean_sq = g.op("ReduceMean", g.op("Mul", u, u), g.ints("axes_last", [-1]), keepdims=1)
+            normed = g.op("Div", u, g.op("Sqrt", g.op("Add", mean_sq, eps)))
+            return g.op("Mul", normed, g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32)))
+
+        q4, k4 = rms_norm(q4, "q_norm"), rms_norm(k4, "k_norm")
+    if c.rope is not None:
+        cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
+        q4, k4 = _rotate(g, c, q4, cos, sin), _rotate(g, c, k4, cos, sin)
+    return (g.op("Reshape", q4, g.ints("q_flat", [0, 0, H * hd])),
+            g.op("Reshape", k4, g.ints("k_flat", [0, 0, Hkv * hd])))  # fmt: skip
+
+
+def _rope_cos_sin(g: Graph, c: AttentionConfig) -> tuple[str, str]:
+    """cos and sin of position_ids * inv_freq times attention_factor, [B, S, 1, dim/2] float32
+    (longrope: its long set for the whole call once max(position_ids) + 1 > the original length)."""
+    short, factor = rope_frequencies(c.rope)
+    inv_freq = g.const("rope_inv_freq", short.astype(np.float32))
+    if c.rope.rope_type == "longrope":
+        original = c.rope.scaling["original_max_position_embeddings"]
+        long = rope_frequencies(c.rope, original + 1)[0]
+        largest = g.op("ReduceMax", "position_ids", keepdims=0)  # scalar: the call's largest position
+        switch = g.op("Greater", largest, g.const("rope_original_minus1", np.asarray(original - 1, np.int64)))
+        inv_freq = g.op("Where", switch, g.const("rope_inv_freq_long", long.astype(np.float32)), inv_freq)
+    positions = g.op("Unsqueeze", g.op("Cast", "position_ids", to=_F), g.ints("axes_2_3", [2, 3]))  # [B, S, 1, 1]
+    angle = g.op("Mul", positions, inv_freq)  # [B, S, 1, dim/2]
+    f = g.const("rope_attention_factor", np.asarray(factor, np.float32))
+    return g.op("Mul", g.op("Cos", angle), f), g.op("Mul", g.op("Sin", angle), f)
+
+
+def _rotate(g: Graph, c: AttentionConfig, u: str, cos: str, sin: str) -> str:
+    """u [B, S, heads, hd] with pair i of its first rope.dim dims turned by angle i; the rest pass."""
+    dim, hd = c.rope.dim, c.head_dim
+    last = g.ints("axes_m1", [-1])
+
+    def part(start: int, end: int, step: int = 1) -> str:
+        bounds = g.ints(f"s{start}", [start]), g.ints(f"e{end}", [end])
+        return g.op("Slice", u, *bounds, last, g.ints(f"st{step}", [step]))
+
+    if c.rope.interleaved:  # pairs (2i, 2i + 1): turned, then woven back [.., dim/2, 2] -> [.., dim]
+        a, b = part(0, dim, 2), part(1, dim, 2)
+    else:  # pairs (i, i + dim/2)
+        a, b = part(0, dim // 2), part(dim // 2, dim)
+    a2 = g.op("Sub", g.op("Mul", a, cos), g.op("Mul", b, sin))
+    b2 = g.op("Add", g.op("Mul", b, cos), g.op("Mul", a, sin))
+    if c.rope.interleaved:
+        pairs = g.op("Concat", g.op("Unsqueeze", a2, last), g.op("Unsqueeze", b2, last), axis=-1)
+        turned = g.op("Reshape", pairs, g.ints("rot_flat", [0, 0, 0, dim]))
+    else:
+        turned = g.op("Concat", a2, b2, axis=-1)
+    return turned if dim == hd else g.op("Concat", turned, part(dim, hd), axis=-1)
