@@ -31,12 +31,15 @@ def reference_attention(
     past_key: np.ndarray | None = None,
     past_value: np.ndarray | None = None,
     position_ids: np.ndarray | None = None,
+    stages: dict[str, np.ndarray] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
     """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]. With config.kv_cache,
     (y, present_key, present_value): the keys/values of past_key/past_value (token indices
     0..past_seq-1) followed by this step's (past_seq..), query i at index past_seq + i; the cache
     holds keys as they are scored (after qk_norm and rope). position_ids int64 [batch, seq]: each
-    new token's position, what rope rotates by (config.rope; the masks are over token index)."""
+    new token's position, what rope rotates by (config.rope; the masks are over token index).
+    stages: a dict to fill with the value of every stage of the formula (attnx.model.stages), in
+    its canonical layout, float64; "probs_rows" marks the rows of probs that have a visible key."""
     c = config
     if c.rope is not None and position_ids is None:
         raise ValueError("a config with rope takes position_ids [batch, seq]")
@@ -56,9 +59,12 @@ def reference_attention(
     q = linear(x, "q_proj")  # (batch, t, N*hd)
     k = linear(m, "k_proj")  # (batch, s, Nkv*hd)
     v = linear(m, "v_proj")  # (batch, s, Nkv*vhd)
+    record = stages
+    if record is not None:
+        record.update(q=q, k=k, v=v)
     if c.qk_norm is not None or c.rope is not None:
-        q = _norm_and_rotate(c, weights, q, c.n_heads, "q_norm", position_ids)
-        k = _norm_and_rotate(c, weights, k, c.n_kv_heads, "k_norm", position_ids)
+        q = _norm_and_rotate(c, weights, q, c.n_heads, "q_norm", position_ids, record, "q")
+        k = _norm_and_rotate(c, weights, k, c.n_kv_heads, "k_norm", position_ids, record, "k")
     sinks = np.asarray(weights["sinks"], dtype=np.float64) if c.sinks else None
     past = 0
     if c.kv_cache:
@@ -70,6 +76,10 @@ def reference_attention(
         v = np.concatenate([pv, v], axis=1)
     s = k.shape[1]
     z = np.zeros((batch, t, c.v_dim))  # heads concatenated
+    if stages is not None:  # every key's score (hidden ones too: the stage is before the masks)
+        all_scores = np.zeros((batch, c.n_heads, t, s))
+        all_probs = np.zeros((batch, c.n_heads, t, s))
+        rows = np.zeros((batch, c.n_heads, t), dtype=bool)
     for b in range(batch):
         for n in range(c.n_heads):
             g = n // c.group_size  # the key/value head query head n reads
@@ -85,6 +95,9 @@ def reference_attention(
                     visible[: max(p_index - c.sliding_window + 1, 0)] = False  # p - W < j only
                 if key_padding_mask is not None:
                     visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
+                if stages is not None:
+                    every = c.softmax_scale * (kn @ qn[i])
+                    all_scores[b, n, i] = c.softcap * np.tanh(every / c.softcap) if c.softcap is not None else every
                 if not visible.any():
                     continue  # every key hidden: z_i = 0 by definition (a sink takes all the weight)
                 scores = c.softmax_scale * (kn[visible] @ qn[i])
@@ -94,11 +107,18 @@ def reference_attention(
                 e = np.exp(logits - logits.max())
                 p = e[: len(scores)] / e.sum()
                 z[b, i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
+                if stages is not None:
+                    all_probs[b, n, i, visible] = p
+                    rows[b, n, i] = True
     y = linear(z, "out_proj")
+    if stages is not None:
+        stages.update(scores=all_scores, probs=all_probs, probs_rows=rows, z=z, y=y)
     if not c.kv_cache:
         return y
     present_key = k.reshape(batch, s, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)  # (batch, Nkv, s, hd)
     present_value = v.reshape(batch, s, c.n_kv_heads, c.v_head_dim).transpose(0, 2, 1, 3)
+    if stages is not None:
+        stages.update(present_key=present_key, present_value=present_value)
     return y, present_key, present_value
 
 
@@ -109,18 +129,25 @@ def _norm_and_rotate(
     heads: int,
     norm: str,
     position_ids: np.ndarray | None,
+    record: dict[str, np.ndarray] | None = None,
+    label: str = "",
 ) -> np.ndarray:
     """q or k [batch, t, heads*hd] after qk_norm (RMSNorm of each head over head_dim, times the
-    weights `norm`.weight) and rope (pair i of each head at position p turned by p * inv_freq_i)."""
+    weights `norm`.weight) and rope (pair i of each head at position p turned by p * inv_freq_i);
+    record gets the stages `label`_norm and `label`_rope."""
     batch, t, _ = u.shape
     out = u.reshape(batch, t, heads, c.head_dim).copy()  # (batch, t, heads, hd)
     if c.qk_norm is not None:
         w = np.asarray(weights[f"{norm}.weight"], dtype=np.float64)
         out = out / np.sqrt(np.mean(out**2, axis=-1, keepdims=True) + c.qk_norm.eps) * w
+        if record is not None:
+            record[f"{label}_norm"] = out.reshape(batch, t, heads * c.head_dim).copy()
     if c.rope is not None:
         cos, sin = rope_cos_sin(c.rope, np.asarray(position_ids))  # (batch, t, dim/2), times attention_factor
         a, b = rope_pairs(c.rope)  # pair i is (a[i], b[i]) of each head
         qa, qb = out[..., a].copy(), out[..., b].copy()
         out[..., a] = qa * cos[:, :, None] - qb * sin[:, :, None]
         out[..., b] = qb * cos[:, :, None] + qa * sin[:, :, None]
+        if record is not None:
+            record[f"{label}_rope"] = out.reshape(batch, t, heads * c.head_dim).copy()
     return out.reshape(batch, t, heads * c.head_dim)
