@@ -45,6 +45,9 @@ class MultiHeadAttention(nn.Module):
             raise UsageError(f"unknown attention core {core!r} (known: {', '.join(TORCH_CORES)})")
         self.config = config
         self.core = core
+        # Localisation (attnx.runtimes.localise): a dict to fill with each stage's value as this module
+        # computes it (attnx.model.stages, canonical layouts), or None (always while exporting).
+        self.stages: dict[str, torch.Tensor] | None = None
         c = config
         self.q_proj = nn.Linear(c.d_model, c.q_dim, bias=c.bias)
         self.k_proj = nn.Linear(c.kv_dim, c.kv_q_dim, bias=c.bias)  # n_kv_heads heads
@@ -88,18 +91,24 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         m = memory if c.cross else x
         S = m.shape[1]
+        record = self._record
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)  # (B, T, N, hd)
         k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim)  # (B, S, Nkv, hd)
+        record("q", q), record("k", k)
         if c.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head alike
+            record("q_norm", q), record("k_norm", k)
         if c.rope is not None:
             if position_ids is None:
                 raise UsageError("this model takes position_ids (config rope)")
             cos, sin = self._rope_cos_sin(position_ids, q.dtype)  # (B, T, 1, dim/2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            record("q_rope", q), record("k_rope", k)
         q = q.transpose(1, 2)  # (B, N, T, hd)
         k = k.transpose(1, 2)  # (B, Nkv, S, hd)
-        v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim).transpose(1, 2)  # (B, Nkv, S, vhd)
+        v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim)
+        record("v", v)
+        v = v.transpose(1, 2)  # (B, Nkv, S, vhd)
         past = 0
         if c.kv_cache:
             if past_key is None or past_value is None:
@@ -126,9 +135,20 @@ class MultiHeadAttention(nn.Module):
             z = torch.where(any_visible, z, torch.zeros((), dtype=z.dtype))
         z = z.transpose(1, 2).reshape(B, T, c.v_dim)  # (B, T, N*vhd), heads concatenated
         y = self.out_proj(z)
+        record("z", z), record("y", y)
         if c.kv_cache:
+            record("present_key", present_k), record("present_value", present_v)
             return y, present_k, present_v
         return y
+
+    def _record(self, stage: str, value: torch.Tensor) -> None:
+        """Keep `stage`'s value when localisation asks (self.stages), in the canonical layout: a
+        per-head q/k/v (B, T, heads, dim) is flattened to (B, T, heads * dim)."""
+        if self.stages is None:
+            return
+        if value.dim() == 4 and stage in ("q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope"):
+            value = value.flatten(2)
+        self.stages[stage] = value.detach()
 
     def _rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of position * inv_freq, times attention_factor, (B, T, 1, dim/2) in `dtype`.
@@ -186,6 +206,7 @@ class MultiHeadAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-2, -1)) * c.softmax_scale  # (B, N, T, S)
         if c.softcap is not None:
             scores = torch.tanh(scores / c.softcap) * c.softcap
+        self._record("scores", scores)
         if hidden is not None:
             # The dtype's lowest finite value, not -inf: exp(lowest - max) is exactly 0 for a
             # hidden key, and a fully hidden row stays finite (fp16 included).
@@ -196,6 +217,7 @@ class MultiHeadAttention(nn.Module):
             p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # the sink has no value
         else:
             p = torch.softmax(scores, dim=-1)
+        self._record("probs", p)
         return torch.matmul(p, v)  # (B, N, T, vhd)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:

@@ -73,6 +73,9 @@ __all__ = [
     "ROPE_FACTOR",
     "ROPE_EPS",
     "rotated_cache_size",
+    # Localisation (issue 23)
+    "StageBound",
+    "stage_tolerance",
 ]
 
 # The rope term (module doc): the angle is rounded in float32 whatever the dtype of the rest.
@@ -468,3 +471,86 @@ TOLERANCES["int4"] = QuantTolerance("int4", float(np.finfo(np.float32).eps), ulp
 # groups within a row (its DYNAMIC_QUANTIZATION_GROUP_SIZE, set and read back by the runner).
 for _dtype in ("int8", "int4"):
     TOLERANCES[(_dtype, OPENVINO)] = dataclasses.replace(TOLERANCES[_dtype], runtime_activations="int8 per block")
+
+
+# Stages (issue 23) -------------------------------------------------------------------------------
+# Localisation compares every stage of the formula (attnx.model.stages) with the reference's, each
+# under its own bound, from the same rule and error models as y's (module doc, quantized forms):
+# - a projection (q, k, v, their norms, a step's cache): the rule with the case's K and no score
+#   term (nothing after it is a softmax), relative to its own RMS; quantized, that projection's own
+#   error (QuantTolerance.for_cache, as a cache is compared).
+# - a rotated q or k: as the cache of rotated keys (rotated_cache_size): eps * P * w_i |u_i| per pair.
+# - scores: scale * q.k of two such vectors: the rule without its score term relative to the largest
+#   |score| (the rounding of a dot product is relative to |q||k|, not to the scores' RMS), plus the rope
+#   term, whose bound 2 eps P B is absolute; quantized, the q and k projections' errors, each relative.
+# - probs: a score error ds moves p_j by p_j (ds_j - mean_p ds), at most 2 |ds| p_j: relative to 1 (the
+#   largest a probability is), the whole rule (its score term is that); quantized, each probability's
+#   error relative to itself, 2 * QUANT_TAIL * eta_qk * rms(score) (the score error of y's model).
+# - z: y's rule (a softmax and the values: everything but the last projection), relative to rms(z);
+#   quantized, y's error model without the output projection.
+# - y: parity's own bound, unchanged: the case fails at y exactly when parity says it fails.
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBound:
+    """What compare_arrays takes for one stage: the tolerance, the problem size, the scale its atol
+    is relative to (None: rms of the reference) and, for probs, an extra relative term."""
+
+    tol: Tolerance
+    size: ProblemSize
+    scale: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _RelativeTolerance(Tolerance):
+    """A float rule with a larger rtol: a quantized form's probabilities, each relative to itself."""
+
+    extra_rtol: float = 0.0
+
+    @property
+    def rtol(self) -> float:
+        return self.ulps * self.eps + self.extra_rtol
+
+
+def stage_tolerance(stage: str, config: AttentionConfig, tol: Tolerance, size: ProblemSize,
+                    ref: np.ndarray) -> StageBound:  # fmt: skip
+    """The bound of `stage` (a name of attnx.model.stages) for a case whose y is held to `tol` and
+    `size` (tolerance_for and problem_size, as parity computes them); ref: the reference's value of
+    the stage in its canonical layout (the section above says why each bound is what it is)."""
+    from attnx.model.stages import get_stage
+
+    kind = get_stage(stage).kind
+    quant = tol if isinstance(tol, QuantTolerance) else None
+    float_tol = Tolerance(tol.dtype, tol.eps, tol.ulps) if quant is not None else tol
+    plain = dataclasses.replace(size, score_max=0.0, rope_position=0.0, rope_qk=0.0)
+    if kind in ("projection", "rotated"):
+        role = "k" if stage in ("k", "k_norm", "k_rope", "present_key") else "v" if stage in ("v", "present_value") else "q"
+        own_tol = quant.for_cache(role) if quant is not None else float_tol
+        if stage == "present_value":  # a cache is held to what decode parity holds it to
+            return StageBound(own_tol, size)
+        if stage == "present_key":
+            return StageBound(own_tol, rotated_cache_size(config, size, ref))
+        if kind == "rotated":
+            heads = config.n_heads if stage == "q_rope" else config.n_kv_heads
+            b, t, _ = ref.shape
+            rotated = dataclasses.replace(plain, rope_position=size.rope_position)
+            return StageBound(own_tol, rotated_cache_size(config, rotated, ref.reshape(b, t, heads, config.head_dim)))
+        return StageBound(own_tol, plain)
+    if kind == "scores":
+        peak = float(np.max(np.abs(ref))) if ref.size else 0.0
+        peak = max(peak, float(np.finfo(np.float32).tiny))
+        own = dataclasses.replace(plain, rope_position=size.rope_position, rope_qk=size.rope_qk / peak)
+        if quant is not None:
+            qk = tuple(dataclasses.replace(p, role="v") for p in quant.projections if p.role in ("q", "k", "qkv"))
+            return StageBound(dataclasses.replace(quant, projections=qk), own, scale=peak)
+        return StageBound(float_tol, own, scale=peak)
+    if kind == "probs":
+        if quant is not None:
+            qk = tuple(p for p in quant.projections if p.role in ("q", "k", "qkv"))
+            rel = 2.0 * QUANT_TAIL * dataclasses.replace(quant, projections=qk).rel_sigma(size)
+            return StageBound(_RelativeTolerance(tol.dtype, tol.eps, tol.ulps, extra_rtol=rel), size, scale=1.0)
+        return StageBound(float_tol, size, scale=1.0)
+    if kind == "attention" and quant is not None:
+        return StageBound(dataclasses.replace(quant, projections=tuple(p for p in quant.projections
+                                                                     if p.role != "out")), size)  # fmt: skip
+    return StageBound(tol, size)

@@ -82,8 +82,10 @@ class Comparison:
         )
 
 
-def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, size: ProblemSize) -> Comparison:
-    """Compare `out` with `ref` under the tolerance rule above (in float64)."""
+def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, size: ProblemSize,
+                   scale: float | None = None) -> Comparison:  # fmt: skip
+    """Compare `out` with `ref` under the tolerance rule above (in float64). scale: what the atol is
+    relative to where it is not rms(ref) (a stage's own, attnx.model.tolerance.stage_tolerance)."""
     if tuple(out.shape) != tuple(ref.shape):
         nan = float("nan")
         return Comparison(
@@ -92,7 +94,8 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
         )  # fmt: skip
     o = np.asarray(out, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
-    scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
+    if scale is None:
+        scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
     atol = tol.atol(size, max(scale, np.finfo(np.float32).tiny))
     diff = np.abs(o - r)
     finite = bool(np.isfinite(o).all())

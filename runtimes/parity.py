@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,13 +25,13 @@ from attnx.model.contract import (
     quantized_form_unavailable,
 )
 from attnx.model.inputs import make_inputs
-from attnx.model.tolerance import ProblemSize, problem_size, tolerance_for
+from attnx.model.tolerance import ProblemSize, Tolerance, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 
 __all__ = [
     "ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS", "DEFAULT_MEANS",
-    "MODULE_BACKENDS", "source_quantization", "quantized_skip",
+    "MODULE_BACKENDS", "source_quantization", "quantized_skip", "LOCALISE_MODES", "localise_into",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ DEFAULT_MEM_SEQS = (9,)
 # zero point off by one for one: its error, step * sum_k x_k, averages out when x has no mean and
 # grows with K * mean when it has one (as real activations have: after a GELU, a LayerNorm's shift).
 DEFAULT_MEANS = (0.0, 0.5)
+# Which cases are localised (README, "Localisation"): none, the failing ones (the default), or every
+# case (a passing case must then show no stage beyond its bound).
+LOCALISE_MODES = ("off", "failing", "all")
 
 
 @dataclasses.dataclass
@@ -71,6 +74,9 @@ class ParityCase:
     # model; torch: the module's dtype); None where the backend reports none.
     precision: str | None = None
     input_mean: float = 0.0  # x (and memory) ~ N(input_mean, 1)
+    # Where the case diverges (attnx.runtimes.localise.Localisation.to_dict()): on a failing case,
+    # and on every case with localise="all"; {"error": ...} when localisation itself could not run.
+    localisation: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,8 +125,12 @@ def _case(
     size: ProblemSize,
     quantization: dict | None = None,
     input_mean: float = 0.0,
+    localise: str = "off",
+    source: ModelSource | None = None,
+    runner_factory: Callable[..., Runner] = create_runner,
 ) -> ParityCase:
-    """Run one backend on one case and compare; a str runner is the reason it is skipped."""
+    """Run one backend on one case and compare; a str runner is the reason it is skipped. localise
+    (LOCALISE_MODES): whether to localise the case, from `source`."""
     tol = tolerance_for(dtype, backend, quantization)
     common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq,
                   input_mean=input_mean)  # fmt: skip
@@ -128,10 +138,31 @@ def _case(
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip
     cmp = compare_arrays("y", runner.run(feeds)["y"], ref_y, tol, size)
-    return ParityCase(
+    case = ParityCase(
         **common, status="pass" if cmp else "fail", reason=None if cmp else str(cmp), atol=cmp.atol, rtol=cmp.rtol,
         **cmp.stats(), precision=getattr(runner, "precision", None),
     )  # fmt: skip
+    if source is not None and (localise == "all" or (localise == "failing" and not cmp)):
+        localise_into(case, source, feeds, tol, size, runner_factory)
+    return case
+
+
+def localise_into(case: ParityCase, source: ModelSource, feeds: Mapping[str, np.ndarray], tol: Tolerance,
+                  size: ProblemSize, runner_factory: Callable[..., Runner] = create_runner, **options: Any) -> None:  # fmt: skip
+    """Set case.localisation (attnx.runtimes.localise): on a failing case with the optimization levels
+    and a look inside a fused operator; on a passing one the stages alone. A localisation that cannot
+    run leaves the case's verdict as it is and says why."""
+    from attnx.runtimes.localise import localise_case
+
+    failing = case.status == "fail"
+    try:
+        found = localise_case(source, case.backend, feeds, tol=tol, size=size, runner_factory=runner_factory,
+                              levels=failing, look_inside=failing, **options)  # fmt: skip
+        case.localisation = found.to_dict()
+        case.localisation["line"] = found.line()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the case's verdict stands whatever it meets
+        logger.info("localisation of %s failed: %s", case.backend, e)
+        case.localisation = {"error": f"{type(e).__name__}: {e}", "line": f"not localised: {e}"}
 
 
 # The backends that compute the float formula from the config and weights (the reference, the torch
@@ -181,6 +212,7 @@ def run_parity(
     runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
     position_offset: int = 0,
+    localise: str = "failing",
 ) -> ParityReport:
     """Compare each backend's y with the reference backend's on the same inputs.
 
@@ -189,7 +221,8 @@ def run_parity(
     means[i % len(means)] (DEFAULT_MEANS: every second case has shifted inputs). A model with
     rope is fed position_ids as Hugging Face computes them for a left-padded batch (or from the
     key padding mask), every position moved by position_offset (make_inputs): a long context is
-    a large offset.
+    a large offset. localise (LOCALISE_MODES): a failing case (or every case, "all") is run again with
+    the formula's stages exposed, and case.localisation says where it diverges (attnx.runtimes.localise).
     """
     config = source.config
     if config is None:
@@ -207,6 +240,8 @@ def run_parity(
         raise UsageError(f"the position offset must be a non-negative integer, got {position_offset!r}")
     if position_offset and config.rope is None:
         raise UsageError("a position offset moves rope's positions: this model has no rope")
+    if localise not in LOCALISE_MODES:
+        raise UsageError(f"localise must be one of {', '.join(LOCALISE_MODES)}, got {localise!r}")
     means = [float(m) for m in means]
     if not means or not all(math.isfinite(m) for m in means):
         raise UsageError(f"the inputs' means must be finite numbers, got {means}")
@@ -248,7 +283,8 @@ def run_parity(
                                    f64, ref_y, size, input_mean=mean))  # fmt: skip
             for name in backends:
                 cases.append(_case(name, reference, case_dtype(name), batch, seq, mem_seq, runners[name], feeds, ref_y,
-                                   size, quantization if case_dtype(name) in QUANTIZATIONS else None, mean))  # fmt: skip
+                                   size, quantization if case_dtype(name) in QUANTIZATIONS else None, mean,
+                                   localise, case_source(name), runner_factory))  # fmt: skip
     finally:
         ref_runner.close()
         for runner in runners.values():

@@ -70,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", default=None,
                    help="without --model: the lowering of the model exported for the run (default decomposed); with "
                    "--model: must be the model's")  # fmt: skip
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--localise", dest="localise", action="store_const", const="all", default="failing",
+                       help="localise every case, passing ones too (a passing case must show no stage beyond its "
+                       "bound); by default each failing case is localised once: the first stage of the formula "
+                       "that diverges, its nodes, and on ONNX Runtime each optimization level's verdict")  # fmt: skip
+    where.add_argument("--no-localise", dest="localise", action="store_const", const="off",
+                       help="do not localise failing cases")
     add_max_mem_arg(p)
     p.set_defaults(run=run)
 
@@ -132,9 +139,8 @@ def run(args: argparse.Namespace) -> int:
                                               batch=batch, progress=progress).cases
             ])  # fmt: skip
         else:
-            report = run_parity(
-                source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq, progress=progress
-            )
+            report = run_parity(source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq,
+                                progress=progress, localise=args.localise)  # fmt: skip
     rows = [
         (c.backend, c.reference, c.dtype, c.batch, c.seq, c.mem_seq, c.input_mean, c.status, c.max_abs, c.max_rel,
          c.atol, c.cosine, c.rel_rms)  # fmt: skip
@@ -159,6 +165,14 @@ def run(args: argparse.Namespace) -> int:
     for c in report.cases:
         if c.status == "fail":
             print(f"FAIL {c.backend} batch={c.batch} seq={c.seq}: {c.reason}")
+            if c.localisation:
+                print(f"  {c.localisation['line']}")
+    findings = [c for c in report.cases if c.status == "pass" and c.localisation and c.localisation.get("stage")]
+    for c in findings:  # a passing y with a stage beyond its bound: say so, it is a lead
+        print(f"finding {c.backend} batch={c.batch} seq={c.seq} (y passes): {c.localisation['line']}")
+    if args.localise == "all":
+        localised = sum(1 for c in report.cases if c.localisation and "error" not in c.localisation)
+        print(f"localised {localised} cases: {len(findings)} passing case(s) with a stage beyond its bound")
     if args.json:
         report.write_json(args.json)
     counts = {s: sum(c.status == s for c in report.cases) for s in ("pass", "fail", "skipped")}

@@ -1,0 +1,346 @@
+"""Localisation: when a backend disagrees, the first stage of the formula that diverges (README,
+"Localisation").
+
+The case is run again with the stages the model names (attnx.model.stages: q, k, v, their norms and
+rotations, scores, probs, z, y, the cache) exposed as extra outputs, and each is compared with the
+float64 reference's value of that same stage under that stage's own bound (attnx.model.tolerance.
+stage_tolerance). The finding is the first stage beyond its bound, in the formula's order; the
+stages before it that agree; and the ONNX nodes that produce it. A fused operator hides the stages
+inside it: what goes in and what comes out are compared, and the same case is then run on the
+same backend with the decomposed form of the same model (every stage exposed), to say whether the
+fused operator or the formula's terms disagree. On ONNX Runtime the case is also run with graph
+optimizations off and at each level: an optimization level that changes the verdict is the cause.
+
+No torch import unless the backend is torch or a fused operator is looked inside of a model that
+only the exporter writes (the full-sequence form of a classic config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import ProviderUnavailable, UsageError
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import DECODE_KEY, MS_DOMAIN, PROVIDERS, describe, float_dtype
+from attnx.model.reference import reference_attention
+from attnx.model.stages import stage_layouts, stages_of, to_canonical
+from attnx.model.tolerance import ProblemSize, Tolerance, stage_tolerance
+from attnx.runtimes.base import ModelSource, Runner, create_runner
+from attnx.runtimes.compare import Comparison, compare_arrays
+
+__all__ = ["StageCheck", "Localisation", "localise_case", "reference_stages", "ORT_LEVELS", "FUSED_OPS"]
+
+logger = logging.getLogger(__name__)
+
+# ONNX Runtime's graph optimization levels, from none to all (its default for a session).
+ORT_LEVELS = ("disabled", "basic", "extended", "all")
+# The operators that compute several stages in one node: what is inside them is hidden.
+FUSED_OPS = {("", "Attention"), (MS_DOMAIN, "MultiHeadAttention"), (MS_DOMAIN, "GroupQueryAttention"),
+             (MS_DOMAIN, "Attention"), (MS_DOMAIN, "PackedAttention")}  # fmt: skip
+_TORCH_BACKENDS = tuple(p.torch_backend for p in PROVIDERS.values())
+
+
+@dataclasses.dataclass
+class StageCheck:
+    """One stage of the case: "pass", "fail", or "hidden" (the form does not expose it)."""
+
+    stage: str
+    status: str
+    max_abs: float | None = None
+    atol: float | None = None
+    needed_atol: float | None = None
+    rel_rms: float | None = None
+    detail: str | None = None
+
+    @classmethod
+    def of(cls, stage: str, cmp: Comparison) -> StageCheck:
+        stats = cmp.stats()
+        return cls(stage, "pass" if cmp else "fail", stats["max_abs"], cmp.atol, stats["needed_atol"],
+                   stats["rel_rms"], cmp.detail())  # fmt: skip
+
+
+@dataclasses.dataclass
+class Localisation:
+    """Where one failing case diverges (README, "Localisation")."""
+
+    backend: str
+    stage: str | None  # the first stage beyond its bound; None: every exposed stage agrees
+    checks: list[StageCheck]
+    agree: list[str]  # the stages before it that agree
+    hidden: list[str]  # the stages this form does not expose
+    nodes: list[dict[str, str]]  # the ONNX nodes that produce the stage: name, op_type
+    optimization: dict[str, str] | None = None  # ONNX Runtime: level -> "pass" | "fail"
+    cause: str | None = None  # what the evidence names: an optimization level, a fused operator, a stage
+    inside: dict[str, Any] | None = None  # the decomposed form of the same model on the same backend
+    step: int | None = None  # a step-by-step case: the first step (0 = the prefill) and position that diverge
+    position: int | None = None
+    output: str | None = None  # ... and which output diverged first there: y, present_key, present_value
+    note: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def line(self) -> str:
+        """The one line a text report gives."""
+        where = ""
+        if self.step is not None:
+            where = f" at step {self.step} (position {self.position}, {self.output} first)"
+        if self.stage is None:
+            text = f"localised: no stage beyond its bound{where}"
+        else:
+            check = next(c for c in self.checks if c.stage == self.stage)
+            nodes = ", ".join(f"{n['name']} ({n['op_type']})" for n in self.nodes) or "not in the graph"
+            text = (f"localised: first stage beyond its bound: {self.stage}{where}, max_abs={_g(check.max_abs)} "
+                    f"(atol {_g(check.atol)}); agree: {', '.join(self.agree) or 'none'}; nodes: {nodes}")  # fmt: skip
+            if self.hidden:
+                text += f"; hidden: {', '.join(self.hidden)}"
+        if self.optimization:
+            text += "; ORT levels: " + ", ".join(f"{k} {v}" for k, v in self.optimization.items())
+        if self.inside and self.inside.get("verdict") != "agrees":
+            text += f"; decomposed form: {self.inside.get('verdict')}" + (
+                f" at {self.inside['stage']}" if self.inside.get("stage") else "")
+        if self.cause:
+            text += f"; cause: {self.cause}"
+        if self.note:
+            text += f"; {self.note}"
+        return text
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def reference_stages(config: AttentionConfig, weights: Mapping[str, np.ndarray],
+                     feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
+    """Every stage of the case in float64, from the reference (attnx.model.reference)."""
+    stages: dict[str, np.ndarray] = {}
+    reference_attention(
+        config, weights, feeds["x"], feeds.get("memory"), feeds.get("key_padding_mask"), feeds.get("past_key"),
+        feeds.get("past_value"), feeds.get("position_ids"), stages=stages,
+    )  # fmt: skip
+    return stages
+
+
+def localise_case(
+    source: ModelSource,
+    backend: str,
+    feeds: Mapping[str, np.ndarray],
+    *,
+    tol: Tolerance,
+    size: ProblemSize,
+    runner_factory: Callable[..., Runner] = create_runner,
+    levels: bool = True,
+    look_inside: bool = True,
+    reference: Mapping[str, np.ndarray] | None = None,
+) -> Localisation:
+    """Localise one case of `backend` on `source` (feeds: the case's inputs; tol and size: what its
+    parity held y to). levels: on ONNX Runtime, re-run at each graph optimization level; look_inside:
+    when the first stage beyond its bound comes out of a fused operator, run the decomposed form."""
+    start = time.perf_counter()
+    config, weights = source.config, source.weights
+    if config is None or weights is None:
+        raise UsageError("localisation needs the model's config and weights (the reference's stages)")
+    ref = dict(reference) if reference is not None else reference_stages(config, weights, feeds)
+    step = bool(config.kv_cache)
+    if backend in _TORCH_BACKENDS:
+        found = _torch_stages(source, backend, feeds, runner_factory)
+        graph = None
+    else:
+        if source.model_path is None:
+            raise UsageError(f"localisation on {backend!r} needs the model file")
+        graph = _Graph(source.model_path)
+        if graph.buffer_form:
+            step = False  # the presents are the whole buffers: decode localisation compares the cache itself
+        found = _exposed_run(graph, source, backend, feeds, runner_factory)
+    result = _compare(backend, config, step, found, ref, tol, size, graph)
+    if graph is not None and result.stage is not None:
+        result.nodes = graph.producers(result.stage)
+        fused = [n for n in result.nodes if (n["domain"], n["op_type"]) in FUSED_OPS]
+        if fused and look_inside:
+            result.inside = _look_inside(source, backend, feeds, tol, size, ref, runner_factory, result, fused[0])
+    if graph is not None and levels and backend.startswith("ort-"):
+        result.optimization = _levels(graph, source, backend, feeds, ref, tol, size, runner_factory, step)
+        verdicts = result.optimization
+        if verdicts.get("disabled") == "pass" and "fail" in verdicts.values():
+            first = next(level for level in ORT_LEVELS if verdicts[level] == "fail")
+            result.cause = f"ONNX Runtime's graph optimizer (level {first} changes the verdict)"
+    if graph is not None and not graph.layouts:
+        result.note = "this model names no stages (written before attnx named them): only its outputs are compared"
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _compare(backend: str, config: AttentionConfig, step: bool, found: Mapping[str, np.ndarray],
+             ref: Mapping[str, np.ndarray], tol: Tolerance, size: ProblemSize, graph: _Graph | None) -> Localisation:  # fmt: skip
+    checks: list[StageCheck] = []
+    for stage in stages_of(config, step):
+        name = stage.name
+        if name not in found:
+            checks.append(StageCheck(name, "hidden"))
+            continue
+        got, want = np.asarray(found[name]), np.asarray(ref[name])
+        if name == "probs":  # a fully hidden row has no probabilities (model/stages.py)
+            rows = np.asarray(ref["probs_rows"])
+            got, want = (got[rows] if got.shape == want.shape else got), want[rows]
+        bound = stage_tolerance(name, config, tol, size, np.asarray(ref[name]))
+        checks.append(StageCheck.of(name, compare_arrays(name, got, want, bound.tol, bound.size, bound.scale)))
+    first = next((c for c in checks if c.status == "fail"), None)
+    agree = [c.stage for c in checks if c.status == "pass"]
+    if first is not None:
+        agree = [c.stage for c in checks[: checks.index(first)] if c.status == "pass"]
+    hidden = [c.stage for c in checks if c.status == "hidden"]
+    return Localisation(backend, first.stage if first else None, checks, agree, hidden, [])
+
+
+class _Graph:
+    """The model file's graph as localisation reads it: which stages it names, in which layout, and
+    the nodes that produce each tensor."""
+
+    def __init__(self, path: str) -> None:
+        import onnx
+
+        self.path = path
+        info = describe(path)
+        self.metadata = info.metadata
+        self.layouts = stage_layouts(info.metadata)
+        self.buffer_form = info.metadata.get(DECODE_KEY) == "buffer"
+        proto = onnx.load(path, load_external_data=False)
+        self.outputs = [o.name for o in proto.graph.output]
+        self._producers = {out: (n.name, n.op_type, n.domain) for n in proto.graph.node for out in n.output}
+        self._types = {v.name: v.type.tensor_type.elem_type for v in
+                       [*proto.graph.value_info, *proto.graph.output, *proto.graph.input]}  # fmt: skip
+        # a stage the graph declares no type for is in the compute dtype (fp16 with fp32 inputs: fp16)
+        self._compute_type = onnx.TensorProto.FLOAT16 if info.dtype == "fp16" else onnx.TensorProto.FLOAT
+
+    def producers(self, stage: str) -> list[dict[str, str]]:
+        got = self._producers.get(stage)
+        if got is None:
+            return []
+        return [{"name": got[0], "op_type": got[1], "domain": got[2]}]
+
+    def exposed_copy(self, directory: str) -> str:
+        """The model with every named stage also a graph output, written into `directory`."""
+        import onnx
+        from onnx import helper
+
+        proto = onnx.load(self.path)  # the weights too: the copy is a whole model
+        for stage in self.layouts:
+            if stage in self.outputs:
+                continue
+            elem = self._types.get(stage, self._compute_type)
+            proto.graph.output.append(helper.make_tensor_value_info(stage, elem, None))
+        path = os.path.join(directory, "exposed.onnx")
+        large = proto.ByteSize() > 1.5 * 2**30
+        onnx.save(proto, path, save_as_external_data=large, location="exposed.onnx.data" if large else None)
+        return path
+
+
+def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
+                 runner_factory: Callable[..., Runner]) -> dict[str, np.ndarray]:  # fmt: skip
+    """The named stages of the case on `backend`, in their canonical layouts (float64)."""
+    config = source.config
+    with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
+        path = graph.exposed_copy(tmp) if graph.layouts else graph.path
+        runner = runner_factory(backend, dataclasses.replace(source, model_path=path))
+        with runner.load() as r:
+            outs = r.run(dict(feeds))
+    found = {}
+    layouts = dict(graph.layouts) or {o: "b t (h d)" if o == "y" else "b h s d" for o in outs}
+    for stage, layout in layouts.items():
+        if stage in outs:
+            found[stage] = to_canonical(stage, np.asarray(outs[stage], np.float64), layout, config)
+    return found
+
+
+def _torch_stages(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
+                  runner_factory: Callable[..., Runner]) -> dict[str, np.ndarray]:  # fmt: skip
+    """The torch module's stages of the case (MultiHeadAttention.stages)."""
+    runner = runner_factory(backend, dataclasses.replace(source, dtype=float_dtype(source.dtype)))
+    with runner.load() as r:
+        module = getattr(r, "module", None)
+        if module is None:
+            raise UsageError(f"backend {backend!r} exposes no stages")
+        module.stages = {}
+        try:
+            r.run(dict(feeds))
+            recorded = dict(module.stages)
+        finally:
+            module.stages = None
+    return {name: value.double().cpu().numpy() for name, value in recorded.items()}
+
+
+def _levels(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
+            ref: Mapping[str, np.ndarray], tol: Tolerance, size: ProblemSize, runner_factory: Callable[..., Runner],
+            step: bool) -> dict[str, str]:  # fmt: skip
+    """y (and a step's cache) of the original model at each graph optimization level: pass or fail."""
+    import onnxruntime as ort
+
+    level = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}  # fmt: skip
+    verdicts: dict[str, str] = {}
+    outputs = ("y", "present_key", "present_value") if step else ("y",)
+    for name in ORT_LEVELS:
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = level[name]
+        try:
+            runner = runner_factory(backend, source, session_options=opts)
+            with runner.load() as r:
+                outs = r.run(dict(feeds))
+        except ProviderUnavailable as e:
+            verdicts[name] = f"not run: {e}"
+            continue
+        ok = True
+        for out in outputs:
+            bound = stage_tolerance(out, source.config, tol, size, np.asarray(ref[out]))
+            ok = ok and bool(compare_arrays(out, np.asarray(outs[out]), ref[out], bound.tol, bound.size, bound.scale))
+        verdicts[name] = "pass" if ok else "fail"
+    return verdicts
+
+
+def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray], tol: Tolerance,
+                 size: ProblemSize, ref: Mapping[str, np.ndarray], runner_factory: Callable[..., Runner],
+                 result: Localisation, fused: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+    """The decomposed form of the same model on the same backend: which of the two disagrees."""
+    op = f"{fused['domain'] + '.' if fused['domain'] else ''}{fused['op_type']}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
+            path = _decomposed_model(source, tmp)
+            inner = _Graph(path)
+            found = _exposed_run(inner, dataclasses.replace(source, model_path=path), backend, feeds, runner_factory)
+    except (UsageError, ProviderUnavailable) as e:
+        return {"form": "decomposed", "op": op, "verdict": f"not run: {e}"}
+    step = bool(source.config.kv_cache) and not inner.buffer_form
+    inside = _compare(backend, source.config, step, found, ref, tol, size, inner)
+    if inside.stage is None:
+        result.cause = f"the fused operator {op} ({fused['name']}): the decomposed form of the same model agrees on {backend}"
+        return {"form": "decomposed", "op": op, "verdict": "agrees", "stage": None}
+    result.cause = (f"the formula's terms, not {op} alone: the decomposed form of the same model also diverges, first at "
+                    f"{inside.stage}")  # fmt: skip
+    return {"form": "decomposed", "op": op, "verdict": "diverges", "stage": inside.stage,
+            "checks": [dataclasses.asdict(c) for c in inside.checks]}  # fmt: skip
+
+
+def _decomposed_model(source: ModelSource, directory: str) -> str:
+    """The same config, weights and dtype in the decomposed lowering (the growing form of a step
+    model), written into `directory` by the exporter, unchecked (it is compared right after)."""
+    from attnx.workflows import export_model
+
+    info = describe(source.model_path)
+    quant = info.quantization or {}
+    dtype = quant.get("dtype", info.dtype)
+    options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
+    path = os.path.join(directory, "decomposed.onnx")
+    export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
+                 check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
+    return path
