@@ -22,7 +22,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -141,10 +141,13 @@ def localise_case(
     levels: bool = True,
     look_inside: bool = True,
     reference: Mapping[str, np.ndarray] | None = None,
+    history: Sequence[Mapping[str, np.ndarray]] = (),
 ) -> Localisation:
     """Localise one case of `backend` on `source` (feeds: the case's inputs; tol and size: what its
     parity held y to). levels: on ONNX Runtime, re-run at each graph optimization level; look_inside:
-    when the first stage beyond its bound comes out of a fused operator, run the decomposed form."""
+    when the first stage beyond its bound comes out of a fused operator, run the decomposed form.
+    history: the feeds the failing runner ran before this case, replayed first on the exposed model
+    (a fault that depends on a runtime's state, as OpenVINO's shape cache, needs them)."""
     start = time.perf_counter()
     config, weights = source.config, source.weights
     if config is None or weights is None:
@@ -152,7 +155,7 @@ def localise_case(
     ref = dict(reference) if reference is not None else reference_stages(config, weights, feeds)
     step = bool(config.kv_cache)
     if backend in _TORCH_BACKENDS:
-        found = _torch_stages(source, backend, feeds, runner_factory)
+        found = _torch_stages(source, backend, feeds, runner_factory, history)
         graph = None
     else:
         if source.model_path is None:
@@ -160,7 +163,7 @@ def localise_case(
         graph = _Graph(source.model_path)
         if graph.buffer_form:
             step = False  # the presents are the whole buffers: decode localisation compares the cache itself
-        found = _exposed_run(graph, source, backend, feeds, runner_factory)
+        found = _exposed_run(graph, source, backend, feeds, runner_factory, history)
     result = _compare(backend, config, step, found, ref, tol, size, graph)
     if graph is not None and result.stage is not None:
         result.nodes = graph.producers(result.stage)
@@ -245,13 +248,16 @@ class _Graph:
 
 
 def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
-                 runner_factory: Callable[..., Runner]) -> dict[str, np.ndarray]:  # fmt: skip
+                 runner_factory: Callable[..., Runner],
+                 history: Sequence[Mapping[str, np.ndarray]] = ()) -> dict[str, np.ndarray]:  # fmt: skip
     """The named stages of the case on `backend`, in their canonical layouts (float64)."""
     config = source.config
     with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
         path = graph.exposed_copy(tmp) if graph.layouts else graph.path
         runner = runner_factory(backend, dataclasses.replace(source, model_path=path))
         with runner.load() as r:
+            for earlier in history:
+                r.run(dict(earlier))
             outs = r.run(dict(feeds))
     found = {}
     layouts = dict(graph.layouts) or {o: "b t (h d)" if o == "y" else "b h s d" for o in outs}
@@ -262,13 +268,16 @@ def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mappin
 
 
 def _torch_stages(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
-                  runner_factory: Callable[..., Runner]) -> dict[str, np.ndarray]:  # fmt: skip
+                  runner_factory: Callable[..., Runner],
+                  history: Sequence[Mapping[str, np.ndarray]] = ()) -> dict[str, np.ndarray]:  # fmt: skip
     """The torch module's stages of the case (MultiHeadAttention.stages)."""
     runner = runner_factory(backend, dataclasses.replace(source, dtype=float_dtype(source.dtype)))
     with runner.load() as r:
         module = getattr(r, "module", None)
         if module is None:
             raise UsageError(f"backend {backend!r} exposes no stages")
+        for earlier in history:
+            r.run(dict(earlier))
         module.stages = {}
         try:
             r.run(dict(feeds))

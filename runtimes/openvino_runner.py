@@ -88,8 +88,12 @@ class OpenvinoRunner(Runner):
     A precision argument outside those is a UsageError at once; a source dtype outside them
     (a parity run in another dtype) makes the backend unavailable at load, with the reason."""
 
-    def __init__(self, source: Any, *, precision: str | None = None, threads: int | None = None) -> None:
+    def __init__(self, source: Any, *, precision: str | None = None, threads: int | None = None,
+                 shape_cache: bool = False) -> None:  # fmt: skip
+        """shape_cache: leave the CPU plugin's shape cache on (the fault of the module doc): only to
+        reproduce that fault (tests/runtimes/test_localise.py localises it)."""
         super().__init__(source)
+        self.shape_cache = shape_cache
         threads = runtime_threads(threads)
         if precision is not None and precision not in OPENVINO_PRECISIONS:
             raise UsageError(
@@ -152,7 +156,7 @@ class OpenvinoRunner(Runner):
             ) from None
         config: dict[str, Any] = {
             "INFERENCE_PRECISION_HINT": OPENVINO_PRECISIONS[self.requested],
-            "CPU_RUNTIME_CACHE_CAPACITY": 0,  # its shape cache gives wrong results (module doc)
+            "CPU_RUNTIME_CACHE_CAPACITY": 5000 if self.shape_cache else 0,  # its shape cache gives wrong results (module doc)
             "DYNAMIC_QUANTIZATION_GROUP_SIZE": OPENVINO_INPUT_GROUP,  # the quantized forms' inputs (module doc)
         }
         if self.threads is not None:

@@ -128,9 +128,11 @@ def _case(
     localise: str = "off",
     source: ModelSource | None = None,
     runner_factory: Callable[..., Runner] = create_runner,
+    history: Sequence[Mapping[str, np.ndarray]] = (),
 ) -> ParityCase:
     """Run one backend on one case and compare; a str runner is the reason it is skipped. localise
-    (LOCALISE_MODES): whether to localise the case, from `source`."""
+    (LOCALISE_MODES): whether to localise the case, from `source`; history: the feeds this runner ran
+    before (replayed by the localisation)."""
     tol = tolerance_for(dtype, backend, quantization)
     common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq,
                   input_mean=input_mean)  # fmt: skip
@@ -143,7 +145,7 @@ def _case(
         **cmp.stats(), precision=getattr(runner, "precision", None),
     )  # fmt: skip
     if source is not None and (localise == "all" or (localise == "failing" and not cmp)):
-        localise_into(case, source, feeds, tol, size, runner_factory)
+        localise_into(case, source, feeds, tol, size, runner_factory, history=history)
     return case
 
 
@@ -158,6 +160,10 @@ def localise_into(case: ParityCase, source: ModelSource, feeds: Mapping[str, np.
     try:
         found = localise_case(source, case.backend, feeds, tol=tol, size=size, runner_factory=runner_factory,
                               levels=failing, look_inside=failing, **options)  # fmt: skip
+        y_check = next((c for c in found.checks if c.stage == "y"), None)
+        if failing and found.stage is None and y_check is not None and y_check.status == "pass":
+            found.note = "; ".join(filter(None, [found.note, "the failure did not reproduce in this run (y agrees): "
+                                                 "it depends on what ran before it, or on the stages not being outputs"]))
         case.localisation = found.to_dict()
         case.localisation["line"] = found.line()
     except Exception as e:  # noqa: BLE001 - a diagnostic: the case's verdict stands whatever it meets
@@ -268,6 +274,7 @@ def run_parity(
         runners[reference] = checker if isinstance(checker, Runner) else f"cannot check the reference: {checker}"
 
     cases: list[ParityCase] = []
+    history: list[dict[str, np.ndarray]] = []  # what every runner ran so far, in order (a localisation replays it)
     try:
         for i, (batch, seq, mem_seq) in enumerate(shapes):
             mean = means[i % len(means)]
@@ -284,7 +291,8 @@ def run_parity(
             for name in backends:
                 cases.append(_case(name, reference, case_dtype(name), batch, seq, mem_seq, runners[name], feeds, ref_y,
                                    size, quantization if case_dtype(name) in QUANTIZATIONS else None, mean,
-                                   localise, case_source(name), runner_factory))  # fmt: skip
+                                   localise, case_source(name), runner_factory, history))  # fmt: skip
+            history.append(feeds)
     finally:
         ref_runner.close()
         for runner in runners.values():
