@@ -29,8 +29,11 @@ import numpy as np
 
 from attnx.errors import ConfigError, ModelFileError, UsageError
 from attnx.model.config import AttentionConfig, TensorSpec
+from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
 __all__ = [
+    "STAGES",
+    "STAGES_KEY",
     "IR_VERSION",
     "DEFAULT_OPSET",
     "MAX_OPSET",
@@ -633,7 +636,9 @@ class ModelInfo:
             "lowering": self.lowering,
             "dtype": self.dtype,
             **({"quantization": _quant_summary(self.quantization)} if self.quantization else {}),
-            "metadata": {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, QUANT_KEY)},
+            "metadata": {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, QUANT_KEY, STAGES_KEY)},
+            # the formula's stages the graph names (attnx.model.stages; README, "Localisation")
+            "stages": list(stage_layouts(self.metadata)),
             "inputs": [s.to_dict() for s in self.inputs],
             "outputs": [s.to_dict() for s in self.outputs],
             "nodes": sum(self.operators.values()),
