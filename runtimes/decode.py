@@ -407,6 +407,7 @@ def localise_decode(
     tol: Tolerance,
     size: ProblemSize,
     failing: bool = True,
+    look_inside: bool = True,
     runner_factory: Callable[..., Runner] = create_runner,
 ) -> Localisation:
     """Localise one decode case (README, "Localisation"): the first step, position and output beyond
@@ -414,7 +415,8 @@ def localise_decode(
     file or the torch module, that step run alone (attnx.runtimes.localise.localise_case) from the
     expected cache up to it, cast to the model's float dtype, so that its stages are compared with the
     reference's from the same past: the first stage beyond its bound. failing: the case failed (the
-    stage run then tries each ONNX Runtime optimization level and looks inside a fused operator);
+    stage run then tries each ONNX Runtime optimization level and, with look_inside, looks inside a fused
+    operator);
     a passing case's last step is run with its stages, for a finding y alone would not show. source:
     what `runner` was made from (its config and weights: the reference's stages)."""
     from attnx.runtimes.localise import Localisation, localise_case
@@ -444,7 +446,7 @@ def localise_decode(
     if "position_ids" in feeds:
         step_feeds["position_ids"] = np.ascontiguousarray(feeds["position_ids"][:, start:stop])
     result = localise_case(source, runner.name, step_feeds, tol=tol, size=size, runner_factory=runner_factory,
-                           levels=failing, look_inside=failing)  # fmt: skip
+                           levels=failing, look_inside=failing and look_inside)  # fmt: skip
     result.step, result.position, result.output = step, position, output
     if found is not None and result.stage is None and result.cause is None:
         result.cause = (f"what the decode carried into step {step}: that step alone, from the reference's cache, "
