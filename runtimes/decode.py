@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from attnx.model.tolerance import (
 )
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.localise import Localisation, localise_case
 from attnx.runtimes.parity import (
     LOCALISE_MODES,
     MODULE_BACKENDS,
@@ -51,9 +52,6 @@ from attnx.runtimes.parity import (
     quantized_skip,
     source_quantization,
 )
-
-if TYPE_CHECKING:
-    from attnx.runtimes.localise import Localisation
 
 __all__ = [
     "DEFAULT_PREFILLS",
@@ -419,8 +417,6 @@ def localise_decode(
     operator);
     a passing case's last step is run with its stages, for a finding y alone would not show. source:
     what `runner` was made from (its config and weights: the reference's stages)."""
-    from attnx.runtimes.localise import Localisation, localise_case
-
     config = source.config
     found = first_divergence(runner, feeds, prefill, expected, tol, size, config)
     step, position, output, start, stop = found if found else (None, None, None, None, None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,9 +37,11 @@ from attnx.errors import CheckFailed, ConfigError, InputError, ModelFileError, P
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MODEL_DTYPES, describe, external_data_locations, get_provider
 from attnx.model.tolerance import ProblemSize, rotated_cache_size, tolerance_for
+from attnx.model.weights import init_weights, weight_shapes, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.decode import decode_sequence, localisation_dict, localise_decode
+from attnx.runtimes.localise import localise_case
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
@@ -479,10 +482,6 @@ def _localise_golden(manifest: Mapping[str, Any], runner: Runner, case: Mapping[
     """Where a failing golden case diverges (attnx.runtimes.localise): a decode sequence replayed step by
     step (localise_decode), a full-sequence case run with its stages exposed (localise_case); the
     reference's stages from the package's weights (_package_weights)."""
-    import importlib.util
-
-    from attnx.runtimes.localise import localise_case
-
     config = AttentionConfig.from_dict(dict(manifest["config"]))
     path = runner.source.model_path
     weights, note, altered = _package_weights(manifest, config, path)
@@ -510,8 +509,6 @@ def _package_weights(manifest: Mapping[str, Any], config: AttentionConfig,
     its manifest names their seed (and their sha256 agrees), else the model file's own. altered: when
     the model file's weights are not those the manifest's weights.sha256 records (fp32: a half-precision
     file holds them rounded), which."""
-    from attnx.model.weights import init_weights, weights_sha256
-
     built = manifest.get("weights") if isinstance(manifest.get("weights"), dict) else {}
     digest = built.get("sha256")
     seeded = re.fullmatch(r"seed (\d+)", str(built.get("source", "")))
@@ -538,8 +535,6 @@ def _file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray] |
     quantized form)."""
     import onnx
     from onnx import numpy_helper
-
-    from attnx.model.weights import weight_shapes
 
     proto = onnx.load(path)  # with its external data: checked to lie inside the package before
     inits = {t.name: t for t in proto.graph.initializer}
