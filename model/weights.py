@@ -6,6 +6,7 @@ Weights are held as a dict of numpy float32 arrays in the torch Linear conventio
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from attnx.model.config import AttentionConfig
 __all__ = [
     "weight_shapes",
     "init_weights",
+    "weights_sha256",
     "check_weights",
     "check_finite",
     "check_fits",
@@ -83,6 +85,17 @@ def init_weights(config: AttentionConfig, seed: int = 0) -> dict[str, np.ndarray
             w -= bound
         weights[name] = w
     return weights
+
+
+def weights_sha256(config: AttentionConfig, weights: Mapping[str, np.ndarray]) -> str:
+    """A digest of the weights' values (names, shapes, float32 bytes, in the contract's order),
+    whatever file or seed they came from."""
+    digest = hashlib.sha256()
+    for name in weight_shapes(config):
+        array = np.ascontiguousarray(weights[name], dtype=np.float32)
+        digest.update(f"{name}:{list(array.shape)};".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
 
 
 def check_weights(config: AttentionConfig, weights: Mapping[str, Any], source: str = "weights") -> None:

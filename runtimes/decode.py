@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,17 +33,36 @@ from attnx.model.contract import (
 )
 from attnx.model.inputs import position_ids_from_mask
 from attnx.model.rope import uses_long_factors
-from attnx.model.tolerance import QuantTolerance, Tolerance, problem_size, rotated_cache_size, tolerance_for
+from attnx.model.tolerance import (
+    ProblemSize,
+    QuantTolerance,
+    Tolerance,
+    problem_size,
+    rotated_cache_size,
+    tolerance_for,
+)
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.parity import MODULE_BACKENDS, ParityCase, ParityReport, quantized_skip, source_quantization
+from attnx.runtimes.localise import Localisation, localise_case
+from attnx.runtimes.parity import (
+    LOCALISE_MODES,
+    MODULE_BACKENDS,
+    ParityCase,
+    ParityReport,
+    quantized_skip,
+    source_quantization,
+)
 
 __all__ = [
     "DEFAULT_PREFILLS",
     "DEFAULT_STEPS",
     "BufferDecoder",
     "DecodeState",
+    "decode_runs",
     "empty_cache",
+    "first_divergence",
+    "localisation_dict",
+    "localise_decode",
     "make_decode_inputs",
     "run_buffer_parity",
     "is_buffer_form",
@@ -158,23 +177,36 @@ def decode_sequence(
     others), then one token per step, each feeding the cache back. A step model of either form:
     the growing form through runner.prefill/step, the buffer form through a BufferDecoder of
     every position (it takes no key padding mask nor positions)."""
+    ys, cache = [], None
+    for _, _, y, last in decode_runs(runner, feeds, prefill, config):
+        ys.append(y)
+        cache = last
+    return np.concatenate(ys, axis=1), cache()
+
+
+def decode_runs(
+    runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int, config: AttentionConfig | None = None
+) -> Iterator[tuple[int, int, np.ndarray, Callable[[], tuple[np.ndarray, np.ndarray]]]]:
+    """The runs of decode_sequence, one at a time: (start, stop, y, cache) with the run's tokens
+    start..stop-1, their y, and a callable giving the cache as it stands after the run (numpy
+    copies; called only when wanted: on ONNX Runtime the cache stays in its buffers)."""
     x, mask, positions = feeds["x"], feeds.get("key_padding_mask"), feeds.get("position_ids")
     if is_buffer_form(runner):
         dec = BufferDecoder(runner, config or runner.source.config, x.shape[1], x.shape[0])
-        ys = [dec.step(x[:, :prefill])] if prefill else []
-        ys += [dec.step(x[:, t : t + 1]) for t in range(prefill, x.shape[1])]
-        return np.concatenate(ys, axis=1), dec.cache_numpy()
+        for start in [0] + list(range(max(prefill, 1), x.shape[1])):  # the first run: the prefill (or token 0)
+            stop = max(prefill, 1) if start == 0 else start + 1
+            yield start, stop, dec.step(x[:, start:stop]), dec.cache_numpy
+        return
 
     def cut(a: np.ndarray | None, start: int, stop: int) -> np.ndarray | None:
         return None if a is None else np.ascontiguousarray(a[:, start:stop])
 
     prefill = max(prefill, 1)  # no prefill: start from the empty cache with the first token, a step like the others
     state = runner.prefill(x[:, :prefill], cut(mask, 0, prefill), cut(positions, 0, prefill))
-    ys = [state.y]
+    yield 0, prefill, state.y, state.cache_numpy
     for t in range(prefill, x.shape[1]):
         y, state = runner.step(x[:, t : t + 1], state, cut(mask, t, t + 1), cut(positions, t, t + 1))
-        ys.append(y)
-    return np.concatenate(ys, axis=1), state.cache_numpy()
+        yield t, t + 1, y, state.cache_numpy
 
 
 def run_decode_parity(
@@ -188,13 +220,16 @@ def run_decode_parity(
     runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
     position_offset: int = 0,
+    localise: str = "failing",
 ) -> ParityReport:
     """Per backend and prefill length P: a prefill of P tokens then `steps` single-token steps,
     feeding each present cache back as past, against the reference's full forward over the
     P + steps tokens (y at every position, and the final cache). The reference backend named
     among `backends` is checked the same way, step by step against its own full forward. A model
     with rope gets the position_ids of the left-padded batch, moved by position_offset (a long
-    context: make_decode_inputs)."""
+    context: make_decode_inputs). localise (LOCALISE_MODES): a failing case (or every case, "all") is
+    replayed step by step, and case.localisation says the first step, position and output beyond the
+    bound and, where a step can be run alone, its first stage (localise_decode)."""
     config = source.config
     if config is None or not config.kv_cache:
         raise UsageError("decode parity needs a step model: a config with 'kv_cache': true")
@@ -207,6 +242,8 @@ def run_decode_parity(
     # reference and the torch module compute the float formula, held to fp32's rule (as run_parity).
     quantization = source_quantization(source, "decode parity", "step model")
     buffer = source.model_path is not None and describe(source.model_path).metadata.get(DECODE_KEY) == "buffer"
+    if localise not in LOCALISE_MODES:
+        raise UsageError(f"localise must be one of {', '.join(LOCALISE_MODES)}, got {localise!r}")
     if buffer and position_offset:
         raise UsageError("the buffer form's positions are its token indices (from 0): no position offset")
     float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
@@ -243,9 +280,16 @@ def run_decode_parity(
             size = problem_size(config, source.weights, full, activations=quantization is not None) if ran else None
             for name, runner in runners.items():
                 quantized = quantization is not None and name not in MODULE_BACKENDS
-                cases.append(_decode_case(name, runner, config, source.dtype if quantized else float_source.dtype,
-                                          feeds, prefill, steps, expected, size,
-                                          quantization if quantized else None))  # fmt: skip
+                case = _decode_case(name, runner, config, source.dtype if quantized else float_source.dtype, feeds,
+                                    prefill, steps, expected, size, quantization if quantized else None)  # fmt: skip
+                wanted = localise == "all" or (localise == "failing" and case.status == "fail")
+                if isinstance(runner, Runner) and wanted:
+                    progress(f"localising {name} prefill {prefill}: step by step")
+                    case_source = (source if name not in MODULE_BACKENDS else
+                                   dataclasses.replace(float_source, model_path=None) if name == REFERENCE else float_source)  # fmt: skip
+                    case.localisation = _localisation(case, case_source, runner, feeds, prefill, expected, size,
+                                                      quantization if quantized else None, runner_factory)  # fmt: skip
+                cases.append(case)
     finally:
         ref.close()
         for runner in runners.values():
@@ -293,6 +337,139 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
     failed = [c for c in cmps if not c]
     return ParityCase(**common, status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
                       atol=cmps[0].atol, rtol=cmps[0].rtol, **cmps[0].stats())  # fmt: skip
+
+
+# The outputs a step writes, in the order the formula computes them: a tie (the same step and
+# position) names the cache, which y of that position is computed from.
+_STEP_OUTPUTS = ("present_key", "present_value", "y")
+
+
+def first_divergence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int, expected: Mapping[str, np.ndarray],
+                     tol: Tolerance, size: ProblemSize,
+                     config: AttentionConfig | None = None) -> tuple[int, int, str, int, int] | None:  # fmt: skip
+    """Where a decode first leaves its bound: (step, position, output, start, stop), step 0 the first
+    run (the prefill), position a token index, output the first of y, present_key, present_value
+    beyond its bound there, start..stop-1 the step's tokens; None when no step does. The decode is
+    replayed run by run (decode_runs); after each run its cache (positions 0..length-1: the growing
+    form's whole cache, the filled part of the buffer form's) is compared with the expected cache up
+    to that length, and its y with the expected y at its tokens, each held to the bound that holds
+    the whole sequence (_decode_case: the tolerance, size and scale of the whole expected output)."""
+    config = config or runner.source.config
+    tols = _cache_tols(tol)
+    sizes = {"y": size, "present_key": rotated_cache_size(config, size, expected["present_key"]),
+             "present_value": size}  # fmt: skip
+    scales = {out: float(np.sqrt(np.mean(np.square(np.asarray(expected[out], np.float64))))) for out in _STEP_OUTPUTS}
+    for step, (start, stop, y, cache) in enumerate(decode_runs(runner, feeds, prefill, config)):
+        pk, pv = cache()
+        found = {}
+        for out, got, want, offset in (("present_key", pk, expected["present_key"][:, :, : pk.shape[2]], 0),
+                                       ("present_value", pv, expected["present_value"][:, :, : pv.shape[2]], 0),
+                                       ("y", y, expected["y"][:, start:stop], start)):  # fmt: skip
+            axis = 1 if out == "y" else 2
+            at = _first_position(got, want, axis, tols[out], sizes[out], scales[out])
+            if at is not None:
+                found[out] = offset + at
+        if found:
+            out = min(found, key=lambda o: (found[o], _STEP_OUTPUTS.index(o)))
+            return step, found[out], out, start, stop
+    return None
+
+
+def _first_position(got: np.ndarray, want: np.ndarray, axis: int, tol: Tolerance, size: ProblemSize,
+                    scale: float) -> int | None:  # fmt: skip
+    """The first index along `axis` (the tokens) where `got` leaves the bound compare_arrays holds the
+    whole array to (scale: the whole array's); a cache of the wrong length diverges where it ends."""
+    if got.shape != want.shape:
+        same = got.ndim == want.ndim and all(g == w for i, (g, w) in enumerate(zip(got.shape, want.shape)) if i != axis)
+        if not same:
+            return 0
+        common = min(got.shape[axis], want.shape[axis])
+        inside = _first_position(np.take(got, range(common), axis), np.take(want, range(common), axis), axis, tol,
+                                 size, scale)  # fmt: skip
+        return common if inside is None else inside
+    if compare_arrays("", got, want, tol, size, scale):
+        return None
+    for i in range(got.shape[axis]):
+        if not compare_arrays("", np.take(got, [i], axis), np.take(want, [i], axis), tol, size, scale):
+            return i
+    return 0  # no token alone leaves it, all of them do (a quantized form's rel_rms bound)
+
+
+def localise_decode(
+    source: ModelSource,
+    runner: Runner,
+    feeds: Mapping[str, np.ndarray],
+    prefill: int,
+    expected: Mapping[str, np.ndarray],
+    *,
+    tol: Tolerance,
+    size: ProblemSize,
+    failing: bool = True,
+    look_inside: bool = True,
+    runner_factory: Callable[..., Runner] = create_runner,
+) -> Localisation:
+    """Localise one decode case (README, "Localisation"): the first step, position and output beyond
+    the bound (first_divergence), then, for a step of the growing form on a backend that runs a model
+    file or the torch module, that step run alone (attnx.runtimes.localise.localise_case) from the
+    expected cache up to it, cast to the model's float dtype, so that its stages are compared with the
+    reference's from the same past: the first stage beyond its bound. failing: the case failed (the
+    stage run then tries each ONNX Runtime optimization level and, with look_inside, looks inside a fused
+    operator);
+    a passing case's last step is run with its stages, for a finding y alone would not show. source:
+    what `runner` was made from (its config and weights: the reference's stages)."""
+    config = source.config
+    found = first_divergence(runner, feeds, prefill, expected, tol, size, config)
+    step, position, output, start, stop = found if found else (None, None, None, None, None)
+    if found is None:
+        start, stop = (0, max(prefill, 1)) if feeds["x"].shape[1] <= max(prefill, 1) else (feeds["x"].shape[1] - 1,
+                                                                                         feeds["x"].shape[1])  # fmt: skip
+    why = None
+    if is_buffer_form(runner):
+        why = ("the buffer form: step, position and output only (its cache is one buffer bound as past and present; "
+               "no step of it is run alone with its stages)")  # fmt: skip
+    elif runner.name == REFERENCE:
+        why = "the reference itself: no stage run (it is what the stages are compared with)"
+    elif source.weights is None:
+        why = "no weights: no reference stages to compare with"
+    if why is not None:
+        return Localisation(runner.name, None, [], [], [], [], step=step, position=position, output=output, note=why)
+    dtype = runner._float_dtype()
+    step_feeds = {"x": np.ascontiguousarray(feeds["x"][:, start:stop]),
+                  "past_key": np.ascontiguousarray(expected["present_key"][:, :, :start], dtype),
+                  "past_value": np.ascontiguousarray(expected["present_value"][:, :, :start], dtype)}  # fmt: skip
+    if "key_padding_mask" in feeds:
+        step_feeds["key_padding_mask"] = np.ascontiguousarray(feeds["key_padding_mask"][:, :stop])
+    if "position_ids" in feeds:
+        step_feeds["position_ids"] = np.ascontiguousarray(feeds["position_ids"][:, start:stop])
+    result = localise_case(source, runner.name, step_feeds, tol=tol, size=size, runner_factory=runner_factory,
+                           levels=failing, look_inside=failing and look_inside)  # fmt: skip
+    result.step, result.position, result.output = step, position, output
+    if found is not None and result.stage is None and result.cause is None:
+        result.cause = (f"what the decode carried into step {step}: that step alone, from the reference's cache, "
+                        "agrees (the cache fed back between steps, or where it was written)")  # fmt: skip
+    return result
+
+
+def _localisation(case: ParityCase, source: ModelSource, runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int,
+                  expected: Mapping[str, np.ndarray], size: ProblemSize, quantization: dict | None,
+                  runner_factory: Callable[..., Runner]) -> dict[str, Any]:  # fmt: skip
+    """case.localisation of a decode case: localise_decode's dict with its line, or, when localisation
+    itself fails, why (the case's verdict stands whatever it meets)."""
+    return localisation_dict(lambda: localise_decode(
+        source, runner, feeds, prefill, expected, tol=tolerance_for(case.dtype, case.backend, quantization), size=size,
+        failing=case.status == "fail", runner_factory=runner_factory))  # fmt: skip
+
+
+def localisation_dict(localise: Callable[[], Localisation]) -> dict[str, Any]:
+    """The dict a report holds of localise()'s Localisation, "line" its one line; {"error", "line"} when
+    localisation itself fails: a diagnostic never changes the verdict of what it localises."""
+    try:
+        found = localise()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the verdict stands whatever it meets
+        logger.info("localisation failed: %s", e)
+        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return {"error": f"{type(e).__name__}: {text}", "line": f"not localised: {type(e).__name__}: {text}"}
+    return {**found.to_dict(), "line": found.line()}
 
 
 def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills: Iterable[int] = DEFAULT_PREFILLS,

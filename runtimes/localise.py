@@ -94,7 +94,9 @@ class Localisation:
         where = ""
         if self.step is not None:
             where = f" at step {self.step} (position {self.position}, {self.output} first)"
-        if self.stage is None:
+        if self.stage is None and not self.checks:  # no stage was run (a decode's step alone)
+            text = f"localised: first beyond its bound{where}" if where else "localised: nothing beyond its bound"
+        elif self.stage is None:
             text = f"localised: no stage beyond its bound{where}"
         else:
             check = next(c for c in self.checks if c.stage == self.stage)

@@ -20,7 +20,9 @@ followed, inside the package folder. Arrays are read with allow_pickle=False.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -35,9 +37,11 @@ from attnx.errors import CheckFailed, ConfigError, InputError, ModelFileError, P
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MODEL_DTYPES, describe, external_data_locations, get_provider
 from attnx.model.tolerance import ProblemSize, rotated_cache_size, tolerance_for
+from attnx.model.weights import init_weights, weight_shapes, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.decode import decode_sequence
+from attnx.runtimes.decode import decode_sequence, localisation_dict, localise_decode
+from attnx.runtimes.localise import localise_case
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
@@ -259,6 +263,9 @@ class Check:
     detail: str
     # A golden output's comparison (attnx.runtimes.compare): its statistics, atol and rtol
     stats: dict[str, float | None] | None = None
+    # A failing golden case's localisation (attnx.runtimes.localise.Localisation.to_dict() and its
+    # "line"; {"error", "line"} when it could not run), on the case's first failing output
+    localisation: dict[str, Any] | None = None
 
     def __bool__(self) -> bool:
         return self.passed
@@ -451,6 +458,7 @@ def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> lis
             checks.append(Check(name, False, f"{label}: onnxruntime fails: {str(e).strip().splitlines()[0][:300]}"))
             continue
         size = ProblemSize.from_dict(case["problem_size"])
+        first = len(checks)
         for out_name, ref in expected.items():
             if out_name not in got:
                 checks.append(Check(f"{name} {out_name}", False, f"{label}: the model has no output {out_name!r}"))
@@ -460,7 +468,88 @@ def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> lis
             cmp = compare_arrays(out_name, got[out_name], ref, tol, out_size)
             stats = {**cmp.stats(), "atol": cmp.atol, "rtol": cmp.rtol}
             checks.append(Check(f"{name} {out_name}", cmp.passed, f"{label}: {cmp.detail()}", stats))
+        failed = next((i for i in range(first, len(checks)) if not checks[i]), None)
+        if failed is not None and all(out in got for out in expected):  # localised once, on its first failure
+            found = localisation_dict(functools.partial(_localise_golden, manifest, runner, case, feeds, expected, tol,
+                                                        size))  # fmt: skip
+            checks[failed] = dataclasses.replace(checks[failed], localisation=found)
     return checks
+
+
+def _localise_golden(manifest: Mapping[str, Any], runner: Runner, case: Mapping[str, Any],
+                     feeds: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray], tol: Any,
+                     size: ProblemSize) -> Any:  # fmt: skip
+    """Where a failing golden case diverges (attnx.runtimes.localise): a decode sequence replayed step by
+    step (localise_decode), a full-sequence case run with its stages exposed (localise_case); the
+    reference's stages from the package's weights (_package_weights)."""
+    config = AttentionConfig.from_dict(dict(manifest["config"]))
+    path = runner.source.model_path
+    weights, note, altered = _package_weights(manifest, config, path)
+    source = ModelSource(config, weights, path, manifest["dtype"])
+    # a look inside a fused operator exports its decomposed form (torch, where this machine has it) from
+    # the package's weights: not when the model file holds others (the two forms would differ in those)
+    inside = importlib.util.find_spec("torch") is not None and not altered
+    if "decode" in case:
+        result = localise_decode(source, runner, feeds, case["decode"]["prefill"], expected, tol=tol, size=size,
+                                 look_inside=inside)  # fmt: skip
+    elif weights is None:
+        raise UsageError(note)
+    else:
+        result = localise_case(source, runner.name, feeds, tol=tol, size=size, look_inside=inside)
+    if altered:
+        result.cause = altered + (f"; {result.cause}" if result.cause else "")
+    if note:
+        result.note = f"{result.note}; {note}" if result.note else note
+    return result
+
+
+def _package_weights(manifest: Mapping[str, Any], config: AttentionConfig,
+                     path: str) -> tuple[dict[str, np.ndarray] | None, str | None, str | None]:  # fmt: skip
+    """(weights, note, altered) for the reference's stages: the weights the package was built with when
+    its manifest names their seed (and their sha256 agrees), else the model file's own. altered: when
+    the model file's weights are not those the manifest's weights.sha256 records (fp32: a half-precision
+    file holds them rounded), which."""
+    built = manifest.get("weights") if isinstance(manifest.get("weights"), dict) else {}
+    digest = built.get("sha256")
+    seeded = re.fullmatch(r"seed (\d+)", str(built.get("source", "")))
+    weights = init_weights(config, int(seeded.group(1))) if seeded else None
+    if weights is not None and digest is not None and weights_sha256(config, weights) != digest:
+        weights = None  # not the seed's after all
+    own = _file_weights(path, config)
+    altered = None
+    if own is not None and digest is not None and manifest["dtype"] == "fp32" and weights_sha256(config, own) != digest:
+        names = [n for n in own if weights is not None and not np.array_equal(own[n], weights[n])]
+        altered = ("the model file's weights are not those the package was built with (their sha256 is not the "
+                   "manifest's weights.sha256)" + (f": {', '.join(names)} differ" if names else ""))  # fmt: skip
+    if weights is not None:
+        return weights, None, altered
+    if own is not None:
+        return own, "the reference's stages from the model file's own weights (the manifest names no seed)", altered
+    return None, ("no weights for the reference's stages: the manifest names no seed, and the model file holds "
+                  "them in another form (packed, fused or quantized)"), None  # fmt: skip
+
+
+def _file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray] | None:
+    """The weights as the model file holds them (initializers named after them: a projection's weight
+    transposed, '<name>_t'), float32; None when one is missing or of another shape (a packed or
+    quantized form)."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(path)  # with its external data: checked to lie inside the package before
+    inits = {t.name: t for t in proto.graph.initializer}
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        if name in inits:
+            array = numpy_helper.to_array(inits[name])
+        elif f"{name}_t" in inits:
+            array = numpy_helper.to_array(inits[f"{name}_t"]).T
+        else:
+            return None
+        if tuple(array.shape) != shape:
+            return None
+        weights[name] = np.ascontiguousarray(array, np.float32)
+    return weights
 
 
 def verify_package(

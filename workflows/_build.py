@@ -52,7 +52,7 @@ from attnx.model.contract import (
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.tolerance import problem_size
-from attnx.model.weights import check_weights, init_weights, load_weights, weight_shapes
+from attnx.model.weights import check_weights, init_weights, load_weights, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison
 from attnx.runtimes.decode import decode_sequence, empty_cache, make_decode_inputs, run_decode_parity
@@ -157,17 +157,6 @@ def _write_json(path: str, data: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True, allow_nan=False)
         f.write("\n")
-
-
-def _weights_sha256(config: AttentionConfig, weights: Mapping[str, np.ndarray]) -> str:
-    """A digest of the weights' values (names, shapes, float32 bytes, in the contract's order),
-    whatever file or seed they came from."""
-    digest = hashlib.sha256()
-    for name in weight_shapes(config):
-        array = np.ascontiguousarray(weights[name], dtype=np.float32)
-        digest.update(f"{name}:{list(array.shape)};".encode())
-        digest.update(memoryview(array).cast("B"))
-    return digest.hexdigest()
 
 
 class _SpilledWeights(Mapping[str, np.ndarray]):
@@ -383,7 +372,7 @@ def _build_into(
 
     # First half: everything that needs the weights in memory. ---------------------------
     weights, weights_info = _load_weights(config, weights_arg, seed, progress)
-    weights_info["sha256"] = _weights_sha256(config, weights)
+    weights_info["sha256"] = weights_sha256(config, weights)
     exported = export_model(
         config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False, check=False,
         progress=progress, **(quant or {}),
@@ -643,7 +632,7 @@ def _build_step_into(
     (the step model is checked by decoding, which the replay of recorded outputs does not cover)."""
     model_path = os.path.join(tmp, MODEL_FILE)
     weights, weights_info = _load_weights(config, weights_arg, seed, progress)
-    weights_info["sha256"] = _weights_sha256(config, weights)
+    weights_info["sha256"] = weights_sha256(config, weights)
     exported = export_model(config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False,
                             check=False, progress=progress)  # fmt: skip
     progress("checking the saved model (onnx checker, dims, onnxruntime load)")

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             report = ParityReport([
                 case for batch in args.batch
                 for case in run_decode_parity(source, args.backends, prefills=args.prefill, steps=args.steps,
-                                              batch=batch, progress=progress).cases
+                                              batch=batch, progress=progress, localise=args.localise).cases
             ])  # fmt: skip
         else:
             report = run_parity(source, args.backends, batches=args.batch, seqs=args.seq, mem_seqs=args.mem_seq,

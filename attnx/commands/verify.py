@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(["check", "status", "detail"], rows))
     for note in report.notes:
         print(f"note: {note}")
+    for c in report.checks:  # a failing golden case, localised once: where it diverges
+        if c.localisation:
+            print(f"{c.name}:\n  {c.localisation['line']}")
     if args.json:
         write_json_atomic(args.json, report.to_dict())
     failed = report.failures()
