@@ -56,6 +56,7 @@ from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import OPENVINO
 from attnx.model.rope import rope_cos_sin, rope_frequencies, rope_pairs
+from attnx.model.stages import get_stage
 
 __all__ = [
     "Tolerance",
@@ -517,8 +518,6 @@ def stage_tolerance(stage: str, config: AttentionConfig, tol: Tolerance, size: P
     """The bound of `stage` (a name of attnx.model.stages) for a case whose y is held to `tol` and
     `size` (tolerance_for and problem_size, as parity computes them); ref: the reference's value of
     the stage in its canonical layout (the section above says why each bound is what it is)."""
-    from attnx.model.stages import get_stage
-
     kind = get_stage(stage).kind
     quant = tol if isinstance(tol, QuantTolerance) else None
     float_tol = Tolerance(tol.dtype, tol.eps, tol.ulps) if quant is not None else tol

@@ -11,8 +11,8 @@ same backend with the decomposed form of the same model (every stage exposed), t
 fused operator or the formula's terms disagree. On ONNX Runtime the case is also run with graph
 optimizations off and at each level: an optimization level that changes the verdict is the cause.
 
-No torch import unless the backend is torch or a fused operator is looked inside of a model that
-only the exporter writes (the full-sequence form of a classic config).
+No torch import unless the backend is torch, or a fused operator is looked inside: the decomposed form
+is written by the exporter, a layer above (set_decomposed_writer).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from attnx.model.tolerance import ProblemSize, Tolerance, stage_tolerance
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
 
-__all__ = ["StageCheck", "Localisation", "localise_case", "reference_stages", "ORT_LEVELS", "FUSED_OPS"]
+__all__ = ["StageCheck", "Localisation", "localise_case", "reference_stages", "ORT_LEVELS", "FUSED_OPS",
+           "DecomposedWriter", "set_decomposed_writer"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ ORT_LEVELS = ("disabled", "basic", "extended", "all")
 FUSED_OPS = {("", "Attention"), (MS_DOMAIN, "MultiHeadAttention"), (MS_DOMAIN, "GroupQueryAttention"),
              (MS_DOMAIN, "Attention"), (MS_DOMAIN, "PackedAttention")}  # fmt: skip
 _TORCH_BACKENDS = tuple(p.torch_backend for p in PROVIDERS.values())
+# (source, directory) -> the path of the same model in the decomposed lowering, written there
+DecomposedWriter = Callable[[ModelSource, str], str]
+_decomposed_writer: DecomposedWriter | None = None
 
 
 @dataclasses.dataclass
@@ -342,16 +346,16 @@ def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarr
             "checks": [dataclasses.asdict(c) for c in inside.checks]}  # fmt: skip
 
 
-def _decomposed_model(source: ModelSource, directory: str) -> str:
-    """The same config, weights and dtype in the decomposed lowering (the growing form of a step
-    model), written into `directory` by the exporter, unchecked (it is compared right after)."""
-    from attnx.workflows import export_model
+def set_decomposed_writer(writer: DecomposedWriter | None) -> None:
+    """Register what writes a model's decomposed form for a look inside a fused operator: the exporter,
+    a layer above this one (attnx.workflows registers write_decomposed_form when it is imported; the
+    commands register it lazily, so a deployment machine without torch imports nothing until a look
+    inside is needed). None: no look inside (its verdict says why)."""
+    global _decomposed_writer
+    _decomposed_writer = writer
 
-    info = describe(source.model_path)
-    quant = info.quantization or {}
-    dtype = quant.get("dtype", info.dtype)
-    options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
-    path = os.path.join(directory, "decomposed.onnx")
-    export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
-                 check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
-    return path
+
+def _decomposed_model(source: ModelSource, directory: str) -> str:
+    if _decomposed_writer is None:
+        raise UsageError("no exporter is loaded to write the decomposed form (import attnx.workflows)")
+    return _decomposed_writer(source, directory)

@@ -28,6 +28,7 @@ from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, Tolerance, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.localise import localise_case
 
 __all__ = [
     "ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS", "DEFAULT_MEANS",
@@ -154,8 +155,6 @@ def localise_into(case: ParityCase, source: ModelSource, feeds: Mapping[str, np.
     """Set case.localisation (attnx.runtimes.localise): on a failing case with the optimization levels
     and a look inside a fused operator; on a passing one the stages alone. A localisation that cannot
     run leaves the case's verdict as it is and says why."""
-    from attnx.runtimes.localise import localise_case
-
     failing = case.status == "fail"
     try:
         found = localise_case(source, case.backend, feeds, tol=tol, size=size, runner_factory=runner_factory,

@@ -9,6 +9,7 @@ above: attnx.bench and the API/CLI.
 
 from __future__ import annotations
 
+from attnx.runtimes.localise import set_decomposed_writer
 from attnx.workflows._build import (
     DEFAULT_ATTENTION,
     DEFAULT_PROVIDERS,
@@ -31,10 +32,12 @@ from attnx.workflows._checks import (
     torch_expected,
     validate_against_torch,
 )
-from attnx.workflows._export import ExportReport, export_model
+from attnx.workflows._export import ExportReport, export_model, write_decomposed_form
 from attnx.workflows._import import ImportReport, check_against_source, import_model
 from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
 from attnx.workflows._optimize import OptimizeResult, optimize_file
+
+set_decomposed_writer(write_decomposed_form)  # localisation's look inside a fused operator: the exporter's form
 
 __all__ = [
     "AUTO_CANDIDATES",
@@ -60,6 +63,7 @@ __all__ = [
     "choose_lowering",
     "compare_models",
     "export_model",
+    "write_decomposed_form",
     "import_model",
     "lower",
     "optimize_file",

@@ -33,6 +33,7 @@ from attnx.model.contract import (
     check_lowering,
     check_model_dtype,
     check_opset,
+    describe,
 )
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
@@ -248,3 +249,17 @@ def _resolve_weights(
         check_finite(weights)
     check_fits(weights, dtype)
     return weights
+
+
+def write_decomposed_form(source: ModelSource, directory: str) -> str:
+    """The model of `source` (its config, weights, dtype, quantization) in the decomposed lowering (a
+    step model's growing form), written unchecked into `directory`: what localisation compares a fused
+    operator with (attnx.runtimes.localise; registered there when this package is imported)."""
+    info = describe(source.model_path)
+    quant = info.quantization or {}
+    options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
+    path = os.path.join(directory, "decomposed.onnx")
+    export_model(source.config, path, source.weights, attention="decomposed", dtype=quant.get("dtype", info.dtype),
+                 validate=False, check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32",
+                 **options)  # fmt: skip
+    return path

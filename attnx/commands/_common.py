@@ -48,6 +48,18 @@ def workflows(command: str, needs: tuple[str, ...] = tuple(EXPORT_EXTRA)) -> Mod
     return attnx.workflows
 
 
+def exporter_for_localisation(command: str) -> None:
+    """Let localisation look inside a fused operator (attnx.runtimes.localise): the exporter writes the
+    decomposed form, imported only when a look inside needs it (a verify on a machine without torch
+    imports nothing until then, and that look inside then says what is missing)."""
+    from attnx.runtimes.localise import set_decomposed_writer
+
+    def write(source, directory: str) -> str:
+        return workflows(f"{command} (a look inside a fused operator)").write_decomposed_form(source, directory)
+
+    set_decomposed_writer(write)
+
+
 def add_model_args(parser: argparse.ArgumentParser, weights: bool = True, required: bool = True) -> None:
     """--preset or --config (one of them, when required; parity with --model reads the model's
     config), and --weights and --seed."""

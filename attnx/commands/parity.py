@@ -14,6 +14,7 @@ from attnx.commands._common import (
     Progress,
     add_max_mem_arg,
     add_model_args,
+    exporter_for_localisation,
     int_arg,
     int_list,
     load_config_arg,
@@ -93,6 +94,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    exporter_for_localisation("parity")
     # Everything that can be refused is refused before the weights are made.
     for name in [*args.backends, *args.require]:
         check_choice("backend", name, backend_names())

@@ -7,7 +7,7 @@ import argparse
 from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
 from attnx.commands import COMMANDS
-from attnx.commands._common import Progress
+from attnx.commands._common import Progress, exporter_for_localisation
 from attnx.model.contract import PROVIDERS
 from attnx.runtimes.package import verify_package
 
@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    exporter_for_localisation("verify")
     if args.json:
         check_output_file(args.json, "--json")
     report = verify_package(args.package, args.provider, Progress())
