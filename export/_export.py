@@ -18,6 +18,7 @@ import onnx_ir as ir
 from attnx import __version__
 from attnx._io import Staging
 from attnx.errors import ExportError, UsageError, interrupt_in
+from attnx.export.passes._names import NameStages
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
@@ -157,6 +158,7 @@ def export_onnx(
     model.producer_version = __version__  # not the exporter's torch version
     model.metadata_props[CONFIG_KEY] = config.to_json()
     model.metadata_props[ATTENTION_KEY] = attention
+    NameStages()(model)  # the formula's names for the exporter's val_5, linear_1 (README, "Names")
     release_rewriter_state()
     TRACES.put(key, model)
     return model

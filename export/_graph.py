@@ -1,5 +1,8 @@
 """A tiny ONNX graph builder shared by the hand-built graphs (the step model, the modern-LLM
-full-sequence forms): nodes, initializers, unique names."""
+full-sequence forms): nodes, initializers, unique names, and the formula's names (README, "Names"):
+the builder names the stages, weights and constants as it makes them (Graph.stage, linear) and
+named() gives every node and intermediate the name of the stage it leads to, as NameStages does
+for the exporter's graphs (attnx.export.passes._names.name_graph, the one scheme)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,12 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import helper
 
-__all__ = ["Graph", "heads", "linear"]
+from attnx.export.passes._names import name_graph
+
+__all__ = ["Graph", "heads", "linear", "named"]
 
 
 class Graph:
@@ -19,6 +25,13 @@ class Graph:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.n = 0
+        self.stages: dict[str, str] = {}  # {stage: layout} of the stages the graph names
+
+    def stage(self, name: str, layout: str = "b t (h d)") -> str:
+        """`name`, recorded as a stage the graph holds in `layout` (attnx.model.stages): for the
+        name= of the op that computes it."""
+        self.stages[name] = layout
+        return name
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", name: str | None = None,
            **attrs) -> str | list[str]:  # fmt: skip
@@ -40,8 +53,9 @@ class Graph:
 
 
 def linear(g: Graph, x: str, weights: Mapping[str, np.ndarray], name: str, bias: bool, out: str | None = None) -> str:
-    """x @ W^T (+ b) for the torch-convention weights `name`.weight/.bias."""
-    w = g.const(f"{name}.weight_t", np.ascontiguousarray(np.asarray(weights[f"{name}.weight"], np.float32).T))
+    """x @ W^T (+ b) for the torch-convention weights `name`.weight/.bias, W^T stored as
+    `name`.weight.T; out names the result."""
+    w = g.const(f"{name}.weight.T", np.ascontiguousarray(np.asarray(weights[f"{name}.weight"], np.float32).T))
     y = g.op("MatMul", x, w, name=None if bias else out)
     if bias:
         y = g.op("Add", y, g.const(f"{name}.bias", np.asarray(weights[f"{name}.bias"], np.float32)), name=out)
@@ -51,3 +65,24 @@ def linear(g: Graph, x: str, weights: Mapping[str, np.ndarray], name: str, bias:
 def heads(g: Graph, x: str, n: int, d: int, label: str) -> str:
     """[B, S, n*d] -> [B, n, S, d]."""
     return g.op("Transpose", g.op("Reshape", x, g.ints(f"{label}_shape", [0, 0, n, int(d)])), perm=[0, 2, 1, 3])
+
+
+def named(model: onnx.ModelProto, g: Graph) -> onnx.ModelProto:
+    """`model`, built by `g`, with every node and intermediate named after the stage it leads to and
+    its metadata's STAGES_KEY (name_graph); the stages, weights and constants keep the names `g`
+    gave them. The names are written back into the proto: its tensors are not copied."""
+    irm = ir.from_proto(model)
+    values = {v.name: v for n in irm.graph for v in n.outputs}
+    values.update(irm.graph.initializers)
+    stages = {s: (values[s], layout) for s, layout in g.stages.items() if s in values}
+    projections = {n: n.inputs[1].name.removesuffix("_proj.weight.T") for n in irm.graph
+                   if n.op_type == "MatMul" and n.inputs[1] is not None and n.inputs[1].name.endswith("_proj.weight.T")}  # fmt: skip
+    name_graph(irm, stages, projections, {v: v.name for v in irm.graph.initializers.values()})
+    for proto, node in zip(model.graph.node, irm.graph):
+        proto.name = node.name
+        proto.input[:] = [v.name if v is not None else "" for v in node.inputs]
+        proto.output[:] = [v.name for v in node.outputs]
+    del model.metadata_props[:]
+    for key, value in irm.metadata_props.items():
+        model.metadata_props.add(key=key, value=value)
+    return model

@@ -82,7 +82,7 @@ def norm_and_rotate(
             u4 = g.op("Reshape", u, g.ints(f"{name}_4d", [0, 0, heads, hd]))  # [B, S, heads, hd]
             w = g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32))
             normed = g.op("RMSNormalization", u4, w, axis=-1, epsilon=c.qk_norm.eps)  # opset 23
-            return g.op("Reshape", normed, g.ints(f"{name}_3d", [0, 0, heads * hd]))
+            return g.op("Reshape", normed, g.ints(f"{name}_3d", [0, 0, heads * hd]), name=g.stage(name))
 
         q, k = norm(q, H, "q_norm"), norm(k, Hkv, "k_norm")
     if c.rope is not None:
@@ -91,8 +91,8 @@ def norm_and_rotate(
         if lowering == "onnx":  # RotaryEmbedding-23 without position_ids: cos/sin [B, S, dim/2]
             axis2 = g.ints("axes_2", [2])
             cos, sin = g.op("Squeeze", cos, axis2), g.op("Squeeze", sin, axis2)
-            q = g.op("RotaryEmbedding", q, cos, sin, num_heads=H, **attrs)
-            k = g.op("RotaryEmbedding", k, cos, sin, num_heads=Hkv, **attrs)
+            q = g.op("RotaryEmbedding", q, cos, sin, num_heads=H, name=g.stage("q_rope"), **attrs)
+            k = g.op("RotaryEmbedding", k, cos, sin, num_heads=Hkv, name=g.stage("k_rope"), **attrs)
         else:  # com.microsoft.RotaryEmbedding: a table of B*S rows, token (b, s) reads row b*S + s
             rows = g.ints("rope_rows", [-1, c.rope.dim // 2])
             cos, sin = g.op("Reshape", cos, rows), g.op("Reshape", sin, rows)
@@ -100,8 +100,10 @@ def norm_and_rotate(
             count = g.op("ReduceProd", shape, keepdims=0)  # scalar B*S
             index = g.op("Reshape", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), count,
                                          g.const("one_i64", np.asarray(1, np.int64))), shape)  # fmt: skip
-            q = g.op("RotaryEmbedding", q, index, cos, sin, domain=MS_DOMAIN, num_heads=H, **attrs)
-            k = g.op("RotaryEmbedding", k, index, cos, sin, domain=MS_DOMAIN, num_heads=Hkv, **attrs)
+            q = g.op("RotaryEmbedding", q, index, cos, sin, domain=MS_DOMAIN, num_heads=H, name=g.stage("q_rope"),
+                     **attrs)  # fmt: skip
+            k = g.op("RotaryEmbedding", k, index, cos, sin, domain=MS_DOMAIN, num_heads=Hkv, name=g.stage("k_rope"),
+                     **attrs)  # fmt: skip
     return q, k
 
 
@@ -132,8 +134,11 @@ def _decomposed(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray],
     if c.rope is not None:
         cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
         q4, k4 = _rotate(g, c, q4, cos, sin), _rotate(g, c, k4, cos, sin)
-    return (g.op("Reshape", q4, g.ints("q_flat", [0, 0, H * hd])),
-            g.op("Reshape", k4, g.ints("k_flat", [0, 0, Hkv * hd])))  # fmt: skip
+    # q and k as scored, [B, S, heads*hd]: the rotation's output, or the norm's without rope (with rope,
+    # the norm's is held only per head [B, S, heads, hd], a layout no stage takes: not named)
+    term = "rope" if c.rope is not None else "norm"
+    return (g.op("Reshape", q4, g.ints("q_flat", [0, 0, H * hd]), name=g.stage(f"q_{term}")),
+            g.op("Reshape", k4, g.ints("k_flat", [0, 0, Hkv * hd]), name=g.stage(f"k_{term}")))  # fmt: skip
 
 
 def _rope_cos_sin(g: Graph, c: AttentionConfig) -> tuple[str, str]:

@@ -55,7 +55,7 @@ from onnx import TensorProto, helper
 
 from attnx import __version__
 from attnx.errors import ExportError, UsageError
-from attnx.export._graph import Graph, heads, linear
+from attnx.export._graph import Graph, heads, linear, named
 from attnx.export._llm import norm_and_rotate, rope_table, visibility
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
@@ -176,9 +176,9 @@ def _build_float(
     llm = bool(c.llm_keys)
     g = Graph()
     kpm = "key_padding_mask" if c.key_padding_mask else None
-    q = linear(g, "x", weights, "q_proj", c.bias)  # [B, S, H*hd]
-    k = linear(g, "x", weights, "k_proj", c.bias)  # [B, S, Hkv*hd]
-    v = linear(g, "x", weights, "v_proj", c.bias)  # [B, S, Hkv*vhd]
+    q = linear(g, "x", weights, "q_proj", c.bias, out=g.stage("q"))  # [B, S, H*hd]
+    k = linear(g, "x", weights, "k_proj", c.bias, out=g.stage("k"))  # [B, S, Hkv*hd]
+    v = linear(g, "x", weights, "v_proj", c.bias, out=g.stage("v"))  # [B, S, Hkv*vhd]
     if c.qk_norm is not None or c.rope is not None:  # q and k as they are scored (and cached)
         q, k = norm_and_rotate(g, c, weights, q, k, attention)
     lowest = float(np.finfo(np.float32).min)
@@ -197,7 +197,7 @@ def _build_float(
         if c.softcap is not None:  # c * tanh(s / c), after the scale, before the masks
             cap = g.const("softcap", np.asarray(c.softcap, np.float32))
             scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
-        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
+        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]), name=g.stage("scores", "b h t s"))  # [B, H, S, T]
         scores = g.op("Where", hidden, g.const("lowest", np.asarray(lowest, np.float32)), scores)
         if c.sinks:
             # One more logit per head, [B, H, S, 1], joins the softmax and is dropped after it (no value).
@@ -205,13 +205,14 @@ def _build_float(
             sink = g.op("Expand", g.const("sinks", np.asarray(weights["sinks"], np.float32).reshape(1, H, 1, 1)),
                         sink_shape)  # fmt: skip
             p = g.op("Softmax", g.op("Concat", scores, sink, axis=-1), axis=-1)
-            p = g.op("Slice", p, g.ints("zero1", [0]), g.ints("minus1", [-1]), g.ints("axes_m1", [-1]))
+            p = g.op("Slice", p, g.ints("zero1", [0]), g.ints("minus1", [-1]), g.ints("axes_m1", [-1]),
+                     name=g.stage("probs", "b h t s"))  # fmt: skip
         else:
-            p = g.op("Softmax", scores, axis=-1)
+            p = g.op("Softmax", scores, axis=-1, name=g.stage("probs", "b h t s"))
         p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
         z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
         z = g.op("Where", visible, z, zero_f)  # all-hidden rows: 0
-        z = g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), g.ints("z_shape", [0, 0, H * vhd]))
+        z = g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), g.ints("z_shape", [0, 0, H * vhd]), name=g.stage("z"))
     elif attention == "onnx":
         hidden, visible = visibility(g, c, kpm, step)
         # The op's causal flag aligns its mask top-left; the mask over token index is given instead
@@ -225,9 +226,11 @@ def _build_float(
             g.nodes[-1].output[:] = [z, "present_key", "present_value"]
         else:
             z = g.op("Attention", q, k, v, *([attend] if attend else []), **attrs)
-        if visible is not None:
+        if visible is not None:  # z is what comes out of the zeroing, the op's output before it
             row = g.op("Squeeze", visible, g.ints("axes_1b", [1]))  # [B|1, S, 1]
-            z = g.op("Where", row, z, zero_f)
+            z = g.op("Where", row, z, zero_f, name=g.stage("z"))
+        else:
+            g.nodes[-1].output[0] = z = g.stage("z")
     elif Hkv == H and not llm:  # ort-fused, one k/v head per query head: com.microsoft MultiHeadAttention with past
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         inputs = [q, k, v, "", ""]
@@ -241,7 +244,9 @@ def _build_float(
         if kpm is not None:  # the op averages a fully hidden row: zero it, as the formula says
             _, visible = visibility(g, c, kpm, step)
             row = g.op("Squeeze", visible, g.ints("axes_1b", [1]))  # [B, S, 1]
-            z = g.op("Where", row, z, zero_f)
+            z = g.op("Where", row, z, zero_f, name=g.stage("z"))
+        else:
+            g.nodes[-1].output[0] = z = g.stage("z")
     else:  # ort-fused, grouped heads or a modern-LLM config: com.microsoft GroupQueryAttention
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         seq = g.op("Shape", "x", start=1, end=2)  # [1]
@@ -267,12 +272,15 @@ def _build_float(
         z, present_k, present_v = g.op(
             "GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **_gqa_attrs(c),
         )  # fmt: skip
+        gqa = g.nodes[-1]
         if step:
-            g.nodes[-1].output[:] = [z, "present_key", "present_value"]
+            gqa.output[:] = [z, "present_key", "present_value"]
         if kpm is not None:
             _, visible = visibility(g, c, kpm, step)
             row = g.op("Squeeze", visible, g.ints("axes_1b", [1]))  # [B, S, 1]
-            z = g.op("Where", row, z, zero_f)
+            z = g.op("Where", row, z, zero_f, name=g.stage("z"))
+        else:
+            gqa.output[0] = z = g.stage("z")
     linear(g, z, weights, "out_proj", c.bias, out="y")
 
     def info(name: str, elem: int, shape: tuple) -> onnx.ValueInfoProto:
@@ -287,7 +295,7 @@ def _build_float(
     meta = [(CONFIG_KEY, c.to_json()), (ATTENTION_KEY, attention)] + ([(DECODE_KEY, "growing")] if step else [])
     for key, value in meta:
         model.metadata_props.add(key=key, value=value)
-    return model
+    return named(model, g)
 
 
 def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
@@ -331,13 +339,14 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
     g = Graph()
     # One packed projection [d_model, (H + 2 Hkv) * head_dim] that the op splits itself: one GEMV
     # reading every projection weight instead of three (at batch 1 the step is a weight read).
-    packed = {"qkv.weight": np.concatenate([np.asarray(weights[f"{n}_proj.weight"], np.float32) for n in "qkv"])}
+    packed = {"qkv_proj.weight": np.concatenate([np.asarray(weights[f"{n}_proj.weight"], np.float32) for n in "qkv"])}
     if c.bias:
-        packed["qkv.bias"] = np.concatenate([np.asarray(weights[f"{n}_proj.bias"], np.float32) for n in "qkv"])
-    qkv = linear(g, "x", packed, "qkv", c.bias)  # [B, S, (H + 2 Hkv) * head_dim]
+        packed["qkv_proj.bias"] = np.concatenate([np.asarray(weights[f"{n}_proj.bias"], np.float32) for n in "qkv"])
+    qkv = linear(g, "x", packed, "qkv_proj", c.bias)  # [B, S, (H + 2 Hkv) * head_dim]
     qkv_inputs = [qkv, "", ""]
     if c.qk_norm is not None:  # the norms need q and k apart: split the packed projection
-        q, k, v = g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
+        g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
+        g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
         c_norm = dataclasses.replace(c, rope=None)  # the op rotates
         q, k = norm_and_rotate(g, c_norm, weights, q, k, attention)
         qkv_inputs = [q, k, v]
@@ -356,8 +365,8 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
         inputs[11] = g.const("sinks", np.asarray(weights["sinks"], np.float32))
     while inputs[-1] == "":
         inputs.pop()
-    z, _, _ = g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **attrs)
-    g.nodes[-1].output[:] = [z, "present_key", "present_value"]
+    g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **attrs)
+    g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
     linear(g, z, weights, "out_proj", c.bias, out="y")
     elem = {"fp32": _F, "int32": TensorProto.INT32}
     graph_inputs, graph_outputs = (
@@ -374,4 +383,4 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
     )
     for key, value in metadata:
         model.metadata_props.add(key=key, value=value)
-    return model
+    return named(model, g)

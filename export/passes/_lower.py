@@ -20,6 +20,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from attnx.errors import UsageError
 from attnx.export.passes._base import PipelineReport, run_pipeline
 from attnx.export.passes._fuse_mha import FuseAttentionToMHA
+from attnx.export.passes._names import NameStages
 from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjections
 from attnx.export.passes._probe import lowering_of
 from attnx.export.passes.fp16 import ConvertToFloat16
@@ -66,13 +67,15 @@ def lowering_passes(
 ) -> list[ir.passes.PassBase]:
     """The passes of one lowering, in order, with the precision pass last: the fp16 conversion
     for fp16, the projections' quantization for int8 and int4 (block_size and accuracy_level:
-    int4's MatMulNBits). The lowering's own passes see the float32 graph."""
+    int4's MatMulNBits). The lowering's own passes see the float32 graph. NameStages names the
+    float graph they leave (README, "Names"); the quantization after it keeps the names."""
     check_choice("lowering", lowering, LOWERING_PIPELINES)
     check_model_dtype(dtype, "dtype")
     float_dtype = "fp32" if dtype in QUANTIZATIONS else dtype
     passes = LOWERING_PIPELINES[lowering](float_dtype)
     if dtype == "fp16":
         passes.append(ConvertToFloat16(keep_io_fp32=keep_io_fp32))
+    passes.append(NameStages())
     if dtype in QUANTIZATIONS:
         passes += [QuantizeProjections(dtype, block_size, accuracy_level), _cleanup()]
     return passes

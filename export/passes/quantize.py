@@ -235,7 +235,9 @@ def _roles(model: ir.Model) -> dict[int, str]:
             mark(node.inputs[-1], _CACHE_ROLES[node.outputs[0].name])
         elif node.op_type == "Softmax" and node.domain in _STD:
             scores = node.inputs[0]
-            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add", "Reshape"):
+            # back through the mask, the scale, a softcap (Tanh) and a sink's column (Concat: the scores first)
+            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add", "Reshape", "Tanh",
+                                                                         "Concat"):  # fmt: skip
                 scores = (
                     p.inputs[2]
                     if p.op_type == "Where"
@@ -245,10 +247,21 @@ def _roles(model: ir.Model) -> dict[int, str]:
             if p is not None and p.op_type == "MatMul":
                 mark(p.inputs[0], "q")
                 mark(p.inputs[1], "k")
-            for use, _ in node.outputs[0].uses():
+            probs = node.outputs[0]
+            users = [use for use, _ in probs.uses()]
+            if len(users) == 1 and users[0].op_type == "Slice":  # sinks: the sink's column dropped first
+                users = [use for use, _ in users[0].outputs[0].uses()]
+            for use in users:
                 if use.op_type == "MatMul":
                     mark(use.inputs[1], "v")
     return roles
+
+
+def _stage_of(node: ir.Node, role: str) -> str:
+    """The stage a projection leads to, as its output's name says (README, "Names": q/matmul, or q
+    itself without a bias), for the names of the nodes and values the quantization adds."""
+    name = node.outputs[0].name
+    return name.split("/")[0] if name else ("y" if role == "out" else role)
 
 
 class QuantizeProjections(ir.passes.InPlacePass):
@@ -278,6 +291,8 @@ class QuantizeProjections(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.notes = []
         self._rows: dict[int, tuple[ir.Value, ir.Value]] = {}  # int8: an input's (x / r, r)
+        self._taken = {v.name for n in model.graph for v in n.outputs} | set(model.graph.initializers)
+        self._node_names = {n.name for n in model.graph}
         if any(n.op_type == "Attention" and n.domain == MS_DOMAIN for n in model.graph):
             # its q/k/v weights are an input of the fused op itself: no projection MatMul is left
             raise UsageError("com.microsoft.Attention (ort-attention) holds its q/k/v weights: quantize "
@@ -314,24 +329,37 @@ class QuantizeProjections(ir.passes.InPlacePass):
         model.metadata_props[IO_DTYPE_KEY] = "fp32"
         return ir.passes.PassResult(model, True)
 
-    def _row_scaled(self, model: ir.Model, node: ir.Node, x: ir.Value) -> tuple[ir.Value, ir.Value]:
+    def _fresh(self, name: str, node: bool = False) -> str:
+        """`name` (of a value, or of a node), or with a counter when the graph has it (README, "Names":
+        unique)."""
+        taken = self._node_names if node else self._taken
+        candidate, n = name, 1
+        while candidate in taken:
+            n += 1
+            candidate = f"{name}_{n}"
+        taken.add(candidate)
+        return candidate
+
+    def _row_scaled(self, model: ir.Model, node: ir.Node, x: ir.Value, role: str) -> tuple[ir.Value, ir.Value]:
         """(x / r, r) with r = max(max |x| over the last axis, FLT_MIN) [..., 1]: made once per input
-        (q, k and v read the same x), before the first projection that reads it."""
+        (q, k and v read the same x), before the first projection that reads it, named after the
+        stage that projection leads to (README, "Names": q/row_max, y/row_max for z's)."""
         key = id(x)
         if key not in self._rows:
-            n = len(self._rows)
+            stage = _stage_of(node, role)
             consts = {}
             for label, array in (("axes", np.array([-1], np.int64)),
                                  ("floor", np.array(np.finfo(np.float32).tiny, np.float32))):  # fmt: skip
-                t = ir.tensor(array, name=f"int8_row_{label}_{n}")
+                t = ir.tensor(array, name=self._fresh(f"{stage}/row_{label}"))
                 consts[label] = ir.Value(name=t.name, shape=ir.Shape(t.shape), type=ir.TensorType(t.dtype), const_value=t)
                 model.graph.register_initializer(consts[label])
-            absolute = ir.node("Abs", [x], name=f"int8_row_abs_{n}")
+            absolute = ir.node("Abs", [x], name=self._fresh(f"{stage}/Abs", node=True))
             peak = ir.node("ReduceMax", [absolute.outputs[0], consts["axes"]], attributes={"keepdims": 1},
-                           name=f"int8_row_max_{n}")  # fmt: skip
-            scale = ir.node("Max", [peak.outputs[0], consts["floor"]], name=f"int8_row_scale_{n}")  # an all-zero row: 0 / tiny
-            scaled = ir.node("Div", [x, scale.outputs[0]], name=f"int8_row_scaled_{n}")
-            for new in (absolute, peak, scale, scaled):
+                           name=self._fresh(f"{stage}/ReduceMax", node=True))  # fmt: skip
+            scale = ir.node("Max", [peak.outputs[0], consts["floor"]], name=self._fresh(f"{stage}/Max", node=True))  # an all-zero row: 0 / tiny
+            scaled = ir.node("Div", [x, scale.outputs[0]], name=self._fresh(f"{stage}/Div", node=True))
+            for new, label in ((absolute, "row_abs"), (peak, "row_max"), (scale, "row_scale"), (scaled, "row_scaled")):
+                new.outputs[0].name = self._fresh(f"{stage}/{label}")
                 model.graph.insert_before(node, new)
             scaled.outputs[0].shape, scaled.outputs[0].type = x.shape, x.type
             self._rows[key] = (scaled.outputs[0], scale.outputs[0])
@@ -340,20 +368,21 @@ class QuantizeProjections(ir.passes.InPlacePass):
     def _replace(self, model: ir.Model, node: ir.Node, w: np.ndarray, role: str) -> dict[str, Any]:
         """Swap one MatMul for its quantized node; the error model's inputs of this projection."""
         k, n = w.shape
-        base = node.inputs[1].name or f"{role}_proj.weight"
+        # the weight's name without the transposition (q_proj.weight.T: q_proj.weight.quant, .scale, .zero_point)
+        base = (node.inputs[1].name or f"{role}_proj.weight").removesuffix(".T")
         x = node.inputs[0]
         if self.dtype == "int8":
-            x, row_scale = self._row_scaled(model, node, x)
+            x, row_scale = self._row_scaled(model, node, x, role)
             q, scale, zp = quantize_int8(w)
             step_sq = float(np.mean(scale.astype(np.float64) ** 2))  # every weight of column n has step scale_n
-            tensors = [ir.tensor(q, name=f"{base}.int8"), ir.tensor(scale, name=f"{base}.scale"),
+            tensors = [ir.tensor(q, name=f"{base}.quant"), ir.tensor(scale, name=f"{base}.scale"),
                        ir.tensor(zp, name=f"{base}.zero_point")]  # fmt: skip
             op, attrs = "DynamicQuantizeMatMul", {}
         else:
             q, scale, zp = quantize_nbits(w, 4, self.block_size)
             step_sq = float(np.mean(scale.astype(np.float64) ** 2))  # every block has block_size weights
-            tensors = [ir.tensor(q, name=f"{base}.q4"), ir.tensor(scale, name=f"{base}.scales"),
-                       ir.tensor(zp, name=f"{base}.zero_points")]  # fmt: skip
+            tensors = [ir.tensor(q, name=f"{base}.quant"), ir.tensor(scale, name=f"{base}.scale"),
+                       ir.tensor(zp, name=f"{base}.zero_point")]  # fmt: skip
             op = "MatMulNBits"
             attrs = {"K": k, "N": n, "bits": 4, "block_size": self.block_size, "accuracy_level": self.accuracy_level}
         values = []
@@ -361,13 +390,14 @@ class QuantizeProjections(ir.passes.InPlacePass):
             value = ir.Value(name=t.name, shape=ir.Shape(t.shape), type=ir.TensorType(t.dtype), const_value=t)
             model.graph.register_initializer(value)
             values.append(value)
-        new = ir.node(op, [x, *values], attributes=attrs, domain=MS_DOMAIN, name=f"{role}_proj_{self.dtype}")
+        new = ir.node(op, [x, *values], attributes=attrs, domain=MS_DOMAIN, name=self._fresh(f"{role}_proj/{op}", node=True))
         old_out = node.outputs[0]
         new.outputs[0].shape, new.outputs[0].type = old_out.shape, old_out.type
+        new.outputs[0].name = self._fresh(f"{_stage_of(node, role)}/{op.lower()}")  # int8: rescaled into old_out's name
         model.graph.insert_before(node, new)
         result = new.outputs[0]
         if self.dtype == "int8":  # back to x's scale, row by row
-            rescale = ir.node("Mul", [result, row_scale], name=f"{role}_proj_{self.dtype}_rescale")
+            rescale = ir.node("Mul", [result, row_scale], name=self._fresh(f"{role}_proj/Mul", node=True))
             rescale.outputs[0].shape, rescale.outputs[0].type = old_out.shape, old_out.type
             model.graph.insert_before(node, rescale)
             result = rescale.outputs[0]

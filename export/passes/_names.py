@@ -1,0 +1,322 @@
+"""NameStages: one naming scheme for every graph attnx writes, after the formula's terms (README, "Names").
+
+    stage tensors   named exactly the stage (attnx.model.stages: q, k, v, q_norm, ..., z, y, present_key)
+                    where the graph holds the stage's value; metadata STAGES_KEY = {stage: layout}
+    weights         their safetensors names; stored transposed for MatMul ([in, out]): `<name>.T`
+                    (q_proj.weight.T, the packed qkv_proj.weight.T, qkv_proj.bias)
+    constants       what they are (scale, softcap, sinks, mask_fill) or `<stage>/<Op>.<input>`: the stage
+                    they lead to, the operator and the operator's own name for that input (q/Reshape.shape)
+    nodes           `<stage>/<Op>` for the node producing a stage, `<role>_proj/<Op>` for a projection's
+                    MatMul, else `<next stage downstream>/<Op>`, a counter after the first (scores/Mul_2)
+    intermediates   `<next stage downstream>/<op>`, unique the same way (scores/matmul)
+
+Graph inputs and outputs keep their contract names. The hand-built graphs (attnx.export._step) name
+their stages, weights and constants as they build them and call name_graph() for the rest; the
+torch exporter's graphs and what the graph passes make of them are named by NameStages, which finds
+the stages from the graph's structure (the projections as QuantizeProjections finds them, the core
+from its Softmax, MatMul or fused operator). A stage whose value the graph does not hold (inside a
+fused operator, a projection whose bias is folded into MultiHeadAttention) is not named; a
+structure NameStages does not recognise gets fewer names, never a wrong one. Renaming only: no
+node is added or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+
+import onnx
+import onnx_ir as ir
+
+from attnx.export.passes._base import AttnxPass
+from attnx.export.passes._masks import const_array
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import CONFIG_KEY, MS_DOMAIN
+from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
+
+__all__ = ["NameStages", "name_graph", "find_stages"]
+
+logger = logging.getLogger(__name__)
+
+_STD = ("", "ai.onnx")
+_ORDER = {s.name: i for i, s in enumerate(STAGES)}
+_PROJECTIONS = ("q", "k", "v", "qkv", "out")
+
+
+def _is(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = _STD) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in domain
+
+
+def _users(value: ir.Value) -> list[ir.Node]:
+    return [use.node if hasattr(use, "node") else use[0] for use in value.uses()]
+
+
+def _input_label(node: ir.Node, index: int, opset: int) -> str:
+    """The operator's own name for input `index` (Reshape's 1 is "shape"), else in<index>."""
+    if node.domain in _STD:
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+            if index < len(schema.inputs):
+                return schema.inputs[index].name
+        except Exception:  # noqa: BLE001 - an op the installed onnx does not know: its index will do
+            pass
+    return f"in{index}"
+
+
+def name_graph(
+    model: ir.Model,
+    stages: Mapping[str, tuple[ir.Value, str]],
+    projections: Mapping[ir.Node, str] | None = None,
+    names: Mapping[ir.Value, str] | None = None,
+) -> None:
+    """Name every node, intermediate value and unnamed constant of `model` after the stage it leads
+    to, the stage values `stages` ({stage: (value, layout)}) after their stage, the constants in
+    `names` as given; record {stage: layout} in the metadata (STAGES_KEY)."""
+    graph = model.graph
+    projections = dict(projections or {})
+    names = dict(names or {})
+    io = {v for v in [*graph.inputs, *graph.outputs]}
+    stage_of = {value: stage for stage, (value, _) in stages.items()}
+    nodes = list(graph)
+    # The stage each node leads to: its own output's, else its nearest consumer's (fewest nodes
+    # between), ties in the formula's order.
+    lead: dict[ir.Node, tuple[int, int, str]] = {}
+    for node in reversed(nodes):
+        own = [stage_of[o] for o in node.outputs if o in stage_of]
+        if own:
+            lead[node] = (0, _ORDER[own[0]], own[0])
+            continue
+        best = None
+        for out in node.outputs:
+            for user in _users(out):
+                if user in lead:
+                    d, o, s = lead[user]
+                    best = min(best, (d + 1, o, s)) if best is not None else (d + 1, o, s)
+        lead[node] = best if best is not None else (0, _ORDER["y"], "y")
+
+    taken: set[str] = {v.name for v in io if v.name}
+    taken |= set(stages) | set(names.values())
+
+    def fresh(base: str, used: set[str]) -> str:
+        candidate, n = base, 1
+        while candidate in used:
+            n += 1
+            candidate = f"{base}_{n}"
+        used.add(candidate)
+        return candidate
+
+    value_names: dict[ir.Value, str] = {}
+    for stage, (value, _) in stages.items():
+        if value not in io:
+            value_names[value] = stage
+    value_names.update(names)
+    opset = model.opset_imports.get("", 18)
+    # Constants (initializers and Constant nodes' outputs): after their first user.
+    for node in nodes:
+        for index, value in enumerate(node.inputs):
+            if value is None or value in value_names or value in io:
+                continue
+            producer = value.producer()
+            if value.const_value is None and not _is(producer, "Constant"):
+                continue
+            label = _input_label(node, index, opset)
+            value_names[value] = fresh(f"{lead[node][2]}/{node.op_type}.{label}", taken)
+    for value in graph.initializers.values():  # an initializer nothing reads
+        if value not in value_names and value not in io:
+            value_names[value] = fresh(f"unused/{value.name or 'initializer'}", taken)
+    node_names: set[str] = set()
+    for node in nodes:
+        stage = lead[node][2]
+        prefix = f"{projections[node]}_proj" if node in projections else stage
+        node.name = fresh(f"{prefix}/{node.op_type}", node_names)
+        for out in node.outputs:
+            if out not in value_names and out not in io:
+                value_names[out] = fresh(f"{stage}/{node.op_type.lower()}", taken)
+    # Two steps, so that no new name meets an old one still in use.
+    renamed = [v for v in value_names if v.name != value_names[v]]
+    for i, value in enumerate(renamed):
+        value.name = f"__attnx_renaming_{i}"
+    for value in renamed:
+        value.name = value_names[value]
+    layouts = {stage: layout for stage, (_, layout) in sorted(stages.items(), key=lambda kv: _ORDER[kv[0]])}
+    for out in graph.outputs:  # y and the step model's cache: stages by their contract names
+        if out.name in _ORDER and out.name not in layouts:
+            layouts[out.name] = next(s.layout for s in STAGES if s.name == out.name)
+    model.metadata_props[STAGES_KEY] = json.dumps(
+        dict(sorted(layouts.items(), key=lambda kv: _ORDER[kv[0]])), separators=(", ", ": ")
+    )
+
+
+def _layout_heads(value: ir.Value, heads: int) -> bool:
+    """value is 4-D with `heads` on axis 1 (as far as its shape is known)."""
+    shape = value.shape
+    if shape is None:
+        return True
+    return len(shape) == 4 and (not isinstance(shape[1], int) or shape[1] == heads)
+
+
+def _ancestors_reach(value: ir.Value, name: str) -> bool:
+    """Whether graph input `name` is among what `value` is computed from."""
+    seen, pending = set(), [value]
+    while pending:
+        v = pending.pop()
+        if v.name == name and v.is_graph_input():
+            return True
+        node = v.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        pending += [i for i in node.inputs if i is not None]
+    return False
+
+
+def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tuple[ir.Value, str]], dict[ir.Node, str],
+                                                                   dict[ir.Value, str]]:  # fmt: skip
+    """({stage: (value, layout)}, {projection MatMul: role}, {constant: name}) of a torch-exported
+    graph, or of what the graph passes made of it (float32 or float16)."""
+    from attnx.export.passes.quantize import _roles
+
+    c = config
+    graph = model.graph
+    stages: dict[str, tuple[ir.Value, str]] = {}
+    projections: dict[ir.Node, str] = {}
+    names: dict[ir.Value, str] = {}
+    roles = _roles(model)
+    folded = any(
+        (_is(n, "MultiHeadAttention", (MS_DOMAIN,)) and len(n.inputs) > 3 and n.inputs[3] is not None) for n in graph
+    )
+
+    def stage(name: str, value: ir.Value, layout: str = "b t (h d)") -> None:
+        if name not in stages and not value.is_graph_input():
+            stages[name] = (value, layout)
+
+    matmuls = [n for n in graph if _is(n, "MatMul") and (w := const_array(n.inputs[1])) is not None and w.ndim == 2]
+    found = [roles.get(id(n), "out") for n in matmuls]
+    unique = {r for r in found if found.count(r) == 1}  # a role found twice: neither is named
+    for node in graph:
+        if node in matmuls:
+            role = roles.get(id(node), "out")
+            if role not in unique:
+                continue
+            projections[node] = role
+            names[node.inputs[1]] = f"{role}_proj.weight.T"
+            out = node.outputs[0]
+            users = _users(out)
+            if len(users) == 1 and _is(users[0], "Add"):
+                add = users[0]
+                bias = next((i for i in add.inputs if i is not out and i is not None), None)
+                b = const_array(bias) if bias is not None else None
+                if b is not None and b.ndim == 1:
+                    names[bias] = f"{role}_proj.bias"
+                    out = add.outputs[0]
+            if role == "out":
+                stage("z", node.inputs[0])
+            elif role in ("q", "k", "v") and not folded:
+                stage(role, out)
+            elif role == "qkv" and not folded:
+                split = _users(out)
+                if len(split) == 1 and _is(split[0], "Split") and len(split[0].outputs) == 3:
+                    for r, v in zip("qkv", split[0].outputs):
+                        stage(r, v)
+        elif _is(node, "MultiHeadAttention", (MS_DOMAIN,)) and len(node.inputs) > 3 and node.inputs[3] is not None:
+            names[node.inputs[3]] = "qkv_proj.bias"  # the q, k and v biases, folded into the op
+        elif _is(node, "Attention", (MS_DOMAIN,)):
+            names[node.inputs[1]] = "qkv_proj.weight.T"
+            if len(node.inputs) > 2 and node.inputs[2] is not None:
+                names[node.inputs[2]] = "qkv_proj.bias"
+    softmaxes = [n for n in graph if _is(n, "Softmax")]
+    if len(softmaxes) == 1:
+        _core_stages(softmaxes[0], c, stage, names)
+    return stages, projections, {v: n for v, n in names.items() if v.const_value is not None or
+                                 _is(v.producer(), "Constant")}  # fmt: skip
+
+
+def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Value, str]) -> None:
+    """scores, probs and the per-head q/k after their norm or rotation, from the decomposed core."""
+    # probs: the softmax, or (sinks) the Slice that drops the sink's column; read by the MatMul with v
+    probs = softmax.outputs[0]
+    users = _users(probs)
+    if c.sinks and len(users) == 1 and _is(users[0], "Slice"):
+        probs = users[0].outputs[0]
+        users = _users(probs)
+    elif c.sinks:
+        return
+    if not (len(users) == 1 and _is(users[0], "MatMul")):
+        return
+    # scores: the softmax's input, before the sink's column joins and before the mask's Where
+    scores = softmax.inputs[0]
+    node = scores.producer()
+    if c.sinks:
+        if not _is(node, "Concat") or len(node.inputs) != 2:
+            return
+        expand = node.inputs[1].producer()
+        if _is(expand, "Expand") and const_array(expand.inputs[0]) is not None:
+            names[expand.inputs[0]] = "sinks"
+        scores = node.inputs[0]
+        node = scores.producer()
+    if _is(node, "Where") and const_array(node.inputs[1]) is not None:
+        names[node.inputs[1]] = "mask_fill"
+        scores = node.inputs[2]
+    elif _is(node, "Where") or _is(node, "Add"):
+        return  # a mask NameStages does not know
+    # back from scores to q.k: the softcap's Mul, Tanh, Div and the scale's Mul
+    value, consts = scores, []
+    while (p := value.producer()) is not None and p.op_type in ("Mul", "Div", "Tanh") and p.domain in _STD:
+        if p.op_type == "Tanh":
+            value = p.inputs[0]
+            continue
+        const = next((i for i in p.inputs if i is not None and const_array(i) is not None), None)
+        if const is None:
+            return
+        consts.append((p.op_type, const))
+        value = next(i for i in p.inputs if i is not const)
+    qk = value.producer()
+    if not _is(qk, "MatMul") or any(const_array(i) is not None for i in qk.inputs):
+        return
+    expected = (["Mul", "Div"] if c.softcap is not None else []) + ["Mul"]  # from the scores back: cap * tanh(s / cap)
+    if [op for op, _ in consts] != expected or not _layout_heads(scores, c.n_heads):
+        return
+    stage("scores", scores, "b h t s")
+    stage("probs", probs, "b h t s")
+    # A constant is named for its term only when that term alone reads it (the exporter shares equal
+    # constants: a softcap of 2 is also the norm's exponent).
+    if c.softcap is not None and consts[0][1] is consts[1][1] and len(_users(consts[0][1])) == 2:
+        names[consts[0][1]] = "softcap"
+    if len(_users(consts[-1][1])) == 1:
+        names[consts[-1][1]] = "scale"
+    # q and k per head [B, heads, T, d] as scored: after the rotation (rope) or the norm (qk_norm)
+    term = "rope" if c.rope is not None else "norm" if c.qk_norm is not None else None
+    if term is None:
+        return
+    for label, operand, heads in (("q", qk.inputs[0], c.n_heads), ("k", qk.inputs[1], c.n_kv_heads)):
+        value = operand
+        while (p := value.producer()) is not None and p.domain in _STD and p.op_type in (
+            "Transpose", "Reshape", "Expand", "Unsqueeze"
+        ):  # fmt: skip
+            perm = p.attributes.get_ints("perm", None) if p.op_type == "Transpose" else None
+            if perm is not None and list(perm) == [0, 2, 1, 3] and _layout_heads(value, heads):
+                rotated = _ancestors_reach(value, "position_ids")
+                normed = _is(p.inputs[0].producer(), "Mul")  # times the norm's weight
+                if term == "rope" and rotated or term == "norm" and not rotated and normed:
+                    stage(f"{label}_{term}", value, "b h t d")
+                break
+            value = p.inputs[0]
+
+
+class NameStages(AttnxPass):
+    """Name a torch-exported graph (or what the graph passes made of it) after the formula's terms:
+    the module docstring's scheme, the stages found from the graph's structure. Runs last in every
+    pipeline that writes a float model (the quantization pass after it keeps the names)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        text = model.metadata_props.get(CONFIG_KEY)
+        if not text:
+            self.notes.append("not named: the model has no attnx config in its metadata")
+            return ir.passes.PassResult(model, False)
+        config = AttentionConfig.from_json(text)
+        stages, projections, names = find_stages(model, config)
+        name_graph(model, stages, projections, names)
+        held = ", ".join(stage_layouts(model.metadata_props))
+        self.notes.append(f"stages named: {held}")
+        return ir.passes.PassResult(model, True)
