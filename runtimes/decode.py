@@ -442,7 +442,7 @@ def localise_decode(
     if "position_ids" in feeds:
         step_feeds["position_ids"] = np.ascontiguousarray(feeds["position_ids"][:, start:stop])
     result = localise_case(source, runner.name, step_feeds, tol=tol, size=size, runner_factory=runner_factory,
-                           levels=failing, look_inside=failing and look_inside)  # fmt: skip
+                           levels=failing, look_inside=failing and look_inside, failed=failing)  # fmt: skip
     result.step, result.position, result.output = step, position, output
     if found is not None and result.stage is None and result.cause is None:
         result.cause = (f"what the decode carried into step {step}: that step alone, from the reference's cache, "

@@ -530,9 +530,9 @@ def _package_weights(manifest: Mapping[str, Any], config: AttentionConfig,
 
 
 def _file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray] | None:
-    """The weights as the model file holds them (initializers named after them: a projection's weight
-    transposed, '<name>_t'), float32; None when one is missing or of another shape (a packed or
-    quantized form)."""
+    """The weights as the model file holds them (initializers named after them, README "Names": a
+    projection's weight transposed, '<name>.T'; '<name>_t' in a package written before), float32; None
+    when one is missing or of another shape (a packed or quantized form)."""
     import onnx
     from onnx import numpy_helper
 
@@ -542,8 +542,8 @@ def _file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray] |
     for name, shape in weight_shapes(config).items():
         if name in inits:
             array = numpy_helper.to_array(inits[name])
-        elif f"{name}_t" in inits:
-            array = numpy_helper.to_array(inits[f"{name}_t"]).T
+        elif f"{name}.T" in inits or f"{name}_t" in inits:
+            array = numpy_helper.to_array(inits[f"{name}.T" if f"{name}.T" in inits else f"{name}_t"]).T
         else:
             return None
         if tuple(array.shape) != shape:

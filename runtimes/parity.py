@@ -158,7 +158,7 @@ def localise_into(case: ParityCase, source: ModelSource, feeds: Mapping[str, np.
     failing = case.status == "fail"
     try:
         found = localise_case(source, case.backend, feeds, tol=tol, size=size, runner_factory=runner_factory,
-                              levels=failing, look_inside=failing, **options)  # fmt: skip
+                              levels=failing, look_inside=failing, failed=failing, **options)  # fmt: skip
         y_check = next((c for c in found.checks if c.stage == "y"), None)
         if failing and found.stage is None and y_check is not None and y_check.status == "pass":
             found.note = "; ".join(filter(None, [found.note, "the failure did not reproduce in this run (y agrees): "

@@ -12,6 +12,7 @@ from typing import Any
 
 from attnx.errors import UsageError
 from attnx.model import PRESETS, init_weights, load_config, load_weights, preset
+from attnx.runtimes.localise import set_decomposed_writer
 
 __all__ = [
     "add_model_args",
@@ -52,8 +53,6 @@ def exporter_for_localisation(command: str) -> None:
     """Let localisation look inside a fused operator (attnx.runtimes.localise): the exporter writes the
     decomposed form, imported only when a look inside needs it (a verify on a machine without torch
     imports nothing until then, and that look inside then says what is missing)."""
-    from attnx.runtimes.localise import set_decomposed_writer
-
     def write(source, directory: str) -> str:
         return workflows(f"{command} (a look inside a fused operator)").write_decomposed_form(source, directory)
 

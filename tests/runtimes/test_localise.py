@@ -177,14 +177,14 @@ def test_quantized_scale_doubled_is_localised_to_q(tmp_path):
 def test_fp16_overflow_is_localised_to_scores(tmp_path):
     config = AttentionConfig(d_model=32, n_heads=2, bias=False)
     weights = init_weights(config, seed=1)
-    weights = {k: v * (150.0 if k in ("q_proj.weight", "k_proj.weight") else 1.0) for k, v in weights.items()}
+    weights = {k: v * (400.0 if k in ("q_proj.weight", "k_proj.weight") else 1.0) for k, v in weights.items()}
     path = str(tmp_path / "fp16.onnx")
     export_model(config, path, weights, dtype="fp16", validate=False, keep_io_fp32=True)
     feeds = make_inputs(config, 1, 8, None, seed=0, dtype="fp32")
     size = problem_size(config, weights, feeds)
     found = localise_case(ModelSource(config, weights, path, "fp16"), "ort-cpu", feeds,
                           tol=tolerance_for("fp16", "ort-cpu"), size=size, levels=False)  # fmt: skip
-    assert found.stage == "scores", found.line()  # q and k fit in fp16, q.k does not
+    assert found.stage == "scores", found.line()  # q and k fit in fp16 (|q| < 1e3), scale * q.k does not (1.8e5 > 65504)
     assert not np.isfinite(found.checks[[c.stage for c in found.checks].index("scores")].max_abs or np.inf)
 
 
@@ -275,6 +275,8 @@ def test_openvino_shape_cache_fault_is_localised(tmp_path):
     if not failing:
         pytest.skip("this OpenVINO computes right with its shape cache on: the fault is not there to localise")
     loc = failing[0].localisation
-    assert loc["stage"] is not None, loc["line"]
-    checks = {c["stage"]: c["status"] for c in loc["checks"]}
-    assert checks[loc["stage"]] == "fail" and all(checks[s] == "pass" for s in loc["agree"])
+    # the fault is in OpenVINO's fused attention: the projections agree, z (its output) does not; with
+    # scores and probs exposed it fuses nothing and computes right (the note says so)
+    assert loc["stage"] == "z", loc["line"]
+    assert loc["agree"] == ["q", "k", "v"] and {"scores", "probs"} <= set(loc["hidden"])
+    assert "left inside the graph" in loc["note"]

@@ -69,7 +69,7 @@ def test_a_decode_package_with_a_changed_output_bias_is_localised(built, tmp_pat
 
 
 def test_a_decode_package_with_a_changed_key_projection_fails_first_in_its_cache(built, tmp_path):
-    pkg = altered(built, tmp_path, "step", "k_proj.weight_t")
+    pkg = altered(built, tmp_path, "step", "k_proj.weight.T")
     report = verify_package(pkg)
     loc = next(c.localisation for c in report.checks if c.localisation)
     assert not report.passed and (loc["step"], loc["position"], loc["output"]) == (0, 0, "present_key")
