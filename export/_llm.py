@@ -128,14 +128,15 @@ def _decomposed(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray],
         def rms_norm(u: str, name: str) -> str:
             mean_sq = g.op("ReduceMean", g.op("Mul", u, u), g.ints("axes_last", [-1]), keepdims=1)
             normed = g.op("Div", u, g.op("Sqrt", g.op("Add", mean_sq, eps)))
-            return g.op("Mul", normed, g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32)))
+            # with rope the norm's output is held per head only: named there, [B, S, heads, hd]
+            return g.op("Mul", normed, g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32)),
+                        name=g.stage(name, "b t h d") if c.rope is not None else None)  # fmt: skip
 
         q4, k4 = rms_norm(q4, "q_norm"), rms_norm(k4, "k_norm")
     if c.rope is not None:
         cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
         q4, k4 = _rotate(g, c, q4, cos, sin), _rotate(g, c, k4, cos, sin)
-    # q and k as scored, [B, S, heads*hd]: the rotation's output, or the norm's without rope (with rope,
-    # the norm's is held only per head [B, S, heads, hd], a layout no stage takes: not named)
+    # q and k as scored, [B, S, heads*hd]: the rotation's output, or the norm's without rope
     term = "rope" if c.rope is not None else "norm"
     return (g.op("Reshape", q4, g.ints("q_flat", [0, 0, H * hd]), name=g.stage(f"q_{term}")),
             g.op("Reshape", k4, g.ints("k_flat", [0, 0, Hkv * hd]), name=g.stage(f"k_{term}")))  # fmt: skip

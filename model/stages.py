@@ -105,6 +105,7 @@ _BY_NAME = {s.name: s for s in STAGES}
 LAYOUTS = {
     "b t (h d)": "[batch, seq, heads * dim]",
     "b h t d": "[batch, heads, seq, dim]",
+    "b t h d": "[batch, seq, heads, dim]",
     "b h t s": "[batch, heads, seq, keys]",
     "b k (g t) s": "[batch, kv_heads, group * seq, keys]",
     "b h s d": "[batch, heads, keys, dim]",
@@ -146,6 +147,9 @@ def to_canonical(stage: str, value: np.ndarray, layout: str, config: AttentionCo
     if layout == "b h t d" and canonical == "b t (h d)":
         b, h, t, d = value.shape
         return value.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+    if layout == "b t h d" and canonical == "b t (h d)":
+        b, t, h, d = value.shape
+        return value.reshape(b, t, h * d)
     if layout == "b k (g t) s" and canonical == "b h t s":
         b, _, _, s = value.shape
         return value.reshape(b, config.n_heads, -1, s)  # head k * group + g: the order of the query heads
