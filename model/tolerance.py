@@ -483,7 +483,9 @@ for _dtype in ("int8", "int4"):
 # - a rotated q or k: as the cache of rotated keys (rotated_cache_size): eps * P * w_i |u_i| per pair.
 # - scores: scale * q.k of two such vectors: the rule without its score term relative to the largest
 #   |score| (the rounding of a dot product is relative to |q||k|, not to the scores' RMS), plus the rope
-#   term, whose bound 2 eps P B is absolute; quantized, the q and k projections' errors, each relative.
+#   term, whose bound 2 eps P B is absolute; quantized, the q and k projections' errors, each relative,
+#   of that largest |score| too: ds_ij = dq_i.k_j + q_i.dk_j is relative to |q_i||k_j|, not to row i's
+#   scores (a row of small scores measured 1.4x over QUANT_TAIL sigma of its own RMS, int8, seq 33).
 # - probs: a score error ds moves p_j by p_j (ds_j - mean_p ds), at most 2 |ds| p_j: relative to 1 (the
 #   largest a probability is), the whole rule (its score term is that); quantized, each probability's
 #   error relative to itself, 2 * QUANT_TAIL * eta_qk * rms(score) (the score error of y's model).

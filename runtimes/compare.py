@@ -85,7 +85,8 @@ class Comparison:
 def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, size: ProblemSize,
                    scale: float | None = None) -> Comparison:  # fmt: skip
     """Compare `out` with `ref` under the tolerance rule above (in float64). scale: what the atol is
-    relative to where it is not rms(ref) (a stage's own, attnx.model.tolerance.stage_tolerance)."""
+    relative to where it is not rms(ref), and a quantized form's share of every row where it is not
+    the row's RMS (a stage's own, attnx.model.tolerance.stage_tolerance)."""
     if tuple(out.shape) != tuple(ref.shape):
         nan = float("nan")
         return Comparison(
@@ -94,6 +95,7 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
         )  # fmt: skip
     o = np.asarray(out, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
+    given_scale = scale is not None
     if scale is None:
         scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
     atol = tol.atol(size, max(scale, np.finfo(np.float32).tiny))
@@ -105,7 +107,9 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
     quantized = hasattr(tol, "quant_bound") and r.ndim > 0
     if quantized:  # a quantized form: its error model's share, row by row (attnx.model.tolerance)
         float_atol = Tolerance.atol(tol, size, max(scale, np.finfo(np.float32).tiny))
-        bound = bound + float_atol + tol.quant_bound(size, np.sqrt(np.mean(r * r, axis=-1, keepdims=True)))
+        # a given scale stands for every row (a stage whose error is not relative to its row: the scores)
+        rows = np.asarray(scale) if given_scale else np.sqrt(np.mean(r * r, axis=-1, keepdims=True))
+        bound = bound + float_atol + tol.quant_bound(size, rows)
         passed = finite and bool((diff <= bound).all())
         # reported: the bound at a row of RMS rms(ref), and that scaled by the worst ratio
         needed = atol * float(np.max(diff / np.maximum(bound, np.finfo(np.float64).tiny))) if diff.size else 0.0
