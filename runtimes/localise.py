@@ -33,11 +33,12 @@ from attnx.model.contract import DECODE_KEY, MS_DOMAIN, PROVIDERS, describe, flo
 from attnx.model.reference import reference_attention
 from attnx.model.stages import stage_layouts, stages_of, to_canonical
 from attnx.model.tolerance import ProblemSize, Tolerance, stage_tolerance
+from attnx.model.weights import weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
 
 __all__ = ["StageCheck", "Localisation", "localise_case", "reference_stages", "ORT_LEVELS", "FUSED_OPS",
-           "DecomposedWriter", "set_decomposed_writer"]
+           "DecomposedWriter", "set_decomposed_writer", "file_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Localisation:
     step: int | None = None  # a step-by-step case: the first step (0 = the prefill) and position that diverge
     position: int | None = None
     output: str | None = None  # ... and which output diverged first there: y, present_key, present_value
+    weights: list[str] = dataclasses.field(default_factory=list)  # the model file's weights that are not the reference's
     note: str | None = None
     seconds: float = 0.0
 
@@ -111,8 +113,12 @@ class Localisation:
                     f"(atol {_g(check.atol)}); agree: {', '.join(self.agree) or 'none'}; nodes: {nodes}")  # fmt: skip
             if self.hidden:
                 text += f"; hidden: {', '.join(self.hidden)}"
+        if self.weights:
+            text += f"; the model file's weights differ from the reference's: {', '.join(self.weights)}"
         if self.optimization:
-            text += "; ORT levels: " + ", ".join(f"{k} {v}" for k, v in self.optimization.items())
+            verdicts = set(self.optimization.values())
+            text += ("; fails at every ONNX Runtime optimization level (not the optimizer)" if verdicts == {"fail"}
+                     else "; ONNX Runtime levels: " + ", ".join(f"{k} {v}" for k, v in self.optimization.items()))  # fmt: skip
         if self.inside and self.inside.get("verdict") != "agrees":
             text += f"; decomposed form: {self.inside.get('verdict')}" + (
                 f" at {self.inside['stage']}" if self.inside.get("stage") else "")
@@ -188,8 +194,11 @@ def localise_case(
                            f"{backend} fuses, and the failure goes")  # fmt: skip
     if graph is not None and result.stage is not None:
         result.nodes = graph.producers(result.stage)
+        result.weights = _weights_differ(graph.path, config, weights)
         fused = [n for n in result.nodes if (n["domain"], n["op_type"]) in FUSED_OPS]
-        if fused and look_inside:
+        if result.weights:  # a fault in what a stage reads, whatever computes it
+            result.cause = f"the model file's weights are not the reference's ({', '.join(result.weights)})"
+        elif fused and look_inside:
             result.inside = _look_inside(source, backend, feeds, tol, size, ref, runner_factory, result, fused[0])
     if graph is not None and levels and backend.startswith("ort-"):
         result.optimization = _levels(graph, source, backend, feeds, ref, tol, size, runner_factory, step)
@@ -361,6 +370,48 @@ def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarr
                     f"{inside.stage}")  # fmt: skip
     return {"form": "decomposed", "op": op, "verdict": "diverges", "stage": inside.stage,
             "checks": [dataclasses.asdict(c) for c in inside.checks]}  # fmt: skip
+
+
+def file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray]:
+    """The weights a model file holds as themselves, by their names (README, "Names"): `<name>` as
+    stored, `<name>.T` transposed for MatMul (`<name>_t` in a file written before the names), the packed
+    `qkv_proj.weight.T` / `qkv_proj.bias` split into q, k and v; float32. A weight held in another form
+    (quantized, packed with an unknown split) is absent."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(path)  # with its external data
+    inits = {t.name: t for t in proto.graph.initializer}
+    shapes = weight_shapes(config)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        for stored, transposed in ((name, False), (f"{name}.T", True), (f"{name}_t", True)):
+            if stored in inits:
+                array = numpy_helper.to_array(inits[stored])
+                array = array.T if transposed else array
+                if tuple(array.shape) == shape:
+                    out[name] = np.ascontiguousarray(array, np.float32)
+                break
+    widths = [shapes[f"{n}_proj.weight"][0] for n in "qkv"]  # the packed projection's split, [q | k | v]
+    for packed, axis in (("qkv_proj.weight.T", 1), ("qkv_proj.bias", 0)):
+        if packed in inits:
+            array = numpy_helper.to_array(inits[packed])
+            if array.shape[axis] == sum(widths):
+                parts = np.split(array, np.cumsum(widths)[:-1], axis=axis)
+                kind = "weight" if axis else "bias"
+                for n, part in zip("qkv", parts):
+                    out.setdefault(f"{n}_proj.{kind}", np.ascontiguousarray(part.T if axis else part, np.float32))
+    return out
+
+
+def _weights_differ(path: str, config: AttentionConfig, weights: Mapping[str, np.ndarray]) -> list[str]:
+    """The weights the model file holds that are not `weights` (held in half precision: not its rounding)."""
+    differ = []
+    for name, own in file_weights(path, config).items():
+        want = np.asarray(weights[name], np.float32)
+        if not (np.array_equal(own, want) or np.array_equal(own, want.astype(np.float16).astype(np.float32))):
+            differ.append(name)
+    return differ
 
 
 def set_decomposed_writer(writer: DecomposedWriter | None) -> None:

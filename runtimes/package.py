@@ -41,7 +41,7 @@ from attnx.model.weights import init_weights, weight_shapes, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.decode import decode_sequence, localisation_dict, localise_decode
-from attnx.runtimes.localise import localise_case
+from attnx.runtimes.localise import file_weights, localise_case
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
@@ -530,26 +530,10 @@ def _package_weights(manifest: Mapping[str, Any], config: AttentionConfig,
 
 
 def _file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray] | None:
-    """The weights as the model file holds them (initializers named after them, README "Names": a
-    projection's weight transposed, '<name>.T'; '<name>_t' in a package written before), float32; None
-    when one is missing or of another shape (a packed or quantized form)."""
-    import onnx
-    from onnx import numpy_helper
-
-    proto = onnx.load(path)  # with its external data: checked to lie inside the package before
-    inits = {t.name: t for t in proto.graph.initializer}
-    weights = {}
-    for name, shape in weight_shapes(config).items():
-        if name in inits:
-            array = numpy_helper.to_array(inits[name])
-        elif f"{name}.T" in inits or f"{name}_t" in inits:
-            array = numpy_helper.to_array(inits[f"{name}.T" if f"{name}.T" in inits else f"{name}_t"]).T
-        else:
-            return None
-        if tuple(array.shape) != shape:
-            return None
-        weights[name] = np.ascontiguousarray(array, np.float32)
-    return weights
+    """The weights as the model file holds them (attnx.runtimes.localise.file_weights), float32; None
+    when one is not there as itself (a quantized form)."""
+    own = file_weights(path, config)
+    return own if set(own) == set(weight_shapes(config)) else None
 
 
 def verify_package(

@@ -161,6 +161,19 @@ def test_fused_operator_is_looked_inside(tmp_path):
     assert "fused operator" in found.cause
 
 
+def test_a_weight_fault_inside_a_fused_form_names_the_weight(tmp_path):
+    # MultiHeadAttention folds the biases in: q and k are not exposed, the fault shows at z; the
+    # weights the file holds (by their names, the packed bias split) name it.
+    path = _export(tmp_path, SELF, attention="ort-fused")
+    model = onnx.load(path)
+    swapped_qk_weights(model)
+    onnx.save(model, path)
+    found = _localise(path, SELF, "ort-cpu")
+    assert found.stage == "z" and {"q", "k"} <= set(found.hidden), found.line()
+    assert found.weights == ["q_proj.weight", "k_proj.weight"] and found.inside is None
+    assert "q_proj.weight, k_proj.weight" in found.cause and "weights differ" in found.line()
+
+
 def test_quantized_scale_doubled_is_localised_to_q(tmp_path):
     path = _export(tmp_path, SELF, dtype="int8")
     model = onnx.load(path)
