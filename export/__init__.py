@@ -13,9 +13,10 @@ from attnx.export._export import (
     release_rewriter_state,
     save_model,
 )
-from attnx.export._step import build_full_model, build_step_model, graph_opset
+from attnx.export._step import build_decomposed_model, build_full_model, build_step_model, graph_opset
 
 __all__ = [
+    "build_decomposed_model",
     "build_full_model",
     "build_step_model",
     "EXPORTED_LOWERINGS",

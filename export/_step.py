@@ -75,7 +75,7 @@ from attnx.model.contract import (
     check_lowering,
 )
 
-__all__ = ["build_full_model", "build_step_model", "graph_opset"]
+__all__ = ["build_decomposed_model", "build_full_model", "build_step_model", "graph_opset"]
 
 
 def graph_opset(config: AttentionConfig, attention: str) -> int:
@@ -156,6 +156,22 @@ def build_full_model(config: AttentionConfig, weights: Mapping[str, np.ndarray],
     return model if dtype == "fp32" else quantize_step_model(model, dtype, block_size, accuracy_level)
 
 
+def build_decomposed_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], dtype: str = "fp32",
+                           block_size: int | None = None, accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
+    """The decomposed form of any self-attention config written by hand, without torch: the step
+    model's growing form for a kv_cache config, else the same graph without past and present. What
+    localisation runs to look inside a fused operator (attnx.runtimes.localise); the exporter's form
+    (attnx.export.export_onnx) is the one attnx export writes. int8/int4 quantize its projections as
+    build_step_model does."""
+    c = config
+    if c.cross:
+        raise UsageError("the hand-built decomposed graph projects k and v from x: cross-attention is the exporter's")
+    if c.kv_cache:
+        return build_step_model(c, weights, "decomposed", "growing", dtype, block_size, accuracy_level)
+    model = _build_float(c, weights, "decomposed", "growing", step=False)
+    return model if dtype == "fp32" else quantize_step_model(model, dtype, block_size, accuracy_level)
+
+
 def _build_float(
     config: AttentionConfig,
     weights: Mapping[str, np.ndarray],
@@ -186,8 +202,11 @@ def _build_float(
     zero_f = g.const("zero_f", np.asarray(0, np.float32))
     if attention == "decomposed":
         hidden, visible = visibility(g, c, kpm, step)
-        present_k = g.op("Concat", "past_key", heads(g, k, Hkv, hd, "k"), axis=2, name="present_key")
-        present_v = g.op("Concat", "past_value", heads(g, v, Hkv, vhd, "v"), axis=2, name="present_value")
+        if step:
+            present_k = g.op("Concat", "past_key", heads(g, k, Hkv, hd, "k"), axis=2, name="present_key")
+            present_v = g.op("Concat", "past_value", heads(g, v, Hkv, vhd, "v"), axis=2, name="present_value")
+        else:  # the full-sequence graph (build_decomposed_model): this call's keys and values alone
+            present_k, present_v = heads(g, k, Hkv, hd, "k"), heads(g, v, Hkv, vhd, "v")
         # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]: a group's
         # query heads stacked along the query axis, so each multiplies its one key head (no copy).
         q5 = g.op("Transpose", g.op("Reshape", q, g.ints("q_shape", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
@@ -198,7 +217,8 @@ def _build_float(
             cap = g.const("softcap", np.asarray(c.softcap, np.float32))
             scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
         scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]), name=g.stage("scores", "b h t s"))  # [B, H, S, T]
-        scores = g.op("Where", hidden, g.const("lowest", np.asarray(lowest, np.float32)), scores)
+        if hidden is not None:  # (a full-sequence graph without masks has none)
+            scores = g.op("Where", hidden, g.const("lowest", np.asarray(lowest, np.float32)), scores)
         if c.sinks:
             # One more logit per head, [B, H, S, 1], joins the softmax and is dropped after it (no value).
             sink_shape = g.op("Concat", g.op("Shape", scores, start=0, end=3), g.ints("one1", [1]), axis=0)
@@ -211,7 +231,8 @@ def _build_float(
             p = g.op("Softmax", scores, axis=-1, name=g.stage("probs", "b h t s"))
         p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
         z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
-        z = g.op("Where", visible, z, zero_f)  # all-hidden rows: 0
+        if visible is not None:
+            z = g.op("Where", visible, z, zero_f)  # all-hidden rows: 0
         z = g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), g.ints("z_shape", [0, 0, H * vhd]), name=g.stage("z"))
     elif attention == "onnx":
         hidden, visible = visibility(g, c, kpm, step)

@@ -9,12 +9,14 @@ import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
 from attnx.export import (
     EXPORTED_LOWERINGS,
+    build_decomposed_model,
     build_full_model,
     build_step_model,
     export_onnx,
@@ -254,12 +256,17 @@ def _resolve_weights(
 def write_decomposed_form(source: ModelSource, directory: str) -> str:
     """The model of `source` (its config, weights, dtype, quantization) in the decomposed lowering (a
     step model's growing form), written unchecked into `directory`: what localisation compares a fused
-    operator with (attnx.runtimes.localise; registered there when this package is imported)."""
+    operator with (attnx.runtimes.localise; registered there when this package is imported). Built by
+    hand (attnx.export.build_decomposed_model: milliseconds, no trace) where it can be; the exporter's
+    form for cross-attention and fp16."""
     info = describe(source.model_path)
     quant = info.quantization or {}
     options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
+    dtype = quant.get("dtype", info.dtype)
     path = os.path.join(directory, "decomposed.onnx")
-    export_model(source.config, path, source.weights, attention="decomposed", dtype=quant.get("dtype", info.dtype),
-                 validate=False, check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32",
-                 **options)  # fmt: skip
+    if not source.config.cross and dtype != "fp16":
+        onnx.save(build_decomposed_model(source.config, source.weights, dtype, **options), path)
+        return path
+    export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
+                 check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
     return path

@@ -293,3 +293,30 @@ def test_openvino_shape_cache_fault_is_localised(tmp_path):
     assert loc["stage"] == "z", loc["line"]
     assert loc["agree"] == ["q", "k", "v"] and {"scores", "probs"} <= set(loc["hidden"])
     assert "left inside the graph" in loc["note"]
+
+
+@pytest.mark.parametrize("name", ["self", "causal", "kpm", "causal_kpm", "llm", "llama"])
+def test_the_decomposed_form_a_look_inside_runs_is_the_formula(name):
+    # What a look inside compares a fused operator with is built by hand (no trace): it must be the
+    # formula itself, every stage named.
+    import onnxruntime as ort
+
+    from attnx.export import build_decomposed_model
+    from attnx.model.reference import reference_attention
+    from attnx.model.stages import stages_of
+    from tests.conftest import CONFIGS, LLM_CONFIGS
+
+    config = {**CONFIGS, **LLM_CONFIGS}[name]
+    weights = init_weights(config, seed=1)
+    model = build_decomposed_model(config, weights)
+    assert set(stage_layouts({p.key: p.value for p in model.metadata_props})) == {s.name for s in stages_of(config)}
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = make_inputs(config, 3, 9, None, seed=2)
+    want = reference_attention(config, weights, feeds["x"], key_padding_mask=feeds.get("key_padding_mask"),
+                               position_ids=feeds.get("position_ids"))  # fmt: skip
+    size = problem_size(config, weights, feeds)
+    from attnx.runtimes.compare import compare_arrays
+
+    assert compare_arrays("y", session.run(["y"], feeds)[0], want, tolerance_for("fp32"), size)
