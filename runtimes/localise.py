@@ -29,7 +29,13 @@ import numpy as np
 
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import DECODE_KEY, MS_DOMAIN, PROVIDERS, describe, float_dtype
+from attnx.model.contract import (
+    DECODE_KEY,
+    DTYPE_KEY,
+    MS_DOMAIN,
+    PROVIDERS,
+    float_dtype,
+)
 from attnx.model.reference import reference_attention
 from attnx.model.stages import stage_layouts, stages_of, to_canonical
 from attnx.model.tolerance import ProblemSize, Tolerance, stage_tolerance
@@ -116,8 +122,8 @@ class Localisation:
         if self.weights:
             text += f"; the model file's weights differ from the reference's: {', '.join(self.weights)}"
         if self.optimization:
-            verdicts = set(self.optimization.values())
-            text += ("; fails at every ONNX Runtime optimization level (not the optimizer)" if verdicts == {"fail"}
+            text += ("; fails with ONNX Runtime's graph optimizations off too (not the optimizer)"
+                     if self.optimization.get("disabled") == "fail"
                      else "; ONNX Runtime levels: " + ", ".join(f"{k} {v}" for k, v in self.optimization.items()))  # fmt: skip
         if self.inside and self.inside.get("verdict") != "agrees":
             text += f"; decomposed form: {self.inside.get('verdict')}" + (
@@ -159,7 +165,8 @@ def localise_case(
     failed: bool = False,
 ) -> Localisation:
     """Localise one case of `backend` on `source` (feeds: the case's inputs; tol and size: what its
-    parity held y to). levels: on ONNX Runtime, re-run at each graph optimization level; look_inside:
+    parity held y to). levels: on ONNX Runtime, read the stages with graph optimizations off and, when
+    that passes, run each level up to the first that fails (its stages then); look_inside:
     when the first stage beyond its bound comes out of a fused operator, run the decomposed form.
     history: the feeds the failing runner ran before this case, replayed first on the exposed model
     (a fault that depends on a runtime's state, as OpenVINO's shape cache, needs them). failed: the
@@ -172,40 +179,52 @@ def localise_case(
         raise UsageError("localisation needs the model's config and weights (the reference's stages)")
     ref = dict(reference) if reference is not None else reference_stages(config, weights, feeds)
     step = bool(config.kv_cache)
-    if backend in _TORCH_BACKENDS:
-        found = _torch_stages(source, backend, feeds, runner_factory, history)
-        graph = None
-    else:
+    graph = None
+    if backend not in _TORCH_BACKENDS:
         if source.model_path is None:
             raise UsageError(f"localisation on {backend!r} needs the model file")
         graph = _Graph(source.model_path)
         if graph.buffer_form:
             step = False  # the presents are the whole buffers: decode localisation compares the cache itself
-        found = _exposed_run(graph, source, backend, feeds, runner_factory, history)
+    ort_levels = graph is not None and levels and backend.startswith("ort-")
+    if graph is None:
+        found = _torch_stages(source, backend, feeds, runner_factory, history)
+    else:
+        # On ONNX Runtime the stages are read with graph optimizations off first: the graph runs as it is
+        # written, each named tensor computed as named, and the run is that level's verdict too.
+        found = _exposed_run(graph, source, backend, feeds, runner_factory, history,
+                             level="disabled" if ort_levels else None)  # fmt: skip
     result = _compare(backend, config, step, found, ref, tol, size, graph)
+    if ort_levels:
+        outputs = ("y", "present_key", "present_value") if step else ("y",)
+        off = "fail" if any(c.status == "fail" for c in result.checks if c.stage in outputs) else "pass"
+        optimization = {"disabled": off}
+        if off == "pass":  # each level in turn, up to the first that fails; its stages then
+            optimization.update(_levels(graph, source, backend, feeds, ref, tol, size, runner_factory, step))
+            level = next((name for name, v in optimization.items() if v == "fail"), None)
+            if level is not None:
+                found = _exposed_run(graph, source, backend, feeds, runner_factory, history, level=level)
+                result = _compare(backend, config, step, found, ref, tol, size, graph)
+                result.cause = f"ONNX Runtime's graph optimizer (level {level} changes the verdict)"
+        result.optimization = optimization
     inner = [s for s in _CORE_INSIDE if s in found]
     if graph is not None and failed and result.stage is None and inner:
         outer = [s for s in graph.layouts if s not in _CORE_INSIDE]
         found = _exposed_run(graph, source, backend, feeds, runner_factory, history, outer)
         again = _compare(backend, config, step, found, ref, tol, size, graph)
         if again.stage is not None:
+            again.optimization, again.cause = result.optimization, result.cause
             result = again
             result.note = (f"reproduced with {', '.join(inner)} left inside the graph: exposed, they change what "
                            f"{backend} fuses, and the failure goes")  # fmt: skip
     if graph is not None and result.stage is not None:
         result.nodes = graph.producers(result.stage)
-        result.weights = _weights_differ(graph.path, config, weights)
+        result.weights = _weights_differ(graph.proto, config, weights)
         fused = [n for n in result.nodes if (n["domain"], n["op_type"]) in FUSED_OPS]
         if result.weights:  # a fault in what a stage reads, whatever computes it
             result.cause = f"the model file's weights are not the reference's ({', '.join(result.weights)})"
         elif fused and look_inside:
             result.inside = _look_inside(source, backend, feeds, tol, size, ref, runner_factory, result, fused[0])
-    if graph is not None and levels and backend.startswith("ort-"):
-        result.optimization = _levels(graph, source, backend, feeds, ref, tol, size, runner_factory, step)
-        verdicts = result.optimization
-        if verdicts.get("disabled") == "pass" and "fail" in verdicts.values():
-            first = next(level for level in ORT_LEVELS if verdicts[level] == "fail")
-            result.cause = f"ONNX Runtime's graph optimizer (level {first} changes the verdict)"
     if graph is not None and not graph.layouts:
         result.note = "this model names no stages (written before attnx named them): only its outputs are compared"
     result.seconds = time.perf_counter() - start
@@ -242,17 +261,23 @@ class _Graph:
         import onnx
 
         self.path = path
-        info = describe(path)
-        self.metadata = info.metadata
-        self.layouts = stage_layouts(info.metadata)
-        self.buffer_form = info.metadata.get(DECODE_KEY) == "buffer"
-        proto = onnx.load(path, load_external_data=False)
-        self.outputs = [o.name for o in proto.graph.output]
-        self._producers = {out: (n.name, n.op_type, n.domain) for n in proto.graph.node for out in n.output}
+        # read once, with the weights (the exposed copy is a whole model); a model over 2 GB keeps them beside it
+        self.proto = onnx.load(path, load_external_data=False)
+        graph = self.proto.graph
+        self.external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer)
+        if self.external:
+            onnx.external_data_helper.load_external_data_for_model(self.proto, os.path.dirname(os.path.abspath(path)))
+        self.metadata = {p.key: p.value for p in self.proto.metadata_props}
+        self.layouts = stage_layouts(self.metadata)
+        self.buffer_form = self.metadata.get(DECODE_KEY) == "buffer"
+        self.outputs = [o.name for o in graph.output]
+        self._producers = {out: (n.name, n.op_type, n.domain) for n in graph.node for out in n.output}
         self._types = {v.name: v.type.tensor_type.elem_type for v in
-                       [*proto.graph.value_info, *proto.graph.output, *proto.graph.input]}  # fmt: skip
+                       [*graph.value_info, *graph.output, *graph.input]}  # fmt: skip
         # a stage the graph declares no type for is in the compute dtype (fp16 with fp32 inputs: fp16)
-        self._compute_type = onnx.TensorProto.FLOAT16 if info.dtype == "fp16" else onnx.TensorProto.FLOAT
+        x_type = self._types.get("x", onnx.TensorProto.FLOAT)
+        fp16 = self.metadata.get(DTYPE_KEY) == "fp16" or x_type == onnx.TensorProto.FLOAT16
+        self._compute_type = onnx.TensorProto.FLOAT16 if fp16 else onnx.TensorProto.FLOAT
 
     def producers(self, stage: str) -> list[dict[str, str]]:
         got = self._producers.get(stage)
@@ -266,27 +291,35 @@ class _Graph:
         import onnx
         from onnx import helper
 
-        proto = onnx.load(self.path)  # the weights too: the copy is a whole model
+        outputs = self.proto.graph.output
+        n = len(outputs)
         for stage in self.layouts:
             if stage in self.outputs or (stages is not None and stage not in stages):
                 continue
-            elem = self._types.get(stage, self._compute_type)
-            proto.graph.output.append(helper.make_tensor_value_info(stage, elem, None))
+            outputs.append(helper.make_tensor_value_info(stage, self._types.get(stage, self._compute_type), None))
         path = os.path.join(directory, "exposed.onnx")
-        large = proto.ByteSize() > 1.5 * 2**30
-        onnx.save(proto, path, save_as_external_data=large, location="exposed.onnx.data" if large else None)
+        try:
+            if self.external:  # saving moves the weights out of the proto it is given: a copy
+                copy = onnx.ModelProto()
+                copy.CopyFrom(self.proto)
+                onnx.save(copy, path, save_as_external_data=True, location="exposed.onnx.data")
+            else:
+                onnx.save(self.proto, path)
+        finally:
+            del outputs[n:]  # the proto stays the model's own
         return path
 
 
 def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
                  runner_factory: Callable[..., Runner], history: Sequence[Mapping[str, np.ndarray]] = (),
-                 stages: Sequence[str] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+                 stages: Sequence[str] | None = None, level: str | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The named stages of the case (or those of `stages`) on `backend`, in their canonical layouts
-    (float64)."""
+    (float64); level: ONNX Runtime's graph optimization level (ORT_LEVELS; None: the runner's own)."""
     config = source.config
+    options = {} if level is None else {"session_options": _session_options(level)}
     with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
         path = graph.exposed_copy(tmp, stages) if graph.layouts else graph.path
-        runner = runner_factory(backend, dataclasses.replace(source, model_path=path))
+        runner = runner_factory(backend, dataclasses.replace(source, model_path=path), **options)
         with runner.load() as r:
             for earlier in history:
                 r.run(dict(earlier))
@@ -319,33 +352,45 @@ def _torch_stages(source: ModelSource, backend: str, feeds: Mapping[str, np.ndar
     return {name: value.double().cpu().numpy() for name, value in recorded.items()}
 
 
+def _session_options(level: str) -> Any:
+    """ONNX Runtime session options at graph optimization `level` (ORT_LEVELS)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = {
+        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[level]
+    return opts
+
+
 def _levels(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
             ref: Mapping[str, np.ndarray], tol: Tolerance, size: ProblemSize, runner_factory: Callable[..., Runner],
             step: bool) -> dict[str, str]:  # fmt: skip
-    """y (and a step's cache) of the original model at each graph optimization level: pass or fail."""
-    import onnxruntime as ort
-
-    level = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}  # fmt: skip
-    verdicts: dict[str, str] = {}
+    """y (and a step's cache) of the original model at each optimization level after "disabled", up to
+    the first that fails: {level: "pass" | "fail"}."""
     outputs = ("y", "present_key", "present_value") if step else ("y",)
-    for name in ORT_LEVELS:
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = level[name]
+
+    def verdict(name: str) -> str:
         try:
-            runner = runner_factory(backend, source, session_options=opts)
+            runner = runner_factory(backend, source, session_options=_session_options(name))
             with runner.load() as r:
                 outs = r.run(dict(feeds))
         except ProviderUnavailable as e:
-            verdicts[name] = f"not run: {e}"
-            continue
-        ok = True
+            return f"not run: {e}"
         for out in outputs:
             bound = stage_tolerance(out, source.config, tol, size, np.asarray(ref[out]))
-            ok = ok and bool(compare_arrays(out, np.asarray(outs[out]), ref[out], bound.tol, bound.size, bound.scale))
-        verdicts[name] = "pass" if ok else "fail"
+            if not compare_arrays(out, np.asarray(outs[out]), ref[out], bound.tol, bound.size, bound.scale):
+                return "fail"
+        return "pass"
+
+    verdicts: dict[str, str] = {}
+    for name in ORT_LEVELS[1:]:
+        verdicts[name] = verdict(name)
+        if verdicts[name] != "pass":
+            break
     return verdicts
 
 
@@ -372,7 +417,7 @@ def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarr
             "checks": [dataclasses.asdict(c) for c in inside.checks]}  # fmt: skip
 
 
-def file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray]:
+def file_weights(path: str | Any, config: AttentionConfig) -> dict[str, np.ndarray]:
     """The weights a model file holds as themselves, by their names (README, "Names"): `<name>` as
     stored, `<name>.T` transposed for MatMul (`<name>_t` in a file written before the names), the packed
     `qkv_proj.weight.T` / `qkv_proj.bias` split into q, k and v; float32. A weight held in another form
@@ -380,7 +425,7 @@ def file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray]:
     import onnx
     from onnx import numpy_helper
 
-    proto = onnx.load(path)  # with its external data
+    proto = onnx.load(path) if isinstance(path, (str, os.PathLike)) else path  # a path, or a loaded ModelProto
     inits = {t.name: t for t in proto.graph.initializer}
     shapes = weight_shapes(config)
     out: dict[str, np.ndarray] = {}
@@ -404,7 +449,7 @@ def file_weights(path: str, config: AttentionConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def _weights_differ(path: str, config: AttentionConfig, weights: Mapping[str, np.ndarray]) -> list[str]:
+def _weights_differ(path: str | Any, config: AttentionConfig, weights: Mapping[str, np.ndarray]) -> list[str]:
     """The weights the model file holds that are not `weights` (held in half precision: not its rounding)."""
     differ = []
     for name, own in file_weights(path, config).items():

@@ -83,7 +83,7 @@ def test_a_full_sequence_package_names_the_stage(built, tmp_path, capsys):
     lines = [ln for ln in out.splitlines() if ln.startswith("  localised:")]
     assert len(lines) == 3, out  # each golden case fails, each is localised once
     assert all(ln.startswith("  localised: first stage beyond its bound: y,") for ln in lines), lines
-    assert all("fails at every ONNX Runtime optimization level (not the optimizer)" in ln for ln in lines)
+    assert all("fails with ONNX Runtime's graph optimizations off too (not the optimizer)" in ln for ln in lines)
 
 
 def test_without_a_seed_the_model_files_own_weights_are_the_reference(built, tmp_path, capsys):
