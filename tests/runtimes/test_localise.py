@@ -126,7 +126,8 @@ def test_planted_fault_is_localised_to_its_stage(self_model, tmp_path, fault, ba
     assert stage in found.line() and "agree:" in found.line()
 
 
-def test_mask_off_by_one_is_localised_to_probs(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_off_by_one_is_localised_to_probs(tmp_path, backend):
     # The graph's window is one key wider than the formula's: the scores agree, the probabilities not.
     wider = dataclasses.replace(WINDOW, sliding_window=WINDOW.sliding_window + 1)
     path = _export(tmp_path, wider)
@@ -135,11 +136,12 @@ def test_mask_off_by_one_is_localised_to_probs(tmp_path):
         if prop.key == "attnx.config":
             prop.value = WINDOW.to_json()
     onnx.save(model, path)
-    found = _localise(path, WINDOW, "ort-cpu", levels=True)
+    found = _localise(path, WINDOW, backend, levels=True)
     assert found.stage == "probs", found.line()
     assert "scores" in found.agree
-    assert found.optimization == {"disabled": "fail"}  # off fails too: no level is run, none is the cause
-    assert found.cause is None and "optimizations off too (not the optimizer)" in found.line()
+    if backend == "ort-cpu":
+        assert found.optimization == {"disabled": "fail"}  # off fails too: no level is run, none is the cause
+        assert found.cause is None and "optimizations off too (not the optimizer)" in found.line()
 
 
 def test_fused_operator_is_looked_inside(tmp_path):
@@ -174,7 +176,8 @@ def test_a_weight_fault_inside_a_fused_form_names_the_weight(tmp_path):
     assert "q_proj.weight, k_proj.weight" in found.cause and "weights differ" in found.line()
 
 
-def test_quantized_scale_doubled_is_localised_to_q(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_scale_doubled_is_localised_to_q(tmp_path, backend):
     path = _export(tmp_path, SELF, dtype="int8")
     model = onnx.load(path)
     scale = _initializer(model, "q_proj", "scale")
@@ -183,7 +186,7 @@ def test_quantized_scale_doubled_is_localised_to_q(tmp_path):
     from attnx.model.contract import describe
 
     quant = describe(path).quantization
-    found = _localise(path, SELF, "ort-cpu", dtype="int8", quantization=quant)
+    found = _localise(path, SELF, backend, dtype="int8", quantization=quant)
     assert found.stage == "q", found.line()
 
 
