@@ -403,7 +403,11 @@ def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarr
         with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
             path = _decomposed_model(source, tmp)
             inner = _Graph(path)
-            found = _exposed_run(inner, dataclasses.replace(source, model_path=path), backend, feeds, runner_factory)
+            # on ONNX Runtime with optimizations off: the decomposed formula as written (and a session built
+            # in a third of the time: tiny, 1 ms against 3)
+            level = "disabled" if backend.startswith("ort-") else None
+            found = _exposed_run(inner, dataclasses.replace(source, model_path=path), backend, feeds, runner_factory,
+                                 level=level)  # fmt: skip
     except (UsageError, ProviderUnavailable) as e:
         return {"form": "decomposed", "op": op, "verdict": f"not run: {e}"}
     step = bool(source.config.kv_cache) and not inner.buffer_form
