@@ -225,6 +225,13 @@ def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tup
             names[node.inputs[1]] = "qkv_proj.weight.T"
             if len(node.inputs) > 2 and node.inputs[2] is not None:
                 names[node.inputs[2]] = "qkv_proj.bias"
+    if c.qk_norm is not None and c.rope is not None:  # the norm's output, held per head [B, T, heads, hd]
+        for label, heads in (("q", c.n_heads), ("k", c.n_kv_heads)):
+            weight = f"{label}_norm.weight"
+            muls = [n for n in graph if _is(n, "Mul") and any(i is not None and i.name == weight for i in n.inputs)]
+            shape = muls[0].outputs[0].shape if len(muls) == 1 else None
+            if shape is not None and len(shape) == 4 and list(shape[2:]) == [heads, c.head_dim]:
+                stage(f"{label}_norm", muls[0].outputs[0], "b t h d")
     softmaxes = [n for n in graph if _is(n, "Softmax")]
     if len(softmaxes) == 1:
         _core_stages(softmaxes[0], c, stage, names)

@@ -75,9 +75,8 @@ STEPS = [  # (config, lowering, form, dtype)
 def expected_stages(config: AttentionConfig, lowering: str, form: str = "full") -> set[str]:
     c = config
     every = {s.name for s in stages_of(c, step=form != "full")}
-    if lowering == "decomposed":  # the exporter's graph holds a norm followed by rope only per head, transposed
-        unnamed = form == "full" and c.rope is not None and c.qk_norm is not None
-        return every - ({"q_norm", "k_norm"} if unnamed else set())
+    if lowering == "decomposed":
+        return every
     if form == "buffer":  # the op rotates: q/k apart only when the norms split them
         return every - CORE - {"q_rope", "k_rope"} - (set() if c.qk_norm is not None else PROJ | {"q_norm", "k_norm"})
     if c.llm_keys or form != "full" or lowering == "onnx":  # built, or the exporter's Attention-23
