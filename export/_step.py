@@ -103,7 +103,7 @@ def build_step_model(
     quantizes its projections (the buffer form's packed q/k/v too) with the full-sequence forms'
     pass, QuantizeProjections, which records the same metadata (contract.QUANT_KEY). rope_positions:
     the rows of the buffer form's cos/sin table (a config with rope; DEFAULT_ROPE_POSITIONS)."""
-    check_llm_support(config, attention, dtype, step=True)  # int8/int4 of a modern-LLM step: not verified yet
+    check_llm_support(config, attention, dtype, step=True)  # what the form cannot express: refused by name
     model = _build_float(config, weights, attention, form, rope_positions=rope_positions)
     if dtype == "fp32":
         return model

@@ -471,17 +471,11 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
             f"--attention ort-fused ({MS_DOMAIN}.GroupQueryAttention) needs v_head_dim == head_dim, a multiple of 8 "
             f"(this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
         )
-    if dtype in QUANTIZATIONS:
-        # The quantized error model (attnx.model.tolerance) composes with rope (a rotation keeps each
-        # pair's norm: q's and k's relative errors pass unchanged) and the q/k norms (an RMSNorm drops
-        # the error's radial part), plus the rope term; it has no term for these three yet.
-        beyond = [k for k in ("sliding_window", "softcap", "sinks") if k in keys]
-        if beyond:
-            raise UsageError(
-                f"--dtype {dtype} is not built yet for a config with {', '.join(beyond)} (the quantized error model "
-                "has no term for it): int8/int4 take rope and qk_norm; use --dtype fp32"
-            )
-    elif dtype is not None and dtype not in LLM_DTYPES:
+    # int8/int4: the quantized error model (attnx.model.tolerance) composes with every term: rope (a
+    # rotation keeps each pair's norm: q's and k's relative errors pass unchanged), the q/k norms (an
+    # RMSNorm drops the error's radial part), a window (it hides keys), softcap (slope <= 1) and sinks
+    # (a logit with no value and no error).
+    if dtype is not None and dtype not in LLM_DTYPES and dtype not in QUANTIZATIONS:
         raise UsageError(
             f"--dtype {dtype} is not built yet for a config with {named} (no tolerance row is derived for it): "
             f"use --dtype {' or '.join(LLM_DTYPES)} (or int8/int4 without a window, softcap or sinks)"

@@ -284,9 +284,11 @@ def _with_activations(
 ) -> ProblemSize:
     """`size` with the scores' RMS (visible keys only) and the RMS and range of every input a
     quantized form quantizes: x, memory and z, the attention output (float32, the masks applied)."""
-    if config.softcap is not None or config.sliding_window is not None or config.sinks:
-        # The quantized forms refuse these configs (contract.check_lowering); this model has no such terms.
-        raise UsageError("the quantized error model has no softcap, sliding window or sinks")
+    # The modern-LLM terms keep the model (README, "Reduced precision"): a window only hides keys (the
+    # masks below); softcap's c tanh(s / c) has slope <= 1, so a score error does not grow through it
+    # (score_rms is taken before the cap, the larger); a sink is one more logit with no value and no
+    # error: dz = sum_j p_j (ds_j - mean_p ds) v_j over the keys, rows of p summing to <= 1, so both
+    # bounds (rms(ds) for q and k, eta_v for v) hold as they are. z is computed with all three.
     B, T, S, N, dv = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.v_head_dim
     g = config.group_size  # query head n reads key/value head n // g
     v = m @ np.asarray(weights["v_proj.weight"], np.float32).T  # (B, S, Nkv*dv)
@@ -301,17 +303,26 @@ def _with_activations(
     hidden = np.zeros((B, T, S), bool)
     if config.causal:  # over positions: query i sits at past + i and key j at j (README, "Decoding")
         hidden |= np.triu(np.ones((T, S), bool), k=1 + past)[None]
+    if config.sliding_window is not None:  # key j visible to query p only if p - W < j
+        hidden |= np.tril(np.ones((T, S), bool), k=past - config.sliding_window)[None]
     if config.key_padding_mask:
         hidden |= np.asarray(feeds["key_padding_mask"], bool)[:, None, :]
     z = np.zeros((B, N, T, dv), np.float32)
+    sinks = np.asarray(weights["sinks"], np.float32) if config.sinks else None
     score_sq, visible = 0.0, max(int((~hidden).sum()) * N, 1)
     for n in range(N):
         scores = (q[:, n] @ k[:, n // g]) * config.softmax_scale  # (B, T, S)
         score_sq += float(np.sum(np.square(np.where(hidden, 0.0, scores), dtype=np.float64)))
+        if config.softcap is not None:
+            scores = config.softcap * np.tanh(scores / config.softcap)
         scores = np.where(hidden, -np.inf, scores)
         peak = np.max(scores, axis=-1, keepdims=True)
+        if sinks is not None:  # the sink's logit joins the softmax's denominator (and its peak)
+            peak = np.maximum(peak, sinks[n])
         p = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
         total = p.sum(-1, keepdims=True)
+        if sinks is not None:
+            total = total + np.exp(sinks[n] - np.where(np.isfinite(peak), peak, 0.0))
         z[:, n] = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0) @ v[:, n // g]  # all hidden: z = 0
     z = z.transpose(0, 2, 1, 3).reshape(B, T, N * dv)  # (B, T, N*dv): the output projection's input
     stats = [("x", x)] + ([("memory", m)] if config.cross else []) + [("z", z)]

@@ -58,7 +58,7 @@ def test_llm_export_takes_position_ids_and_describes_itself(exported, name):
         ({"attention": "ort-fused"}, r"GroupQueryAttention\) needs v_head_dim == head_dim, a multiple of 8"),
         ({"attention": "auto"}, "--attention auto does not express rope"),
         ({"dtype": "fp16"}, "--dtype fp16 is not built yet for a config with rope"),
-        ({"dtype": "int8"}, "--dtype int8 is not built yet"),
+        ({"dtype": "bf16"}, "--dtype bf16"),
         ({"kv_cache": True, "attention": "ort-fused"}, "a multiple of 8"),
         ({"kv_cache": True, "attention": "onnx"}, "--attention onnx cannot express sinks"),
     ],

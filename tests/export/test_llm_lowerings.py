@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
 
 from attnx.errors import InputError, UsageError
 from attnx.export import build_full_model, build_step_model
@@ -253,8 +254,47 @@ def test_quantized_projections_of_a_rope_and_qk_norm_layer(tmp_path, dtype):
         _passed(run_decode_parity(source, ["ort-cpu"], prefills=(0, 5), steps=4, batch=2))
         wrong = run_decode_parity(source, ["ort-cpu"], prefills=(5,), steps=4, batch=2, runner_factory=factory)
         assert [c.status for c in wrong.cases] == ["fail"]
-    with pytest.raises(UsageError, match=f"--dtype {dtype} is not built yet for a config with sliding_window"):
-        export_model(dataclasses.replace(step, sliding_window=4), tmp_path / "w.onnx", attention="ort-fused", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_projections_of_a_window_softcap_and_sinks_layer(tmp_path, dtype):
+    """Every modern-LLM term under int8/int4 (the quantized error model holds through a window, softcap
+    and sinks: model/tolerance.py): the decomposed full-sequence export and the ort-fused step model
+    pass, and each term planted wrong in the quantized graph fails: the softcap dropped, the sinks
+    dropped, the window one key wider."""
+    # rope, a window, softcap, q/k norms, sinks, grouped heads; a cap the scores reach (|s| ~ 1), so that
+    # dropping it is a fault int4's error (~8% of each projection) cannot hide
+    config = dataclasses.replace(LLM_FUSED_CONFIGS["ort-fused"], softcap=0.5)
+    weights = init_weights(config, 1)
+    full = str(tmp_path / "full.onnx")
+    export_model(config, full, weights, attention="decomposed", dtype=dtype)
+    source = ModelSource(config, weights, full, dtype=dtype)
+    _passed(run_parity(source, BACKENDS, batches=(3,), seqs=(1, 9)))
+    model = onnx.load(full)
+    for name in ("softcap", "sinks"):
+        wrong = onnx.ModelProto()
+        wrong.CopyFrom(model)
+        if name == "softcap":  # c * tanh(s / c) without the tanh: s itself
+            next(n for n in wrong.graph.node if n.op_type == "Tanh").op_type = "Identity"
+        else:  # a sink logit no probability reaches
+            tensor = next(t for t in wrong.graph.initializer if t.name == "sinks")
+            tensor.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(tensor), -1e4), "sinks"))
+        path = str(tmp_path / f"no-{name}.onnx")
+        onnx.save(wrong, path)
+        report = run_parity(dataclasses.replace(source, model_path=path), ["ort-cpu"], batches=(3,), seqs=(9,),
+                            localise="off")  # fmt: skip
+        assert [c.status for c in report.cases] == ["fail"], name
+    wider = str(tmp_path / "wider.onnx")
+    export_model(dataclasses.replace(config, sliding_window=config.sliding_window + 1), wider, weights,
+                 attention="decomposed", dtype=dtype)  # fmt: skip
+    report = run_parity(dataclasses.replace(source, model_path=wider), ["ort-cpu"], batches=(3,), seqs=(9,),
+                        localise="off")  # fmt: skip
+    assert [c.status for c in report.cases] == ["fail"]
+    step = dataclasses.replace(config, kv_cache=True)
+    path = str(tmp_path / "step.onnx")
+    export_model(step, path, weights, attention="ort-fused", dtype=dtype)
+    _passed(run_decode_parity(ModelSource(step, weights, path, dtype=dtype), ["ort-cpu"], prefills=(0, 5), steps=4,
+                              batch=2))  # fmt: skip
 
 
 def test_the_buffer_forms_rope_table_at_long_positions():
