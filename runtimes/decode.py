@@ -217,7 +217,7 @@ def run_decode_parity(
     steps: int = DEFAULT_STEPS,
     batch: int = 2,
     seed: int = 0,
-    runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
+    runner_factory: Callable[..., Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
     position_offset: int = 0,
     localise: str = "failing",

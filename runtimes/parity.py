@@ -214,7 +214,7 @@ def run_parity(
     mem_seqs: Iterable[int] | None = None,
     means: Sequence[float] = DEFAULT_MEANS,
     seed: int = 0,
-    runner_factory: Callable[[str, ModelSource], Runner] = create_runner,
+    runner_factory: Callable[..., Runner] = create_runner,
     progress: Callable[[str], None] = lambda msg: None,
     position_offset: int = 0,
     localise: str = "failing",
@@ -228,6 +228,8 @@ def run_parity(
     key padding mask), every position moved by position_offset (make_inputs): a long context is
     a large offset. localise (LOCALISE_MODES): a failing case (or every case, "all") is run again with
     the formula's stages exposed, and case.localisation says where it diverges (attnx.runtimes.localise).
+    runner_factory(name, source, **options) makes each runner; the options are create_runner's (a
+    localisation passes session_options for ONNX Runtime's optimization levels).
     """
     config = source.config
     if config is None:

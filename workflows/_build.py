@@ -382,8 +382,8 @@ def _build_into(
     expected = torch_expected(config, weights, dtype, plan.validation_shapes)
     record: dict[str, np.ndarray] = {}
 
-    def recording_factory(name: str, source: ModelSource) -> Runner:
-        runner = create_runner(name, source)
+    def recording_factory(name: str, source: ModelSource, **options: Any) -> Runner:
+        runner = create_runner(name, source, **options)  # options: a localisation's session options
         return _RecordingRunner(runner, record) if name == REFERENCE else runner
 
     source = ModelSource(config, weights, None, dtype)
@@ -409,8 +409,8 @@ def _build_into(
     validation = check_against_expected(model_path, config, expected, dtype)
     replay_source = ModelSource(config, spilled, model_path, dtype)
 
-    def replay_factory(name: str, source: ModelSource) -> Runner:
-        return _ReplayRunner(source, record) if name == REFERENCE else create_runner(name, source)
+    def replay_factory(name: str, source: ModelSource, **options: Any) -> Runner:
+        return _ReplayRunner(source, record) if name == REFERENCE else create_runner(name, source, **options)
 
     for backend in ort_backends:  # one call each: two sessions never coexist
         progress(f"parity: {backend} against the reference")
@@ -425,6 +425,7 @@ def _build_into(
         raise CheckFailed(
             f"parity failed in {len(failed)} case(s), no package written: "
             + "; ".join(f"{c.backend} batch={c.batch} seq={c.seq}: {c.reason}" for c in failed[:5])
+            + _localised(failed)
         )
 
     # The package's files, then its own verify. -------------------------------------------
@@ -574,6 +575,12 @@ def _manifest(
     }
 
 
+def _localised(failed: list[ParityCase]) -> str:
+    """Where the first localised failing case diverges (attnx.runtimes.localise), as the end of a message."""
+    found = next((c for c in failed if c.localisation and c.localisation.get("line")), None)
+    return f" ({found.backend}: {found.localisation['line']})" if found else ""
+
+
 def parity_markdown(parity: ParityReport, config: AttentionConfig, dtype: str) -> str:
     """A short human-readable parity summary: one row per backend."""
     lines = [
@@ -649,6 +656,7 @@ def _build_step_into(
         raise CheckFailed(
             f"decode parity failed in {len(failed)} case(s), no package written: "
             + "; ".join(f"{c.backend} prefill={c.prefill}: {c.reason}" for c in failed[:5])
+            + _localised(failed)
         )
     progress("golden decode sequence (reference backend, float64)")
     golden = [_write_golden_decode(tmp, config, weights, dtype)]

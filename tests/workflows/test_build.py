@@ -176,3 +176,22 @@ def test_write_npz_is_reproducible_and_pickle_free(tmp_path):
         np.testing.assert_array_equal(npz["x"], arrays["x"])
     with pytest.raises(ValueError):
         write_npz(tmp_path / "c.npz", {"o": np.array([object()], dtype=object)})
+
+
+def test_a_build_whose_parity_fails_says_where(tmp_path, monkeypatch):
+    # ONNX Runtime made to compute a wrong output projection (y + 0.1): the build writes nothing, and
+    # its message carries the localisation of a failing case (README, "Localisation").
+    from attnx.errors import CheckFailed
+    from attnx.runtimes import create_runner
+
+    def wrong(name, source, **options):
+        runner = create_runner(name, source, **options)
+        if name == "ort-cpu":
+            run = runner.run_impl
+            runner.run_impl = lambda feeds: {k: v + 0.1 if k == "y" else v for k, v in run(feeds).items()}
+        return runner
+
+    monkeypatch.setattr(package_mod, "create_runner", wrong)
+    with pytest.raises(CheckFailed, match=r"parity failed in .* \(ort-cpu: localised: first stage beyond its bound: y"):
+        build_package(CONFIGS["self"], tmp_path / "pkg", weights_for("self"), providers=["cpu"])
+    assert not (tmp_path / "pkg").exists()
