@@ -20,7 +20,8 @@ together):
   rotate as transformers does (cos/sin of position_ids * inv_freq, rotate_half); "torch static" is
   the static-cache peer (a preallocated cache written in place with index_copy_, as transformers'
   StaticCache, then SDPA over it); "openvino onnx growing" runs attnx's onnx step model on OpenVINO
-  (f32, the step's threads).
+  (f32, the step's threads). With softcap or sinks the peers attend as transformers' eager attention
+  does (Gemma 2, gpt-oss); with a sliding window they read the last W keys, and so does the bound.
 
 Timing: each timed step is preceded, outside the timer, by a read of 256 MB (more than every
 cache level), so the weights and the cache come from memory as in a layer among many ("flushed");
@@ -84,11 +85,12 @@ class DecodeBenchRow:
 def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int = 4, dtype: str = "fp32",
                block_size: int = DEFAULT_BLOCK_SIZE) -> int:  # fmt: skip
     """Bytes one step must move at least: weights (as stored in `dtype`: weight_bytes), the cache
-    read (past + 1 positions), the new keys/values written, x and y."""
+    read (past + 1 positions; with a sliding window W, the last W), the new keys/values written, x and y."""
     c = config
     cache_row = c.n_kv_heads * (c.head_dim + c.v_head_dim) * itemsize * batch
     weights = c.n_params * itemsize if dtype == "fp32" else weight_bytes(c, dtype, block_size)
-    return weights + cache_row * (past + 1) + cache_row + 2 * batch * c.d_model * itemsize
+    seen = past + 1 if c.sliding_window is None else min(past + 1, c.sliding_window)  # a window reads its W keys
+    return weights + cache_row * seen + cache_row + 2 * batch * c.d_model * itemsize
 
 
 def weight_bytes(config: AttentionConfig, dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -209,10 +211,6 @@ def run_decode_bench(
     progress("measuring the memory bandwidth (large copies)")
     copies = measure_bandwidth(threads)
     bandwidth = max(copies.values())
-    if c.softcap is not None or c.sinks or c.sliding_window is not None:
-        raise UsageError("attnx bench --decode times torch's SDPA as the peer: it has no softcap, sinks or window; "
-                         "this config has " + ", ".join(k for k in ("sliding_window", "softcap", "sinks")
-                                                         if k in c.llm_keys))  # fmt: skip
     sessions, openvino = {}, {}
     tmp = tempfile.TemporaryDirectory(prefix="attnx-decode-bench-")
     for impl in impls:
@@ -371,8 +369,29 @@ class _TorchPeer:
         return q, k, v
 
     def attend(self, q, k_all, v_all):
+        """The new token's y over the cache: SDPA; with softcap or sinks transformers' eager attention
+        (Gemma 2, gpt-oss: the key/value heads repeated, scores, c * tanh(s / c), the sink's logit joined
+        to the softmax and dropped after it); with a window the last W keys only (a query at p sees
+        p - W < j <= p: a sliding-window cache holds those)."""
+        import torch
         import torch.nn.functional as F
 
         c = self.c
-        z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale, enable_gqa=c.n_kv_heads != c.n_heads)
+        if c.sliding_window is not None:
+            k_all, v_all = k_all[:, :, -c.sliding_window :], v_all[:, :, -c.sliding_window :]
+        if c.softcap is None and not c.sinks:
+            z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale,
+                                               enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip
+        else:
+            k_all = k_all.repeat_interleave(c.group_size, dim=1)  # transformers' repeat_kv
+            v_all = v_all.repeat_interleave(c.group_size, dim=1)
+            scores = torch.matmul(q, k_all.transpose(2, 3)) * c.softmax_scale
+            if c.softcap is not None:
+                scores = torch.tanh(scores / c.softcap) * c.softcap
+            if c.sinks:
+                sink = self.w["sinks"].reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+                p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                p = torch.softmax(scores, dim=-1)
+            z = torch.matmul(p, v_all)
         return F.linear(z.transpose(1, 2).reshape(1, 1, c.v_dim), self.w["out_proj.weight"], self.w.get("out_proj.bias"))

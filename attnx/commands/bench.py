@@ -34,6 +34,7 @@ from attnx.model.contract import (
     MODEL_DTYPES,
     RUNTIME_DTYPES,
     TORCH_CORES,
+    check_llm_support,
     model_form,
 )
 from attnx.model.resources import check_memory, estimate_decode_bench
@@ -130,6 +131,17 @@ def run_decode(args: argparse.Namespace) -> int:
         raise UsageError("--decode --dtype must include fp32: the quantized steps are compared with it and torch's")
     at = impls.index("decomposed growing") + 1
     impls[at:at] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "growing")]
+    for impl in list(impls):  # a lowering that cannot express the config's terms is left out, saying why
+        words = impl.split()
+        if words[0] == "torch":
+            continue
+        lowering = words[1] if words[0] == "openvino" else words[0]
+        dtype = words[-1] if words[-1] in DECODE_DTYPES else "fp32"
+        try:
+            check_llm_support(config, lowering, dtype, step=True)
+        except UsageError as e:
+            impls.remove(impl)
+            print(f"  skipped {impl}: {e}", file=sys.stderr)
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
                             rounds=args.rounds or 3, impls=impls,

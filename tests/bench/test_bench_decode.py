@@ -108,7 +108,9 @@ def test_torch_peers_compute_the_formula():
 
     base = dataclasses.replace(LLM_CONFIGS["llama"], kv_cache=True)
     for config in (base, dataclasses.replace(base, qk_norm={"eps": 1e-5}, rope={**base.rope.to_dict(), "dim": 8}),
-                   dataclasses.replace(base, rope={**base.rope.to_dict(), "interleaved": True})):  # fmt: skip
+                   dataclasses.replace(base, rope={**base.rope.to_dict(), "interleaved": True}),
+                   dataclasses.replace(base, softcap=0.5, sliding_window=3),  # Gemma 2's terms: eager, last W keys
+                   dataclasses.replace(base, sinks=True, sliding_window=4)):  # gpt-oss's  # fmt: skip
         w = init_weights(config, 3)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((1, 6, config.d_model)).astype(np.float32)
@@ -135,7 +137,12 @@ def test_cli_bench_decode_of_a_rope_config(tmp_path, capsys):
                  "--threads", "1", "--dtype", "fp32,int8"]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "torch static" in text and "ort-fused buffer int8" in text and "static/this" in text
-    path.write_text(json.dumps(dataclasses.replace(LLM_CONFIGS["llama"], softcap=30.0).to_dict()))
-    assert main(["bench", "--config", str(path), "--decode", "--past", "8"]) == 2
-    err = capsys.readouterr().err
-    assert "SDPA" in err and "this config has softcap" in err
+    # softcap, a window and sinks: the peers attend as transformers' eager attention; the onnx lowering,
+    # which has no sinks, is left out with its reason
+    gpt_oss = dataclasses.replace(LLM_CONFIGS["llama"], softcap=30.0, sliding_window=4, sinks=True)
+    path.write_text(json.dumps(gpt_oss.to_dict()))
+    assert main(["bench", "--config", str(path), "--decode", "--past", "8", "--repeat", "2", "--rounds", "1",
+                 "--threads", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr()
+    assert "torch static" in out.out and "ort-fused buffer" in out.out and "onnx growing" not in out.out
+    assert "onnx growing" in out.err and "sinks" in out.err
