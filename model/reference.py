@@ -32,6 +32,7 @@ def reference_attention(
     past_value: np.ndarray | None = None,
     position_ids: np.ndarray | None = None,
     stages: dict[str, np.ndarray] | None = None,
+    core_stages: bool = True,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
     """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]. With config.kv_cache,
     (y, present_key, present_value): the keys/values of past_key/past_value (token indices
@@ -39,7 +40,9 @@ def reference_attention(
     holds keys as they are scored (after qk_norm and rope). position_ids int64 [batch, seq]: each
     new token's position, what rope rotates by (config.rope; the masks are over token index).
     stages: a dict to fill with the value of every stage of the formula (attnx.model.stages), in
-    its canonical layout, float64; "probs_rows" marks the rows of probs that have a visible key."""
+    its canonical layout, float64; "probs_rows" marks the rows of probs that have a visible key;
+    core_stages=False leaves scores and probs out ([batch, n_heads, seq, keys]: too large to hold at
+    long sequences)."""
     c = config
     if c.rope is not None and position_ids is None:
         raise ValueError("a config with rope takes position_ids [batch, seq]")
@@ -76,7 +79,8 @@ def reference_attention(
         v = np.concatenate([pv, v], axis=1)
     s = k.shape[1]
     z = np.zeros((batch, t, c.v_dim))  # heads concatenated
-    if stages is not None:  # every key's score (hidden ones too: the stage is before the masks)
+    core = stages is not None and core_stages
+    if core:  # every key's score (hidden ones too: the stage is before the masks)
         all_scores = np.zeros((batch, c.n_heads, t, s))
         all_probs = np.zeros((batch, c.n_heads, t, s))
         rows = np.zeros((batch, c.n_heads, t), dtype=bool)
@@ -95,7 +99,7 @@ def reference_attention(
                     visible[: max(p_index - c.sliding_window + 1, 0)] = False  # p - W < j only
                 if key_padding_mask is not None:
                     visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
-                if stages is not None:
+                if core:
                     every = c.softmax_scale * (kn @ qn[i])
                     all_scores[b, n, i] = c.softcap * np.tanh(every / c.softcap) if c.softcap is not None else every
                 if not visible.any():
@@ -107,12 +111,14 @@ def reference_attention(
                 e = np.exp(logits - logits.max())
                 p = e[: len(scores)] / e.sum()
                 z[b, i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
-                if stages is not None:
+                if core:
                     all_probs[b, n, i, visible] = p
                     rows[b, n, i] = True
     y = linear(z, "out_proj")
+    if core:
+        stages.update(scores=all_scores, probs=all_probs, probs_rows=rows)
     if stages is not None:
-        stages.update(scores=all_scores, probs=all_probs, probs_rows=rows, z=z, y=y)
+        stages.update(z=z, y=y)
     if not c.kv_cache:
         return y
     present_key = k.reshape(batch, s, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)  # (batch, Nkv, s, hd)

@@ -56,6 +56,8 @@ FUSED_OPS = {("", "Attention"), (MS_DOMAIN, "MultiHeadAttention"), (MS_DOMAIN, "
 _TORCH_BACKENDS = tuple(p.torch_backend for p in PROVIDERS.values())
 # The stages inside the attention core: a runtime fuses the core whole unless one of them is an output.
 _CORE_INSIDE = ("scores", "probs")
+# The most bytes a float64 copy of scores (or probs) may take for them to be compared (core_bytes).
+CORE_STAGE_BYTES = 256 * 2**20
 # (source, directory) -> the path of the same model in the decomposed lowering, written there
 DecomposedWriter = Callable[[ModelSource, str], str]
 _decomposed_writer: DecomposedWriter | None = None
@@ -140,14 +142,24 @@ def _g(x: float | None) -> str:
 
 
 def reference_stages(config: AttentionConfig, weights: Mapping[str, np.ndarray],
-                     feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
-    """Every stage of the case in float64, from the reference (attnx.model.reference)."""
+                     feeds: Mapping[str, np.ndarray], core: bool = True) -> dict[str, np.ndarray]:  # fmt: skip
+    """Every stage of the case in float64, from the reference (attnx.model.reference); core=False:
+    without scores and probs."""
     stages: dict[str, np.ndarray] = {}
     reference_attention(
         config, weights, feeds["x"], feeds.get("memory"), feeds.get("key_padding_mask"), feeds.get("past_key"),
-        feeds.get("past_value"), feeds.get("position_ids"), stages=stages,
+        feeds.get("past_value"), feeds.get("position_ids"), stages=stages, core_stages=core,
     )  # fmt: skip
     return stages
+
+
+def core_bytes(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
+    """The bytes of one float64 copy of the case's scores (or probs): [batch, n_heads, seq, keys]."""
+    batch, seq = feeds["x"].shape[:2]
+    keys = feeds["memory"].shape[1] if config.cross else seq
+    if feeds.get("past_key") is not None:
+        keys += feeds["past_key"].shape[2]
+    return batch * config.n_heads * seq * keys * 8
 
 
 def localise_case(
@@ -177,7 +189,11 @@ def localise_case(
     config, weights = source.config, source.weights
     if config is None or weights is None:
         raise UsageError("localisation needs the model's config and weights (the reference's stages)")
-    ref = dict(reference) if reference is not None else reference_stages(config, weights, feeds)
+    # scores and probs, [batch, n_heads, seq, keys], are compared while a float64 copy of each fits in
+    # CORE_STAGE_BYTES (gpt3 at seq 2048, batch 3: 9.7 GB each); beyond, they are left inside the graph
+    big = core_bytes(config, feeds)
+    core = big <= CORE_STAGE_BYTES
+    ref = dict(reference) if reference is not None else reference_stages(config, weights, feeds, core)
     step = bool(config.kv_cache)
     graph = None
     if backend not in _TORCH_BACKENDS:
@@ -188,12 +204,12 @@ def localise_case(
             step = False  # the presents are the whole buffers: decode localisation compares the cache itself
     ort_levels = graph is not None and levels and backend.startswith("ort-")
     if graph is None:
-        found = _torch_stages(source, backend, feeds, runner_factory, history)
+        found = _torch_stages(source, backend, feeds, runner_factory, history, core)
     else:
         # On ONNX Runtime the stages are read with graph optimizations off first: the graph runs as it is
         # written, each named tensor computed as named, and the run is that level's verdict too.
         found = _exposed_run(graph, source, backend, feeds, runner_factory, history,
-                             level="disabled" if ort_levels else None)  # fmt: skip
+                             None if core else _outside_core(graph), "disabled" if ort_levels else None)  # fmt: skip
     result = _compare(backend, config, step, found, ref, tol, size, graph)
     if ort_levels:
         outputs = ("y", "present_key", "present_value") if step else ("y",)
@@ -203,14 +219,14 @@ def localise_case(
             optimization.update(_levels(graph, source, backend, feeds, ref, tol, size, runner_factory, step))
             level = next((name for name, v in optimization.items() if v == "fail"), None)
             if level is not None:
-                found = _exposed_run(graph, source, backend, feeds, runner_factory, history, level=level)
+                found = _exposed_run(graph, source, backend, feeds, runner_factory, history,
+                                     None if core else _outside_core(graph), level)  # fmt: skip
                 result = _compare(backend, config, step, found, ref, tol, size, graph)
                 result.cause = f"ONNX Runtime's graph optimizer (level {level} changes the verdict)"
         result.optimization = optimization
     inner = [s for s in _CORE_INSIDE if s in found]
     if graph is not None and failed and result.stage is None and inner:
-        outer = [s for s in graph.layouts if s not in _CORE_INSIDE]
-        found = _exposed_run(graph, source, backend, feeds, runner_factory, history, outer)
+        found = _exposed_run(graph, source, backend, feeds, runner_factory, history, _outside_core(graph))
         again = _compare(backend, config, step, found, ref, tol, size, graph)
         if again.stage is not None:
             again.optimization, again.cause = result.optimization, result.cause
@@ -227,6 +243,9 @@ def localise_case(
             result.inside = _look_inside(source, backend, feeds, tol, size, ref, runner_factory, result, fused[0])
     if graph is not None and not graph.layouts:
         result.note = "this model names no stages (written before attnx named them): only its outputs are compared"
+    if not core:
+        result.note = "; ".join(filter(None, [result.note, f"scores and probs not compared: a float64 copy of each "
+                                              f"would take {big / 1e9:.1f} GB (limit {CORE_STAGE_BYTES / 1e9:.2f} GB)"]))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -236,7 +255,7 @@ def _compare(backend: str, config: AttentionConfig, step: bool, found: Mapping[s
     checks: list[StageCheck] = []
     for stage in stages_of(config, step):
         name = stage.name
-        if name not in found:
+        if name not in found or name not in ref:  # (not exposed, or too large to compare: CORE_STAGE_BYTES)
             checks.append(StageCheck(name, "hidden"))
             continue
         got, want = np.asarray(found[name]), np.asarray(ref[name])
@@ -310,6 +329,10 @@ class _Graph:
         return path
 
 
+def _outside_core(graph: _Graph) -> list[str]:
+    return [s for s in graph.layouts if s not in _CORE_INSIDE]
+
+
 def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
                  runner_factory: Callable[..., Runner], history: Sequence[Mapping[str, np.ndarray]] = (),
                  stages: Sequence[str] | None = None, level: str | None = None) -> dict[str, np.ndarray]:  # fmt: skip
@@ -333,9 +356,10 @@ def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mappin
 
 
 def _torch_stages(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray],
-                  runner_factory: Callable[..., Runner],
-                  history: Sequence[Mapping[str, np.ndarray]] = ()) -> dict[str, np.ndarray]:  # fmt: skip
-    """The torch module's stages of the case (MultiHeadAttention.stages)."""
+                  runner_factory: Callable[..., Runner], history: Sequence[Mapping[str, np.ndarray]] = (),
+                  core: bool = True) -> dict[str, np.ndarray]:  # fmt: skip
+    """The torch module's stages of the case (MultiHeadAttention.stages); core=False: without scores
+    and probs."""
     runner = runner_factory(backend, dataclasses.replace(source, dtype=float_dtype(source.dtype)))
     with runner.load() as r:
         module = getattr(r, "module", None)
@@ -349,7 +373,8 @@ def _torch_stages(source: ModelSource, backend: str, feeds: Mapping[str, np.ndar
             recorded = dict(module.stages)
         finally:
             module.stages = None
-    return {name: value.double().cpu().numpy() for name, value in recorded.items()}
+    return {name: value.double().cpu().numpy() for name, value in recorded.items()
+            if core or name not in _CORE_INSIDE}  # fmt: skip
 
 
 def _session_options(level: str) -> Any:
