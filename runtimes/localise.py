@@ -37,6 +37,7 @@ from attnx.model.contract import (
     float_dtype,
 )
 from attnx.model.reference import reference_attention
+from attnx.model.resources import available_memory_bytes, weights_bytes
 from attnx.model.stages import stage_layouts, stages_of, to_canonical
 from attnx.model.tolerance import ProblemSize, Tolerance, stage_tolerance
 from attnx.model.weights import weight_shapes
@@ -199,6 +200,13 @@ def localise_case(
     if backend not in _TORCH_BACKENDS:
         if source.model_path is None:
             raise UsageError(f"localisation on {backend!r} needs the model file")
+        # the copy with its stages exposed holds the weights again, in memory and in its session, beside
+        # the failing session: refused, saying so, where the machine has not that much left
+        need = 2 * weights_bytes(config)
+        free = available_memory_bytes()
+        if free is not None and need > free:
+            raise UsageError(f"localising needs about {need / 1e9:.1f} GB more (the model exposed and its session); "
+                             f"{free / 1e9:.1f} GB are available")  # fmt: skip
         graph = _Graph(source.model_path)
         if graph.buffer_form:
             step = False  # the presents are the whole buffers: decode localisation compares the cache itself

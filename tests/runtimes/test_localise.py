@@ -352,3 +352,17 @@ def test_scores_and_probs_too_large_to_hold_are_left_inside(self_model, tmp_path
         assert "scores and probs not compared" in found.note
         if backend == "ort-cpu":
             assert found.stage == "y" and found.agree == ["q", "k", "v", "z"], found.line()
+
+
+def test_localisation_that_would_not_fit_in_memory_is_refused_saying_so(self_model, tmp_path, monkeypatch):
+    from attnx.runtimes import localise as localise_module
+
+    monkeypatch.setattr(localise_module, "available_memory_bytes", lambda: 1000)
+    model = onnx.load(self_model)
+    wrong_scale(model)
+    path = str(tmp_path / "fault.onnx")
+    onnx.save(model, path)
+    report = run_parity(ModelSource(SELF, init_weights(SELF, seed=1), path), ["ort-cpu"], batches=(2,), seqs=(5,))
+    (case,) = report.cases
+    assert case.status == "fail"  # the verdict stands; the localisation says why it did not run
+    assert case.localisation["line"].startswith("not localised: localising needs about")
