@@ -62,7 +62,11 @@ def _parity(spec: dict[str, Any]) -> dict[str, Any]:
     (case,) = report.cases
     stats = {k: getattr(case, k) for k in ("max_abs", "max_rel", "mean_abs", "p99_abs", "cosine", "needed_atol",
                                           "atol", "rtol")}  # fmt: skip
-    return {"status": case.status, "reason": case.reason, "stats": None if case.status == "skipped" else stats}
+    out = {"status": case.status, "reason": case.reason, "stats": None if case.status == "skipped" else stats}
+    if case.localisation:  # a failing case says where it diverges (README, "Localisation")
+        out["localisation"] = case.localisation
+        out["reason"] = f"{case.reason}; {case.localisation['line']}"
+    return out
 
 
 def _verify(spec: dict[str, Any]) -> dict[str, Any]:

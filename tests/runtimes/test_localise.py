@@ -366,3 +366,16 @@ def test_localisation_that_would_not_fit_in_memory_is_refused_saying_so(self_mod
     (case,) = report.cases
     assert case.status == "fail"  # the verdict stands; the localisation says why it did not run
     assert case.localisation["line"].startswith("not localised: localising needs about")
+
+
+def test_a_matrix_parity_case_carries_its_localisation(self_model, tmp_path):
+    from attnx.matrix._worker import _parity
+
+    model = onnx.load(self_model)
+    wrong_scale(model)
+    path = str(tmp_path / "fault.onnx")
+    onnx.save(model, path)
+    result = _parity({"config": SELF.to_dict(), "seed": 1, "model_path": path, "dtype": "fp32", "backend": "ort-cpu",
+                      "mem_seq": None, "batch": 2, "seq": 5})  # fmt: skip
+    assert result["status"] == "fail" and result["localisation"]["stage"] == "scores"
+    assert "localised: first stage beyond its bound: scores" in result["reason"]  # report.md's reasons show it
