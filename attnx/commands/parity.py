@@ -166,12 +166,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {backend}: {reason}")
     for c in report.cases:
         if c.status == "fail":
-            print(f"FAIL {c.backend} batch={c.batch} seq={c.seq}: {c.reason}")
+            where = f"prefill={c.prefill} steps={c.steps}" if c.prefill is not None else f"seq={c.seq}"
+            print(f"FAIL {c.backend} batch={c.batch} {where}: {c.reason}")
             if c.localisation:
                 print(f"  {c.localisation['line']}")
     findings = [c for c in report.cases if c.status == "pass" and c.localisation and c.localisation.get("stage")]
     for c in findings:  # a passing y with a stage beyond its bound: say so, it is a lead
-        print(f"finding {c.backend} batch={c.batch} seq={c.seq} (y passes): {c.localisation['line']}")
+        where = f"prefill={c.prefill} steps={c.steps}" if c.prefill is not None else f"seq={c.seq}"
+        print(f"finding {c.backend} batch={c.batch} {where} (y passes): {c.localisation['line']}")
     if args.localise == "all":
         localised = sum(1 for c in report.cases if c.localisation and "error" not in c.localisation)
         print(f"localised {localised} cases: {len(findings)} passing case(s) with a stage beyond its bound")
