@@ -92,7 +92,7 @@ class Localisation:
     checks: list[StageCheck]
     agree: list[str]  # the stages before it that agree
     hidden: list[str]  # the stages this form does not expose
-    nodes: list[dict[str, str]]  # the ONNX nodes that produce the stage: name, op_type
+    nodes: list[dict[str, str]]  # the ONNX nodes that produce the stage: name, op_type, domain
     optimization: dict[str, str] | None = None  # ONNX Runtime: level -> "pass" | "fail"
     cause: str | None = None  # what the evidence names: an optimization level, a fused operator, a stage
     inside: dict[str, Any] | None = None  # the decomposed form of the same model on the same backend
@@ -117,7 +117,8 @@ class Localisation:
             text = f"localised: no stage beyond its bound{where}"
         else:
             check = next(c for c in self.checks if c.stage == self.stage)
-            nodes = ", ".join(f"{n['name']} ({n['op_type']})" for n in self.nodes) or "not in the graph"
+            nodes = ", ".join(f"{n['name']} ({n['op_type']})" for n in self.nodes) or (
+                "the torch module's" if self.backend in _TORCH_BACKENDS else "not in the graph")
             text = (f"localised: first stage beyond its bound: {self.stage}{where}, max_abs={_g(check.max_abs)} "
                     f"(atol {_g(check.atol)}); agree: {', '.join(self.agree) or 'none'}; nodes: {nodes}")  # fmt: skip
             if self.hidden:
