@@ -379,3 +379,30 @@ def test_a_matrix_parity_case_carries_its_localisation(self_model, tmp_path):
                       "mem_seq": None, "batch": 2, "seq": 5})  # fmt: skip
     assert result["status"] == "fail" and result["localisation"]["stage"] == "scores"
     assert "localised: first stage beyond its bound: scores" in result["reason"]  # report.md's reasons show it
+
+
+def test_a_torch_fault_is_localised_by_the_modules_own_stages(tmp_path):
+    # The torch backend runs the module, not the graph: a key projection loaded wrong there (scaled
+    # 1.1) is found at k, q and v agreeing, from the stages the module records.
+    import torch
+
+    from attnx.runtimes import create_runner
+
+    def factory(name, source, **options):
+        runner = create_runner(name, source, **options)
+        if name == "torch":
+            load = runner.load_impl
+
+            def wrong_load():
+                load()
+                k = runner.module.k_proj  # a new tensor: the module's weights share the reference's memory
+                k.weight = torch.nn.Parameter(k.weight.detach() * 1.1, requires_grad=False)
+
+            runner.load_impl = wrong_load
+        return runner
+
+    report = run_parity(ModelSource(SELF, init_weights(SELF, seed=1)), ["torch"], batches=(2,), seqs=(5,),
+                        runner_factory=factory)  # fmt: skip
+    (case,) = report.cases
+    assert case.status == "fail" and case.localisation["stage"] == "k", case.localisation
+    assert case.localisation["agree"] == ["q"] and "the torch module's" in case.localisation["line"]
