@@ -14,6 +14,12 @@ retype float values, convert constants, rewrite Cast targets, saturate the mask 
 optionally keep float32 at the boundary. The onnx-ir pass does exactly that on the
 in-memory model (lazy and external tensors included) and checks its result.
 
+Rotary positions (a config with rope): the angle of pair i at position p, p * inv_freq_i, is
+computed in float32 and so are its cos and sin, as transformers does and as the tolerance table's
+rope term assumes (float16's eps times p = 8192 would be whole radians). The pass keeps that region
+float32, the nodes fed by position_ids and constants alone, with float32 copies of the constants it
+reads, and casts its cos and sin to float16 where the half-precision graph reads them.
+
 The mask: the decomposed export fills hidden scores with float32's lowest finite value
 (torch's masked_fill with finfo(float32).min). Cast to float16 that is -inf, and a query
 whose keys are all hidden would get softmax(-inf, ..., -inf) = NaN. Rewritten to float16's
@@ -66,6 +72,7 @@ class ConvertToFloat16(ir.passes.InPlacePass):
     def __init__(self, keep_io_fp32: bool = False) -> None:
         super().__init__()
         self.keep_io_fp32 = keep_io_fp32
+        self._angles: set[ir.Value] = set()  # the rotary angle's values, kept float32 (module doc)
         self.notes: list[str] = []  # one line per kind of change, for the pipeline's report
 
     def requires(self, model: ir.Model) -> None:
@@ -82,8 +89,12 @@ class ConvertToFloat16(ir.passes.InPlacePass):
             self.notes.append("the model is float16 already (metadata attnx.dtype): nothing to do")
             return ir.passes.PassResult(model, False)
         counts = {"values": 0, "tensors": 0, "casts": 0, "saturated": 0}
+        self._angles = _angle_region(model.graph)
+        counts["angle"] = len(self._angles)
         for graph in _graphs(model.graph):
             self._convert_graph(graph, counts)
+        if self._angles:
+            _cast_angles(model.graph, self._angles)
         if self.keep_io_fp32:
             counts["boundary"] = self._keep_io_fp32(model.graph)
         modified = any(counts.values())
@@ -98,6 +109,8 @@ class ConvertToFloat16(ir.passes.InPlacePass):
         ]
         if self.keep_io_fp32:
             self.notes.append(f"float32 inputs and outputs kept, {counts['boundary']} Casts at the boundary")
+        if counts["angle"]:
+            self.notes.append(f"{counts['angle']} values of the rotary angle kept float32 (cos and sin cast to float16)")
         for note in self.notes:
             logger.info("fp16: %s", note)
         return ir.passes.PassResult(model, modified)
@@ -107,7 +120,7 @@ class ConvertToFloat16(ir.passes.InPlacePass):
         cast from float16); every constant's tensor has its value's dtype."""
         for graph in _graphs(model.graph):
             for value in _values(graph):
-                if value.dtype == FLOAT and not _is_boundary(value):
+                if value.dtype == FLOAT and not _is_boundary(value) and value not in self._angles:
                     raise ir.passes.PostconditionError(f"value {value.name!r} is still float32")
                 if value.const_value is not None and value.dtype is not None and value.const_value.dtype != value.dtype:
                     raise ir.passes.PostconditionError(
@@ -115,12 +128,15 @@ class ConvertToFloat16(ir.passes.InPlacePass):
                     )
             for node in graph:
                 attr = node.attributes.get(_DTYPE_ATTRIBUTES.get(node.op_type, "")) if node.domain == "" else None
-                if attr is not None and attr.value == FLOAT and not _is_boundary(node.outputs[0]):
+                if attr is not None and attr.value == FLOAT and not _is_boundary(node.outputs[0]) and \
+                        node.outputs[0] not in self._angles:
                     raise ir.passes.PostconditionError(f"{node.op_type} node {node.name!r} still produces float32")
 
     # The conversion --------------------------------------------------------------------
     def _convert_graph(self, graph: ir.Graph, counts: dict[str, int]) -> None:
         for value in _values(graph):
+            if value in self._angles:
+                continue
             if value.dtype == FLOAT:
                 value.dtype = FLOAT16
                 counts["values"] += 1
@@ -129,8 +145,8 @@ class ConvertToFloat16(ir.passes.InPlacePass):
                 value.const_value = _to_fp16(tensor, value.name, counts)
                 counts["tensors"] += 1
         for node in graph:
-            if node.domain != "":
-                continue  # contrib ops (MultiHeadAttention) have float tensors only as inputs
+            if node.domain != "" or any(o in self._angles for o in node.outputs):
+                continue  # contrib ops (MultiHeadAttention) have float tensors only as inputs; the angle stays
             if node.op_type == "Constant":
                 self._convert_constant(node, counts)
             elif node.op_type == "ConstantOfShape":
@@ -212,6 +228,60 @@ def _to_fp16(tensor: ir.TensorProtocol, name: str | None, counts: dict[str, int]
         counts["saturated"] += int(over.sum())
         logger.debug("fp16: saturated %d values of %r to +-%g", int(over.sum()), name, FP16_MAX)
     return ir.Tensor(array.astype(np.float16), name=tensor.name, doc_string=tensor.doc_string)
+
+
+def _angle_region(graph: ir.Graph) -> set[ir.Value]:
+    """The float values of the rotary angle (module doc): computed by nodes whose inputs are all
+    position_ids, values of the region, or constants; a constant such a node shares with the rest of
+    the graph is given a float32 copy of its own first."""
+    start = next((v for v in graph.inputs if v.name == "position_ids"), None)
+    if start is None:
+        return set()
+    derived: set[ir.Value] = {start}  # position_ids and what is computed from it (and constants) alone
+    region: set[ir.Value] = set()
+    for node in list(graph):
+        inputs = [i for i in node.inputs if i is not None]
+        if node.domain != "" or not any(i in derived for i in inputs):
+            continue
+        if not all(i in derived or _is_constant(i) for i in inputs):
+            continue
+        derived.update(node.outputs)
+        for i, value in enumerate(node.inputs):
+            if value is None or value in derived or value.dtype != FLOAT:
+                continue
+            if any(u.node is not node for u in value.uses()):  # shared: a float32 copy for the angle
+                copy = ir.Value(name=f"{value.name}.fp32", type=ir.TensorType(FLOAT), shape=value.shape,
+                                const_value=value.const_value)  # fmt: skip
+                if value.const_value is not None and value.is_initializer():
+                    graph.register_initializer(copy)
+                    node.replace_input_with(i, copy)
+                    value = copy
+            region.add(value)
+        region.update(o for o in node.outputs if o.dtype == FLOAT)
+    return region
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def _cast_angles(graph: ir.Graph, region: set[ir.Value]) -> None:
+    """A Cast to float16 wherever a node outside the angle region reads one of its values."""
+    casts: dict[ir.Value, ir.Value] = {}  # one Cast a value
+    for node in list(graph):
+        if any(o in region for o in node.outputs):
+            continue
+        for i, value in enumerate(node.inputs):
+            if value is None or value not in region or value.is_initializer():
+                continue
+            if value not in casts:
+                cast = ir.Node("", "Cast", [value], {"to": ir.AttrInt64("to", FLOAT16)}, name=f"{value.name}/to_fp16")
+                cast.outputs[0].name, cast.outputs[0].dtype, cast.outputs[0].shape = (
+                    f"{value.name}.fp16", FLOAT16, value.shape)  # fmt: skip
+                graph.insert_before(node, cast)
+                casts[value] = cast.outputs[0]
+            node.replace_input_with(i, casts[value])
 
 
 def _is_boundary(value: ir.Value) -> bool:

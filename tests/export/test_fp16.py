@@ -324,3 +324,36 @@ def test_export_model_fp16_keeping_fp32_io(tmp_path):
         TensorProto.FLOAT, TensorProto.BOOL, TensorProto.FLOAT,
     ]  # fmt: skip
     _check_runs(path, config, weights, "fp32")
+
+
+@pytest.mark.parametrize("name", ["llm", "llama"])
+def test_fp16_of_a_rope_layer_keeps_its_angle_float32(name, tmp_path, monkeypatch):
+    """The rotary angle p * inv_freq in float32 (its cos and sin cast to float16): the half-precision
+    graph then passes parity at position 8192 under fp16's rule plus the rope term; with the angle in
+    float16 (the region switched off) it fails there, by whole radians at the fast pairs."""
+    from attnx.export.passes import fp16 as fp16_module
+    from attnx.runtimes import ModelSource
+    from attnx.runtimes.parity import run_parity
+    from tests.conftest import LLM_CONFIGS
+
+    config = LLM_CONFIGS[name]
+    weights = weights_for(name)
+
+    def report(path):
+        model = export_onnx(config, weights)
+        passes = ConvertToFloat16()
+        passes(model)
+        save_model(model, path)
+        return passes, run_parity(ModelSource(config, weights, str(path), "fp16"), ["ort-cpu"], batches=(3,),
+                                  seqs=(1, 9), position_offset=8192, localise="off")  # fmt: skip
+
+    passes, right = report(tmp_path / "right.onnx")
+    assert any("rotary angle kept float32" in n for n in passes.notes)
+    assert right.passed, [c.reason for c in right.cases]
+    model = onnx.load(tmp_path / "right.onnx")
+    cos = next(n for n in model.graph.node if n.op_type == "Cos")
+    kept = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    assert kept.get(cos.output[0], TensorProto.FLOAT) == TensorProto.FLOAT  # cos of a float32 angle
+    monkeypatch.setattr(fp16_module, "_angle_region", lambda graph: set())
+    _, wrong = report(tmp_path / "wrong.onnx")
+    assert not wrong.passed
