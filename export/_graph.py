@@ -13,7 +13,8 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from attnx.export.passes._names import name_graph
+from attnx.export.passes._names import name_graph, stages_json
+from attnx.model.stages import STAGES_KEY
 
 __all__ = ["Graph", "heads", "linear", "named"]
 
@@ -67,10 +68,17 @@ def heads(g: Graph, x: str, n: int, d: int, label: str) -> str:
     return g.op("Transpose", g.op("Reshape", x, g.ints(f"{label}_shape", [0, 0, n, int(d)])), perm=[0, 2, 1, 3])
 
 
-def named(model: onnx.ModelProto, g: Graph) -> onnx.ModelProto:
+def named(model: onnx.ModelProto, g: Graph, readable: bool = True) -> onnx.ModelProto:
     """`model`, built by `g`, with every node and intermediate named after the stage it leads to and
     its metadata's STAGES_KEY (name_graph); the stages, weights and constants keep the names `g`
-    gave them. The names are written back into the proto: its tensors are not copied."""
+    gave them. The names are written back into the proto: its tensors are not copied. readable=False:
+    STAGES_KEY alone (the stages are named already), for a graph no person reads (localisation's look
+    inside: the renaming is most of its build time)."""
+    if not readable:
+        produced = {out for node in model.graph.node for out in node.output}
+        layouts = {s: layout for s, layout in g.stages.items() if s in produced}
+        model.metadata_props.add(key=STAGES_KEY, value=stages_json(layouts, [o.name for o in model.graph.output]))
+        return model
     irm = ir.from_proto(model)
     values = {v.name: v for n in irm.graph for v in n.outputs}
     values.update(irm.graph.initializers)

@@ -157,18 +157,19 @@ def build_full_model(config: AttentionConfig, weights: Mapping[str, np.ndarray],
 
 
 def build_decomposed_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], dtype: str = "fp32",
-                           block_size: int | None = None, accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
+                           block_size: int | None = None, accuracy_level: int | None = None,
+                           readable: bool = True) -> onnx.ModelProto:  # fmt: skip
     """The decomposed form of any self-attention config written by hand, without torch: the step
     model's growing form for a kv_cache config, else the same graph without past and present. What
     localisation runs to look inside a fused operator (attnx.runtimes.localise); the exporter's form
     (attnx.export.export_onnx) is the one attnx export writes. int8/int4 quantize its projections as
-    build_step_model does."""
+    build_step_model does. readable=False: the stages named, the other nodes not (Graph.named)."""
     c = config
     if c.cross:
         raise UsageError("the hand-built decomposed graph projects k and v from x: cross-attention is the exporter's")
     if c.kv_cache:
         return build_step_model(c, weights, "decomposed", "growing", dtype, block_size, accuracy_level)
-    model = _build_float(c, weights, "decomposed", "growing", step=False)
+    model = _build_float(c, weights, "decomposed", "growing", step=False, readable=readable)
     return model if dtype == "fp32" else quantize_step_model(model, dtype, block_size, accuracy_level)
 
 
@@ -179,6 +180,7 @@ def _build_float(
     form: str,
     step: bool = True,
     rope_positions: int | None = None,
+    readable: bool = True,
 ) -> onnx.ModelProto:
     c = config
     if step:
@@ -316,7 +318,7 @@ def _build_float(
     meta = [(CONFIG_KEY, c.to_json()), (ATTENTION_KEY, attention)] + ([(DECODE_KEY, "growing")] if step else [])
     for key, value in meta:
         model.metadata_props.add(key=key, value=value)
-    return named(model, g)
+    return named(model, g, readable)
 
 
 def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:

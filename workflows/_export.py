@@ -265,7 +265,7 @@ def write_decomposed_form(source: ModelSource, directory: str) -> str:
     dtype = quant.get("dtype", info.dtype)
     path = os.path.join(directory, "decomposed.onnx")
     if not source.config.cross and dtype != "fp16":
-        onnx.save(build_decomposed_model(source.config, source.weights, dtype, **options), path)
+        onnx.save(build_decomposed_model(source.config, source.weights, dtype, readable=False, **options), path)
         return path
     export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
                  check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip

@@ -139,13 +139,8 @@ def name_graph(
         value.name = f"__attnx_renaming_{i}"
     for value in renamed:
         value.name = value_names[value]
-    layouts = {stage: layout for stage, (_, layout) in sorted(stages.items(), key=lambda kv: _ORDER[kv[0]])}
-    for out in graph.outputs:  # y and the step model's cache: stages by their contract names
-        if out.name in _ORDER and out.name not in layouts:
-            layouts[out.name] = next(s.layout for s in STAGES if s.name == out.name)
-    model.metadata_props[STAGES_KEY] = json.dumps(
-        dict(sorted(layouts.items(), key=lambda kv: _ORDER[kv[0]])), separators=(", ", ": ")
-    )
+    layouts = {stage: layout for stage, (_, layout) in stages.items()}
+    model.metadata_props[STAGES_KEY] = stages_json(layouts, [out.name for out in graph.outputs])
 
 
 def _layout_heads(value: ir.Value, heads: int) -> bool:
@@ -169,6 +164,16 @@ def _ancestors_reach(value: ir.Value, name: str) -> bool:
         seen.add(id(node))
         pending += [i for i in node.inputs if i is not None]
     return False
+
+
+def stages_json(layouts: dict[str, str], outputs: list[str]) -> str:
+    """STAGES_KEY's value: {stage: layout} in the formula's order, the graph's outputs that are stages
+    (y, a step model's cache) by their contract names."""
+    layouts = dict(layouts)
+    for out in outputs:
+        if out in _ORDER and out not in layouts:
+            layouts[out] = next(s.layout for s in STAGES if s.name == out)
+    return json.dumps(dict(sorted(layouts.items(), key=lambda kv: _ORDER[kv[0]])), separators=(", ", ": "))
 
 
 def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tuple[ir.Value, str]], dict[ir.Node, str],
