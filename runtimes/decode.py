@@ -33,14 +33,7 @@ from attnx.model.contract import (
 )
 from attnx.model.inputs import position_ids_from_mask
 from attnx.model.rope import uses_long_factors
-from attnx.model.tolerance import (
-    ProblemSize,
-    QuantTolerance,
-    Tolerance,
-    problem_size,
-    rotated_cache_size,
-    tolerance_for,
-)
+from attnx.model.tolerance import ProblemSize, StageBound, Tolerance, problem_size, stage_tolerance, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.localise import Localisation, localise_case
@@ -247,18 +240,21 @@ def run_decode_parity(
     if buffer and position_offset:
         raise UsageError("the buffer form's positions are its token indices (from 0): no position offset")
     float_source = dataclasses.replace(source, dtype=float_dtype(source.dtype))
-    ref = runner_factory(REFERENCE, dataclasses.replace(float_source, model_path=None)).load()
+
+    def backend_source(name: str) -> ModelSource:
+        """What backend `name` runs: the model file, or (the module backends) the float formula."""
+        if name not in MODULE_BACKENDS:
+            return source
+        return dataclasses.replace(float_source, model_path=None) if name == REFERENCE else float_source
+
+    ref = runner_factory(REFERENCE, backend_source(REFERENCE)).load()
     runners: dict[str, Runner | str] = {}
     for name in backends:
         if (skip := quantized_skip(name, source.dtype)) is not None:
             runners[name] = skip
             continue
         try:
-            runners[name] = runner_factory(
-                name,
-                source if name not in MODULE_BACKENDS
-                else dataclasses.replace(float_source, model_path=None) if name == REFERENCE else float_source,
-            ).load()  # fmt: skip
+            runners[name] = runner_factory(name, backend_source(name)).load()
         except ProviderUnavailable as e:
             runners[name] = str(e)
     cases: list[ParityCase] = []
@@ -285,9 +281,7 @@ def run_decode_parity(
                 wanted = localise == "all" or (localise == "failing" and case.status == "fail")
                 if isinstance(runner, Runner) and wanted:
                     progress(f"localising {name} prefill {prefill}: step by step")
-                    case_source = (source if name not in MODULE_BACKENDS else
-                                   dataclasses.replace(float_source, model_path=None) if name == REFERENCE else float_source)  # fmt: skip
-                    case.localisation = _localisation(case, case_source, runner, feeds, prefill, expected, size,
+                    case.localisation = _localisation(case, backend_source(name), runner, feeds, prefill, expected, size,
                                                       quantization if quantized else None, runner_factory)  # fmt: skip
                 cases.append(case)
     finally:
@@ -309,19 +303,18 @@ def _longrope_switches(config: AttentionConfig, positions: np.ndarray, prefill: 
     return any(uses_long_factors(config.rope, call) != whole for call in calls)
 
 
-def _cache_tols(tol: Tolerance) -> dict[str, Tolerance]:
-    """The tolerance of each compared output: y's, and for a quantized model its caches' own
-    (the k and v projections' errors, QuantTolerance.for_cache)."""
-    if not isinstance(tol, QuantTolerance):
-        return {"y": tol, "present_key": tol, "present_value": tol}
-    return {"y": tol, "present_key": tol.for_cache("k"), "present_value": tol.for_cache("v")}
+def _output_bounds(config: AttentionConfig, tol: Tolerance, size: ProblemSize,
+                   expected: Mapping[str, np.ndarray]) -> dict[str, StageBound]:  # fmt: skip
+    """The bound of each compared output (tolerance.stage_tolerance, the stages' one rule): y's, and
+    the caches' own (a quantized model's k and v projection errors; the rotated keys' rope term)."""
+    return {out: stage_tolerance(out, config, tol, size, np.asarray(expected[out]))
+            for out in ("y", "present_key", "present_value")}  # fmt: skip
 
 
 def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype: str, feeds: dict[str, np.ndarray],
                  prefill: int, steps: int, expected: dict[str, np.ndarray], size: Any,
                  quantization: dict | None = None) -> ParityCase:  # fmt: skip
     tol = tolerance_for(dtype, name, quantization)
-    tols = _cache_tols(tol)
     batch, total = feeds["x"].shape[:2]
     common = {"backend": name, "reference": REFERENCE, "dtype": dtype, "batch": batch, "seq": total, "mem_seq": None,
                   "prefill": prefill, "steps": steps}  # fmt: skip
@@ -330,9 +323,8 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
                           rtol=tol.rtol)  # fmt: skip
     y, (pk, pv) = decode_sequence(runner, feeds, prefill, config)
     label = f"[batch={batch},prefill={prefill},steps={steps}{',buffer' if is_buffer_form(runner) else ''}]"
-    sizes = {"y": size, "present_key": rotated_cache_size(config, size, expected["present_key"]),
-             "present_value": size}  # fmt: skip
-    cmps = [compare_arrays(f"{out}{label}", got, expected[out], tols[out], sizes[out])
+    bounds = _output_bounds(config, tol, size, expected)
+    cmps = [compare_arrays(f"{out}{label}", got, expected[out], bounds[out].tol, bounds[out].size)
             for out, got in (("y", y), ("present_key", pk), ("present_value", pv))]  # fmt: skip
     failed = [c for c in cmps if not c]
     return ParityCase(**common, status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
@@ -355,9 +347,7 @@ def first_divergence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: i
     to that length, and its y with the expected y at its tokens, each held to the bound that holds
     the whole sequence (_decode_case: the tolerance, size and scale of the whole expected output)."""
     config = config or runner.source.config
-    tols = _cache_tols(tol)
-    sizes = {"y": size, "present_key": rotated_cache_size(config, size, expected["present_key"]),
-             "present_value": size}  # fmt: skip
+    bounds = _output_bounds(config, tol, size, expected)
     scales = {out: float(np.sqrt(np.mean(np.square(np.asarray(expected[out], np.float64))))) for out in _STEP_OUTPUTS}
     for step, (start, stop, y, cache) in enumerate(decode_runs(runner, feeds, prefill, config)):
         pk, pv = cache()
@@ -366,7 +356,7 @@ def first_divergence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: i
                                        ("present_value", pv, expected["present_value"][:, :, : pv.shape[2]], 0),
                                        ("y", y, expected["y"][:, start:stop], start)):  # fmt: skip
             axis = 1 if out == "y" else 2
-            at = _first_position(got, want, axis, tols[out], sizes[out], scales[out])
+            at = _first_position(got, want, axis, bounds[out].tol, bounds[out].size, scales[out])
             if at is not None:
                 found[out] = offset + at
         if found:
