@@ -35,7 +35,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, MS_DOMAIN
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
-__all__ = ["NameStages", "name_graph", "find_stages"]
+__all__ = ["NameStages", "name_graph", "find_stages", "fresh_name", "stages_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +98,6 @@ def name_graph(
     taken: set[str] = {v.name for v in io if v.name}
     taken |= set(stages) | set(names.values())
 
-    def fresh(base: str, used: set[str]) -> str:
-        candidate, n = base, 1
-        while candidate in used:
-            n += 1
-            candidate = f"{base}_{n}"
-        used.add(candidate)
-        return candidate
-
     value_names: dict[ir.Value, str] = {}
     for stage, (value, _) in stages.items():
         if value not in io:
@@ -121,18 +113,18 @@ def name_graph(
             if value.const_value is None and not _is(producer, "Constant"):
                 continue
             label = _input_label(node, index, opset)
-            value_names[value] = fresh(f"{lead[node][2]}/{node.op_type}.{label}", taken)
+            value_names[value] = fresh_name(f"{lead[node][2]}/{node.op_type}.{label}", taken)
     for value in graph.initializers.values():  # an initializer nothing reads
         if value not in value_names and value not in io:
-            value_names[value] = fresh(f"unused/{value.name or 'initializer'}", taken)
+            value_names[value] = fresh_name(f"unused/{value.name or 'initializer'}", taken)
     node_names: set[str] = set()
     for node in nodes:
         stage = lead[node][2]
         prefix = f"{projections[node]}_proj" if node in projections else stage
-        node.name = fresh(f"{prefix}/{node.op_type}", node_names)
+        node.name = fresh_name(f"{prefix}/{node.op_type}", node_names)
         for out in node.outputs:
             if out not in value_names and out not in io:
-                value_names[out] = fresh(f"{stage}/{node.op_type.lower()}", taken)
+                value_names[out] = fresh_name(f"{stage}/{node.op_type.lower()}", taken)
     # Two steps, so that no new name meets an old one still in use.
     renamed = [v for v in value_names if v.name != value_names[v]]
     for i, value in enumerate(renamed):
@@ -164,6 +156,16 @@ def _ancestors_reach(value: ir.Value, name: str) -> bool:
         seen.add(id(node))
         pending += [i for i in node.inputs if i is not None]
     return False
+
+
+def fresh_name(base: str, used: set[str]) -> str:
+    """`base`, or `base`_2, _3, ... when `used` has it (README, "Names": unique); taken into `used`."""
+    candidate, n = base, 1
+    while candidate in used:
+        n += 1
+        candidate = f"{base}_{n}"
+    used.add(candidate)
+    return candidate
 
 
 def stages_json(layouts: dict[str, str], outputs: list[str]) -> str:

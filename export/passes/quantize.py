@@ -70,6 +70,7 @@ import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export.passes._masks import const_array
+from attnx.export.passes._names import fresh_name
 from attnx.model.contract import DTYPE_KEY, IO_DTYPE_KEY, MS_DOMAIN, QUANT_KEY, QUANTIZATIONS
 
 __all__ = [
@@ -332,13 +333,7 @@ class QuantizeProjections(ir.passes.InPlacePass):
     def _fresh(self, name: str, node: bool = False) -> str:
         """`name` (of a value, or of a node), or with a counter when the graph has it (README, "Names":
         unique)."""
-        taken = self._node_names if node else self._taken
-        candidate, n = name, 1
-        while candidate in taken:
-            n += 1
-            candidate = f"{name}_{n}"
-        taken.add(candidate)
-        return candidate
+        return fresh_name(name, self._node_names if node else self._taken)
 
     def _row_scaled(self, model: ir.Model, node: ir.Node, x: ir.Value, role: str) -> tuple[ir.Value, ir.Value]:
         """(x / r, r) with r = max(max |x| over the last axis, FLT_MIN) [..., 1]: made once per input
