@@ -13,6 +13,7 @@ from attnx.cli import main  # noqa: E402
 from attnx.errors import WeightsError  # noqa: E402
 from attnx.model.importers import import_weights  # noqa: E402
 from attnx.workflows import check_against_source, import_model  # noqa: E402
+from tests.workflows._checkpoints import save_wide  # noqa: E402
 
 LOWERINGS = ("decomposed", "onnx", "ort-fused")
 SMALL = dict(vocab_size=64, max_position_embeddings=64)
@@ -46,17 +47,7 @@ def _models():
 def checkpoints(tmp_path_factory):
     """Every family saved as a checkpoint, weights drawn wide (std 0.5, not the 0.02 of a fresh
     model): peaked attention, so that a q/k mix-up or a wrong scale shows in the check."""
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for name, make in _models().items():
-        torch.manual_seed(3)
-        model = make()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
-        out[name] = str(root / name)
-    return out
+    return save_wide(tmp_path_factory.mktemp("hf"), _models())
 
 
 CASES = [("bert", "self", None), ("roberta", "self", None), ("vit", "self", None), ("gpt2", "self", None),

@@ -27,6 +27,7 @@ from attnx.model.config import load_config  # noqa: E402
 from attnx.model.importers import import_weights  # noqa: E402
 from attnx.model.weights import load_weights  # noqa: E402
 from attnx.workflows import _build, check_against_source, import_model  # noqa: E402
+from tests.workflows._checkpoints import save_wide  # noqa: E402
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=16,
              vocab_size=64)  # fmt: skip
@@ -76,17 +77,7 @@ FAMILIES = _families()
 def decoders(tmp_path_factory):
     """Every family saved once, weights drawn wide (std 0.5): peaked attention, so that a wrong
     mapping, scale, window or rotation shows in the check."""
-    root = tmp_path_factory.mktemp("hf-decoders")
-    out = {}
-    for name, (make, _) in FAMILIES.items():
-        torch.manual_seed(3)
-        model = make()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
-        out[name] = str(root / name)
-    return out
+    return save_wide(tmp_path_factory.mktemp("hf-decoders"), {name: make for name, (make, _) in FAMILIES.items()})
 
 
 def _edit(folder, tmp_path, name, change):
