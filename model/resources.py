@@ -16,6 +16,21 @@ the README reports:
   decomposed and standard-Attention lowerings on ONNX Runtime CPU and torch's decomposed core do
   (8.96 and 8.7 GB at seq 8192 for the large preset); the fused kernels and torch's SDPA stream it
   (SDPA falls back to its math path with a key padding mask).
+
+The work of a case, attention_flops (what the bench harness reports against the GEMM roofline,
+and what sizes a localisation's sessions): 2 FLOPs per multiply-add of the four projections and
+of the two attention matmuls, for batch b, t queries, s keys (s = t and kv_dim = d_model in
+self-attention), N heads of which Nkv key/value heads (grouped-query attention: Nkv < N):
+
+    q:                   2 * b * t * d_model * N * head_dim
+    k and v:             2 * b * s * kv_dim * Nkv * (head_dim + v_head_dim)
+    scores, weighted sum: 2 * b * N * t * s * (head_dim + v_head_dim)
+    output:              2 * b * t * N * v_head_dim * d_model
+
+Biases, the scale and the softmax are left out (they are O(b*N*t*s), not O(... * head_dim)).
+The score term counts the whole t x s matrix even for a causal model: it is the work a
+dense kernel does, and the number stays comparable between lowerings that do and do not
+skip the masked half.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ __all__ = [
     "available_memory_bytes",
     "meminfo_bytes",
     "weights_bytes",
+    "attention_flops",
     "activation_bytes",
     "materializes_scores",
     "estimate_case",
@@ -192,3 +208,15 @@ def check_memory(estimate: Estimate, max_mem_gb: float | None = None) -> None:
     if limit is not None and estimate.total > limit:
         source = "allowed by --max-mem-gb" if max_mem_gb is not None else "available on this machine"
         raise ResourceError(f"not started: it needs {estimate}; {limit / GB:.1f} GB {source}")
+
+
+def attention_flops(config: AttentionConfig, batch: int, seq: int, mem_seq: int | None = None) -> int:
+    """FLOPs of one forward call at (batch, seq[, mem_seq]), by the model in the module docstring."""
+    c = config
+    b, t = batch, seq
+    s = (mem_seq if mem_seq is not None else seq) if c.cross else seq
+    q = 2 * b * t * c.d_model * c.n_heads * c.head_dim
+    kv = 2 * b * s * c.kv_dim * c.n_kv_heads * (c.head_dim + c.v_head_dim)  # grouped heads: Nkv projections
+    core = 2 * b * c.n_heads * t * s * (c.head_dim + c.v_head_dim)
+    out = 2 * b * t * c.n_heads * c.v_head_dim * c.d_model
+    return q + kv + core + out
