@@ -36,7 +36,7 @@ from attnx.model.rope import uses_long_factors
 from attnx.model.tolerance import ProblemSize, StageBound, Tolerance, problem_size, stage_tolerance, tolerance_for
 from attnx.runtimes.base import DecodeState, ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.localise import Localisation, localise_case
+from attnx.runtimes.localise import Localisation, localisation_dict, localise_case
 from attnx.runtimes.parity import (
     LOCALISE_MODES,
     MODULE_BACKENDS,
@@ -54,7 +54,6 @@ __all__ = [
     "decode_runs",
     "empty_cache",
     "first_divergence",
-    "localisation_dict",
     "localise_decode",
     "make_decode_inputs",
     "run_buffer_parity",
@@ -448,18 +447,6 @@ def _localisation(case: ParityCase, source: ModelSource, runner: Runner, feeds: 
     return localisation_dict(lambda: localise_decode(
         source, runner, feeds, prefill, expected, tol=tolerance_for(case.dtype, case.backend, quantization), size=size,
         failing=case.status == "fail", runner_factory=runner_factory))  # fmt: skip
-
-
-def localisation_dict(localise: Callable[[], Localisation]) -> dict[str, Any]:
-    """The dict a report holds of localise()'s Localisation, "line" its one line; {"error", "line"} when
-    localisation itself fails: a diagnostic never changes the verdict of what it localises."""
-    try:
-        found = localise()
-    except Exception as e:  # noqa: BLE001 - a diagnostic: the verdict stands whatever it meets
-        logger.info("localisation failed: %s", e)
-        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        return {"error": f"{type(e).__name__}: {text}", "line": f"not localised: {type(e).__name__}: {text}"}
-    return {**found.to_dict(), "line": found.line()}
 
 
 def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills: Iterable[int] = DEFAULT_PREFILLS,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import ProviderUnavailable, UsageError
+from attnx.errors import AttnxError, ProviderUnavailable, UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     DECODE_KEY,
@@ -38,7 +39,7 @@ from attnx.model.contract import (
     float_dtype,
 )
 from attnx.model.reference import reference_attention
-from attnx.model.resources import available_memory_bytes, weights_bytes
+from attnx.model.resources import attention_flops, available_memory_bytes, weights_bytes
 from attnx.model.stages import stage_layouts, stages_of, to_canonical
 from attnx.model.tolerance import ProblemSize, Tolerance, stage_tolerance
 from attnx.model.weights import weight_shapes
@@ -46,7 +47,7 @@ from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
 
 __all__ = ["StageCheck", "Localisation", "localise_case", "reference_stages", "ORT_LEVELS", "FUSED_OPS",
-           "DecomposedWriter", "set_decomposed_writer", "file_weights"]
+           "DecomposedWriter", "set_decomposed_writer", "file_weights", "localisation_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,21 @@ FUSED_OPS = {("", "Attention"), (MS_DOMAIN, "MultiHeadAttention"), (MS_DOMAIN, "
 _TORCH_BACKENDS = tuple(p.torch_backend for p in PROVIDERS.values())
 # The stages inside the attention core: a runtime fuses the core whole unless one of them is an output.
 _CORE_INSIDE = ("scores", "probs")
+# The leading inputs that carry values, of the operators whose other inputs are shapes, axes or sizes
+# (not followed when the nodes that compute a stage are traced back).
+_DATA_INPUTS = {("", op): 1 for op in ("Reshape", "Expand", "Tile", "Slice", "Pad", "Unsqueeze", "Squeeze")} | {
+    ("", "ConstantOfShape"): 0, ("", "Range"): 0}  # fmt: skip
+# The nodes a report line names (the JSON gives them all).
+_LINE_NODES = 3
 # The most bytes a float64 copy of scores (or probs) may take for them to be compared (core_bytes).
 CORE_STAGE_BYTES = 256 * 2**20
-# (source, directory) -> the path of the same model in the decomposed lowering, written there
-DecomposedWriter = Callable[[ModelSource, str], str]
+# A case of at most this many FLOPs (attnx.model.resources.attention_flops) is localised with sessions
+# of one thread: starting a pool costs more than it saves, and competes for the cores with the failing
+# runner's own, still held (tiny, batch 3, seq 7, 0.7 MFLOP: 4.2 ms against 6.4; base, seq 7: 99 MFLOP).
+SMALL_CASE_FLOPS = 10**7
+# (source, directory) -> the same model in the decomposed lowering, an onnx.ModelProto (directory: where
+# the writer may write what it needs)
+DecomposedWriter = Callable[[ModelSource, str], Any]
 _decomposed_writer: DecomposedWriter | None = None
 
 
@@ -118,8 +130,11 @@ class Localisation:
             text = f"localised: no stage beyond its bound{where}"
         else:
             check = next(c for c in self.checks if c.stage == self.stage)
-            nodes = ", ".join(f"{n['name']} ({n['op_type']})" for n in self.nodes) or (
+            shown = self.nodes[:_LINE_NODES]
+            nodes = ", ".join(f"{n['name']} ({n['op_type']})" for n in shown) or (
                 "the torch module's" if self.backend in _TORCH_BACKENDS else "not in the graph")
+            if len(self.nodes) > len(shown):
+                nodes += f" and {len(self.nodes) - len(shown)} more"
             text = (f"localised: first stage beyond its bound: {self.stage}{where}, max_abs={_g(check.max_abs)} "
                     f"(atol {_g(check.atol)}); agree: {', '.join(self.agree) or 'none'}; nodes: {nodes}")  # fmt: skip
             if self.hidden:
@@ -165,6 +180,16 @@ def core_bytes(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
     return batch * config.n_heads * seq * keys * 8
 
 
+def case_flops(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
+    """The FLOPs of the case (attention_flops), the keys of a past cache counted in its core."""
+    batch, seq = feeds["x"].shape[:2]
+    memory = feeds.get("memory")
+    flops = attention_flops(config, batch, seq, None if memory is None else memory.shape[1])
+    if feeds.get("past_key") is not None:
+        flops += 2 * batch * config.n_heads * seq * feeds["past_key"].shape[2] * (config.head_dim + config.v_head_dim)
+    return flops
+
+
 def localise_case(
     source: ModelSource,
     backend: str,
@@ -196,7 +221,6 @@ def localise_case(
     # CORE_STAGE_BYTES (gpt3 at seq 2048, batch 3: 9.7 GB each); beyond, they are left inside the graph
     big = core_bytes(config, feeds)
     core = big <= CORE_STAGE_BYTES
-    ref = dict(reference) if reference is not None else reference_stages(config, weights, feeds, core)
     step = bool(config.kv_cache)
     graph = None
     if backend not in _TORCH_BACKENDS:
@@ -212,6 +236,22 @@ def localise_case(
         graph = _Graph(source.model_path)
         if graph.buffer_form:
             step = False  # the presents are the whole buffers: decode localisation compares the cache itself
+        if case_flops(config, feeds) <= SMALL_CASE_FLOPS:
+            runner_factory = functools.partial(runner_factory, threads=1)
+    # the reference's stages: those given (the case's own run of the reference) where they hold every
+    # stage the form exposes; scores and probs are computed (a second pass over the keys) only for a form
+    # that names them, and for a look inside when its decomposed form diverges (full_reference)
+    ref = dict(reference or {})
+    exposes_core = core and (graph is None or any(s in graph.layouts for s in _CORE_INSIDE))
+    if "y" not in ref or (exposes_core and "scores" not in ref):
+        ref = reference_stages(config, weights, feeds, exposes_core)
+
+    def full_reference() -> Mapping[str, np.ndarray]:
+        nonlocal ref
+        if core and "scores" not in ref:
+            ref = reference_stages(config, weights, feeds, True)
+        return ref
+
     ort_levels = graph is not None and levels and backend.startswith("ort-")
     if graph is None:
         found = _torch_stages(source, backend, feeds, runner_factory, history, core)
@@ -250,7 +290,8 @@ def localise_case(
         if result.weights:  # a fault in what a stage reads, whatever computes it
             result.cause = f"the model file's weights are not the reference's ({', '.join(result.weights)})"
         elif fused and look_inside:
-            result.inside = _look_inside(source, backend, feeds, tol, size, ref, runner_factory, result, fused[0])
+            result.inside = _look_inside(source, backend, feeds, tol, size, ref, full_reference, runner_factory, result,
+                                         fused[0])  # fmt: skip
     if graph is not None and not graph.layouts:
         result.note = "this model names no stages (written before attnx named them): only its outputs are compared"
     if not core:
@@ -258,6 +299,21 @@ def localise_case(
                                               f"would take {big / 1e9:.1f} GB (limit {CORE_STAGE_BYTES / 1e9:.2f} GB)"]))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def localisation_dict(localise: Callable[[], Localisation]) -> dict[str, Any]:
+    """What a report holds of localise()'s Localisation: its to_dict(), "line" its one line; when the
+    localisation itself fails, {"error", "line"}: "not localised: " and why (attnx's own errors by their
+    message, which names what is wrong; any other by its type and the first line of its message). A
+    diagnostic: the verdict of what it localises stands whatever it meets."""
+    try:
+        found = localise()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the verdict stands whatever it meets
+        logger.info("localisation failed: %s", e)
+        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        why = text if isinstance(e, AttnxError) else f"{type(e).__name__}: {text}"
+        return {"error": f"{type(e).__name__}: {text}", "line": f"not localised: {why}"}
+    return {**found.to_dict(), "line": found.line()}
 
 
 def _compare(backend: str, config: AttentionConfig, step: bool, found: Mapping[str, np.ndarray],
@@ -287,21 +343,22 @@ class _Graph:
     """The model file's graph as localisation reads it: which stages it names, in which layout, and
     the nodes that produce each tensor."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, model: str | Any) -> None:
+        """model: the model file's path, or the model itself (an onnx.ModelProto, its weights in it)."""
         import onnx
 
-        self.path = path
+        self.path = model if isinstance(model, str) else None
         # read once, with the weights (the exposed copy is a whole model); a model over 2 GB keeps them beside it
-        self.proto = onnx.load(path, load_external_data=False)
+        self.proto = onnx.load(model, load_external_data=False) if isinstance(model, str) else model
         graph = self.proto.graph
         self.external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer)
         if self.external:
-            onnx.external_data_helper.load_external_data_for_model(self.proto, os.path.dirname(os.path.abspath(path)))
+            onnx.external_data_helper.load_external_data_for_model(self.proto, os.path.dirname(os.path.abspath(model)))
         self.metadata = {p.key: p.value for p in self.proto.metadata_props}
         self.layouts = stage_layouts(self.metadata)
         self.buffer_form = self.metadata.get(DECODE_KEY) == "buffer"
         self.outputs = [o.name for o in graph.output]
-        self._producers = {out: (n.name, n.op_type, n.domain) for n in graph.node for out in n.output}
+        self._producers = {out: n for n in graph.node for out in n.output}
         self._types = {v.name: v.type.tensor_type.elem_type for v in
                        [*graph.value_info, *graph.output, *graph.input]}  # fmt: skip
         # a stage the graph declares no type for is in the compute dtype (fp16 with fp32 inputs: fp16)
@@ -310,10 +367,22 @@ class _Graph:
         self._compute_type = onnx.TensorProto.FLOAT16 if fp16 else onnx.TensorProto.FLOAT
 
     def producers(self, stage: str) -> list[dict[str, str]]:
-        got = self._producers.get(stage)
-        if got is None:
-            return []
-        return [{"name": got[0], "op_type": got[1], "domain": got[2]}]
+        """The nodes that compute `stage` from what comes before it (the other stages the graph names,
+        its inputs, its weights): the node that outputs it first, then back along its inputs (a
+        fused operator under an elementwise node that zeroes fully masked rows is among them)."""
+        known = set(self.layouts) - {stage}
+        nodes, seen, todo = [], set(), [stage]
+        while todo:
+            node = self._producers.get(todo.pop(0))
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.op_type == "Shape":
+                continue  # the size of a tensor, not its values
+            nodes.append({"name": node.name, "op_type": node.op_type, "domain": node.domain})
+            data = node.input[: _DATA_INPUTS.get((node.domain, node.op_type), len(node.input))]
+            todo.extend(i for i in data if i and i not in known)
+        return nodes
 
     def exposed_copy(self, directory: str, stages: Sequence[str] | None = None) -> str:
         """The model with every named stage (or those of `stages`) also a graph output, written into
@@ -355,7 +424,7 @@ def _exposed_run(graph: _Graph, source: ModelSource, backend: str, feeds: Mappin
     options = {} if level is None else {"session_options": _session_options(level)}
     with contextlib.ExitStack() as stack:
         tmp = directory or stack.enter_context(tempfile.TemporaryDirectory(prefix="attnx-localise-"))
-        path = graph.exposed_copy(tmp, stages) if graph.layouts else graph.path
+        path = graph.exposed_copy(tmp, stages) if graph.layouts or graph.path is None else graph.path
         runner = runner_factory(backend, dataclasses.replace(source, model_path=path), **options)
         with runner.load() as r:
             for earlier in history:
@@ -434,23 +503,25 @@ def _levels(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str
 
 
 def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarray], tol: Tolerance,
-                 size: ProblemSize, ref: Mapping[str, np.ndarray], runner_factory: Callable[..., Runner],
-                 result: Localisation, fused: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
-    """The decomposed form of the same model on the same backend: which of the two disagrees."""
+                 size: ProblemSize, ref: Mapping[str, np.ndarray], full_reference: Callable[[], Mapping[str, np.ndarray]],
+                 runner_factory: Callable[..., Runner], result: Localisation, fused: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+    """The decomposed form of the same model on the same backend: which of the two disagrees (ref: the
+    reference's stages so far; full_reference: with scores and probs, for naming where the decomposed
+    form diverges)."""
     op = f"{fused['domain'] + '.' if fused['domain'] else ''}{fused['op_type']}"
     try:
         with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
-            path = _decomposed_model(source, tmp)
-            inner = _Graph(path)
+            inner = _Graph(_decomposed_model(source, tmp))  # in memory: written once, exposed
             # on ONNX Runtime with optimizations off: the decomposed formula as written (and a session built
             # in a third of the time: tiny, 1 ms against 3)
             level = "disabled" if backend.startswith("ort-") else None
-            found = _exposed_run(inner, dataclasses.replace(source, model_path=path), backend, feeds, runner_factory,
-                                 level=level, directory=tmp)  # fmt: skip
+            found = _exposed_run(inner, source, backend, feeds, runner_factory, level=level, directory=tmp)
     except (UsageError, ProviderUnavailable) as e:
         return {"form": "decomposed", "op": op, "verdict": f"not run: {e}"}
     step = bool(source.config.kv_cache) and not inner.buffer_form
     inside = _compare(backend, source.config, step, found, ref, tol, size, inner)
+    if inside.stage is not None and any(s in found and s not in ref for s in _CORE_INSIDE):
+        inside = _compare(backend, source.config, step, found, full_reference(), tol, size, inner)
     if inside.stage is None:
         result.cause = f"the fused operator {op} ({fused['name']}): the decomposed form of the same model agrees on {backend}"
         return {"form": "decomposed", "op": op, "verdict": "agrees", "stage": None}

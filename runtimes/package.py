@@ -40,8 +40,8 @@ from attnx.model.tolerance import ProblemSize, rotated_cache_size, tolerance_for
 from attnx.model.weights import init_weights, weight_shapes, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.decode import decode_sequence, localisation_dict, localise_decode
-from attnx.runtimes.localise import file_weights, localise_case
+from attnx.runtimes.decode import decode_sequence, localise_decode
+from attnx.runtimes.localise import file_weights, localisation_dict, localise_case
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [

@@ -28,7 +28,7 @@ from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import ProblemSize, Tolerance, problem_size, tolerance_for
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.localise import localise_case
+from attnx.runtimes.localise import Localisation, localisation_dict, localise_case
 
 __all__ = [
     "ParityCase", "ParityReport", "run_parity", "DEFAULT_BATCHES", "DEFAULT_SEQS", "DEFAULT_MEM_SEQS", "DEFAULT_MEANS",
@@ -130,10 +130,12 @@ def _case(
     source: ModelSource | None = None,
     runner_factory: Callable[..., Runner] = create_runner,
     history: Sequence[Mapping[str, np.ndarray]] = (),
+    ref_stages: Mapping[str, np.ndarray] | None = None,
 ) -> ParityCase:
     """Run one backend on one case and compare; a str runner is the reason it is skipped. localise
     (LOCALISE_MODES): whether to localise the case, from `source`; history: the feeds this runner ran
-    before (replayed by the localisation)."""
+    before (replayed by the localisation); ref_stages: the reference's stages of the case, where it
+    recorded them (the localisation computes what they lack)."""
     tol = tolerance_for(dtype, backend, quantization)
     common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq,
                   input_mean=input_mean)  # fmt: skip
@@ -146,7 +148,7 @@ def _case(
         **cmp.stats(), precision=getattr(runner, "precision", None),
     )  # fmt: skip
     if source is not None and (localise == "all" or (localise == "failing" and not cmp)):
-        localise_into(case, source, feeds, tol, size, runner_factory, history=history)
+        localise_into(case, source, feeds, tol, size, runner_factory, history=history, reference=ref_stages)
     return case
 
 
@@ -154,20 +156,19 @@ def localise_into(case: ParityCase, source: ModelSource, feeds: Mapping[str, np.
                   size: ProblemSize, runner_factory: Callable[..., Runner] = create_runner, **options: Any) -> None:  # fmt: skip
     """Set case.localisation (attnx.runtimes.localise): on a failing case with the optimization levels
     and a look inside a fused operator; on a passing one the stages alone. A localisation that cannot
-    run leaves the case's verdict as it is and says why."""
+    run leaves the case's verdict as it is and says why (localisation_dict)."""
     failing = case.status == "fail"
-    try:
+
+    def localise() -> Localisation:
         found = localise_case(source, case.backend, feeds, tol=tol, size=size, runner_factory=runner_factory,
                               levels=failing, look_inside=failing, failed=failing, **options)  # fmt: skip
         y_check = next((c for c in found.checks if c.stage == "y"), None)
         if failing and found.stage is None and y_check is not None and y_check.status == "pass":
             found.note = "; ".join(filter(None, [found.note, "the failure did not reproduce in this run (y agrees): "
                                                  "it depends on what ran before it, or on the stages not being outputs"]))
-        case.localisation = found.to_dict()
-        case.localisation["line"] = found.line()
-    except Exception as e:  # noqa: BLE001 - a diagnostic: the case's verdict stands whatever it meets
-        logger.info("localisation of %s failed: %s", case.backend, e)
-        case.localisation = {"error": f"{type(e).__name__}: {e}", "line": f"not localised: {e}"}
+        return found
+
+    case.localisation = localisation_dict(localise)
 
 
 # The backends that compute the float formula from the config and weights (the reference, the torch
@@ -283,7 +284,14 @@ def run_parity(
                      + (f" mean={mean:g}" if mean else ""))  # fmt: skip
             feeds = make_inputs(config, batch, seq, mem_seq, dtype=float_source.dtype, seed=seed + i, mean=mean,
                                 position_offset=position_offset)  # fmt: skip
+            # a case that may be localised keeps the reference's stages (computed anyway) for it
+            recording = localise != "off" and hasattr(ref_runner, "stages")
+            if recording:
+                ref_runner.stages = {}
             ref_y = ref_runner.run(feeds)["y"]
+            ref_stages = ref_runner.stages if recording else None
+            if recording:
+                ref_runner.stages = None
             size = problem_size(config, source.weights, feeds, activations=dtype in QUANTIZATIONS)
             if check_reference:
                 f64 = {n: v.astype(np.float64) if v.dtype.kind == "f" else v for n, v in feeds.items()}
@@ -292,7 +300,7 @@ def run_parity(
             for name in backends:
                 cases.append(_case(name, reference, case_dtype(name), batch, seq, mem_seq, runners[name], feeds, ref_y,
                                    size, quantization if case_dtype(name) in QUANTIZATIONS else None, mean,
-                                   localise, case_source(name), runner_factory, history))  # fmt: skip
+                                   localise, case_source(name), runner_factory, history, ref_stages))  # fmt: skip
             history.append(feeds)
     finally:
         ref_runner.close()

@@ -15,6 +15,11 @@ __all__ = ["ReferenceRunner"]
 
 @register_backend("reference")
 class ReferenceRunner(Runner):
+    # A dict: the next runs record there every stage of the formula the reference computes anyway
+    # (attnx.model.stages; scores and probs not: they would cost a second pass over the keys), as the
+    # torch module's `stages` does; a localisation of the case reuses them. None: nothing is kept.
+    stages: dict[str, np.ndarray] | None = None
+
     def load_impl(self) -> None:
         require_source(self, config=True, weights=True)
         cfg = self.source.config
@@ -31,6 +36,8 @@ class ReferenceRunner(Runner):
             past_key=feeds.get("past_key"),
             past_value=feeds.get("past_value"),
             position_ids=feeds.get("position_ids"),
+            stages=self.stages,
+            core_stages=False,
         )
         if self.source.config.kv_cache:  # the step model: y, present_key, present_value
             return dict(zip(("y", "present_key", "present_value"), out))

@@ -253,20 +253,22 @@ def _resolve_weights(
     return weights
 
 
-def write_decomposed_form(source: ModelSource, directory: str) -> str:
+def write_decomposed_form(source: ModelSource, directory: str) -> onnx.ModelProto:
     """The model of `source` (its config, weights, dtype, quantization) in the decomposed lowering (a
-    step model's growing form), written unchecked into `directory`: what localisation compares a fused
-    operator with (attnx.runtimes.localise; registered there when this package is imported). Built by
-    hand (attnx.export.build_decomposed_model: milliseconds, no trace) where it can be; the exporter's
-    form for cross-attention and fp16."""
+    step model's growing form), unchecked: what localisation compares a fused operator with
+    (attnx.runtimes.localise; registered there when this package is imported). Built by hand
+    (attnx.export.build_decomposed_model: milliseconds, no trace, never written) where it can be; the
+    exporter's form, written into `directory` and read back, for cross-attention and fp16."""
     info = describe(source.model_path)
     quant = info.quantization or {}
     options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
     dtype = quant.get("dtype", info.dtype)
-    path = os.path.join(directory, "decomposed.onnx")
     if not source.config.cross and dtype != "fp16":
-        onnx.save(build_decomposed_model(source.config, source.weights, dtype, readable=False, **options), path)
-        return path
+        return build_decomposed_model(source.config, source.weights, dtype, readable=False, **options)
+    path = os.path.join(directory, "decomposed.onnx")
+    export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
+                 check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
+    return onnx.load(path)
     export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
                  check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
     return path

@@ -406,3 +406,69 @@ def test_a_torch_fault_is_localised_by_the_modules_own_stages(tmp_path):
     (case,) = report.cases
     assert case.status == "fail" and case.localisation["stage"] == "k", case.localisation
     assert case.localisation["agree"] == ["q"] and "the torch module's" in case.localisation["line"]
+
+
+def _fused_fault(tmp_path) -> tuple[ModelSource, str]:
+    """The ort-fused form with MultiHeadAttention's scale x1.25: a fault inside the fused operator."""
+    path = _export(tmp_path, SELF, attention="ort-fused")
+    model = onnx.load(path)
+    mha = next(n for n in model.graph.node if n.op_type == "MultiHeadAttention")
+    scale = next((a for a in mha.attribute if a.name == "scale"), None)
+    if scale is None:
+        mha.attribute.append(helper.make_attribute("scale", 1.25 * SELF.softmax_scale))
+    else:
+        scale.f *= 1.25
+    onnx.save(model, path)
+    return ModelSource(SELF, init_weights(SELF, seed=1), path), path
+
+
+def test_a_parity_localisation_reuses_the_cases_reference(tmp_path, monkeypatch):
+    # The reference's stages of the failing case (recorded by its own run, scores and probs aside) serve
+    # the localisation; scores and probs are computed only where a stage compared needs them: the look
+    # inside whose decomposed form diverges (planted here: its scale x1.25) is named at scores.
+    from attnx.runtimes import localise as loc
+
+    source, _ = _fused_fault(tmp_path)
+    calls = []
+    real = loc.reference_stages
+    monkeypatch.setattr(loc, "reference_stages", lambda *a, **k: calls.append(a[3:] or k) or real(*a, **k))
+    report = run_parity(source, ["ort-cpu"], batches=(2,), seqs=(5,))
+    (case,) = report.cases
+    assert case.status == "fail" and (case.localisation["inside"] or {}).get("verdict") == "agrees", case.localisation["line"]
+    assert calls == []  # the fused form names no scores: the case's own reference served
+
+    write = loc._decomposed_writer
+
+    def wrong_decomposed(src, directory):  # the scale constant of the hand-built form x1.25
+        model = write(src, directory)
+        node = _producer(model, "scores")
+        while not any(t.name in node.input for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT):
+            node = _producer(model, node.input[0])  # back through the reshape to the scale's Mul
+        const = next(t for t in model.graph.initializer if t.name in node.input)
+        _set(const, numpy_helper.to_array(const) * 1.25)
+        return model
+
+    monkeypatch.setattr(loc, "_decomposed_writer", wrong_decomposed)
+    (case,) = run_parity(source, ["ort-cpu"], batches=(2,), seqs=(5,)).cases
+    assert case.localisation["inside"]["verdict"] == "diverges", case.localisation["line"]
+    assert case.localisation["inside"]["stage"] == "scores" and calls == [(True,)]
+
+
+def test_a_small_case_is_localised_on_one_thread(tmp_path, monkeypatch):
+    from attnx.runtimes import create_runner
+    from attnx.runtimes import localise as loc
+
+    source, _ = _fused_fault(tmp_path)
+    seen = []
+
+    def factory(name, src, **options):
+        seen.append(options.get("threads"))
+        return create_runner(name, src, **options)
+
+    run_parity(source, ["ort-cpu"], batches=(2,), seqs=(5,), runner_factory=factory)
+    # the reference's and ort-cpu's runners for the parity, then the localisation's: the exposed model, the look inside
+    assert seen == [None, None, 1, 1], seen
+    seen.clear()
+    monkeypatch.setattr(loc, "SMALL_CASE_FLOPS", 0)
+    report = run_parity(source, ["ort-cpu"], batches=(2,), seqs=(5,), runner_factory=factory)
+    assert report.cases[0].localisation["stage"] == "z" and set(seen) == {None}
