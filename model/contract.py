@@ -475,15 +475,16 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
     # rotation keeps each pair's norm: q's and k's relative errors pass unchanged), the q/k norms (an
     # RMSNorm drops the error's radial part), a window (it hides keys), softcap (slope <= 1) and sinks
     # (a logit with no value and no error).
-    # fp16: the exporter's decomposed full-sequence graph, its rotary angle kept float32 (ConvertToFloat16:
-    # in float16 the angle's rounding at position 8192 failed parity by 17-31x its bound; float32, 0.05-0.13)
-    if dtype == "fp16" and attention == "decomposed" and not (step or config.kv_cache):
+    # fp16: the full-sequence graphs (the exporter's decomposed one, the built onnx and ort-fused ones)
+    # converted with their rotary angle kept float32 (ConvertToFloat16: in float16 the angle's rounding at
+    # position 8192 failed parity by 8-31x its bound, in every lowering; float32, 0.04-0.13)
+    if dtype == "fp16" and attention in (None, *LLM_LOWERINGS) and not (step or config.kv_cache):
         return
     if dtype is not None and dtype not in LLM_DTYPES and dtype not in QUANTIZATIONS:
         raise UsageError(
             f"--dtype {dtype} is not built yet for {what} of a config with {named}: fp16 is built for the "
-            f"full-sequence decomposed form (--attention decomposed); use --dtype {' or '.join(LLM_DTYPES)}, int8 or "
-            "int4 here"
+            f"full-sequence model (--attention {', '.join(LLM_LOWERINGS)}); use --dtype {' or '.join(LLM_DTYPES)}, "
+            "int8 or int4 here"
         )
 
 

@@ -28,6 +28,13 @@ One more fault is refused by name: OpenVINO 2026.4.1 reads com.microsoft.Attenti
 ort-attention lowering) but ignores its `scale` attribute, so a model with a custom scale
 computes softmax(q.k / sqrt(head_dim)) instead (max abs error 0.107 at scale 0.2, head_dim 8).
 
+And one precision: an fp16 model of a rope config keeps its rotary angle (position * inv_freq)
+float32 (attnx.export.passes.fp16: in float16 its rounding is whole radians at position 8192);
+under the f16 hint OpenVINO computes that region in f16 too, and fails parity at position 8192 by
+8.2-24x the bound (tests' llama and llm layers, decomposed and onnx lowerings; ort-cpu 0.04-0.05).
+So fp16 of a rope model is refused with that reason; precision="fp32" runs it (its float16 weights
+widened: 0.03 of the bound).
+
 attnx's quantized forms (int8, int4) run too, with the f32 hint: their float part (the attention
 core, softmax, inputs and output) is float32 as on ONNX Runtime. OpenVINO reads their weights
 from the graph (com.microsoft DynamicQuantizeMatMul's int8 per channel, MatMulNBits' 4-bit
@@ -141,6 +148,12 @@ class OpenvinoRunner(Runner):
             raise ProviderUnavailable(
                 f"backend {OPENVINO!r} is unavailable: OpenVINO {ov.__version__} finds no {DEVICE} device "
                 f"(devices: {', '.join(core.available_devices) or 'none'})"
+            )
+        if self.requested == "fp16" and info.config is not None and info.config.rope is not None:
+            raise ProviderUnavailable(
+                f"backend {OPENVINO!r} cannot run this rope model in fp16: under its f16 precision hint it computes the "
+                "rotary angle, kept float32 in the model, in f16 (8-24x over the bound at position 8192); "
+                "precision='fp32' runs it, or ort-cpu"
             )
         fault = _known_fault(path, info.lowering)
         if fault is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
 
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
@@ -25,6 +26,7 @@ from attnx.export import (
     save_model,
 )
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
+from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     DECODE_FORMS,
@@ -123,9 +125,17 @@ def export_model(
         pass_lines: list[str] = []
         if built:
             progress(f"building the {attention} graph")
-            model = ir.from_proto(build_full_model(config, weights, attention, dtype, block_size, accuracy_level))
+            built_dtype = "fp32" if dtype == "fp16" else dtype  # fp16: the float32 graph converted (below)
+            model = ir.from_proto(build_full_model(config, weights, attention, built_dtype, block_size, accuracy_level))
             pass_lines.append(f"lowering: {attention} (built directly: {', '.join(config.llm_keys)})")
-            if dtype != "fp32":
+            if dtype == "fp16":
+                # the pass reads value types (the rotary angle's region): the built graph declares only its
+                # inputs' and outputs', so onnx's inference types the rest first
+                ShapeInferencePass()(model)
+                to_fp16 = ConvertToFloat16(keep_io_fp32=keep_io_fp32)
+                to_fp16(model)
+                pass_lines.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in to_fp16.notes))
+            elif dtype != "fp32":
                 pass_lines.append(f"precision: {dtype} projections (QuantizeProjections)")
         else:
             progress(f"exporting ({base} attention)")

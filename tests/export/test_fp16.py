@@ -357,3 +357,37 @@ def test_fp16_of_a_rope_layer_keeps_its_angle_float32(name, tmp_path, monkeypatc
     monkeypatch.setattr(fp16_module, "_angle_region", lambda graph: set())
     _, wrong = report(tmp_path / "wrong.onnx")
     assert not wrong.passed
+
+
+@pytest.mark.parametrize("attention", ["onnx", "ort-fused"])
+def test_fp16_of_the_built_llm_lowerings_keeps_the_angle_float32(attention, tmp_path, monkeypatch):
+    """The onnx and ort-fused graphs of a modern-LLM config are built node by node, then converted
+    like the exporter's: their rotary angle stays float32 and they pass at position 8192 (with it in
+    float16 they fail there); OpenVINO, which computes that region in f16 under its f16 hint, is
+    skipped with the reason."""
+    from attnx.export.passes import fp16 as fp16_module
+    from attnx.model.weights import init_weights
+    from attnx.runtimes import ModelSource
+    from attnx.runtimes.parity import run_parity
+    from attnx.workflows import export_model
+    from tests.conftest import LLM_FUSED_CONFIGS
+
+    config = LLM_FUSED_CONFIGS[attention]
+    weights = init_weights(config, seed=1)
+
+    def report(path, **kw):
+        export = export_model(config, path, weights, attention=attention, dtype="fp16", **kw)
+        return export, run_parity(ModelSource(config, weights, str(path), "fp16"), ["ort-cpu", "openvino"],
+                                  batches=(3,), seqs=(1, 9), position_offset=8192, localise="off")  # fmt: skip
+
+    export, right = report(tmp_path / "right.onnx")  # validated against torch fp16 by the export too
+    assert export.dtype == "fp16" and any("rotary angle kept float32" in line for line in export.passes)
+    ran = [c for c in right.cases if c.backend == "ort-cpu"]
+    assert ran and all(c.status == "pass" for c in ran), [c.reason for c in ran]
+    assert all(c.status == "skipped" for c in right.cases if c.backend == "openvino")
+    if attention == "onnx" and not any("is unavailable" in (c.reason or "") for c in right.cases):
+        assert all("rotary angle" in c.reason for c in right.cases if c.backend == "openvino")
+    export_model(config, tmp_path / "io32.onnx", weights, attention=attention, dtype="fp16", keep_io_fp32=True)
+    monkeypatch.setattr(fp16_module, "_angle_region", lambda graph: set())
+    _, wrong = report(tmp_path / "wrong.onnx", validate=False)
+    assert any(c.status == "fail" for c in wrong.cases if c.backend == "ort-cpu")
