@@ -19,8 +19,8 @@ together):
   buffer form rotates inside GroupQueryAttention (do_rotary) at its token index; the torch peers
   rotate as transformers does (cos/sin of position_ids * inv_freq, rotate_half); "torch static" is
   the static-cache peer (a preallocated cache written in place with index_copy_, as transformers'
-  StaticCache, then SDPA over it); "openvino onnx growing" runs attnx's onnx step model on OpenVINO
-  (f32, the step's threads). With softcap or sinks the peers attend as transformers' eager attention
+  StaticCache, then SDPA over it); "openvino onnx growing" and "openvino decomposed growing" run
+  attnx's onnx and decomposed step models on OpenVINO (f32, the step's threads). With softcap or sinks the peers attend as transformers' eager attention
   does (Gemma 2, gpt-oss); with a sliding window they read the last W keys, and so does the bound.
 
 Timing: each timed step is preceded, outside the timer, by a read of 256 MB (more than every
