@@ -13,7 +13,7 @@ from attnx.export._export import (
     release_rewriter_state,
     save_model,
 )
-from attnx.export._step import build_decomposed_model, build_full_model, build_step_model, graph_opset
+from attnx.export._step import build_decomposed_model, build_full_model, build_step_model, graph_opset, half_precision
 
 __all__ = [
     "build_decomposed_model",
@@ -22,6 +22,7 @@ __all__ = [
     "EXPORTED_LOWERINGS",
     "export_onnx",
     "graph_opset",
+    "half_precision",
     "name_contract_dims",
     "quiet",
     "release_rewriter_state",

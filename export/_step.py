@@ -105,9 +105,38 @@ def build_step_model(
     the rows of the buffer form's cos/sin table (a config with rope; DEFAULT_ROPE_POSITIONS)."""
     check_llm_support(config, attention, dtype, step=True)  # what the form cannot express: refused by name
     model = _build_float(config, weights, attention, form, rope_positions=rope_positions)
+    return with_dtype(model, dtype, block_size, accuracy_level)
+
+
+def with_dtype(model: onnx.ModelProto, dtype: str, block_size: int | None = None,
+               accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
+    """A hand-built float32 graph in `dtype`: fp32 as it is, fp16 by half_precision (inputs, outputs
+    and the cache float16 too), int8/int4 by quantize_step_model."""
     if dtype == "fp32":
         return model
+    if dtype == "fp16":
+        return half_precision(model)[0]
     return quantize_step_model(model, dtype, block_size, accuracy_level)
+
+
+def half_precision(model: onnx.ModelProto, keep_io_fp32: bool = False) -> tuple[onnx.ModelProto, list[str]]:
+    """A hand-built float32 graph in float16 by the exporter's pass, ConvertToFloat16 (its rotary angle
+    kept float32: attnx.export.passes.fp16), and the pass's notes. The built graph declares the types of
+    its inputs and outputs only: onnx's shape inference types the rest first (the pass reads them).
+    keep_io_fp32: float32 inputs and outputs, cast at the boundary (not for a step model: its cache
+    would be a cast, not the buffer it is written into)."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    from attnx.export.passes.fp16 import ConvertToFloat16
+
+    irm = ir.from_proto(model)
+    ShapeInferencePass()(irm)
+    convert = ConvertToFloat16(keep_io_fp32=keep_io_fp32)
+    convert(irm)
+    out = ir.to_proto(irm)
+    out.ir_version = IR_VERSION
+    return out, convert.notes
 
 
 def quantize_step_model(model: onnx.ModelProto, dtype: str, block_size: int | None = None,
@@ -153,7 +182,7 @@ def build_full_model(config: AttentionConfig, weights: Mapping[str, np.ndarray],
     check_lowering(c, attention)
     check_llm_support(c, attention, dtype)
     model = _build_float(c, weights, attention, "growing", step=False)
-    return model if dtype == "fp32" else quantize_step_model(model, dtype, block_size, accuracy_level)
+    return with_dtype(model, dtype, block_size, accuracy_level)
 
 
 def build_decomposed_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], dtype: str = "fp32",
@@ -170,7 +199,7 @@ def build_decomposed_model(config: AttentionConfig, weights: Mapping[str, np.nda
     if c.kv_cache:
         return build_step_model(c, weights, "decomposed", "growing", dtype, block_size, accuracy_level)
     model = _build_float(c, weights, "decomposed", "growing", step=False, readable=readable)
-    return model if dtype == "fp32" else quantize_step_model(model, dtype, block_size, accuracy_level)
+    return with_dtype(model, dtype, block_size, accuracy_level)
 
 
 def _build_float(

@@ -32,6 +32,7 @@ from attnx.model.config import AttentionConfig, TensorSpec
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
 __all__ = [
+    "STEP_DTYPES",
     "STAGES",
     "STAGES_KEY",
     "IR_VERSION",
@@ -202,6 +203,8 @@ QUANTIZATIONS: dict[str, Quantization] = {
 }  # fmt: skip
 QUANTIZED_DTYPES = tuple(QUANTIZATIONS)
 MODEL_DTYPES = (*MODEL_DTYPES, *QUANTIZED_DTYPES)
+# The dtypes a step model is built in (fp16: the whole graph, its cache too; int8/int4: its projections).
+STEP_DTYPES = ("fp32", "fp16", *QUANTIZED_DTYPES)
 # bf16 is no graph of attnx's: ONNX Runtime's CPU provider has no fast bfloat16 MatMul (its bf16
 # kernels are reference loops), so bf16 is a runtime precision set on the fp32 graph.
 BF16_RUNTIMES = "OpenVINO with inference precision bf16 on the fp32 graph (backend openvino), or torch in bf16"
@@ -430,10 +433,10 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
 # step model, and what each cannot express (refused by name, never written without a term). The
 # decomposed full-sequence graph is the torch module's export; the others are built node by node
 # (attnx.export: build_full_model, build_step_model). The graph passes (ort-fused-packed,
-# ort-attention, and auto, which measures them) do not rewrite these graphs; of the reduced-precision
-# forms, int8 and int4 without a window, softcap or sinks (README, "Modern LLM attention").
+# ort-attention, and auto, which measures them) do not rewrite these graphs. Their float dtypes (int8
+# and int4 as well: check_llm_support; README, "Modern LLM attention"):
 LLM_LOWERINGS = ("decomposed", "onnx", "ort-fused")
-LLM_DTYPES = ("fp32",)
+LLM_DTYPES = ("fp32", "fp16")
 # The rows of the buffer form's cos/sin table (GroupQueryAttention do_rotary) unless told: positions
 # 0..32767 (16 MB of float32 for a head of 128). A position past it is the op's error.
 DEFAULT_ROPE_POSITIONS = 32768
@@ -475,16 +478,13 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
     # rotation keeps each pair's norm: q's and k's relative errors pass unchanged), the q/k norms (an
     # RMSNorm drops the error's radial part), a window (it hides keys), softcap (slope <= 1) and sinks
     # (a logit with no value and no error).
-    # fp16: the full-sequence graphs (the exporter's decomposed one, the built onnx and ort-fused ones)
-    # converted with their rotary angle kept float32 (ConvertToFloat16: in float16 the angle's rounding at
-    # position 8192 failed parity by 8-31x its bound, in every lowering; float32, 0.04-0.13)
-    if dtype == "fp16" and attention in (None, *LLM_LOWERINGS) and not (step or config.kv_cache):
-        return
+    # fp16: the full-sequence graphs (the exporter's decomposed one, the built onnx and ort-fused ones) and
+    # the step models, converted with their rotary angle kept float32 (ConvertToFloat16: in float16 the
+    # angle's rounding at position 8192 failed parity by 8-31x its bound, in every lowering; float32, 0.04-0.13)
     if dtype is not None and dtype not in LLM_DTYPES and dtype not in QUANTIZATIONS:
         raise UsageError(
-            f"--dtype {dtype} is not built yet for {what} of a config with {named}: fp16 is built for the "
-            f"full-sequence model (--attention {', '.join(LLM_LOWERINGS)}); use --dtype {' or '.join(LLM_DTYPES)}, "
-            "int8 or int4 here"
+            f"--dtype {dtype} is not built yet for {what} of a config with {named}; use --dtype "
+            f"{', '.join((*LLM_DTYPES, *QUANTIZATIONS))} here"
         )
 
 

@@ -98,11 +98,12 @@ class BufferDecoder:
         self.session = session
         device = getattr(runner, "binding_device", "cpu")
         self.device = device
+        self.dtype = runner._float_dtype()  # the cache's (and x's) dtype, as the model declares past_key
         self.key = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32), device, 0
+            np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), self.dtype), device, 0
         )
         self.value = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((batch, config.n_kv_heads, capacity, config.v_head_dim), np.float32), device, 0
+            np.zeros((batch, config.n_kv_heads, capacity, config.v_head_dim), self.dtype), device, 0
         )
         self.binding = session.io_binding()
         self.length = 0
@@ -117,7 +118,7 @@ class BufferDecoder:
             raise InputError(f"the cache holds {self.capacity} positions: {self.length} + {seq} do not fit")
         total = self.length + seq
         b = self.binding
-        b.bind_cpu_input("x", np.ascontiguousarray(x, np.float32))
+        b.bind_cpu_input("x", np.ascontiguousarray(x, self.dtype))
         b.bind_cpu_input("seqlens_k", np.full(self.batch, total - 1, np.int32))
         b.bind_cpu_input("total_sequence_length", np.asarray(total, np.int32))
         b.bind_ortvalue_input("past_key", self.key)

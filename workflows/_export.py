@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
@@ -22,16 +21,16 @@ from attnx.export import (
     build_step_model,
     export_onnx,
     graph_opset,
+    half_precision,
     release_rewriter_state,
     save_model,
 )
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
-from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     DECODE_FORMS,
     EXPORT_ATTENTIONS,
-    QUANTIZATIONS,
+    STEP_DTYPES,
     check_choice,
     check_llm_support,
     check_lowering,
@@ -104,7 +103,7 @@ def export_model(
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
                                   check=check, validate=validate, progress=progress, form=decode_form,
                                   max_mem_gb=max_mem_gb, block_size=block_size,
-                                  accuracy_level=accuracy_level)  # fmt: skip
+                                  accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32)  # fmt: skip
     if decode_form != "growing":
         raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
@@ -125,17 +124,14 @@ def export_model(
         pass_lines: list[str] = []
         if built:
             progress(f"building the {attention} graph")
-            built_dtype = "fp32" if dtype == "fp16" else dtype  # fp16: the float32 graph converted (below)
-            model = ir.from_proto(build_full_model(config, weights, attention, built_dtype, block_size, accuracy_level))
+            built_dtype = "fp32" if dtype == "fp16" else dtype  # fp16: the float32 graph converted, with its notes
+            proto = build_full_model(config, weights, attention, built_dtype, block_size, accuracy_level)
             pass_lines.append(f"lowering: {attention} (built directly: {', '.join(config.llm_keys)})")
             if dtype == "fp16":
-                # the pass reads value types (the rotary angle's region): the built graph declares only its
-                # inputs' and outputs', so onnx's inference types the rest first
-                ShapeInferencePass()(model)
-                to_fp16 = ConvertToFloat16(keep_io_fp32=keep_io_fp32)
-                to_fp16(model)
-                pass_lines.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in to_fp16.notes))
-            elif dtype != "fp32":
+                proto, notes = half_precision(proto, keep_io_fp32)
+                pass_lines.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in notes))
+            model = ir.from_proto(proto)
+            if dtype not in ("fp32", "fp16"):
                 pass_lines.append(f"precision: {dtype} projections (QuantizeProjections)")
         else:
             progress(f"exporting ({base} attention)")
@@ -196,18 +192,23 @@ def _export_step_model(
     max_mem_gb: float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    keep_io_fp32: bool = False,
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
     checked like every export and validated step by step against the reference. dtype int8/int4
     quantizes its projections with the full-sequence forms' pass and metadata; the validation
-    then holds it to the quantized error model (run_decode_parity)."""
+    then holds it to the quantized error model (run_decode_parity); fp16 converts the whole graph
+    (its rotary angle kept float32), its inputs, outputs and cache float16."""
     if attention == "auto":
         raise UsageError("--attention auto does not measure step models; choose one of decomposed, onnx, ort-fused")
     check_lowering(config, attention, step=True)
-    if dtype not in ("fp32", *QUANTIZATIONS):
+    if dtype not in STEP_DTYPES:
         raise UsageError(
-            f"the step model is built in fp32, int8 or int4 (--dtype {dtype} is not supported for kv_cache)"
+            f"the step model is built in {', '.join(STEP_DTYPES)} (--dtype {dtype} is not supported for kv_cache)"
         )
+    if keep_io_fp32:
+        raise UsageError("--keep-io-fp32 is for the full-sequence model: a step model's cache is its input and "
+                         "output, in the model's dtype")  # fmt: skip
     if opset is not None and opset != graph_opset(config, attention):
         raise UsageError(f"the step model's {attention} lowering is written at opset {graph_opset(config, attention)}")
     check_output_file(out, "--out")
@@ -236,7 +237,9 @@ def _export_step_model(
                     raise ExportError(f"{label}: step-by-step validation failed: {failed[0].reason}")
         files = stage.publish()
     lines = [f"lowering: {attention} (step model, {form} form)"]
-    if dtype != "fp32":
+    if dtype == "fp16":
+        lines.append("precision: fp16 (ConvertToFloat16: inputs, outputs and the cache float16)")
+    elif dtype != "fp32":
         lines.append(f"precision: {dtype} projections (QuantizeProjections)")
     return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, lines)
 
@@ -267,14 +270,17 @@ def write_decomposed_form(source: ModelSource, directory: str) -> onnx.ModelProt
     """The model of `source` (its config, weights, dtype, quantization) in the decomposed lowering (a
     step model's growing form), unchecked: what localisation compares a fused operator with
     (attnx.runtimes.localise; registered there when this package is imported). Built by hand
-    (attnx.export.build_decomposed_model: milliseconds, no trace, never written) where it can be; the
-    exporter's form, written into `directory` and read back, for cross-attention and fp16."""
+    (attnx.export.build_decomposed_model, fp16 by half_precision: milliseconds, no trace, never
+    written); the exporter's form, written into `directory` and read back, for cross-attention."""
     info = describe(source.model_path)
     quant = info.quantization or {}
     options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
     dtype = quant.get("dtype", info.dtype)
-    if not source.config.cross and dtype != "fp16":
-        return build_decomposed_model(source.config, source.weights, dtype, readable=False, **options)
+    if not source.config.cross:
+        if dtype != "fp16":
+            return build_decomposed_model(source.config, source.weights, dtype, readable=False, **options)
+        model = build_decomposed_model(source.config, source.weights, readable=False)
+        return half_precision(model, keep_io_fp32=info.io_dtype == "fp32" and not source.config.kv_cache)[0]
     path = os.path.join(directory, "decomposed.onnx")
     export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
                  check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip

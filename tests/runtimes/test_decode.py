@@ -305,7 +305,8 @@ def test_commands_that_do_not_take_a_step_model_say_so(step_models, tmp_path, ca
         (["bench", "--model", model], "attnx bench --decode"),
         (["optimize", model, "--out", str(tmp_path / "o.onnx")], "not rewritten by optimize"),
         (["export", "--config", str(cfg), "--attention", "auto", "--out", str(tmp_path / "a.onnx")], "auto"),
-        (["export", "--config", str(cfg), "--dtype", "fp16", "--out", str(tmp_path / "h.onnx")], "int8 or int4"),
+        (["export", "--config", str(cfg), "--dtype", "fp16", "--keep-io-fp32", "--out", str(tmp_path / "h.onnx")],
+         "--keep-io-fp32 is for the full-sequence model"),
     ):
         assert main(argv) == 2, argv
         assert needle in capsys.readouterr().err

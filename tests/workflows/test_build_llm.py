@@ -20,7 +20,7 @@ import pytest
 import attnx
 from attnx.errors import InputError, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import EXPORT_ATTENTIONS, LLM_DTYPES, LLM_LOWERINGS, MODEL_DTYPES
+from attnx.model.contract import EXPORT_ATTENTIONS, LLM_DTYPES, LLM_LOWERINGS, MODEL_DTYPES, QUANTIZATIONS
 from attnx.model.weights import init_weights
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import decode_sequence, empty_cache, run_decode_parity
@@ -117,7 +117,7 @@ def test_the_full_sequence_package_carries_position_ids(tmp_path):
 def test_forms_not_built_yet_are_refused_by_name(tmp_path):
     """What the contract does not build for these keys yet (check_llm_support), refused before any work."""
     attention = next((a for a in EXPORT_ATTENTIONS if a not in LLM_LOWERINGS), None)
-    dtype = next((d for d in MODEL_DTYPES if d not in LLM_DTYPES), None)
+    dtype = next((d for d in MODEL_DTYPES if d not in (*LLM_DTYPES, *QUANTIZATIONS)), None)  # every one, now
     cases = [(a, d) for a, d in ((attention, "fp32"), ("decomposed", dtype)) if a is not None and d is not None]
     for attention, dtype in cases:
         with pytest.raises(UsageError, match="rope"):
