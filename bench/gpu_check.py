@@ -12,7 +12,12 @@ Nothing here is new machinery: it is `attnx parity` and `attnx bench` over a fix
    each dtype, through each ONNX Runtime backend with every lowering `attnx bench` times by
    default (decomposed, onnx, ort-fused) and through each torch backend, against the float64
    reference (attnx.runtimes.parity: the one comparator and the tolerance table).
-3. bench: for each preset, the sweep of `attnx bench` (each case in a process of its own,
+3. decode: the step model of `--decode-preset` (large-gqa: 16 query heads on 4 key/value heads)
+   with rope, in each dtype (float16: what GroupQueryAttention takes on a GPU), ort-fused:
+   step-by-step parity of its growing form on every backend (the torch ones run the module) and
+   of its buffer form (one cache bound in place, IOBinding) on each ONNX Runtime backend; prefill
+   0, 1 and 37 then 64 steps (attnx.runtimes.decode).
+4. bench: for each preset, the sweep of `attnx bench` (each case in a process of its own,
    inputs and outputs on the device, each call timed to its end): ort-fused on the ONNX
    Runtime backends against SDPA on the torch backends, in float16, batch 1, with a GEMM of
    the model's projection size as the roofline.
@@ -36,14 +41,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import onnx
+
 from attnx._io import write_json_atomic
 from attnx.bench._plan import BenchPlan
 from attnx.bench._sweep import machine_info, run_bench
 from attnx.errors import AttnxError
+from attnx.export import build_step_model
 from attnx.model import PRESETS, init_weights, preset
 from attnx.model.contract import BENCH_ORT_LOWERINGS, MODEL_DTYPES, PROVIDERS, QUANTIZED_DTYPES, provider_of_backend
 from attnx.runtimes import ModelSource
 from attnx.runtimes.base import backend_unavailable_reason
+from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_buffer_parity, run_decode_parity
 from attnx.runtimes.parity import run_parity
 from attnx.workflows import export_model
 
@@ -65,6 +74,9 @@ BENCH_LOWERINGS = ("ort-fused", "sdpa")
 BENCH_DTYPE = "fp16"
 
 
+STEPS = ("parity", "decode", "bench")
+# The decode step's model: rope on the preset's step model (what every decoder deployed now has).
+DECODE_ROPE = {"theta": 10000.0}
 # The float dtypes the GPU check covers (the quantized forms are CPU forms: issue 12).
 GPU_DTYPES = tuple(d for d in MODEL_DTYPES if d not in QUANTIZED_DTYPES)
 
@@ -92,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parity-preset", default="large", help="the model of the parity matrix (default large)")
     p.add_argument("--parity-seqs", type=_positive_ints, default=PARITY_SEQS, help="default 1,7,128,515")
     p.add_argument("--dtypes", type=_names, default=GPU_DTYPES, help="parity dtypes (default fp32,fp16)")
-    p.add_argument("--steps", type=_names, default=("parity", "bench"), help="parity and/or bench (default both)")
+    p.add_argument("--decode-preset", default="large-gqa", help="the step model of the decode step (default large-gqa)")
+    p.add_argument("--steps", type=_names, default=STEPS, help=f"any of {', '.join(STEPS)} (default all)")
     p.add_argument("--repeat", type=int, default=10, help="timed calls per benchmark case (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds per benchmark case")
@@ -103,14 +116,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     known = {"backends": set(DEVICE_BACKENDS), "presets": set(PRESETS), "dtypes": set(GPU_DTYPES),
-             "steps": {"parity", "bench"}}  # fmt: skip
+             "steps": set(STEPS)}  # fmt: skip
     for key, values in (("backends", args.backends), ("presets", args.presets), ("dtypes", args.dtypes),
                         ("steps", args.steps)):  # fmt: skip
         bad = [v for v in values if v not in known[key]]
         if bad or not values:
             parser.error(f"--{key}: unknown {bad[0]!r} (known: {', '.join(sorted(known[key]))})" if bad else f"--{key} is empty")
-    if args.parity_preset not in PRESETS:
-        parser.error(f"--parity-preset: unknown {args.parity_preset!r} (known: {', '.join(PRESETS)})")
+    for flag, name in (("--parity-preset", args.parity_preset), ("--decode-preset", args.decode_preset)):
+        if name not in PRESETS:
+            parser.error(f"{flag}: unknown {name!r} (known: {', '.join(PRESETS)})")
     if args.repeat < 1 or args.warmup < 0 or not args.timeout > 0:
         parser.error("--repeat must be at least 1, --warmup at least 0 and --timeout positive")
     if args.seqs is None:
@@ -172,6 +186,46 @@ def _parity_run(step: dict, results: Results, name: str, lowering: str, dtype: s
     results.save()
 
 
+def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Results) -> dict[str, Any]:
+    """The step model of --decode-preset with rope, ort-fused, in each dtype: its growing form step by step
+    on every usable backend (left-padded batch 3), its buffer form on each ONNX Runtime backend (batch 2,
+    no padding: the form has none), against the float64 reference's full forward."""
+    step: dict[str, Any] = {"status": "running", "preset": args.decode_preset, "prefills": list(DEFAULT_PREFILLS),
+                            "steps": DEFAULT_STEPS, "runs": []}  # fmt: skip
+    results.data["steps"]["decode"] = step
+    ort = [b for b in usable if provider_of_backend(b) is not None]
+    base = dataclasses.replace(preset(args.decode_preset), kv_cache=True, causal=True, cross=False, rope=DECODE_ROPE)
+    with tempfile.TemporaryDirectory(prefix="attnx-gpu-decode-") as tmp:
+        for form, backends, padded in (("growing", usable, True), ("buffer", ort, False)):
+            config = type(base).from_dict({**base.to_dict(), "key_padding_mask": padded})
+            weights = init_weights(config, seed=0)
+            for dtype in args.dtypes if backends else ():
+                entry: dict[str, Any] = {"model": f"{args.decode_preset}-rope", "lowering": f"ort-fused {form}",
+                                         "dtype": dtype, "backends": backends}  # fmt: skip
+                logger.info("decode parity %s %s on %s", entry["lowering"], dtype, ",".join(backends))
+                start = time.monotonic()
+                try:
+                    path = os.path.join(tmp, f"{form}-{dtype}.onnx")
+                    onnx.save(build_step_model(config, weights, "ort-fused", form, dtype), path)
+                    source = ModelSource(config, weights, path, dtype)
+                    if form == "growing":
+                        reports = [run_decode_parity(source, backends, batch=3, localise="off")]
+                    else:
+                        reports = [run_buffer_parity(source, b) for b in backends]
+                except AttnxError as e:  # a model that cannot be built or run here is a result of this matrix
+                    entry.update(status="failed", reason=str(e))
+                else:
+                    cases = [c.to_dict() for r in reports for c in r.cases]
+                    entry.update(status="done", passed=all(r.passed for r in reports), report={"cases": cases})
+                entry["seconds"] = time.monotonic() - start
+                step["runs"].append(entry)
+                results.save()
+    runs = step["runs"]
+    step["passed"] = bool(runs) and all(r["status"] == "done" and r["passed"] for r in runs)
+    step["status"] = "done"
+    return step
+
+
 def run_benchmarks(args: argparse.Namespace, usable: list[str], results: Results) -> dict[str, Any]:
     """`attnx bench`'s sweep per preset: ort-fused on ONNX Runtime, SDPA on torch, float16."""
     step: dict[str, Any] = {"status": "running", "dtype": BENCH_DTYPE, "lowerings": list(BENCH_LOWERINGS),
@@ -212,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usable = [b for b, reason in unavailable.items() if reason is None]
     results.save()
     ok = bool(usable)
-    for name, run in (("parity", run_parity_matrix), ("bench", run_benchmarks)):
+    for name, run in (("parity", run_parity_matrix), ("decode", run_decode_matrix), ("bench", run_benchmarks)):
         if name not in args.steps:
             continue
         if not usable:
@@ -238,9 +292,11 @@ def _print_summary(data: dict[str, Any]) -> None:
     for backend, reason in data.get("unavailable", {}).items():
         print(f"{backend}: {'available' if reason is None else reason}")
     steps = data.get("steps", {})
-    par = steps.get("parity")
-    if par:
-        print(f"parity: {par.get('status')} passed={par.get('passed')} {par.get('reason') or ''}".rstrip())
+    for name in ("parity", "decode"):
+        par = steps.get(name)
+        if not par:
+            continue
+        print(f"{name}: {par.get('status')} passed={par.get('passed')} {par.get('reason') or ''}".rstrip())
         for run in par.get("runs", []):
             verdict = "" if run.get("passed") is None else ("PASS" if run["passed"] else "FAIL")
             print(f"  {run['model']:14s} {run['lowering']:10s} {run['dtype']} {','.join(run['backends'])}: "

@@ -17,13 +17,15 @@ def test_defaults_are_the_gpu_backends_and_the_issue_matrix():
     assert args.backends == ("ort-cuda", "torch-cuda")
     assert args.presets == ("large", "gpt3") and args.seqs == (512, 1024, 2048, 4096, 8192, 16384)
     assert args.dtypes == ("fp32", "fp16") and args.parity_preset == "large"
+    assert args.steps == ("parity", "decode", "bench") and args.decode_preset == "large-gqa"
     assert gpu_check.parse_args(["--out", "d", "--quick"]).seqs == (512, 2048)
 
 
 @pytest.mark.parametrize(
     "argv",
     [[], ["--out", "d", "--backends", "reference"], ["--out", "d", "--presets", "huge"], ["--out", "d", "--seqs", "0"],
-     ["--out", "d", "--dtypes", "int8"], ["--out", "d", "--steps", "train"], ["--out", "d", "--repeat", "0"]],
+     ["--out", "d", "--dtypes", "int8"], ["--out", "d", "--steps", "train"], ["--out", "d", "--repeat", "0"],
+     ["--out", "d", "--decode-preset", "huge"]],
 )  # fmt: skip
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -34,7 +36,8 @@ def test_bad_arguments_exit_2(argv, capsys):
 def test_the_whole_check_on_the_cpu_backends(tmp_path, capsys):
     out = tmp_path / "results"  # created by the check
     argv = ["--out", str(out), "--backends", "ort-cpu,torch", "--presets", "tiny", "--seqs", "16",
-            "--parity-preset", "tiny", "--parity-seqs", "1,9", "--dtypes", "fp32", "--repeat", "2", "--warmup", "1"]  # fmt: skip
+            "--parity-preset", "tiny", "--parity-seqs", "1,9", "--dtypes", "fp32", "--repeat", "2", "--warmup", "1",
+            "--decode-preset", "tiny"]  # fmt: skip
     assert gpu_check.main(argv) == 0
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["passed"] is True and data["unavailable"] == {"ort-cpu": None, "torch": None}
@@ -49,6 +52,7 @@ def test_the_whole_check_on_the_cpu_backends(tmp_path, capsys):
         cases = run["report"]["cases"]
         assert run["passed"] and cases and all(c["status"] == "pass" and c["reference"] == "reference" for c in cases)
         assert all(0 <= c["needed_atol"] <= c["atol"] for c in cases)
+    assert data["steps"]["decode"]["passed"] is True  # (its own test below)
     bench = data["steps"]["bench"]["presets"]["tiny"]
     assert bench["cases"] == {"ok": 2, "failed": 0, "timeout": 0, "skipped": 0}
     assert [r["baseline"] for r in bench["ratios"]] == ["torch eager"] and bench["ratios"][0]["speedup"] > 0
@@ -71,3 +75,22 @@ def test_without_the_gpu_backends_nothing_passes_and_each_says_why(tmp_path):
     for backend, reason in reasons.items():
         if reason is not None:
             assert data["unavailable"][backend] == reason and f"{backend}: {reason}" in data["steps"]["bench"]["reason"]
+
+
+def test_the_decode_step_on_the_cpu_backends(tmp_path, capsys):
+    # the step model with rope, ort-fused: its growing form on every backend, its buffer form on ONNX
+    # Runtime's, in fp32 and fp16 (what GroupQueryAttention takes on a GPU)
+    argv = ["--out", str(tmp_path), "--steps", "decode", "--backends", "ort-cpu,torch", "--decode-preset", "tiny",
+            "--dtypes", "fp32,fp16"]  # fmt: skip
+    assert gpu_check.main(argv) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    step = data["steps"]["decode"]
+    assert data["passed"] is True and step["passed"] is True and step["prefills"] == [0, 1, 37]
+    assert [(r["lowering"], r["dtype"], r["backends"]) for r in step["runs"]] == [
+        ("ort-fused growing", "fp32", ["ort-cpu", "torch"]), ("ort-fused growing", "fp16", ["ort-cpu", "torch"]),
+        ("ort-fused buffer", "fp32", ["ort-cpu"]), ("ort-fused buffer", "fp16", ["ort-cpu"])]  # fmt: skip
+    for run in step["runs"]:
+        cases = run["report"]["cases"]
+        assert {c["backend"] for c in cases} == set(run["backends"]) and {c["prefill"] for c in cases} == {0, 1, 37}
+        assert all(c["status"] == "pass" and c["steps"] == 64 and c["dtype"] == run["dtype"] for c in cases)
+    assert "decode: done passed=True" in capsys.readouterr().out
