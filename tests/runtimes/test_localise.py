@@ -472,3 +472,17 @@ def test_a_small_case_is_localised_on_one_thread(tmp_path, monkeypatch):
     monkeypatch.setattr(loc, "SMALL_CASE_FLOPS", 0)
     report = run_parity(source, ["ort-cpu"], batches=(2,), seqs=(5,), runner_factory=factory)
     assert report.cases[0].localisation["stage"] == "z" and set(seen) == {None}
+
+
+def test_a_graph_saved_by_ort_offline_optimization_is_localised(self_model, tmp_path):
+    # ONNX Runtime's saved graph keeps the stage tensors' names (its fused nodes are named after ours)
+    from attnx.runtimes.ort_offline import optimize_for_provider
+
+    model = onnx.load(self_model)
+    wrong_scale(model)
+    onnx.save(model, tmp_path / "fault.onnx")
+    optimize_for_provider(str(tmp_path / "fault.onnx"), str(tmp_path / "saved.onnx"), "cpu", "all")
+    (case,) = run_parity(ModelSource(SELF, init_weights(SELF, seed=1), str(tmp_path / "saved.onnx")), ["ort-cpu"],
+                         batches=(2,), seqs=(5,)).cases  # fmt: skip
+    assert case.status == "fail" and case.localisation["stage"] == "scores", case.localisation["line"]
+    assert case.localisation["nodes"] and {"q", "k", "v"} <= set(case.localisation["agree"])
