@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -160,20 +162,40 @@ def test_cli_parity_decode(tmp_path, capsys):
     assert "prefill" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("core", ["grouped-mha", "gqa"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_buffer_form_step_parity(tmp_path, heads, kv_heads):
-    """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps."""
+def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core):
+    """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps;
+    its core either op (buffer_core: the grouped MultiHeadAttention where it can, GroupQueryAttention)."""
+    from attnx.export._step import _build_float
     from attnx.runtimes.decode import run_buffer_parity
 
     c = _step(heads, kv_heads, kpm=False)
     w = init_weights(c, 0)
     path = str(tmp_path / "buffer.onnx")
-    onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
+    model = _build_float(c, w, "ort-fused", "buffer", buffer_core=core)
+    fused = [n for n in model.graph.node if n.domain == "com.microsoft"]
+    assert [n.op_type for n in fused] == [{"grouped-mha": "MultiHeadAttention", "gqa": "GroupQueryAttention"}[core]]
+    onnx.save(model, path)
     info = describe(path)
     assert info.decode == "buffer" and info.lowering == "ort-fused"
     assert [s.name for s in info.inputs] == ["x", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
     report = run_buffer_parity(ModelSource(c, w, path), prefills=(0, 1, 37), steps=64, batch=3)
     assert report.passed and len(report.cases) == 3 and all(x.status == "pass" for x in report.cases)
+
+
+def test_the_buffer_forms_core_reads_each_kv_head_once_where_it_can():
+    """buffer_core: MultiHeadAttention with a group's query heads as rows (num_heads = the kv heads) for a
+    CPU form of a config without softcap, window or sinks; GroupQueryAttention for those and for fp16."""
+    from attnx.export._step import buffer_core
+
+    c = _step(4, 2, kpm=False)
+    model = build_step_model(c, init_weights(c, 0), "ort-fused", form="buffer")
+    (mha,) = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
+    assert {a.name: a.i for a in mha.attribute if a.name == "num_heads"} == {"num_heads": 2}
+    assert all(buffer_core(c, d) == "grouped-mha" for d in ("fp32", "int8", "int4")) and buffer_core(c, "fp16") == "gqa"
+    for change in ({"softcap": 2.0}, {"sliding_window": 3}, {"sinks": True}):
+        assert buffer_core(dataclasses.replace(c, **change)) == "gqa"
 
 
 def test_buffer_form_refusals():

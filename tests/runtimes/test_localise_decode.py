@@ -95,8 +95,9 @@ def test_a_fault_in_y_alone_is_found_at_the_prefill(models, tmp_path):
 
 
 def test_the_buffer_form_told_the_wrong_length_is_found_at_that_step(models, monkeypatch):
-    """From step FAULT_STEP on, seqlens_k says one token fewer: GroupQueryAttention writes the new key
-    and value over the previous token's."""
+    """From step FAULT_STEP on, seqlens_k and total_sequence_length say one token fewer: the op
+    (MultiHeadAttention, or GroupQueryAttention: each reads one of them) writes the new key and value
+    over the previous token's."""
 
     class Binding:
         def __init__(self, decoder, inner):
@@ -106,8 +107,8 @@ def test_the_buffer_form_told_the_wrong_length_is_found_at_that_step(models, mon
             return getattr(self.inner, name)
 
         def bind_cpu_input(self, name, value):
-            if name == "seqlens_k" and self.decoder.length + 1 >= PREFILL + FAULT_STEP:
-                value = value - 1
+            if name in ("seqlens_k", "total_sequence_length") and self.decoder.length + 1 >= PREFILL + FAULT_STEP:
+                value = np.asarray(value - 1, value.dtype)
             self.inner.bind_cpu_input(name, value)
 
     class OffByOne(BufferDecoder):
