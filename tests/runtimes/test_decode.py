@@ -299,7 +299,9 @@ def test_decode_parity_on_the_gpu(step_models, attention):
 
 
 @pytest.mark.cuda
-def test_buffer_form_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("core", ["grouped-mha", "gqa"])
+def test_buffer_form_on_the_gpu(tmp_path, core):
+    from attnx.export._step import _build_float
     from attnx.runtimes.decode import run_buffer_parity
     from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 
@@ -309,7 +311,7 @@ def test_buffer_form_on_the_gpu(tmp_path):
     c = _step(4, 2, kpm=False)
     w = init_weights(c, 0)
     path = str(tmp_path / "buffer.onnx")
-    onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
+    onnx.save(_build_float(c, w, "ort-fused", "buffer", buffer_core=core), path)
     assert run_buffer_parity(ModelSource(c, w, path), "ort-cuda", prefills=(0, 37), steps=16, batch=2).passed
 
 
