@@ -400,7 +400,8 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
         )
     if c.key_padding_mask:
         raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
-    check_buffer_rope(c)
+    if core == "gqa":  # its do_rotary reads one cos/sin table (the grouped core rotates with its own node)
+        check_buffer_rope(c)
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     g = Graph()
     # One packed projection [d_model, (H + 2 Hkv) * head_dim] that the op splits itself: one GEMV

@@ -489,8 +489,8 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
 
 
 def check_buffer_rope(config: AttentionConfig) -> None:
-    """One UsageError when the buffer form (GroupQueryAttention rotating q and k itself, do_rotary,
-    from one cos/sin table) cannot express the config's rope: longrope switches to its long factors
+    """One UsageError when the buffer form's GroupQueryAttention core (rotating q and k itself, do_rotary,
+    from one cos/sin table; the grouped core rotates with its own node) cannot express the config's rope: longrope switches to its long factors
     for a whole call once the call's largest position passes the original length (no one table
     holds that), and the op takes a cos/sin width (rope dim / 2) that is a multiple of 8 only
     (measured: 'cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8')."""

@@ -201,6 +201,12 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
         "original_max_position_embeddings": 16, "attention_factor": 1.0}})  # fmt: skip
     with pytest.raises(UsageError, match="buffer form cannot express longrope"):
         build_step_model(longrope, weights, "ort-fused", "buffer")
+    # both refusals are GroupQueryAttention's (its do_rotary reads one table): the grouped core, for a
+    # config without softcap, window or sinks, rotates with its own node and takes both
+    for config in (narrow, longrope):
+        plain = dataclasses.replace(config, softcap=None, sliding_window=None, sinks=False)
+        model = build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer")
+        assert "MultiHeadAttention" in [n.op_type for n in model.graph.node]
     with pytest.raises(UsageError, match="onnx cannot express sinks"):
         build_step_model(buffer, weights, "onnx")
     with pytest.raises(UsageError, match="build_full_model builds the onnx and ort-fused graphs"):

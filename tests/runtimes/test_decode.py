@@ -351,3 +351,21 @@ def test_openvino_skips_the_fused_step_model_with_its_reason(step_models):
     by_backend = {case.backend: case for case in report.cases}
     assert by_backend["ort-cpu"].status == "pass"
     assert by_backend["openvino"].status == "skipped" and "ort-fused step model" in by_backend["openvino"].reason
+
+
+def test_the_grouped_buffer_core_switches_longrope_mid_decode(tmp_path):
+    """longrope with an original length of 6 in the buffer form (its grouped core rotates with its own
+    node, positions from total_sequence_length): a prefill of 3 then steps past position 6 switch to
+    the long factors for the calls that reach it, as transformers does (decode parity's reference)."""
+    from attnx.runtimes.decode import run_buffer_parity
+
+    c = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True,
+                        rope={"theta": 10000.0, "scaling": {
+                            "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
+                            "long_factor": [3.0, 5.0, 7.0, 9.0], "original_max_position_embeddings": 6,
+                            "factor": 4.0}})  # fmt: skip
+    w = init_weights(c, 1)
+    path = str(tmp_path / "buffer.onnx")
+    onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
+    report = run_buffer_parity(ModelSource(c, w, path), prefills=(0, 3, 8), steps=6, batch=2)
+    assert report.passed, [x.reason for x in report.cases if x.status != "pass"]
