@@ -113,9 +113,10 @@ def buffer_core(config: AttentionConfig, dtype: str = "fp32") -> str:
     """The buffer form's attention core (README, "The buffer form"): "grouped-mha", MultiHeadAttention
     over the cache with a group's query heads as rows, so that each key/value head is read once (the
     core alone, llama3-8b, past 8192, flushed: 5.25 ms against GroupQueryAttention's 8.13, which reads
-    a key/value head once per query head of its group); "gqa", GroupQueryAttention, for what only it
-    expresses (softcap, a window, sinks) and for fp16 (the GPU's form; the others are CPU forms)."""
-    if config.softcap is not None or config.sliding_window is not None or config.sinks or dtype == "fp16":
+    a key/value head once per query head of its group; a window is part of its mask); "gqa",
+    GroupQueryAttention, for what only it expresses (softcap, sinks) and for fp16 (the GPU's form; the
+    others are CPU forms)."""
+    if config.softcap is not None or config.sinks or dtype == "fp16":
         return "gqa"
     return "grouped-mha"
 
@@ -444,9 +445,10 @@ def _grouped_mha(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray]
     """z of the buffer form by com.microsoft.MultiHeadAttention over the shared cache (past_sequence_length:
     it writes the new keys/values at their positions, in place), the query heads of a group stacked as
     rows: row s*G + j of head n holds query head n*G + j of token s, so that the op reads each key/value
-    head once for its whole group. The causal mask over tokens is an additive attention_bias
-    [1, 1, S*G, total] (row r sees key j iff j <= past + r // G); q/k norms and rope are their own nodes
-    (norm_and_rotate, at position past + s: the buffer form has no padding)."""
+    head once for its whole group. The causal mask over tokens (and a sliding window W) is an additive
+    attention_bias [1, 1, S*G, total]: row r, at token index p = past + r // G, sees key j iff j <= p
+    (and p - W < j); q/k norms and rope are their own nodes (norm_and_rotate, at position p: the buffer
+    form has no padding)."""
     H, Hkv, G, hd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim
     g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
     g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
@@ -465,10 +467,14 @@ def _grouped_mha(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray]
     row_token = g.op("Div", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)),
                                  g.op("Mul", seq, g.const("group_i64", np.asarray(G, np.int64))), one),
                      g.const("group_i64", np.asarray(G, np.int64)))  # fmt: skip
-    limit = g.op("Unsqueeze", g.op("Add", row_token, past), g.ints("axis1", [1]))  # [S*G, 1]
+    limit = g.op("Unsqueeze", g.op("Add", row_token, past), g.ints("axis1", [1]))  # [S*G, 1]: p
     keys = g.op("Unsqueeze", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one),
                 g.ints("axis0", [0]))  # [1, total]  # fmt: skip
-    bias = g.op("Where", g.op("LessOrEqual", keys, limit), g.const("zero_f", np.asarray(0, np.float32)),
+    visible = g.op("LessOrEqual", keys, limit)
+    if c.sliding_window is not None:  # p - W < j
+        first = g.op("Sub", limit, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
+        visible = g.op("And", visible, g.op("Greater", keys, first))
+    bias = g.op("Where", visible, g.const("zero_f", np.asarray(0, np.float32)),
                 g.const("lowest_f", np.asarray(np.finfo(np.float32).min, np.float32)))  # fmt: skip
     bias = g.op("Unsqueeze", bias, g.ints("axes_0_1", [0, 1]))  # [1, 1, S*G, total]
     past32 = g.op("Reshape", g.op("Cast", past, to=TensorProto.INT32), g.ints("one_d", [1]))

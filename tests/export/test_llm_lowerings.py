@@ -202,9 +202,9 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
     with pytest.raises(UsageError, match="buffer form cannot express longrope"):
         build_step_model(longrope, weights, "ort-fused", "buffer")
     # both refusals are GroupQueryAttention's (its do_rotary reads one table): the grouped core, for a
-    # config without softcap, window or sinks, rotates with its own node and takes both
+    # config without softcap or sinks (its window in the mask), rotates with its own node and takes both
     for config in (narrow, longrope):
-        plain = dataclasses.replace(config, softcap=None, sliding_window=None, sinks=False)
+        plain = dataclasses.replace(config, softcap=None, sinks=False)
         model = build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer")
         assert "MultiHeadAttention" in [n.op_type for n in model.graph.node]
     with pytest.raises(UsageError, match="onnx cannot express sinks"):

@@ -162,15 +162,16 @@ def test_cli_parity_decode(tmp_path, capsys):
     assert "prefill" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("core", ["grouped-mha", "gqa"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core):
+def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core, window):
     """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps;
     its core either op (buffer_core: the grouped MultiHeadAttention where it can, GroupQueryAttention)."""
     from attnx.export._step import _build_float
     from attnx.runtimes.decode import run_buffer_parity
 
-    c = _step(heads, kv_heads, kpm=False)
+    c = dataclasses.replace(_step(heads, kv_heads, kpm=False), sliding_window=window)
     w = init_weights(c, 0)
     path = str(tmp_path / "buffer.onnx")
     model = _build_float(c, w, "ort-fused", "buffer", buffer_core=core)
@@ -186,7 +187,8 @@ def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core):
 
 def test_the_buffer_forms_core_reads_each_kv_head_once_where_it_can():
     """buffer_core: MultiHeadAttention with a group's query heads as rows (num_heads = the kv heads) for a
-    CPU form of a config without softcap, window or sinks; GroupQueryAttention for those and for fp16."""
+    CPU form of a config without softcap or sinks (a window is in its mask); GroupQueryAttention for
+    those and for fp16."""
     from attnx.export._step import buffer_core
 
     c = _step(4, 2, kpm=False)
@@ -194,8 +196,9 @@ def test_the_buffer_forms_core_reads_each_kv_head_once_where_it_can():
     (mha,) = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
     assert {a.name: a.i for a in mha.attribute if a.name == "num_heads"} == {"num_heads": 2}
     assert all(buffer_core(c, d) == "grouped-mha" for d in ("fp32", "int8", "int4")) and buffer_core(c, "fp16") == "gqa"
-    for change in ({"softcap": 2.0}, {"sliding_window": 3}, {"sinks": True}):
+    for change in ({"softcap": 2.0}, {"sinks": True}):
         assert buffer_core(dataclasses.replace(c, **change)) == "gqa"
+    assert buffer_core(dataclasses.replace(c, sliding_window=3)) == "grouped-mha"
 
 
 def test_buffer_form_refusals():
