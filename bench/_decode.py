@@ -46,6 +46,7 @@ import numpy as np
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
+from attnx.model.contract import BUFFER_CORES
 from attnx.model.rope import rope_frequencies
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
@@ -223,9 +224,11 @@ def run_decode_bench(
             onnx.save(build_step_model(c, weights, lowering, form), path)
             openvino[impl] = create_runner("openvino", ModelSource(c, weights, path), threads=threads).load()
             continue
-        lowering, form, *dtype = impl.split()  # "ort-fused buffer" or "ort-fused buffer int8"
+        lowering, form, *rest = impl.split()  # "ort-fused buffer", "ort-fused buffer int8", "... grouped-mha"
+        dtype = next((w for w in rest if w in DECODE_DTYPES), "fp32")
+        core = next((w for w in rest if w in BUFFER_CORES), "gqa")
         progress(f"building the step model: {impl}")
-        model = build_step_model(c, weights, lowering, form, dtype[0] if dtype else "fp32", DEFAULT_BLOCK_SIZE)
+        model = build_step_model(c, weights, lowering, form, dtype, DEFAULT_BLOCK_SIZE, buffer_core=core)
         sessions[impl] = _session(model, threads)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, 1, c.d_model), dtype=np.float32)

@@ -69,6 +69,7 @@ from attnx.model.contract import (
     QUANT_KEY,
     ROPE_POSITIONS_KEY,
     buffer_form_specs,
+    check_buffer_core,
     check_buffer_rope,
     check_choice,
     check_llm_support,
@@ -97,28 +98,19 @@ def build_step_model(
     block_size: int | None = None,
     accuracy_level: int | None = None,
     rope_positions: int | None = None,
+    buffer_core: str = "gqa",
 ) -> onnx.ModelProto:
     """The step model of `config` (kv_cache true) in the lowering `attention`, in the growing-cache
-    form or the buffer form (ort-fused only; README, "Decoding": the buffer form). dtype int8/int4
+    form or the buffer form (ort-fused only; README, "Decoding": the buffer form; buffer_core, one of
+    contract.BUFFER_CORES: its attention op). dtype int8/int4
     quantizes its projections (the buffer form's packed q/k/v too) with the full-sequence forms'
     pass, QuantizeProjections, which records the same metadata (contract.QUANT_KEY). rope_positions:
     the rows of the buffer form's cos/sin table (a config with rope; DEFAULT_ROPE_POSITIONS)."""
     check_llm_support(config, attention, dtype, step=True)  # what the form cannot express: refused by name
-    model = _build_float(config, weights, attention, form, rope_positions=rope_positions,
-                         buffer_core=buffer_core(config, dtype))  # fmt: skip
+    if form == "buffer":
+        check_buffer_core(config, dtype, buffer_core)
+    model = _build_float(config, weights, attention, form, rope_positions=rope_positions, buffer_core=buffer_core)
     return with_dtype(model, dtype, block_size, accuracy_level)
-
-
-def buffer_core(config: AttentionConfig, dtype: str = "fp32") -> str:
-    """The buffer form's attention core (README, "The buffer form"): "grouped-mha", MultiHeadAttention
-    over the cache with a group's query heads as rows, so that each key/value head is read once (the
-    core alone, llama3-8b, past 8192, flushed: 5.25 ms against GroupQueryAttention's 8.13, which reads
-    a key/value head once per query head of its group; a window is part of its mask); "gqa",
-    GroupQueryAttention, for what only it expresses (softcap, sinks) and for fp16 (the GPU's form; the
-    others are CPU forms)."""
-    if config.softcap is not None or config.sinks or dtype == "fp16":
-        return "gqa"
-    return "grouped-mha"
 
 
 def with_dtype(model: onnx.ModelProto, dtype: str, block_size: int | None = None,
@@ -381,7 +373,7 @@ def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
 def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str,
                   rope_positions: int | None = None, core: str = "gqa") -> onnx.ModelProto:  # fmt: skip
     """The buffer form: a fused op on one fixed-capacity cache bound as both past and present (the op
-    writes the new tokens' keys/values at their positions, in place); core (buffer_core):
+    writes the new tokens' keys/values at their positions, in place); core (contract.BUFFER_CORES):
     GroupQueryAttention, or MultiHeadAttention with a group's query heads as rows (_grouped_mha).
 
         inputs   x [batch, seq, d_model]

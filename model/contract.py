@@ -32,6 +32,8 @@ from attnx.model.config import AttentionConfig, TensorSpec
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
 __all__ = [
+    "BUFFER_CORES",
+    "check_buffer_core",
     "STEP_DTYPES",
     "STAGES",
     "STAGES_KEY",
@@ -397,6 +399,26 @@ def contract_dims(config: AttentionConfig, decode: str | None = None) -> dict[st
 # and returns present_* [.., total_seq, ..] (a new cache each step); "buffer" binds one
 # fixed-capacity cache as both past and present and writes only the new token's keys/values.
 DECODE_FORMS = ("growing", "buffer")
+# The buffer form's attention core (README, "The buffer form"): GroupQueryAttention (the default: every
+# term, fp16, the fastest prefill), or MultiHeadAttention with a group's query heads as rows (each
+# key/value head read once a step: faster decode steps at long pasts, slower prefills).
+BUFFER_CORES = ("gqa", "grouped-mha")
+
+
+def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
+    """One UsageError when the buffer form's `core` (BUFFER_CORES) cannot build `config` in `dtype`:
+    the grouped core has no softcap and no sink logit (MultiHeadAttention has neither), and is a CPU
+    form (fp32, int8, int4; fp16 is GroupQueryAttention's, the GPU's form)."""
+    check_choice("--buffer-core", core, BUFFER_CORES)
+    if core != "grouped-mha":
+        return
+    lacks = [t for t, on in (("softcap", config.softcap is not None), ("sinks", config.sinks)) if on]
+    if lacks:
+        raise UsageError(f"--buffer-core grouped-mha cannot express {', '.join(lacks)} ({MS_DOMAIN}.MultiHeadAttention "
+                         "has neither): use --buffer-core gqa")  # fmt: skip
+    if dtype == "fp16":
+        raise UsageError("--buffer-core grouped-mha is a CPU form (fp32, int8, int4); fp16's buffer form is "
+                         "GroupQueryAttention's (--buffer-core gqa)")  # fmt: skip
 # The lowerings the step model is built in, and what each is in its graph.
 STEP_LOWERINGS: dict[str, str] = {
     "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",

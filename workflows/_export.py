@@ -28,9 +28,11 @@ from attnx.export import (
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
+    BUFFER_CORES,
     DECODE_FORMS,
     EXPORT_ATTENTIONS,
     STEP_DTYPES,
+    check_buffer_core,
     check_choice,
     check_llm_support,
     check_lowering,
@@ -79,6 +81,7 @@ def export_model(
     decode_form: str = "growing",
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    buffer_core: str = "gqa",
 ) -> ExportReport:
     """Export `config` to `out`, check the written file (onnx checker, contract dims, loads in
     onnxruntime, and with validate agrees with torch at shapes the export never saw), and only
@@ -98,12 +101,16 @@ def export_model(
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_model_dtype(dtype)
     check_choice("--decode-form", decode_form, DECODE_FORMS)
+    check_choice("--buffer-core", buffer_core, BUFFER_CORES)
+    if buffer_core != "gqa" and decode_form != "buffer":
+        raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
     check_llm_support(config, attention, dtype)  # rope, softcap, ...: a lowering that expresses them, fp32
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
                                   check=check, validate=validate, progress=progress, form=decode_form,
                                   max_mem_gb=max_mem_gb, block_size=block_size,
-                                  accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32)  # fmt: skip
+                                  accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32,
+                                  buffer_core=buffer_core)  # fmt: skip
     if decode_form != "growing":
         raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
@@ -193,6 +200,7 @@ def _export_step_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     keep_io_fp32: bool = False,
+    buffer_core: str = "gqa",
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
     checked like every export and validated step by step against the reference. dtype int8/int4
@@ -209,6 +217,8 @@ def _export_step_model(
     if keep_io_fp32:
         raise UsageError("--keep-io-fp32 is for the full-sequence model: a step model's cache is its input and "
                          "output, in the model's dtype")  # fmt: skip
+    if form == "buffer":
+        check_buffer_core(config, dtype, buffer_core)
     if opset is not None and opset != graph_opset(config, attention):
         raise UsageError(f"the step model's {attention} lowering is written at opset {graph_opset(config, attention)}")
     check_output_file(out, "--out")
@@ -217,7 +227,8 @@ def _export_step_model(
     with output_lock(out), Staging(out) as stage:
         weights = _resolve_weights(config, weights, seed, dtype, progress)
         progress(f"building the step model ({attention}, {form} form, {dtype})")
-        model = ir.from_proto(build_step_model(config, weights, attention, form, dtype, block_size, accuracy_level))
+        model = ir.from_proto(build_step_model(config, weights, attention, form, dtype, block_size, accuracy_level,
+                                               buffer_core=buffer_core))  # fmt: skip
         opset_used = model.opset_imports.get("", 0)
         save_model(model, stage.path())
         del model
@@ -236,7 +247,8 @@ def _export_step_model(
                 if failed:
                     raise ExportError(f"{label}: step-by-step validation failed: {failed[0].reason}")
         files = stage.publish()
-    lines = [f"lowering: {attention} (step model, {form} form)"]
+    core = f", {buffer_core} core" if form == "buffer" else ""
+    lines = [f"lowering: {attention} (step model, {form} form{core})"]
     if dtype == "fp16":
         lines.append("precision: fp16 (ConvertToFloat16: inputs, outputs and the cache float16)")
     elif dtype != "fp32":

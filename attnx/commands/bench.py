@@ -34,6 +34,7 @@ from attnx.model.contract import (
     MODEL_DTYPES,
     RUNTIME_DTYPES,
     TORCH_CORES,
+    check_buffer_core,
     check_llm_support,
     model_form,
 )
@@ -117,8 +118,9 @@ def run_decode(args: argparse.Namespace) -> int:
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
     # OpenVINO on the two step models it reads (measured, llama3-8b, past 2048 / 8192: the decomposed one
     # 15.2 / 49.5 ms, the onnx one 30.9 / 217 ms)
-    impls = ["ort-fused buffer", "ort-fused growing", "onnx growing", "decomposed growing", "openvino onnx growing",
-             "openvino decomposed growing", "torch eager", "torch static"]
+    impls = ["ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused growing", "onnx growing",
+             "decomposed growing", "openvino onnx growing", "openvino decomposed growing", "torch eager",
+             "torch static"]  # fmt: skip
     if backend_unavailable_reason("openvino") is not None:
         impls = [i for i in impls if not i.startswith("openvino")]
     # --dtype int8,int4: the step model with quantized projections (export --dtype), its buffer
@@ -141,6 +143,8 @@ def run_decode(args: argparse.Namespace) -> int:
         dtype = words[-1] if words[-1] in DECODE_DTYPES else "fp32"
         try:
             check_llm_support(config, lowering, dtype, step=True)
+            if "grouped-mha" in words:
+                check_buffer_core(config, dtype, "grouped-mha")
         except UsageError as e:
             impls.remove(impl)
             print(f"  skipped {impl}: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ from attnx.commands._common import (
     load_config_arg,
     workflows,
 )
-from attnx.model.contract import DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
+from attnx.model.contract import BUFFER_CORES, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
 
 HELP = COMMANDS["export"].help
 
@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
                    help="a kv_cache config's step model: growing (past -> present, every lowering) or buffer "
                    "(ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
+    p.add_argument("--buffer-core", choices=BUFFER_CORES, default="gqa",
+                   help="the buffer form's attention op: gqa (GroupQueryAttention, default) or grouped-mha "
+                   "(MultiHeadAttention with a group's query heads as rows: faster steps at long pasts, slower "
+                   "prefills; README, 'The buffer form')")  # fmt: skip
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx")
     p.set_defaults(run=run)
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         max_mem_gb=args.max_mem_gb,
         progress=progress,
         decode_form=args.decode_form,
+        buffer_core=args.buffer_core,
         block_size=args.block_size,
         accuracy_level=args.accuracy_level,
     )

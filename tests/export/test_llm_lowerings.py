@@ -205,7 +205,7 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
     # config without softcap or sinks (its window in the mask), rotates with its own node and takes both
     for config in (narrow, longrope):
         plain = dataclasses.replace(config, softcap=None, sinks=False)
-        model = build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer")
+        model = build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="grouped-mha")
         assert "MultiHeadAttention" in [n.op_type for n in model.graph.node]
     with pytest.raises(UsageError, match="onnx cannot express sinks"):
         build_step_model(buffer, weights, "onnx")

@@ -185,20 +185,28 @@ def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core, window):
     assert report.passed and len(report.cases) == 3 and all(x.status == "pass" for x in report.cases)
 
 
-def test_the_buffer_forms_core_reads_each_kv_head_once_where_it_can():
-    """buffer_core: MultiHeadAttention with a group's query heads as rows (num_heads = the kv heads) for a
-    CPU form of a config without softcap or sinks (a window is in its mask); GroupQueryAttention for
-    those and for fp16."""
-    from attnx.export._step import buffer_core
-
+def test_the_buffer_forms_grouped_core_is_asked_for_and_refused_where_it_cannot_go(tmp_path):
+    """--buffer-core grouped-mha: MultiHeadAttention with a group's query heads as rows (num_heads = the
+    kv heads; a window in its mask); refused by name for softcap, sinks and fp16. GroupQueryAttention is
+    the default."""
     c = _step(4, 2, kpm=False)
-    model = build_step_model(c, init_weights(c, 0), "ort-fused", form="buffer")
+    w = init_weights(c, 0)
+    assert "GroupQueryAttention" in [n.op_type for n in build_step_model(c, w, "ort-fused", form="buffer").graph.node]
+    model = build_step_model(c, w, "ort-fused", form="buffer", buffer_core="grouped-mha")
     (mha,) = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
     assert {a.name: a.i for a in mha.attribute if a.name == "num_heads"} == {"num_heads": 2}
-    assert all(buffer_core(c, d) == "grouped-mha" for d in ("fp32", "int8", "int4")) and buffer_core(c, "fp16") == "gqa"
-    for change in ({"softcap": 2.0}, {"sinks": True}):
-        assert buffer_core(dataclasses.replace(c, **change)) == "gqa"
-    assert buffer_core(dataclasses.replace(c, sliding_window=3)) == "grouped-mha"
+    build_step_model(dataclasses.replace(c, sliding_window=3), w, "ort-fused", "buffer", buffer_core="grouped-mha")
+    for change, message in (({"softcap": 2.0}, "cannot express softcap"), ({"sinks": True}, "cannot express sinks")):
+        other = dataclasses.replace(c, **change)
+        with pytest.raises(UsageError, match=message):
+            build_step_model(other, init_weights(other, 0), "ort-fused", "buffer", buffer_core="grouped-mha")
+    with pytest.raises(UsageError, match="grouped-mha is a CPU form"):
+        build_step_model(c, w, "ort-fused", "buffer", "fp16", buffer_core="grouped-mha")
+    from attnx.workflows import export_model
+
+    with pytest.raises(UsageError, match="is the buffer form's"):
+        export_model(c, tmp_path / "g.onnx", w, attention="ort-fused", buffer_core="grouped-mha")
+    assert not list(tmp_path.iterdir())
 
 
 def test_buffer_form_refusals():
@@ -369,6 +377,6 @@ def test_the_grouped_buffer_core_switches_longrope_mid_decode(tmp_path):
                             "factor": 4.0}})  # fmt: skip
     w = init_weights(c, 1)
     path = str(tmp_path / "buffer.onnx")
-    onnx.save(build_step_model(c, w, "ort-fused", form="buffer"), path)
+    onnx.save(build_step_model(c, w, "ort-fused", form="buffer", buffer_core="grouped-mha"), path)
     report = run_buffer_parity(ModelSource(c, w, path), prefills=(0, 3, 8), steps=6, batch=2)
     assert report.passed, [x.reason for x in report.cases if x.status != "pass"]
