@@ -34,16 +34,22 @@ __all__ = ["visibility", "norm_and_rotate", "rope_table"]
 _F = TensorProto.FLOAT
 
 
-def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool) -> tuple[str | None, str | None]:
+def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool,
+               span: tuple[str, str] | None = None) -> tuple[str | None, str | None]:  # fmt: skip
     """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1]), over token index: key j
     hidden from query i (at index past_seq + i in the step model, i otherwise) when j is after it
     (causal), outside the window (j <= i - W) or padded (key_padding_mask). (None, None) when
-    nothing is hidden (a full-sequence model without causal mask or padding)."""
+    nothing is hidden (a full-sequence model without causal mask or padding). span: the step's
+    (past_seq, T) as int64 scalars where past_key's length is not past_seq (the buffer form: its
+    capacity)."""
     zero = g.const("zero_i64", np.asarray(0, np.int64))
     one = g.const("one_i64", np.asarray(1, np.int64))
-    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
-    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0])) if step else zero
-    total = g.op("Add", past, seq) if step else seq  # scalar T
+    if span is not None:
+        past, total = span
+    else:
+        seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+        past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0])) if step else zero
+        total = g.op("Add", past, seq) if step else seq  # scalar T
     hidden = None
     if c.causal:
         qpos = g.op("Range", past, total, one)  # [S]: token indices of this call's queries

@@ -437,38 +437,32 @@ def _grouped_mha(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray]
     """z of the buffer form by com.microsoft.MultiHeadAttention over the shared cache (past_sequence_length:
     it writes the new keys/values at their positions, in place), the query heads of a group stacked as
     rows: row s*G + j of head n holds query head n*G + j of token s, so that the op reads each key/value
-    head once for its whole group. The causal mask over tokens (and a sliding window W) is an additive
-    attention_bias [1, 1, S*G, total]: row r, at token index p = past + r // G, sees key j iff j <= p
-    (and p - W < j); q/k norms and rope are their own nodes (norm_and_rotate, at position p: the buffer
-    form has no padding)."""
+    head once for its whole group. The mask over tokens (causal, a sliding window: visibility, the
+    decomposed form's) repeated for a token's G rows is an additive attention_bias [1, 1, S*G, total];
+    q/k norms and rope are their own nodes (norm_and_rotate, at the token index: the buffer form has
+    no padding)."""
     H, Hkv, G, hd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim
     g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
     g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
-    one = g.const("one_i64", np.asarray(1, np.int64))
-    seq = g.op("Squeeze", g.op("Slice", g.op("Shape", "x"), g.ints("d1", [1]), g.ints("d2", [2])), g.ints("axis0", [0]))
+    axis0 = g.ints("axis0", [0])
+    shape = g.op("Shape", "x")
+    seq = g.op("Squeeze", g.op("Slice", shape, g.ints("d1", [1]), g.ints("d2", [2])), axis0)
     total = g.op("Cast", "total_sequence_length", to=TensorProto.INT64)
     past = g.op("Sub", total, seq)  # positions filled before this call
     if c.qk_norm is not None or c.rope is not None:
-        tokens = g.op("Range", past, total, one)  # [S]: this call's positions
-        batch = g.op("Slice", g.op("Shape", "x"), g.ints("d0", [0]), g.ints("d1", [1]))
-        g.op("Expand", g.op("Unsqueeze", tokens, g.ints("axis0", [0])), g.op("Concat", batch, g.op(
-            "Unsqueeze", seq, g.ints("axis0", [0])), axis=0), name="position_ids")  # fmt: skip
+        tokens = g.op("Range", past, total, g.const("one_i64", np.asarray(1, np.int64)))  # [S]: their positions
+        batch = g.op("Slice", shape, g.ints("d0", [0]), g.ints("d1", [1]))
+        g.op("Expand", g.op("Unsqueeze", tokens, axis0), g.op("Concat", batch, g.op("Unsqueeze", seq, axis0), axis=0),
+             name="position_ids")  # fmt: skip
         q, k = norm_and_rotate(g, c, weights, q, k, "ort-fused")
     rows = g.op("Transpose", g.op("Reshape", q, g.ints("q_groups", [0, 0, Hkv, G, hd])), perm=[0, 1, 3, 2, 4])
     rows = g.op("Reshape", rows, g.ints("q_rows", [0, -1, Hkv * hd]))  # [B, S*G, Hkv*hd]
-    row_token = g.op("Div", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)),
-                                 g.op("Mul", seq, g.const("group_i64", np.asarray(G, np.int64))), one),
-                     g.const("group_i64", np.asarray(G, np.int64)))  # fmt: skip
-    limit = g.op("Unsqueeze", g.op("Add", row_token, past), g.ints("axis1", [1]))  # [S*G, 1]: p
-    keys = g.op("Unsqueeze", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one),
-                g.ints("axis0", [0]))  # [1, total]  # fmt: skip
-    visible = g.op("LessOrEqual", keys, limit)
-    if c.sliding_window is not None:  # p - W < j
-        first = g.op("Sub", limit, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
-        visible = g.op("And", visible, g.op("Greater", keys, first))
-    bias = g.op("Where", visible, g.const("zero_f", np.asarray(0, np.float32)),
-                g.const("lowest_f", np.asarray(np.finfo(np.float32).min, np.float32)))  # fmt: skip
-    bias = g.op("Unsqueeze", bias, g.ints("axes_0_1", [0, 1]))  # [1, 1, S*G, total]
+    hidden, _ = visibility(g, c, None, True, span=(past, total))  # [1, 1, S, total]: a step model is causal
+    hidden = g.op("Expand", g.op("Unsqueeze", hidden, g.ints("axis3", [3])), g.ints("group_rows", [1, 1, 1, G, 1]))
+    hidden = g.op("Reshape", hidden, g.op("Concat", g.ints("rows_shape", [1, 1, -1]), g.op("Unsqueeze", total, axis0),
+                                          axis=0))  # [1, 1, S*G, total]: row s*G + j as token s  # fmt: skip
+    bias = g.op("Where", hidden, g.const("lowest_f", np.asarray(np.finfo(np.float32).min, np.float32)),
+                g.const("zero_f", np.asarray(0, np.float32)))  # fmt: skip
     past32 = g.op("Reshape", g.op("Cast", past, to=TensorProto.INT32), g.ints("one_d", [1]))
     out = g.op("MultiHeadAttention", rows, k, v, "", "", bias, "past_key", "past_value", past32, outputs=3,
                domain=MS_DOMAIN, num_heads=Hkv, scale=c.softmax_scale)  # fmt: skip
