@@ -210,13 +210,14 @@ def check_memory(estimate: Estimate, max_mem_gb: float | None = None) -> None:
         raise ResourceError(f"not started: it needs {estimate}; {limit / GB:.1f} GB {source}")
 
 
-def attention_flops(config: AttentionConfig, batch: int, seq: int, mem_seq: int | None = None) -> int:
-    """FLOPs of one forward call at (batch, seq[, mem_seq]), by the model in the module docstring."""
+def attention_flops(config: AttentionConfig, batch: int, seq: int, mem_seq: int | None = None, past: int = 0) -> int:
+    """FLOPs of one forward call at (batch, seq[, mem_seq]), by the model in the module docstring;
+    past: the keys of a step model's cache, scored beside the call's own (none projected)."""
     c = config
     b, t = batch, seq
     s = (mem_seq if mem_seq is not None else seq) if c.cross else seq
     q = 2 * b * t * c.d_model * c.n_heads * c.head_dim
     kv = 2 * b * s * c.kv_dim * c.n_kv_heads * (c.head_dim + c.v_head_dim)  # grouped heads: Nkv projections
-    core = 2 * b * c.n_heads * t * s * (c.head_dim + c.v_head_dim)
+    core = 2 * b * c.n_heads * t * (s + past) * (c.head_dim + c.v_head_dim)
     out = 2 * b * t * c.n_heads * c.v_head_dim * c.d_model
     return q + kv + core + out

@@ -183,11 +183,9 @@ def core_bytes(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
 def case_flops(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
     """The FLOPs of the case (attention_flops), the keys of a past cache counted in its core."""
     batch, seq = feeds["x"].shape[:2]
-    memory = feeds.get("memory")
-    flops = attention_flops(config, batch, seq, None if memory is None else memory.shape[1])
-    if feeds.get("past_key") is not None:
-        flops += 2 * batch * config.n_heads * seq * feeds["past_key"].shape[2] * (config.head_dim + config.v_head_dim)
-    return flops
+    memory, past_key = feeds.get("memory"), feeds.get("past_key")
+    return attention_flops(config, batch, seq, None if memory is None else memory.shape[1],
+                           0 if past_key is None else past_key.shape[2])  # fmt: skip
 
 
 def localise_case(

@@ -66,3 +66,9 @@ def test_gemm_is_the_models_projection():
     assert gemm_shape(preset("large")) == (512, 1024, 1024)
     assert gemm_shape(CONFIGS["cross_kpm"]) == (512, 32, 24)  # d_model -> N * head_dim
     assert gemm_flops(2, 3, 4) == 48
+
+
+def test_a_past_cache_adds_its_keys_to_the_core_only():
+    # a step of 1 token over 100 cached keys of the large preset: 2 * 16 heads * 1 * 100 * (64 + 64) more
+    config = preset("large")
+    assert attention_flops(config, 1, 1, past=100) - attention_flops(config, 1, 1) == 2 * 16 * 100 * 128
