@@ -105,14 +105,8 @@ def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
                 q, k = (q[0], bias[:dq]), (k[0], bias[dq : 2 * dq])
             return q, k
         if _is(node, "Attention", (MS_DOMAIN,)):
-            w = const_array(node.inputs[1])
-            b = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
-            if w is None:
-                return None
-            sizes = node.attributes.get_ints("qkv_hidden_sizes", None) or [w.shape[1] // 3] * 3
-            dq = sizes[0]
-            return (w[:, :dq], b[:dq] if b is not None else None), (
-                w[:, dq : 2 * dq], b[dq : 2 * dq] if b is not None else None)  # fmt: skip
+            packed = _packed_attention(node)
+            return (packed[0], packed[1]) if packed is not None else None
         if _is(node, "Attention"):
             q, k = _projection(_strip_layout(node.inputs[0])), _projection(_strip_layout(node.inputs[1]))
             return (q, k) if q is not None and k is not None else None
@@ -123,6 +117,18 @@ def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
             q, k = _projection(_strip_layout(scores.inputs[0])), _projection(_strip_layout(scores.inputs[1]))
             return (q, k) if q is not None and k is not None else None
     return None
+
+
+def _packed_attention(node: ir.Node) -> tuple[tuple, ...] | None:
+    """((Wq, bq), (Wk, bk), (Wv, bv)) of com.microsoft Attention: one weight [in, Dq + Dk + Dv] and
+    one bias, split by qkv_hidden_sizes (equal thirds when absent)."""
+    w = const_array(node.inputs[1])
+    b = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    if w is None:
+        return None
+    sizes = node.attributes.get_ints("qkv_hidden_sizes", None) or [w.shape[1] // 3] * 3
+    ends = np.cumsum([0, *sizes])
+    return tuple((w[:, a:e], b[a:e] if b is not None else None) for a, e in zip(ends[:-1], ends[1:]))
 
 
 def qk_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
@@ -149,6 +155,9 @@ def v_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
             bias = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
             if found is not None and bias is not None:  # the op's packed bias: [Dq | Dk | Dv]
                 found = (found[0], bias[bias.shape[0] - found[0].shape[1] :])
+        elif _is(node, "Attention", (MS_DOMAIN,)):
+            packed = _packed_attention(node)
+            found = packed[2] if packed is not None else None
         elif _is(node, "Attention") and len(node.inputs) > 2:
             found = _projection(_strip_layout(node.inputs[2]))
         elif _is(node, "Softmax"):

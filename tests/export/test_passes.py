@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 
 from attnx.export import export_onnx, save_model
-from attnx.export.passes import FuseAttentionToMHA, count_ops, lowering_of, qk_weights, run_pipeline
+from attnx.export.passes import FuseAttentionToMHA, count_ops, lowering_of, qk_weights, run_pipeline, v_weights
 from attnx.model import AttentionConfig, reference_attention
-from attnx.model.contract import IR_VERSION
+from attnx.model.contract import IR_VERSION, LOWERINGS, PASS_LOWERINGS
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes import ModelSource
@@ -258,3 +258,25 @@ def test_weights_made_outside_attnx(tmp_path):
                    key_padding_mask=torch.from_numpy(feeds["key_padding_mask"]))  # fmt: skip
     rows = [0, 2]  # torch gives NaN for the fully hidden element 1; attnx gives the out bias
     np.testing.assert_allclose(y[rows], t.numpy()[rows], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "attention"),
+    [("self", a) for a in LOWERINGS] + [("cross", "ort-fused"), ("causal_kpm", "ort-fused-packed")],
+)
+def test_projections_read_back_from_every_lowering(exported, name, attention):
+    """`attnx optimize` sizes its tolerance from the model file alone: the q, k and v projections
+    (weights and biases, in torch's convention) are read back from every form attnx writes, packed
+    ones included (a Split of one MatMul, the op's packed bias, com.microsoft Attention's one weight)."""
+    config, weights = CONFIGS[name], weights_for(name)
+    form = "onnx" if attention == "onnx" else "decomposed"
+    model = ir.load(exported(name, form))
+    if attention in PASS_LOWERINGS:
+        model = lower(model, config, attention=attention).model
+    assert lowering_of(model) == attention
+    found = qk_weights(model)
+    assert found is not None
+    found.update(v_weights(model) or {})
+    assert set(found) == {f"{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias")}
+    for key, value in found.items():
+        np.testing.assert_array_equal(value, weights[key], err_msg=key)
