@@ -85,12 +85,28 @@ def named(model: onnx.ModelProto, g: Graph, readable: bool = True) -> onnx.Model
     stages = {s: (values[s], layout) for s, layout in g.stages.items() if s in values}
     projections = {n: n.inputs[1].name.removesuffix("_proj.weight.T") for n in irm.graph
                    if n.op_type == "MatMul" and n.inputs[1] is not None and n.inputs[1].name.endswith("_proj.weight.T")}  # fmt: skip
+    before = [list(proto.output) for proto in model.graph.node]
     name_graph(irm, stages, projections, {v: v.name for v in irm.graph.initializers.values()})
-    for proto, node in zip(model.graph.node, irm.graph):
+    renamed = {}
+    for proto, node, old in zip(model.graph.node, irm.graph, before):
         proto.name = node.name
         proto.input[:] = [v.name if v is not None else "" for v in node.inputs]
         proto.output[:] = [v.name for v in node.outputs]
+        renamed.update((a, b) for a, b in zip(old, proto.output) if a != b)
+    if renamed:  # a subgraph (an If's branch) reads main-graph values by name: the new names
+        _rename_subgraph_inputs(model.graph, renamed)
     del model.metadata_props[:]
     for key, value in irm.metadata_props.items():
         model.metadata_props.add(key=key, value=value)
     return model
+
+
+def _rename_subgraph_inputs(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:
+    """The inputs of every node in `graph`'s subgraphs (If, Loop, Scan bodies, at any depth) that
+    name an outer value in `renamed`, given its new name."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                for inner in sub.node:
+                    inner.input[:] = [renamed.get(i, i) for i in inner.input]
+                _rename_subgraph_inputs(sub, renamed)

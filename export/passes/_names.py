@@ -79,6 +79,9 @@ def name_graph(
     io = {v for v in [*graph.inputs, *graph.outputs]}
     stage_of = {value: stage for stage, (value, _) in stages.items()}
     nodes = list(graph)
+    # A node in a subgraph (an If's branch) reads a value for the main-graph node that holds it.
+    holder = {inner: node for node in nodes for attr in node.attributes.values() if attr.type == ir.AttributeType.GRAPH
+              for inner in ir.traversal.RecursiveGraphIterator(attr.value)}  # fmt: skip
     # The stage each node leads to: its own output's, else its nearest consumer's (fewest nodes
     # between), ties in the formula's order.
     lead: dict[ir.Node, tuple[int, int, str]] = {}
@@ -89,7 +92,7 @@ def name_graph(
             continue
         best = None
         for out in node.outputs:
-            for user in _users(out):
+            for user in (holder.get(u, u) for u in _users(out)):
                 if user in lead:
                     d, o, s = lead[user]
                     best = min(best, (d + 1, o, s)) if best is not None else (d + 1, o, s)

@@ -34,7 +34,8 @@ def lowering_of(model: ir.Model) -> str:
         source = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
         return source.op_type if source is not None else None
 
-    return lowering_from_nodes((n.domain, n.op_type, first_producer(n)) for n in model.graph)
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)  # an If's branches too
+    return lowering_from_nodes((n.domain, n.op_type, first_producer(n)) for n in nodes)
 
 
 def _strip_layout(value: ir.Value) -> ir.Value:

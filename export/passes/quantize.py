@@ -220,7 +220,7 @@ def _roles(model: ir.Model) -> dict[int, str]:
             # a modern-LLM graph: q and k reach the core through their norms and rotation
             roles[id(behind[0])] = "qkv" if behind[1] else role
 
-    for node in model.graph:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):  # an If's branches too (the buffer form's auto core)
         if node.op_type == "MultiHeadAttention" and node.domain == MS_DOMAIN or node.op_type == "Attention":
             for value, role in zip(node.inputs[:3], ("q", "k", "v")):
                 mark(value, role)
