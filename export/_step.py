@@ -374,7 +374,8 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
                   rope_positions: int | None = None, core: str = "gqa") -> onnx.ModelProto:  # fmt: skip
     """The buffer form: a fused op on one fixed-capacity cache bound as both past and present (the op
     writes the new tokens' keys/values at their positions, in place); core (contract.BUFFER_CORES):
-    GroupQueryAttention, or MultiHeadAttention with a group's query heads as rows (_grouped_mha).
+    GroupQueryAttention (_gqa_core), MultiHeadAttention with a group's query heads as rows
+    (_grouped_mha), or auto, the one or the other by the call's token count (_core_by_token_count).
 
         inputs   x [batch, seq, d_model]
                  past_key [batch, n_kv_heads, capacity, head_dim], past_value [.., v_head_dim]
@@ -393,9 +394,8 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
         )
     if c.key_padding_mask:
         raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
-    if core == "gqa":  # its do_rotary reads one cos/sin table (the grouped core rotates with its own node)
+    if core in ("gqa", "auto"):  # its do_rotary reads one cos/sin table (the grouped core rotates with its own node)
         check_buffer_rope(c)
-    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     g = Graph()
     # One packed projection [d_model, (H + 2 Hkv) * head_dim] that the op splits itself: one GEMV
     # reading every projection weight instead of three (at batch 1 the step is a weight read).
@@ -406,13 +406,25 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
     metadata = [(CONFIG_KEY, c.to_json()), (ATTENTION_KEY, attention), (DECODE_KEY, "buffer")]
     if core == "grouped-mha":
         z = _grouped_mha(g, c, weights, qkv)
-        return _buffer_proto(c, g, weights, z, attention, metadata)
+    elif core == "gqa":
+        z = _gqa_core(g, c, weights, qkv, rope_positions, metadata)
+    else:
+        z = _core_by_token_count(g, c, weights, qkv, rope_positions, metadata)
+    return _buffer_proto(c, g, weights, z, attention, metadata)
+
+
+def _gqa_core(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], qkv: str, rope_positions: int | None,
+              metadata: list[tuple[str, str]]) -> str:  # fmt: skip
+    """z of the buffer form by com.microsoft.GroupQueryAttention on the shared cache (seqlens_k: it
+    writes the new keys/values at their positions, in place), rotating q and k itself (do_rotary) from
+    a table of `rope_positions` rows (recorded in metadata)."""
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     qkv_inputs = [qkv, "", ""]
     if c.qk_norm is not None:  # the norms need q and k apart: split the packed projection
         g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
         g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
         c_norm = dataclasses.replace(c, rope=None)  # the op rotates
-        q, k = norm_and_rotate(g, c_norm, weights, q, k, attention)
+        q, k = norm_and_rotate(g, c_norm, weights, q, k, "ort-fused")
         qkv_inputs = [q, k, v]
     inputs = [*qkv_inputs, "past_key", "past_value", "seqlens_k", "total_sequence_length", "", "", "", "", ""]
     attrs = _gqa_attrs(c)
@@ -430,7 +442,37 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
         inputs.pop()
     g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **attrs)
     g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
-    return _buffer_proto(c, g, weights, z, attention, metadata)
+    return z
+
+
+def _core_by_token_count(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], qkv: str,
+                         rope_positions: int | None, metadata: list[tuple[str, str]]) -> str:  # fmt: skip
+    """z of the buffer form's auto core: an If on the call's token count, the grouped core
+    (_grouped_mha) for one token, GroupQueryAttention's (_gqa_core) for more; the faster of the two
+    for each on the CPU (README, "The buffer form"). Each branch writes the shared cache in place as
+    its op does alone: ONNX Runtime hands the If's outputs, bound to the cache, to the branch's op.
+    A branch's values carry its core's name (q/grouped-mha, ...), so that no name is made twice; the
+    constants stay in the main graph, which both branches read."""
+    branches = {}
+    for core, build in (("grouped-mha", lambda: _grouped_mha(g, c, weights, qkv)),
+                        ("gqa", lambda: _gqa_core(g, c, weights, qkv, rope_positions, metadata))):  # fmt: skip
+        start = len(g.nodes)
+        z = build()
+        nodes, g.nodes[start:] = g.nodes[start:], []
+        renamed = {out: f"{out}/{core}" for node in nodes for out in node.output if out}
+        for node in nodes:
+            node.input[:] = [renamed.get(i, i) for i in node.input]
+            node.output[:] = [renamed.get(o, o) for o in node.output]
+            node.name = f"{node.name}/{core}"
+        outputs = [helper.make_tensor_value_info(renamed[v], _F, None) for v in (z, "present_key", "present_value")]
+        branches[core] = helper.make_graph(nodes, core, [], outputs)
+    for name in [s for s in g.stages if s != "z"]:  # the branches' stages are not the main graph's
+        del g.stages[name]
+    tokens = g.op("Shape", "x", start=1, end=2)  # [1]: the call's token count
+    one_token = g.op("Squeeze", g.op("Equal", tokens, g.ints("one_token", [1])), g.ints("axis0", [0]))
+    g.op("If", one_token, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])
+    g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
+    return z
 
 
 def _grouped_mha(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], qkv: str) -> str:

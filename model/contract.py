@@ -78,6 +78,7 @@ __all__ = [
     "op_label",
     "op_counts",
     "lowering_from_nodes",
+    "all_nodes",
     "ModelInfo",
     "describe",
     "ModelForm",
@@ -400,25 +401,30 @@ def contract_dims(config: AttentionConfig, decode: str | None = None) -> dict[st
 # fixed-capacity cache as both past and present and writes only the new token's keys/values.
 DECODE_FORMS = ("growing", "buffer")
 # The buffer form's attention core (README, "The buffer form"): GroupQueryAttention (the default: every
-# term, fp16, the fastest prefill), or MultiHeadAttention with a group's query heads as rows (each
-# key/value head read once a step: faster decode steps at long pasts, slower prefills).
-BUFFER_CORES = ("gqa", "grouped-mha")
+# term, fp16, the fastest prefill), MultiHeadAttention with a group's query heads as rows (each
+# key/value head read once a step: faster decode steps at long pasts, slower prefills), or "auto":
+# an If on the call's token count, the grouped core for one token, GroupQueryAttention for more (the
+# faster of the two for each, on the CPU).
+BUFFER_CORES = ("gqa", "grouped-mha", "auto")
 
 
 def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
     """One UsageError when the buffer form's `core` (BUFFER_CORES) cannot build `config` in `dtype`:
     the grouped core has no softcap and no sink logit (MultiHeadAttention has neither), and is a CPU
-    form (fp32, int8, int4; fp16 is GroupQueryAttention's, the GPU's form)."""
+    form (fp32, int8, int4; fp16 is GroupQueryAttention's, the GPU's form); auto holds both cores,
+    so what either refuses (GroupQueryAttention's rope limits: check_buffer_rope)."""
     check_choice("--buffer-core", core, BUFFER_CORES)
-    if core != "grouped-mha":
+    if core == "gqa":
         return
     lacks = [t for t, on in (("softcap", config.softcap is not None), ("sinks", config.sinks)) if on]
     if lacks:
-        raise UsageError(f"--buffer-core grouped-mha cannot express {', '.join(lacks)} ({MS_DOMAIN}.MultiHeadAttention "
+        raise UsageError(f"--buffer-core {core} cannot express {', '.join(lacks)} ({MS_DOMAIN}.MultiHeadAttention "
                          "has neither): use --buffer-core gqa")  # fmt: skip
     if dtype == "fp16":
-        raise UsageError("--buffer-core grouped-mha is a CPU form (fp32, int8, int4); fp16's buffer form is "
+        raise UsageError(f"--buffer-core {core} is a CPU form (fp32, int8, int4); fp16's buffer form is "
                          "GroupQueryAttention's (--buffer-core gqa)")  # fmt: skip
+    if core == "auto":
+        check_buffer_rope(config)
 # The lowerings the step model is built in, and what each is in its graph.
 STEP_LOWERINGS: dict[str, str] = {
     "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",
@@ -718,9 +724,10 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         config, config_error = config_from_metadata(metadata, path), None
     except ModelFileError as e:
         config, config_error = None, str(e)
-    producers = {out: node.op_type for node in proto.graph.node for out in node.output}
+    nodes = list(all_nodes(proto.graph))  # an If's branches too (the buffer form's auto core)
+    producers = {out: node.op_type for node in nodes for out in node.output}
     lowering_name = lowering_from_nodes(
-        (n.domain, n.op_type, producers.get(n.input[0]) if n.input else None) for n in proto.graph.node
+        (n.domain, n.op_type, producers.get(n.input[0]) if n.input else None) for n in nodes
     )
     inputs = _specs(proto.graph.input)
     x = next((s for s in inputs if s.name == "x"), inputs[0] if inputs else None)
@@ -738,7 +745,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         opsets={o.domain or "ai.onnx": o.version for o in proto.opset_import},
         producer=f"{proto.producer_name} {proto.producer_version}".strip(),
         metadata=metadata,
-        operators=op_counts(proto.graph.node),
+        operators=op_counts(nodes),
         initializers=len(proto.graph.initializer),
         initializer_bytes=_initializer_bytes(proto),
         external_data=tuple(_external_locations(proto, path)),
@@ -857,6 +864,16 @@ def _external_locations(proto: Any, path: str) -> list[str]:
             if entries["location"] not in locations:
                 locations.append(entries["location"])
     return locations
+
+
+def all_nodes(graph: Any) -> Iterator[Any]:
+    """Every NodeProto of an onnx graph, its nodes' subgraphs (If branches, Loop and Scan bodies)
+    included, each after the node that holds it."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from all_nodes(sub)
 
 
 def _tensors(graph: Any) -> Iterator[Any]:

@@ -30,6 +30,7 @@ from attnx.errors import UsageError
 from attnx.model import PRESETS
 from attnx.model.contract import (
     BENCH_ORT_LOWERINGS,
+    BUFFER_CORES,
     EXPORT_ATTENTIONS,
     MODEL_DTYPES,
     RUNTIME_DTYPES,
@@ -118,7 +119,7 @@ def run_decode(args: argparse.Namespace) -> int:
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
     # OpenVINO on the two step models it reads (measured, llama3-8b, past 2048 / 8192: the decomposed one
     # 15.2 / 49.5 ms, the onnx one 30.9 / 217 ms)
-    impls = ["ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused growing", "onnx growing",
+    impls = ["ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer auto", "ort-fused growing", "onnx growing",
              "decomposed growing", "openvino onnx growing", "openvino decomposed growing", "torch eager",
              "torch static"]  # fmt: skip
     if backend_unavailable_reason("openvino") is not None:
@@ -143,8 +144,8 @@ def run_decode(args: argparse.Namespace) -> int:
         dtype = words[-1] if words[-1] in DECODE_DTYPES else "fp32"
         try:
             check_llm_support(config, lowering, dtype, step=True)
-            if "grouped-mha" in words:
-                check_buffer_core(config, dtype, "grouped-mha")
+            if (core := next((w for w in words if w in BUFFER_CORES), "gqa")) != "gqa":
+                check_buffer_core(config, dtype, core)
         except UsageError as e:
             impls.remove(impl)
             print(f"  skipped {impl}: {e}", file=sys.stderr)

@@ -32,9 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a kv_cache config's step model: growing (past -> present, every lowering) or buffer "
                    "(ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
     p.add_argument("--buffer-core", choices=BUFFER_CORES, default="gqa",
-                   help="the buffer form's attention op: gqa (GroupQueryAttention, default) or grouped-mha "
+                   help="the buffer form's attention op: gqa (GroupQueryAttention, default), grouped-mha "
                    "(MultiHeadAttention with a group's query heads as rows: faster steps at long pasts, slower "
-                   "prefills; README, 'The buffer form')")  # fmt: skip
+                   "prefills) or auto (an If on the call's token count: grouped-mha for one token, gqa for more; "
+                   "README, 'The buffer form')")  # fmt: skip
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx")
     p.set_defaults(run=run)

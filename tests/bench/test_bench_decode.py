@@ -34,7 +34,8 @@ def test_cli_bench_decode(tmp_path, capsys):
         assert r["bandwidth_gbs"] == max(r["copies_gbs"].values())
         impls = {k.rsplit(" ", 1)[0] for k in r["times_ms"]}
         ov = {"openvino onnx growing", "openvino decomposed growing"} if openvino_runs else set()
-        assert impls == {"ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused growing", "onnx growing",
+        assert impls == {"ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer auto", "ort-fused growing",
+                         "onnx growing",
                          "decomposed growing", "torch eager", "torch static", *ov}  # fmt: skip
         assert all(t > 0 for t in r["times_ms"].values())
     assert main(["bench", "--preset", "tiny", "--decode", "--kv-heads", "3"]) == 2  # must divide n_heads

@@ -127,6 +127,22 @@ def test_buffer_form_parity_and_its_rope_table(tmp_path):
         session.run(None, feeds)
 
 
+@pytest.mark.parametrize("core", ["grouped-mha", "auto"])
+def test_buffer_form_cores_with_rope_qk_norm_and_a_window(tmp_path, core):
+    """The buffer form's other cores on a modern-LLM config they take (no softcap, no sinks): rope (yarn,
+    partial, interleaved pairs) and q/k norms by their own nodes in the grouped core, inside
+    GroupQueryAttention in auto's prefill branch; the window in the grouped core's mask. Prefill 0, 1
+    and 5 (auto: the grouped core for one token, GroupQueryAttention for five) then single-token steps."""
+    config = dataclasses.replace(LLM_FUSED_CONFIGS["buffer"], softcap=None, sinks=False)
+    weights = init_weights(config, 1)
+    path = str(tmp_path / "buffer.onnx")
+    report = export_model(config, path, weights, attention="ort-fused", decode_form="buffer", buffer_core=core)
+    assert report.validation == [] and describe(path).lowering == "ort-fused"
+    _passed(run_buffer_parity(ModelSource(config, weights, path), prefills=(0, 1, 5), steps=6, batch=3))
+    with pytest.raises(UsageError, match=f"--buffer-core {core} cannot express softcap"):
+        build_step_model(LLM_FUSED_CONFIGS["buffer"], weights, "ort-fused", "buffer", buffer_core=core)
+
+
 def _faults(config):
     """(name, the config a faulty graph is built from, a runner wrapper) for each planted fault."""
     rope = config.rope
@@ -203,10 +219,12 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
         build_step_model(longrope, weights, "ort-fused", "buffer")
     # both refusals are GroupQueryAttention's (its do_rotary reads one table): the grouped core, for a
     # config without softcap or sinks (its window in the mask), rotates with its own node and takes both
-    for config in (narrow, longrope):
+    for config, refusal in ((narrow, "cannot rotate rope dim 8"), (longrope, "cannot express longrope")):
         plain = dataclasses.replace(config, softcap=None, sinks=False)
         model = build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="grouped-mha")
         assert "MultiHeadAttention" in [n.op_type for n in model.graph.node]
+        with pytest.raises(UsageError, match=refusal):  # auto prefills with GroupQueryAttention: its limits
+            build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="auto")
     with pytest.raises(UsageError, match="onnx cannot express sinks"):
         build_step_model(buffer, weights, "onnx")
     with pytest.raises(UsageError, match="build_full_model builds the onnx and ort-fused graphs"):

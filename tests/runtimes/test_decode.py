@@ -11,7 +11,7 @@ import pytest
 from attnx.errors import UsageError
 from attnx.export import build_step_model
 from attnx.model import AttentionConfig, init_weights
-from attnx.model.contract import describe
+from attnx.model.contract import BUFFER_CORES, describe
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import make_decode_inputs, run_decode_parity
 from attnx.runtimes.parity import run_parity
@@ -162,12 +162,28 @@ def test_cli_parity_decode(tmp_path, capsys):
     assert "prefill" in capsys.readouterr().out
 
 
+def _fused_ops(graph: onnx.GraphProto) -> list[str]:
+    """The com.microsoft ops of a graph, an If's as {then: [...], else: [...]}."""
+    ops = []
+    for n in graph.node:
+        if n.domain == "com.microsoft":
+            ops.append(n.op_type)
+        elif n.op_type == "If":
+            ops.append({a.name.removesuffix("_branch"): _fused_ops(a.g) for a in n.attribute})
+    return ops
+
+
+BUFFER_CORE_OPS = {"grouped-mha": ["MultiHeadAttention"], "gqa": ["GroupQueryAttention"],
+                   "auto": [{"then": ["MultiHeadAttention"], "else": ["GroupQueryAttention"]}]}  # fmt: skip
+
+
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("core", ["grouped-mha", "gqa"])
+@pytest.mark.parametrize("core", BUFFER_CORES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core, window):
     """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps;
-    its core either op (buffer_core: the grouped MultiHeadAttention where it can, GroupQueryAttention)."""
+    its core either op (buffer_core: the grouped MultiHeadAttention where it can, GroupQueryAttention),
+    or both (auto: the grouped core for a one-token call, GroupQueryAttention for a prefill)."""
     from attnx.export._step import _build_float
     from attnx.runtimes.decode import run_buffer_parity
 
@@ -175,8 +191,7 @@ def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core, window):
     w = init_weights(c, 0)
     path = str(tmp_path / "buffer.onnx")
     model = _build_float(c, w, "ort-fused", "buffer", buffer_core=core)
-    fused = [n for n in model.graph.node if n.domain == "com.microsoft"]
-    assert [n.op_type for n in fused] == [{"grouped-mha": "MultiHeadAttention", "gqa": "GroupQueryAttention"}[core]]
+    assert _fused_ops(model.graph) == BUFFER_CORE_OPS[core]
     onnx.save(model, path)
     info = describe(path)
     assert info.decode == "buffer" and info.lowering == "ort-fused"
@@ -200,8 +215,9 @@ def test_the_buffer_forms_grouped_core_is_asked_for_and_refused_where_it_cannot_
         other = dataclasses.replace(c, **change)
         with pytest.raises(UsageError, match=message):
             build_step_model(other, init_weights(other, 0), "ort-fused", "buffer", buffer_core="grouped-mha")
-    with pytest.raises(UsageError, match="grouped-mha is a CPU form"):
-        build_step_model(c, w, "ort-fused", "buffer", "fp16", buffer_core="grouped-mha")
+    for core in ("grouped-mha", "auto"):
+        with pytest.raises(UsageError, match=f"{core} is a CPU form"):
+            build_step_model(c, w, "ort-fused", "buffer", "fp16", buffer_core=core)
     from attnx.workflows import export_model
 
     with pytest.raises(UsageError, match="is the buffer form's"):
@@ -310,7 +326,7 @@ def test_decode_parity_on_the_gpu(step_models, attention):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("core", ["grouped-mha", "gqa"])
+@pytest.mark.parametrize("core", BUFFER_CORES)
 def test_buffer_form_on_the_gpu(tmp_path, core):
     from attnx.export._step import _build_float
     from attnx.runtimes.decode import run_buffer_parity

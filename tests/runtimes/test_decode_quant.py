@@ -75,6 +75,17 @@ def test_buffer_form_decode_parity(step_models, dtype):
     assert all(1e-4 < c.rel_rms < (0.05 if dtype == "int8" else 0.3) for c in report.cases)
 
 
+@pytest.mark.parametrize("core", ["grouped-mha", "auto"])
+def test_buffer_form_cores_quantized(tmp_path, core):
+    """int8 projections outside the core: the grouped and auto cores (an If whose branches read the
+    quantized qkv projection's output) decode as the default core does."""
+    path = str(tmp_path / "buffer.onnx")
+    onnx.save(build_step_model(PLAIN, init_weights(PLAIN, 0), "ort-fused", "buffer", "int8", buffer_core=core), path)
+    assert sorted(json.loads(describe(path).metadata[QUANT_KEY])["projections"]) == ["out", "qkv"]
+    report = run_buffer_parity(ModelSource(PLAIN, init_weights(PLAIN, 0), path, "int8"), "ort-cpu", **STEPS)
+    assert report.passed and len(report.cases) == 2, [c.reason for c in report.cases]
+
+
 def _scale_times_two(path, out, role):
     model = onnx.load(path)
     node = next(n for n in model.graph.node if n.name.startswith(f"{role}_proj"))
