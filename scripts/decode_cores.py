@@ -21,7 +21,6 @@ The bound: the cache's bytes (keys and values) over the copy bandwidth of `attnx
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -29,7 +28,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from attnx.bench._decode import _Flusher, measure_bandwidth
+from attnx.bench._decode import _Flusher, _median_ms, measure_bandwidth
 from attnx.model.config import preset
 from attnx.model.contract import IR_VERSION, MS_DOMAIN
 
@@ -102,18 +101,6 @@ def cores(H: int, Hkv: int, hd: int, past: int, rng: np.random.Generator) -> dic
     }
 
 
-def _median_ms(fn: Callable[[], object], flush: Callable[[], None] | None, repeat: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        if flush is not None:
-            flush()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama3-8b")
@@ -129,7 +116,7 @@ def main() -> None:
     for past in (int(p) for p in args.past.split(",")):
         nbytes = 2 * c.n_kv_heads * (past + 1) * c.head_dim * 4
         for name, fn in cores(c.n_heads, c.n_kv_heads, c.head_dim, past, rng).items():
-            cold, warm = _median_ms(fn, flush), _median_ms(fn, None)
+            cold, warm = _median_ms(fn, flush, 30), _median_ms(fn, None, 30)
             print(f"{past:>5}  {name:<24} {cold:>10.3f} {warm:>8.3f} {cold / (nbytes / bandwidth * 1e3):>8.2f} "
                   f"{nbytes / cold / 1e6:>12.1f}")  # fmt: skip
 
