@@ -453,7 +453,7 @@ def _core_by_token_count(g: Graph, c: AttentionConfig, weights: Mapping[str, np.
     its op does alone: ONNX Runtime hands the If's outputs, bound to the cache, to the branch's op.
     A branch's values carry its core's name (q/grouped-mha, ...), so that no name is made twice; the
     constants stay in the main graph, which both branches read."""
-    branches = {}
+    branches, main_stages = {}, set(g.stages)
     for core, build in (("grouped-mha", lambda: _grouped_mha(g, c, weights, qkv)),
                         ("gqa", lambda: _gqa_core(g, c, weights, qkv, rope_positions, metadata))):  # fmt: skip
         start = len(g.nodes)
@@ -466,7 +466,7 @@ def _core_by_token_count(g: Graph, c: AttentionConfig, weights: Mapping[str, np.
             node.name = f"{node.name}/{core}"
         outputs = [helper.make_tensor_value_info(renamed[v], _F, None) for v in (z, "present_key", "present_value")]
         branches[core] = helper.make_graph(nodes, core, [], outputs)
-    for name in [s for s in g.stages if s != "z"]:  # the branches' stages are not the main graph's
+    for name in set(g.stages) - main_stages:  # the branches' stages are not the main graph's
         del g.stages[name]
     tokens = g.op("Shape", "x", start=1, end=2)  # [1]: the call's token count
     one_token = g.op("Squeeze", g.op("Equal", tokens, g.ints("one_token", [1])), g.ints("axis0", [0]))
