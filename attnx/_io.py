@@ -43,6 +43,7 @@ __all__ = [
     "remove_stale",
     "check_output_file",
     "check_output_parent",
+    "not_a_file",
     "write_json_atomic",
     "write_npy_atomic",
 ]
@@ -224,6 +225,21 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = "") -> Iterator[str]
 
 
 # Checks before any work -----------------------------------------------------------------------
+def not_a_file(path: str | os.PathLike[str]) -> str | None:
+    """Why `path` cannot be read as a file, in words that follow it in a message ("'x' does not
+    exist", "'x' is a folder, not a file", ...), or None when it is a regular file."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return None
+    if os.path.isdir(path):
+        return "is a folder, not a file"
+    if os.path.lexists(path) and not os.path.exists(path):
+        return "is a broken link"
+    if os.path.exists(path):
+        return "is not a regular file (a device, pipe or socket)"
+    return "does not exist"
+
+
 def check_output_parent(path: str | os.PathLike[str], flag: str = "output") -> None:
     parent = os.path.dirname(os.path.abspath(os.fspath(path)))
     if not os.path.isdir(parent):

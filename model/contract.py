@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx._io import not_a_file
 from attnx.errors import ConfigError, ModelFileError, UsageError
 from attnx.model.config import AttentionConfig, TensorSpec
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
@@ -681,8 +682,8 @@ class ModelInfo:
 
 def require_model_file(path: str) -> str:
     """`path`, when it is a file; else the one ModelFileError every reader of a model file gives."""
-    if not os.path.isfile(path):
-        raise ModelFileError(f"model file {path!r} does not exist")
+    if (why := not_a_file(path)) is not None:
+        raise ModelFileError(f"model file {path!r} {why}")
     return path
 
 

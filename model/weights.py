@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from attnx._io import atomic_path
+from attnx._io import atomic_path, not_a_file
 from attnx.errors import WeightsError
 from attnx.model.config import AttentionConfig
 
@@ -126,8 +126,8 @@ def load_weights(path: str | os.PathLike[str], config: AttentionConfig) -> dict[
     safetensors = _safetensors()
     SafetensorError, load_file = safetensors.SafetensorError, safetensors.numpy.load_file
     source = os.fspath(path)
-    if not os.path.isfile(source):
-        raise WeightsError(f"weights file {source!r} does not exist")
+    if (why := not_a_file(source)) is not None:
+        raise WeightsError(f"weights file {source!r} {why}")
     try:
         raw = load_file(source)
     except (SafetensorError, OSError, ValueError) as e:

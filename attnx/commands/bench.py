@@ -11,7 +11,7 @@ import sys
 import time
 from typing import IO, Any
 
-from attnx._io import check_output_file, write_json_atomic
+from attnx._io import check_output_file, not_a_file, write_json_atomic
 from attnx._text import format_table
 from attnx.bench import (
     DECODE_DTYPES,
@@ -179,8 +179,8 @@ def _plan(args: argparse.Namespace) -> Any:
     if args.model:
         if args.weights:
             raise UsageError("--weights does not go with --model: the model file holds its weights")
-        if not os.path.isfile(args.model):
-            raise UsageError(f"--model {args.model!r} does not exist")
+        if (why := not_a_file(args.model)) is not None:
+            raise UsageError(f"--model {args.model!r} {why}")
         # The model describes itself: its config, dtype and lowering; a flag that contradicts them is an error.
         form = model_form(args.model)
         for dtype in args.dtype or []:
@@ -192,8 +192,8 @@ def _plan(args: argparse.Namespace) -> Any:
         dtypes = args.dtype or [form.dtype]
     else:
         config = load_config_arg(args)
-        if args.weights and not os.path.isfile(args.weights):
-            raise UsageError(f"--weights {args.weights!r} does not exist")
+        if args.weights and (why := not_a_file(args.weights)) is not None:
+            raise UsageError(f"--weights {args.weights!r} {why}")
     if config.kv_cache:
         raise UsageError("this is a step model ('kv_cache': true): its bench is the per-token step, attnx bench --decode")
     return BenchPlan(

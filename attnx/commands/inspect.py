@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from attnx._io import not_a_file
 from attnx.commands import COMMANDS
 from attnx.errors import UsageError
 from attnx.model.contract import describe
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     elif os.path.isfile(path):
         info = describe(path).to_dict()
     else:
-        raise UsageError(f"{path!r} does not exist")
+        raise UsageError(f"{path!r} {not_a_file(path)}")
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

@@ -9,7 +9,7 @@ import zipfile
 
 import numpy as np
 
-from attnx._io import check_output_file, write_npy_atomic
+from attnx._io import check_output_file, not_a_file, write_npy_atomic
 from attnx.commands import COMMANDS
 from attnx.errors import InputError, UsageError
 from attnx.model.contract import PROVIDERS, model_form
@@ -39,8 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def load_npy(path: str, what: str) -> np.ndarray:
     """One array from a .npy file, without pickles: an object array is refused, never
     executed; an empty, truncated or foreign file, or an .npz archive, is one InputError."""
-    if not os.path.isfile(path):
-        raise InputError(f"{what} file {path!r} does not exist" + (" (it is a folder)" if os.path.isdir(path) else ""))
+    if (why := not_a_file(path)) is not None:
+        raise InputError(f"{what} file {path!r} {why}")
     try:
         array = np.load(path, allow_pickle=False, mmap_mode=None)
     except (ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:

@@ -83,6 +83,14 @@ def test_require_unavailable_backend_exits_2_with_the_reason(tiny_model):
         (lambda d: None, ["export", "--preset", "tiny", "--out", "{d}/no/such/dir/m.onnx"], "does not exist"),
         (lambda d: None, ["run", "{d}/none.onnx", "--input", "{d}/x.npy", "--output", "{d}/y.npy"], "does not exist"),
         (lambda d: (d / "bad.onnx").write_bytes(b"junk"), ["inspect", "{d}/bad.onnx"], "not an ONNX model"),
+        # a path that is not a regular file is named for what it is (attnx._io.not_a_file)
+        (lambda d: (d / "link.onnx").symlink_to(d / "gone.onnx"), ["inspect", "{d}/link.onnx"], "is a broken link"),
+        (lambda d: None, ["inspect", "/dev/null"], "'/dev/null' is not a regular file (a device, pipe or socket)"),
+        (lambda d: (d / "x.npy").mkdir(), ["run", "{d}/none.onnx", "--input", "{d}/x.npy", "--output", "{d}/y.npy"],
+         "--input file '{d}/x.npy' is a folder, not a file"),
+        (lambda d: (d / "w.safetensors").mkdir(),
+         ["export", "--config", "{d}/c8.json", "--weights", "{d}/w.safetensors", "--out", "{d}/m.onnx"],
+         "weights file '{d}/w.safetensors' is a folder, not a file"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(tmp_path, setup, args, message):
@@ -91,7 +99,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, setup, args, message):
     r = attnx(*[a.format(d=tmp_path) for a in args])
     assert r.returncode == 2, r.stderr
     lines = error_lines(r.stderr)
-    assert len(lines) == 1 and lines[0].startswith("attnx ") and message in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("attnx ") and message.format(d=tmp_path) in lines[0], r.stderr
     assert not (tmp_path / "m.onnx").exists()  # nothing half-written
 
 
