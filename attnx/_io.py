@@ -250,6 +250,8 @@ def check_output_file(path: str | os.PathLike[str], flag: str = "output") -> Non
     """Raise UsageError, before any work, when `path` cannot be written as a file: its folder is
     missing or not writable, or it names a folder."""
     path = os.fspath(path)
+    if not path or path.endswith(("/", os.sep)):
+        raise UsageError(f"{flag} {path!r} names no file")
     check_output_parent(path, flag)
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path!r} is a folder, not a file name")

@@ -45,6 +45,8 @@ def load_npy(path: str, what: str) -> np.ndarray:
         array = np.load(path, allow_pickle=False, mmap_mode=None)
     except (ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "pickled" in first:  # numpy's words go on to suggest loading it unsafely: attnx never does
+            first = "it holds pickled data (an object array, or not a .npy file at all), which attnx never loads"
         raise InputError(f"{what} file {path!r} is not a plain .npy array: {first}") from None
     except OSError as e:
         raise InputError(f"{what} file {path!r} cannot be read: {e.strerror or e}") from None

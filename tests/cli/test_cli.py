@@ -81,6 +81,8 @@ def test_require_unavailable_backend_exits_2_with_the_reason(tiny_model):
          ["export", "--config", "{d}/c8.json", "--weights", "{d}/w.safetensors", "--out", "{d}/m.onnx"],
          "'q_proj.weight' has shape [8, 7], expected [8, 8]"),
         (lambda d: None, ["export", "--preset", "tiny", "--out", "{d}/no/such/dir/m.onnx"], "does not exist"),
+        (lambda d: None, ["export", "--preset", "tiny", "--out", ""], "--out '' names no file"),
+        (lambda d: None, ["export", "--preset", "tiny", "--out", "{d}/new/"], "names no file"),
         (lambda d: None, ["run", "{d}/none.onnx", "--input", "{d}/x.npy", "--output", "{d}/y.npy"], "does not exist"),
         (lambda d: (d / "bad.onnx").write_bytes(b"junk"), ["inspect", "{d}/bad.onnx"], "not an ONNX model"),
         # a path that is not a regular file is named for what it is (attnx._io.not_a_file)
@@ -121,7 +123,12 @@ def test_run_checks_feeds_and_writes_output(tiny_model, tmp_path, capsys):
     assert "dtype fp64, expected fp32" in capsys.readouterr().err
     np.save(tmp_path / "x.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)  # a pickle: refused
     assert main(args) == 2
-    assert "not a plain .npy array" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a plain .npy array: Object arrays cannot be loaded" in err
+    (tmp_path / "x.npy").write_bytes(b"junk, not an array")  # numpy takes it for a pickle, and suggests loading it
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "not a plain .npy array: it holds pickled data" in err and "unsafely" not in err
 
 
 def test_inspect_describes_the_model(tiny_model, capsys):
