@@ -86,10 +86,18 @@ def test_the_decode_step_on_the_cpu_backends(tmp_path, capsys):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     step = data["steps"]["decode"]
     assert data["passed"] is True and step["passed"] is True and step["prefills"] == [0, 1, 37]
-    assert [(r["lowering"], r["dtype"], r["backends"]) for r in step["runs"]] == [
-        ("ort-fused growing", "fp32", ["ort-cpu", "torch"]), ("ort-fused growing", "fp16", ["ort-cpu", "torch"]),
-        ("ort-fused buffer", "fp32", ["ort-cpu"]), ("ort-fused buffer", "fp16", ["ort-cpu"])]  # fmt: skip
-    for run in step["runs"]:
+    assert [(r["lowering"], r["dtype"], r["backends"], r["status"]) for r in step["runs"]] == [
+        ("ort-fused growing", "fp32", ["ort-cpu", "torch"], "done"),
+        ("ort-fused growing", "fp16", ["ort-cpu", "torch"], "done"),
+        ("ort-fused buffer", "fp32", ["ort-cpu"], "done"),
+        ("ort-fused buffer grouped-mha", "fp32", ["ort-cpu"], "done"),
+        ("ort-fused buffer auto", "fp32", ["ort-cpu"], "done"),
+        ("ort-fused buffer", "fp16", ["ort-cpu"], "done"),
+        ("ort-fused buffer grouped-mha", "fp16", ["ort-cpu"], "skipped"),  # the grouped cores: no fp16
+        ("ort-fused buffer auto", "fp16", ["ort-cpu"], "skipped"),
+    ]  # fmt: skip
+    assert all("is a CPU form" in r["reason"] for r in step["runs"] if r["status"] == "skipped")
+    for run in [r for r in step["runs"] if r["status"] == "done"]:
         cases = run["report"]["cases"]
         assert {c["backend"] for c in cases} == set(run["backends"]) and {c["prefill"] for c in cases} == {0, 1, 37}
         assert all(c["status"] == "pass" and c["steps"] == 64 and c["dtype"] == run["dtype"] for c in cases)
