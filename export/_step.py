@@ -69,8 +69,7 @@ from attnx.model.contract import (
     QUANT_KEY,
     ROPE_POSITIONS_KEY,
     buffer_form_specs,
-    check_buffer_core,
-    check_buffer_rope,
+    check_buffer_form,
     check_choice,
     check_llm_support,
     check_lowering,
@@ -108,7 +107,7 @@ def build_step_model(
     the rows of the buffer form's cos/sin table (a config with rope; DEFAULT_ROPE_POSITIONS)."""
     check_llm_support(config, attention, dtype, step=True)  # what the form cannot express: refused by name
     if form == "buffer":
-        check_buffer_core(config, dtype, buffer_core)
+        check_buffer_form(config, attention, dtype, buffer_core)
     model = _build_float(config, weights, attention, form, rope_positions=rope_positions, buffer_core=buffer_core)
     return with_dtype(model, dtype, block_size, accuracy_level)
 
@@ -387,15 +386,7 @@ def _buffer_model(c: AttentionConfig, weights: Mapping[str, np.ndarray], attenti
     rows, each token at its token index (seqlens_k's): the buffer form has no padding, so that is
     its position. A position past the table is the op's error, never a number (README).
     """
-    if attention != "ort-fused":
-        raise UsageError(
-            f"the buffer form is built as ort-fused ({MS_DOMAIN}.GroupQueryAttention writes into the cache in "
-            f"place); --attention {attention} has the growing-cache form only"
-        )
-    if c.key_padding_mask:
-        raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
-    if core in ("gqa", "auto"):  # its do_rotary reads one cos/sin table (the grouped core rotates with its own node)
-        check_buffer_rope(c)
+    check_buffer_form(c, attention, "fp32", core)
     g = Graph()
     # One packed projection [d_model, (H + 2 Hkv) * head_dim] that the op splits itself: one GEMV
     # reading every projection weight instead of three (at batch 1 the step is a weight read).

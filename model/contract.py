@@ -35,6 +35,7 @@ from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 __all__ = [
     "BUFFER_CORES",
     "check_buffer_core",
+    "check_buffer_form",
     "STEP_DTYPES",
     "STAGES",
     "STAGES_KEY",
@@ -425,6 +426,23 @@ def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
         raise UsageError(f"--buffer-core {core} is a CPU form (fp32, int8, int4); fp16's buffer form is "
                          "GroupQueryAttention's (--buffer-core gqa)")  # fmt: skip
     if core == "auto":
+        check_buffer_rope(config)
+
+
+def check_buffer_form(config: AttentionConfig, attention: str, dtype: str, core: str) -> None:
+    """One UsageError, before any work, when the buffer form of `config` cannot be built in `attention`
+    and `dtype` with `core`: the form is ort-fused (its op writes into the cache in place), takes no key
+    padding mask (its rows are as long as seqlens_k says), and its core takes what check_buffer_core
+    and, for GroupQueryAttention's rotation, check_buffer_rope say."""
+    if attention != "ort-fused":
+        raise UsageError(
+            f"the buffer form is built as ort-fused ({MS_DOMAIN}.GroupQueryAttention writes into the cache in "
+            f"place); --attention {attention} has the growing-cache form only"
+        )
+    if config.key_padding_mask:
+        raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
+    check_buffer_core(config, dtype, core)
+    if core != "grouped-mha":  # GroupQueryAttention's do_rotary reads one cos/sin table (the grouped core: its own node)
         check_buffer_rope(config)
 # The lowerings the step model is built in, and what each is in its graph.
 STEP_LOWERINGS: dict[str, str] = {

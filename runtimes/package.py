@@ -367,6 +367,8 @@ def _check_description(root: str, manifest: Mapping[str, Any], model: Mapping[st
         "ir_version": info.ir_version,
         "opsets": info.opsets,
     }
+    if "decode" in model:  # a step model's form (growing, buffer), where the manifest says it
+        said["decode"], found["decode"] = model["decode"], info.decode
     differ = [key for key in said if said[key] != found[key]]
     if differ:
         key = differ[0]
@@ -632,7 +634,8 @@ def describe_package(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "inputs": m.get("inputs"),
         "outputs": m.get("outputs"),
         "models": [
-            {k: model.get(k) for k in ("file", "providers", "lowering", "ir_version", "opsets", "external_data")}
+            {k: model.get(k) for k in ("file", "providers", "lowering", "decode", "ir_version", "opsets", "external_data")
+             if k != "decode" or "decode" in model}  # a step model's form, where the manifest says it
             for model in m["models"]
         ],
         "providers": m.get("providers"),

@@ -36,16 +36,19 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     BACKENDS,
     BUILD_ATTENTION,
+    DECODE_FORMS,
     EXPORT_ATTENTIONS,
     PROVIDERS,
     QUANTIZATIONS,
     REFERENCE,
+    check_buffer_form,
     check_choice,
     check_llm_support,
     check_model_dtype,
     describe,
     float_dtype,
     get_provider,
+    provider_of_backend,
     quantization_of,
     runs_onnx_model,
 )
@@ -301,6 +304,8 @@ def build_package(
     progress: Callable[[str], None] = lambda msg: None,
     block_size: int = 32,
     accuracy_level: int = 4,
+    decode_form: str = "growing",
+    buffer_core: str = "gqa",
 ) -> BuildReport:
     """Export, check and package `config` into the folder `out`.
 
@@ -315,6 +320,13 @@ def build_package(
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
+    check_choice("--decode-form", decode_form, DECODE_FORMS)
+    if decode_form != "growing" and not config.kv_cache:
+        raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
+    if decode_form == "buffer":  # what the form and its core cannot build: refused before any work
+        check_buffer_form(config, attention, dtype, buffer_core)
+    elif buffer_core != "gqa":
+        raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
     # A config with modern-LLM keys (rope, window, softcap, q/k norms, sinks) is packaged in the forms
     # that express them (contract.check_llm_support: decomposed, fp32); the others are refused by name.
     check_llm_support(config, attention, dtype, step=config.kv_cache)
@@ -332,7 +344,8 @@ def build_package(
     with output_lock(out), Staging(out, folder=True) as stage:
         quant = {"block_size": block_size, "accuracy_level": accuracy_level}
         if config.kv_cache:
-            report = _build_step_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress)
+            report = _build_step_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress,
+                                      decode_form, buffer_core)  # fmt: skip
         else:
             report = _build_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress, quant)
         progress(f"moving the package into place: {out}")
@@ -556,6 +569,7 @@ def _manifest(
                 "lowering": info.lowering,
                 "ir_version": info.ir_version,
                 "opsets": info.opsets,
+                **({"decode": info.decode} if info.decode is not None else {}),  # a step model's form
             }
         ],
         "files": files,
@@ -630,10 +644,15 @@ def _build_step_into(
     providers: list[str],
     plan: CheckPlan,
     progress: Callable[[str], None],
+    decode_form: str = "growing",
+    buffer_core: str = "gqa",
 ) -> BuildReport:
     """The package of a step model: the model, its step-by-step parity on every backend here
     (prefill then single-token steps against the reference's full forward), a golden decode
     sequence that `attnx verify` replays, the manifest, and the package's own verify.
+    The buffer form (decode_form "buffer", its core buffer_core) runs on ONNX Runtime alone: its
+    parity is the reference's and ONNX Runtime's, its golden sequence unpadded (the form has no
+    padding: a token's position is its index).
 
     Unlike _build_into the weights stay in memory beside one ONNX Runtime session at a time
     (the step model is checked by decoding, which the replay of recorded outputs does not cover)."""
@@ -641,12 +660,15 @@ def _build_step_into(
     weights, weights_info = _load_weights(config, weights_arg, seed, progress)
     weights_info["sha256"] = weights_sha256(config, weights)
     exported = export_model(config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False,
-                            check=False, progress=progress)  # fmt: skip
+                            check=False, progress=progress, decode_form=decode_form,
+                            buffer_core=buffer_core)  # fmt: skip
     progress("checking the saved model (onnx checker, dims, onnxruntime load)")
     check_model_file(model_path, config)
     step_parity = STEP_PARITY if 4 * config.n_params <= LARGE_MODEL_BYTES else STEP_PARITY_LARGE
     source = ModelSource(config, weights, model_path, dtype)
     backends = [b for b in BACKENDS if plan.check_reference or b != REFERENCE]
+    if decode_form == "buffer":  # IOBinding on one cache: ONNX Runtime's backends (and the reference's formula)
+        backends = [b for b in backends if b == REFERENCE or provider_of_backend(b) is not None]
     parity = ParityReport([])
     for backend in backends:  # one backend at a time: two sessions never coexist
         progress(f"decode parity: {backend} (prefill {list(step_parity['prefills'])} + {step_parity['steps']} steps)")
@@ -659,7 +681,7 @@ def _build_step_into(
             + _localised(failed)
         )
     progress("golden decode sequence (reference backend, float64)")
-    golden = [_write_golden_decode(tmp, config, weights, dtype)]
+    golden = [_write_golden_decode(tmp, config, weights, dtype, buffer=decode_form == "buffer")]
     del weights, source
     gc.collect()
     return _write_and_verify(
@@ -668,12 +690,13 @@ def _build_step_into(
 
 
 def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str, np.ndarray],
-                         dtype: str) -> dict[str, Any]:  # fmt: skip
+                         dtype: str, buffer: bool = False) -> dict[str, Any]:  # fmt: skip
     """golden-decode-0.npz: the tokens (and their key padding mask) of a prefill then single-token
     steps, with the reference's float64 full forward over them: y at every position and the
-    final cache. attnx verify replays the sequence (runner.prefill, runner.step) and compares."""
+    final cache. attnx verify replays the sequence (runner.prefill, runner.step; the buffer form's
+    BufferDecoder) and compares. buffer: no padding (make_decode_inputs' buffer rows)."""
     prefill, steps, batch = STEP_GOLDEN["prefill"], STEP_GOLDEN["steps"], STEP_GOLDEN["batch"]
-    feeds = make_decode_inputs(config, batch, prefill + steps, dtype, seed=GOLDEN_SEED)
+    feeds = make_decode_inputs(config, batch, prefill + steps, dtype, seed=GOLDEN_SEED, buffer=buffer)
     pk, pv = empty_cache(config, batch, dtype)
     full = {**feeds, "past_key": pk, "past_value": pv}
     with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:

@@ -32,7 +32,7 @@ from attnx.model.contract import (
     DECODE_FORMS,
     EXPORT_ATTENTIONS,
     STEP_DTYPES,
-    check_buffer_core,
+    check_buffer_form,
     check_choice,
     check_llm_support,
     check_lowering,
@@ -218,7 +218,7 @@ def _export_step_model(
         raise UsageError("--keep-io-fp32 is for the full-sequence model: a step model's cache is its input and "
                          "output, in the model's dtype")  # fmt: skip
     if form == "buffer":
-        check_buffer_core(config, dtype, buffer_core)
+        check_buffer_form(config, attention, dtype, buffer_core)
     if opset is not None and opset != graph_opset(config, attention):
         raise UsageError(f"the step model's {attention} lowering is written at opset {graph_opset(config, attention)}")
     check_output_file(out, "--out")

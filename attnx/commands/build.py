@@ -16,7 +16,7 @@ from attnx.commands._common import (
     str_list,
     workflows,
 )
-from attnx.model.contract import BUILD_ATTENTION, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
+from attnx.model.contract import BUFFER_CORES, BUILD_ATTENTION, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 
 HELP = COMMANDS["build"].help
 
@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default="fp32", help="bf16: refused, saying where it runs")
     add_quant_args(p)
+    p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
+                   help="a kv_cache config's step model: growing (default) or buffer (ort-fused, one preallocated "
+                   "cache bound as past and present; runs on ONNX Runtime)")  # fmt: skip
+    p.add_argument("--buffer-core", choices=BUFFER_CORES, default="gqa",
+                   help="the buffer form's attention op (attnx export --buffer-core; default gqa)")  # fmt: skip
     p.add_argument(
         "--provider",
         type=str_list,
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         block_size=args.block_size,
         accuracy_level=args.accuracy_level,
+        decode_form=args.decode_form,
+        buffer_core=args.buffer_core,
     )
     m = report.manifest
     for line in report.export_lines:

@@ -73,3 +73,57 @@ def test_load_prefill_step(package):
         full = runner.prefill(x, kpm)  # the same 7 tokens at once
     assert prompt.y.shape == (2, 6, 32) and state.length == 7
     assert np.allclose(np.concatenate([prompt.y, y], axis=1), full.y, atol=1e-5)
+
+
+@pytest.mark.parametrize("core", ["gqa", "auto"])
+def test_buffer_form_package(tmp_path, core):
+    """--decode-form buffer: the package holds the buffer form (manifest: decode "buffer", its inputs),
+    its parity is the reference's and ONNX Runtime's (the form runs there alone), its golden sequence has
+    no padding, verify replays it through a BufferDecoder, and a wrong golden step fails the replay."""
+    from attnx.runtimes.decode import BufferDecoder
+
+    config = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True)
+    out = tmp_path / "buffer"
+    report = build_package(config, out, attention="ort-fused", providers=["cpu"], decode_form="buffer",
+                           buffer_core=core)  # fmt: skip
+    assert report.parity.passed and report.verify.passed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["models"][0]["decode"] == "buffer"
+    assert [i["name"] for i in manifest["inputs"]] == ["x", "past_key", "past_value", "seqlens_k",
+                                                       "total_sequence_length"]  # fmt: skip
+    parity = json.loads((out / "parity.json").read_text())["cases"]
+    assert {c["backend"] for c in parity if c["status"] == "pass"} == {"reference", "ort-cpu"}
+    with np.load(out / "golden-decode-0.npz") as npz:
+        assert "key_padding_mask" not in npz.files and npz["x"].shape[:2] == (2, 9)
+        x, y = npz["x"], npz["y"]
+    with attnx.load(out) as runner:  # the deployment side: a BufferDecoder over the loaded runner
+        dec = BufferDecoder(runner, config, 9, 2)
+        got = np.concatenate([dec.step(x[:, :5])] + [dec.step(x[:, t : t + 1]) for t in range(5, 9)], axis=1)
+    assert np.allclose(got, y, atol=1e-5)
+    checks = [c for c in verify_package(out).checks if c.name.startswith("golden-decode-0.npz ")]
+    assert len(checks) == 3 and all(checks)
+    # the manifest's word on the form is checked against the model's own
+    import hashlib
+
+    manifest["models"][0]["decode"] = "growing"
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    (out / "manifest.json").write_text(text)
+    (out / "manifest.sha256").write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  manifest.json\n")
+    bad = verify_package(out)
+    assert not bad.passed and any('says decode "growing", the model itself "buffer"' in c.detail for c in bad.checks)
+
+
+def test_buffer_form_package_refusals(tmp_path):
+    config = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True)
+    from attnx.errors import UsageError
+
+    for kwargs, message in (
+        ({"attention": "decomposed", "decode_form": "buffer"}, "buffer form is built as ort-fused"),
+        ({"attention": "ort-fused", "buffer_core": "auto"}, "is the buffer form's"),
+        ({"attention": "ort-fused", "decode_form": "buffer", "dtype": "fp16", "buffer_core": "auto"}, "a CPU form"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            build_package(config, tmp_path / "p", providers=["cpu"], **kwargs)
+    with pytest.raises(UsageError, match="takes no key_padding_mask"):
+        build_package(CONFIG, tmp_path / "p", attention="ort-fused", providers=["cpu"], decode_form="buffer")
+    assert not (tmp_path / "p").exists()
