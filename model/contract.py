@@ -36,6 +36,7 @@ __all__ = [
     "BUFFER_CORES",
     "check_buffer_core",
     "check_buffer_form",
+    "check_decode_form",
     "STEP_DTYPES",
     "STAGES",
     "STAGES_KEY",
@@ -427,6 +428,20 @@ def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
                          "GroupQueryAttention's (--buffer-core gqa)")  # fmt: skip
     if core == "auto":
         check_buffer_rope(config)
+
+
+def check_decode_form(config: AttentionConfig, attention: str, dtype: str, form: str, core: str) -> None:
+    """One UsageError, before any work, for a step model's form (DECODE_FORMS) and buffer core
+    (BUFFER_CORES) that do not go with `config`: export's and build's one check of --decode-form and
+    --buffer-core (the buffer form's own: check_buffer_form)."""
+    check_choice("--decode-form", form, DECODE_FORMS)
+    check_choice("--buffer-core", core, BUFFER_CORES)
+    if form != "growing" and not config.kv_cache:
+        raise UsageError(f"--decode-form {form} is for a step model (a config with 'kv_cache': true)")
+    if form == "buffer":
+        check_buffer_form(config, attention, dtype, core)
+    elif core != "gqa":
+        raise UsageError(f"--buffer-core {core} is the buffer form's (--decode-form buffer)")
 
 
 def check_buffer_form(config: AttentionConfig, attention: str, dtype: str, core: str) -> None:

@@ -36,13 +36,12 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     BACKENDS,
     BUILD_ATTENTION,
-    DECODE_FORMS,
     EXPORT_ATTENTIONS,
     PROVIDERS,
     QUANTIZATIONS,
     REFERENCE,
-    check_buffer_form,
     check_choice,
+    check_decode_form,
     check_llm_support,
     check_model_dtype,
     describe,
@@ -320,13 +319,7 @@ def build_package(
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
-    check_choice("--decode-form", decode_form, DECODE_FORMS)
-    if decode_form != "growing" and not config.kv_cache:
-        raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
-    if decode_form == "buffer":  # what the form and its core cannot build: refused before any work
-        check_buffer_form(config, attention, dtype, buffer_core)
-    elif buffer_core != "gqa":
-        raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
+    check_decode_form(config, attention, dtype, decode_form, buffer_core)  # the form and its core, before any work
     # A config with modern-LLM keys (rope, window, softcap, q/k norms, sinks) is packaged in the forms
     # that express them (contract.check_llm_support: decomposed, fp32); the others are refused by name.
     check_llm_support(config, attention, dtype, step=config.kv_cache)

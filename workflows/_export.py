@@ -28,12 +28,10 @@ from attnx.export import (
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
-    BUFFER_CORES,
-    DECODE_FORMS,
     EXPORT_ATTENTIONS,
     STEP_DTYPES,
-    check_buffer_form,
     check_choice,
+    check_decode_form,
     check_llm_support,
     check_lowering,
     check_model_dtype,
@@ -100,10 +98,7 @@ def export_model(
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_model_dtype(dtype)
-    check_choice("--decode-form", decode_form, DECODE_FORMS)
-    check_choice("--buffer-core", buffer_core, BUFFER_CORES)
-    if buffer_core != "gqa" and decode_form != "buffer":
-        raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
+    check_decode_form(config, attention, dtype, decode_form, buffer_core)  # the form and its core, before any work
     check_llm_support(config, attention, dtype)  # rope, softcap, ...: a lowering that expresses them, fp32
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
@@ -111,8 +106,6 @@ def export_model(
                                   max_mem_gb=max_mem_gb, block_size=block_size,
                                   accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32,
                                   buffer_core=buffer_core)  # fmt: skip
-    if decode_form != "growing":
-        raise UsageError(f"--decode-form {decode_form} is for a step model (a config with 'kv_cache': true)")
     if attention != "auto":
         check_lowering(config, attention)  # a fused lowering of grouped heads: refused before any work
     # The exporter writes the lowerings that are not passes; the others start from decomposed. A
@@ -217,8 +210,6 @@ def _export_step_model(
     if keep_io_fp32:
         raise UsageError("--keep-io-fp32 is for the full-sequence model: a step model's cache is its input and "
                          "output, in the model's dtype")  # fmt: skip
-    if form == "buffer":
-        check_buffer_form(config, attention, dtype, buffer_core)
     if opset is not None and opset != graph_opset(config, attention):
         raise UsageError(f"the step model's {attention} lowering is written at opset {graph_opset(config, attention)}")
     check_output_file(out, "--out")
