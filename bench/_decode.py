@@ -12,9 +12,10 @@ together):
   IOBinding: only the new token is written); the ort-fused and decomposed growing forms (a new
   cache each step: the old one read and the new one written on top); torch eager's step as
   the peer (torch.cat onto the cache + scaled_dot_product_attention, grouped heads by enable_gqa).
-- with int8/int4 (`attnx bench --decode --dtype fp32,int8,int4`): the buffer and ort-fused growing
-  forms of the step model with quantized projections ("ort-fused buffer int8"), each against the
-  bound of its own bytes per step (weight_bytes: the weights as that model stores them).
+- with int8/int4 (`attnx bench --decode --dtype fp32,int8,int4`): the buffer form (its default core
+  and auto) and the ort-fused growing form of the step model with quantized projections ("ort-fused
+  buffer int8", "ort-fused buffer auto int8"), each against the bound of its own bytes per step
+  (weight_bytes: the weights as that model stores them).
 - with a modern-LLM config (rope, qk_norm): the growing forms take the step's position_ids, the
   buffer form rotates inside GroupQueryAttention (do_rotary) at its token index; the torch peers
   rotate as transformers does (cos/sin of position_ids * inv_freq, rotate_half); "torch static" is

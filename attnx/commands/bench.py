@@ -125,7 +125,8 @@ def run_decode(args: argparse.Namespace) -> int:
     if backend_unavailable_reason("openvino") is not None:
         impls = [i for i in impls if not i.startswith("openvino")]
     # --dtype int8,int4: the step model with quantized projections (export --dtype), its buffer
-    # form and ort-fused growing form, each against the bound of its own bytes per step
+    # form (the default core and auto) and ort-fused growing form, each against the bound of its own
+    # bytes per step
     dtypes = args.dtype or ["fp32"]
     for dtype in dtypes:
         if dtype not in DECODE_DTYPES:
@@ -135,7 +136,7 @@ def run_decode(args: argparse.Namespace) -> int:
     if "fp32" not in dtypes:
         raise UsageError("--decode --dtype must include fp32: the quantized steps are compared with it and torch's")
     at = impls.index("decomposed growing") + 1
-    impls[at:at] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "growing")]
+    impls[at:at] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "buffer auto", "growing")]
     for impl in list(impls):  # a lowering that cannot express the config's terms is left out, saying why
         words = impl.split()
         if words[0] == "torch":

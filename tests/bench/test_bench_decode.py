@@ -88,8 +88,10 @@ def test_cli_bench_decode_dtypes(tmp_path, capsys):
     impls = {k.rsplit(" ", 1)[0] for k in row["times_ms"]}
     assert {
         "ort-fused buffer int8",
+        "ort-fused buffer auto int8",
         "ort-fused growing int8",
         "ort-fused buffer int4",
+        "ort-fused buffer auto int4",
         "ort-fused growing int4",
     } <= impls
     assert row["step_bytes"] > row["dtype_bytes"]["int8"] > row["dtype_bytes"]["int4"]
