@@ -323,11 +323,6 @@ def build_package(
     # A config with modern-LLM keys (rope, window, softcap, q/k norms, sinks) is packaged in the forms
     # that express them (contract.check_llm_support: decomposed, fp32); the others are refused by name.
     check_llm_support(config, attention, dtype, step=config.kv_cache)
-    if config.kv_cache and dtype in QUANTIZATIONS:
-        # attnx export writes int8/int4 step models; their package's golden decode sequence and its
-        # replay under the quantized error model are not written yet: refused before any work
-        raise UsageError(f"--dtype {dtype} packages of a step model ('kv_cache': true) are not built yet; "
-                         f"attnx export --dtype {dtype} writes the model, attnx parity --decode checks it")  # fmt: skip
     _check_target(out, force)
     plan = plan or check_plan(config)
     shapes = [*plan.validation_shapes, *plan.golden_shapes,
@@ -338,7 +333,7 @@ def build_package(
         quant = {"block_size": block_size, "accuracy_level": accuracy_level}
         if config.kv_cache:
             report = _build_step_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress,
-                                      decode_form, buffer_core)  # fmt: skip
+                                      decode_form, buffer_core, quant)  # fmt: skip
         else:
             report = _build_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress, quant)
         progress(f"moving the package into place: {out}")
@@ -639,6 +634,7 @@ def _build_step_into(
     progress: Callable[[str], None],
     decode_form: str = "growing",
     buffer_core: str = "gqa",
+    quant: Mapping[str, int] | None = None,
 ) -> BuildReport:
     """The package of a step model: the model, its step-by-step parity on every backend here
     (prefill then single-token steps against the reference's full forward), a golden decode
@@ -653,8 +649,8 @@ def _build_step_into(
     weights, weights_info = _load_weights(config, weights_arg, seed, progress)
     weights_info["sha256"] = weights_sha256(config, weights)
     exported = export_model(config, model_path, weights, seed=seed, attention=attention, dtype=dtype, validate=False,
-                            check=False, progress=progress, decode_form=decode_form,
-                            buffer_core=buffer_core)  # fmt: skip
+                            check=False, progress=progress, decode_form=decode_form, buffer_core=buffer_core,
+                            **(quant or {}))  # fmt: skip
     progress("checking the saved model (onnx checker, dims, onnxruntime load)")
     check_model_file(model_path, config)
     step_parity = STEP_PARITY if 4 * config.n_params <= LARGE_MODEL_BYTES else STEP_PARITY_LARGE
@@ -689,6 +685,8 @@ def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str
     final cache. attnx verify replays the sequence (runner.prefill, runner.step; the buffer form's
     BufferDecoder) and compares. buffer: no padding (make_decode_inputs' buffer rows)."""
     prefill, steps, batch = STEP_GOLDEN["prefill"], STEP_GOLDEN["steps"], STEP_GOLDEN["batch"]
+    quantized = dtype in QUANTIZATIONS  # its inputs are float32; its error model needs the activations
+    dtype = float_dtype(dtype)
     feeds = make_decode_inputs(config, batch, prefill + steps, dtype, seed=GOLDEN_SEED, buffer=buffer)
     pk, pv = empty_cache(config, batch, dtype)
     full = {**feeds, "past_key": pk, "past_value": pv}
@@ -714,7 +712,7 @@ def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str
         "outputs": ["y", "present_key", "present_value"],
         "output_dtype": "fp64",
         "backend": REFERENCE,
-        "problem_size": problem_size(config, weights, full).to_dict(),
+        "problem_size": problem_size(config, weights, full, activations=quantized).to_dict(),
     }
 
 

@@ -180,10 +180,38 @@ def test_build_step_model_int8_weights_only_change():
     assert core and core <= set(ops) and set(before) - {"MatMul"} <= set(ops)  # the rest as it was
 
 
-def test_build_of_a_quantized_step_package_is_refused_before_any_work(tmp_path, capsys):
+@pytest.mark.parametrize(("config", "dtype", "form", "core"), [(GQA, "int8", "growing", "gqa"),
+                                                                (PLAIN, "int4", "buffer", "auto")])  # fmt: skip
+def test_quantized_step_package(tmp_path, capsys, config, dtype, form, core):
+    """attnx build --dtype int8|int4 of a step model: the quantized model, its decode parity and the
+    golden decode replayed by verify under the quantized error model (the manifest's quantization);
+    a golden step off by the bound's scale fails the replay."""
+    import hashlib
+
     from attnx.cli import main
+    from attnx.runtimes.package import verify_package
+    from attnx.workflows import write_npz
 
     cfg = tmp_path / "kv.json"
-    cfg.write_text(GQA.to_json())
-    assert main(["build", "--config", str(cfg), "--dtype", "int8", "--out", str(tmp_path / "pkg")]) == 2
-    assert "not built yet" in capsys.readouterr().err and not (tmp_path / "pkg").exists()
+    cfg.write_text(config.to_json())
+    out = tmp_path / "pkg"
+    args = ["build", "--config", str(cfg), "--dtype", dtype, "--attention", "ort-fused", "--decode-form", form,
+            "--buffer-core", core, "--provider", "cpu", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == dtype and manifest["quantization"]["bits"] == {"int8": 8, "int4": 4}[dtype]
+    assert manifest["golden"][0]["problem_size"]["activations"]  # the error model's input statistics
+    report = verify_package(out)
+    checks = [c for c in report.checks if c.name.startswith("golden-decode-0.npz ")]
+    assert report.passed and len(checks) == 3 and all(c.stats["max_abs"] > 1e-4 for c in checks)  # int error, not fp32's
+    with np.load(out / "golden-decode-0.npz") as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["y"][:, -1] += 3 * checks[0].stats["atol"]  # the last step, 3x its bound away
+    write_npz(out / "golden-decode-0.npz", arrays)
+    data = (out / "golden-decode-0.npz").read_bytes()
+    manifest["files"]["golden-decode-0.npz"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    (out / "manifest.json").write_text(text)
+    (out / "manifest.sha256").write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  manifest.json\n")
+    failed = [c.name for c in verify_package(out).checks if not c]
+    assert failed == ["golden-decode-0.npz y"]
