@@ -215,19 +215,3 @@ def test_quantized_step_package(tmp_path, capsys, config, dtype, form, core):
     (out / "manifest.sha256").write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  manifest.json\n")
     failed = [c.name for c in verify_package(out).checks if not c]
     assert failed == ["golden-decode-0.npz y"]
-
-
-def test_quantized_step_package_of_a_modern_llm_config_is_refused_before_any_work(tmp_path, capsys):
-    """Not built yet (the build's decode parity of a rope config exceeds the quantized cache's bound in
-    its tail): exit 2 with the reason, nothing written."""
-    import dataclasses
-
-    from attnx.cli import main
-    from tests.conftest import LLM_CONFIGS
-
-    cfg = tmp_path / "llm.json"
-    cfg.write_text(dataclasses.replace(LLM_CONFIGS["llm"], kv_cache=True).to_json())
-    assert main(["build", "--config", str(cfg), "--attention", "decomposed", "--dtype", "int8", "--out",
-                 str(tmp_path / "pkg")]) == 2  # fmt: skip
-    err = capsys.readouterr().err
-    assert "packages of a step model with rope" in err and "not built yet" in err and not (tmp_path / "pkg").exists()
