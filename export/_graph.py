@@ -14,6 +14,7 @@ import onnx_ir as ir
 from onnx import helper
 
 from attnx.export.passes._names import name_graph, stages_json
+from attnx.model.contract import all_nodes
 from attnx.model.stages import STAGES_KEY
 
 __all__ = ["Graph", "heads", "linear", "named"]
@@ -102,11 +103,10 @@ def named(model: onnx.ModelProto, g: Graph, readable: bool = True) -> onnx.Model
 
 
 def _rename_subgraph_inputs(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:
-    """The inputs of every node in `graph`'s subgraphs (If, Loop, Scan bodies, at any depth) that
-    name an outer value in `renamed`, given its new name."""
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                for inner in sub.node:
-                    inner.input[:] = [renamed.get(i, i) for i in inner.input]
-                _rename_subgraph_inputs(sub, renamed)
+    """The inputs of every node in `graph`'s subgraphs (If, Loop, Scan bodies, at any depth: all_nodes)
+    that name an outer value in `renamed`, given its new name. The main graph's own nodes are named
+    already (an old name there may be another value's new one)."""
+    main = {id(node) for node in graph.node}
+    for node in all_nodes(graph):
+        if id(node) not in main:
+            node.input[:] = [renamed.get(i, i) for i in node.input]

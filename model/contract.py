@@ -413,10 +413,13 @@ BUFFER_CORES = ("gqa", "grouped-mha", "auto")
 
 def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
     """One UsageError when the buffer form's `core` (BUFFER_CORES) cannot build `config` in `dtype`:
-    the grouped core has no softcap and no sink logit (MultiHeadAttention has neither), and is a CPU
-    form (fp32, int8, int4; fp16 is GroupQueryAttention's, the GPU's form); auto holds both cores,
-    so what either refuses (GroupQueryAttention's rope limits: check_buffer_rope)."""
+    GroupQueryAttention rotates from one cos/sin table (check_buffer_rope; the grouped core rotates
+    with its own node); the grouped core has no softcap and no sink logit (MultiHeadAttention has
+    neither), and is a CPU form (fp32, int8, int4; fp16 is GroupQueryAttention's, the GPU's form);
+    auto holds both cores, so what either refuses."""
     check_choice("--buffer-core", core, BUFFER_CORES)
+    if core != "grouped-mha":  # GroupQueryAttention: the core, or auto's prefill
+        check_buffer_rope(config)
     if core == "gqa":
         return
     lacks = [t for t, on in (("softcap", config.softcap is not None), ("sinks", config.sinks)) if on]
@@ -426,8 +429,6 @@ def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
     if dtype == "fp16":
         raise UsageError(f"--buffer-core {core} is a CPU form (fp32, int8, int4); fp16's buffer form is "
                          "GroupQueryAttention's (--buffer-core gqa)")  # fmt: skip
-    if core == "auto":
-        check_buffer_rope(config)
 
 
 def check_decode_form(config: AttentionConfig, attention: str, dtype: str, form: str, core: str) -> None:
@@ -447,8 +448,7 @@ def check_decode_form(config: AttentionConfig, attention: str, dtype: str, form:
 def check_buffer_form(config: AttentionConfig, attention: str, dtype: str, core: str) -> None:
     """One UsageError, before any work, when the buffer form of `config` cannot be built in `attention`
     and `dtype` with `core`: the form is ort-fused (its op writes into the cache in place), takes no key
-    padding mask (its rows are as long as seqlens_k says), and its core takes what check_buffer_core
-    and, for GroupQueryAttention's rotation, check_buffer_rope say."""
+    padding mask (its rows are as long as seqlens_k says), and its core takes what check_buffer_core says."""
     if attention != "ort-fused":
         raise UsageError(
             f"the buffer form is built as ort-fused ({MS_DOMAIN}.GroupQueryAttention writes into the cache in "
@@ -457,8 +457,6 @@ def check_buffer_form(config: AttentionConfig, attention: str, dtype: str, core:
     if config.key_padding_mask:
         raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
     check_buffer_core(config, dtype, core)
-    if core != "grouped-mha":  # GroupQueryAttention's do_rotary reads one cos/sin table (the grouped core: its own node)
-        check_buffer_rope(config)
 # The lowerings the step model is built in, and what each is in its graph.
 STEP_LOWERINGS: dict[str, str] = {
     "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",

@@ -145,8 +145,8 @@ def run_decode(args: argparse.Namespace) -> int:
         dtype = words[-1] if words[-1] in DECODE_DTYPES else "fp32"
         try:
             check_llm_support(config, lowering, dtype, step=True)
-            if (core := next((w for w in words if w in BUFFER_CORES), "gqa")) != "gqa":
-                check_buffer_core(config, dtype, core)
+            if words[1] == "buffer":  # its core's own limits (the default core is gqa)
+                check_buffer_core(config, dtype, next((w for w in words if w in BUFFER_CORES), "gqa"))
         except UsageError as e:
             impls.remove(impl)
             print(f"  skipped {impl}: {e}", file=sys.stderr)
