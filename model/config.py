@@ -9,13 +9,14 @@ import os
 from typing import Any
 
 from attnx.errors import ConfigError
-from attnx.model.rope import Rope, parse_rope
+from attnx.model.rope import Rope
+from attnx.model.terms import LLM_TERMS, TERMS, QKNorm, check_int, check_number, terms_of
 
 __all__ = ["AttentionConfig", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
 
 # The keys of modern LLM attention (README, "Modern LLM attention"): absent or null, the formula is
-# the one without them. Each lowering that cannot express one refuses it by name (contract.check_lowering).
-LLM_KEYS = ("rope", "sliding_window", "softcap", "qk_norm", "sinks")
+# the one without them. A core that cannot express one refuses it by name (attnx.model.cores).
+LLM_KEYS = tuple(key for name in LLM_TERMS for key in TERMS[name].keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +29,6 @@ class TensorSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-
-
-@dataclasses.dataclass(frozen=True)
-class QKNorm:
-    """The config's `qk_norm`: RMSNorm of each head's q and k over head_dim, x / sqrt(mean(x^2) + eps)
-    times the weights q_norm.weight / k_norm.weight [head_dim], before rope (Qwen3, Gemma 3)."""
-
-    eps: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"eps": self.eps}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +63,11 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
-            _check_int(key, getattr(self, key))
-        for key in ("head_dim", "v_head_dim", "kv_dim"):
+            check_int(key, getattr(self, key))
+        for key in ("head_dim", "v_head_dim", "kv_dim", "n_kv_heads"):
             if getattr(self, key) is not None:
-                _check_int(key, getattr(self, key))
-        if self.n_kv_heads is not None:
-            _check_int("n_kv_heads", self.n_kv_heads)
-        for key in ("bias", "causal", "cross", "key_padding_mask", "kv_cache"):
+                check_int(key, getattr(self, key))
+        for key in ("bias", "causal", "cross", "key_padding_mask", "kv_cache", "sinks"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, got {getattr(self, key)!r}")
         if self.head_dim is None:
@@ -91,69 +79,24 @@ class AttentionConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
-        if self.kv_dim is None:
-            object.__setattr__(self, "kv_dim", self.d_model)
-        if self.causal and self.cross:
-            raise ConfigError("config keys 'causal' and 'cross' cannot both be true: the causal mask is for self-attention")
-        if not self.cross and self.kv_dim != self.d_model:
-            raise ConfigError(
-                f"config key 'kv_dim' ({self.kv_dim}) must equal d_model ({self.d_model}) without 'cross'"
-            )
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"config key 'n_kv_heads' ({self.n_kv_heads}) must divide n_heads ({self.n_heads}): "
-                "each key/value head serves an equal group of query heads"
-            )
-        if self.kv_cache and not (self.causal and not self.cross):
-            raise ConfigError(
-                "config key 'kv_cache' needs causal self-attention ('causal': true, 'cross': false): "
-                "a cache holds the keys of earlier tokens of the same sequence"
-            )
         if self.scale is not None:
-            if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
-                raise ConfigError(f"config key 'scale' must be a number or null, got {self.scale!r}")
-            if not (math.isfinite(self.scale) and self.scale > 0):
-                raise ConfigError(f"config key 'scale' must be a finite positive number, got {self.scale!r}")
-            object.__setattr__(self, "scale", float(self.scale))
-        self._check_llm_keys()
+            object.__setattr__(self, "scale", check_number("scale", self.scale))
 
-    def _check_llm_keys(self) -> None:
-        object.__setattr__(self, "rope", parse_rope(self.rope, self.head_dim))
-        if self.sliding_window is not None:
-            _check_int("sliding_window", self.sliding_window)
-            if not self.causal:
-                raise ConfigError(
-                    "config key 'sliding_window' needs 'causal': true (query p sees key j only if p - W < j <= p)"
-                )
-        if self.softcap is not None:
-            if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)):
-                raise ConfigError(f"config key 'softcap' must be a number or null, got {self.softcap!r}")
-            if not (math.isfinite(self.softcap) and self.softcap > 0):
-                raise ConfigError(f"config key 'softcap' must be a finite positive number, got {self.softcap!r}")
-            object.__setattr__(self, "softcap", float(self.softcap))
-        norm = self.qk_norm
-        if norm is not None:
-            data = norm.to_dict() if isinstance(norm, QKNorm) else norm
-            if not isinstance(data, dict) or set(data) != {"eps"}:
-                raise ConfigError(f"config key 'qk_norm' must be null or an object {{\"eps\": number}}, got {norm!r}")
-            eps = data["eps"]
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-                raise ConfigError(f"config key 'qk_norm.eps' must be a finite positive number, got {eps!r}")
-            object.__setattr__(self, "qk_norm", QKNorm(float(eps)))
-        if not isinstance(self.sinks, bool):
-            raise ConfigError(f"config key 'sinks' must be true or false, got {self.sinks!r}")
-        if self.cross and (self.rope is not None or self.qk_norm is not None):
-            # Positions of a second sequence and per-head norms of its keys: no model attnx imports has them.
-            raise ConfigError(
-                f"config key {'rope' if self.rope is not None else 'qk_norm'!r} is for self-attention ('cross': false)"
-            )
+        def set_(key: str, value: Any) -> None:
+            object.__setattr__(self, key, value)
+
+        for term in TERMS.values():  # each term's keys, in the formula's order (attnx.model.terms)
+            term.validate(self, set_)
 
     @property
     def llm_keys(self) -> tuple[str, ...]:
         """The modern-LLM keys this config sets (LLM_KEYS), in their order; () for the plain formula."""
-        return tuple(k for k in LLM_KEYS if getattr(self, k) not in (None, False))
+        return tuple(k for k in LLM_KEYS if TERMS[k].uses(self))
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        """Every term of the formula this config uses, in the formula's order (attnx.model.terms.TERMS)."""
+        return terms_of(self)
 
     # Derived sizes, named once so no caller recomputes them.
     @property
@@ -263,13 +206,6 @@ class AttentionConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"config is not valid JSON: {e}") from None
         return cls.from_dict(data)
-
-
-def _check_int(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"config key {key!r} must be positive, got {value}")
 
 
 PRESETS: dict[str, AttentionConfig] = {

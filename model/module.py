@@ -1,9 +1,20 @@
 """The torch module: scaled dot-product multi-head attention, self or cross, with masks, and the
-modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, sliding window, sinks."""
+modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, sliding window, sinks.
+
+The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
+function in TORCH_TERMS, in the formula's order (the numpy reference's are REFERENCE_TERMS):
+
+    qk       (module, q [B, T, N, hd], k [B, S, Nkv, hd], position_ids) -> (q, k)
+    scores   (module, scores [B, N, T, S], query token indices [T], key token indices [S]) -> scores
+    mask     (module, query token indices [T], key token indices [S], key_padding_mask [B, S] | None)
+             -> hidden bool, broadcastable to [B, N, T, S]
+    softmax  (module, scores [B, N, T, S]) -> more logits [B, N, T, E], with no value
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,9 +25,10 @@ from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import TORCH_CORES, sdpa_core_expresses
 from attnx.model.rope import rope_frequencies
+from attnx.model.terms import PLACES, TERMS
 from attnx.model.weights import check_weights, init_weights
 
-__all__ = ["MultiHeadAttention", "build_module"]
+__all__ = ["MultiHeadAttention", "TORCH_TERMS", "build_module"]
 
 
 class HeadRMSNorm(nn.Module):
@@ -45,6 +57,8 @@ class MultiHeadAttention(nn.Module):
             raise UsageError(f"unknown attention core {core!r} (known: {', '.join(TORCH_CORES)})")
         self.config = config
         self.core = core
+        # The config's terms by their place in the formula (attnx.model.terms), each computed by TORCH_TERMS.
+        self._terms = {place: [t for t in config.terms if TERMS[t].place == place] for place in PLACES}
         # Localisation (attnx.runtimes.localise): a dict to fill with each stage's value as this module
         # computes it (attnx.model.stages, canonical layouts), or None (always while exporting).
         self.stages: dict[str, torch.Tensor] | None = None
@@ -95,15 +109,11 @@ class MultiHeadAttention(nn.Module):
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)  # (B, T, N, hd)
         k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim)  # (B, S, Nkv, hd)
         record("q", q), record("k", k)
-        if c.qk_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head alike
-            record("q_norm", q), record("k_norm", k)
-        if c.rope is not None:
-            if position_ids is None:
-                raise UsageError("this model takes position_ids (config rope)")
-            cos, sin = self._rope_cos_sin(position_ids, q.dtype)  # (B, T, 1, dim/2)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            record("q_rope", q), record("k_rope", k)
+        if c.rope is not None and position_ids is None:
+            raise UsageError("this model takes position_ids (config rope)")
+        for term in self._terms["qk"]:  # qk_norm, rope
+            q, k = TORCH_TERMS[term](self, q, k, position_ids)
+            record(f"q_{_QK_STAGES[term]}", q), record(f"k_{_QK_STAGES[term]}", k)
         q = q.transpose(1, 2)  # (B, N, T, hd)
         k = k.transpose(1, 2)  # (B, Nkv, S, hd)
         v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim)
@@ -180,23 +190,17 @@ class MultiHeadAttention(nn.Module):
     def _hidden_keys(
         self, x: torch.Tensor, T: int, S: int, key_padding_mask: torch.Tensor | None, past: int = 0
     ) -> torch.Tensor | None:
-        """True where key j is hidden from query i, broadcastable to (B, N, T, S). With a cache,
-        query i sits at token index past + i and key j at index j: the mask is over token index
-        (never over position_ids)."""
-        c = self.config
+        """True where key j is hidden from query i, broadcastable to (B, N, T, S): the union of what
+        each mask term hides (TORCH_TERMS). With a cache, query i sits at token index past + i and key
+        j at index j: the mask is over token index (never over position_ids)."""
+        if self.config.key_padding_mask and key_padding_mask is None:
+            raise UsageError("this model takes a key_padding_mask input")
+        i = torch.arange(T, device=x.device) + past  # query token indices
+        j = torch.arange(S, device=x.device)  # key token indices (S = past + T)
         hidden = None
-        if c.causal:
-            i = torch.arange(T, device=x.device) + past  # query token indices
-            j = torch.arange(S, device=x.device)  # key token indices (S = past + T)
-            hidden = j[None, :] > i[:, None]  # (T, S): key j after query i
-            if c.sliding_window is not None:
-                hidden = hidden | (j[None, :] <= i[:, None] - c.sliding_window)  # outside p - W < j
-            hidden = hidden[None, None]  # (1, 1, T, S)
-        if c.key_padding_mask:
-            if key_padding_mask is None:
-                raise UsageError("this model takes a key_padding_mask input")
-            kpm = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, S)
-            hidden = kpm if hidden is None else hidden | kpm
+        for term in self._terms["mask"]:
+            h = TORCH_TERMS[term](self, i, j, key_padding_mask)
+            hidden = h if hidden is None else hidden | h
         return hidden
 
     def _decomposed(
@@ -204,17 +208,21 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         scores = torch.matmul(q, k.transpose(-2, -1)) * c.softmax_scale  # (B, N, T, S)
-        if c.softcap is not None:
-            scores = torch.tanh(scores / c.softcap) * c.softcap
+        if self._terms["scores"]:
+            T, S = scores.shape[-2:]
+            i = torch.arange(T, device=q.device) + (S - T)  # query token indices (a step's after its past)
+            j = torch.arange(S, device=q.device)
+            for term in self._terms["scores"]:  # softcap
+                scores = TORCH_TERMS[term](self, scores, i, j)
         self._record("scores", scores)
         if hidden is not None:
             # The dtype's lowest finite value, not -inf: exp(lowest - max) is exactly 0 for a
             # hidden key, and a fully hidden row stays finite (fp16 included).
             scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        if c.sinks:
-            B, N, T, _ = scores.shape
-            sink = self.sinks.to(scores.dtype).view(1, N, 1, 1).expand(B, N, T, 1)
-            p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # the sink has no value
+        extra = [TORCH_TERMS[term](self, scores) for term in self._terms["softmax"]]  # sinks
+        if extra:
+            n = scores.shape[-1]
+            p = torch.softmax(torch.cat((scores, *extra), dim=-1), dim=-1)[..., :n]  # more logits, no value
         else:
             p = torch.softmax(scores, dim=-1)
         self._record("probs", p)
@@ -248,6 +256,49 @@ class MultiHeadAttention(nn.Module):
             state[name] = torch.from_numpy(array)
         self.load_state_dict(state, strict=True, assign=share)
         return self
+
+
+# The terms' functions (the module doc), by the registry's names --------------------------------------
+def _qk_norm(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None):
+    return m.q_norm(q), m.k_norm(k)  # over head_dim, each head alike
+
+
+def _rope(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    cos, sin = m._rope_cos_sin(positions, q.dtype)  # (B, T, 1, dim/2)
+    return m._rotate(q, cos, sin), m._rotate(k, cos, sin)
+
+
+def _softcap(m: MultiHeadAttention, scores: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(scores / m.config.softcap) * m.config.softcap
+
+
+def _causal(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
+    return (j[None, :] > i[:, None])[None, None]  # (1, 1, T, S): key j after query i
+
+
+def _window(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
+    return (j[None, :] <= i[:, None] - m.config.sliding_window)[None, None]  # outside p - W < j
+
+
+def _key_padding(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor) -> torch.Tensor:
+    return kpm.to(torch.bool)[:, None, None, :]  # (B, 1, 1, S): True hides
+
+
+def _sinks(m: MultiHeadAttention, scores: torch.Tensor) -> torch.Tensor:
+    B, N, T, _ = scores.shape
+    return m.sinks.to(scores.dtype).view(1, N, 1, 1).expand(B, N, T, 1)  # a logit per head
+
+
+TORCH_TERMS: dict[str, Callable[..., Any]] = {
+    "qk_norm": _qk_norm,
+    "rope": _rope,
+    "softcap": _softcap,
+    "causal": _causal,
+    "sliding_window": _window,
+    "key_padding_mask": _key_padding,
+    "sinks": _sinks,
+}
+_QK_STAGES = {"qk_norm": "norm", "rope": "rope"}  # the stages the q/k terms' outputs are (attnx.model.stages)
 
 
 def build_module(

@@ -1,25 +1,141 @@
 """The numpy reference: the formula of the README ("The model"), written to be read, not to be fast.
 
-float64 throughout, one head and one query at a time, so that it shares no code and no
-numerical shortcut with the torch module or the ONNX graph it checks. The one thing every form
-shares is the rope table (attnx.model.rope: inv_freq and attention_factor), which tests check
-against transformers' own.
+One head and one query at a time, so that it shares no code and no numerical shortcut with the torch
+module or the ONNX graph it checks; float64 (any dtype when asked: the tolerance table's float32
+estimate runs this same formula). The one thing every form shares is the rope table
+(attnx.model.rope: inv_freq and attention_factor), which tests check against transformers' own.
 
-The order (README, "Modern LLM attention"): projections, qk_norm, rope, scale * q.k, softcap,
-masks (causal, sliding window, key padding: over token index), softmax over the visible keys and
-the head's sink logit, times v, out projection.
+The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
+function in REFERENCE_TERMS, in the formula's order: projections, the q/k terms (qk_norm, rope), the
+cache, scale * q.k and the score terms (softcap), the masks (causal, sliding window, key padding: over
+token index), softmax over the visible keys and the softmax terms (a head's sink logit), times v, out
+projection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_cos_sin, rope_pairs
+from attnx.model.terms import TERMS
 
-__all__ = ["reference_attention"]
+__all__ = ["REFERENCE_TERMS", "reference_attention", "scored_qk"]
+
+
+# The terms' functions. Each takes the config and the weights, then what its place acts on:
+#   qk:      q [batch, t, n_heads, hd], k [batch, s, n_kv_heads, hd], position_ids [batch, t] -> (q, k)
+#   scores:  s [keys] of one query, the query's token index, the keys' token indices, its head -> s
+#   mask:    the query's token index, every key's token index [keys], its batch's key_padding_mask row
+#            (or None) -> hidden bool [keys]
+#   softmax: its head -> more logits in the softmax's denominator, with no value
+QK = tuple[np.ndarray, np.ndarray]
+
+
+def _qk_norm(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any) -> QK:
+    """RMSNorm of each head over head_dim, times the weights q_norm.weight / k_norm.weight."""
+
+    def norm(u: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        eps = u.dtype.type(c.qk_norm.eps)
+        return u / np.sqrt(np.mean(u**2, axis=-1, keepdims=True) + eps) * np.asarray(weight, dtype=u.dtype)
+
+    return norm(q, w["q_norm.weight"]), norm(k, w["k_norm.weight"])
+
+
+def _rope(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any) -> QK:
+    """Pair i of each head at position p turned by p * inv_freq_i (the rope table), times attention_factor."""
+    cos, sin = (t.astype(q.dtype)[:, :, None] for t in rope_cos_sin(c.rope, np.asarray(positions)))  # (b, t, 1, dim/2)
+    a, b = rope_pairs(c.rope)  # pair i is (a[i], b[i]) of each head
+
+    def turn(u: np.ndarray) -> np.ndarray:
+        out = u.copy()
+        ua, ub = u[..., a], u[..., b]
+        out[..., a] = ua * cos - ub * sin
+        out[..., b] = ub * cos + ua * sin
+        return out
+
+    return turn(q), turn(k)
+
+
+def _softcap(c: AttentionConfig, w: Mapping[str, np.ndarray], s: np.ndarray, query: int, keys: np.ndarray,
+             head: int) -> np.ndarray:  # fmt: skip
+    return c.softcap * np.tanh(s / c.softcap)
+
+
+def _causal(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarray | None) -> np.ndarray:
+    return keys > query  # a key after the query's token
+
+
+def _window(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarray | None) -> np.ndarray:
+    return keys <= query - c.sliding_window  # only p - W < j is seen
+
+
+def _key_padding(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarray | None) -> np.ndarray:
+    return np.asarray(padding, dtype=bool)  # True hides
+
+
+def _sinks(c: AttentionConfig, w: Mapping[str, np.ndarray], head: int) -> list[float]:
+    return [float(np.asarray(w["sinks"])[head])]  # a logit with no value
+
+
+REFERENCE_TERMS: dict[str, Callable[..., Any]] = {
+    "qk_norm": _qk_norm,
+    "rope": _rope,
+    "softcap": _softcap,
+    "causal": _causal,
+    "sliding_window": _window,
+    "key_padding_mask": _key_padding,
+    "sinks": _sinks,
+}
+# Where a term's output is a stage of the formula (attnx.model.stages): q_norm, k_rope, ...
+_QK_STAGES = {"qk_norm": "norm", "rope": "rope"}
+
+
+def _terms(c: AttentionConfig, place: str) -> list[str]:
+    return [t for t in c.terms if TERMS[t].place == place]
+
+
+def _linear(c: AttentionConfig, weights: Mapping[str, np.ndarray], inp: np.ndarray, name: str) -> np.ndarray:
+    # Each tensor is made the compute dtype when used, not all up front: a float64 copy of every
+    # weight would be 4.8 GB for the gpt3 preset (2x its float32 weights).
+    w = np.asarray(weights[f"{name}.weight"], dtype=inp.dtype)
+    out = inp @ w.T  # torch Linear convention: W is [out, in]
+    if c.bias:
+        out = out + np.asarray(weights[f"{name}.bias"], dtype=inp.dtype)
+    return out
+
+
+def scored_qk(
+    config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    memory: np.ndarray | None = None,
+    position_ids: np.ndarray | None = None,
+    dtype: Any = np.float64,
+    stages: dict[str, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """q [batch, t, n_heads, hd] and k [batch, s, n_kv_heads, hd] as the formula scores them: the
+    projections, then the q/k terms (qk_norm, rope) in order, in `dtype`. stages: filled with q, k and
+    the q/k terms' stages, [batch, t, heads * hd]."""
+    c = config
+    if c.rope is not None and position_ids is None:
+        raise ValueError("a config with rope takes position_ids [batch, seq]")
+    x = np.asarray(x, dtype=dtype)
+    m = np.asarray(memory, dtype=dtype) if c.cross else x
+    q, k = _linear(c, weights, x, "q_proj"), _linear(c, weights, m, "k_proj")  # (b, t, N*hd), (b, s, Nkv*hd)
+    if stages is not None:
+        stages.update(q=q, k=k)
+    q = q.reshape(*q.shape[:2], c.n_heads, c.head_dim)
+    k = k.reshape(*k.shape[:2], c.n_kv_heads, c.head_dim)
+    for term in _terms(c, "qk"):
+        q, k = REFERENCE_TERMS[term](c, weights, q, k, position_ids)
+        if stages is not None:
+            stages[f"q_{_QK_STAGES[term]}"] = q.reshape(*q.shape[:2], -1).copy()
+            stages[f"k_{_QK_STAGES[term]}"] = k.reshape(*k.shape[:2], -1).copy()
+    return q, k
 
 
 def reference_attention(
@@ -33,127 +149,82 @@ def reference_attention(
     position_ids: np.ndarray | None = None,
     stages: dict[str, np.ndarray] | None = None,
     core_stages: bool = True,
+    dtype: Any = np.float64,
+    stats: dict[str, float] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """y [batch, seq, d_model] in float64 for x [batch, seq, d_model]. With config.kv_cache,
-    (y, present_key, present_value): the keys/values of past_key/past_value (token indices
-    0..past_seq-1) followed by this step's (past_seq..), query i at index past_seq + i; the cache
-    holds keys as they are scored (after qk_norm and rope). position_ids int64 [batch, seq]: each
-    new token's position, what rope rotates by (config.rope; the masks are over token index).
-    stages: a dict to fill with the value of every stage of the formula (attnx.model.stages), in
-    its canonical layout, float64; "probs_rows" marks the rows of probs that have a visible key;
-    core_stages=False leaves scores and probs out ([batch, n_heads, seq, keys]: too large to hold at
-    long sequences)."""
+    """y [batch, seq, d_model] in `dtype` (float64 unless asked) for x [batch, seq, d_model]. With
+    config.kv_cache, (y, present_key, present_value): the keys/values of past_key/past_value (token
+    indices 0..past_seq-1) followed by this step's (past_seq..), query i at index past_seq + i; the cache
+    holds keys as they are scored (after qk_norm and rope). position_ids int64 [batch, seq]: each new
+    token's position, what rope rotates by (config.rope; the masks are over token index).
+    stages: a dict to fill with the value of every stage of the formula (attnx.model.stages), in its
+    canonical layout; "probs_rows" marks the rows of probs that have a visible key; core_stages=False
+    leaves scores and probs out ([batch, n_heads, seq, keys]: too large to hold at long sequences).
+    stats: a dict to add "score_sq" and "scores" to: the sum of squares and the count of the visible
+    keys' scores, scale * q.k before the score terms (the quantized error model's score RMS)."""
     c = config
-    if c.rope is not None and position_ids is None:
-        raise ValueError("a config with rope takes position_ids [batch, seq]")
-
-    def linear(inp: np.ndarray, name: str) -> np.ndarray:
-        # Each tensor is made float64 when used, not all up front: a float64 copy of every
-        # weight would be 4.8 GB for the gpt3 preset (2x its float32 weights).
-        w = np.asarray(weights[f"{name}.weight"], dtype=np.float64)
-        out = inp @ w.T  # torch Linear convention: W is [out, in]
-        if c.bias:
-            out = out + np.asarray(weights[f"{name}.bias"], dtype=np.float64)
-        return out
-
-    x = np.asarray(x, dtype=np.float64)
-    m = np.asarray(memory, dtype=np.float64) if c.cross else x
+    x = np.asarray(x, dtype=dtype)
+    m = np.asarray(memory, dtype=dtype) if c.cross else x
     batch, t, _ = x.shape
-    q = linear(x, "q_proj")  # (batch, t, N*hd)
-    k = linear(m, "k_proj")  # (batch, s, Nkv*hd)
-    v = linear(m, "v_proj")  # (batch, s, Nkv*vhd)
-    record = stages
-    if record is not None:
-        record.update(q=q, k=k, v=v)
-    if c.qk_norm is not None or c.rope is not None:
-        q = _norm_and_rotate(c, weights, q, c.n_heads, "q_norm", position_ids, record, "q")
-        k = _norm_and_rotate(c, weights, k, c.n_kv_heads, "k_norm", position_ids, record, "k")
-    sinks = np.asarray(weights["sinks"], dtype=np.float64) if c.sinks else None
+    q, k = scored_qk(c, weights, x, memory, position_ids, dtype, stages)  # (b, t, N, hd), (b, s, Nkv, hd)
+    v = _linear(c, weights, m, "v_proj").reshape(batch, -1, c.n_kv_heads, c.v_head_dim)  # (b, s, Nkv, vhd)
+    if stages is not None:
+        stages["v"] = v.reshape(batch, -1, c.kv_v_dim)
     past = 0
-    if c.kv_cache:
+    if c.kv_cache:  # the cache: [batch, Nkv, past, hd], laid out as the projections [batch, past, Nkv, hd]
         past = past_key.shape[2]
-        # The cache is per head, [batch, Nkv, past, hd]: laid out as the projections, [batch, past, Nkv*hd].
-        pk = np.asarray(past_key, dtype=np.float64).transpose(0, 2, 1, 3).reshape(batch, past, c.kv_q_dim)
-        pv = np.asarray(past_value, dtype=np.float64).transpose(0, 2, 1, 3).reshape(batch, past, c.kv_v_dim)
-        k = np.concatenate([pk, k], axis=1)  # (batch, past + t, Nkv*hd)
-        v = np.concatenate([pv, v], axis=1)
+        k = np.concatenate([np.asarray(past_key, dtype=dtype).transpose(0, 2, 1, 3), k], axis=1)
+        v = np.concatenate([np.asarray(past_value, dtype=dtype).transpose(0, 2, 1, 3), v], axis=1)
     s = k.shape[1]
-    z = np.zeros((batch, t, c.v_dim))  # heads concatenated
+    keys = np.arange(s)  # every key's token index
+    scores_terms, mask_terms, softmax_terms = (_terms(c, p) for p in ("scores", "mask", "softmax"))
+    z = np.zeros((batch, t, c.n_heads, c.v_head_dim), dtype=dtype)
     core = stages is not None and core_stages
-    if core:  # every key's score (hidden ones too: the stage is before the masks)
-        all_scores = np.zeros((batch, c.n_heads, t, s))
-        all_probs = np.zeros((batch, c.n_heads, t, s))
+    if core:
+        all_scores = np.zeros((batch, c.n_heads, t, s), dtype=dtype)
+        all_probs = np.zeros((batch, c.n_heads, t, s), dtype=dtype)
         rows = np.zeros((batch, c.n_heads, t), dtype=bool)
     for b in range(batch):
-        for n in range(c.n_heads):
-            g = n // c.group_size  # the key/value head query head n reads
-            qn = q[b, :, n * c.head_dim : (n + 1) * c.head_dim]
-            kn = k[b, :, g * c.head_dim : (g + 1) * c.head_dim]
-            vn = v[b, :, g * c.v_head_dim : (g + 1) * c.v_head_dim]
-            for i in range(t):
-                p_index = past + i  # the query's token index
-                visible = np.ones(s, dtype=bool)
-                if c.causal:
-                    visible[p_index + 1 :] = False  # a key after the query's token is hidden
-                if c.sliding_window is not None:
-                    visible[: max(p_index - c.sliding_window + 1, 0)] = False  # p - W < j only
-                if key_padding_mask is not None:
-                    visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
-                if core:
-                    every = c.softmax_scale * (kn @ qn[i])
-                    all_scores[b, n, i] = c.softcap * np.tanh(every / c.softcap) if c.softcap is not None else every
+        padding = None if key_padding_mask is None else np.asarray(key_padding_mask[b], dtype=bool)
+        for i in range(t):
+            query = past + i  # the query's token index
+            hidden = np.zeros(s, dtype=bool)
+            for term in mask_terms:
+                hidden |= REFERENCE_TERMS[term](c, query, keys, padding)
+            visible = ~hidden
+            for n in range(c.n_heads):
+                g = n // c.group_size  # the key/value head query head n reads
+                if core:  # every key's score (hidden ones too: the stage is before the masks)
+                    every = c.softmax_scale * (k[b, :, g] @ q[b, i, n])  # (s,)
+                    for term in scores_terms:
+                        every = REFERENCE_TERMS[term](c, weights, every, query, keys, n)
+                    all_scores[b, n, i] = every
                 if not visible.any():
                     continue  # every key hidden: z_i = 0 by definition (a sink takes all the weight)
-                scores = c.softmax_scale * (kn[visible] @ qn[i])
-                if c.softcap is not None:
-                    scores = c.softcap * np.tanh(scores / c.softcap)
-                logits = scores if sinks is None else np.append(scores, sinks[n])  # the sink: a logit, no value
+                scores = c.softmax_scale * (k[b, visible, g] @ q[b, i, n])  # the visible keys'
+                if stats is not None:
+                    stats["score_sq"] = stats.get("score_sq", 0.0) + float(np.sum(np.square(scores, dtype=np.float64)))
+                    stats["scores"] = stats.get("scores", 0) + int(scores.size)
+                for term in scores_terms:
+                    scores = REFERENCE_TERMS[term](c, weights, scores, query, keys[visible], n)
+                logits = scores
+                extra = [x for term in softmax_terms for x in REFERENCE_TERMS[term](c, weights, n)]
+                logits = np.append(logits, np.asarray(extra, dtype=dtype))  # more logits, no value
                 e = np.exp(logits - logits.max())
-                p = e[: len(scores)] / e.sum()
-                z[b, i, n * c.v_head_dim : (n + 1) * c.v_head_dim] = p @ vn[visible]
+                p = e[: visible.sum()] / e.sum()
+                z[b, i, n] = p @ v[b, visible, g]
                 if core:
                     all_probs[b, n, i, visible] = p
                     rows[b, n, i] = True
-    y = linear(z, "out_proj")
+    z = z.reshape(batch, t, c.v_dim)  # heads concatenated
+    y = _linear(c, weights, z, "out_proj")
     if core:
         stages.update(scores=all_scores, probs=all_probs, probs_rows=rows)
     if stages is not None:
         stages.update(z=z, y=y)
     if not c.kv_cache:
         return y
-    present_key = k.reshape(batch, s, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)  # (batch, Nkv, s, hd)
-    present_value = v.reshape(batch, s, c.n_kv_heads, c.v_head_dim).transpose(0, 2, 1, 3)
+    present_key, present_value = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, Nkv, s, d)
     if stages is not None:
         stages.update(present_key=present_key, present_value=present_value)
     return y, present_key, present_value
-
-
-def _norm_and_rotate(
-    c: AttentionConfig,
-    weights: Mapping[str, np.ndarray],
-    u: np.ndarray,
-    heads: int,
-    norm: str,
-    position_ids: np.ndarray | None,
-    record: dict[str, np.ndarray] | None = None,
-    label: str = "",
-) -> np.ndarray:
-    """q or k [batch, t, heads*hd] after qk_norm (RMSNorm of each head over head_dim, times the
-    weights `norm`.weight) and rope (pair i of each head at position p turned by p * inv_freq_i);
-    record gets the stages `label`_norm and `label`_rope."""
-    batch, t, _ = u.shape
-    out = u.reshape(batch, t, heads, c.head_dim).copy()  # (batch, t, heads, hd)
-    if c.qk_norm is not None:
-        w = np.asarray(weights[f"{norm}.weight"], dtype=np.float64)
-        out = out / np.sqrt(np.mean(out**2, axis=-1, keepdims=True) + c.qk_norm.eps) * w
-        if record is not None:
-            record[f"{label}_norm"] = out.reshape(batch, t, heads * c.head_dim).copy()
-    if c.rope is not None:
-        cos, sin = rope_cos_sin(c.rope, np.asarray(position_ids))  # (batch, t, dim/2), times attention_factor
-        a, b = rope_pairs(c.rope)  # pair i is (a[i], b[i]) of each head
-        qa, qb = out[..., a].copy(), out[..., b].copy()
-        out[..., a] = qa * cos[:, :, None] - qb * sin[:, :, None]
-        out[..., b] = qb * cos[:, :, None] + qa * sin[:, :, None]
-        if record is not None:
-            record[f"{label}_rope"] = out.reshape(batch, t, heads * c.head_dim).copy()
-    return out.reshape(batch, t, heads * c.head_dim)

@@ -55,7 +55,8 @@ import numpy as np
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import OPENVINO
-from attnx.model.rope import rope_cos_sin, rope_frequencies, rope_pairs
+from attnx.model.reference import reference_attention, scored_qk
+from attnx.model.rope import rope_frequencies, rope_pairs
 from attnx.model.stages import get_stage
 
 __all__ = [
@@ -190,22 +191,13 @@ def problem_size(
     """K and the largest attention score for these weights and inputs (float32 is plenty
     for a bound; masked scores are included, which can only make the bound larger). With
     activations, also what a quantized form's error model reads (ProblemSize.activations)."""
-    x = np.asarray(feeds["x"], dtype=np.float32)
-    m = np.asarray(feeds["memory"], dtype=np.float32) if config.cross else x
-    q = x @ np.asarray(weights["q_proj.weight"], np.float32).T  # (B, T, N*hd)
-    k = m @ np.asarray(weights["k_proj.weight"], np.float32).T  # (B, S, Nkv*hd)
-    if config.bias:
-        q += np.asarray(weights["q_proj.bias"], np.float32)
-        k += np.asarray(weights["k_proj.bias"], np.float32)
-    B, T, S, N, hd = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.head_dim
-    q = q.reshape(B, T, N, hd)  # (B, T, N, hd)
-    k = k.reshape(B, S, config.n_kv_heads, hd)  # (B, S, Nkv, hd)
+    # q and k as the formula scores them, in float32: the reference's own (its projections and q/k terms)
+    positions = feeds.get("position_ids")
+    q, k = scored_qk(config, weights, feeds["x"], feeds.get("memory"), positions, dtype=np.float32)
+    N = config.n_heads  # q (B, T, N, hd), k (B, S, Nkv, hd)
     rope_position, weights_w = 0.0, None
-    if config.qk_norm is not None or config.rope is not None:  # the keys and queries as scored
-        positions = feeds.get("position_ids")
-        q = _norm_and_rotate(config, weights, q, "q_norm", positions)
-        k = _norm_and_rotate(config, weights, k, "k_norm", positions)
-        if config.rope is not None and np.size(positions):
+    if config.rope is not None:
+        if np.size(positions):
             rope_position = float(np.max(np.abs(positions)))
             weights_w = rope_frequencies(config.rope, int(np.max(positions)) + 1)[0]  # the call's inv_freq
     rope_qk = 0.0
@@ -222,6 +214,7 @@ def problem_size(
             rope_qk = max(rope_qk, pair_max * config.softmax_scale)
     q = q.transpose(0, 2, 1, 3)  # (B, N, T, hd)
     k = k.transpose(0, 2, 3, 1)  # (B, Nkv, hd, S)
+    S = k.shape[3]
     if feeds.get("past_key") is not None:  # a step model: the cached keys are scored too
         past = np.asarray(feeds["past_key"], np.float32).transpose(0, 1, 3, 2)  # (B, Nkv, hd, P)
         k = np.concatenate([past, k], axis=3)
@@ -233,7 +226,7 @@ def problem_size(
     size = ProblemSize(reduction_length(config, S), score_max, rope_position=rope_position, rope_qk=rope_qk)
     if not activations:
         return size
-    return _with_activations(config, weights, feeds, x, m, q, k, size)
+    return _with_activations(config, weights, feeds, size)
 
 
 def rotated_cache_size(config: AttentionConfig, size: ProblemSize, cache: np.ndarray) -> ProblemSize:
@@ -251,87 +244,36 @@ def rotated_cache_size(config: AttentionConfig, size: ProblemSize, cache: np.nda
     return dataclasses.replace(size, rope_qk=float(np.max(pair_norm * w)) / (ROPE_FACTOR * rms))
 
 
-def _norm_and_rotate(
-    config: AttentionConfig,
-    weights: Mapping[str, np.ndarray],
-    u: np.ndarray,
-    norm: str,
-    positions: np.ndarray | None,
-) -> np.ndarray:
-    """q or k [B, T, heads, hd] (float32) as the formula scores them: after qk_norm and rope."""
-    if config.qk_norm is not None:
-        w = np.asarray(weights[f"{norm}.weight"], np.float32)
-        u = u / np.sqrt(np.mean(np.square(u), axis=-1, keepdims=True) + np.float32(config.qk_norm.eps)) * w
-    if config.rope is not None:
-        cos, sin = (t.astype(np.float32)[:, :, None] for t in rope_cos_sin(config.rope, np.asarray(positions)))
-        a, b = rope_pairs(config.rope)
-        u = u.copy()
-        ua, ub = u[..., a].copy(), u[..., b]
-        u[..., a] = ua * cos - ub * sin
-        u[..., b] = ub * cos + ua * sin
-    return u
-
-
 def _with_activations(
     config: AttentionConfig,
     weights: Mapping[str, np.ndarray],
     feeds: Mapping[str, np.ndarray],
-    x: np.ndarray,
-    m: np.ndarray,
-    q: np.ndarray,
-    k: np.ndarray,
     size: ProblemSize,
 ) -> ProblemSize:
     """`size` with the scores' RMS (visible keys only) and the RMS and range of every input a
-    quantized form quantizes: x, memory and z, the attention output (float32, the masks applied)."""
+    quantized form quantizes: x, memory and z, the attention output, from the reference run in float32
+    (the formula's own masks and terms)."""
     # The modern-LLM terms keep the model (README, "Reduced precision"): a window only hides keys (the
-    # masks below); softcap's c tanh(s / c) has slope <= 1, so a score error does not grow through it
+    # masks); softcap's c tanh(s / c) has slope <= 1, so a score error does not grow through it
     # (score_rms is taken before the cap, the larger); a sink is one more logit with no value and no
     # error: dz = sum_j p_j (ds_j - mean_p ds) v_j over the keys, rows of p summing to <= 1, so both
     # bounds (rms(ds) for q and k, eta_v for v) hold as they are. z is computed with all three.
-    B, T, S, N, dv = x.shape[0], x.shape[1], m.shape[1], config.n_heads, config.v_head_dim
-    g = config.group_size  # query head n reads key/value head n // g
-    v = m @ np.asarray(weights["v_proj.weight"], np.float32).T  # (B, S, Nkv*dv)
-    if config.bias:
-        v += np.asarray(weights["v_proj.bias"], np.float32)
-    v = v.reshape(B, S, config.n_kv_heads, dv).transpose(0, 2, 1, 3)  # (B, Nkv, S, dv)
-    past = 0
-    if feeds.get("past_key") is not None:  # a step model: k holds the past keys already (problem_size)
-        past_v = np.asarray(feeds["past_value"], np.float32)  # (B, Nkv, P, dv)
-        past, v = past_v.shape[2], np.concatenate([past_v, v], axis=2)  # (B, Nkv, P + S, dv)
-        S = v.shape[2]
-    hidden = np.zeros((B, T, S), bool)
-    if config.causal:  # over positions: query i sits at past + i and key j at j (README, "Decoding")
-        hidden |= np.triu(np.ones((T, S), bool), k=1 + past)[None]
-    if config.sliding_window is not None:  # key j visible to query p only if p - W < j
-        hidden |= np.tril(np.ones((T, S), bool), k=past - config.sliding_window)[None]
-    if config.key_padding_mask:
-        hidden |= np.asarray(feeds["key_padding_mask"], bool)[:, None, :]
-    z = np.zeros((B, N, T, dv), np.float32)
-    sinks = np.asarray(weights["sinks"], np.float32) if config.sinks else None
-    score_sq, visible = 0.0, max(int((~hidden).sum()) * N, 1)
-    for n in range(N):
-        scores = (q[:, n] @ k[:, n // g]) * config.softmax_scale  # (B, T, S)
-        score_sq += float(np.sum(np.square(np.where(hidden, 0.0, scores), dtype=np.float64)))
-        if config.softcap is not None:
-            scores = config.softcap * np.tanh(scores / config.softcap)
-        scores = np.where(hidden, -np.inf, scores)
-        peak = np.max(scores, axis=-1, keepdims=True)
-        if sinks is not None:  # the sink's logit joins the softmax's denominator (and its peak)
-            peak = np.maximum(peak, sinks[n])
-        p = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
-        total = p.sum(-1, keepdims=True)
-        if sinks is not None:
-            total = total + np.exp(sinks[n] - np.where(np.isfinite(peak), peak, 0.0))
-        z[:, n] = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0) @ v[:, n // g]  # all hidden: z = 0
-    z = z.transpose(0, 2, 1, 3).reshape(B, T, N * dv)  # (B, T, N*dv): the output projection's input
-    stats = [("x", x)] + ([("memory", m)] if config.cross else []) + [("z", z)]
+    stages: dict[str, np.ndarray] = {}
+    stats: dict[str, float] = {}
+    args = {k: v for k, v in feeds.items() if k in ("memory", "key_padding_mask", "past_key", "past_value",
+                                                    "position_ids")}  # fmt: skip
+    reference_attention(config, weights, feeds["x"], **args, stages=stages, core_stages=False, dtype=np.float32,
+                        stats=stats)  # fmt: skip
+    x = np.asarray(feeds["x"], np.float32)
+    stats_of = [("x", x)] + ([("memory", np.asarray(feeds["memory"], np.float32))] if config.cross else [])
+    stats_of.append(("z", stages["z"]))  # (B, T, N*dv): the output projection's input
     acts = tuple(
         (name, float(np.sqrt(np.mean(np.square(a, dtype=np.float64)))), float(a.min()), float(a.max()),
          float(np.sqrt(np.mean(np.square(np.abs(a).max(axis=-1), dtype=np.float64)))))
-        for name, a in stats
+        for name, a in stats_of
     )  # fmt: skip
-    return dataclasses.replace(size, score_rms=math.sqrt(score_sq / visible), activations=acts)
+    score_rms = math.sqrt(stats.get("score_sq", 0.0) / max(stats.get("scores", 0), 1))
+    return dataclasses.replace(size, score_rms=score_rms, activations=acts)
 
 
 # Quantized forms (issue 12) ----------------------------------------------------------------------

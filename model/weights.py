@@ -17,6 +17,7 @@ import numpy as np
 from attnx._io import atomic_path, not_a_file
 from attnx.errors import WeightsError
 from attnx.model.config import AttentionConfig
+from attnx.model.terms import term_tensors
 
 __all__ = [
     "weight_shapes",
@@ -49,33 +50,27 @@ def weight_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{name}.weight"] = (out_f, in_f)
         if c.bias:
             shapes[f"{name}.bias"] = (out_f,)
-    if c.qk_norm is not None:  # the RMSNorm weights of each head's q and k, shared by the heads
-        shapes["q_norm.weight"] = (c.head_dim,)
-        shapes["k_norm.weight"] = (c.head_dim,)
-    if c.sinks:  # one sink logit per query head
-        shapes["sinks"] = (c.n_heads,)
+    # the tensors the config's terms add (attnx.model.terms: q/k norm weights, sinks, ...)
+    shapes.update((name, shape) for name, (shape, _) in term_tensors(c).items())
     return shapes
-
-
-# The seeded draws of the tensors that are no projection: [low, high) of each (a norm's weights
-# about 1, as trained ones are; sink logits of either sign, about as large as a score).
-_NON_PROJECTION_RANGES = {"q_norm.weight": (0.5, 1.5), "k_norm.weight": (0.5, 1.5), "sinks": (-2.0, 2.0)}
 
 
 def init_weights(config: AttentionConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded weights, the same on every machine: numpy's PCG64 drawn tensor by tensor.
 
     U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as torch.nn.Linear, so activations keep their scale. The
-    q/k norm weights and the sinks (after the projections, so the projections' draws do not depend
-    on them) are drawn from _NON_PROJECTION_RANGES.
+    tensors the terms add (after the projections, so the projections' draws do not depend on them)
+    are drawn from the range each term gives them (attnx.model.terms: a norm's weights about 1, as
+    trained ones are; sink logits of either sign, about as large as a score).
     """
     rng = np.random.Generator(np.random.PCG64(seed))
     shapes = weight_shapes(config)
+    ranges = {name: draw for name, (_, draw) in term_tensors(config).items()}
     weights = {}
     for name, shape in shapes.items():
         w = rng.random(shape, dtype=np.float32)  # [0, 1)
-        if name in _NON_PROJECTION_RANGES:
-            low, high = (np.float32(v) for v in _NON_PROJECTION_RANGES[name])
+        if name in ranges:
+            low, high = (np.float32(v) for v in ranges[name])
             w *= high - low
             w += low
         else:

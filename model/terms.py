@@ -1,0 +1,272 @@
+"""The terms of the formula, as data: one entry a term, in the formula's order.
+
+A term is a part of the formula that a config switches on (README, "The model" and "Modern LLM
+attention"). Each entry says:
+
+    keys        the config keys that set it, and validate(): their checks and normal form
+    place       where it acts, in the formula's order (PLACES)
+    uses()      whether a config uses it
+    tensors()   the weights it adds beside the projections, and how seeded weights draw them
+    tolerance   what it adds to the tolerance table (attnx.model.tolerance), in words
+    fault       the wrong form of the term the tests plant, to show a check finds it
+
+Its functions live with the formula they belong to, one mapping per array library, keyed by the
+term's name: the numpy reference's (attnx.model.reference.REFERENCE_TERMS) and the torch module's
+(attnx.model.module.TORCH_TERMS); the ONNX emitters of each core say how the core writes it
+(attnx.export's emitters) and the core registry which cores express it (attnx.model.cores). Adding a
+term is one entry here, its functions there, and the cores' rows that take it: the checks, the CLI
+and the reports read these tables.
+
+No torch and no onnx here: the deployment side reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from attnx.errors import ConfigError
+from attnx.model.rope import parse_rope
+
+if TYPE_CHECKING:
+    from attnx.model.config import AttentionConfig
+
+__all__ = ["PLACES", "QKNorm", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number"]
+
+# Where a term acts, in the formula's order:
+#   heads     how the projections are laid out (grouped key/value heads, a second sequence)
+#   qk        q and k before they are scored and cached: per head, [batch, seq, heads, head_dim]
+#   cache     the keys and values of earlier steps joined before the scores
+#   scores    s = scale * q.k, then each score term in order: s [.., queries, keys]
+#   mask      which keys a query sees (over token index): the union of what each hides
+#   softmax   more logits in the softmax's denominator, with no value
+PLACES = ("heads", "qk", "cache", "scores", "mask", "softmax")
+
+
+def check_int(key: str, value: Any) -> int:
+    """`value` when it is a positive int (not a bool), else one ConfigError naming `key`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"config key {key!r} must be positive, got {value}")
+    return value
+
+
+def check_number(key: str, value: Any) -> float:
+    """`value` as a float when it is a finite positive number (not a bool), else one ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config key {key!r} must be a number or null, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"config key {key!r} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QKNorm:
+    """The config's `qk_norm`: RMSNorm of each head's q and k over head_dim, x / sqrt(mean(x^2) + eps)
+    times the weights q_norm.weight / k_norm.weight [head_dim], before rope (Qwen3, Gemma 3)."""
+
+    eps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"eps": self.eps}
+
+
+Config = Any  # an AttentionConfig (config.py imports this module: the type is named in TYPE_CHECKING only)
+Weights = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One term of the formula (the module doc)."""
+
+    name: str
+    keys: tuple[str, ...]
+    place: str
+    summary: str  # what it computes, one line (README tables)
+    uses: Callable[[Config], bool]
+    validate: Callable[[Config, Callable[[str, Any], None]], None] = lambda c, set_: None
+    # {name: (shape, (low, high) of its seeded draw)} of the tensors it adds to the weights file
+    tensors: Callable[[Config], Mapping[str, tuple[tuple[int, ...], tuple[float, float]]]] = lambda c: {}
+    tolerance: str = "none"
+    fault: Callable[[Config, Weights], tuple[Config, Weights]] | None = None
+    fault_summary: str = ""
+    modern: bool = False  # one of the modern-LLM terms (README, "Modern LLM attention")
+
+
+def _replace(c: Config, **changes: Any) -> Config:
+    return dataclasses.replace(c, **changes)
+
+
+# Validation of each term's keys. `set_(key, value)` writes a key's normal form into the frozen config.
+def _validate_grouped(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.n_kv_heads is None:
+        set_("n_kv_heads", c.n_heads)
+    check_int("n_kv_heads", c.n_kv_heads)
+    if c.n_heads % c.n_kv_heads:
+        raise ConfigError(
+            f"config key 'n_kv_heads' ({c.n_kv_heads}) must divide n_heads ({c.n_heads}): "
+            "each key/value head serves an equal group of query heads"
+        )
+
+
+def _validate_cross(c: Config, set_: Callable[[str, Any], None]) -> None:
+    _check_bool("cross", c.cross)
+    if c.kv_dim is None:
+        set_("kv_dim", c.d_model)
+    check_int("kv_dim", c.kv_dim)
+    if c.causal and c.cross:
+        raise ConfigError("config keys 'causal' and 'cross' cannot both be true: the causal mask is for self-attention")
+    if not c.cross and c.kv_dim != c.d_model:
+        raise ConfigError(f"config key 'kv_dim' ({c.kv_dim}) must equal d_model ({c.d_model}) without 'cross'")
+
+
+def _validate_cache(c: Config, set_: Callable[[str, Any], None]) -> None:
+    _check_bool("kv_cache", c.kv_cache)
+    if c.kv_cache and not (c.causal and not c.cross):
+        raise ConfigError(
+            "config key 'kv_cache' needs causal self-attention ('causal': true, 'cross': false): "
+            "a cache holds the keys of earlier tokens of the same sequence"
+        )
+
+
+def _validate_rope(c: Config, set_: Callable[[str, Any], None]) -> None:
+    set_("rope", parse_rope(c.rope, c.head_dim))
+    if c.cross and c.rope is not None:
+        # Positions of a second sequence: no model attnx imports has them.
+        raise ConfigError("config key 'rope' is for self-attention ('cross': false)")
+
+
+def _validate_qk_norm(c: Config, set_: Callable[[str, Any], None]) -> None:
+    norm = c.qk_norm
+    if norm is None:
+        return
+    data = norm.to_dict() if isinstance(norm, QKNorm) else norm
+    if not isinstance(data, dict) or set(data) != {"eps"}:
+        raise ConfigError(f"config key 'qk_norm' must be null or an object {{\"eps\": number}}, got {norm!r}")
+    eps = data["eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"config key 'qk_norm.eps' must be a finite positive number, got {eps!r}")
+    set_("qk_norm", QKNorm(float(eps)))
+    if c.cross:
+        raise ConfigError("config key 'qk_norm' is for self-attention ('cross': false)")
+
+
+def _validate_window(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.sliding_window is None:
+        return
+    check_int("sliding_window", c.sliding_window)
+    if not c.causal:
+        raise ConfigError("config key 'sliding_window' needs 'causal': true (query p sees key j only if p - W < j <= p)")
+
+
+def _validate_softcap(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.softcap is not None:
+        set_("softcap", check_number("softcap", c.softcap))
+
+
+# Planted faults: the term computed wrong, as a config or weights a check must tell from the right ones.
+def _permute_kv_heads(c: Config, w: Weights) -> tuple[Config, Weights]:
+    """Key head g computed from head g+1's weights (query heads read the wrong group's keys)."""
+    out = dict(w)
+    rows = np.asarray(w["k_proj.weight"]).reshape(c.n_kv_heads, c.head_dim, -1)
+    out["k_proj.weight"] = np.roll(rows, 1, axis=0).reshape(w["k_proj.weight"].shape)
+    if c.bias:
+        out["k_proj.bias"] = np.roll(np.asarray(w["k_proj.bias"]).reshape(c.n_kv_heads, -1), 1, axis=0).ravel()
+    return c, out
+
+
+def _flip_rope_layout(c: Config, w: Weights) -> tuple[Config, Weights]:
+    rope = dataclasses.replace(c.rope, interleaved=not c.rope.interleaved)
+    return _replace(c, rope=rope), w
+
+
+def _window_off_by_one(c: Config, w: Weights) -> tuple[Config, Weights]:
+    return _replace(c, sliding_window=c.sliding_window + 1), w
+
+
+def _double_softcap(c: Config, w: Weights) -> tuple[Config, Weights]:
+    return _replace(c, softcap=2 * c.softcap), w
+
+
+def _swap_qk_norms(c: Config, w: Weights) -> tuple[Config, Weights]:
+    out = dict(w)
+    out["q_norm.weight"], out["k_norm.weight"] = w["k_norm.weight"], w["q_norm.weight"]
+    return c, out
+
+
+def _drop_sinks(c: Config, w: Weights) -> tuple[Config, Weights]:
+    return _replace(c, sinks=False), {k: v for k, v in w.items() if k != "sinks"}
+
+
+def _no_causal_mask(c: Config, w: Weights) -> tuple[Config, Weights]:
+    return _replace(c, causal=False, sliding_window=None), w
+
+
+TERMS: dict[str, Term] = {
+    t.name: t
+    for t in (
+        Term("grouped_heads", ("n_kv_heads",), "heads",
+             "n_kv_heads key/value heads, each read by a group of n_heads / n_kv_heads query heads",
+             lambda c: c.n_kv_heads != c.n_heads, _validate_grouped,
+             fault=_permute_kv_heads, fault_summary="key/value heads permuted (k_proj rows rolled by one head)"),
+        Term("cross", ("cross", "kv_dim"), "heads", "keys and values projected from a second sequence, memory",
+             lambda c: c.cross, _validate_cross),
+        Term("qk_norm", ("qk_norm",), "qk", "RMSNorm of each head's q and k over head_dim, times q_norm/k_norm.weight",
+             lambda c: c.qk_norm is not None, _validate_qk_norm,
+             tensors=lambda c: {"q_norm.weight": ((c.head_dim,), (0.5, 1.5)),
+                                "k_norm.weight": ((c.head_dim,), (0.5, 1.5))},
+             tolerance="none: a norm drops the error's radial part",
+             fault=_swap_qk_norms, fault_summary="q_norm and k_norm weights swapped", modern=True),
+        Term("rope", ("rope",), "qk",
+             "q and k rotated by position (position_ids), pairs by inv_freq from the rope table (attnx.model.rope)",
+             lambda c: c.rope is not None, _validate_rope,
+             tolerance="4 eps32 P B rms(ref): the float32 angle's rounding at position P (tolerance, 'Rotary positions')",
+             fault=_flip_rope_layout, fault_summary="the pair layout flipped (interleaved <-> half-split)",
+             modern=True),
+        Term("kv_cache", ("kv_cache",), "cache", "the step model: past keys/values joined before the scores",
+             lambda c: c.kv_cache, _validate_cache),
+        Term("softcap", ("softcap",), "scores", "s -> c tanh(s / c), after the scale, before the masks",
+             lambda c: c.softcap is not None, _validate_softcap,
+             tolerance="none: the slope of c tanh(s / c) is at most 1",
+             fault=_double_softcap, fault_summary="the cap doubled", modern=True),
+        Term("causal", ("causal",), "mask", "key j hidden from query i when j > i (token index)",
+             lambda c: c.causal, lambda c, set_: _check_bool("causal", c.causal),
+             fault=_no_causal_mask, fault_summary="the causal mask dropped"),
+        Term("sliding_window", ("sliding_window",), "mask", "key j hidden from query i when j <= i - W",
+             lambda c: c.sliding_window is not None, _validate_window,
+             fault=_window_off_by_one, fault_summary="the window one key wider (W + 1)", modern=True),
+        Term("key_padding_mask", ("key_padding_mask",), "mask", "keys marked True in key_padding_mask hidden",
+             lambda c: c.key_padding_mask, lambda c, set_: _check_bool("key_padding_mask", c.key_padding_mask)),
+        Term("sinks", ("sinks",), "softmax", "one more logit per query head in the softmax (tensor sinks), no value",
+             lambda c: c.sinks, lambda c, set_: _check_bool("sinks", c.sinks),
+             tensors=lambda c: {"sinks": ((c.n_heads,), (-2.0, 2.0))},
+             tolerance="none: one more logit with no value and no error",
+             fault=_drop_sinks, fault_summary="the sink logit dropped", modern=True),
+    )
+}  # fmt: skip
+# The modern-LLM terms (README, "Modern LLM attention"), in the formula's order.
+LLM_TERMS = tuple(t.name for t in TERMS.values() if t.modern)
+
+
+def terms_of(config: AttentionConfig) -> tuple[str, ...]:
+    """The terms `config` uses, in the formula's order (TERMS)."""
+    return tuple(name for name, t in TERMS.items() if t.uses(config))
+
+
+def term_tensors(config: AttentionConfig) -> dict[str, tuple[tuple[int, ...], tuple[float, float]]]:
+    """{name: (shape, draw range)} of every tensor the config's terms add beside the projections."""
+    out: dict[str, tuple[tuple[int, ...], tuple[float, float]]] = {}
+    for t in TERMS.values():
+        if t.uses(config):
+            out.update(t.tensors(config))
+    return out

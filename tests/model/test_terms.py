@@ -1,0 +1,75 @@
+"""The terms of the formula as data (attnx.model.terms): every entry has its config keys, its place in the
+formula's order and its functions in both array libraries, and the fault each plants is one the
+tolerance table tells from the right formula."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from attnx.model import AttentionConfig, init_weights, reference_attention
+from attnx.model.inputs import make_inputs
+from attnx.model.reference import REFERENCE_TERMS
+from attnx.model.terms import PLACES, TERMS, term_tensors
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.model.weights import weight_shapes
+from attnx.runtimes.compare import compare_arrays
+from tests.conftest import LLM_CONFIGS
+
+# Every term with a function uses one; the structural ones (how heads are laid out, the cache) are the
+# frame every form writes, not a function of the scores.
+STRUCTURAL = {"grouped_heads", "cross", "kv_cache"}
+ALL_TERMS = LLM_CONFIGS["llm"]  # grouped heads, q/k norms, rope, softcap, causal, window, padding, sinks
+
+
+def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():
+    from attnx.model.module import TORCH_TERMS
+
+    fields = {f.name for f in dataclasses.fields(AttentionConfig)}
+    places = [PLACES.index(t.place) for t in TERMS.values()]
+    assert places == sorted(places), "TERMS is in the formula's order"
+    for name, term in TERMS.items():
+        assert set(term.keys) <= fields, name
+        if name in STRUCTURAL:
+            assert name not in REFERENCE_TERMS and name not in TORCH_TERMS
+        else:
+            assert name in REFERENCE_TERMS and name in TORCH_TERMS, name
+    assert set(REFERENCE_TERMS) == set(TORCH_TERMS) == set(TERMS) - STRUCTURAL
+
+
+def test_a_configs_terms_and_their_tensors():
+    assert ALL_TERMS.terms == ("grouped_heads", "qk_norm", "rope", "softcap", "causal", "sliding_window",
+                               "key_padding_mask", "sinks")  # fmt: skip
+    assert AttentionConfig(d_model=32, n_heads=4).terms == ()
+    assert set(term_tensors(ALL_TERMS)) == {"q_norm.weight", "k_norm.weight", "sinks"} <= set(weight_shapes(ALL_TERMS))
+
+
+@pytest.mark.parametrize("name", [n for n, t in TERMS.items() if t.fault is not None])
+def test_each_planted_fault_is_told_from_the_formula(name):
+    """The term computed wrong (its entry's fault: a config or weights a check must tell apart) gives
+    outputs the tolerance table fails against the right formula's, while the torch module of the right
+    config passes: what the audit's and the tests' planted faults rest on."""
+    import torch
+
+    from attnx.model import build_module
+
+    config = ALL_TERMS
+    weights = init_weights(config, 3)
+    assert TERMS[name].uses(config)
+    feeds = make_inputs(config, 2, 12, seed=5)
+    ref = reference_attention(config, weights, **feeds)
+    size, tol = problem_size(config, weights, feeds), tolerance_for("fp32")
+    with torch.no_grad():
+        module = build_module(config, weights)
+        right = module(*(torch.from_numpy(feeds[k]) for k in ("x",)),
+                       key_padding_mask=torch.from_numpy(feeds["key_padding_mask"]),
+                       position_ids=torch.from_numpy(feeds["position_ids"])).numpy()  # fmt: skip
+    assert compare_arrays("y", right, ref, tol, size)
+    wrong_config, wrong_weights = TERMS[name].fault(config, weights)
+    args = {k: v for k, v in feeds.items() if k in {s.name for s in wrong_config.inputs()}}
+    wrong = reference_attention(wrong_config, wrong_weights, **args)
+    # rows whose keys are all hidden give z = 0 either way; the others are the fault's
+    assert not compare_arrays("y", wrong, ref, tol, size), f"{name}: {TERMS[name].fault_summary} passed"
+    assert np.isfinite(wrong).all()
