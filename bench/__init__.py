@@ -14,7 +14,10 @@ from __future__ import annotations
 from attnx.bench._costs import GEMM_ROWS, attention_flops, gemm_flops, gemm_shape
 from attnx.bench._decode import (
     DECODE_DTYPES,
+    DEFAULT_IMPLS,
     DecodeBenchRow,
+    DecodeImpl,
+    decode_impls,
     measure_bandwidth,
     run_decode_bench,
     step_bytes,
@@ -57,6 +60,9 @@ __all__ = [
     "SCHEMA",
     "DecodeBenchRow",
     "DECODE_DTYPES",
+    "DEFAULT_IMPLS",
+    "DecodeImpl",
+    "decode_impls",
     "weight_bytes",
     "measure_bandwidth",
     "run_decode_bench",

@@ -17,8 +17,8 @@ together):
   buffer int8", "ort-fused buffer auto int8"), each against the bound of its own bytes per step
   (weight_bytes: the weights as that model stores them).
 - with a modern-LLM config (rope, qk_norm): the growing forms take the step's position_ids, the
-  buffer form rotates inside GroupQueryAttention (do_rotary) at its token index; the torch peers
-  rotate as transformers does (cos/sin of position_ids * inv_freq, rotate_half); "torch static" is
+  buffer form rotates inside GroupQueryAttention (do_rotary) at its token index; the torch peers are
+  the torch module's own projections and q/k terms (attnx.model.module.TORCH_TERMS); "torch static" is
   the static-cache peer (a preallocated cache written in place with index_copy_, as transformers'
   StaticCache, then SDPA over it); "openvino onnx growing" and "openvino decomposed growing" run
   attnx's onnx and decomposed step models on OpenVINO (f32, the step's threads). With softcap or sinks the peers attend as transformers' eager attention
@@ -47,14 +47,71 @@ import numpy as np
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import BUFFER_CORES
-from attnx.model.rope import rope_frequencies
+from attnx.model.contract import BUFFER_CORES, DEFAULT_BUFFER_CORE, QUANTIZED_DTYPES
+from attnx.model.cores import core_for
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
 
-__all__ = ["DECODE_DTYPES", "DecodeBenchRow", "measure_bandwidth", "run_decode_bench", "step_bytes", "weight_bytes"]
+__all__ = ["DECODE_DTYPES", "DEFAULT_IMPLS", "DecodeBenchRow", "DecodeImpl", "decode_impls", "measure_bandwidth",
+           "run_decode_bench", "step_bytes", "weight_bytes"]
 
-DECODE_DTYPES = ("fp32", "int8", "int4")  # the step model's weights: float, or QuantizeProjections' forms
+# the step model's weights: float, or quantized projections (fp16 is a GPU's form: gpu_check measures it)
+DECODE_DTYPES = ("fp32", *QUANTIZED_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeImpl:
+    """One implementation of the step the decode bench times: attnx's step model in a lowering, form,
+    buffer core and dtype, on ONNX Runtime or OpenVINO, or a torch peer ("eager": torch.cat onto the cache;
+    "static": a preallocated cache written in place, as transformers' StaticCache)."""
+
+    runtime: str  # "ort", "openvino" or "torch"
+    lowering: str  # a lowering (attnx.model.cores.LOWERINGS), or the torch peer's kind
+    form: str = "growing"
+    core: str | None = None  # the buffer form's core (None: the default, unnamed in the label)
+    dtype: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        """The name reports and the JSON use: "ort-fused buffer auto int8", "openvino onnx growing", "torch static"."""
+        if self.runtime == "torch":
+            return f"torch {self.lowering}"
+        words = ["openvino"] if self.runtime == "openvino" else []
+        words += [self.lowering, self.form, *([self.core] if self.core else []), *([self.dtype] if self.dtype != "fp32" else [])]
+        return " ".join(words)
+
+    def unavailable(self, config: AttentionConfig) -> str | None:
+        """Why this implementation cannot run `config` (its core's reasons, the registry's), or None."""
+        if self.runtime == "torch":
+            return None
+        try:
+            core_for(self.lowering, config, self.dtype, self.form, self.core)
+        except UsageError as e:
+            return str(e)
+        return None
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def decode_impls(dtypes: Sequence[str] = ("fp32",), openvino: bool = True) -> list[DecodeImpl]:
+    """What `attnx bench --decode` times: attnx's buffer form with each core, its growing forms, OpenVINO on
+    the step models it reads, torch's two peers; each quantized dtype's buffer form (the default core and
+    auto) and ort-fused growing form after the float ones."""
+    ort = [DecodeImpl("ort", "ort-fused", "buffer", core) for core in BUFFER_CORES if core != DEFAULT_BUFFER_CORE]
+    ort = [DecodeImpl("ort", "ort-fused", "buffer"), *ort]
+    ort += [DecodeImpl("ort", lowering) for lowering in ("ort-fused", "onnx", "decomposed")]
+    for dtype in dtypes:
+        if dtype != "fp32":
+            ort += [DecodeImpl("ort", "ort-fused", "buffer", dtype=dtype),
+                    DecodeImpl("ort", "ort-fused", "buffer", "auto", dtype),
+                    DecodeImpl("ort", "ort-fused", dtype=dtype)]  # fmt: skip
+    ov = [DecodeImpl("openvino", lowering) for lowering in ("onnx", "decomposed")] if openvino else []
+    return [*ort, *ov, DecodeImpl("torch", "eager"), DecodeImpl("torch", "static")]
+
+
+DEFAULT_IMPLS = (DecodeImpl("ort", "ort-fused", "buffer"), DecodeImpl("ort", "ort-fused"), DecodeImpl("ort", "onnx"),
+                 DecodeImpl("ort", "decomposed"), DecodeImpl("torch", "eager"), DecodeImpl("torch", "static"))  # fmt: skip
 DEFAULT_BLOCK_SIZE = 32  # attnx.export.passes.DEFAULT_BLOCK_SIZE (int4), the block size the bench builds
 
 _FLUSH_BYTES = 256 * 1024**2
@@ -71,14 +128,13 @@ class DecodeBenchRow:
     # a quantized step model's own bytes per step and bound ("int8"/"int4"; fp32's are the above)
     dtype_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def bound_for(self, impl: str) -> tuple[int, float]:
-        """(bytes per step, bound ms) of `impl`: of its dtype when it names one ("ort-fused buffer int8")."""
-        dtype = impl.split()[-1]
-        nbytes = self.dtype_bytes.get(dtype, self.step_bytes)
+    def bound_for(self, impl: DecodeImpl) -> tuple[int, float]:
+        """(bytes per step, bound ms) of `impl`: of its own dtype's weights."""
+        nbytes = self.dtype_bytes.get(impl.dtype, self.step_bytes)
         return nbytes, nbytes / self.step_bytes * self.bound_ms
 
-    def ratio(self, impl: str) -> float:
-        return self.times_ms[f"{impl} flushed"] / self.bound_for(impl)[1]
+    def ratio(self, impl: DecodeImpl) -> float:
+        return self.times_ms[f"{impl.label} flushed"] / self.bound_for(impl)[1]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -190,14 +246,7 @@ def run_decode_bench(
     repeat: int = 20,
     seed: int = 0,
     rounds: int = 3,
-    impls: Sequence[str] = (
-        "ort-fused buffer",
-        "ort-fused growing",
-        "onnx growing",
-        "decomposed growing",
-        "torch eager",
-        "torch static",
-    ),
+    impls: Sequence[DecodeImpl] = DEFAULT_IMPLS,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> list[DecodeBenchRow]:
     import onnx
@@ -216,24 +265,19 @@ def run_decode_bench(
     sessions, openvino = {}, {}
     tmp = tempfile.TemporaryDirectory(prefix="attnx-decode-bench-")
     for impl in impls:
-        if impl.startswith("torch"):
+        if impl.runtime == "torch":
             continue
-        if impl.startswith("openvino"):  # "openvino onnx growing": attnx's step model on OpenVINO
-            _, lowering, form = impl.split()
-            progress(f"building the step model: {impl}")
-            path = os.path.join(tmp.name, f"{lowering}-{form}.onnx")
-            onnx.save(build_step_model(c, weights, lowering, form), path)
-            openvino[impl] = create_runner("openvino", ModelSource(c, weights, path), threads=threads).load()
-            continue
-        lowering, form, *rest = impl.split()  # "ort-fused buffer", "ort-fused buffer int8", "... grouped-mha"
-        dtype = next((w for w in rest if w in DECODE_DTYPES), "fp32")
-        core = next((w for w in rest if w in BUFFER_CORES), "gqa")
         progress(f"building the step model: {impl}")
-        model = build_step_model(c, weights, lowering, form, dtype, DEFAULT_BLOCK_SIZE, buffer_core=core)
-        sessions[impl] = _session(model, threads)
+        model = build_step_model(c, weights, impl.lowering, impl.form, impl.dtype, DEFAULT_BLOCK_SIZE,
+                                 buffer_core=impl.core)  # fmt: skip
+        if impl.runtime == "openvino":  # attnx's step model on OpenVINO
+            path = os.path.join(tmp.name, f"{impl.lowering}-{impl.form}.onnx")
+            onnx.save(model, path)
+            openvino[impl.label] = create_runner("openvino", ModelSource(c, weights, path), threads=threads).load()
+        else:
+            sessions[impl] = _session(model, threads)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, 1, c.d_model), dtype=np.float32)
-    tw = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
     rows = []
     for past in pasts:
         cap = past + 1
@@ -241,7 +285,7 @@ def run_decode_bench(
         value = rng.standard_normal((1, c.n_kv_heads, cap, c.v_head_dim), dtype=np.float32)
         steps: dict[str, Callable[[], Any]] = {}
         for impl, sess in sessions.items():
-            if impl.split()[1] == "buffer":
+            if impl.form == "buffer":
                 kv = ort.OrtValue.ortvalue_from_numpy(key)
                 vv = ort.OrtValue.ortvalue_from_numpy(value)
                 b = sess.io_binding()
@@ -269,15 +313,16 @@ def run_decode_bench(
                 def fn(sess=sess, feeds=feeds, names=names):
                     sess.run_with_ort_values(names, feeds)
 
-            steps[impl] = fn
+            steps[impl.label] = fn
         for impl, runner in openvino.items():
             ov_feeds = {"x": x, "past_key": np.ascontiguousarray(key[:, :, :past]),
                         "past_value": np.ascontiguousarray(value[:, :, :past])}  # fmt: skip
             if c.rope is not None:
                 ov_feeds["position_ids"] = np.full((1, 1), past, np.int64)
             steps[impl] = lambda runner=runner, ov_feeds=ov_feeds: runner.run_impl(ov_feeds)
-        peer = _TorchPeer(c, tw, past)
-        if "torch eager" in impls:
+        peer = _TorchPeer(c, weights, past)
+        labels = {impl.label for impl in impls}
+        if "torch eager" in labels:
             kc = torch.from_numpy(np.ascontiguousarray(key[:, :, :past]))
             vc = torch.from_numpy(np.ascontiguousarray(value[:, :, :past]))
             xt = torch.from_numpy(x)
@@ -290,7 +335,7 @@ def run_decode_bench(
                     return peer.attend(q, k_all, v_all)
 
             steps["torch eager"] = torch_step
-        if "torch static" in impls:
+        if "torch static" in labels:
             # transformers' StaticCache: the cache preallocated (here past + 1 positions, all filled by
             # this step), the new token written in place at its position with index_copy_.
             ks = torch.from_numpy(key.copy())
@@ -318,7 +363,7 @@ def run_decode_bench(
                 samples[f"{impl} warm"].append(_median_ms(steps[impl], None, repeat))
         times = {k: min(v) for k, v in samples.items()}
         nbytes = step_bytes(c, past)
-        quantized = sorted({i.split()[-1] for i in impls if i.split()[-1] in DECODE_DTYPES[1:]})
+        quantized = sorted({impl.dtype for impl in impls if impl.dtype in QUANTIZED_DTYPES})
         rows.append(DecodeBenchRow(past, nbytes, bandwidth / 1e9, nbytes / bandwidth * 1e3, times,
                                    {k: v / 1e9 for k, v in copies.items()},
                                    {d: step_bytes(c, past, dtype=d) for d in quantized}))  # fmt: skip
@@ -329,73 +374,41 @@ def run_decode_bench(
 
 
 class _TorchPeer:
-    """The torch peers' step, as Hugging Face's eager Llama/Qwen3 attention computes it: the
-    projections, q/k RMSNorm (qk_norm), rotary embeddings (cos/sin of position_ids * inv_freq times
-    attention_factor, rotate_half or interleaved pairs, on the first rope dim dims), then SDPA
-    (grouped heads by enable_gqa) and the out projection. The new token sits at position `past`."""
+    """The torch peers' step, from the torch module's own functions (attnx.model.module, the model
+    defined once): its projections and q/k terms (TORCH_TERMS: the norms, the rotation at position
+    `past`), then the core over the cache as transformers attends: SDPA (grouped heads by enable_gqa),
+    or with softcap or sinks its eager attention (Gemma 2, gpt-oss), which is the module's decomposed
+    core over the repeated key/value heads; the out projection."""
 
     def __init__(self, config: AttentionConfig, weights: dict, past: int) -> None:
         import torch
 
-        self.c, self.w = config, weights
+        from attnx.model.module import TORCH_TERMS, build_module
+
+        self.c, self.m, self.terms = config, build_module(config, weights), TORCH_TERMS
         self.position = torch.tensor([[past]], dtype=torch.int64)
-        if config.rope is not None:
-            inv_freq, self.factor = rope_frequencies(config.rope)
-            self.inv_freq = torch.from_numpy(inv_freq.astype(np.float32))
-
-    def _rotate(self, u, cos, sin):
-        import torch
-
-        dim = self.c.rope.dim
-        rot, rest = u[..., :dim], u[..., dim:]
-        if self.c.rope.interleaved:  # pairs (2i, 2i + 1)
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            rot = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-        else:  # transformers' rotate_half over cat(freqs, freqs)
-            cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-            rot = rot * cos2 + torch.cat((-rot[..., dim // 2 :], rot[..., : dim // 2]), -1) * sin2
-        return rot if rest.shape[-1] == 0 else torch.cat((rot, rest), -1)
 
     def qkv(self, xt):
-        import torch.nn.functional as F
-
-        c, w = self.c, self.w
-        q = F.linear(xt, w["q_proj.weight"], w.get("q_proj.bias")).view(1, 1, c.n_heads, c.head_dim).transpose(1, 2)
-        k = F.linear(xt, w["k_proj.weight"], w.get("k_proj.bias")).view(1, 1, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = F.linear(xt, w["v_proj.weight"], w.get("v_proj.bias")).view(1, 1, c.n_kv_heads, c.v_head_dim).transpose(1, 2)
-        if c.qk_norm is not None:
-            q = F.rms_norm(q, (c.head_dim,), w["q_norm.weight"], c.qk_norm.eps)
-            k = F.rms_norm(k, (c.head_dim,), w["k_norm.weight"], c.qk_norm.eps)
-        if c.rope is not None:
-            freqs = self.position.float()[..., None] * self.inv_freq  # [1, 1, dim/2]
-            cos, sin = (freqs.cos() * self.factor)[:, None], (freqs.sin() * self.factor)[:, None]  # [1, 1, 1, dim/2]
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        return q, k, v
+        c, m = self.c, self.m
+        q = m.q_proj(xt).view(1, 1, c.n_heads, c.head_dim)
+        k = m.k_proj(xt).view(1, 1, c.n_kv_heads, c.head_dim)
+        for term in m._terms["qk"]:  # qk_norm, rope
+            q, k = self.terms[term](m, q, k, self.position)
+        v = m.v_proj(xt).view(1, 1, c.n_kv_heads, c.v_head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q, k_all, v_all):
-        """The new token's y over the cache: SDPA; with softcap or sinks transformers' eager attention
-        (Gemma 2, gpt-oss: the key/value heads repeated, scores, c * tanh(s / c), the sink's logit joined
-        to the softmax and dropped after it); with a window the last W keys only (a query at p sees
+        """The new token's y over the cache; with a window the last W keys only (a query at p sees
         p - W < j <= p: a sliding-window cache holds those)."""
-        import torch
         import torch.nn.functional as F
 
-        c = self.c
+        c, m = self.c, self.m
         if c.sliding_window is not None:
             k_all, v_all = k_all[:, :, -c.sliding_window :], v_all[:, :, -c.sliding_window :]
         if c.softcap is None and not c.sinks:
             z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale,
                                                enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip
-        else:
-            k_all = k_all.repeat_interleave(c.group_size, dim=1)  # transformers' repeat_kv
-            v_all = v_all.repeat_interleave(c.group_size, dim=1)
-            scores = torch.matmul(q, k_all.transpose(2, 3)) * c.softmax_scale
-            if c.softcap is not None:
-                scores = torch.tanh(scores / c.softcap) * c.softcap
-            if c.sinks:
-                sink = self.w["sinks"].reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-                p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-            else:
-                p = torch.softmax(scores, dim=-1)
-            z = torch.matmul(p, v_all)
-        return F.linear(z.transpose(1, 2).reshape(1, 1, c.v_dim), self.w["out_proj.weight"], self.w.get("out_proj.bias"))
+        else:  # transformers' repeat_kv, then eager attention: the module's decomposed core
+            z = m._decomposed(q, k_all.repeat_interleave(c.group_size, dim=1),
+                              v_all.repeat_interleave(c.group_size, dim=1), None)  # fmt: skip
+        return m.out_proj(z.transpose(1, 2).reshape(1, 1, c.v_dim))

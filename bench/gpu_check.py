@@ -16,7 +16,7 @@ Nothing here is new machinery: it is `attnx parity` and `attnx bench` over a fix
    with rope, in each dtype (float16: what GroupQueryAttention takes on a GPU), ort-fused:
    step-by-step parity of its growing form on every backend (the torch ones run the module) and
    of its buffer form (one cache bound in place, IOBinding) with each core that takes the dtype
-   (contract.BUFFER_CORES; one that refuses it is a skipped run with the reason) on each ONNX
+   (attnx.model.cores.BUFFER_CORES; one that refuses it is a skipped run with the reason) on each ONNX
    Runtime backend; prefill 0, 1 and 37 then 64 steps (attnx.runtimes.decode).
 4. bench: for each preset, the sweep of `attnx bench` (each case in a process of its own,
    inputs and outputs on the device, each call timed to its end): ort-fused on the ONNX
@@ -53,10 +53,11 @@ from attnx.model import PRESETS, init_weights, preset
 from attnx.model.contract import (
     BENCH_ORT_LOWERINGS,
     BUFFER_CORES,
+    DEFAULT_BUFFER_CORE,
     MODEL_DTYPES,
     PROVIDERS,
     QUANTIZED_DTYPES,
-    check_buffer_core,
+    core_for,
     provider_of_backend,
 )
 from attnx.runtimes import ModelSource
@@ -208,14 +209,13 @@ def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Resu
         for form, backends, padded in (("growing", usable, True), ("buffer", ort, False)):
             config = type(base).from_dict({**base.to_dict(), "key_padding_mask": padded})
             weights = init_weights(config, seed=0)
-            cores = BUFFER_CORES if form == "buffer" else ("gqa",)
+            cores = BUFFER_CORES if form == "buffer" else (DEFAULT_BUFFER_CORE,)
             for dtype, core in [(d, c) for d in args.dtypes for c in cores] if backends else ():
-                lowering = f"ort-fused {form}" + ("" if core == "gqa" else f" {core}")  # the default core unnamed
+                lowering = f"ort-fused {form}" + ("" if core == DEFAULT_BUFFER_CORE else f" {core}")  # default unnamed
                 entry: dict[str, Any] = {"model": f"{args.decode_preset}-rope", "lowering": lowering,
                                          "dtype": dtype, "backends": backends}  # fmt: skip
                 try:
-                    if form == "buffer":
-                        check_buffer_core(config, dtype, core)
+                    core_for("ort-fused", config, dtype, form, core if form == "buffer" else None)
                 except AttnxError as e:  # this core does not take this dtype (the grouped ones: no fp16)
                     entry.update(status="skipped", reason=str(e))
                     step["runs"].append(entry)
@@ -224,7 +224,8 @@ def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Resu
                 start = time.monotonic()
                 try:
                     path = os.path.join(tmp, f"{form}-{core}-{dtype}.onnx")
-                    onnx.save(build_step_model(config, weights, "ort-fused", form, dtype, buffer_core=core), path)
+                    buffer_core = core if form == "buffer" else None
+                    onnx.save(build_step_model(config, weights, "ort-fused", form, dtype, buffer_core=buffer_core), path)
                     source = ModelSource(config, weights, path, dtype)
                     if form == "growing":
                         reports = [run_decode_parity(source, backends, batch=3, localise="off")]

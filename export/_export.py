@@ -26,13 +26,11 @@ from attnx.model.contract import (
     EXTERNAL_DATA_THRESHOLD,
     IR_VERSION,
     LOWERINGS,
-    check_llm_support,
     check_opset,
     contract_dims,
 )
 
 __all__ = [
-    "EXPORTED_LOWERINGS",
     "export_onnx",
     "save_model",
     "name_contract_dims",
@@ -42,9 +40,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The lowerings the exporter writes itself (from the module's decomposed or SDPA core); the
-# others are graph passes over its output (attnx.export.passes).
-EXPORTED_LOWERINGS = tuple(name for name, lw in LOWERINGS.items() if not lw.by_pass)
 # Sizes of the example inputs the exporter traces with: none is 0 or 1 (which torch.export
 # would specialise) and no two are equal (which it could unify).
 EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_MEM_SEQ = 2, 5, 6
@@ -104,10 +99,9 @@ def export_onnx(
     attention: str = "decomposed",
     opset: int | None = None,
 ) -> ir.Model:
-    """Export the attnx module for `config` to an onnx-ir Model with dynamic batch/seq.
-
-    attention is "decomposed" or "onnx" here; the fused lowerings are graph passes applied
-    to this output (attnx.workflows.export_model runs the whole pipeline).
+    """Export the attnx module for `config` to an onnx-ir Model with dynamic batch/seq: the
+    decomposed full-sequence form, traced from PyTorch (the other lowerings and forms are written
+    from the registry: attnx.export.build_model).
 
     A process that exports the same model again (the same config, weights, lowering and opset)
     gets a fresh copy of the first trace (TRACES): tracing is ~1 s even for a tiny model, and the
@@ -117,15 +111,11 @@ def export_onnx(
 
     from attnx.model.module import build_module
 
-    if attention not in EXPORTED_LOWERINGS:
-        raise UsageError(f"export_onnx lowers to 'decomposed' or 'onnx'; {attention!r} is a graph pass")
+    if attention != "decomposed":
+        raise UsageError(f"export_onnx traces the decomposed form; {attention!r} is written by attnx.export.build_model")
+    if config.kv_cache:
+        raise UsageError("export_onnx traces the full-sequence model; a step model is written by build_model")
     opset = check_opset(attention, opset)
-    check_llm_support(config, attention)  # rope, softcap, ...: a lowering that expresses them
-    if config.llm_keys and attention != "decomposed":
-        raise UsageError(
-            f"the {attention} graph of a config with {', '.join(config.llm_keys)} is built node by node "
-            "(attnx.export.build_full_model), not traced"
-        )
     key = TRACES.key(config, weights, seed, attention, opset)
     if (model := TRACES.get(key)) is not None:
         return model

@@ -1,23 +1,38 @@
-"""Reading a lowered graph back: which lowering it is, and its q/k projection weights.
+"""Reading a graph back: the core it holds, what each core's node says of the config, and its weights.
 
-lowering_of() names the form of the attention core a graph holds, from the graph itself,
-so the metadata never claims a fusion that did not happen. qk_weights() finds the q and k
-projections that feed the core (in any of the forms attnx writes) and returns them in the
-torch convention of the weights file: the tolerance of a parity check depends on the
-largest attention score (attnx.model.tolerance.problem_size), and a model file is all
-`attnx optimize` has.
+The other half of each core's entry (attnx.model.cores): its emitter writes a node (attnx.export._emit),
+its reader (CORE_READERS) reads back what that node implies of the config: heads, scale, the masks and
+terms the node itself carries. read_cores() reads every core of a graph; read_weights() reads the
+weights of a graph attnx wrote back into the weights file's contract (by the names every attnx graph
+gives them: README, "Names"), which is how `attnx optimize` writes another lowering of a model file.
+
+lowering_of() names the form of the attention core a graph holds, from the graph itself, so the
+metadata never claims a lowering that is not there. qk_weights() finds the q and k projections that
+feed the core (in any of the forms attnx writes, quantized too) and returns them in the torch
+convention of the weights file: the tolerance of a parity check depends on the largest attention
+score (attnx.model.tolerance.problem_size).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export.passes._masks import const_array
+from attnx.errors import UsageError
+from attnx.export.passes._base import const_array
+from attnx.export.passes._masks import NotReadable, classify_hidden
 from attnx.export.passes.quantize import dequantize_node
+from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN, lowering_from_nodes
+from attnx.model.cores import core_from_nodes
+from attnx.model.weights import weight_shapes
 
-__all__ = ["lowering_of", "qk_weights", "v_weights"]
+__all__ = ["CORE_READERS", "CoreReading", "core_of", "lowering_of", "qk_weights", "read_cores", "read_weights",
+           "v_weights"]
 
 _STD = ("", "ai.onnx")
 
@@ -26,16 +41,24 @@ def _is(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = _STD) -> b
     return node is not None and node.op_type == op_type and node.domain in domain
 
 
-def lowering_of(model: ir.Model) -> str:
-    """'ort-attention', 'ort-fused-packed', 'ort-fused', 'onnx' or 'decomposed': the contract's
-    one probe (lowering_from_nodes), over this onnx-ir graph."""
-
+def _node_triples(model: ir.Model) -> list[tuple[str, str, str | None]]:
     def first_producer(node: ir.Node) -> str | None:
         source = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
         return source.op_type if source is not None else None
 
     nodes = ir.traversal.RecursiveGraphIterator(model.graph)  # an If's branches too
-    return lowering_from_nodes((n.domain, n.op_type, first_producer(n)) for n in nodes)
+    return [(n.domain, n.op_type, first_producer(n)) for n in nodes]
+
+
+def lowering_of(model: ir.Model) -> str:
+    """'ort-attention', 'ort-fused-packed', 'ort-fused', 'onnx' or 'decomposed': the contract's
+    one probe (lowering_from_nodes), over this onnx-ir graph."""
+    return lowering_from_nodes(_node_triples(model))
+
+
+def core_of(model: ir.Model) -> str:
+    """The registry's core the graph holds (attnx.model.cores.core_from_nodes)."""
+    return core_from_nodes(_node_triples(model))
 
 
 def _strip_layout(value: ir.Value) -> ir.Value:
@@ -81,6 +104,12 @@ def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
     return (w, bias) if w is not None and w.ndim == 2 else None
 
 
+def _past_cache(value: ir.Value) -> ir.Value:
+    """Through a step model's Concat onto the cache (present = Concat(past, new)): the new values."""
+    node = value.producer()
+    return node.inputs[-1] if _is(node, "Concat") and len(node.inputs) == 2 else value
+
+
 def _scores_operand(value: ir.Value) -> ir.Value:
     """From a Softmax input back to q k^T: through the mask's Where and the scaling."""
     while (node := value.producer()) is not None and node.domain in _STD:
@@ -88,6 +117,10 @@ def _scores_operand(value: ir.Value) -> ir.Value:
             value = node.inputs[2]
         elif node.op_type in ("Mul", "Div"):
             value = node.inputs[0] if const_array(node.inputs[0]) is None else node.inputs[1]
+        elif node.op_type in ("Reshape", "Tanh"):  # a grouped layout's reshape, a softcap's tanh
+            value = node.inputs[0]
+        elif node.op_type == "Concat" and len(node.inputs) == 2:  # a sink's column after the scores
+            value = node.inputs[0]
         else:
             break
     return value
@@ -115,7 +148,8 @@ def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
             scores = _scores_operand(node.inputs[0]).producer()
             if not _is(scores, "MatMul"):
                 return None
-            q, k = _projection(_strip_layout(scores.inputs[0])), _projection(_strip_layout(scores.inputs[1]))
+            q = _projection(_strip_layout(scores.inputs[0]))
+            k = _projection(_strip_layout(_past_cache(_strip_layout(scores.inputs[1]))))
             return (q, k) if q is not None and k is not None else None
     return None
 
@@ -162,10 +196,206 @@ def v_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
         elif _is(node, "Attention") and len(node.inputs) > 2:
             found = _projection(_strip_layout(node.inputs[2]))
         elif _is(node, "Softmax"):
-            uses = [use for use, _ in node.outputs[0].uses() if _is(use, "MatMul")]
-            found = _projection(_strip_layout(uses[0].inputs[1])) if uses else None
+            probs = node.outputs[0]
+            while (users := [use for use, _ in probs.uses()]) and len(users) == 1 and (
+                _is(users[0], "Reshape") or _is(users[0], "Slice")
+            ):  # a grouped layout's reshape, a sink's column dropped
+                probs = users[0].outputs[0]
+            uses = [use for use in users if _is(use, "MatMul")]
+            found = _projection(_strip_layout(_past_cache(uses[0].inputs[1]))) if uses else None
         if found is not None:
             w, b = found
             return {"v_proj.weight": np.asarray(w, np.float32).T,
                     "v_proj.bias": np.asarray(b if b is not None else np.zeros(w.shape[1]), np.float32)}  # fmt: skip
     return None
+
+
+# Reading each core's node: what it says of the config -------------------------------------------
+@dataclasses.dataclass
+class CoreReading:
+    """One attention core found in a graph: its registry name, its node, and the config keys the node
+    itself states (the rest of a config, the projections' widths and weights, is read beside it)."""
+
+    core: str
+    node: str
+    facts: dict[str, Any]
+
+
+def _present(node: ir.Node, index: int) -> bool:
+    return len(node.inputs) > index and node.inputs[index] is not None
+
+
+def _float_attr(node: ir.Node, name: str) -> float | None:
+    attr = node.attributes.get(name)
+    return float(attr.value) if attr is not None else None
+
+
+def _int_attr(node: ir.Node, name: str, default: int | None = None) -> int | None:
+    attr = node.attributes.get(name)
+    return int(attr.value) if attr is not None else default
+
+
+def _read_gqa(node: ir.Node) -> dict[str, Any]:
+    facts: dict[str, Any] = {"n_heads": _int_attr(node, "num_heads"), "n_kv_heads": _int_attr(node, "kv_num_heads"),
+                             "scale": _float_attr(node, "scale") or None, "causal": bool(_int_attr(node, "causal", 1)),
+                             "softcap": _float_attr(node, "softcap") or None,
+                             "sliding_window": (w if (w := _int_attr(node, "local_window_size", -1)) > 0 else None),
+                             "sinks": _present(node, 11), "kv_cache": _present(node, 3)}  # fmt: skip
+    if _int_attr(node, "do_rotary", 0):
+        facts["rope_interleaved"] = bool(_int_attr(node, "rotary_interleaved", 0))
+    return facts
+
+
+def _read_mha(node: ir.Node) -> dict[str, Any]:
+    return {"n_heads": _int_attr(node, "num_heads"), "scale": _float_attr(node, "scale") or None,
+            "causal": bool(_int_attr(node, "unidirectional", 0)), "key_padding_mask": _present(node, 4),
+            "kv_cache": _present(node, 6)}  # fmt: skip
+
+
+def _read_grouped_mha(node: ir.Node) -> dict[str, Any]:
+    # the op's heads are the key/value heads; the query heads of a group are its rows
+    return {"n_kv_heads": _int_attr(node, "num_heads"), "scale": _float_attr(node, "scale") or None,
+            "kv_cache": _present(node, 6)}
+
+
+def _read_ms_attention(node: ir.Node) -> dict[str, Any]:
+    return {"n_heads": _int_attr(node, "num_heads"), "scale": _float_attr(node, "scale") or None,
+            "causal": bool(_int_attr(node, "unidirectional", 0)), "key_padding_mask": _present(node, 3)}  # fmt: skip
+
+
+def _read_attention23(node: ir.Node) -> dict[str, Any]:
+    return {"n_heads": _int_attr(node, "q_num_heads"), "n_kv_heads": _int_attr(node, "kv_num_heads"),
+            "scale": _float_attr(node, "scale") or None, "softcap": _float_attr(node, "softcap") or None,
+            "kv_cache": _present(node, 4)}  # fmt: skip
+
+
+def _read_decomposed(node: ir.Node) -> dict[str, Any]:
+    """From the Softmax back to q.k: the scale, a softcap (Div, Tanh, Mul), a mask's Where, a sink's
+    column (Concat of a constant before the Softmax)."""
+    facts: dict[str, Any] = {"sinks": False}
+    value = node.inputs[0]
+    p = value.producer()
+    if p is not None and p.op_type == "Concat" and len(p.inputs) == 2:
+        facts["sinks"] = True
+        value = p.inputs[0]
+    consts: list[tuple[str, float]] = []
+    while (p := value.producer()) is not None and p.domain in _STD and p.op_type in ("Where", "Mul", "Div", "Tanh",
+                                                                                    "Reshape", "Add"):  # fmt: skip
+        if p.op_type == "Where":
+            facts.update(_read_mask(p.inputs[0], value))
+            value = p.inputs[2]
+            continue
+        if p.op_type in ("Tanh", "Reshape"):
+            value = p.inputs[0]
+            if p.op_type == "Tanh":
+                facts["softcap_tanh"] = True
+            continue
+        const = next((i for i in p.inputs if i is not None and const_array(i) is not None), None)
+        if const is None:
+            break
+        array = const_array(const)
+        if array.size == 1:
+            consts.append((p.op_type, float(array.ravel()[0])))
+        value = next(i for i in p.inputs if i is not const)
+    if facts.pop("softcap_tanh", False) and len(consts) >= 2:  # c * tanh(s / c): the Mul and the Div share c
+        facts["softcap"] = consts[0][1]
+        consts = consts[2:]
+    if consts:
+        op, s = consts[-1]
+        facts["scale"] = s if op == "Mul" else 1.0 / s
+    return facts
+
+
+def _read_mask(hidden: ir.Value, scores: ir.Value) -> dict[str, Any]:
+    """The masks a decomposed core's Where(hidden, lowest, scores) applies (attnx.export.passes._masks:
+    the causal grid and the key padding input, never guessed at), or why they are not read."""
+    shape = scores.shape
+    q_len, kv_len = (shape[-2], shape[-1]) if shape is not None and len(shape) == 4 else (None, None)
+    try:
+        mask = classify_hidden(hidden, q_len, kv_len)
+    except NotReadable as e:
+        return {"mask": f"not read: {e}"}
+    return {"causal": mask.causal, "key_padding_mask": mask.key_padding is not None}
+
+
+# {core: its reader}: the node a reader is given is the one core_from_nodes found it by (Core.op_type).
+CORE_READERS: dict[str, Callable[[ir.Node], dict[str, Any]]] = {
+    "decomposed": _read_decomposed,
+    "attention23": _read_attention23,
+    "mha": _read_mha,
+    "mha-packed": _read_mha,
+    "ms-attention": _read_ms_attention,
+    "gqa": _read_gqa,
+    "grouped-mha": _read_grouped_mha,
+}
+
+
+def read_cores(model: ir.Model) -> list[CoreReading]:
+    """Every attention core of the graph (an If's branches included), in graph order, with what its
+    node states (CORE_READERS); the auto core's If is read as its two branches' cores. The graph's
+    values are typed first where they are not (onnx's shape inference: a mask is read by its type)."""
+    if any(v.type is None for node in model.graph for v in node.outputs):
+        from onnx_ir.passes.common import ShapeInferencePass
+
+        ShapeInferencePass()(model)
+    core = core_of(model)
+    out = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        name = _core_of_node(node, core)
+        if name is not None:
+            out.append(CoreReading(name, node.name or node.op_type, CORE_READERS[name](node)))
+    return out
+
+
+def _core_of_node(node: ir.Node, graph_core: str) -> str | None:
+    """The registry's core a node is, given the core the graph holds (a MultiHeadAttention is mha,
+    mha-packed, or the grouped core of a buffer form)."""
+    if node.domain in _STD and node.op_type == "Softmax":
+        return "decomposed"
+    if node.domain in _STD and node.op_type == "Attention":
+        return "attention23"
+    if node.domain != MS_DOMAIN:
+        return None
+    if node.op_type == "GroupQueryAttention":
+        return "gqa"
+    if node.op_type == "Attention":
+        return "ms-attention"
+    if node.op_type == "MultiHeadAttention":
+        if _present(node, 8):  # past_sequence_length: a cache written in place, the grouped buffer core
+            return "grouped-mha"
+        return "mha-packed" if graph_core == "mha-packed" else "mha"
+    return None
+
+
+# The weights of a graph attnx wrote, back in the weights file's contract ------------------------------
+def read_weights(model: ir.Model, config: AttentionConfig) -> dict[str, np.ndarray]:
+    """The weights of `config` read back from a float graph attnx wrote, by the names it gives them
+    (README, "Names": q_proj.weight.T [in, out], the packed qkv_proj.weight.T and qkv_proj.bias,
+    q_norm.weight, sinks, ...), float32 in the torch convention. A tensor not found is a UsageError
+    naming it (a quantized graph holds no float weights: optimize the float model it came from)."""
+    values: dict[str, np.ndarray] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.inputs:
+            if value is not None and value.name and value.name not in values:
+                array = const_array(value)
+                if array is not None:
+                    values[value.name] = np.asarray(array, np.float32)
+    c, out = config, {}
+    sizes = {"q": c.q_dim, "k": c.kv_q_dim, "v": c.kv_v_dim}
+    for name, shape in weight_shapes(c).items():
+        role, _, kind = name.partition("_proj.")
+        if kind == "weight" and f"{name}.T" in values:
+            out[name] = values[f"{name}.T"].T
+        elif kind == "bias" and name in values:
+            out[name] = values[name]
+        elif kind and role in sizes and f"qkv_proj.{kind}{'.T' if kind == 'weight' else ''}" in values:
+            packed = values[f"qkv_proj.{kind}{'.T' if kind == 'weight' else ''}"]
+            start = sum(sizes[r] for r in "qkv"[: "qkv".index(role)])
+            part = packed[..., start : start + sizes[role]]
+            out[name] = part.T if kind == "weight" else part
+        elif not kind and name in values:
+            out[name] = values[name].reshape(shape)
+        if name not in out:
+            raise UsageError(f"the graph holds no tensor for {name!r} (read by its name: a float graph written by attnx)")
+        out[name] = np.ascontiguousarray(out[name], np.float32).reshape(shape)
+    return out

@@ -30,14 +30,23 @@ import numpy as np
 from attnx._io import not_a_file
 from attnx.errors import ConfigError, ModelFileError, UsageError
 from attnx.model.config import AttentionConfig, TensorSpec
+from attnx.model.cores import (
+    AUTO,
+    BUFFER_CORES,
+    DEFAULT_BUFFER_CORE,
+    LOWERING_OF_CORE,
+    LOWERINGS,
+    MS_DOMAIN,
+    core_for,
+    core_from_nodes,
+)
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
 __all__ = [
     "BUFFER_CORES",
-    "check_buffer_core",
-    "check_buffer_form",
-    "check_decode_form",
-    "STEP_DTYPES",
+    "DEFAULT_BUFFER_CORE",
+    "core_for",
+    "SDPA_LACKS",
     "STAGES",
     "STAGES_KEY",
     "IR_VERSION",
@@ -66,7 +75,6 @@ __all__ = [
     "backend_device",
     "BACKENDS",
     "REFERENCE",
-    "Lowering",
     "LOWERINGS",
     "AUTO",
     "TORCH_CORES",
@@ -75,7 +83,6 @@ __all__ = [
     "OPTIMIZE_ATTENTIONS",
     "BENCH_ORT_LOWERINGS",
     "BUILD_ATTENTION",
-    "PASS_LOWERINGS",
     "check_choice",
     "contract_dims",
     "op_label",
@@ -90,15 +97,9 @@ __all__ = [
     "external_data_locations",
     "DECODE_KEY",
     "DECODE_FORMS",
-    "STEP_LOWERINGS",
     "buffer_form_specs",
-    "check_lowering",
-    "check_llm_support",
-    "check_buffer_rope",
     "DEFAULT_ROPE_POSITIONS",
     "ROPE_POSITIONS_KEY",
-    "LLM_LOWERINGS",
-    "LLM_DTYPES",
     # Reduced precision (issue 12)
     "QUANT_KEY",
     "Quantization",
@@ -127,8 +128,6 @@ DEFAULT_OPSET = 18
 # the exporter writes up to 26 and silently falls back to 18 beyond; ORT 1.31 refuses the
 # standard Attention op at 26).
 MAX_OPSET = 25
-# The domain of ONNX Runtime's contrib operators (MultiHeadAttention, Attention).
-MS_DOMAIN = "com.microsoft"
 # Above this many bytes of initializers a model is saved with external data (protobuf's 2 GB).
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
 
@@ -178,8 +177,6 @@ DTYPES: dict[str, DType] = {
         DType("int4", None, "int4", 22, "tensor(int4)"),  # no numpy or torch int4 type
     )
 }
-# The dtypes a model computes in (--dtype of export, optimize, build, parity, bench).
-MODEL_DTYPES = ("fp32", "fp16")
 
 
 # Quantized forms (issue 12) ------------------------------------------------------------------------
@@ -208,9 +205,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
     )
 }  # fmt: skip
 QUANTIZED_DTYPES = tuple(QUANTIZATIONS)
-MODEL_DTYPES = (*MODEL_DTYPES, *QUANTIZED_DTYPES)
-# The dtypes a step model is built in (fp16: the whole graph, its cache too; int8/int4: its projections).
-STEP_DTYPES = ("fp32", "fp16", *QUANTIZED_DTYPES)
+# The dtypes a model is written in (--dtype of export, optimize, build, parity, bench): float32, float16
+# (the whole graph, a step model's cache too), or quantized projections around a float32 core. Which
+# core takes which is the registry's (attnx.model.cores).
+MODEL_DTYPES = ("fp32", "fp16", *QUANTIZED_DTYPES)
 # bf16 is no graph of attnx's: ONNX Runtime's CPU provider has no fast bfloat16 MatMul (its bf16
 # kernels are reference loops), so bf16 is a runtime precision set on the fp32 graph.
 BF16_RUNTIMES = "OpenVINO with inference precision bf16 on the fp32 graph (backend openvino), or torch in bf16"
@@ -325,50 +323,23 @@ def backend_device(backend: str) -> str | None:
     return next((p.name for p in PROVIDERS.values() if backend in (p.backend, p.torch_backend)), None)
 
 
-# Lowerings of the attention core ------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Lowering:
-    """One form of the attention core in the ONNX graph."""
-
-    name: str
-    graph: str  # what the core is in the graph
-    torch_core: str  # the torch module's core the exporter traces (TORCH_CORES)
-    opset: int  # the opset it is exported at (its minimum)
-    by_pass: bool  # built by a graph pass over the exporter's output (attnx.export.passes)
-    export: bool  # a choice of `attnx export/build --attention`
-    auto: bool  # a candidate `auto` measures (beside the exported form itself)
-    bench: bool  # timed by `attnx bench` on ONNX Runtime by default
-
-
-LOWERINGS: dict[str, Lowering] = {
-    lw.name: lw
-    for lw in (
-        Lowering("decomposed", "MatMul, Softmax, MatMul", "decomposed", DEFAULT_OPSET, False, True, False, True),
-        Lowering("onnx", "the standard Attention op", "sdpa", 23, False, True, False, True),
-        Lowering("ort-fused", f"{MS_DOMAIN}.MultiHeadAttention", "decomposed", DEFAULT_OPSET, True, True, True, True),
-        Lowering("ort-fused-packed", f"one q/k/v MatMul, Split, {MS_DOMAIN}.MultiHeadAttention", "decomposed",
-                 DEFAULT_OPSET, True, False, True, False),
-        Lowering("ort-attention", f"{MS_DOMAIN}.Attention (packed q/k/v weights)", "decomposed", DEFAULT_OPSET,
-                 True, False, True, False),
-    )
-}  # fmt: skip
-AUTO = "auto"  # not a lowering: the fastest of the candidates that passes parity, measured
+# Lowerings and cores of the attention (attnx.model.cores: the registry) --------------------------------
 # The torch module's cores (attnx.model.module): decomposed exports to MatMul/Softmax/MatMul,
 # sdpa (F.scaled_dot_product_attention) to the standard Attention op at opset 23.
 TORCH_CORES = ("decomposed", "sdpa")
+# The terms F.scaled_dot_product_attention has not: the module's sdpa core refuses them rather than drop them.
+SDPA_LACKS = ("softcap", "sinks")
 
 
 def sdpa_core_expresses(config: AttentionConfig) -> bool:
-    """Whether the torch module's sdpa core (F.scaled_dot_product_attention) computes `config`: it
-    has no softcap and no sink logit (the module refuses them rather than drop them)."""
-    return config.softcap is None and not config.sinks
+    """Whether the torch module's sdpa core (F.scaled_dot_product_attention) computes `config`."""
+    return not any(t in SDPA_LACKS for t in config.terms)
 
 
-# What each command's --attention takes.
+# What each command's --attention takes (from the registry's LOWERINGS).
 EXPORT_ATTENTIONS = tuple(lw.name for lw in LOWERINGS.values() if lw.export) + (AUTO,)
-PASS_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.by_pass)
-# optimize: passes over an exported graph ("decomposed": none, for a decomposed model).
-OPTIMIZE_ATTENTIONS = ("decomposed", *PASS_LOWERINGS, AUTO)
+# optimize: every lowering, written afresh from the model's config and the weights read back from its graph
+OPTIMIZE_ATTENTIONS = (*LOWERINGS, AUTO)
 BENCH_ORT_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.bench)
 # The lowering `attnx build` uses unless told otherwise: com.microsoft MultiHeadAttention, ORT's
 # fused kernel on CPU and CUDA (large preset, seq 8192: 0.89 s and 0.39 GB where the decomposed
@@ -403,69 +374,6 @@ def contract_dims(config: AttentionConfig, decode: str | None = None) -> dict[st
 # and returns present_* [.., total_seq, ..] (a new cache each step); "buffer" binds one
 # fixed-capacity cache as both past and present and writes only the new token's keys/values.
 DECODE_FORMS = ("growing", "buffer")
-# The buffer form's attention core (README, "The buffer form"): GroupQueryAttention (the default: every
-# term, fp16, the fastest prefill), MultiHeadAttention with a group's query heads as rows (each
-# key/value head read once a step: faster decode steps at long pasts, slower prefills), or "auto":
-# an If on the call's token count, the grouped core for one token, GroupQueryAttention for more (the
-# faster of the two for each, on the CPU).
-BUFFER_CORES = ("gqa", "grouped-mha", "auto")
-
-
-def check_buffer_core(config: AttentionConfig, dtype: str, core: str) -> None:
-    """One UsageError when the buffer form's `core` (BUFFER_CORES) cannot build `config` in `dtype`:
-    GroupQueryAttention rotates from one cos/sin table (check_buffer_rope; the grouped core rotates
-    with its own node); the grouped core has no softcap and no sink logit (MultiHeadAttention has
-    neither), and is a CPU form (fp32, int8, int4; fp16 is GroupQueryAttention's, the GPU's form);
-    auto holds both cores, so what either refuses."""
-    check_choice("--buffer-core", core, BUFFER_CORES)
-    if core != "grouped-mha":  # GroupQueryAttention: the core, or auto's prefill
-        check_buffer_rope(config)
-    if core == "gqa":
-        return
-    lacks = [t for t, on in (("softcap", config.softcap is not None), ("sinks", config.sinks)) if on]
-    if lacks:
-        raise UsageError(f"--buffer-core {core} cannot express {', '.join(lacks)} ({MS_DOMAIN}.MultiHeadAttention "
-                         "has neither): use --buffer-core gqa")  # fmt: skip
-    if dtype == "fp16":
-        raise UsageError(f"--buffer-core {core} is a CPU form (fp32, int8, int4); fp16's buffer form is "
-                         "GroupQueryAttention's (--buffer-core gqa)")  # fmt: skip
-
-
-def check_decode_form(config: AttentionConfig, attention: str, dtype: str, form: str, core: str) -> None:
-    """One UsageError, before any work, for a step model's form (DECODE_FORMS) and buffer core
-    (BUFFER_CORES) that do not go with `config`: export's and build's one check of --decode-form and
-    --buffer-core (the buffer form's own: check_buffer_form)."""
-    check_choice("--decode-form", form, DECODE_FORMS)
-    check_choice("--buffer-core", core, BUFFER_CORES)
-    if form != "growing" and not config.kv_cache:
-        raise UsageError(f"--decode-form {form} is for a step model (a config with 'kv_cache': true)")
-    if form == "buffer":
-        check_buffer_form(config, attention, dtype, core)
-    elif core != "gqa":
-        raise UsageError(f"--buffer-core {core} is the buffer form's (--decode-form buffer)")
-
-
-def check_buffer_form(config: AttentionConfig, attention: str, dtype: str, core: str) -> None:
-    """One UsageError, before any work, when the buffer form of `config` cannot be built in `attention`
-    and `dtype` with `core`: the form is ort-fused (its op writes into the cache in place), takes no key
-    padding mask (its rows are as long as seqlens_k says), and its core takes what check_buffer_core says."""
-    if attention != "ort-fused":
-        raise UsageError(
-            f"the buffer form is built as ort-fused ({MS_DOMAIN}.GroupQueryAttention writes into the cache in "
-            f"place); --attention {attention} has the growing-cache form only"
-        )
-    if config.key_padding_mask:
-        raise UsageError("the buffer form takes no key_padding_mask (its rows are as long as seqlens_k says)")
-    check_buffer_core(config, dtype, core)
-# The lowerings the step model is built in, and what each is in its graph.
-STEP_LOWERINGS: dict[str, str] = {
-    "decomposed": "Concat onto the cache, MatMul, Softmax, MatMul",
-    "onnx": "the opset-23 Attention op with past_key/past_value (kv_num_heads)",
-    "ort-fused": f"{MS_DOMAIN}.MultiHeadAttention with past (n_kv_heads == n_heads, no modern-LLM key), else "
-    f"{MS_DOMAIN}.GroupQueryAttention (kv_num_heads; softcap, local_window_size, head_sink)",
-}
-
-
 def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs of the step model's buffer form (README, "Decoding"): the cache is one
     buffer of `capacity` positions bound as both past_* and present_* (the same memory);
@@ -489,120 +397,10 @@ def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[lis
     return inputs, outputs
 
 
-# Modern LLM attention (issue 22): the lowerings that express the config's LLM_KEYS, full-sequence and
-# step model, and what each cannot express (refused by name, never written without a term). The
-# decomposed full-sequence graph is the torch module's export; the others are built node by node
-# (attnx.export: build_full_model, build_step_model). The graph passes (ort-fused-packed,
-# ort-attention, and auto, which measures them) do not rewrite these graphs. Their float dtypes (int8
-# and int4 as well: check_llm_support; README, "Modern LLM attention"):
-LLM_LOWERINGS = ("decomposed", "onnx", "ort-fused")
-LLM_DTYPES = ("fp32", "fp16")
 # The rows of the buffer form's cos/sin table (GroupQueryAttention do_rotary) unless told: positions
 # 0..32767 (16 MB of float32 for a head of 128). A position past it is the op's error.
 DEFAULT_ROPE_POSITIONS = 32768
 ROPE_POSITIONS_KEY = "attnx.rope_positions"  # the buffer form's table rows (its positions 0..rows-1)
-
-
-def check_llm_support(config: AttentionConfig, attention: str | None = None, dtype: str | None = None,
-                      step: bool = False) -> None:  # fmt: skip
-    """One UsageError naming the config's modern-LLM keys (rope, sliding_window, softcap, qk_norm,
-    sinks) when the form asked cannot express them: a lowering not in LLM_LOWERINGS (auto included:
-    it measures the pass lowerings), a term the lowering's operator lacks (the standard Attention
-    op has no sink logit), or a dtype other than fp32."""
-    keys = config.llm_keys
-    if not keys:
-        return
-    named = ", ".join(keys)
-    what = "the step model (kv_cache)" if step or config.kv_cache else "the full-sequence model"
-    if attention is not None and attention not in LLM_LOWERINGS:
-        raise UsageError(
-            f"--attention {attention} does not express {named} ({what}): its graph passes do not rewrite these "
-            f"terms, and its graph would leave them out; use --attention {', '.join(LLM_LOWERINGS)}"
-        )
-    if attention == "onnx" and config.sinks:
-        raise UsageError(
-            "--attention onnx cannot express sinks: the standard Attention op (opset 23) has no sink logit in "
-            "its softmax; use --attention decomposed or ort-fused (GroupQueryAttention's head_sink)"
-        )
-    if attention in ("onnx", "ort-fused") and config.cross:
-        raise UsageError(
-            f"--attention {attention} of a cross-attention config with {named} is not built; use --attention decomposed"
-        )
-    if attention == "ort-fused" and (config.v_head_dim != config.head_dim or config.head_dim % 8):
-        # measured: the op refuses a head_dim % 8 != 0 ('head_size must be a multiple of 8')
-        raise UsageError(
-            f"--attention ort-fused ({MS_DOMAIN}.GroupQueryAttention) needs v_head_dim == head_dim, a multiple of 8 "
-            f"(this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
-        )
-    # int8/int4: the quantized error model (attnx.model.tolerance) composes with every term: rope (a
-    # rotation keeps each pair's norm: q's and k's relative errors pass unchanged), the q/k norms (an
-    # RMSNorm drops the error's radial part), a window (it hides keys), softcap (slope <= 1) and sinks
-    # (a logit with no value and no error).
-    # fp16: the full-sequence graphs (the exporter's decomposed one, the built onnx and ort-fused ones) and
-    # the step models, converted with their rotary angle kept float32 (ConvertToFloat16: in float16 the
-    # angle's rounding at position 8192 failed parity by 8-31x its bound, in every lowering; float32, 0.04-0.13)
-    if dtype is not None and dtype not in LLM_DTYPES and dtype not in QUANTIZATIONS:
-        raise UsageError(
-            f"--dtype {dtype} is not built yet for {what} of a config with {named}; use --dtype "
-            f"{', '.join((*LLM_DTYPES, *QUANTIZATIONS))} here"
-        )
-
-
-def check_buffer_rope(config: AttentionConfig) -> None:
-    """One UsageError when the buffer form's GroupQueryAttention core (rotating q and k itself, do_rotary,
-    from one cos/sin table; the grouped core rotates with its own node) cannot express the config's rope: longrope switches to its long factors
-    for a whole call once the call's largest position passes the original length (no one table
-    holds that), and the op takes a cos/sin width (rope dim / 2) that is a multiple of 8 only
-    (measured: 'cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8')."""
-    rope = config.rope
-    if rope is None:
-        return
-    if rope.rope_type == "longrope":
-        raise UsageError(
-            "the buffer form cannot express longrope: its factors switch for a whole call once the call's largest "
-            "position passes original_max_position_embeddings, and the op rotates from one cos/sin table; use the "
-            "growing form (--decode-form growing)"
-        )
-    if (rope.dim // 2) % 8:
-        raise UsageError(
-            f"the buffer form cannot rotate rope dim {rope.dim}: {MS_DOMAIN}.GroupQueryAttention takes a cos/sin "
-            "table of width dim/2 that is a multiple of 8 only; use the growing form (--decode-form growing)"
-        )
-
-
-def check_lowering(config: AttentionConfig, attention: str, step: bool = False) -> None:
-    """One UsageError when `attention` cannot express `config`: a fused full-sequence lowering
-    with grouped key/value heads (com.microsoft MultiHeadAttention and Attention have none; a
-    modern-LLM config's ort-fused graph is GroupQueryAttention, which has them), a
-    step-model lowering that is not in STEP_LOWERINGS, or a form that cannot express the config's
-    modern-LLM keys (check_llm_support)."""
-    check_llm_support(config, attention, step=step)
-    if step:
-        if attention not in STEP_LOWERINGS:
-            raise UsageError(
-                f"--attention {attention} has no step model (kv_cache); the step model is built as: "
-                f"{', '.join(STEP_LOWERINGS)}"
-            )
-        if attention == "ort-fused" and config.v_head_dim != config.head_dim:
-            # Both ops refuse it: MultiHeadAttention's past_value, GroupQueryAttention's value (measured).
-            raise UsageError(
-                f"--attention ort-fused ({MS_DOMAIN}.MultiHeadAttention/GroupQueryAttention with a cache) needs "
-                f"v_head_dim == head_dim (this config: {config.v_head_dim} and {config.head_dim}); use decomposed or onnx"
-            )
-        return
-    if config.kv_cache and attention != "auto":
-        check_lowering(config, attention, step=True)
-        return
-    if config.llm_keys and attention == "ort-fused":
-        return  # GroupQueryAttention, built directly (check_llm_support held the rest)
-    if attention in PASS_LOWERINGS and config.n_kv_heads != config.n_heads:
-        # Decided, not measured: repeating the shared key/value heads in the graph to feed the
-        # fused op would copy them group_size times, the traffic grouping exists to save.
-        raise UsageError(
-            f"--attention {attention} needs n_kv_heads == n_heads: {MS_DOMAIN}.MultiHeadAttention has no "
-            f"grouped key/value heads (this config: n_kv_heads {config.n_kv_heads} of n_heads {config.n_heads}); "
-            "use --attention decomposed or onnx"
-        )
 
 
 # Operators --------------------------------------------------------------------------------------
@@ -623,20 +421,10 @@ def op_counts(nodes: Iterable[Any]) -> dict[str, int]:
 
 def lowering_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
     """The lowering a graph holds, read from its nodes, each given as (domain, op_type, the
-    op_type of the node producing its first input, or None): 'ort-attention', 'ort-fused-packed'
-    (every MultiHeadAttention fed by a Split of one packed projection), 'ort-fused', 'onnx' or
-    'decomposed'. The one probe: the passes read onnx-ir graphs through it, describe() files."""
-    nodes = [(d if d not in _DEFAULT_DOMAINS else "", t, p) for d, t, p in nodes]
-    if any(d == MS_DOMAIN and t == "Attention" for d, t, _ in nodes):
-        return "ort-attention"
-    if any(d == MS_DOMAIN and t == "GroupQueryAttention" for d, t, _ in nodes):
-        return "ort-fused"  # the step model's fused form
-    mhas = [p for d, t, p in nodes if d == MS_DOMAIN and t == "MultiHeadAttention"]
-    if mhas:
-        return "ort-fused-packed" if all(p == "Split" for p in mhas) else "ort-fused"
-    if any(d == "" and t == "Attention" for d, t, _ in nodes):
-        return "onnx"
-    return "decomposed"
+    op_type of the node producing its first input, or None): the lowering of the core found
+    (attnx.model.cores.core_from_nodes). The one probe: the passes read onnx-ir graphs through
+    it, describe() files."""
+    return LOWERING_OF_CORE[core_from_nodes(nodes)]
 
 
 # Reading a model file ---------------------------------------------------------------------------

@@ -16,6 +16,16 @@ with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
+def test_the_generated_tables_are_the_registrys():
+    """The README's tables of terms, lowerings and cores are the registry's (attnx.model.cores), as
+    update_readme() writes them: python -c "from attnx.model.cores import update_readme; ..." rewrites them."""
+    from attnx.model.cores import README_BLOCKS, update_readme
+
+    for name in README_BLOCKS:
+        assert f"<!-- generated: {name} -->" in README
+    assert update_readme(README) == README, "the README's generated tables differ from the registry: run update_readme"
+
+
 def test_the_readme_has_python_blocks():
     assert PYTHON_BLOCKS
 

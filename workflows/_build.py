@@ -41,8 +41,6 @@ from attnx.model.contract import (
     QUANTIZATIONS,
     REFERENCE,
     check_choice,
-    check_decode_form,
-    check_llm_support,
     check_model_dtype,
     describe,
     float_dtype,
@@ -51,6 +49,7 @@ from attnx.model.contract import (
     quantization_of,
     runs_onnx_model,
 )
+from attnx.model.cores import export_core
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.tolerance import problem_size
@@ -319,10 +318,9 @@ def build_package(
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
-    check_decode_form(config, attention, dtype, decode_form, buffer_core)  # the form and its core, before any work
-    # A config with modern-LLM keys (rope, window, softcap, q/k norms, sinks) is packaged in the forms
-    # that express them (contract.check_llm_support: decomposed, fp32); the others are refused by name.
-    check_llm_support(config, attention, dtype, step=config.kv_cache)
+    # What the lowering's core cannot express in this form and dtype: refused by name before any work
+    # (attnx.model.cores, the registry every check reads).
+    export_core(config, attention, dtype, decode_form, buffer_core)
     _check_target(out, force)
     plan = plan or check_plan(config)
     shapes = [*plan.validation_shapes, *plan.golden_shapes,

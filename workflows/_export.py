@@ -15,9 +15,7 @@ import onnx_ir as ir
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import ExportError, UsageError
 from attnx.export import (
-    EXPORTED_LOWERINGS,
     build_decomposed_model,
-    build_full_model,
     build_step_model,
     export_onnx,
     graph_opset,
@@ -25,19 +23,17 @@ from attnx.export import (
     release_rewriter_state,
     save_model,
 )
-from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, convert_precision
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
+    AUTO,
     EXPORT_ATTENTIONS,
-    STEP_DTYPES,
     check_choice,
-    check_decode_form,
-    check_llm_support,
-    check_lowering,
     check_model_dtype,
     check_opset,
     describe,
 )
+from attnx.model.cores import core_for, export_core
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
 from attnx.runtimes.base import ModelSource
@@ -98,53 +94,39 @@ def export_model(
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_model_dtype(dtype)
-    check_decode_form(config, attention, dtype, decode_form, buffer_core)  # the form and its core, before any work
-    check_llm_support(config, attention, dtype)  # rope, softcap, ...: a lowering that expresses them, fp32
+    # what the lowering's core cannot express in this form and dtype: refused by name, before any work
+    export_core(config, attention, dtype, decode_form, buffer_core)
     if config.kv_cache:
         return _export_step_model(config, out, weights, seed=seed, attention=attention, dtype=dtype, opset=opset,
                                   check=check, validate=validate, progress=progress, form=decode_form,
                                   max_mem_gb=max_mem_gb, block_size=block_size,
                                   accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32,
                                   buffer_core=buffer_core)  # fmt: skip
-    if attention != "auto":
-        check_lowering(config, attention)  # a fused lowering of grouped heads: refused before any work
-    # The exporter writes the lowerings that are not passes; the others start from decomposed. A
-    # modern-LLM config's onnx and ort-fused graphs are built node by node (build_full_model).
-    base = attention if attention in EXPORTED_LOWERINGS else "decomposed"
-    built = bool(config.llm_keys) and attention in ("onnx", "ort-fused")
-    if built and opset is not None and opset != graph_opset(config, attention):
-        raise UsageError(f"the {attention} graph of a config with {', '.join(config.llm_keys)} is written at opset "
-                         f"{graph_opset(config, attention)} (--opset {opset})")  # fmt: skip
-    opset = check_opset(attention, opset)
+    # The decomposed form is the torch module's export (traced from PyTorch); every other lowering is
+    # written from the registry (build_model), and auto measures those candidates that compute the config.
+    traced = attention == "decomposed"
+    if traced:
+        opset = check_opset(attention, opset)
+    elif attention != AUTO:
+        graph_opset(config, attention, dtype=dtype)  # refused before any work, as every other check
     check_output_file(out, "--out")
     shapes = VALIDATION_SHAPES if check and validate else ()
-    check_memory(estimate_export(config, shapes, core=base), max_mem_gb)
+    check_memory(estimate_export(config, shapes, core="decomposed" if traced else attention), max_mem_gb)
     with output_lock(out), Staging(out) as stage:
         weights = _resolve_weights(config, weights, seed, dtype, progress)
         pass_lines: list[str] = []
-        if built:
-            progress(f"building the {attention} graph")
-            built_dtype = "fp32" if dtype == "fp16" else dtype  # fp16: the float32 graph converted, with its notes
-            proto = build_full_model(config, weights, attention, built_dtype, block_size, accuracy_level)
-            pass_lines.append(f"lowering: {attention} (built directly: {', '.join(config.llm_keys)})")
-            if dtype == "fp16":
-                proto, notes = half_precision(proto, keep_io_fp32)
-                pass_lines.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in notes))
-            model = ir.from_proto(proto)
-            if dtype not in ("fp32", "fp16"):
-                pass_lines.append(f"precision: {dtype} projections (QuantizeProjections)")
+        if traced:
+            progress("exporting (decomposed attention, traced from the torch module)")
+            model = export_onnx(config, weights, attention="decomposed", opset=opset)
+            if dtype != "fp32":
+                progress(f"converting to {dtype}")
+                result = convert_precision(model, dtype, keep_io_fp32, block_size=block_size,
+                                           accuracy_level=accuracy_level)  # fmt: skip
+                model, pass_lines = result.model, ["lowering: decomposed (traced)", *result.report.lines()]
         else:
-            progress(f"exporting ({base} attention)")
-            model = export_onnx(config, weights, attention=base, opset=opset)
-        if not built and (attention != base or dtype != "fp32"):
-            progress("running graph passes")
-            # auto measures each lowering on ORT CPU at batch 1, seq 512 (attnx optimize --provider
-            # picks another target) and records its choice and timings in the model's metadata.
-            result = lower(
-                model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, progress=progress,
-                block_size=block_size, accuracy_level=accuracy_level,
-            )  # fmt: skip
-            model, pass_lines = result.model, result.lines()
+            result = lower(config, weights, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, opset=opset,
+                           progress=progress, block_size=block_size, accuracy_level=accuracy_level)  # fmt: skip
+            model, pass_lines = ir.from_proto(result.model), result.lines()
             del result
         opset_used = model.opset_imports.get("", 0)
         progress(f"saving {os.fspath(out)} (published once it passes its checks)")
@@ -200,18 +182,12 @@ def _export_step_model(
     quantizes its projections with the full-sequence forms' pass and metadata; the validation
     then holds it to the quantized error model (run_decode_parity); fp16 converts the whole graph
     (its rotary angle kept float32), its inputs, outputs and cache float16."""
-    if attention == "auto":
-        raise UsageError("--attention auto does not measure step models; choose one of decomposed, onnx, ort-fused")
-    check_lowering(config, attention, step=True)
-    if dtype not in STEP_DTYPES:
-        raise UsageError(
-            f"the step model is built in {', '.join(STEP_DTYPES)} (--dtype {dtype} is not supported for kv_cache)"
-        )
     if keep_io_fp32:
         raise UsageError("--keep-io-fp32 is for the full-sequence model: a step model's cache is its input and "
                          "output, in the model's dtype")  # fmt: skip
-    if opset is not None and opset != graph_opset(config, attention):
-        raise UsageError(f"the step model's {attention} lowering is written at opset {graph_opset(config, attention)}")
+    needed = graph_opset(config, attention, form, buffer_core, dtype)
+    if opset is not None and opset != needed:
+        raise UsageError(f"the step model's {attention} lowering is written at opset {needed}")
     check_output_file(out, "--out")
     total = max(STEP_VALIDATION["prefills"]) + STEP_VALIDATION["steps"]
     check_memory(estimate_export(config, [(STEP_VALIDATION["batch"], total, None)], reference=validate), max_mem_gb)
@@ -220,6 +196,7 @@ def _export_step_model(
         progress(f"building the step model ({attention}, {form} form, {dtype})")
         model = ir.from_proto(build_step_model(config, weights, attention, form, dtype, block_size, accuracy_level,
                                                buffer_core=buffer_core))  # fmt: skip
+        core = core_for(attention, config, dtype, form, buffer_core)
         opset_used = model.opset_imports.get("", 0)
         save_model(model, stage.path())
         del model
@@ -238,8 +215,7 @@ def _export_step_model(
                 if failed:
                     raise ExportError(f"{label}: step-by-step validation failed: {failed[0].reason}")
         files = stage.publish()
-    core = f", {buffer_core} core" if form == "buffer" else ""
-    lines = [f"lowering: {attention} (step model, {form} form{core})"]
+    lines = [f"lowering: {attention} (step model, {form} form, core {core.name}: {core.label})"]
     if dtype == "fp16":
         lines.append("precision: fp16 (ConvertToFloat16: inputs, outputs and the cache float16)")
     elif dtype != "fp32":
@@ -279,15 +255,7 @@ def write_decomposed_form(source: ModelSource, directory: str) -> onnx.ModelProt
     quant = info.quantization or {}
     options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
     dtype = quant.get("dtype", info.dtype)
-    if not source.config.cross:
-        if dtype != "fp16":
-            return build_decomposed_model(source.config, source.weights, dtype, readable=False, **options)
-        model = build_decomposed_model(source.config, source.weights, readable=False)
-        return half_precision(model, keep_io_fp32=info.io_dtype == "fp32" and not source.config.kv_cache)[0]
-    path = os.path.join(directory, "decomposed.onnx")
-    export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
-                 check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
-    return onnx.load(path)
-    export_model(source.config, path, source.weights, attention="decomposed", dtype=dtype, validate=False,
-                 check=False, keep_io_fp32=info.dtype == "fp16" and info.io_dtype == "fp32", **options)  # fmt: skip
-    return path
+    if dtype != "fp16":
+        return build_decomposed_model(source.config, source.weights, dtype, readable=False, **options)
+    model = build_decomposed_model(source.config, source.weights, readable=False)
+    return half_precision(model, keep_io_fp32=info.io_dtype == "fp32" and not source.config.kv_cache)[0]

@@ -15,7 +15,7 @@ transformers model runs (eager, float32), with the layer's own input replaced by
 forward pre-hook on its self_attn), so the masks, rotary tables and cache are the ones transformers
 builds for that layer (its window, its layer type's rope). attnx's exported full-sequence graph and
 step model run the same sequence in each lowering asked for; a lowering that does not express the
-config yet is skipped with the reason (contract.check_lowering).
+config yet is skipped with the reason (attnx.model.cores.core_for).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import numpy as np
 
 from attnx.errors import CheckFailed, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import REFERENCE, check_lowering
+from attnx.model.contract import REFERENCE
+from attnx.model.cores import core_for
 from attnx.model.importers import ROTARY_FAMILIES, ImportResult, check_import_target, import_weights, write_import
 from attnx.model.inputs import make_inputs
 from attnx.model.reference import reference_attention
@@ -251,7 +252,7 @@ def _check_decoder(
                     continue
                 what = "full-sequence graph" if form == "full" else "step model"
                 try:
-                    check_lowering(config, lowering)
+                    core_for(lowering, config)
                 except UsageError as e:
                     skipped.append(f"attnx {lowering} {what}: {e}")
                     continue

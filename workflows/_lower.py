@@ -1,6 +1,7 @@
-"""Lowering with `auto`: each candidate lowering built, checked and timed on a runtime, the
-fastest that passes kept. A static lowering is the graph layer's own (attnx.export.passes.lower);
-this adds the measured choice, which needs a runtime and so lives above both.
+"""Lowering: the graph of a config in one lowering, or with `auto` each candidate written, checked and
+timed on a runtime and the fastest that passes kept. Writing a lowering is the graph layer's
+(attnx.export.build_model, from the registry of cores); `auto` adds a measured choice, which needs a
+runtime and so lives above both.
 """
 
 from __future__ import annotations
@@ -11,35 +12,27 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-import onnx_ir as ir
+import numpy as np
+import onnx
 
 from attnx.errors import UsageError
-from attnx.export import save_model
-from attnx.export.passes import (
-    DEFAULT_ACCURACY_LEVEL,
-    DEFAULT_BLOCK_SIZE,
-    LoweringResult,
-    lowering_of,
-    lowering_passes,
-    qk_weights,
-    run_pipeline,
-    v_weights,
-)
-from attnx.export.passes import lower as lower_graph
+from attnx.export import build_model, core_of, half_precision
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, check_llm_support, get_provider
+from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, get_provider
+from attnx.model.cores import CORES, why_not
 from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_case
 from attnx.runtimes import ModelSource, create_runner
 from attnx.workflows._checks import compare_models
 
-__all__ = ["AUTO_CANDIDATES", "AUTO_SHAPE", "AutoChoice", "choose_lowering", "lower"]
+__all__ = ["AUTO_CANDIDATES", "AUTO_SHAPE", "AutoChoice", "LoweringResult", "choose_lowering", "lower"]
 
-# What auto measures: the model's own form ("base": what the exporter wrote) and every lowering
-# the contract marks as an auto candidate.
-AUTO_CANDIDATES = ("base", *(name for name, lw in LOWERINGS.items() if lw.auto))
+# What auto measures: the decomposed form (the reference the others are compared with on the runtime)
+# and every lowering the registry marks as an auto candidate, each where its core computes the config.
+AUTO_CANDIDATES = ("decomposed", *(name for name, lw in LOWERINGS.items() if lw.auto))
 # (batch, seq, mem_seq) auto times at: the size the targets are set at.
 AUTO_SHAPE = (1, 512, 512)
 AUTO_REPEAT = 5
@@ -67,41 +60,83 @@ class AutoChoice:
         return out
 
 
+@dataclasses.dataclass
+class LoweringResult:
+    """A model written in one lowering: the graph, the lowering asked and the one it holds, what was
+    written (one line each), and auto's measured choice when it chose."""
+
+    model: onnx.ModelProto
+    requested: str
+    lowering: str
+    notes: list[str]
+    auto: AutoChoice | None = None
+
+    def lines(self) -> list[str]:
+        out = [] if self.auto is None else self.auto.lines()
+        return out + [f"lowering: {self.lowering}"] + [f"  {n}" for n in self.notes]
+
+
 def lower(
-    model: ir.Model,
     config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
     *,
     attention: str = "ort-fused",
     dtype: str = "fp32",
     keep_io_fp32: bool = False,
+    opset: int | None = None,
     provider: str = "cpu",
     auto_shape: tuple[int, int, int] = AUTO_SHAPE,
     progress: Callable[[str], None] = lambda msg: None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> LoweringResult:
-    """Run the pipeline of `attention` on `model` in place (auto: measure, then run the
-    fastest that passes parity on `provider`) and record the result in its metadata."""
-    check_llm_support(config, attention, dtype)  # auto measures fused lowerings: refused for rope, softcap, ...
-    quant = {"block_size": block_size, "accuracy_level": accuracy_level}
-    if attention != AUTO:
-        return lower_graph(model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, **quant)
-    auto = choose_lowering(
-        model, config, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider, shape=auto_shape, progress=progress,
-        **quant,
-    )  # fmt: skip
-    result = lower_graph(model, config, attention=auto.choice, dtype=dtype, keep_io_fp32=keep_io_fp32, **quant)
-    result.model.metadata_props[AUTO_KEY] = auto.to_json()
-    result.requested, result.auto = AUTO, auto
-    return result
+    """The full-sequence graph of `config` with `weights` in `attention` (auto: each candidate measured
+    on `provider`, the fastest that passes parity written), its metadata saying what it holds."""
+    options = {"block_size": block_size, "accuracy_level": accuracy_level, "keep_io_fp32": keep_io_fp32,
+               "opset": opset}  # fmt: skip
+    auto = None
+    if attention == AUTO:
+        auto = choose_lowering(config, weights, dtype=dtype, provider=provider, shape=auto_shape, progress=progress,
+                               **options)  # fmt: skip
+        chosen = auto.choice
+    else:
+        chosen = attention
+    progress(f"writing the {chosen} graph")
+    model, notes = _build(config, weights, chosen, dtype, **options)
+    if auto is not None:
+        model.metadata_props.add(key=AUTO_KEY, value=auto.to_json())
+    return LoweringResult(model, attention, chosen, notes, auto)
+
+
+def _build(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str, dtype: str, *,
+           keep_io_fp32: bool = False, opset: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+           accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> tuple[onnx.ModelProto, list[str]]:  # fmt: skip
+    """build_model, and one line each for the core written and the precision."""
+    import onnx_ir as ir
+
+    notes: list[str] = []
+    if dtype == "fp16":  # the float32 graph converted, with the conversion's notes
+        model = build_model(config, weights, attention, "full", "fp32", opset=opset)
+        model, fp16_notes = half_precision(model, keep_io_fp32)
+        notes.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in fp16_notes))
+    else:
+        model = build_model(config, weights, attention, "full", dtype, opset=opset, block_size=block_size,
+                            accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32)  # fmt: skip
+        if dtype != "fp32":
+            notes.append(f"precision: {dtype} projections (QuantizeProjections)")
+    core = CORES[core_of(ir.from_proto(model))]
+    terms = ", ".join(config.terms) or "the plain formula"
+    notes.insert(0, f"core {core.name}: {core.label}, written from the registry ({terms})")
+    return model, notes
 
 
 def choose_lowering(
-    model: ir.Model,
     config: AttentionConfig,
+    weights: Mapping[str, np.ndarray],
     *,
     dtype: str = "fp32",
     keep_io_fp32: bool = False,
+    opset: int | None = None,
     provider: str = "cpu",
     shape: tuple[int, int, int] = AUTO_SHAPE,
     candidates: Sequence[str] = AUTO_CANDIDATES,
@@ -110,58 +145,48 @@ def choose_lowering(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
 ) -> AutoChoice:
-    """Build every candidate lowering from `model` (not changed), check its parity against
-    `model` on `provider`, time those that pass at `shape`, and return the fastest.
+    """Write every candidate lowering whose core computes the config (why_not), check its parity against
+    the decomposed form on `provider`, time those that pass at `shape`, and return the fastest.
 
-    Each candidate is written to a temporary file and loaded from there, as a deployment
-    would load it; the gpt3 preset's candidates are 2.4 GB each, so one exists at a time."""
+    Each candidate is written to a temporary file and loaded from there, as a deployment would load
+    it; the gpt3 preset's candidates are 2.4 GB each, so one exists at a time."""
     backend = get_provider(provider, "--provider").backend
-    base_form = lowering_of(model)
-    # each candidate is timed at `shape`; the exported form may hold the whole score matrix there
-    check_memory(estimate_case(config, backend, base_form, *shape, dtype))
+    # each candidate is timed at `shape`; the decomposed form may hold the whole score matrix there
+    check_memory(estimate_case(config, backend, "decomposed", *shape, dtype))
+    options = {"block_size": block_size, "accuracy_level": accuracy_level, "keep_io_fp32": keep_io_fp32,
+               "opset": opset}  # fmt: skip
     times: dict[str, float | None] = {}
     status: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="attnx-auto-") as tmp:
-        base_path = os.path.join(tmp, "base.onnx")
-        save_model(model, base_path)
-        weights = qk_weights(model)
-        if weights is not None:  # a quantized form's error model also needs v
-            weights.update(v_weights(model) or {})
+        base_path = os.path.join(tmp, "decomposed.onnx")
+        onnx.save(_build(config, weights, "decomposed", dtype, **options)[0], base_path)
         for name in candidates:
-            label = f"base ({base_form})" if name == "base" else name
-            progress(f"auto: building {label}")
-            candidate = ir.load(base_path)
-            lowering = base_form if name == "base" else name
-            passes = lowering_passes(lowering, dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level)
-            try:
-                candidate, report = run_pipeline(candidate, passes)
-            except UsageError as e:  # a form the precision pass refuses (int8 of ort-attention)
-                status[label], times[label] = f"not applicable: {e}", None
+            cores = LOWERINGS[name].cores["full"]
+            reasons = [r for core in cores for r in why_not(core, config, dtype, "full")]
+            if all(why_not(core, config, dtype, "full") for core in cores):
+                status[name], times[name] = f"not applicable: {'; '.join(reasons)}", None
                 continue
-            got = lowering_of(candidate)
-            if got != lowering:
-                notes = [n for r in report.records for n in r.notes if n.startswith("not ")]
-                status[label], times[label] = f"not applicable: {'; '.join(notes) or got}", None
-                continue
-            path = os.path.join(tmp, f"candidate-{name}.onnx")
-            save_model(candidate, path)
-            del candidate
-            progress(f"auto: parity of {label} on {provider}")
-            comparisons = compare_models(base_path, path, config, dtype=dtype, provider=provider, weights=weights)
-            failed = [c for c in comparisons if not c]
-            if failed:
-                status[label], times[label] = f"fails parity: {failed[0]}", None
-                continue
-            progress(f"auto: timing {label}")
-            times[label] = _median_ms(path, config, dtype, provider, shape, repeat)
-            status[label] = "pass"
-            os.remove(path)
+            path = base_path
+            if name != "decomposed":
+                progress(f"auto: writing {name}")
+                path = os.path.join(tmp, f"candidate-{name}.onnx")
+                onnx.save(_build(config, weights, name, dtype, **options)[0], path)
+                progress(f"auto: parity of {name} on {provider}")
+                comparisons = compare_models(base_path, path, config, dtype=dtype, provider=provider, weights=weights)
+                failed = [c for c in comparisons if not c]
+                if failed:
+                    status[name], times[name] = f"fails parity: {failed[0]}", None
+                    continue
+            progress(f"auto: timing {name}")
+            times[name] = _median_ms(path, config, dtype, provider, shape, repeat)
+            status[name] = "pass"
+            if path != base_path:
+                os.remove(path)
     timed = {k: t for k, t in times.items() if t is not None}
     if not timed:
         raise UsageError(f"auto: no lowering passes parity on {provider}: " + "; ".join(f"{k}: {v}" for k, v in status.items()))
     best = min(timed, key=timed.__getitem__)
-    choice = base_form if best.startswith("base") else best
-    return AutoChoice(choice, provider, tuple(shape), times, status)
+    return AutoChoice(best, provider, tuple(shape), times, status)
 
 
 def _median_ms(

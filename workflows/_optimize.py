@@ -1,6 +1,8 @@
-"""optimize_file: lower a saved model, check it against the original, then write it.
+"""optimize_file: write a saved model in another lowering, check it against the original, then write it.
 
-What `attnx optimize IN.onnx --out OUT.onnx` does. Nothing is written unless the lowered
+What `attnx optimize IN.onnx --out OUT.onnx` does: the model's config (its metadata) and weights (read
+back from its graph by their names: attnx.export.read_weights) written in the lowering asked, from the
+registry (attnx.export.build_model), as `attnx export` would. Nothing is written unless the new
 model passes the same checks as an export (onnx checker, contract dims, loads in
 onnxruntime) and agrees with IN on shapes the export never saw, on the target provider.
 The lowered model is written beside OUT under a temporary name and renamed into place only
@@ -18,14 +20,14 @@ import onnx_ir as ir
 
 from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import CheckFailed, ModelFileError, UsageError
-from attnx.export import save_model
-from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, LoweringResult, qk_weights, v_weights
+from attnx.export import read_weights, save_model
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.contract import QUANTIZATIONS, check_model_dtype, describe, get_provider
 from attnx.runtimes import create_runner
 from attnx.runtimes.base import ModelSource
 from attnx.runtimes.compare import Comparison
 from attnx.workflows._checks import PARITY_SHAPES, check_model_file, compare_models
-from attnx.workflows._lower import AUTO_SHAPE, lower
+from attnx.workflows._lower import AUTO_SHAPE, LoweringResult, lower
 
 __all__ = ["OptimizeResult", "optimize_file"]
 
@@ -78,8 +80,8 @@ def optimize_file(
     config = info.require_config("optimize works on models written by attnx export")
     if config.kv_cache:
         raise UsageError(
-            f"{in_path!r} is a step model ('kv_cache': true): it is built in its lowering by attnx export "
-            "--attention decomposed|onnx|ort-fused, not rewritten by optimize"
+            f"{in_path!r} is a step model ('kv_cache': true): write its lowering with attnx export "
+            "--attention decomposed|onnx|ort-fused, not optimize"
         )
     dtype = dtype or info.dtype
     if info.dtype == "fp16" and dtype == "fp32":
@@ -95,19 +97,18 @@ def optimize_file(
         model = ir.load(in_path)
     except Exception as e:  # noqa: BLE001 - describe() read it: only its external data can fail here
         raise ModelFileError(f"{in_path!r} cannot be loaded: {str(e).strip().splitlines()[0]}") from None
-    weights = qk_weights(model)  # before lowering: the tolerance is sized from IN's own weights
-    if weights is not None:  # a quantized form's error model also needs v
-        weights.update(v_weights(model) or {})
-    progress(f"running graph passes ({attention}, {dtype})")
+    progress(f"reading the weights of {in_path}")
+    weights = read_weights(model, config)  # the tolerance is sized from them too
+    del model
+    progress(f"writing the {attention} graph ({dtype})")
     result = lower(
-        model, config, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider,
+        config, weights, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider,
         auto_shape=auto_shape, progress=progress, block_size=block_size, accuracy_level=accuracy_level,
     )  # fmt: skip
     with output_lock(out_path), Staging(out_path) as stage:
         staged = stage.path()
-        save_model(result.model, staged)
+        save_model(ir.from_proto(result.model), staged)
         result.model = None  # type: ignore[assignment]  # free it: a big model is on disk now
-        del model
         progress("checking the optimized model (onnx checker, dims, onnxruntime load)")
         check_model_file(staged, config, f"{out_path} (not written)")
         progress(f"checking parity against {in_path} on {backend}")

@@ -19,6 +19,7 @@ from attnx.bench import (
     DEFAULT_SEQS,
     BenchPlan,
     check_plot_path,
+    decode_impls,
     machine_info,
     plot_report,
     run_bench,
@@ -30,13 +31,10 @@ from attnx.errors import UsageError
 from attnx.model import PRESETS
 from attnx.model.contract import (
     BENCH_ORT_LOWERINGS,
-    BUFFER_CORES,
     EXPORT_ATTENTIONS,
     MODEL_DTYPES,
     RUNTIME_DTYPES,
     TORCH_CORES,
-    check_buffer_core,
-    check_llm_support,
     model_form,
 )
 from attnx.model.resources import check_memory, estimate_decode_bench
@@ -117,16 +115,6 @@ def run_decode(args: argparse.Namespace) -> int:
     kv = args.kv_heads if args.kv_heads is not None else config.n_kv_heads
     config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
     config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
-    # OpenVINO on the two step models it reads (measured, llama3-8b, past 2048 / 8192: the decomposed one
-    # 15.2 / 49.5 ms, the onnx one 30.9 / 217 ms)
-    impls = ["ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer auto", "ort-fused growing", "onnx growing",
-             "decomposed growing", "openvino onnx growing", "openvino decomposed growing", "torch eager",
-             "torch static"]  # fmt: skip
-    if backend_unavailable_reason("openvino") is not None:
-        impls = [i for i in impls if not i.startswith("openvino")]
-    # --dtype int8,int4: the step model with quantized projections (export --dtype), its buffer
-    # form (the default core and auto) and ort-fused growing form, each against the bound of its own
-    # bytes per step
     dtypes = args.dtype or ["fp32"]
     for dtype in dtypes:
         if dtype not in DECODE_DTYPES:
@@ -135,21 +123,11 @@ def run_decode(args: argparse.Namespace) -> int:
             )
     if "fp32" not in dtypes:
         raise UsageError("--decode --dtype must include fp32: the quantized steps are compared with it and torch's")
-    at = impls.index("decomposed growing") + 1
-    impls[at:at] = [f"ort-fused {form} {d}" for d in dtypes if d != "fp32" for form in ("buffer", "buffer auto", "growing")]
-    for impl in list(impls):  # a lowering that cannot express the config's terms is left out, saying why
-        words = impl.split()
-        if words[0] == "torch":
-            continue
-        lowering = words[1] if words[0] == "openvino" else words[0]
-        dtype = words[-1] if words[-1] in DECODE_DTYPES else "fp32"
-        try:
-            check_llm_support(config, lowering, dtype, step=True)
-            if words[1] == "buffer":  # its core's own limits (the default core is gqa)
-                check_buffer_core(config, dtype, next((w for w in words if w in BUFFER_CORES), "gqa"))
-        except UsageError as e:
+    impls = decode_impls(dtypes, openvino=backend_unavailable_reason("openvino") is None)
+    for impl in list(impls):  # an implementation whose core cannot express the config is left out, saying why
+        if (why := impl.unavailable(config)) is not None:
             impls.remove(impl)
-            print(f"  skipped {impl}: {e}", file=sys.stderr)
+            print(f"  skipped {impl}: {why}", file=sys.stderr)
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
                             rounds=args.rounds or 3, impls=impls,
@@ -157,9 +135,9 @@ def run_decode(args: argparse.Namespace) -> int:
     table = []
     for r in rows:
         for impl in impls:
-            flushed, warm = r.times_ms[f"{impl} flushed"], r.times_ms[f"{impl} warm"]
+            flushed, warm = r.times_ms[f"{impl.label} flushed"], r.times_ms[f"{impl.label} warm"]
             nbytes, bound = r.bound_for(impl)
-            table.append((r.past, impl, f"{flushed:.3f}", f"{warm:.3f}", f"{nbytes / 1e6:.1f}", f"{bound:.3f}",
+            table.append((r.past, impl.label, f"{flushed:.3f}", f"{warm:.3f}", f"{nbytes / 1e6:.1f}", f"{bound:.3f}",
                           f"{flushed / bound:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}",
                           f"{r.times_ms['torch static flushed'] / flushed:.2f}"))  # fmt: skip
     machine = machine_info()

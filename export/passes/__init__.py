@@ -1,26 +1,16 @@
-"""attnx.export.passes: graph passes over the exported model, as declared pipelines.
-
-Each pass is an onnx-ir pass (`pass(model) -> PassResult(model, modified)`) that keeps notes
-of what it changed; a lowering is a list of passes (LOWERING_PIPELINES, one per lowering of
-the contract) and run_pipeline() reports each one. lower() runs one lowering's pipeline on a
-model. Graph work only: nothing here runs a model (the checks and `auto`'s measurements are
-attnx.workflows).
+"""attnx.export.passes: graph passes, each an onnx-ir pass (`pass(model) -> PassResult(model, modified)`)
+that keeps notes of what it changed: the precision of a graph (ConvertToFloat16, QuantizeProjections)
+and the formula's names (NameStages, for the graph the torch exporter wrote). The attention core is not
+a pass: each lowering is written by the registry's emitters (attnx.export.build_model). Graph work only:
+nothing here runs a model.
 """
 
 from __future__ import annotations
 
-from attnx.export.passes._base import AttnxPass, PassRecord, PipelineReport, count_ops, run_pipeline
-from attnx.export.passes._fuse_mha import FuseAttentionToMHA, FusionPlan, attention_cores
-from attnx.export.passes._lower import LOWERING_PIPELINES, LoweringResult, lower, lowering_passes
-from attnx.export.passes._masks import KeyMask, NotFusable
-from attnx.export.passes._pack import FuseMHAToPackedAttention, PackQkvProjections
-
-# Reduced precision (issue 12)
-from attnx.export.passes._probe import (
-    lowering_of,
-    qk_weights,
-    v_weights,
-)
+from attnx.export.passes._base import AttnxPass, PassRecord, PipelineReport, const_array, count_ops, run_pipeline
+from attnx.export.passes._lower import PrecisionResult, convert_precision, precision_passes
+from attnx.export.passes._masks import KeyMask, NotReadable
+from attnx.export.passes._names import NameStages
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.export.passes.quantize import (
     BLOCK_SIZES,
@@ -31,30 +21,22 @@ from attnx.export.passes.quantize import (
 )
 
 __all__ = [
-    "LOWERING_PIPELINES",
     "AttnxPass",
-    "ConvertToFloat16",
-    "FuseAttentionToMHA",
-    "FuseMHAToPackedAttention",
-    "FusionPlan",
-    "KeyMask",
-    "LoweringResult",
-    "NotFusable",
-    "PackQkvProjections",
-    "PassRecord",
-    "PipelineReport",
-    "attention_cores",
-    "count_ops",
-    "lower",
-    "lowering_of",
-    "lowering_passes",
-    "qk_weights",
-    "run_pipeline",
-    # Reduced precision (issue 12)
     "BLOCK_SIZES",
+    "ConvertToFloat16",
     "DEFAULT_ACCURACY_LEVEL",
     "DEFAULT_BLOCK_SIZE",
+    "KeyMask",
+    "NameStages",
+    "NotReadable",
+    "PassRecord",
+    "PipelineReport",
+    "PrecisionResult",
     "QuantizeProjections",
+    "const_array",
+    "convert_precision",
+    "count_ops",
     "dequantize_node",
-    "v_weights",
+    "precision_passes",
+    "run_pipeline",
 ]

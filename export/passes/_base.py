@@ -12,11 +12,12 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 from attnx.model.contract import MS_DOMAIN, op_counts
 
-__all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops"]
+__all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops", "const_array", "fresh_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +106,33 @@ def run_pipeline(model: ir.Model, passes: Sequence[ir.passes.PassBase]) -> tuple
     report.nodes_after = len(model.graph)
     report.ops_after = count_ops(model)
     return model, report
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value as a numpy array when it is an initializer or a Constant node's output."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        attr = node.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+        for name in ("value_int", "value_float"):
+            if name in node.attributes:
+                return np.array(node.attributes[name].value)
+        for name in ("value_ints", "value_floats"):
+            if name in node.attributes:
+                return np.array(list(node.attributes[name].value))
+    return None
+
+
+def fresh_name(base: str, used: set[str]) -> str:
+    """`base`, or `base`_2, _3, ... when `used` has it (README, "Names": unique); taken into `used`."""
+    candidate, n = base, 1
+    while candidate in used:
+        n += 1
+        candidate = f"{base}_{n}"
+    used.add(candidate)
+    return candidate

@@ -29,8 +29,7 @@ from collections.abc import Mapping
 import onnx
 import onnx_ir as ir
 
-from attnx.export.passes._base import AttnxPass
-from attnx.export.passes._masks import const_array
+from attnx.export.passes._base import AttnxPass, const_array, fresh_name
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, MS_DOMAIN
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
@@ -161,16 +160,6 @@ def _ancestors_reach(value: ir.Value, name: str) -> bool:
     return False
 
 
-def fresh_name(base: str, used: set[str]) -> str:
-    """`base`, or `base`_2, _3, ... when `used` has it (README, "Names": unique); taken into `used`."""
-    candidate, n = base, 1
-    while candidate in used:
-        n += 1
-        candidate = f"{base}_{n}"
-    used.add(candidate)
-    return candidate
-
-
 def stages_json(layouts: dict[str, str], outputs: list[str]) -> str:
     """STAGES_KEY's value: {stage: layout} in the formula's order, the graph's outputs that are stages
     (y, a step model's cache) by their contract names."""
@@ -181,12 +170,108 @@ def stages_json(layouts: dict[str, str], outputs: list[str]) -> str:
     return json.dumps(dict(sorted(layouts.items(), key=lambda kv: _ORDER[kv[0]])), separators=(", ", ": "))
 
 
+_CACHE_ROLES = {"present_key": "k", "present_value": "v"}  # a step model's cache outputs
+
+
+def _strip_layout(value: ir.Value) -> ir.Value:
+    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Transpose") and node.domain in _STD:
+        value = node.inputs[0]
+    return value
+
+
+def _matmul_of(value: ir.Value | None) -> ir.Node | None:
+    """The projection MatMul behind a core input: through head-split layout ops and a bias Add."""
+    if value is None:
+        return None
+    value = _strip_layout(value)
+    node = value.producer()
+    if node is not None and node.op_type == "Add" and node.domain in _STD:
+        for operand in node.inputs:
+            inner = operand.producer() if operand is not None else None
+            if inner is not None and inner.op_type == "MatMul":
+                return inner
+    if node is not None and node.op_type == "Split":
+        return _matmul_of(node.inputs[0])
+    return node if node is not None and node.op_type == "MatMul" else None
+
+
+def _projection_behind(value: ir.Value) -> tuple[ir.Node, bool] | None:
+    """(the one projection MatMul a core input is computed from, whether a Split lies between) by a
+    walk back through every producer (layout, bias, q/k norms, rotation: RotaryEmbedding or its
+    arithmetic, whose cos/sin come from position_ids and reach no projection), stopping at each
+    MatMul with a constant 2-D weight; None unless exactly one is found."""
+    found: dict[int, ir.Node] = {}
+    split, seen, pending = False, set(), [value]
+    while pending:
+        node = pending.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "MatMul" and node.domain in _STD:
+            w = const_array(node.inputs[1])
+            if w is not None and w.ndim == 2:
+                found[id(node)] = node
+                continue
+        split |= node.op_type == "Split"
+        pending += [i for i in node.inputs if i is not None and const_array(i) is None]
+    return (next(iter(found.values())), split) if len(found) == 1 else None
+
+
+def _roles(model: ir.Model) -> dict[int, str]:
+    """{id(MatMul node): "q" | "k" | "v" | "qkv"} for the projections feeding the core; the rest
+    (the output projection) are "out"."""
+    roles: dict[int, str] = {}
+
+    def mark(value: ir.Value | None, role: str) -> None:
+        node = _matmul_of(value)
+        if node is not None:
+            roles[id(node)] = "qkv" if _strip_layout(value).producer().op_type == "Split" else role
+        elif value is not None and (behind := _projection_behind(value)) is not None:
+            # a modern-LLM graph: q and k reach the core through their norms and rotation
+            roles[id(behind[0])] = "qkv" if behind[1] else role
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):  # an If's branches too (the buffer form's auto core)
+        if node.op_type == "MultiHeadAttention" and node.domain == MS_DOMAIN or node.op_type == "Attention":
+            for value, role in zip(node.inputs[:3], ("q", "k", "v")):
+                mark(value, role)
+        elif node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN:
+            # the step model's ort-fused grouped form; the buffer form packs q/k/v into its query input
+            if len(node.inputs) > 1 and node.inputs[1] is not None:
+                for value, role in zip(node.inputs[:3], ("q", "k", "v")):
+                    mark(value, role)
+            elif (qkv := _matmul_of(node.inputs[0])) is not None:
+                roles[id(qkv)] = "qkv"
+        elif node.op_type == "Concat" and node.domain in _STD and node.outputs[0].name in _CACHE_ROLES:
+            # the decomposed step model: present = Concat(past, the new tokens' heads)
+            mark(node.inputs[-1], _CACHE_ROLES[node.outputs[0].name])
+        elif node.op_type == "Softmax" and node.domain in _STD:
+            scores = node.inputs[0]
+            # back through the mask, the scale, a softcap (Tanh) and a sink's column (Concat: the scores first)
+            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add", "Reshape", "Tanh",
+                                                                         "Concat"):  # fmt: skip
+                scores = (
+                    p.inputs[2]
+                    if p.op_type == "Where"
+                    else next((i for i in p.inputs if i is not None and const_array(i) is None), p.inputs[0])
+                )
+            p = scores.producer()
+            if p is not None and p.op_type == "MatMul":
+                mark(p.inputs[0], "q")
+                mark(p.inputs[1], "k")
+            probs = node.outputs[0]
+            users = [use for use, _ in probs.uses()]
+            if len(users) == 1 and users[0].op_type == "Slice":  # sinks: the sink's column dropped first
+                users = [use for use, _ in users[0].outputs[0].uses()]
+            for use in users:
+                if use.op_type == "MatMul":
+                    mark(use.inputs[1], "v")
+    return roles
+
+
 def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tuple[ir.Value, str]], dict[ir.Node, str],
                                                                    dict[ir.Value, str]]:  # fmt: skip
     """({stage: (value, layout)}, {projection MatMul: role}, {constant: name}) of a torch-exported
     graph, or of what the graph passes made of it (float32 or float16)."""
-    from attnx.export.passes.quantize import _roles
-
     c = config
     graph = model.graph
     stages: dict[str, tuple[ir.Value, str]] = {}

@@ -69,8 +69,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
-from attnx.export.passes._masks import const_array
-from attnx.export.passes._names import fresh_name
+from attnx.export.passes._base import const_array, fresh_name
 from attnx.model.contract import DTYPE_KEY, IO_DTYPE_KEY, MS_DOMAIN, QUANT_KEY, QUANTIZATIONS
 
 __all__ = [
@@ -89,7 +88,6 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits' block sizes: powers of 2, a
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 _STD = ("", "ai.onnx")
-_CACHE_ROLES = {"present_key": "k", "present_value": "v"}  # the step model's cache outputs (export/_step.py)
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,99 +161,16 @@ def dequantize_node(node: ir.Node) -> np.ndarray | None:
     return None
 
 
-def _strip_layout(value: ir.Value) -> ir.Value:
-    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Transpose") and node.domain in _STD:
-        value = node.inputs[0]
-    return value
+# The projections' weights as every graph attnx writes names them (README, "Names"): <role>_proj.weight.T.
+_PROJECTION_WEIGHT = {f"{role}_proj.weight.T": role for role in ("q", "k", "v", "qkv", "out")}
 
 
-def _matmul_of(value: ir.Value | None) -> ir.Node | None:
-    """The projection MatMul behind a core input: through head-split layout ops and a bias Add."""
-    if value is None:
+def projection_role(node: ir.Node) -> str | None:
+    """The projection a MatMul is, read from its weight's name (q, k, v, qkv or out): the name the code
+    that wrote the graph gave it (attnx.export._graph.linear; NameStages for the torch export), or None."""
+    if node.op_type != "MatMul" or node.domain not in _STD or len(node.inputs) < 2 or node.inputs[1] is None:
         return None
-    value = _strip_layout(value)
-    node = value.producer()
-    if node is not None and node.op_type == "Add" and node.domain in _STD:
-        for operand in node.inputs:
-            inner = operand.producer() if operand is not None else None
-            if inner is not None and inner.op_type == "MatMul":
-                return inner
-    if node is not None and node.op_type == "Split":
-        return _matmul_of(node.inputs[0])
-    return node if node is not None and node.op_type == "MatMul" else None
-
-
-def _projection_behind(value: ir.Value) -> tuple[ir.Node, bool] | None:
-    """(the one projection MatMul a core input is computed from, whether a Split lies between) by a
-    walk back through every producer (layout, bias, q/k norms, rotation: RotaryEmbedding or its
-    arithmetic, whose cos/sin come from position_ids and reach no projection), stopping at each
-    MatMul with a constant 2-D weight; None unless exactly one is found."""
-    found: dict[int, ir.Node] = {}
-    split, seen, pending = False, set(), [value]
-    while pending:
-        node = pending.pop().producer()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.op_type == "MatMul" and node.domain in _STD:
-            w = const_array(node.inputs[1])
-            if w is not None and w.ndim == 2:
-                found[id(node)] = node
-                continue
-        split |= node.op_type == "Split"
-        pending += [i for i in node.inputs if i is not None and const_array(i) is None]
-    return (next(iter(found.values())), split) if len(found) == 1 else None
-
-
-def _roles(model: ir.Model) -> dict[int, str]:
-    """{id(MatMul node): "q" | "k" | "v" | "qkv"} for the projections feeding the core; the rest
-    (the output projection) are "out"."""
-    roles: dict[int, str] = {}
-
-    def mark(value: ir.Value | None, role: str) -> None:
-        node = _matmul_of(value)
-        if node is not None:
-            roles[id(node)] = "qkv" if _strip_layout(value).producer().op_type == "Split" else role
-        elif value is not None and (behind := _projection_behind(value)) is not None:
-            # a modern-LLM graph: q and k reach the core through their norms and rotation
-            roles[id(behind[0])] = "qkv" if behind[1] else role
-
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):  # an If's branches too (the buffer form's auto core)
-        if node.op_type == "MultiHeadAttention" and node.domain == MS_DOMAIN or node.op_type == "Attention":
-            for value, role in zip(node.inputs[:3], ("q", "k", "v")):
-                mark(value, role)
-        elif node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN:
-            # the step model's ort-fused grouped form; the buffer form packs q/k/v into its query input
-            if len(node.inputs) > 1 and node.inputs[1] is not None:
-                for value, role in zip(node.inputs[:3], ("q", "k", "v")):
-                    mark(value, role)
-            elif (qkv := _matmul_of(node.inputs[0])) is not None:
-                roles[id(qkv)] = "qkv"
-        elif node.op_type == "Concat" and node.domain in _STD and node.outputs[0].name in _CACHE_ROLES:
-            # the decomposed step model: present = Concat(past, the new tokens' heads)
-            mark(node.inputs[-1], _CACHE_ROLES[node.outputs[0].name])
-        elif node.op_type == "Softmax" and node.domain in _STD:
-            scores = node.inputs[0]
-            # back through the mask, the scale, a softcap (Tanh) and a sink's column (Concat: the scores first)
-            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add", "Reshape", "Tanh",
-                                                                         "Concat"):  # fmt: skip
-                scores = (
-                    p.inputs[2]
-                    if p.op_type == "Where"
-                    else next((i for i in p.inputs if i is not None and const_array(i) is None), p.inputs[0])
-                )
-            p = scores.producer()
-            if p is not None and p.op_type == "MatMul":
-                mark(p.inputs[0], "q")
-                mark(p.inputs[1], "k")
-            probs = node.outputs[0]
-            users = [use for use, _ in probs.uses()]
-            if len(users) == 1 and users[0].op_type == "Slice":  # sinks: the sink's column dropped first
-                users = [use for use, _ in users[0].outputs[0].uses()]
-            for use in users:
-                if use.op_type == "MatMul":
-                    mark(use.inputs[1], "v")
-    return roles
+    return _PROJECTION_WEIGHT.get(node.inputs[1].name or "")
 
 
 def _stage_of(node: ir.Node, role: str) -> str:
@@ -298,15 +213,12 @@ class QuantizeProjections(ir.passes.InPlacePass):
             # its q/k/v weights are an input of the fused op itself: no projection MatMul is left
             raise UsageError("com.microsoft.Attention (ort-attention) holds its q/k/v weights: quantize "
                              "ort-fused, ort-fused-packed or decomposed")  # fmt: skip
-        roles = _roles(model)
         projections: dict[str, dict[str, Any]] = {}
         for node in list(model.graph):
-            if node.op_type != "MatMul" or node.domain not in _STD:
-                continue
-            w = const_array(node.inputs[1])
+            role = projection_role(node)  # by its weight's name: the core's products of activations have none
+            w = const_array(node.inputs[1]) if role is not None else None
             if w is None or w.ndim != 2:
-                continue  # the core's products of two activations
-            role = roles.get(id(node), "out")
+                continue
             projections[role] = self._replace(model, node, np.asarray(w, np.float32), role)
         if not projections:
             self.notes.append("not quantized: no projection MatMul with a constant weight in the graph")

@@ -284,21 +284,25 @@ def test_fp16_multi_head_attention_graph(tmp_path, name):
         _check_runs(str(path), config, weights, "fp32" if keep else "fp16")
 
 
-# Through the compiler's pipelines and export_model -------------------------------------
+# Through the registry's emitters and export_model -------------------------------------
 @pytest.mark.parametrize("lowering", ["ort-fused", "ort-attention"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fp16_after_the_fused_lowerings(tmp_path, name, lowering):
-    """The fp16 pass as the last step of the compiler's pipelines: com.microsoft
-    MultiHeadAttention (or packed Attention) in float16, masks and all."""
-    from attnx.export.passes import count_ops, lower
+    """The fp16 pass after the fused cores: com.microsoft MultiHeadAttention (or packed Attention) in
+    float16, masks and all."""
+    from attnx.export.passes import count_ops
+    from attnx.model.cores import lowerings_for
+    from attnx.workflows import lower
 
     config = CONFIGS[name]
-    result = lower(_fp32_export(name, "decomposed"), config, attention=lowering, dtype="fp16")
-    fused = [op for op in count_ops(result.model) if op.startswith("com.microsoft.")]
+    if lowering not in lowerings_for(config, "fp16"):
+        pytest.skip(f"{lowering} does not compute {name}")
+    result = lower(config, weights_for(name), attention=lowering, dtype="fp16")
+    fused = [op for op in count_ops(ir.from_proto(result.model)) if op.startswith("com.microsoft.")]
     assert fused, f"{lowering} left no com.microsoft op: {result.lines()}"
     assert any("float16" in line for line in result.lines())  # the pass's notes reach the report
     path = str(tmp_path / "m.onnx")
-    save_model(result.model, path)
+    onnx.save(result.model, path)
     _check_runs(path, config, weights_for(name), "fp16")
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from attnx.cli import main
 from attnx.errors import UsageError
-from attnx.export import export_onnx
-from attnx.export.passes import lower
+from attnx.export import build_model, export_onnx
+from attnx.export.passes import convert_precision
 from attnx.model import reference_attention
 from attnx.model.contract import describe
 from attnx.model.inputs import make_inputs
@@ -54,15 +54,15 @@ def test_llm_export_takes_position_ids_and_describes_itself(exported, name):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"attention": "onnx"}, "--attention onnx cannot express sinks"),
-        ({"attention": "ort-fused"}, r"GroupQueryAttention\) needs v_head_dim == head_dim, a multiple of 8"),
-        ({"attention": "auto"}, "--attention auto does not express rope"),
+        ({"attention": "onnx"}, r"Attention \(opset 23\) does not express sinks"),
+        ({"attention": "ort-fused"}, r"GroupQueryAttention needs a head_dim that is a multiple of 8"),
         ({"dtype": "bf16", "kv_cache": True}, "--dtype bf16: no attnx graph computes in bfloat16"),
         ({"dtype": "fp16", "kv_cache": True, "attention": "decomposed", "keep_io_fp32": True},
          "--keep-io-fp32 is for the full-sequence model"),
         ({"dtype": "bf16"}, "--dtype bf16"),
         ({"kv_cache": True, "attention": "ort-fused"}, "a multiple of 8"),
-        ({"kv_cache": True, "attention": "onnx"}, "--attention onnx cannot express sinks"),
+        ({"kv_cache": True, "attention": "onnx"}, r"Attention \(opset 23\) does not express sinks"),
+        ({"kv_cache": True, "attention": "auto"}, "--attention auto does not measure step models"),
     ],
 )
 def test_other_forms_are_refused_before_any_work(tmp_path, change, message):
@@ -77,20 +77,17 @@ def test_other_forms_are_refused_before_any_work(tmp_path, change, message):
 
 def test_the_graph_layer_refuses_too(exported):
     config = LLM_CONFIGS["llama"]
-    with pytest.raises(UsageError, match="built node by node"):
+    with pytest.raises(UsageError, match="is written by attnx.export.build_model"):
         export_onnx(config, attention="onnx")
-    model = ir.load(exported("llama"))
-    with pytest.raises(UsageError, match="the graph passes do not rewrite a graph with rope"):
-        lower(model, config, attention="ort-fused")
     for attention in ("ort-fused-packed", "ort-attention"):
-        with pytest.raises(UsageError, match=f"--attention {attention} does not express rope"):
-            lower(model, config, attention=attention)
-    half = lower(model, config, attention="decomposed", dtype="fp16").model  # built: its rotary angle float32
+        with pytest.raises(UsageError, match=f"--attention {attention} cannot build .* does not express grouped_heads, rope"):
+            build_model(config, weights_for("llama"), attention)
+    half = convert_precision(ir.load(exported("llama")), "fp16").model  # its rotary angle kept float32
     assert half.metadata_props["attnx.dtype"] == "fp16"
 
 
 def test_cli_refusal_exits_2(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(LLM_CONFIGS["llm"].to_dict()))
-    assert main(["export", "--config", str(path), "--attention", "auto", "--out", str(tmp_path / "m.onnx")]) == 2
-    assert "does not express rope, sliding_window, softcap, qk_norm, sinks" in capsys.readouterr().err
+    assert main(["export", "--config", str(path), "--attention", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "Attention (opset 23) does not express sinks" in capsys.readouterr().err

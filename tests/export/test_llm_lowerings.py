@@ -15,7 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 from attnx.errors import InputError, UsageError
-from attnx.export import build_full_model, build_step_model
+from attnx.export import build_model, build_step_model
 from attnx.model import init_weights
 from attnx.model.contract import ROPE_POSITIONS_KEY, describe
 from attnx.runtimes import ModelSource, create_runner
@@ -95,7 +95,7 @@ def test_a_long_context_at_position_8192(model, lowering):
     _passed(report)
     full = dataclasses.replace(config, kv_cache=False)
     path_full = path.replace(".onnx", "-full.onnx")
-    onnx.save(build_full_model(full, weights, lowering), path_full)
+    onnx.save(build_model(full, weights, lowering), path_full)
     _passed(run_parity(ModelSource(full, weights, path_full), ["ort-cpu"], batches=(3,), seqs=(7,), position_offset=8192))
 
 
@@ -170,7 +170,7 @@ def test_each_planted_fault_fails(tmp_path, lowering):
         if wrap == "shift" and form == "buffer":
             # Its positions are token indices: a table one row off moves every position, which leaves
             # y as it was (rope sees differences) and the cache of rotated keys wrong.
-            import attnx.export._step as step_module
+            import attnx.export._emit as step_module
 
             table = step_module.rope_table
             step_module.rope_table = lambda c, n, table=table: tuple(t[1:] for t in table(c, n + 1))
@@ -209,13 +209,13 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
     buffer = LLM_FUSED_CONFIGS["buffer"]
     weights = init_weights(buffer, 1)
     narrow = dataclasses.replace(buffer, rope={**buffer.rope.to_dict(), "dim": 8})  # cos/sin width 4
-    with pytest.raises(UsageError, match="buffer form cannot rotate rope dim 8.*multiple of 8"):
+    with pytest.raises(UsageError, match="cannot rotate rope dim 8.*multiple of 8"):
         build_step_model(narrow, weights, "ort-fused", "buffer")
     build_step_model(narrow, weights, "ort-fused", "growing")  # its own rotation node takes any even dim
     longrope = dataclasses.replace(buffer, rope={"theta": 10000.0, "scaling": {
         "rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
         "original_max_position_embeddings": 16, "attention_factor": 1.0}})  # fmt: skip
-    with pytest.raises(UsageError, match="buffer form cannot express longrope"):
+    with pytest.raises(UsageError, match="cannot express longrope"):
         build_step_model(longrope, weights, "ort-fused", "buffer")
     # both refusals are GroupQueryAttention's (its do_rotary reads one table): the grouped core, for a
     # config without softcap or sinks (its window in the mask), rotates with its own node and takes both
@@ -225,13 +225,11 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
         assert "MultiHeadAttention" in [n.op_type for n in model.graph.node]
         with pytest.raises(UsageError, match=refusal):  # auto prefills with GroupQueryAttention: its limits
             build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="auto")
-    with pytest.raises(UsageError, match="onnx cannot express sinks"):
+    with pytest.raises(UsageError, match="Attention \\(opset 23\\) does not express sinks"):
         build_step_model(buffer, weights, "onnx")
-    with pytest.raises(UsageError, match="build_full_model builds the onnx and ort-fused graphs"):
-        build_full_model(dataclasses.replace(buffer, kv_cache=False), weights, "decomposed")
     out = tmp_path / "m.onnx"
-    with pytest.raises(UsageError, match="is written at opset 23"):
-        export_model(LLM_FUSED_CONFIGS["onnx"], out, attention="onnx", opset=24)
+    with pytest.raises(UsageError, match="outside what the Attention \\(opset 23\\) graph of this config is written at"):
+        export_model(LLM_FUSED_CONFIGS["onnx"], out, attention="onnx", opset=22)
     assert not out.exists()
 
 
@@ -242,7 +240,7 @@ def test_a_bidirectional_layer_with_rope(tmp_path, lowering):
     config = dataclasses.replace(LLM_FUSED_CONFIGS[lowering], causal=False, sliding_window=None)
     weights = init_weights(config, 2)
     path = str(tmp_path / "m.onnx")
-    onnx.save(build_full_model(config, weights, lowering), path)
+    onnx.save(build_model(config, weights, lowering), path)
     _passed(run_parity(ModelSource(config, weights, path), ["ort-cpu"], batches=(3,), seqs=(1, 9)))
 
 

@@ -16,8 +16,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from attnx.export import build_full_model, build_step_model, export_onnx
-from attnx.export.passes import lower
+from attnx.export import build_model, build_step_model, export_onnx
+from attnx.export.passes import convert_precision
 from attnx.model import AttentionConfig, init_weights, reference_attention
 from attnx.model.config import preset
 from attnx.model.contract import IR_VERSION
@@ -37,7 +37,7 @@ PROJ = {"q", "k", "v"}
 # What each form holds, beyond y (and the cache of a step model). The decomposed forms of a config
 # with rope and qk_norm hold the norm's output only per head [batch, seq, heads, dim]: a layout no
 # stage takes (model.stages.LAYOUTS), so it is not named.
-FULL = [  # (label, config, how it is made: (lowering, dtype) of export + lower, or "built")
+FULL = [  # (label, config, lowering, dtype): the torch export (decomposed) or the registry's emitter
     ("tiny", preset("tiny"), "decomposed", "fp32"),
     ("tiny", preset("tiny"), "onnx", "fp32"),
     ("tiny", preset("tiny"), "ort-fused", "fp32"),
@@ -79,7 +79,7 @@ def expected_stages(config: AttentionConfig, lowering: str, form: str = "full") 
         return every
     if form == "buffer":  # the op rotates: q/k apart only when the norms split them
         return every - CORE - {"q_rope", "k_rope"} - (set() if c.qk_norm is not None else PROJ | {"q_norm", "k_norm"})
-    if c.llm_keys or form != "full" or lowering == "onnx":  # built, or the exporter's Attention-23
+    if c.llm_keys or form != "full" or lowering == "onnx":  # GroupQueryAttention, a step model, Attention-23
         return every - CORE
     if lowering == "ort-attention":  # the packed weights are the op's input
         return every - CORE - PROJ
@@ -87,11 +87,13 @@ def expected_stages(config: AttentionConfig, lowering: str, form: str = "full") 
 
 
 def _full_model(config, lowering, dtype, weights) -> onnx.ModelProto:
-    if config.llm_keys and lowering != "decomposed":
-        return build_full_model(config, weights, lowering, dtype)
-    model = export_onnx(config, weights, attention="onnx" if lowering == "onnx" else "decomposed")
-    if lowering not in ("decomposed", "onnx") or dtype != "fp32":
-        model = lower(model, config, attention=lowering, dtype=dtype).model
+    """The decomposed form as `attnx export` writes it (the torch export, its precision by the passes);
+    every other lowering written from the registry."""
+    if lowering != "decomposed":
+        return build_model(config, weights, lowering, "full", dtype)
+    model = export_onnx(config, weights)
+    if dtype != "fp32":
+        model = convert_precision(model, dtype).model
     return ir.to_proto(model)
 
 

@@ -1,5 +1,6 @@
-"""The int8 and int4 forms: the pass replaces the four projections, records its parameters in
-the metadata, and the probe still reads the lowering and the weights of a quantized model."""
+"""The int8 and int4 forms: the pass replaces the four projections (found by the names every attnx graph
+gives their weights), records its parameters in the metadata, and the probe still reads the lowering and
+the weights of a quantized model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import onnx_ir as ir
 import pytest
 
 from attnx.errors import UsageError
-from attnx.export import export_onnx, save_model
-from attnx.export.passes import lower, lowering_of, qk_weights, v_weights
+from attnx.export import build_model, export_onnx, qk_weights, save_model, v_weights
+from attnx.export.passes import convert_precision
 from attnx.model.contract import IR_VERSION, MS_DOMAIN, QUANT_KEY, describe
 from attnx.runtimes import ModelSource, create_runner
 from attnx.workflows import export_model
@@ -20,33 +21,24 @@ from tests.conftest import CONFIGS, weights_for
 OPS = {"int8": f"{MS_DOMAIN}.DynamicQuantizeMatMul", "int4": f"{MS_DOMAIN}.MatMulNBits"}
 
 
-@pytest.fixture(scope="module")
-def base_models(tmp_path_factory):
-    """{(name, attention): fp32 model path} exported once; each test quantizes a fresh load."""
-    root = tmp_path_factory.mktemp("quant")
-    paths = {}
-    for name, attention in (("cross_kpm", "ort-fused"), ("causal", "decomposed"), ("self", "ort-fused")):
-        config = CONFIGS[name]
-        model = export_onnx(config, weights_for(name))
-        if attention != "decomposed":
-            model = lower(model, config, attention=attention).model
-        paths[(name, attention)] = str(root / f"{name}-{attention}.onnx")
-        save_model(model, paths[(name, attention)])
-    return paths
-
-
-def quantize(path, name, dtype, tmp_path, **options):
-    result = lower(ir.load(path), CONFIGS[name], attention=lowering_of(ir.load(path)), dtype=dtype, **options)
-    out = str(tmp_path / f"{name}-{dtype}.onnx")
-    save_model(result.model, out)
-    return out, result
+def quantize(name, attention, dtype, tmp_path, **options):
+    """`name` in `attention` and `dtype`: the torch export and its passes (decomposed), or written from
+    the registry (attnx.export.build_model); saved, its path."""
+    config, weights = CONFIGS[name], weights_for(name)
+    if attention == "decomposed":
+        model = convert_precision(export_onnx(config, weights), dtype, **options).model
+    else:
+        model = ir.from_proto(build_model(config, weights, attention, "full", dtype, **options))
+    out = str(tmp_path / f"{name}-{attention}-{dtype}.onnx")
+    save_model(model, out)
+    return out
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("key", [("cross_kpm", "ort-fused"), ("causal", "decomposed")])
-def test_the_four_projections_are_quantized_and_recorded(base_models, key, dtype, tmp_path):
+def test_the_four_projections_are_quantized_and_recorded(key, dtype, tmp_path):
     name, attention = key
-    path, _ = quantize(base_models[key], name, dtype, tmp_path)
+    path = quantize(name, attention, dtype, tmp_path)
     info = describe(path)
     assert info.lowering == attention  # the probe reads the core of a quantized graph
     assert info.dtype == dtype and info.io_dtype == "fp32"
@@ -75,8 +67,8 @@ def test_int8_quantizes_each_row_of_its_input_on_its_own_scale(tmp_path):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((k, n)).astype(np.float32) / 8
     x = ir.Value(name="x", shape=ir.Shape([2, 5, k]), type=ir.TensorType(ir.DataType.FLOAT))
-    weight = ir.Value(name="w", shape=ir.Shape([k, n]), type=ir.TensorType(ir.DataType.FLOAT),
-                      const_value=ir.tensor(w, name="w"))  # fmt: skip
+    weight = ir.Value(name="q_proj.weight.T", shape=ir.Shape([k, n]), type=ir.TensorType(ir.DataType.FLOAT),
+                      const_value=ir.tensor(w, name="q_proj.weight.T"))  # fmt: skip
     node = ir.node("MatMul", [x, weight], name="proj")
     node.outputs[0].name, node.outputs[0].shape = "y", ir.Shape([2, 5, n])
     node.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
@@ -102,11 +94,11 @@ def test_int8_quantizes_each_row_of_its_input_on_its_own_scale(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_dequantized_weights_are_within_half_a_step(base_models, dtype, tmp_path):
+def test_dequantized_weights_are_within_half_a_step(dtype, tmp_path):
     """The probe reads the weights a quantized node computes with: every one within half its
     step of the float weight (the error model's premise), and the recorded step is the scales'."""
     name = "cross_kpm"  # kv_dim 40: int4's last block of k and v is padded
-    path, _ = quantize(base_models[(name, "ort-fused")], name, dtype, tmp_path, block_size=16)
+    path = quantize(name, "ort-fused", dtype, tmp_path, block_size=16)
     model = ir.load(path)
     got = {**qk_weights(model), **v_weights(model)}
     record = json.loads(model.metadata_props[QUANT_KEY])
@@ -122,12 +114,12 @@ def test_dequantized_weights_are_within_half_a_step(base_models, dtype, tmp_path
             assert (err <= limit / 2 * (1 + 1e-5)).all()
 
 
-def test_int4_parameters_are_recorded_and_checked(base_models, tmp_path):
-    path, _ = quantize(base_models[("self", "ort-fused")], "self", "int4", tmp_path, block_size=16, accuracy_level=0)
+def test_int4_parameters_are_recorded_and_checked(tmp_path):
+    path = quantize("self", "ort-fused", "int4", tmp_path, block_size=16, accuracy_level=0)
     record = describe(path).quantization
     assert (record["block_size"], record["accuracy_level"], record["activations"]) == (16, 0, "none")
     with pytest.raises(UsageError, match="block-size"):
-        quantize(base_models[("self", "ort-fused")], "self", "int4", tmp_path, block_size=24)
+        quantize("self", "ort-fused", "int4", tmp_path, block_size=24)
 
 
 def test_bf16_is_refused_saying_where_it_runs(tmp_path):
@@ -136,7 +128,7 @@ def test_bf16_is_refused_saying_where_it_runs(tmp_path):
     assert "fp32" in str(e.value) and not (tmp_path / "m.onnx").exists()
 
 
-def test_ort_attention_is_not_quantized(base_models):
-    model = lower(ir.load(base_models[("self", "ort-fused")]), CONFIGS["self"], attention="ort-attention").model
-    with pytest.raises(UsageError, match="holds its q/k/v weights"):
-        lower(model, CONFIGS["self"], attention="ort-fused", dtype="int8")
+def test_ort_attention_is_not_quantized():
+    """com.microsoft Attention holds its q/k/v weights: the registry builds it in float only."""
+    with pytest.raises(UsageError, match="com.microsoft.Attention .* is not built in int8"):
+        build_model(CONFIGS["self"], weights_for("self"), "ort-attention", "full", "int8")

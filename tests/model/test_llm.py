@@ -22,7 +22,7 @@ from attnx.model import (
     reference_attention,
     save_weights,
 )
-from attnx.model.contract import check_llm_support, check_lowering
+from attnx.model.cores import core_for
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
@@ -77,7 +77,7 @@ def test_llm_keys_round_trip_with_defaults_resolved():
     }  # fmt: skip
     assert (data["sliding_window"], data["softcap"], data["qk_norm"], data["sinks"]) == (4, 2.0, {"eps": 1e-5}, True)
     assert AttentionConfig.from_json(c.to_json()) == c
-    assert dataclasses.replace(c, sinks=False).llm_keys == ("rope", "sliding_window", "softcap", "qk_norm")
+    assert dataclasses.replace(c, sinks=False).llm_keys == ("qk_norm", "rope", "softcap", "sliding_window")  # the formula's order
     assert AttentionConfig(d_model=8, n_heads=2, rope={"theta": 10.0}).rope.dim == 4  # null dim = head_dim
     assert AttentionConfig(d_model=8, n_heads=2).llm_keys == ()
     old = {"rope": {"theta": 1e4, "scaling": {"type": "linear", "factor": 2}}}  # transformers' older key
@@ -310,27 +310,29 @@ def test_planted_faults_fail(name):
 
 
 def test_what_each_lowering_cannot_express_is_refused_by_name():
+    """The registry's answer for each lowering (attnx.model.cores.core_for): every reason, by name."""
     c = LLM_CONFIGS["all"]  # head_dim 12: not GroupQueryAttention's (a multiple of 8)
     for attention in ("decomposed", "onnx"):
-        check_lowering(dataclasses.replace(c, sinks=False), attention)
-    for attention in ("ort-fused-packed", "ort-attention", "auto"):
-        with pytest.raises(UsageError, match=f"--attention {attention} does not express rope, sliding_window"):
-            check_llm_support(c, attention)
-    with pytest.raises(UsageError, match="--attention onnx cannot express sinks: the standard Attention op"):
-        check_llm_support(c, "onnx")
-    with pytest.raises(UsageError, match="GroupQueryAttention.* needs v_head_dim == head_dim, a multiple of 8"):
-        check_llm_support(c, "ort-fused")
-    check_lowering(dataclasses.replace(c, head_dim=16, v_head_dim=16), "ort-fused")  # grouped heads: GroupQueryAttention has them
-    check_llm_support(c, "decomposed", "int8")  # every term composes with the quantized error model
-    check_llm_support(LLM_CONFIGS["rope_llama3"], "decomposed", "int4")  # rope (and qk_norm) compose with it
+        core_for(attention, dataclasses.replace(c, sinks=False))
+    for attention in ("ort-fused-packed", "ort-attention"):
+        with pytest.raises(UsageError, match=f"--attention {attention} cannot build .* does not express grouped_heads, "
+                           "qk_norm, rope, softcap, sliding_window, sinks"):  # fmt: skip
+            core_for(attention, c)
+    with pytest.raises(UsageError, match=r"Attention \(opset 23\) does not express sinks"):
+        core_for("onnx", c)
+    with pytest.raises(UsageError, match="GroupQueryAttention needs v_head_dim == head_dim .*a multiple of 8"):
+        core_for("ort-fused", dataclasses.replace(c, v_head_dim=8))
+    assert core_for("ort-fused", dataclasses.replace(c, head_dim=16, v_head_dim=16)).name == "gqa"  # grouped heads
+    core_for("decomposed", c, "int8")  # every term composes with the quantized error model
+    core_for("decomposed", LLM_CONFIGS["rope_llama3"], "int4")  # rope (and qk_norm) compose with it
     for attention in ("decomposed", "onnx"):  # the full-sequence graphs, their angle float32
-        check_llm_support(LLM_CONFIGS["rope_llama3"], attention, "fp16")
-    check_llm_support(dataclasses.replace(LLM_CONFIGS["rope_llama3"], head_dim=16, v_head_dim=16), "ort-fused", "fp16")
-    check_llm_support(dataclasses.replace(LLM_CONFIGS["rope_llama3"], causal=True, kv_cache=True), "decomposed", "fp16")
-    with pytest.raises(UsageError, match="--dtype bf16 is not built yet for the step model"):
-        check_llm_support(dataclasses.replace(LLM_CONFIGS["rope_llama3"], causal=True, kv_cache=True), "decomposed", "bf16")
+        core_for(attention, LLM_CONFIGS["rope_llama3"], "fp16")
+    core_for("ort-fused", dataclasses.replace(LLM_CONFIGS["rope_llama3"], head_dim=16, v_head_dim=16), "fp16")
+    core_for("decomposed", dataclasses.replace(LLM_CONFIGS["rope_llama3"], causal=True, kv_cache=True), "fp16")
+    with pytest.raises(UsageError, match="MatMul, Softmax, MatMul is not built in bf16"):
+        core_for("decomposed", dataclasses.replace(LLM_CONFIGS["rope_llama3"], causal=True, kv_cache=True), "bf16")
     step = dataclasses.replace(c, kv_cache=True, head_dim=16, v_head_dim=16)
     for attention in ("decomposed", "ort-fused"):
-        check_lowering(step, attention, step=True)
-    with pytest.raises(UsageError, match="onnx cannot express sinks"):
-        check_lowering(step, "onnx", step=True)
+        core_for(attention, step)
+    with pytest.raises(UsageError, match="does not express sinks"):
+        core_for("onnx", step)

@@ -122,22 +122,24 @@ def test_decoder_api_and_describe(step_models):
 
 
 def test_grouped_full_sequence_parity_and_fused_refusal(tmp_path):
-    """Full-sequence GQA/MQA (no cache): the exported decomposed and onnx lowerings pass the
-    parity matrix; the fused ones refuse by name."""
+    """Full-sequence GQA/MQA (no cache): the decomposed, onnx and ort-fused (GroupQueryAttention: the
+    registry's next core after MultiHeadAttention, which has no grouped heads) lowerings pass the parity
+    matrix; the packed ones (MultiHeadAttention alone) refuse by name."""
+    from attnx.export import build_model
     from attnx.workflows import export_model
 
     for kv_heads in (2, 1):
         c = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=kv_heads, causal=True, key_padding_mask=True)
         w = init_weights(c, 0)
-        for attention in ("decomposed", "onnx"):
+        for attention in ("decomposed", "onnx", "ort-fused"):
             path = str(tmp_path / f"{attention}-{kv_heads}.onnx")
             export_model(c, path, w, attention=attention, validate=False)  # the parity matrix below checks it
             report = run_parity(ModelSource(c, w, path), ["reference", "torch", "ort-cpu"], batches=(1, 3),
                                 seqs=(1, 7, 40))  # fmt: skip
             assert report.passed and not [x for x in report.cases if x.status != "pass"]
-        with pytest.raises(UsageError, match="n_kv_heads == n_heads"):
-            export_model(c, str(tmp_path / "fused.onnx"), w, attention="ort-fused")
-        assert not (tmp_path / "fused.onnx").exists()
+        assert describe(path).operators.get("com.microsoft.GroupQueryAttention") == 1
+        with pytest.raises(UsageError, match="MultiHeadAttention does not express grouped_heads"):
+            build_model(c, w, "ort-fused-packed")
 
 
 def test_cli_parity_decode(tmp_path, capsys):
@@ -184,13 +186,13 @@ def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core, window):
     """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps;
     its core either op (buffer_core: the grouped MultiHeadAttention where it can, GroupQueryAttention),
     or both (auto: the grouped core for a one-token call, GroupQueryAttention for a prefill)."""
-    from attnx.export._step import _build_float
+    from attnx.export import build_model
     from attnx.runtimes.decode import run_buffer_parity
 
     c = dataclasses.replace(_step(heads, kv_heads, kpm=False), sliding_window=window)
     w = init_weights(c, 0)
     path = str(tmp_path / "buffer.onnx")
-    model = _build_float(c, w, "ort-fused", "buffer", buffer_core=core)
+    model = build_model(c, w, "ort-fused", "buffer", buffer_core=core)
     assert _fused_ops(model.graph) == BUFFER_CORE_OPS[core]
     onnx.save(model, path)
     info = describe(path)
@@ -211,12 +213,12 @@ def test_the_buffer_forms_grouped_core_is_asked_for_and_refused_where_it_cannot_
     (mha,) = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
     assert {a.name: a.i for a in mha.attribute if a.name == "num_heads"} == {"num_heads": 2}
     build_step_model(dataclasses.replace(c, sliding_window=3), w, "ort-fused", "buffer", buffer_core="grouped-mha")
-    for change, message in (({"softcap": 2.0}, "cannot express softcap"), ({"sinks": True}, "cannot express sinks")):
+    for change, message in (({"softcap": 2.0}, "does not express softcap"), ({"sinks": True}, "does not express sinks")):
         other = dataclasses.replace(c, **change)
         with pytest.raises(UsageError, match=message):
             build_step_model(other, init_weights(other, 0), "ort-fused", "buffer", buffer_core="grouped-mha")
     for core in ("grouped-mha", "auto"):
-        with pytest.raises(UsageError, match=f"{core} is a CPU form"):
+        with pytest.raises(UsageError, match="is not built in fp16"):
             build_step_model(c, w, "ort-fused", "buffer", "fp16", buffer_core=core)
     from attnx.workflows import export_model
 
@@ -228,11 +230,11 @@ def test_the_buffer_forms_grouped_core_is_asked_for_and_refused_where_it_cannot_
 def test_buffer_form_refusals():
     c = _step(4, 2, kpm=False)
     w = init_weights(c, 0)
-    with pytest.raises(UsageError, match="buffer form is built as ort-fused"):
+    with pytest.raises(UsageError, match="decomposed has no buffer form .*; use --attention ort-fused"):
         build_step_model(c, w, "decomposed", form="buffer")
-    with pytest.raises(UsageError, match="takes no key_padding_mask"):
+    with pytest.raises(UsageError, match="does not express key_padding_mask in the buffer form"):
         build_step_model(_step(4, 2), init_weights(_step(4, 2), 0), "ort-fused", form="buffer")
-    with pytest.raises(UsageError, match="has no step model"):
+    with pytest.raises(UsageError, match="ort-attention has no growing form"):
         build_step_model(c, w, "ort-attention")
 
 
@@ -328,7 +330,7 @@ def test_decode_parity_on_the_gpu(step_models, attention):
 @pytest.mark.cuda
 @pytest.mark.parametrize("core", BUFFER_CORES)
 def test_buffer_form_on_the_gpu(tmp_path, core):
-    from attnx.export._step import _build_float
+    from attnx.export import build_model
     from attnx.runtimes.decode import run_buffer_parity
     from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 
@@ -338,7 +340,7 @@ def test_buffer_form_on_the_gpu(tmp_path, core):
     c = _step(4, 2, kpm=False)
     w = init_weights(c, 0)
     path = str(tmp_path / "buffer.onnx")
-    onnx.save(_build_float(c, w, "ort-fused", "buffer", buffer_core=core), path)
+    onnx.save(build_model(c, w, "ort-fused", "buffer", buffer_core=core), path)
     assert run_buffer_parity(ModelSource(c, w, path), "ort-cuda", prefills=(0, 37), steps=16, batch=2).passed
 
 
@@ -354,7 +356,7 @@ def test_commands_that_do_not_take_a_step_model_say_so(step_models, tmp_path, ca
     for argv, needle in (
         (["bench", "--config", str(cfg), "--seq", "8"], "attnx bench --decode"),
         (["bench", "--model", model], "attnx bench --decode"),
-        (["optimize", model, "--out", str(tmp_path / "o.onnx")], "not rewritten by optimize"),
+        (["optimize", model, "--out", str(tmp_path / "o.onnx")], "not optimize"),
         (["export", "--config", str(cfg), "--attention", "auto", "--out", str(tmp_path / "a.onnx")], "auto"),
         (["export", "--config", str(cfg), "--dtype", "fp16", "--keep-io-fp32", "--out", str(tmp_path / "h.onnx")],
          "--keep-io-fp32 is for the full-sequence model"),

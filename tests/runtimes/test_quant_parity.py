@@ -8,8 +8,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from attnx.export import export_onnx, save_model
-from attnx.export.passes import lower
+from attnx.export import build_model
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import QUANTIZATIONS
 from attnx.model.tolerance import ProblemSize, tolerance_for
@@ -29,9 +28,9 @@ def quantized(tmp_path_factory):
     def get(name, dtype, config=None, weights=None):
         if (name, dtype) not in cache:
             config = config or CONFIGS[name]
-            model = lower(export_onnx(config, weights), config, attention="ort-fused", dtype=dtype).model
+            model = build_model(config, weights, "ort-fused", "full", dtype)
             cache[(name, dtype)] = str(root / f"{name}-{dtype}.onnx")
-            save_model(model, cache[(name, dtype)])
+            onnx.save(model, cache[(name, dtype)])
         return cache[(name, dtype)]
 
     return get

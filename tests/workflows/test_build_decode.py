@@ -118,12 +118,13 @@ def test_buffer_form_package_refusals(tmp_path):
     from attnx.errors import UsageError
 
     for kwargs, message in (
-        ({"attention": "decomposed", "decode_form": "buffer"}, "buffer form is built as ort-fused"),
+        ({"attention": "decomposed", "decode_form": "buffer"}, "decomposed has no buffer form"),
         ({"attention": "ort-fused", "buffer_core": "auto"}, "is the buffer form's"),
-        ({"attention": "ort-fused", "decode_form": "buffer", "dtype": "fp16", "buffer_core": "auto"}, "a CPU form"),
+        ({"attention": "ort-fused", "decode_form": "buffer", "dtype": "fp16", "buffer_core": "auto"},
+         "is not built in fp16"),
     ):
         with pytest.raises(UsageError, match=message):
             build_package(config, tmp_path / "p", providers=["cpu"], **kwargs)
-    with pytest.raises(UsageError, match="takes no key_padding_mask"):
+    with pytest.raises(UsageError, match="does not express key_padding_mask in the buffer form"):
         build_package(CONFIG, tmp_path / "p", attention="ort-fused", providers=["cpu"], decode_form="buffer")
     assert not (tmp_path / "p").exists()

@@ -20,7 +20,6 @@ import pytest
 import attnx
 from attnx.errors import InputError, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import EXPORT_ATTENTIONS, LLM_DTYPES, LLM_LOWERINGS, MODEL_DTYPES, QUANTIZATIONS
 from attnx.model.weights import init_weights
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import decode_sequence, empty_cache, run_decode_parity
@@ -114,14 +113,13 @@ def test_the_full_sequence_package_carries_position_ids(tmp_path):
         assert np.abs(y - npz["y"]).max() < 1e-4
 
 
-def test_forms_not_built_yet_are_refused_by_name(tmp_path):
-    """What the contract does not build for these keys yet (check_llm_support), refused before any work."""
-    attention = next((a for a in EXPORT_ATTENTIONS if a not in LLM_LOWERINGS), None)
-    dtype = next((d for d in MODEL_DTYPES if d not in (*LLM_DTYPES, *QUANTIZATIONS)), None)  # every one, now
-    cases = [(a, d) for a, d in ((attention, "fp32"), ("decomposed", dtype)) if a is not None and d is not None]
-    for attention, dtype in cases:
-        with pytest.raises(UsageError, match="rope"):
-            build_package(STEP, tmp_path / "pkg", attention=attention, dtype=dtype)
+def test_forms_a_core_cannot_express_are_refused_by_name(tmp_path):
+    """What the registry says the lowering's core cannot express, refused before any work."""
+    for attention, dtype, reason in (("onnx", "fp32", "does not express sinks"),
+                                     ("decomposed", "bf16", "no attnx graph computes in bfloat16")):  # fmt: skip
+        config = dataclasses.replace(STEP, sinks=True)
+        with pytest.raises(UsageError, match=reason):
+            build_package(config, tmp_path / "pkg", attention=attention, dtype=dtype)
         assert not (tmp_path / "pkg").exists()
 
 

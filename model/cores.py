@@ -1,0 +1,479 @@
+"""The attention cores, as data: what each operator can compute, and the one question every check asks.
+
+A core is the operator (or the few standard ops) that computes softmax(scale * q.k + mask) v in a
+graph. Each entry says what it is in the graph (op, domain, opset), the forms it is built in (FORMS),
+its dtypes, the terms of the formula it expresses (attnx.model.terms) and how, and the limits of its
+kernel beyond the terms (measured refusals of ONNX Runtime). Its emitter (how attnx writes it) and its
+reader (what a node of it implies: config and weights) register themselves by the core's name in
+attnx.export (CORE_EMITTERS, CORE_READERS), as transformers' attention kernels register in
+ALL_ATTENTION_FUNCTIONS.
+
+    why_not(core, config, dtype, form)  every reason the core cannot compute the config, [] when it can
+    core_for(lowering, config, ...)     the core a lowering (--attention) writes for a config, or one
+                                        UsageError with every candidate's reasons
+    LOWERINGS                           the user's choices (--attention) and the cores behind each
+
+The checks of export, build, optimize, parity and bench, the CLI's choices and the README's capability
+tables are all read from these tables (capability_table()). No torch and no onnx here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+
+from attnx.errors import UsageError
+from attnx.model.config import AttentionConfig
+from attnx.model.terms import TERMS
+
+__all__ = [
+    "FORMS",
+    "Takes",
+    "Core",
+    "CORES",
+    "Lowering",
+    "LOWERINGS",
+    "AUTO",
+    "LOWERING_OF_CORE",
+    "core_from_nodes",
+    "BUFFER_CORES",
+    "DEFAULT_BUFFER_CORE",
+    "MS_DOMAIN",
+    "form_of",
+    "why_not",
+    "core_for",
+    "export_core",
+    "lowerings_for",
+    "README_BLOCKS",
+    "capability_table",
+    "lowering_table",
+    "term_table",
+    "update_readme",
+]
+
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators
+# The forms a core is built in: the full-sequence model, and the step model's two (README, "Decoding"):
+# a growing cache (past in, past + new out) or one fixed-capacity buffer written in place.
+FORMS = ("full", "growing", "buffer")
+_QUANTIZED = ("int8", "int4")  # the projections quantized, the core float32 (attnx.model.contract.QUANTIZATIONS)
+_EVERY_DTYPE = ("fp32", "fp16", *_QUANTIZED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Takes:
+    """How a core expresses a term, and in which of its forms."""
+
+    how: str
+    forms: tuple[str, ...] = FORMS
+
+
+Limits = Callable[[AttentionConfig, str, str], Iterable[str]]
+
+
+def _no_limits(config: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Core:
+    """One attention core (the module doc)."""
+
+    name: str
+    label: str  # what it is in the graph, as reports say it
+    domain: str  # "" for the standard ops
+    op_type: str  # the node a reader finds it by ("Softmax" for the decomposed core)
+    opset: int  # the lowest opset of its domain's ops that it needs (the default domain's for decomposed)
+    forms: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    terms: Mapping[str, Takes]
+    limits: Limits = _no_limits  # reasons beyond the terms: its kernel's own refusals
+    summary: str = ""
+
+    def takes(self, term: str, form: str) -> bool:
+        t = self.terms.get(term)
+        return t is not None and form in t.forms
+
+
+def _same_head_sizes(c: AttentionConfig, what: str) -> Iterable[str]:
+    if c.v_head_dim != c.head_dim:
+        # measured: MultiHeadAttention's past_value and GroupQueryAttention's value refuse it
+        yield f"{what} needs v_head_dim == head_dim (this config: {c.v_head_dim} and {c.head_dim})"
+
+
+def _mha_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    if form == "growing":
+        yield from _same_head_sizes(c, f"{MS_DOMAIN}.MultiHeadAttention with a cache")
+
+
+def _gqa_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    yield from _same_head_sizes(c, f"{MS_DOMAIN}.GroupQueryAttention")
+    if c.head_dim % 8:  # measured: 'head_size must be a multiple of 8'
+        yield f"{MS_DOMAIN}.GroupQueryAttention needs a head_dim that is a multiple of 8 (this config: {c.head_dim})"
+    if form == "buffer" and c.rope is not None:
+        yield from _gqa_table_rope(c)
+
+
+def _gqa_table_rope(c: AttentionConfig) -> Iterable[str]:
+    """GroupQueryAttention rotating q and k itself (do_rotary, the buffer form) reads one cos/sin table."""
+    if c.rope.rope_type == "longrope":
+        yield ("GroupQueryAttention's rotation (do_rotary) cannot express longrope: its factors switch for a whole "
+               "call once the call's largest position passes original_max_position_embeddings, and the op rotates "
+               "from one cos/sin table")  # fmt: skip
+    if (c.rope.dim // 2) % 8:  # measured: 'cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8'
+        yield (f"GroupQueryAttention's rotation (do_rotary) cannot rotate rope dim {c.rope.dim}: it takes a cos/sin "
+               "table of width dim/2 that is a multiple of 8 only")  # fmt: skip
+
+
+def _auto_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    yield from _gqa_limits(c, dtype, form)
+
+
+_MASKS = {
+    "causal": Takes("the causal mask"),
+    "key_padding_mask": Takes("the padding mask"),
+}
+_BOOL_GRID = "a boolean grid over token index (Where)"
+
+CORES: dict[str, Core] = {
+    c.name: c
+    for c in (
+        Core(
+            "decomposed", "MatMul, Softmax, MatMul", "", "Softmax", 18, ("full", "growing"), _EVERY_DTYPE,
+            {
+                "grouped_heads": Takes("a group's query heads stacked on the query axis (no copy of the keys)"),
+                "cross": Takes("k and v projected from memory", ("full",)),
+                "qk_norm": Takes("ReduceMean, Sqrt, Div, Mul"),
+                "rope": Takes("Slice, Mul, Concat over cos/sin of position_ids"),
+                "kv_cache": Takes("Concat onto past_key/past_value", ("growing",)),
+                "softcap": Takes("Div, Tanh, Mul"),
+                "causal": Takes(_BOOL_GRID),
+                "sliding_window": Takes(_BOOL_GRID),
+                "key_padding_mask": Takes(_BOOL_GRID),
+                "sinks": Takes("a logit column joined before the Softmax, dropped after it"),
+            },
+            summary="standard ops, runs anywhere",
+        ),
+        Core(
+            "attention23", "Attention (opset 23)", "", "Attention", 23, ("full", "growing"), _EVERY_DTYPE,
+            {
+                "grouped_heads": Takes("kv_num_heads"),
+                "cross": Takes("k and v projected from memory", ("full",)),
+                "qk_norm": Takes("RMSNormalization-23 nodes"),
+                "rope": Takes("RotaryEmbedding-23 nodes fed cos/sin of position_ids"),
+                "kv_cache": Takes("past_key/past_value inputs", ("growing",)),
+                "softcap": Takes("its softcap attribute"),
+                "causal": Takes("a boolean attn_mask over token index"),
+                "sliding_window": Takes("a boolean attn_mask over token index"),
+                "key_padding_mask": Takes("a boolean attn_mask over token index"),
+            },
+            summary="the standard operator",
+        ),
+        Core(
+            "mha", f"{MS_DOMAIN}.MultiHeadAttention", MS_DOMAIN, "MultiHeadAttention", 1, ("full", "growing"),
+            _EVERY_DTYPE,
+            {
+                "cross": Takes("key and value from memory's projections", ("full",)),
+                "kv_cache": Takes("past_key/past_value", ("growing",)),
+                "causal": Takes("unidirectional=1"),
+                "key_padding_mask": Takes("key_padding_mask int32 (1 keeps); fully hidden rows zeroed after"),
+            },
+            _mha_limits, summary="ONNX Runtime's fused kernel (flash attention on CPU and CUDA)",
+        ),
+        Core(
+            "mha-packed", f"one q/k/v MatMul, Split, {MS_DOMAIN}.MultiHeadAttention", MS_DOMAIN, "MultiHeadAttention",
+            1, ("full",), _EVERY_DTYPE,
+            {
+                "causal": Takes("unidirectional=1"),
+                "key_padding_mask": Takes("key_padding_mask int32 (1 keeps); fully hidden rows zeroed after"),
+            },
+            summary="one GEMM for q, k and v",
+        ),
+        Core(
+            "ms-attention", f"{MS_DOMAIN}.Attention (packed q/k/v weights)", MS_DOMAIN, "Attention", 1, ("full",),
+            ("fp32", "fp16"),
+            {
+                "causal": Takes("unidirectional=1"),
+                "key_padding_mask": Takes("mask_index int32 (1 keeps); fully hidden rows zeroed after"),
+            },
+            summary="ONNX Runtime's BERT-style op: the projection inside the op (its weights cannot be quantized)",
+        ),
+        Core(
+            "gqa", f"{MS_DOMAIN}.GroupQueryAttention", MS_DOMAIN, "GroupQueryAttention", 1, FORMS, _EVERY_DTYPE,
+            {
+                "grouped_heads": Takes("kv_num_heads"),
+                "qk_norm": Takes("RMSNormalization-23 nodes (the op's q_norm_weight runs on CUDA only)"),
+                "rope": Takes("com.microsoft.RotaryEmbedding nodes at each token's position; in the buffer form the "
+                              "op itself (do_rotary, cos/sin tables)"),
+                "kv_cache": Takes("past/present (growing); one buffer written in place (buffer)", ("growing", "buffer")),
+                "softcap": Takes("its softcap attribute"),
+                "causal": Takes("the op's causal attention"),
+                "sliding_window": Takes("local_window_size (key j seen by query p iff p - W < j <= p)"),
+                "key_padding_mask": Takes("an additive attention_bias", ("full", "growing")),
+                "sinks": Takes("head_sink"),
+            },
+            _gqa_limits, summary="ONNX Runtime's grouped-query kernel",
+        ),
+        Core(
+            "grouped-mha", f"{MS_DOMAIN}.MultiHeadAttention, a group's query heads as rows", MS_DOMAIN,
+            "MultiHeadAttention", 1, ("buffer",), ("fp32", *_QUANTIZED),
+            {
+                "grouped_heads": Takes("a group's query heads as rows of one key/value head (each read once a step)"),
+                "qk_norm": Takes("RMSNormalization-23 nodes"),
+                "rope": Takes("com.microsoft.RotaryEmbedding nodes at the token index"),
+                "kv_cache": Takes("one buffer written in place (past_sequence_length)", ("buffer",)),
+                "causal": Takes("an additive attention_bias over a token's rows"),
+                "sliding_window": Takes("an additive attention_bias over a token's rows"),
+            },
+            summary="the buffer form's faster one-token step on the CPU (a CPU form: no fp16)",
+        ),
+        Core(
+            "auto", "If on the call's token count: grouped-mha for one token, gqa for more", MS_DOMAIN, "If", 1,
+            ("buffer",), ("fp32", *_QUANTIZED),
+            {
+                "grouped_heads": Takes("both branches"),
+                "qk_norm": Takes("both branches"),
+                "rope": Takes("both branches"),
+                "kv_cache": Takes("each branch writes the buffer in place", ("buffer",)),
+                "causal": Takes("both branches"),
+                "sliding_window": Takes("both branches"),
+            },
+            _auto_limits, summary="what gqa and grouped-mha both express",
+        ),
+    )
+}  # fmt: skip
+# The buffer form's cores (--buffer-core), the default first: GroupQueryAttention takes every term and fp16.
+BUFFER_CORES = tuple(name for name, core in CORES.items() if "buffer" in core.forms)
+DEFAULT_BUFFER_CORE = "gqa"
+
+
+def form_of(config: AttentionConfig, form: str | None = None) -> str:
+    """The form asked, or the config's own: its step model's growing form with kv_cache, else full."""
+    if form is None:
+        return "growing" if config.kv_cache else "full"
+    if form not in FORMS:
+        raise UsageError(f"unknown form {form!r} (known: {', '.join(FORMS)})")
+    if (form == "full") == config.kv_cache:
+        raise UsageError(
+            f"the {form} form is for a config {'without' if form == 'full' else 'with'} 'kv_cache': true"
+        )
+    return form
+
+
+def why_not(core: str | Core, config: AttentionConfig, dtype: str = "fp32", form: str | None = None) -> list[str]:
+    """Every reason `core` cannot compute `config` in `dtype` and `form` (FORMS; None: the config's
+    own, form_of), each naming what is missing; [] when it can."""
+    core = CORES[core] if isinstance(core, str) else core
+    form = form_of(config, form)
+    reasons = []
+    if form not in core.forms:
+        reasons.append(f"{core.label} has no {form} form (it has: {', '.join(core.forms)})")
+    if dtype not in core.dtypes:
+        reasons.append(f"{core.label} is not built in {dtype} (it is in: {', '.join(core.dtypes)})")
+    lacks = [t for t in config.terms if not core.takes(t, form)]
+    if lacks:
+        where = f" in the {form} form" if form in core.forms and any(t in core.terms for t in lacks) else ""
+        reasons.append(f"{core.label} does not express {', '.join(lacks)}{where}")
+    reasons += list(core.limits(config, dtype, form))
+    return reasons
+
+
+# Lowerings: the user's choice (--attention), and the cores behind it --------------------------------
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One choice of `--attention`: the cores it writes, per form, in order of preference (the first
+    that computes the config is written)."""
+
+    name: str
+    cores: Mapping[str, tuple[str, ...]]  # {form: cores}; the buffer form's is --buffer-core's
+    torch_core: str | None = None  # the torch module's core this lowering's full form is traced from
+    export: bool = True  # a choice of `attnx export/build/optimize --attention`
+    auto: bool = False  # a candidate `auto` measures
+    bench: bool = False  # timed by `attnx bench` on ONNX Runtime by default
+
+    @property
+    def graph(self) -> str:
+        """What the lowering is in the graph, as reports say it."""
+        return " or ".join(dict.fromkeys(CORES[c].label for cores in self.cores.values() for c in cores))
+
+    @property
+    def opset(self) -> int:
+        """The default-domain opset it is written at, at least."""
+        return max(18, *(CORES[c].opset for cores in self.cores.values() for c in cores if not CORES[c].domain))
+
+
+LOWERINGS: dict[str, Lowering] = {
+    lw.name: lw
+    for lw in (
+        Lowering("decomposed", {"full": ("decomposed",), "growing": ("decomposed",)}, torch_core="decomposed",
+                 bench=True),
+        Lowering("onnx", {"full": ("attention23",), "growing": ("attention23",)}, bench=True),
+        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa"), "buffer": BUFFER_CORES},
+                 auto=True, bench=True),
+        Lowering("ort-fused-packed", {"full": ("mha-packed",)}, export=False, auto=True),
+        Lowering("ort-attention", {"full": ("ms-attention",)}, export=False, auto=True),
+    )
+}  # fmt: skip
+AUTO = "auto"  # not a lowering: the fastest of the candidates that passes parity, measured
+# The lowering each core is written by (the first that lists it).
+LOWERING_OF_CORE: dict[str, str] = {}
+for _lw in LOWERINGS.values():
+    for _cores in _lw.cores.values():
+        for _core in _cores:
+            LOWERING_OF_CORE.setdefault(_core, _lw.name)
+
+
+def core_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
+    """The core a graph holds, read from its nodes (an If's branches included), each given as (domain,
+    op_type, the op_type of the node producing its first input, or None): com.microsoft Attention,
+    GroupQueryAttention (with a MultiHeadAttention beside it under an If: the auto core),
+    MultiHeadAttention (every one fed by a Split of one packed projection: mha-packed), the opset-23
+    Attention, else decomposed. What describe() and the graph passes name a graph's lowering by."""
+    nodes = [(d if d not in ("", "ai.onnx") else "", t, p) for d, t, p in nodes]
+    ops = {(d, t) for d, t, _ in nodes}
+    if (MS_DOMAIN, "Attention") in ops:
+        return "ms-attention"
+    if (MS_DOMAIN, "GroupQueryAttention") in ops:
+        return "auto" if ("", "If") in ops and (MS_DOMAIN, "MultiHeadAttention") in ops else "gqa"
+    feeds = [p for d, t, p in nodes if (d, t) == (MS_DOMAIN, "MultiHeadAttention")]
+    if feeds:
+        return "mha-packed" if all(p == "Split" for p in feeds) else "mha"
+    if ("", "Attention") in ops:
+        return "attention23"
+    return "decomposed"
+
+
+def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: str | None = None,
+             buffer_core: str | None = None, what: str = "--attention") -> Core:  # fmt: skip
+    """The core `lowering` writes for `config` in `dtype` and `form` (None: the config's own): the first
+    of its cores that computes it (for the buffer form, `buffer_core`). One UsageError otherwise, with
+    every candidate's reasons and the lowerings that would compute it."""
+    if lowering not in LOWERINGS:
+        raise UsageError(f"unknown {what} {lowering!r} (known: {', '.join(LOWERINGS)})")
+    form = form_of(config, form)
+    candidates = LOWERINGS[lowering].cores.get(form, ())
+    if form == "buffer" and candidates:
+        core = DEFAULT_BUFFER_CORE if buffer_core is None else buffer_core
+        if core not in BUFFER_CORES:
+            raise UsageError(f"unknown --buffer-core {core!r} (known: {', '.join(BUFFER_CORES)})")
+        candidates = (core,)
+    elif buffer_core not in (None, DEFAULT_BUFFER_CORE):
+        raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
+    reasons: list[str] = []
+    for name in candidates:
+        why = why_not(name, config, dtype, form)
+        if not why:
+            return CORES[name]
+        reasons += why
+    what_form = {"full": "the full-sequence model", "growing": "the step model (kv_cache)",
+                 "buffer": "the buffer form"}[form]  # fmt: skip
+    if not candidates:
+        has = [f for f in FORMS if f in LOWERINGS[lowering].cores]
+        reasons.append(f"{what} {lowering} has no {form} form (it has: {', '.join(has)})")
+    others = [lw for lw in lowerings_for(config, dtype, form, buffer_core) if lw != lowering]
+    advice = f"; use {what} {' or '.join(others)}" if others else ""
+    if form == "buffer" and not others and lowering == "ort-fused":
+        fine = [b for b in BUFFER_CORES if not why_not(b, config, dtype, form)]
+        advice = f"; use --buffer-core {' or '.join(fine)}" if fine else "; use the growing form (--decode-form growing)"
+    raise UsageError(f"{what} {lowering} cannot build {what_form} of this config in {dtype}: "
+                     f"{'; '.join(dict.fromkeys(reasons))}{advice}")  # fmt: skip
+
+
+def export_core(config: AttentionConfig, attention: str, dtype: str = "fp32", decode_form: str = "growing",
+                buffer_core: str | None = None) -> Core | None:  # fmt: skip
+    """The core `attnx export` and `attnx build` write for `config` (decode_form, buffer_core: the step
+    model's form and the buffer form's core), or None for auto (measured among the candidates): one
+    UsageError before any work for what does not go together."""
+    if decode_form not in ("growing", "buffer"):
+        raise UsageError(f"unknown --decode-form {decode_form!r} (known: growing, buffer)")
+    if not config.kv_cache and (decode_form == "buffer" or buffer_core not in (None, DEFAULT_BUFFER_CORE)):
+        form_of(config, "buffer")  # raises: the form is a step model's
+    if attention == AUTO:
+        if config.kv_cache:
+            raise UsageError("--attention auto does not measure step models; choose one of "
+                             + ", ".join(lw for lw in LOWERINGS if "growing" in LOWERINGS[lw].cores))  # fmt: skip
+        return None
+    return core_for(attention, config, dtype, decode_form if config.kv_cache else "full", buffer_core)
+
+
+def lowerings_for(config: AttentionConfig, dtype: str = "fp32", form: str | None = None,
+                  buffer_core: str | None = None) -> list[str]:  # fmt: skip
+    """The lowerings (export choices first) that compute `config` in `dtype` and `form`."""
+    form = form_of(config, form)
+    out = []
+    for name, lw in LOWERINGS.items():
+        cores = lw.cores.get(form, ())
+        if form == "buffer":
+            cores = (buffer_core or DEFAULT_BUFFER_CORE,) if cores else ()
+        if any(not why_not(c, config, dtype, form) for c in cores):
+            out.append(name)
+    return out
+
+
+# The README's generated blocks: each between "<!-- generated: NAME -->" and "<!-- end generated -->",
+# held to these functions by tests/test_readme.py (update_readme() rewrites them).
+README_BLOCKS: dict[str, Callable[[], str]] = {}
+
+
+def readme_block(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
+    def register(fn: Callable[[], str]) -> Callable[[], str]:
+        README_BLOCKS[name] = fn
+        return fn
+
+    return register
+
+
+def update_readme(text: str) -> str:
+    """`text` (the README) with every generated block rewritten from the registry."""
+    import re
+
+    for name, fn in README_BLOCKS.items():
+        pattern = re.compile(rf"(<!-- generated: {re.escape(name)} -->\n).*?(<!-- end generated -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"the README has no generated block {name!r}")
+        text = pattern.sub(lambda m, fn=fn: m.group(1) + fn() + "\n" + m.group(2), text)
+    return text
+
+
+@readme_block("terms")
+def term_table() -> str:
+    """The README's table of the formula's terms (Markdown), from TERMS."""
+    rows = [["term", "config keys", "place", "what it computes", "tolerance"], ["---"] * 5]
+    for t in TERMS.values():
+        rows.append([f"`{t.name}`", ", ".join(f"`{k}`" for k in t.keys), t.place, t.summary, t.tolerance])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+@readme_block("lowerings")
+def lowering_table() -> str:
+    """The README's table of lowerings (--attention): the cores each writes, per form (Markdown)."""
+    rows = [["--attention", "full sequence", "growing cache (step)", "buffer (step)", "export", "auto measures"],
+            ["---"] * 6]  # fmt: skip
+    for lw in LOWERINGS.values():
+        cells = [f"`{lw.name}`"]
+        for form in FORMS:
+            cores = lw.cores.get(form, ())
+            cells.append(", then ".join(f"`{c}`" for c in cores) if form != "buffer" or not cores
+                         else f"--buffer-core: {', '.join(f'`{c}`' for c in cores)}")  # fmt: skip
+        cells += ["yes" if lw.export else "optimize only", "yes" if lw.auto else "-"]
+        rows.append([c if c else "-" for c in cells])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+@readme_block("cores")
+def capability_table() -> str:
+    """The README's table of cores against terms (Markdown), generated from CORES and TERMS: for each
+    core the forms and dtypes it is built in and each term it expresses, with the forms it does in."""
+    terms = list(TERMS)
+    head = ["core", "graph", "forms", "dtypes", *terms]
+    rows = [head, ["---"] * len(head)]
+    for core in CORES.values():
+        cells = [f"`{core.name}`", core.label, ", ".join(core.forms), ", ".join(core.dtypes)]
+        for t in terms:
+            takes = core.terms.get(t)
+            if takes is None:
+                cells.append("-")
+            else:
+                forms = [f for f in takes.forms if f in core.forms]
+                cells.append("yes" if forms == list(core.forms) else ", ".join(forms))
+        rows.append(cells)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
