@@ -198,7 +198,7 @@ QUANTIZATIONS: dict[str, Quantization] = {
     for q in (
         # DynamicQuantizeMatMul (MLAS u8s8 GEMM, VNNI): measured fastest of the int8 candidates on
         # this project's AMD EPYC (attnx.export.passes.quantize has the numbers).
-        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric int8 per output channel",
+        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric 7-bit per output channel (int8 storage)",
                      "dynamic uint8 per row (each row divided by its max |x|, then per tensor)"),
         Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
                      "int8 per block of K (accuracy_level 4)"),

@@ -6,7 +6,8 @@ activations and are left alone, as are the inputs, the output and the core (floa
 projection becomes one ONNX Runtime contrib node (com.microsoft, with its opset import):
 
 - int8: DynamicQuantizeMatMul(x / r, W_q int8 [K, N], scale [N], zero_point int8 [N]) * r: weights
-  symmetric per output channel (scale_n = max_k |W_kn| / 127, zero point 0, stored so a runtime
+  symmetric per output channel in 7 bits (scale_n = max_k |W_kn| / 63, INT8_WEIGHT_MAX: no int16
+  overflow in the u8s8 kernel of a CPU without VNNI), zero point 0, stored so a runtime
   reads it); the input quantized at run time to uint8 per row (token): r = max(max_k |x_k|, FLT_MIN)
   of each row (ReduceMax over the last axis, shared by the projections that read the same input),
   so every row of x / r spans [-1, 1] and the op's per-tensor quantization gives each row a step of
@@ -90,12 +91,20 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 _STD = ("", "ai.onnx")
 
 
+# The int8 weights' range, [-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX]: 7 bits in int8 storage. MLAS's u8s8
+# GEMM on a CPU without VNNI (AVX2 only) multiplies with vpmaddubsw, which adds two u8 * s8 products in
+# a saturating int16: 255 * 127 * 2 overflows it, 255 * 63 * 2 = 32130 does not (ONNX Runtime's
+# quantizer calls this reduce_range). A model is built on one machine and run on another, so every
+# int8 model is written so (measurements/int8_range: the error with 8 bits on such a CPU).
+INT8_WEIGHT_MAX = 63
+
+
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """W [K, N] float -> (q int8 [K, N], scale float32 [N], zero_point int8 [N]), symmetric per
-    output column: W ~ (q - zero_point) * scale."""
-    scale = np.abs(w).max(axis=0).astype(np.float32) / np.float32(127.0)  # [N]
+    """W [K, N] float -> (q int8 [K, N] in [-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX], scale float32 [N],
+    zero_point int8 [N]), symmetric per output column: W ~ (q - zero_point) * scale."""
+    scale = np.abs(w).max(axis=0).astype(np.float32) / np.float32(INT8_WEIGHT_MAX)  # [N]
     scale[scale == 0] = 1.0  # an all-zero column: any scale represents it exactly
-    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    q = np.clip(np.rint(w / scale), -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).astype(np.int8)
     return q, scale, np.zeros(w.shape[1], np.int8)
 
 

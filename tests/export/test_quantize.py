@@ -13,6 +13,7 @@ import pytest
 from attnx.errors import UsageError
 from attnx.export import build_model, export_onnx, qk_weights, save_model, v_weights
 from attnx.export.passes import convert_precision
+from attnx.export.passes.quantize import INT8_WEIGHT_MAX
 from attnx.model.contract import IR_VERSION, MS_DOMAIN, QUANT_KEY, describe
 from attnx.runtimes import ModelSource, create_runner
 from attnx.workflows import export_model
@@ -109,7 +110,7 @@ def test_dequantized_weights_are_within_half_a_step(dtype, tmp_path):
         err = np.abs(w - ref)
         step = record["projections"][role]["step_rms"]
         assert 0 < err.max() and float(np.sqrt(np.mean(err**2))) <= step / np.sqrt(12) * 1.3
-        limit = np.abs(ref).max(axis=1, keepdims=True) / 127 if dtype == "int8" else None
+        limit = np.abs(ref).max(axis=1, keepdims=True) / INT8_WEIGHT_MAX if dtype == "int8" else None
         if limit is not None:
             assert (err <= limit / 2 * (1 + 1e-5)).all()
 
