@@ -321,7 +321,9 @@ def build_package(
     _check_args(attention, dtype, providers)
     check_decode_form(config, attention, dtype, decode_form, buffer_core)  # the form and its core, before any work
     # A config with modern-LLM keys (rope, window, softcap, q/k norms, sinks) is packaged in the forms
-    # that express them (contract.check_llm_support: decomposed, fp32); the others are refused by name.
+    # that express them (contract.check_llm_support: decomposed, onnx and ort-fused, in fp32, fp16, int8
+    # and int4; onnx without sinks, onnx and ort-fused not for cross-attention, ort-fused only with
+    # v_head_dim == head_dim, a multiple of 8); the others are refused by name, before any work.
     check_llm_support(config, attention, dtype, step=config.kv_cache)
     _check_target(out, force)
     plan = plan or check_plan(config)
