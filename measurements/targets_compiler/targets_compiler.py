@@ -1,4 +1,5 @@
-"""The graph compiler's targets (issue 3), measured: `python -m attnx.bench.targets_compiler`.
+"""The graph compiler's targets (issue 3), measured:
+`python measurements/targets_compiler/targets_compiler.py` (README.md here).
 
 d_model 1024, 16 heads (the large preset), batch 1, fp32, ORT CPU and torch on --threads
 threads (2), one set of seeded weights for every backend:
@@ -28,10 +29,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+# Internal helpers, on purpose: the CLI's output checks and table, and attnx bench's worker (a case in
+# a process of its own, for its own peak RSS) with its one-MatMul GEMM model, so that these numbers are
+# measured exactly as attnx bench measures its cases. No public name offers them.
 from attnx._io import check_output_file, write_json_atomic
 from attnx._text import format_table
-from attnx.bench._costs import attention_flops, gemm_flops
-from attnx.bench._sweep import machine_info
+from attnx.bench import attention_flops, gemm_flops, machine_info
 from attnx.bench._worker import run_worker, write_gemm_model
 from attnx.errors import UsageError
 from attnx.export import export_onnx, save_model
@@ -230,7 +233,7 @@ def _table(ms: Sequence[Measurement]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnx.bench.targets_compiler", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="targets_compiler.py", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=20, help="timed runs at seq 512")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the seq-512 cases; each keeps its fastest")
