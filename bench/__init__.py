@@ -2,7 +2,8 @@
 
 By job: _plan (what to measure, the report format and its ratios), _costs (the FLOP
 model; memory: attnx.model.resources), _worker (one case in a process of its own, and the parent's side of it),
-_sweep (the order of work), _plot; targets_compiler and gpu_check are scripts over them.
+_sweep (the order of work), _plot; gpu_check is a script over them. The measurements made with
+them (commands, results, machines, dates) live outside the package, in measurements/.
 
 Each case runs in a process of its own so that its peak memory is its own. Nothing here
 imports torch, onnx, onnx-ir or matplotlib at module level: the worker imports this package,

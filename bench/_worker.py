@@ -84,7 +84,8 @@ def time_calls(
 
 def _import_runtime(backend: str) -> None:
     """Import the backend's library first, so that import_rss_mb is the interpreter, numpy,
-    attnx and the runtime library (torch alone is some 200 MB) before any model is loaded."""
+    attnx and the runtime library (torch's far larger than ONNX Runtime's: measurements/facts.md)
+    before any model is loaded."""
     try:
         if backend == OPENVINO:
             reason = BACKENDS[OPENVINO].unavailable_reason()  # names the extra that installs it

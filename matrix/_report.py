@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from attnx._io import atomic_path, write_json_atomic
@@ -183,6 +182,3 @@ def markdown(data: dict[str, Any]) -> str:
 def _md_row(cells: list[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
-
-def records_by_status(records: Iterable[dict[str, Any]], status: str) -> list[dict[str, Any]]:
-    return [r for r in records if r["status"] == status]

@@ -6,15 +6,14 @@ The estimates are bounds of the right size, not measurements; they are calibrate
 the README reports:
 - weights: float32, 4 bytes a parameter, held once (the torch module shares the numpy arrays).
 - export/build: the exporter's graph holds a second copy of the weights beside the arrays, and
-  ONNX Runtime loads one of its own once they are dropped: 2x the weights (gpt3 measured 1.6-1.7x:
-  3.95 GB export, 4.05 GB build, for 2.42 GB of weights), plus the activations of the largest
-  shape checked.
+  ONNX Runtime loads one of its own once they are dropped: 2x the weights (gpt3 measured somewhat
+  less: measurements/facts.md), plus the activations of the largest shape checked.
 - the float64 reference: each weight converted to float64 when used (the largest one, 8 bytes a
   parameter) and its activations in float64.
 - activations: the projections' inputs and outputs, and where the attention core holds it the
   whole (batch, heads, queries, keys) score matrix twice (scores and probabilities): the
   decomposed and standard-Attention lowerings on ONNX Runtime CPU and torch's decomposed core do
-  (8.96 and 8.7 GB at seq 8192 for the large preset); the fused kernels and torch's SDPA stream it
+  (the large preset's peaks at seq 8192: measurements/facts.md); the fused kernels and torch's SDPA stream it
   (SDPA falls back to its math path with a key padding mask).
 
 The work of a case, attention_flops (what the bench harness reports against the GEMM roofline,

@@ -47,7 +47,6 @@ __all__ = [
     "rope_angles",
     "rope_cos_sin",
     "rope_pairs",
-    "max_inv_freq",
 ]
 
 
@@ -348,14 +347,6 @@ def uses_long_factors(rope: Rope, positions: np.ndarray) -> bool:
     if rope.rope_type != "longrope" or np.size(positions) == 0:
         return False
     return int(np.max(positions)) + 1 > rope.scaling["original_max_position_embeddings"]
-
-
-def max_inv_freq(rope: Rope) -> float:
-    """The largest frequency either longrope set could use (the tolerance's rope term)."""
-    freqs = [rope_frequencies(rope)[0]]
-    if rope.rope_type == "longrope":
-        freqs.append(rope_frequencies(rope, rope.scaling["original_max_position_embeddings"] + 1)[0])
-    return float(max(np.max(f) for f in freqs))
 
 
 def rope_angles(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, float]:

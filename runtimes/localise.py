@@ -69,7 +69,8 @@ _LINE_NODES = 3
 CORE_STAGE_BYTES = 256 * 2**20
 # A case of at most this many FLOPs (attnx.model.resources.attention_flops) is localised with sessions
 # of one thread: starting a pool costs more than it saves, and competes for the cores with the failing
-# runner's own, still held (tiny, batch 3, seq 7, 0.7 MFLOP: 4.2 ms against 6.4; base, seq 7: 99 MFLOP).
+# runner's own, still held (tiny, batch 3, seq 7: 0.7 MFLOP, measured faster with one thread; base, seq 7:
+# 99 MFLOP; measurements/facts.md).
 SMALL_CASE_FLOPS = 10**7
 # (source, directory) -> the same model in the decomposed lowering, an onnx.ModelProto (directory: where
 # the writer may write what it needs)
@@ -511,7 +512,7 @@ def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarr
         with tempfile.TemporaryDirectory(prefix="attnx-localise-") as tmp:
             inner = _Graph(_decomposed_model(source, tmp))  # in memory: written once, exposed
             # on ONNX Runtime with optimizations off: the decomposed formula as written (and a session built
-            # in a third of the time: tiny, 1 ms against 3)
+            # faster: measurements/facts.md)
             level = "disabled" if backend.startswith("ort-") else None
             found = _exposed_run(inner, source, backend, feeds, runner_factory, level=level, directory=tmp)
     except (UsageError, ProviderUnavailable) as e:

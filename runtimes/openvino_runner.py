@@ -9,31 +9,31 @@ CPUExecutionProvider), leaves MultiHeadAttention to ORT's CPU kernels and cannot
 standard Attention op.
 
 Its precision is never the machine's default. OpenVINO's CPU plugin computes in bf16 by
-default where the CPU has bf16 instructions (AMX, AVX-512 BF16), which moves the numbers by
-~3e-3 relative. So INFERENCE_PRECISION_HINT is always set from the dtype asked (fp32 -> f32,
-bf16 -> bf16, fp16 -> f16), read back from the compiled model, and a compiled model that
-computes in anything else is refused (ProviderUnavailable, with what it got): a CPU without
-float16 compute compiles f16 as bf16, and that is not a float16 run. Threads likewise
-(INFERENCE_NUM_THREADS), when given.
+default where the CPU has bf16 instructions (AMX, AVX-512 BF16), which moves the numbers far past
+float32's tolerance (measured: measurements/facts.md). So INFERENCE_PRECISION_HINT is always set
+from the dtype asked (fp32 -> f32, bf16 -> bf16, fp16 -> f16), read back from the compiled model,
+and a compiled model that computes in anything else is refused (ProviderUnavailable, with what it
+got): a CPU without float16 compute compiles f16 as bf16, and that is not a float16 run. Threads
+likewise (INFERENCE_NUM_THREADS), when given.
 
 The CPU plugin's runtime cache of shape-specialised kernels is switched off
 (CPU_RUNTIME_CACHE_CAPACITY 0): with it, OpenVINO 2026.4.1 computes plain self-attention (no
 mask; every lowering) wrongly at seq >= 16 after a call at seq 1 on the same compiled model
-(max abs error 10.2 against the reference, cosine 0.16, on the parity matrix's batch 1: seq 1,
-7, then 128; right when seq 128 comes first). Without the cache each new shape builds its
-kernels afresh, and a run at one fixed shape costs 1.05-1.06x (large preset, seq 512, 2 threads,
-interleaved: f32 32.1 -> 33.7 ms, bf16 17.4 -> 18.5 ms): the price of right numbers.
+(on the parity matrix's batch 1: seq 1, 7, then 128; right when seq 128 comes first; the error
+measured: measurements/facts.md). Without the cache each new shape builds its kernels afresh,
+and a run at one fixed shape costs a few percent more (measured: measurements/facts.md): the
+price of right numbers.
 
 One more fault is refused by name: OpenVINO 2026.4.1 reads com.microsoft.Attention (the
 ort-attention lowering) but ignores its `scale` attribute, so a model with a custom scale
-computes softmax(q.k / sqrt(head_dim)) instead (max abs error 0.107 at scale 0.2, head_dim 8).
+computes softmax(q.k / sqrt(head_dim)) instead (the error measured: measurements/facts.md).
 
 And one precision: an fp16 model of a rope config keeps its rotary angle (position * inv_freq)
 float32 (attnx.export.passes.fp16: in float16 its rounding is whole radians at position 8192);
 under the f16 hint OpenVINO computes that region in f16 too, and fails parity at position 8192 by
-8.2-24x the bound (tests' llama and llm layers, decomposed and onnx lowerings; ort-cpu 0.04-0.05).
-So fp16 of a rope model is refused with that reason; precision="fp32" runs it (its float16 weights
-widened: 0.03 of the bound).
+several times the bound where ort-cpu stays far within it (tests' llama and llm layers, decomposed
+and onnx lowerings; measured: measurements/facts.md). So fp16 of a rope model is refused with that
+reason; precision="fp32" runs it (its float16 weights widened: within the bound).
 
 attnx's quantized forms (int8, int4) run too, with the f32 hint: their float part (the attention
 core, softmax, inputs and output) is float32 as on ONNX Runtime. OpenVINO reads their weights
@@ -41,12 +41,12 @@ from the graph (com.microsoft DynamicQuantizeMatMul's int8 per channel, MatMulNB
 blocks) but not the graph's quantization of the inputs: it runs each projection as one of its
 compressed-weight FullyConnected nodes and quantizes the input itself, int8 in groups of
 DYNAMIC_QUANTIZATION_GROUP_SIZE values along K (set here to OPENVINO_INPUT_GROUP, read back; 0
-would switch it off). Measured, OpenVINO 2026.4.1, large preset, seq 512, 2 threads, int8 graph,
-f32 hint (rel RMS error against float64; ONNX Runtime's 0.81%, its per-row uint8): group 0
-(float inputs) 0.39%, 30.2 ms; 32 (its default) 0.64%, 18.0 ms; 64 0.69%, 17.0 ms; 1024 (one row)
-0.82%, 19.6 ms. The tolerance table's openvino rows (model/tolerance.py) take that scheme's step,
-bounded by the row's peak: a group lies within a row. With the bf16 hint the same graph computes
-its core in bf16 too (1.01%, 15.8 ms): no form attnx verifies.
+would switch it off). 32 is OpenVINO's default, kept: measured (OpenVINO 2026.4.1, the int8 graph
+of the large preset; each group size's error and time: measurements/facts.md), float inputs are the
+most accurate and the slowest, and groups of 32 are both faster and more accurate than one group per
+row (ONNX Runtime's per-row scheme). The tolerance table's openvino rows (model/tolerance.py) take
+that scheme's step, bounded by the row's peak: a group lies within a row. With the bf16 hint the same
+graph computes its core in bf16 too (more error: measurements/facts.md): no form attnx verifies.
 
 openvino is imported when a runner loads, never at module level.
 """

@@ -22,7 +22,7 @@ def pytest_configure(config):
     # Under pytest-xdist (.ci/run: one worker per core) every worker shares the machine's cores: each
     # runtime session gets its share (ATTNX_THREADS: ORT's intra-op pool, OpenVINO; OMP_NUM_THREADS:
     # torch), inherited by the attnx processes the tests start. A pool of every core in each worker
-    # would spin against the others' (measured: -n 2 slower than one process, README "Tests").
+    # would spin against the others' (measured slower than one thread each: measurements/facts.md).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
         share = str(max(1, (os.cpu_count() or 1) // workers))

@@ -1,9 +1,9 @@
 """The parity matrix with every case localised (issue 23's target: no stage beyond its bound on a passing
-case). Every registry config (tests/conftest.py) in decomposed, onnx and ort-fused (fp32), int8, int4
-and fp16; the modern-LLM layers; step models in three lowerings, int8/int4 and the buffer form; on
-ort-cpu, openvino and torch, localise="all".
+case). Every registry config (the tests' registry, tests/conftest.py, as measured: copied below) in
+decomposed, onnx and ort-fused (fp32), int8, int4 and fp16; the modern-LLM layers; step models in three
+lowerings, int8/int4 and the buffer form; on ort-cpu, openvino and torch, localise="all".
 
-    .venv/bin/python scripts/localise_matrix.py OUT.json
+    .venv/bin/python measurements/localise_matrix/localise_matrix.py OUT.json
 """
 
 from __future__ import annotations
@@ -16,16 +16,45 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.getcwd())
+from attnx import AttentionConfig, AttnxError, ModelSource, export_model, init_weights, run_decode_parity, run_parity
 
-from attnx.errors import AttnxError
-from attnx.model.config import AttentionConfig
-from attnx.model.weights import init_weights
-from attnx.runtimes import ModelSource
-from attnx.runtimes.decode import run_decode_parity
-from attnx.runtimes.parity import run_parity
-from attnx.workflows import export_model
-from tests.conftest import CONFIGS, LLM_CONFIGS, LLM_FUSED_CONFIGS
+# The tests' registry of small models (tests/conftest.py) as this matrix measured it, copied so that
+# the script stands alone: each feature of the contract once.
+CONFIGS: dict[str, AttentionConfig] = {
+    "self": AttentionConfig(d_model=32, n_heads=4),
+    "cross": AttentionConfig(d_model=32, n_heads=4, cross=True, kv_dim=24, v_head_dim=6),
+    "causal": AttentionConfig(d_model=32, n_heads=2, causal=True),
+    "kpm": AttentionConfig(d_model=32, n_heads=4, key_padding_mask=True),
+    "causal_kpm": AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True, scale=0.2),
+    "cross_kpm": AttentionConfig(
+        d_model=32, n_heads=2, head_dim=12, v_head_dim=20, cross=True, kv_dim=40, key_padding_mask=True, bias=False
+    ),
+}
+# Modern LLM attention: every new term at once, and a Llama-3-shaped layer.
+LLM_CONFIGS: dict[str, AttentionConfig] = {
+    "llm": AttentionConfig(
+        d_model=48, n_heads=4, n_kv_heads=2, head_dim=12, causal=True, key_padding_mask=True, sliding_window=4,
+        softcap=2.0, qk_norm={"eps": 1e-5}, sinks=True,
+        rope={"theta": 1000.0, "dim": 8, "interleaved": True,
+              "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    ),
+    "llama": AttentionConfig(
+        d_model=64, n_heads=4, n_kv_heads=2, causal=True, bias=False,
+        rope={"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+    ),
+}  # fmt: skip
+# The same terms in the shapes ONNX Runtime's GroupQueryAttention takes ("onnx" drops the sinks).
+LLM_FUSED_CONFIGS: dict[str, AttentionConfig] = {
+    "ort-fused": dataclasses.replace(LLM_CONFIGS["llm"], head_dim=16, v_head_dim=16),
+    "onnx": dataclasses.replace(LLM_CONFIGS["llm"], head_dim=16, v_head_dim=16, sinks=False),
+    "buffer": AttentionConfig(
+        d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, causal=True, kv_cache=True, sliding_window=4, softcap=2.0,
+        qk_norm={"eps": 1e-5}, sinks=True,
+        rope={"theta": 1000.0, "dim": 16, "interleaved": True,
+              "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    ),
+}  # fmt: skip
 
 BACKENDS = ["ort-cpu", "openvino", "torch"]
 STEP = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, key_padding_mask=True)

@@ -7,7 +7,7 @@ that time. The fault: the decomposed graph's scale constant x1.25; the ort-fused
 MultiHeadAttention scale attribute x1.25 (a fault inside the fused operator: the look inside runs).
 Median of 5 each.
 
-    .venv/bin/python scripts/localise_cost.py OUT.json
+    .venv/bin/python measurements/localise_cost/localise_cost.py OUT.json
 """
 
 from __future__ import annotations

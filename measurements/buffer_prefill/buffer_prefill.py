@@ -2,7 +2,7 @@
 default and what auto keeps of each): the prompt of `seq` tokens written into an empty shared cache
 in one call, batch 1, fp32, 2 threads, ONNX Runtime's CPU provider, the median of `repeat` calls.
 
-    .venv/bin/python scripts/buffer_prefill.py [--preset llama3-8b] [--seq 2048,4096] [--repeat 3]
+    .venv/bin/python measurements/buffer_prefill/buffer_prefill.py [--preset llama3-8b] [--seq 2048,4096] [--repeat 3]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""bench/targets_compiler.py's verdicts: ratios from one run's measurements, each target able
+"""measurements/targets_compiler/targets_compiler.py's verdicts: ratios from one run's measurements, each target able
 to fail (the measuring itself is the script's job, run by hand: it takes minutes)."""
 
 from __future__ import annotations
 
-from attnx.bench.targets_compiler import Measurement, evaluate
+from measurements.targets_compiler.targets_compiler import Measurement, evaluate
 
 
 def _ms(fused_512: float, torch_best: float, gemm_gflops: float, fused_rss: float, fused_long: float):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The committed CPU baseline: bench/results/cpu_baseline.json and .png.
+# The committed CPU baseline: measurements/cpu_baseline/cpu_baseline.json and .png (README.md here).
 #
 # Preset large (d_model 1024, 16 heads), batch 1, seq 128 to 8192: torch eager (decomposed
 # and sdpa cores) against ONNX Runtime CPU (decomposed, onnx and ort-fused lowerings), all in
@@ -10,8 +10,8 @@
 # load) with about 10 GB of memory free (the decomposed lowerings hold the 4 GB score matrix
 # twice at seq 8192). Expect 10 to 20 minutes on 2 cores. Extra arguments go to attnx bench.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out=bench/results
+cd "$(dirname "$0")/../.."  # the repository root: .venv/bin/attnx below
+out=measurements/cpu_baseline
 mkdir -p "$out"
 attnx=$(command -v attnx || echo .venv/bin/attnx)  # the active one, else the one .ci/install made
 "$attnx" bench --preset large --batch 1 --seq 128,256,512,1024,2048,4096,8192 \

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The committed CPU speed-accuracy frontier: bench/results/cpu_frontier.json and .png (issue 12).
+# The committed CPU speed-accuracy frontier: measurements/cpu_frontier/cpu_frontier.json and .png
+# (issue 12; README.md here).
 #
 # Preset large (d_model 1024, 16 heads), batch 1, 2 threads, seq 512 and 4096, ONE run: attnx's
 # forms on ONNX Runtime CPU (ort-fused in fp32, int8, int4) and the peers measured beside them
@@ -8,8 +9,8 @@
 # each as (median ms, rel RMS error against the float64 module on the same inputs). Needs attnx[openvino] for the OpenVINO peer (skipped with the reason otherwise). Run it
 # on a quiet machine; a few minutes on 2 cores. Extra arguments go to attnx bench.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out=bench/results
+cd "$(dirname "$0")/../.."  # the repository root: .venv/bin/attnx below
+out=measurements/cpu_frontier
 mkdir -p "$out"
 attnx=$(command -v attnx || echo .venv/bin/attnx)
 "$attnx" bench --preset large --batch 1 --seq 512,4096 --threads 2 \
