@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import shutil
 import sys
@@ -25,7 +24,16 @@ from attnx.bench import (
     run_decode_bench,
 )
 from attnx.commands import COMMANDS
-from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
+from attnx.commands._common import (
+    SEED_MAX,
+    float_arg,
+    int_arg,
+    int_list,
+    load_config_arg,
+    model_flag,
+    step_config,
+    str_list,
+)
 from attnx.errors import UsageError
 from attnx.model import PRESETS
 from attnx.model.contract import (
@@ -113,10 +121,7 @@ def run_decode(args: argparse.Namespace) -> int:
     """attnx bench --decode: one process, every number of a row measured in the same run."""
     if args.model:
         raise UsageError("--decode builds its step models from --preset or --config")
-    config = load_config_arg(args)
-    kv = args.kv_heads if args.kv_heads is not None else config.n_kv_heads
-    config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
-    config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
+    config = step_config(load_config_arg(args), model_flag(args), as_decoder=True, kv_heads=args.kv_heads)
     # OpenVINO on the two step models it reads (measured, llama3-8b, past 2048 / 8192: the decomposed one
     # 15.2 / 49.5 ms, the onnx one 30.9 / 217 ms)
     impls = ["ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer auto", "ort-fused growing", "onnx growing",

@@ -8,10 +8,11 @@ from attnx._text import format_table
 from attnx.commands import COMMANDS
 from attnx.commands._common import (
     Progress,
+    add_decode_arg,
     add_max_mem_arg,
     add_model_args,
     add_quant_args,
-    load_config_arg,
+    load_step_config_arg,
     workflows,
 )
 from attnx.model.contract import BUFFER_CORES, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
@@ -28,9 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--opset", type=int, help="ONNX opset (default and lowest: 18; 23 for --attention onnx; at most 25)")
     p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
+    add_decode_arg(p)
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
-                   help="a kv_cache config's step model: growing (past -> present, every lowering) or buffer "
-                   "(ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
+                   help="with --decode (or a kv_cache config), the step model's form: growing (past -> present, every "
+                   "lowering) or buffer (ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
     p.add_argument("--buffer-core", choices=BUFFER_CORES, default="gqa",
                    help="the buffer form's attention op: gqa (GroupQueryAttention, default), grouped-mha "
                    "(MultiHeadAttention with a group's query heads as rows: faster steps at long pasts, slower "
@@ -44,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     export_model = workflows("export").export_model
     progress = Progress()
-    config = load_config_arg(args)
+    config = load_step_config_arg(args)
     report = export_model(
         config,
         args.out,
