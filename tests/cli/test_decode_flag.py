@@ -46,6 +46,22 @@ def test_build_decode_packages_the_step_model(configs):
     assert manifest["models"][0]["decode"] == "growing"
 
 
+def test_parity_decode_checks_the_step_model_of_a_causal_config(configs, capsys):
+    model = configs / "g.onnx"
+    assert main(["export", "--config", str(configs / "causal.json"), "--decode", "--no-validate", "--out", str(model)]) == 0
+    # the config and the model agree: --decode makes the config the model's, as export --decode wrote it
+    capsys.readouterr()
+    assert main(["parity", "--config", str(configs / "causal.json"), "--decode", "--model", str(model),
+                 "--backends", "reference,ort-cpu", "--batch", "1", "--prefill", "0,2", "--steps", "2"]) == 0  # fmt: skip
+    assert "parity PASSED" in capsys.readouterr().out
+    # a full-sequence model has no steps to check
+    full = configs / "full.onnx"
+    assert main(["export", "--config", str(configs / "causal.json"), "--no-validate", "--out", str(full)]) == 0
+    capsys.readouterr()
+    assert main(["parity", "--model", str(full), "--decode"]) == 2
+    assert "--decode needs a step model, and" in capsys.readouterr().err
+
+
 def test_decode_of_a_step_model_config_changes_nothing():
     assert step_config(preset("large-gqa"), "--preset large-gqa") == preset("large-gqa")
     assert step_config(preset("llama3-8b"), "--preset llama3-8b") == dataclasses.replace(preset("llama3-8b"), kv_cache=True)
@@ -59,6 +75,8 @@ def test_decode_of_a_step_model_config_changes_nothing():
         (["build", "--preset", "tiny", "--decode"],
          "--decode: --preset tiny has no step model: it is not causal ('causal': false)"),
         (["export", "--config", "{d}/cross.json", "--decode"],
+         "--decode: --config {d}/cross.json has no step model: it is cross-attention ('cross': true)"),
+        (["parity", "--config", "{d}/cross.json", "--decode"],
          "--decode: --config {d}/cross.json has no step model: it is cross-attention ('cross': true)"),
         # --decode-form names a form of the step model: without --decode, the error says to add it ...
         (["export", "--config", "{d}/causal.json", "--attention", "ort-fused", "--decode-form", "buffer"],
