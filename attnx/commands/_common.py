@@ -10,7 +10,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from attnx.errors import UsageError
+from attnx.errors import ConfigError, UsageError
 from attnx.model import PRESETS, AttentionConfig, init_weights, load_config, load_weights, preset
 from attnx.runtimes.localise import set_decomposed_writer
 
@@ -101,13 +101,13 @@ def model_flag(args: argparse.Namespace) -> str:
     return f"--preset {args.preset}" if args.preset else f"--config {args.config}"
 
 
-def _why_no_step_model(config: AttentionConfig) -> str | None:
-    """Why `config` has no step model (None when it has one): a cache is of causal self-attention."""
-    if config.cross:
-        return "it is cross-attention ('cross': true), and a cache holds the keys of earlier tokens of the same sequence"
-    if not config.causal:
-        return "it is not causal ('causal': false), and a step model is of causal self-attention"
-    return None
+def _step_model(config: AttentionConfig, what: str) -> AttentionConfig:
+    """`config` with 'kv_cache': true, or one UsageError: "{what} has no step model: " and the
+    config's own rule (AttentionConfig: a cache is of causal self-attention)."""
+    try:
+        return AttentionConfig.from_dict({**config.to_dict(), "kv_cache": True})
+    except ConfigError as e:
+        raise UsageError(f"{what} has no step model: {e}") from None
 
 
 def step_config(config: AttentionConfig, what: str, *, as_decoder: bool = False,
@@ -115,34 +115,30 @@ def step_config(config: AttentionConfig, what: str, *, as_decoder: bool = False,
     """--decode: the step model of `config` ('kv_cache': true: past keys and values in, present out;
     README, "Decoding"), the one reading of the flag by export, build, parity and bench.
 
-    export, build and parity write or check the config's own attention, which only causal
-    self-attention has a step model of: another config is one UsageError saying why (`what` names it,
+    export, build and parity write or check the config's own attention, and only causal
+    self-attention has a step model: another config is one UsageError saying why (`what` names it,
     "--preset tiny"). bench times the step of a decoder layer of the config's sizes (as_decoder): any
     config, made causal self-attention without key padding (its rows are one unpadded sequence),
     with `kv_heads` key/value heads when given."""
-    if as_decoder:
-        changes = {"causal": True, "cross": False, "key_padding_mask": False, "kv_cache": True}
-        if kv_heads is not None:
-            changes["n_kv_heads"] = kv_heads
-    elif (why := _why_no_step_model(config)) is not None:
-        raise UsageError(f"--decode: {what} has no step model: {why}")
-    else:
-        changes = {"kv_cache": True}
+    if not as_decoder:
+        return _step_model(config, f"--decode: {what}")
+    changes = {"causal": True, "cross": False, "key_padding_mask": False, "kv_cache": True}
+    if kv_heads is not None:
+        changes["n_kv_heads"] = kv_heads
     return AttentionConfig.from_dict({**config.to_dict(), **changes})  # validated (n_kv_heads must divide n_heads)
 
 
 def load_step_config_arg(args: argparse.Namespace) -> AttentionConfig:
     """export's and build's config: --preset or --config, its step model with --decode (step_config).
-    --decode-form names a form of the step model: given for a config without one, it is one error
-    that says to add --decode, or why the config has no step model."""
+    --decode-form names a form of the step model: given for a config without 'kv_cache', it is one
+    error that says to add --decode, or why the config has no step model."""
     config = load_config_arg(args)
     what = model_flag(args)
     if args.decode:
         return step_config(config, what)
     if not config.kv_cache and args.decode_form != "growing":
         flag = f"--decode-form {args.decode_form}"
-        if (why := _why_no_step_model(config)) is not None:
-            raise UsageError(f"{flag} is a form of the step model, and {what} has none: {why}")
+        _step_model(config, f"{flag}: {what}")  # raises when it has none
         raise UsageError(f"{flag} is a form of the step model: add --decode for the step model of {what} "
                          "(README, 'Decoding')")  # fmt: skip
     return config

@@ -71,13 +71,13 @@ def test_decode_of_a_step_model_config_changes_nothing():
     ("args", "message"),
     [
         (["export", "--preset", "tiny", "--decode"],
-         "--decode: --preset tiny has no step model: it is not causal ('causal': false)"),
+         "--decode: --preset tiny has no step model: config key 'kv_cache' needs causal self-attention"),
         (["build", "--preset", "tiny", "--decode"],
-         "--decode: --preset tiny has no step model: it is not causal ('causal': false)"),
+         "--decode: --preset tiny has no step model: config key 'kv_cache' needs causal self-attention"),
         (["export", "--config", "{d}/cross.json", "--decode"],
-         "--decode: --config {d}/cross.json has no step model: it is cross-attention ('cross': true)"),
+         "--decode: --config {d}/cross.json has no step model: config key 'kv_cache' needs causal self-attention"),
         (["parity", "--config", "{d}/cross.json", "--decode"],
-         "--decode: --config {d}/cross.json has no step model: it is cross-attention ('cross': true)"),
+         "--decode: --config {d}/cross.json has no step model: config key 'kv_cache' needs causal self-attention"),
         # --decode-form names a form of the step model: without --decode, the error says to add it ...
         (["export", "--config", "{d}/causal.json", "--attention", "ort-fused", "--decode-form", "buffer"],
          "--decode-form buffer is a form of the step model: add --decode for the step model of --config {d}/causal.json"),
@@ -85,7 +85,7 @@ def test_decode_of_a_step_model_config_changes_nothing():
          "--decode-form buffer is a form of the step model: add --decode"),
         # ... or why the config has none
         (["export", "--preset", "tiny", "--decode-form", "buffer"],
-         "--decode-form buffer is a form of the step model, and --preset tiny has none: it is not causal"),
+         "--decode-form buffer: --preset tiny has no step model: config key 'kv_cache' needs causal self-attention"),
     ],
 )  # fmt: skip
 def test_a_config_without_a_step_model_is_one_error_exit_2(configs, capsys, args, message):
