@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not args.debug:
+    if not args.debug and COMMANDS[args.command].runs_ort:
         set_ort_log_severity(3)  # ORT's C++ log: errors only (recorded: ort-cuda's log capture restores it)
     try:
         status = args.run(args)

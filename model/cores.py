@@ -41,6 +41,8 @@ __all__ = [
     "MS_DOMAIN",
     "form_of",
     "why_not",
+    "attention_help",
+    "buffer_core_help",
     "core_for",
     "export_core",
     "lowerings_for",
@@ -407,6 +409,26 @@ def lowerings_for(config: AttentionConfig, dtype: str = "fp32", form: str | None
         if any(not why_not(c, config, dtype, form) for c in cores):
             out.append(name)
     return out
+
+
+def attention_help(names: Iterable[str], default: str) -> str:
+    """The --attention help of a command whose choices are `names`: each lowering and the cores it
+    writes, from the registry (the CLI's words never drift from the tables)."""
+    parts = []
+    for name in names:
+        if name == AUTO:
+            parts.append(f"{AUTO}: the fastest that passes parity, measured")
+            continue
+        cores = dict.fromkeys(c for cs in LOWERINGS[name].cores.values() for c in cs)
+        parts.append(f"{name}: {' or '.join(cores)}")
+    return f"the lowering of the attention core, the core it writes (default {default}): " + "; ".join(parts)
+
+
+def buffer_core_help() -> str:
+    """The --buffer-core help: each buffer core of the registry, what it is, and the default."""
+    parts = [f"{name} ({CORES[name].label}{', the default' if name == DEFAULT_BUFFER_CORE else ''}: "
+             f"{CORES[name].summary})" for name in BUFFER_CORES]  # fmt: skip
+    return "with --decode-form buffer, the attention core: " + "; ".join(parts)
 
 
 # The README's generated blocks: each between "<!-- generated: NAME -->" and "<!-- end generated -->",

@@ -17,6 +17,9 @@ __all__ = ["Command", "COMMANDS"]
 class Command:
     module: str  # attnx.commands.<module>
     help: str
+    # Whether it may start ONNX Runtime: the CLI then sets ORT's C++ log to errors first, which
+    # imports onnxruntime (60 ms); inspect reads files alone and starts without it.
+    runs_ort: bool = True
 
 
 COMMANDS: dict[str, Command] = {
@@ -28,6 +31,7 @@ COMMANDS: dict[str, Command] = {
     "build": Command("build", "export, check and package the model: a folder that verifies itself on the deployment machine"),
     "verify": Command("verify", "check a package here: file hashes, onnxruntime can load it, golden outputs within tolerance"),
     "run": Command("run", "run an ONNX model or a package on .npy inputs"),
-    "inspect": Command("inspect", "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators"),
+    "inspect": Command("inspect", "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators",
+                       runs_ort=False),
     "matrix": Command("matrix", "run a plan's parity / verify / bench cases here or across a Ray cluster, into one report"),
 }  # fmt: skip

@@ -10,15 +10,19 @@ import time
 from types import ModuleType
 from typing import Any
 
-from attnx.errors import UsageError
-from attnx.model import PRESETS, init_weights, load_config, load_weights, preset
+from attnx.errors import ConfigError, UsageError
+from attnx.model import PRESETS, AttentionConfig, init_weights, load_config, load_weights, preset
 from attnx.runtimes.localise import set_decomposed_writer
 
 __all__ = [
     "add_model_args",
+    "add_decode_arg",
     "add_max_mem_arg",
     "load_config_arg",
     "load_weights_arg",
+    "model_flag",
+    "step_config",
+    "load_step_config_arg",
     "Progress",
     "int_arg",
     "float_arg",
@@ -70,6 +74,14 @@ def add_model_args(parser: argparse.ArgumentParser, weights: bool = True, requir
         parser.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, help="seed of the generated weights (default 0)")
 
 
+def add_decode_arg(parser: argparse.ArgumentParser) -> None:
+    """--decode of export and build (load_step_config_arg reads it)."""
+    parser.add_argument("--decode", action="store_true",
+                        help="the step model of the causal self-attention config ('kv_cache': true: past keys and "
+                        "values in, present out), as attnx bench --decode and parity --decode take it (README, "
+                        "'Decoding')")  # fmt: skip
+
+
 def add_max_mem_arg(parser: argparse.ArgumentParser, what: str = "refuse to start when the estimate exceeds it") -> None:
     parser.add_argument(
         "--max-mem-gb", type=float_arg(0.0, None), default=None, metavar="G",
@@ -82,6 +94,54 @@ def load_config_arg(args: argparse.Namespace) -> Any:
     if args.preset:
         return preset(args.preset)
     return load_config(args.config) if args.config else None
+
+
+def model_flag(args: argparse.Namespace) -> str:
+    """How the command line named the config: "--preset P" or "--config C.json" (for messages)."""
+    return f"--preset {args.preset}" if args.preset else f"--config {args.config}"
+
+
+def _step_model(config: AttentionConfig, what: str) -> AttentionConfig:
+    """`config` with 'kv_cache': true, or one UsageError: "{what} has no step model: " and the
+    config's own rule (AttentionConfig: a cache is of causal self-attention)."""
+    try:
+        return AttentionConfig.from_dict({**config.to_dict(), "kv_cache": True})
+    except ConfigError as e:
+        raise UsageError(f"{what} has no step model: {e}") from None
+
+
+def step_config(config: AttentionConfig, what: str, *, as_decoder: bool = False,
+                kv_heads: int | None = None) -> AttentionConfig:
+    """--decode: the step model of `config` ('kv_cache': true: past keys and values in, present out;
+    README, "Decoding"), the one reading of the flag by export, build, parity and bench.
+
+    export, build and parity write or check the config's own attention, and only causal
+    self-attention has a step model: another config is one UsageError saying why (`what` names it,
+    "--preset tiny"). bench times the step of a decoder layer of the config's sizes (as_decoder): any
+    config, made causal self-attention without key padding (its rows are one unpadded sequence),
+    with `kv_heads` key/value heads when given."""
+    if not as_decoder:
+        return _step_model(config, f"--decode: {what}")
+    changes = {"causal": True, "cross": False, "key_padding_mask": False, "kv_cache": True}
+    if kv_heads is not None:
+        changes["n_kv_heads"] = kv_heads
+    return AttentionConfig.from_dict({**config.to_dict(), **changes})  # validated (n_kv_heads must divide n_heads)
+
+
+def load_step_config_arg(args: argparse.Namespace) -> AttentionConfig:
+    """export's and build's config: --preset or --config, its step model with --decode (step_config).
+    --decode-form names a form of the step model: given for a config without 'kv_cache', it is one
+    error that says to add --decode, or why the config has no step model."""
+    config = load_config_arg(args)
+    what = model_flag(args)
+    if args.decode:
+        return step_config(config, what)
+    if not config.kv_cache and args.decode_form != "growing":
+        flag = f"--decode-form {args.decode_form}"
+        _step_model(config, f"{flag}: {what}")  # raises when it has none
+        raise UsageError(f"{flag} is a form of the step model: add --decode for the step model of {what} "
+                         "(README, 'Decoding')")  # fmt: skip
+    return config
 
 
 def load_weights_arg(args: argparse.Namespace, config: Any, progress: Progress | None = None) -> Any:

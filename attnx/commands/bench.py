@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import shutil
 import sys
@@ -26,7 +25,16 @@ from attnx.bench import (
     run_decode_bench,
 )
 from attnx.commands import COMMANDS
-from attnx.commands._common import SEED_MAX, float_arg, int_arg, int_list, load_config_arg, str_list
+from attnx.commands._common import (
+    SEED_MAX,
+    float_arg,
+    int_arg,
+    int_list,
+    load_config_arg,
+    model_flag,
+    step_config,
+    str_list,
+)
 from attnx.errors import UsageError
 from attnx.model import PRESETS
 from attnx.model.contract import (
@@ -111,10 +119,7 @@ def run_decode(args: argparse.Namespace) -> int:
     """attnx bench --decode: one process, every number of a row measured in the same run."""
     if args.model:
         raise UsageError("--decode builds its step models from --preset or --config")
-    config = load_config_arg(args)
-    kv = args.kv_heads if args.kv_heads is not None else config.n_kv_heads
-    config = dataclasses.replace(config, n_kv_heads=kv, causal=True, key_padding_mask=False, cross=False, kv_cache=True)
-    config = type(config).from_dict(config.to_dict())  # re-validated: n_kv_heads must divide n_heads
+    config = step_config(load_config_arg(args), model_flag(args), as_decoder=True, kv_heads=args.kv_heads)
     dtypes = args.dtype or ["fp32"]
     for dtype in dtypes:
         if dtype not in DECODE_DTYPES:

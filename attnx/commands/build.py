@@ -9,14 +9,16 @@ from attnx._text import format_table
 from attnx.commands import COMMANDS
 from attnx.commands._common import (
     Progress,
+    add_decode_arg,
     add_max_mem_arg,
     add_model_args,
     add_quant_args,
-    load_config_arg,
+    load_step_config_arg,
     str_list,
     workflows,
 )
 from attnx.model.contract import BUFFER_CORES, BUILD_ATTENTION, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
+from attnx.model.cores import DEFAULT_BUFFER_CORE, attention_help, buffer_core_help
 
 HELP = COMMANDS["build"].help
 
@@ -28,15 +30,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--attention",
         choices=EXPORT_ATTENTIONS,
         default=BUILD_ATTENTION,
-        help=f"lowering of the attention core (default {BUILD_ATTENTION})",
+        help=attention_help(EXPORT_ATTENTIONS, BUILD_ATTENTION),
     )
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default="fp32", help="bf16: refused, saying where it runs")
     add_quant_args(p)
+    add_decode_arg(p)
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
-                   help="a kv_cache config's step model: growing (default) or buffer (ort-fused, one preallocated "
-                   "cache bound as past and present; runs on ONNX Runtime)")  # fmt: skip
-    p.add_argument("--buffer-core", choices=BUFFER_CORES, default="gqa",
-                   help="the buffer form's attention op (attnx export --buffer-core; default gqa)")  # fmt: skip
+                   help="with --decode (or a kv_cache config), the step model's form: growing (default) or buffer "
+                   "(ort-fused, one preallocated cache bound as past and present; runs on ONNX Runtime)")  # fmt: skip
+    p.add_argument("--buffer-core", choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE, help=buffer_core_help())
     p.add_argument(
         "--provider",
         type=str_list,
@@ -55,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     build_package = workflows("build").build_package
-    config = load_config_arg(args)
+    config = load_step_config_arg(args)
     progress = Progress()
     report = build_package(
         config,

@@ -8,13 +8,15 @@ from attnx._text import format_table
 from attnx.commands import COMMANDS
 from attnx.commands._common import (
     Progress,
+    add_decode_arg,
     add_max_mem_arg,
     add_model_args,
     add_quant_args,
-    load_config_arg,
+    load_step_config_arg,
     workflows,
 )
 from attnx.model.contract import BUFFER_CORES, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
+from attnx.model.cores import DEFAULT_BUFFER_CORE, attention_help, buffer_core_help
 
 HELP = COMMANDS["export"].help
 
@@ -22,20 +24,18 @@ HELP = COMMANDS["export"].help
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help=HELP, description=HELP)
     add_model_args(p)
-    p.add_argument("--attention", choices=EXPORT_ATTENTIONS, default="decomposed", help="lowering of the attention core")
+    p.add_argument("--attention", choices=EXPORT_ATTENTIONS, default="decomposed",
+                   help=attention_help(EXPORT_ATTENTIONS, "decomposed"))  # fmt: skip
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default="fp32", help="bf16: refused, saying where it runs")
     add_quant_args(p)
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--opset", type=int, help="ONNX opset (default and lowest: 18; 23 for --attention onnx; at most 25)")
     p.add_argument("--no-validate", action="store_true", help="skip running the model against torch at new shapes")
+    add_decode_arg(p)
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
-                   help="a kv_cache config's step model: growing (past -> present, every lowering) or buffer "
-                   "(ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
-    p.add_argument("--buffer-core", choices=BUFFER_CORES, default="gqa",
-                   help="the buffer form's attention op: gqa (GroupQueryAttention, default), grouped-mha "
-                   "(MultiHeadAttention with a group's query heads as rows: faster steps at long pasts, slower "
-                   "prefills) or auto (an If on the call's token count: grouped-mha for one token, gqa for more; "
-                   "README, 'The buffer form')")  # fmt: skip
+                   help="with --decode (or a kv_cache config), the step model's form: growing (past -> present, every "
+                   "lowering) or buffer (ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
+    p.add_argument("--buffer-core", choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE, help=buffer_core_help())
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx")
     p.set_defaults(run=run)
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     export_model = workflows("export").export_model
     progress = Progress()
-    config = load_config_arg(args)
+    config = load_step_config_arg(args)
     report = export_model(
         config,
         args.out,

@@ -8,6 +8,7 @@ from attnx._text import format_table
 from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, add_quant_args, workflows
 from attnx.model.contract import MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
+from attnx.model.cores import attention_help
 
 HELP = COMMANDS["optimize"].help
 
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="OUT.onnx")
     p.add_argument(
         "--attention", choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
-        help="lowering of the attention core (default ort-fused; auto measures each on --provider)",
+        help=attention_help(OPTIMIZE_ATTENTIONS, "ort-fused") + " (auto measures each on --provider)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default=None, help="default: the input model's")
     add_quant_args(p)

@@ -19,6 +19,8 @@ from attnx.commands._common import (
     int_list,
     load_config_arg,
     load_weights_arg,
+    model_flag,
+    step_config,
     str_list,
     workflows,
 )
@@ -63,8 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="write the parity report as JSON")
     p.add_argument("--decode", action="store_true",
                    help="step by step: a prefill of each --prefill length, then --steps single-token steps feeding the "
-                   "cache back, against the reference's full forward (the parity of every kv_cache config and step "
-                   "model, implied by them)")  # fmt: skip
+                   "cache back, against the reference's full forward, of the step model of --preset/--config (causal "
+                   "self-attention; export --decode writes it); implied by a kv_cache config and by a step model")  # fmt: skip
     p.add_argument("--prefill", type=_lengths, default=list(DEFAULT_PREFILLS), help="with --decode (default 0,1,37)")
     p.add_argument("--steps", type=int_arg(1, SIZE_MAX), default=DEFAULT_STEPS,
                    help=f"with --decode (default {DEFAULT_STEPS})")  # fmt: skip
@@ -100,17 +102,21 @@ def run(args: argparse.Namespace) -> int:
         check_choice("backend", name, backend_names())
     if args.json:
         check_output_file(args.json, "--json")
+    given = load_config_arg(args)
+    if args.decode and given is not None:  # the step model of --preset/--config, as export --decode writes it
+        given = step_config(given, model_flag(args))
     if args.model:  # the model describes itself; a flag that contradicts it is one error
-        form = model_form(args.model, config=load_config_arg(args), dtype=args.dtype, lowering=args.attention,
+        form = model_form(args.model, config=given, dtype=args.dtype, lowering=args.attention,
                           flags={"config": "--preset" if args.preset else "--config"})  # fmt: skip
         config, dtype = form.config, form.dtype
     else:
-        config = load_config_arg(args)
+        config = given
         if config is None:
             raise UsageError("parity needs --preset, --config or --model (whose config it reads)")
         dtype = args.dtype or "fp32"
     if args.decode and not config.kv_cache:
-        raise UsageError("--decode needs a step model: a config with 'kv_cache': true (e.g. --preset large-gqa)")
+        raise UsageError(f"--decode needs a step model, and {args.model!r} is a full-sequence one "
+                         "(attnx export --decode writes the step model)")  # fmt: skip
     decode = config.kv_cache  # a step model's parity is step by step
     mem_seqs = (args.mem_seq or DEFAULT_MEM_SEQS) if config.cross else [None]
     shapes = [(b, s, m) for b in args.batch for s in args.seq for m in mem_seqs]
