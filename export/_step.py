@@ -59,6 +59,7 @@ from attnx.export._graph import Graph, heads, linear, named
 from attnx.export._llm import norm_and_rotate, rope_table, visibility
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
+    ALIBI_FORM,
     ATTENTION_KEY,
     CONFIG_KEY,
     DECODE_FORMS,
@@ -217,6 +218,9 @@ def _build_float(
     buffer_core: str = "gqa",
 ) -> onnx.ModelProto:
     c = config
+    if c.alibi:  # these graphs have no ALiBi term yet (contract.check_alibi)
+        raise UsageError("the graphs built node by node (the step model, onnx and ort-fused, localisation's decomposed "
+                         f"form) do not express alibi yet: ALiBi is built as {ALIBI_FORM} only")
     if step:
         if not c.kv_cache:
             raise UsageError("the step model is for configs with 'kv_cache': true")

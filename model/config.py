@@ -70,6 +70,9 @@ class AttentionConfig:
     softcap: float | None = None
     qk_norm: QKNorm | None = None
     sinks: bool = False
+    # ALiBi (attnx.model.alibi): head h adds slope_h * (j - i) to the scores over token index, after
+    # the scale and softcap, before the masks (BLOOM, MPT).
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
@@ -144,6 +147,11 @@ class AttentionConfig:
             object.__setattr__(self, "qk_norm", QKNorm(float(eps)))
         if not isinstance(self.sinks, bool):
             raise ConfigError(f"config key 'sinks' must be true or false, got {self.sinks!r}")
+        if not isinstance(self.alibi, bool):
+            raise ConfigError(f"config key 'alibi' must be true or false, got {self.alibi!r}")
+        if self.cross and self.alibi:
+            # A distance between a query and a key of another sequence: no model attnx imports has it.
+            raise ConfigError("config key 'alibi' is for self-attention ('cross': false)")
         if self.cross and (self.rope is not None or self.qk_norm is not None):
             # Positions of a second sequence and per-head norms of its keys: no model attnx imports has them.
             raise ConfigError(

@@ -94,6 +94,8 @@ __all__ = [
     "buffer_form_specs",
     "check_lowering",
     "check_llm_support",
+    "check_alibi",
+    "ALIBI_FORM",
     "check_buffer_rope",
     "DEFAULT_ROPE_POSITIONS",
     "ROPE_POSITIONS_KEY",
@@ -509,6 +511,7 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
     sinks) when the form asked cannot express them: a lowering not in LLM_LOWERINGS (auto included:
     it measures the pass lowerings), a term the lowering's operator lacks (the standard Attention
     op has no sink logit), or a dtype other than fp32."""
+    check_alibi(config, attention, dtype, step)
     keys = config.llm_keys
     if not keys:
         return
@@ -546,6 +549,31 @@ def check_llm_support(config: AttentionConfig, attention: str | None = None, dty
             f"--dtype {dtype} is not built yet for {what} of a config with {named}; use --dtype "
             f"{', '.join((*LLM_DTYPES, *QUANTIZATIONS))} here"
         )
+
+
+# ALiBi (issue 30): the numpy reference and the torch module compute it (both cores); its one ONNX
+# form so far is the torch module's decomposed export, full-sequence, fp32, which `attnx export`
+# validates against the reference. The graphs built node by node (the step model, onnx/ort-fused, the
+# localisation's decomposed form), the graph passes, fp16 and int8/int4 are refused by name until
+# they are built and verified, never written without the term.
+ALIBI_FORM = "the decomposed full-sequence graph in fp32 (the torch module's export)"
+
+
+def check_alibi(config: AttentionConfig, attention: str | None = None, dtype: str | None = None,
+                step: bool = False) -> None:  # fmt: skip
+    """One UsageError naming alibi when the form asked is not ALIBI_FORM (attention None: any; dtype
+    None: not chosen yet)."""
+    if not config.alibi:
+        return
+    if step or config.kv_cache:
+        what = "the step model (kv_cache)"
+    elif attention not in (None, "decomposed"):
+        what = f"--attention {attention}"
+    elif dtype not in (None, "fp32"):
+        what = f"--dtype {dtype}"
+    else:
+        return
+    raise UsageError(f"{what} does not express alibi yet: ALiBi is built as {ALIBI_FORM} only")
 
 
 def check_buffer_rope(config: AttentionConfig) -> None:

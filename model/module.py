@@ -1,5 +1,5 @@
 """The torch module: scaled dot-product multi-head attention, self or cross, with masks, and the
-modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, sliding window, sinks."""
+modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, ALiBi, sliding window, sinks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnx.errors import UsageError
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import TORCH_CORES, sdpa_core_expresses
 from attnx.model.rope import rope_frequencies
@@ -73,6 +74,8 @@ class MultiHeadAttention(nn.Module):
             if c.rope.rope_type == "longrope":
                 long = rope_frequencies(c.rope, c.rope.scaling["original_max_position_embeddings"] + 1)[0]
             self._rope = (short, long, factor)
+        # ALiBi's slopes, numpy for the same reason: a constant of the exported graph.
+        self._alibi = alibi_slopes(c.n_heads) if c.alibi else None
 
     def forward(
         self,
@@ -124,10 +127,11 @@ class MultiHeadAttention(nn.Module):
         L = k.shape[2]
 
         hidden = self._hidden_keys(x, T, L, key_padding_mask, past)  # (B|1, 1, T|1, L) bool or None
+        bias = self._alibi_bias(T, L, past, q) if c.alibi else None  # (1, N, T, L) or None
         if self.core == "sdpa":
-            z = self._sdpa(q, k, v, hidden)
+            z = self._sdpa(q, k, v, hidden, bias)
         else:
-            z = self._decomposed(q, k, v, hidden)
+            z = self._decomposed(q, k, v, hidden, bias)
         if hidden is not None:
             # A query whose keys are all hidden gets z = 0 (README, "The model"). torch.where
             # rather than a product, so that a NaN from a backend's softmax cannot leak through.
@@ -199,13 +203,27 @@ class MultiHeadAttention(nn.Module):
             hidden = kpm if hidden is None else hidden | kpm
         return hidden
 
+    def _alibi_bias(self, T: int, S: int, past: int, q: torch.Tensor) -> torch.Tensor:
+        """ALiBi's slope_n * (j - i) over token index, (1, N, T, S) in q's dtype: query i at token
+        index past + i, key j at index j (never position_ids). Computed in float32 at least, as the
+        rope angle is, and rounded once to q's dtype."""
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        i = torch.arange(T, device=q.device) + past  # query token indices
+        j = torch.arange(S, device=q.device)  # key token indices
+        distance = (j[None, :] - i[:, None]).to(dtype)  # (T, S)
+        slopes = torch.tensor(self._alibi, dtype=dtype, device=q.device).view(1, -1, 1, 1)  # (1, N, 1, 1)
+        return (slopes * distance).to(q.dtype)  # (1, N, T, S)
+
     def _decomposed(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         c = self.config
         scores = torch.matmul(q, k.transpose(-2, -1)) * c.softmax_scale  # (B, N, T, S)
         if c.softcap is not None:
             scores = torch.tanh(scores / c.softcap) * c.softcap
+        if bias is not None:  # ALiBi: after the scale and softcap, before the masks
+            scores = scores + bias
         self._record("scores", scores)
         if hidden is not None:
             # The dtype's lowest finite value, not -inf: exp(lowest - max) is exactly 0 for a
@@ -220,8 +238,15 @@ class MultiHeadAttention(nn.Module):
         self._record("probs", p)
         return torch.matmul(p, v)  # (B, N, T, vhd)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         scale = self.config.softmax_scale
+        if bias is not None:
+            # ALiBi as SDPA's additive float mask (added after its scale), the hidden keys at the dtype's
+            # lowest value as the decomposed core hides them: (1|B, N, T, S), one batch element's score
+            # matrix at least (the bias differs per head).
+            mask = bias if hidden is None else bias.masked_fill(hidden, torch.finfo(bias.dtype).min)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         if hidden is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         c = self.config

@@ -6,8 +6,8 @@ shares is the rope table (attnx.model.rope: inv_freq and attention_factor), whic
 against transformers' own.
 
 The order (README, "Modern LLM attention"): projections, qk_norm, rope, scale * q.k, softcap,
-masks (causal, sliding window, key padding: over token index), softmax over the visible keys and
-the head's sink logit, times v, out projection.
+ALiBi's slope_h * (j - i), masks (causal, sliding window, key padding; ALiBi and the masks over token
+index), softmax over the visible keys and the head's sink logit, times v, out projection.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_cos_sin, rope_pairs
 
@@ -69,6 +70,7 @@ def reference_attention(
         q = _norm_and_rotate(c, weights, q, c.n_heads, "q_norm", position_ids, record, "q")
         k = _norm_and_rotate(c, weights, k, c.n_kv_heads, "k_norm", position_ids, record, "k")
     sinks = np.asarray(weights["sinks"], dtype=np.float64) if c.sinks else None
+    slopes = alibi_slopes(c.n_heads) if c.alibi else None
     past = 0
     if c.kv_cache:
         past = past_key.shape[2]
@@ -99,14 +101,19 @@ def reference_attention(
                     visible[: max(p_index - c.sliding_window + 1, 0)] = False  # p - W < j only
                 if key_padding_mask is not None:
                     visible &= ~np.asarray(key_padding_mask[b], dtype=bool)  # True hides
+                # ALiBi: slope_n * (j - i) over token index (key j at index j, the query at p_index)
+                distance = np.arange(s) - p_index
                 if core:
                     every = c.softmax_scale * (kn @ qn[i])
-                    all_scores[b, n, i] = c.softcap * np.tanh(every / c.softcap) if c.softcap is not None else every
+                    every = c.softcap * np.tanh(every / c.softcap) if c.softcap is not None else every
+                    all_scores[b, n, i] = every + slopes[n] * distance if slopes is not None else every
                 if not visible.any():
                     continue  # every key hidden: z_i = 0 by definition (a sink takes all the weight)
                 scores = c.softmax_scale * (kn[visible] @ qn[i])
                 if c.softcap is not None:
                     scores = c.softcap * np.tanh(scores / c.softcap)
+                if slopes is not None:
+                    scores = scores + slopes[n] * distance[visible]
                 logits = scores if sinks is None else np.append(scores, sinks[n])  # the sink: a logit, no value
                 e = np.exp(logits - logits.max())
                 p = e[: len(scores)] / e.sum()
