@@ -302,8 +302,8 @@ def _rope_table_check(config: AttentionConfig, theirs: dict[str, np.ndarray]) ->
 def _alibi_slopes_check(config: AttentionConfig, family: str, theirs: np.ndarray) -> Comparison:
     """attnx's ALiBi slopes (attnx.model.alibi) against the ones the transformers model builds its bias
     from (_hugging_face_alibi): the check's distances (to 8) move a late head's small slope by too little
-    to show a wrong one. The tolerance is the fp32 rule of one rounding (transformers computes them in
-    float32)."""
+    to show a wrong one. The tolerance is the fp32 rule at K = 1 (transformers computes them in float32;
+    BLOOM's powers of a float32 base and MPT's slopes pass it for 1 to 256 heads, measured)."""
     return compare_arrays(f"alibi slopes vs transformers' ({family}, {config.n_heads} heads)", theirs,
                           alibi_slopes(config.n_heads), tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
 
