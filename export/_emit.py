@@ -37,7 +37,7 @@ from onnx import TensorProto, helper
 from attnx import __version__
 from attnx.errors import ExportError, UsageError
 from attnx.export._graph import Graph, heads, linear, named
-from attnx.export._llm import norm_and_rotate, rope_table, visibility
+from attnx.export._llm import alibi_bias, norm_and_rotate, rope_table, visibility
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
@@ -217,7 +217,11 @@ def _decomposed(e: Emit) -> str:
     if c.softcap is not None:  # c * tanh(s / c), after the scale, before the masks
         cap = g.const("softcap", np.asarray(c.softcap, np.float32))
         scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
-    scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]), name=g.stage("scores", "b h t s"))  # [B, H, S, T]
+    if c.alibi:  # slope_h * (j - i), after the softcap, before the masks
+        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
+        scores = g.op("Add", scores, alibi_bias(g, c, e.step), name=g.stage("scores", "b h t s"))
+    else:
+        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]), name=g.stage("scores", "b h t s"))  # [B, H, S, T]
     if hidden is not None:
         scores = g.op("Where", hidden, e.lowest(), scores)
     if c.sinks:
@@ -247,6 +251,9 @@ def _attention23(e: Emit) -> str:
     q, k = e.scored(q, k, "onnx")
     hidden, visible = visibility(g, c, e.kpm, e.step)
     attend = g.op("Not", hidden) if hidden is not None else ""  # [B|1, 1, S, T]: True takes part
+    if c.alibi:  # an additive float mask instead: slope_h * (j - i), hidden keys at the lowest value
+        bias = alibi_bias(g, c, e.step)  # [1, H, S, T]
+        attend = bias if hidden is None else g.op("Where", hidden, e.lowest(), bias)
     attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale}
     if c.softcap is not None:
         attrs["softcap"] = c.softcap
@@ -273,16 +280,17 @@ def _mha(e: Emit) -> str:
     if c.causal:
         attrs["unidirectional"] = 1
     keep = g.op("Cast", g.op("Not", e.kpm), to=TensorProto.INT32) if e.kpm else ""  # [B, L], 1 keeps
+    bias = alibi_bias(g, c, e.step) if c.alibi else ""  # attention_bias [1, H, S, T]: ALiBi
     if e.step:
         q, k, v = e.projections()
-        z = g.op("MultiHeadAttention", q, k, v, "", keep, "", "past_key", "past_value", outputs=3, domain=MS_DOMAIN,
+        z = g.op("MultiHeadAttention", q, k, v, "", keep, bias, "past_key", "past_value", outputs=3, domain=MS_DOMAIN,
                  **attrs)[0]  # fmt: skip
         g.nodes[-1].output[1:] = ["present_key", "present_value"]
         if e.kpm:
             return e.zero_hidden(z, visibility(g, c, e.kpm, e.step)[1])
     else:
-        q, k, v, bias = e.unbiased_projections()
-        inputs = [q, k, v, bias or "", keep]
+        q, k, v, qkv_bias = e.unbiased_projections()
+        inputs = [q, k, v, qkv_bias or "", keep, bias]
         while inputs[-1] == "":
             inputs.pop()
         z = g.op("MultiHeadAttention", *inputs, domain=MS_DOMAIN, **attrs)
@@ -308,7 +316,7 @@ def _mha_packed(e: Emit) -> str:
         attrs["unidirectional"] = 1
     keep = g.op("Cast", g.op("Not", e.kpm), to=TensorProto.INT32) if e.kpm else ""
     bias = g.const("qkv_proj.bias", packed["qkv_proj.bias"]) if c.bias else ""
-    inputs = [q, k, v, bias, keep]
+    inputs = [q, k, v, bias, keep, alibi_bias(g, c, False) if c.alibi else ""]
     while inputs[-1] == "":
         inputs.pop()
     z = g.op("MultiHeadAttention", *inputs, domain=MS_DOMAIN, **attrs)
@@ -379,6 +387,9 @@ def _gqa(e: Emit) -> str:
     if e.kpm:  # an additive bias [B, 1, S, T], lowest where the key is padding
         bias = g.op("Where", g.op("Unsqueeze", e.kpm, g.ints("axes_12", [1, 2])), e.lowest(), e.zero())
         inputs[10] = g.op("Expand", bias, g.op("Concat", batch, g.ints("one1", [1]), seq, total, axis=0))
+    if c.alibi:  # slope_h * (j - i) [1, H, S, T] in the same bias (the op adds it after its softcap)
+        alibi = alibi_bias(g, c, e.step)
+        inputs[10] = g.op("Add", inputs[10], alibi) if inputs[10] else alibi
     if c.sinks:  # head_sink: a logit per head in the softmax's denominator (measured: exp(sink))
         inputs[11] = g.const("sinks", np.asarray(e.weights["sinks"], np.float32))
     while inputs[-1] == "":

@@ -25,11 +25,12 @@ import numpy as np
 from onnx import TensorProto
 
 from attnx.export._graph import Graph
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import rope_frequencies
 
-__all__ = ["visibility", "norm_and_rotate", "rope_table"]
+__all__ = ["alibi_bias", "visibility", "norm_and_rotate", "rope_table"]
 
 _F = TensorProto.FLOAT
 
@@ -44,12 +45,7 @@ def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool,
     capacity)."""
     zero = g.const("zero_i64", np.asarray(0, np.int64))
     one = g.const("one_i64", np.asarray(1, np.int64))
-    if span is not None:
-        past, total = span
-    else:
-        seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
-        past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0])) if step else zero
-        total = g.op("Add", past, seq) if step else seq  # scalar T
+    past, total = span if span is not None else _span(g, step)
     hidden = None
     if c.causal:
         qpos = g.op("Range", past, total, one)  # [S]: token indices of this call's queries
@@ -73,6 +69,29 @@ def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool,
     seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),
                 keepdims=1)  # fmt: skip
     return hidden, g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S|1, 1]: some key visible to the query
+
+
+def _span(g: Graph, step: bool) -> tuple[str, str]:
+    """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the
+    call's length without a cache)."""
+    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+    if not step:
+        return g.const("zero_i64", np.asarray(0, np.int64)), seq
+    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
+    return past, g.op("Add", past, seq)
+
+
+def alibi_bias(g: Graph, c: AttentionConfig, step: bool) -> str:
+    """ALiBi's slope_h * (j - i) over token index (query i at past_seq + i, key j at j), [1, H, S, T]
+    float32: the slopes of attnx.model.alibi, the distance exact in float32 (below 2^24)."""
+    past, total = _span(g, step)
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    qpos = g.op("Unsqueeze", g.op("Range", past, total, one), g.ints("axes_1", [1]))  # [S, 1]
+    kpos = g.op("Unsqueeze", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one),
+                g.ints("axes_0", [0]))  # [1, T]  # fmt: skip
+    distance = g.op("Cast", g.op("Sub", kpos, qpos), to=_F)  # [S, T]: j - i
+    slopes = g.const("alibi_slopes", alibi_slopes(c.n_heads).astype(np.float32).reshape(1, -1, 1, 1))
+    return g.op("Mul", slopes, g.op("Unsqueeze", distance, g.ints("axes_01", [0, 1])))  # [1, H, S, T]
 
 
 def norm_and_rotate(

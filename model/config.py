@@ -60,6 +60,9 @@ class AttentionConfig:
     softcap: float | None = None
     qk_norm: QKNorm | None = None
     sinks: bool = False
+    # ALiBi (attnx.model.alibi): head h adds slope_h * (j - i) to the scores over token index, after
+    # the scale and softcap, before the masks (BLOOM, MPT).
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
@@ -67,7 +70,7 @@ class AttentionConfig:
         for key in ("head_dim", "v_head_dim", "kv_dim", "n_kv_heads"):
             if getattr(self, key) is not None:
                 check_int(key, getattr(self, key))
-        for key in ("bias", "causal", "cross", "key_padding_mask", "kv_cache", "sinks"):
+        for key in ("bias", "causal", "cross", "key_padding_mask", "kv_cache", "sinks", "alibi"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, got {getattr(self, key)!r}")
         if self.head_dim is None:

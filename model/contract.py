@@ -328,7 +328,8 @@ def backend_device(backend: str) -> str | None:
 # The torch module's cores (attnx.model.module): decomposed exports to MatMul/Softmax/MatMul,
 # sdpa (F.scaled_dot_product_attention) to the standard Attention op at opset 23.
 TORCH_CORES = ("decomposed", "sdpa")
-# The terms F.scaled_dot_product_attention has not: the module's sdpa core refuses them rather than drop them.
+# The terms F.scaled_dot_product_attention has not: the module's sdpa core refuses them rather than drop
+# them (ALiBi it takes as its additive float mask; softcap would come after that mask there).
 SDPA_LACKS = ("softcap", "sinks")
 
 

@@ -7,13 +7,15 @@ transformers and no network, into attnx's contract (an AttentionConfig and its w
     ROTARY_FAMILIES[model_type] -> RotaryFamily: the rotary decoders (Llama, Mistral, Qwen2/3,
     Gemma 2/3, Phi-3, gpt-oss), their config read as transformers reads it (class defaults, both
     spellings of the rope keys) into the modern-LLM keys: rope, sliding_window, softcap, qk_norm, sinks.
+    ALIBI_FAMILIES[model_type] -> AlibiFamily: the ALiBi decoders (BLOOM, MPT), their fused q/k/v
+    projection split into attnx's, into the `alibi` key.
 
 Every tensor the import reads and how it became an attnx tensor (transposed, split, a zero bias
 for a projection that has none) is recorded in ImportResult.mapping. What attnx's formula does
 not include is refused by name, never approximated: T5's self-attention adds a relative position
-bias, BERT's relative_key variants add position terms, DeepSeek's latent attention (MLA) and
-ALiBi models (BLOOM, MPT) bias or factor their scores otherwise, dynamic NTK rope depends on each
-run's length. A pickle checkpoint (pytorch_model.bin) is refused, never unpickled.
+bias, BERT's relative_key variants add position terms, DeepSeek's latent attention (MLA) factors
+its scores otherwise, Falcon's ALiBi is scaled and rounded to bfloat16 (measurements/alibi_transformers), dynamic NTK
+rope depends on each run's length. A pickle checkpoint (pytorch_model.bin) is refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from attnx.model.weights import check_finite, check_weights, from_torch_mha, sav
 __all__ = [
     "ARCHITECTURES",
     "ROTARY_FAMILIES",
+    "ALIBI_FAMILIES",
+    "AlibiFamily",
     "KNOWN_ARCHITECTURES",
     "RotaryFamily",
     "Layout",
@@ -121,11 +125,14 @@ ARCHITECTURES: dict[str, dict[tuple[str, str], Layout]] = {
 # Architectures whose layers attnx's formula cannot reproduce, and why (checked before anything is read).
 _MLA = ("multi-head latent attention (MLA): q, k and v come from low-rank latents and only part of each "
         "head is rotated (a separate rope key head), which attnx's formula does not include")
-_ALIBI = ("ALiBi: a per-head linear bias on every score by the distance between positions, which attnx's "
-          "formula does not include")
+# transformers 5.24's Falcon (models/falcon/modeling_falcon.py; measured: measurements/alibi_transformers)
+_FALCON_ALIBI = ("transformers' Falcon adds its ALiBi bias before the scale (slope / sqrt(head_dim) per unit of "
+                 "distance, not the slopes of BLOOM and MPT) and rounds the slopes and each slope * position to "
+                 "bfloat16 (build_alibi_tensor: 1.1 off in the scores at position 2047 of Falcon-RW-1B's 32 "
+                 "heads), which attnx's alibi (float slopes, after the scale) does not include; its eager "
+                 "attention also adds the bias twice, its sdpa attention and Falcon-RW's own code once")
 NOT_EXPRESSIBLE = {
     **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")},
-    **{t: _ALIBI for t in ("bloom", "mpt")},
 }  # fmt: skip
 @dataclasses.dataclass
 class ImportResult:
@@ -289,14 +296,16 @@ def _import(source: Any, layer: int, attention: str, stack: str | None, key_padd
     if model_type in NOT_EXPRESSIBLE:
         raise UsageError(f"model_type {model_type!r}: {NOT_EXPRESSIBLE[model_type]}: not imported")
     if model_type == "falcon" and hf.get("alibi"):
-        raise UsageError(f"falcon with alibi: {_ALIBI}: not imported")
+        raise UsageError(f"falcon with alibi: {_FALCON_ALIBI}: not imported")
     if model_type == "gemma3":
         raise UsageError("model_type 'gemma3' is Gemma 3's multimodal checkpoint (its text model's config under "
                          "text_config, its layers beside a vision tower's): not in the table yet; a gemma3_text "
                          "checkpoint (Gemma 3 1B, or the text model saved on its own) imports")  # fmt: skip
-    if model_type in ROTARY_FAMILIES:
+    if model_type in ROTARY_FAMILIES or model_type in ALIBI_FAMILIES:
         if attention != "self" or stack not in (None, "decoder"):
             raise UsageError(f"{model_type} is a decoder: it has decoder self-attention only")
+        if model_type in ALIBI_FAMILIES:
+            return _import_alibi(folder, hf, model_type, layer, key_padding_mask)
         return _import_rotary(folder, hf, model_type, layer, key_padding_mask)
     if model_type not in ARCHITECTURES:
         raise UsageError(f"unknown architecture {model_type!r} (known: {', '.join(KNOWN_ARCHITECTURES)})")
@@ -494,7 +503,138 @@ ROTARY_FAMILIES: dict[str, RotaryFamily] = {
 }  # fmt: skip
 
 # Every model_type `attnx import` reads.
-KNOWN_ARCHITECTURES = (*ARCHITECTURES, *ROTARY_FAMILIES)
+# ALiBi decoders -------------------------------------------------------------------------------------
+# BLOOM and MPT: causal self-attention with the `alibi` key (attnx.model.alibi; measurements/alibi_transformers), one fused
+# q/k/v projection split here. Their config.json is read as transformers (5.24) reads it: the config
+# class's default for a key the checkpoint omits, the older key names it still takes.
+@dataclasses.dataclass(frozen=True)
+class AlibiFamily:
+    """One ALiBi decoder family: its config keys (the first one a checkpoint gives wins, else the class
+    default), where its attention keeps its tensors ({N}: the layer) and how q, k, v share the fused rows."""
+
+    width: tuple[str, ...]  # config.json keys of d_model
+    heads: tuple[str, ...]
+    layers: tuple[str, ...]
+    defaults: Mapping[str, Any]  # the config class's defaults of the keys above
+    qkv: str  # the fused projection
+    out: str
+    rows: str  # "per-head": rows [n_heads, 3, head_dim] (BLOOM); "q|k|v": three blocks (MPT)
+    bias: bool  # biases on the fused projection and the output's
+
+
+ALIBI_FAMILIES: dict[str, AlibiFamily] = {
+    # models/bloom: BloomConfig (n_embed is its older name of hidden_size, and wins), BloomAttention._reshape
+    "bloom": AlibiFamily(("n_embed", "hidden_size"), ("n_head", "num_attention_heads"), ("n_layer", "num_hidden_layers"),
+                         {"hidden_size": 64, "n_head": 8, "n_layer": 2}, "h.{N}.self_attention.query_key_value",
+                         "h.{N}.self_attention.dense", "per-head", bias=True),
+    # models/mpt: MptConfig, MptAttention (Wqkv and out_proj without bias, q|k|v chunks)
+    "mpt": AlibiFamily(("d_model", "hidden_size"), ("n_heads", "num_attention_heads"), ("n_layers", "num_hidden_layers"),
+                       {"d_model": 2048, "n_heads": 16, "n_layers": 24}, "blocks.{N}.attn.Wqkv",
+                       "blocks.{N}.attn.out_proj", "q|k|v", bias=False),
+}  # fmt: skip
+# MptAttentionConfig's defaults, and why a value other than the one attnx takes is refused: what transformers'
+# MptAttention ignores but MPT's own code (trust_remote_code) computes, the two disagree on.
+_MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "clip_qkv": None, "softmax_scale": None, "prefix_lm": False,
+                      "qk_ln": False, "alibi": True, "alibi_bias_max": 8}  # fmt: skip
+_MPT_REFUSED = {
+    "qk_ln": "a LayerNorm of q and k (MPT's own code) that transformers' MptAttention does not apply and attnx's "
+             "formula does not include",
+    "clip_qkv": "q, k and v clamped to +-clip_qkv after the fused projection, which attnx's formula does not include",
+    "alibi": "MPT's own code then adds learned position embeddings and no bias, while transformers' MptModel "
+             "adds ALiBi whatever the key says: the two disagree",
+    "alibi_bias_max": "MPT's own code takes it, while transformers' MptModel always builds its slopes with 8 "
+                      "(build_mpt_alibi_tensor's default: forward passes no alibi_bias_max): the two disagree, "
+                      "and attnx's slopes are those of 8",
+    "attn_type": "multi-query attention, which transformers' MptAttention does not build (its Wqkv is 3 * d_model "
+                 "rows)",
+    "prefix_lm": "bidirectional attention over a prefix (a prefix_mask input), which attnx's causal formula does "
+                 "not include",
+}  # fmt: skip
+
+
+def _import_alibi(folder: str, hf: Mapping[str, Any], model_type: str, layer: int,
+                  key_padding_mask: bool | None) -> ImportResult:  # fmt: skip
+    """One self-attention layer of an ALiBi decoder (ALIBI_FAMILIES)."""
+    family = ALIBI_FAMILIES[model_type]
+
+    def number(keys: tuple[str, ...]) -> int:
+        given = [k for k in keys if hf.get(k) is not None]
+        key = given[0] if given else next(k for k in keys if k in family.defaults)
+        value = hf[key] if given else family.defaults[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{folder!r} config.json: {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    d_model, n_heads, n_layers = number(family.width), number(family.heads), number(family.layers)
+    if d_model % n_heads:
+        raise UsageError(f"{model_type}: hidden size {d_model} is not divisible by {n_heads} heads "
+                         "(transformers refuses it)")  # fmt: skip
+    head_dim = d_model // n_heads
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise UsageError(f"--layer must be a non-negative integer, got {layer!r}")
+    if layer >= n_layers:
+        raise UsageError(f"{model_type} has {n_layers} layers: no layer {layer}")
+    notes = [f"alibi: the slopes of {n_heads} heads (attnx.model.alibi: the paper's, bias max 8), slope * (j - i) "
+             "over token index after the scale"]  # fmt: skip
+    scale = None
+    if model_type == "mpt":
+        attn = {**_MPT_ATTN_DEFAULTS, **(hf.get("attn_config") or {})}
+        for key, why in _MPT_REFUSED.items():
+            if attn.get(key) != _MPT_ATTN_DEFAULTS[key]:
+                raise UsageError(f"mpt with attn_config {key} {attn[key]!r}: {why}: not imported")
+        if hf.get("no_bias", True) is not True:
+            raise UsageError("mpt with no_bias false: MPT's own code adds biases, transformers' MptAttention has "
+                             "none (its Wqkv and out_proj are built without): the two disagree: not imported")  # fmt: skip
+        if attn["softmax_scale"] is not None:
+            scale = float(attn["softmax_scale"])
+            notes.append(f"scale: attn_config softmax_scale {scale!r}")
+        max_len = hf.get("max_seq_len", 2048)
+        notes.append(f"transformers' MPT builds its bias for max_seq_len ({max_len}) keys and fails past them; "
+                     "attnx's term has no length limit")  # fmt: skip
+    ckpt = _Checkpoint(folder)
+    qkv_name, out_name = family.qkv.format(N=layer), family.out.format(N=layer)
+    if ckpt.find(out_name + ".weight") is None:
+        raise UsageError(f"{model_type} has no layer {layer} ({out_name}.weight is not in the checkpoint)")
+    weights: dict[str, np.ndarray] = {}
+    mapping: list[str] = []
+    names = ("q_proj", "k_proj", "v_proj")
+    fused = {"weight": ckpt.get(qkv_name + ".weight")}  # [3 * d_model, d_model]
+    if family.bias:
+        fused["bias"] = ckpt.get(qkv_name + ".bias")
+    for kind, (key, tensor) in fused.items():
+        if tensor.shape[0] != 3 * d_model:
+            raise WeightsError(f"{key} has {tensor.shape[0]} rows, expected 3 * {d_model} (q, k, v)")
+        if family.rows == "per-head":  # BLOOM: row h * 3 * head_dim + t * head_dim + d, t = q, k, v
+            parts = tensor.reshape(n_heads, 3, head_dim, *tensor.shape[1:])  # (N, 3, hd[, d_model])
+            for t, ours in enumerate(names):
+                weights[f"{ours}.{kind}"] = np.ascontiguousarray(parts[:, t]).reshape(d_model, *tensor.shape[1:])
+                mapping.append(f"{ours}.{kind} <- {key} (rows [n_heads, 3, head_dim]: each head's part {t + 1}/3)")
+        else:  # MPT: three blocks of d_model rows, q | k | v
+            for t, ours in enumerate(names):
+                weights[f"{ours}.{kind}"] = tensor[t * d_model : (t + 1) * d_model]
+                mapping.append(f"{ours}.{kind} <- {key}[{t * d_model}:{(t + 1) * d_model}] (rows of the fused q|k|v)")
+    key, weights["out_proj.weight"] = ckpt.get(out_name + ".weight")
+    mapping.append(f"out_proj.weight <- {key}")
+    if family.bias:
+        key, weights["out_proj.bias"] = ckpt.get(out_name + ".bias")
+        mapping.append(f"out_proj.bias <- {key}")
+    try:
+        config = AttentionConfig(d_model=d_model, n_heads=n_heads, bias=family.bias, causal=True,
+                                 key_padding_mask=True if key_padding_mask is None else key_padding_mask,
+                                 scale=scale, alibi=True)  # fmt: skip
+    except UsageError as e:
+        raise WeightsError(f"{folder!r}: layer {layer} does not fit attnx's config: {e}") from None
+    check_weights(config, weights, f"{folder!r} layer {layer}")
+    check_finite(weights, f"{folder!r} layer {layer}")
+    if ckpt.converted:
+        notes.append(f"tensors stored as {', '.join(sorted(ckpt.converted))} converted to float32")
+    notes.append("imported: the attention block only (its projections); the layer norms, residuals and MLP "
+                 "around it are not part of attnx's formula")  # fmt: skip
+    return ImportResult(config, weights, f"{folder} ({model_type}, decoder self-attention, layer {layer})",
+                        mapping, notes, model_type, layer, "decoder", "self")  # fmt: skip
+
+
+KNOWN_ARCHITECTURES = (*ARCHITECTURES, *ROTARY_FAMILIES, *ALIBI_FAMILIES)
 
 def _layer_types(hf: Mapping[str, Any], family: RotaryFamily, n_layers: int) -> list[str]:
     """config.layer_types, or the pattern the family's config class fills in when it has none."""

@@ -1,5 +1,5 @@
 """The torch module: scaled dot-product multi-head attention, self or cross, with masks, and the
-modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, sliding window, sinks.
+modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, ALiBi, sliding window, sinks.
 
 The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
 function in TORCH_TERMS, in the formula's order (the numpy reference's are REFERENCE_TERMS):
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnx.errors import UsageError
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import TORCH_CORES, sdpa_core_expresses
 from attnx.model.rope import rope_frequencies
@@ -230,6 +231,15 @@ class MultiHeadAttention(nn.Module):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         scale = self.config.softmax_scale
+        if self._terms["scores"]:  # ALiBi: the score terms SDPA takes, as its additive float mask
+            B, N, T, _ = q.shape
+            S = k.shape[2]
+            bias = q.new_zeros(1, N, T, S)
+            i, j = torch.arange(T, device=q.device) + (S - T), torch.arange(S, device=q.device)
+            for term in self._terms["scores"]:
+                bias = TORCH_TERMS[term](self, bias, i, j)
+            mask = bias if hidden is None else bias.masked_fill(hidden, torch.finfo(bias.dtype).min)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         if hidden is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         c = self.config
@@ -272,6 +282,15 @@ def _softcap(m: MultiHeadAttention, scores: torch.Tensor, i: torch.Tensor, j: to
     return torch.tanh(scores / m.config.softcap) * m.config.softcap
 
 
+def _alibi(m: MultiHeadAttention, scores: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """slope_h * (j - i) over token index, added to the scores: computed in float32 at least (as the rope
+    angle is) and rounded once to the scores' dtype."""
+    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    slopes = torch.tensor(alibi_slopes(m.config.n_heads), dtype=dtype, device=scores.device).view(1, -1, 1, 1)
+    distance = (j[None, :] - i[:, None]).to(dtype)  # (T, S)
+    return scores + (slopes * distance).to(scores.dtype)  # (B, N, T, S)
+
+
 def _causal(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
     return (j[None, :] > i[:, None])[None, None]  # (1, 1, T, S): key j after query i
 
@@ -293,6 +312,7 @@ TORCH_TERMS: dict[str, Callable[..., Any]] = {
     "qk_norm": _qk_norm,
     "rope": _rope,
     "softcap": _softcap,
+    "alibi": _alibi,
     "causal": _causal,
     "sliding_window": _window,
     "key_padding_mask": _key_padding,

@@ -7,7 +7,7 @@ estimate runs this same formula). The one thing every form shares is the rope ta
 
 The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
 function in REFERENCE_TERMS, in the formula's order: projections, the q/k terms (qk_norm, rope), the
-cache, scale * q.k and the score terms (softcap), the masks (causal, sliding window, key padding: over
+cache, scale * q.k and the score terms (softcap, ALiBi), the masks (causal, sliding window, key padding: over
 token index), softmax over the visible keys and the softmax terms (a head's sink logit), times v, out
 projection.
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_cos_sin, rope_pairs
 from attnx.model.terms import TERMS
@@ -65,6 +66,11 @@ def _softcap(c: AttentionConfig, w: Mapping[str, np.ndarray], s: np.ndarray, que
     return c.softcap * np.tanh(s / c.softcap)
 
 
+def _alibi(c: AttentionConfig, w: Mapping[str, np.ndarray], s: np.ndarray, query: int, keys: np.ndarray,
+           head: int) -> np.ndarray:  # fmt: skip
+    return s + alibi_slopes(c.n_heads)[head] * (keys - query)  # slope_h * (j - i), token indices
+
+
 def _causal(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarray | None) -> np.ndarray:
     return keys > query  # a key after the query's token
 
@@ -85,6 +91,7 @@ REFERENCE_TERMS: dict[str, Callable[..., Any]] = {
     "qk_norm": _qk_norm,
     "rope": _rope,
     "softcap": _softcap,
+    "alibi": _alibi,
     "causal": _causal,
     "sliding_window": _window,
     "key_padding_mask": _key_padding,

@@ -65,6 +65,12 @@ def check_number(key: str, value: Any) -> float:
     return float(value)
 
 
+def _validate_alibi(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.alibi and c.cross:
+        # A distance between a query and a key of another sequence: no model attnx imports has it.
+        raise ConfigError("config key 'alibi' is for self-attention ('cross': false)")
+
+
 def _check_bool(key: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
@@ -204,6 +210,10 @@ def _swap_qk_norms(c: Config, w: Weights) -> tuple[Config, Weights]:
     return c, out
 
 
+def _drop_alibi(c: Config, w: Weights) -> tuple[Config, Weights]:
+    return _replace(c, alibi=False), w
+
+
 def _drop_sinks(c: Config, w: Weights) -> tuple[Config, Weights]:
     return _replace(c, sinks=False), {k: v for k, v in w.items() if k != "sinks"}
 
@@ -239,6 +249,11 @@ TERMS: dict[str, Term] = {
              lambda c: c.softcap is not None, _validate_softcap,
              tolerance="none: the slope of c tanh(s / c) is at most 1",
              fault=_double_softcap, fault_summary="the cap doubled", modern=True),
+        Term("alibi", ("alibi",), "scores",
+             "head h adds slope_h * (j - i) over token index (attnx.model.alibi's slopes: BLOOM, MPT)",
+             lambda c: c.alibi, _validate_alibi,
+             tolerance="S, the largest |score|, includes the largest |slope (j - i)|",
+             fault=_drop_alibi, fault_summary="the bias dropped", modern=True),
         Term("causal", ("causal",), "mask", "key j hidden from query i when j > i (token index)",
              lambda c: c.causal, lambda c, set_: _check_bool("causal", c.causal),
              fault=_no_causal_mask, fault_summary="the causal mask dropped"),

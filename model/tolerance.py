@@ -6,7 +6,7 @@ One rule, set from each dtype's precision and the problem size, never tuned per 
 
 K is the longest reduction in the formula (the widest projection input or the number of
 keys): rounding errors of a K-term sum grow like sqrt(K) ulps. S is the largest |score|
-(scale * q.k) of the case: softmax turns an absolute error in a score into the same
+(scale * q.k, plus ALiBi's largest |slope * (j - i)| when the config has it) of the case: softmax turns an absolute error in a score into the same
 relative error in its probability, and a score's rounding error grows with its size, so
 peaked attention (large scores, as trained models and large weights give) is that much
 worse conditioned. scale is the reference output's RMS, so the rule holds for weights of
@@ -53,6 +53,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from attnx.errors import UsageError
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import OPENVINO
 from attnx.model.reference import reference_attention, scored_qk
@@ -223,6 +224,8 @@ def problem_size(
     for n in range(N):  # one head at a time bounds the memory at B*T*S
         kn = k[:, n // config.group_size]  # query head n reads key/value head n // group_size
         score_max = max(score_max, float(np.abs(q[:, n] @ kn).max()) * config.softmax_scale)
+    if config.alibi:  # the scores carry ALiBi's slope_n * (j - i) too: |j - i| < S, the keys scored
+        score_max += float(alibi_slopes(N).max()) * (S - 1)
     size = ProblemSize(reduction_length(config, S), score_max, rope_position=rope_position, rope_qk=rope_qk)
     if not activations:
         return size

@@ -15,7 +15,9 @@ transformers model runs (eager, float32), with the layer's own input replaced by
 forward pre-hook on its self_attn), so the masks, rotary tables and cache are the ones transformers
 builds for that layer (its window, its layer type's rope). attnx's exported full-sequence graph and
 step model run the same sequence in each lowering asked for; a lowering that does not express the
-config yet is skipped with the reason (attnx.model.cores.core_for).
+config yet is skipped with the reason (attnx.model.cores.core_for). An ALiBi decoder (BLOOM, MPT) is
+checked alike: its model builds the bias from the attention mask as it does in use (BLOOM from the
+mask's cumsum, MPT over the keys' index), and its slopes are compared with attnx's.
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import CheckFailed, UsageError
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import REFERENCE
 from attnx.model.cores import core_for
-from attnx.model.importers import ROTARY_FAMILIES, ImportResult, check_import_target, import_weights, write_import
+from attnx.model.importers import (
+    ALIBI_FAMILIES,
+    ROTARY_FAMILIES,
+    ImportResult,
+    check_import_target,
+    import_weights,
+    write_import,
+)
 from attnx.model.inputs import make_inputs
 from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_frequencies
@@ -112,7 +122,7 @@ def check_against_source(
     checked full-sequence and step by step (_check_decoder; `forms` picks attnx's exported forms:
     "full" the full-sequence graph, "step" the step model); the forms a lowering cannot build yet
     are appended to `skipped` with the reason."""
-    if result.architecture in ROTARY_FAMILIES:
+    if result.architecture in ROTARY_FAMILIES or result.architecture in ALIBI_FAMILIES:
         return _check_decoder(result, os.fspath(source), lowerings, progress,
                               skipped if skipped is not None else [], forms)  # fmt: skip
     config, weights = result.config, result.weights
@@ -236,8 +246,9 @@ def _check_decoder(
     label = f"[batch={batch},tokens={tokens},prefill={prefill}]"
     progress(f"running the source layer ({result.architecture} {result.layer}, transformers, eager) "
              f"full-sequence and as a prefill of {prefill} + {tokens - prefill} steps")  # fmt: skip
-    theirs_full, theirs_steps, their_rope = _hugging_face_decoder(result, folder, feeds, prefill)
-    checks = [_rope_table_check(full, their_rope)]
+    theirs_full, theirs_steps, their_table = _hugging_face_decoder(result, folder, feeds, prefill)
+    checks = [_alibi_slopes_check(full, result.architecture, their_table) if result.architecture in ALIBI_FAMILIES
+              else _rope_table_check(full, their_table)]  # fmt: skip
     checks += [
         compare_arrays(f"source layer vs attnx reference, full sequence{label} (rows with a visible key)",
                        theirs_full[keep], ref_y[keep], tol, size),
@@ -289,16 +300,45 @@ def _rope_table_check(config: AttentionConfig, theirs: dict[str, np.ndarray]) ->
                           tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
 
 
+def _alibi_slopes_check(config: AttentionConfig, family: str, theirs: np.ndarray) -> Comparison:
+    """attnx's ALiBi slopes (attnx.model.alibi) against the ones the transformers model builds its bias
+    from (_hugging_face_alibi): the check's distances (to 8) move a late head's small slope by too little
+    to show a wrong one. The tolerance is the fp32 rule at K = 1 (transformers computes them in float32;
+    BLOOM's powers of a float32 base and MPT's slopes pass it for 1 to 256 heads, measured)."""
+    return compare_arrays(f"alibi slopes vs transformers' ({family}, {config.n_heads} heads)", theirs,
+                          alibi_slopes(config.n_heads), tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
+
+
+def _hugging_face_alibi(model: Any, family: str) -> np.ndarray:
+    """The slopes the transformers model's forward builds its ALiBi bias with, read back from the bias
+    itself: BLOOM's build_alibi_tensor of a mask of two tokens (key 1: the slope), MPT's
+    build_mpt_alibi_tensor as its forward calls it (max_seq_len keys, the default bias max; the last
+    two keys: -slope, 0)."""
+    import torch
+
+    if family == "bloom":
+        bias = model.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), model.num_heads, torch.float32)
+        return bias[:, 0, 1].double().numpy()  # (N, 1, 2): slope * position 0, 1
+    bias = model.build_mpt_alibi_tensor(model.num_heads, model.config.max_seq_len)  # (N, 1, max_seq_len)
+    return (bias[:, 0, -1] - bias[:, 0, -2]).double().numpy()
+
+
+# Where each decoder family keeps a layer's attention module, and which of its inputs is the residual
+# that the module adds itself (BLOOM's: zeros, so that its output is the attention block's alone).
+_ATTENTION_MODULES = {"bloom": ("h", "self_attention", "residual"), "mpt": ("blocks", "attn", None)}
+
+
 def _hugging_face_decoder(
     result: ImportResult, folder: str, feeds: dict[str, np.ndarray], prefill: int
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | np.ndarray]:
     """The layer's output in its own transformers model (eager, float32): the whole sequence at once,
     then a prefill of `prefill` tokens and one token per step on the cache transformers keeps. The
     model runs up to the layer (the layers above are dropped: no weights of theirs are read), with
     the layer's self_attn input replaced by the check's x (a forward pre-hook); its output is taken
-    by a forward hook. Hugging Face's attention mask (1 = token) and position_ids are fed as given.
-    Also the rope tables the model built for the layer's type ({"short"[, "long"]}: inv_freq with
-    attention_factor appended), read from its rotary embedding (_hugging_face_rope)."""
+    by a forward hook. Hugging Face's attention mask (1 = token) and position_ids (rope) are fed as
+    given. Also the rope tables the model built for the layer's type ({"short"[, "long"]}: inv_freq
+    with attention_factor appended), read from its rotary embedding (_hugging_face_rope), or for an
+    ALiBi decoder its slopes (_hugging_face_alibi)."""
     import torch
 
     try:
@@ -314,20 +354,29 @@ def _hugging_face_decoder(
     with _quiet_transformers(transformers):  # its load report would name every tensor of the layers dropped
         model = transformers.AutoModel.from_pretrained(folder, config=hf_config, attn_implementation="eager",
                                                        dtype=torch.float32).eval()  # fmt: skip
-    attention = model.layers[n].self_attn
-    tables = _hugging_face_rope(model, n)
+    family = result.architecture
+    stack, name, residual = _ATTENTION_MODULES.get(family, ("layers", "self_attn", None))
+    attention = getattr(getattr(model, stack)[n], name)
+    tables = _hugging_face_alibi(model, family) if family in ALIBI_FAMILIES else _hugging_face_rope(model, n)
     x = torch.from_numpy(feeds["x"])
     tokens = x.shape[1]
     mask = feeds.get("key_padding_mask")
     attended = torch.from_numpy(~mask if mask is not None else np.ones(x.shape[:2], bool)).to(torch.int64)
-    positions = torch.from_numpy(feeds["position_ids"])
+    positions = torch.from_numpy(feeds["position_ids"]) if "position_ids" in feeds else None
     current: dict[str, Any] = {}
     outputs: list[Any] = []
 
     def replace_input(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": current["x"]}
-        return (current["x"], *args[1:]), kwargs
+            kwargs = {**kwargs, "hidden_states": current["x"]}
+        else:
+            args = (current["x"], *args[1:])
+        if residual is not None:  # added by the module itself (BLOOM's dropout_add): zeros
+            if residual in kwargs:
+                kwargs = {**kwargs, residual: torch.zeros_like(current["x"])}
+            else:
+                args = (args[0], torch.zeros_like(current["x"]), *args[2:])
+        return args, kwargs
 
     def take_output(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         outputs.append(output[0].detach())
@@ -339,8 +388,9 @@ def _hugging_face_decoder(
     def run(start: int, stop: int, cache: Any) -> Any:
         current["x"] = x[:, start:stop]
         embeds = torch.zeros(x.shape[0], stop - start, hf_config.hidden_size)  # replaced at layer n
-        out = model(inputs_embeds=embeds, attention_mask=attended[:, :stop], position_ids=positions[:, start:stop],
-                    use_cache=cache is not False, **({cache_arg: cache} if cache not in (None, False) else {}))  # fmt: skip
+        where = {} if positions is None else {"position_ids": positions[:, start:stop]}
+        out = model(inputs_embeds=embeds, attention_mask=attended[:, :stop], use_cache=cache is not False, **where,
+                    **({cache_arg: cache} if cache not in (None, False) else {}))  # fmt: skip
         return out["cache"] if "cache" in out else out.get("past_key_values")
 
     try:

@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import", help=HELP,
         description=HELP + f". Architectures: {', '.join(KNOWN_ARCHITECTURES)}. Read with safetensors alone: no "
-        "transformers, no network, never a pickle. --check runs the source model (needs transformers): a rotary "
+        "transformers, no network, never a pickle. --check runs the source model (needs transformers): a rotary or ALiBi "
         "decoder full-sequence and as a prefill then single-token steps.",
     )  # fmt: skip
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a folder with config.json and *.safetensors")

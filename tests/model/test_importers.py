@@ -104,8 +104,20 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
     ("config", "tensors", "kwargs", "error", "message"),
     [({"model_type": "electra"}, {}, {}, UsageError, "unknown architecture 'electra' (known: bert"),
      ({"model_type": "deepseek_v3"}, {}, {}, UsageError, "multi-head latent attention (MLA)"),
-     ({"model_type": "mpt"}, {}, {}, UsageError, "ALiBi"),
-     ({"model_type": "falcon", "alibi": True}, {}, {}, UsageError, "falcon with alibi: ALiBi"),
+     ({"model_type": "falcon", "alibi": True}, {}, {}, UsageError, "falcon with alibi: transformers' Falcon adds its "
+      "ALiBi bias before the scale"),
+     ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, {}, {}, UsageError, "qk_ln True: a LayerNorm of q and k"),
+     ({"model_type": "mpt", "attn_config": {"clip_qkv": 6.0}}, {}, {}, UsageError, "clip_qkv 6.0: q, k and v clamped"),
+     ({"model_type": "mpt", "attn_config": {"alibi": False}}, {}, {}, UsageError, "alibi False: MPT's own code"),
+     ({"model_type": "mpt", "attn_config": {"alibi_bias_max": 16}}, {}, {}, UsageError, "always builds its slopes "
+      "with 8"),
+     ({"model_type": "mpt", "attn_config": {"attn_type": "multiquery_attention"}}, {}, {}, UsageError, "multi-query"),
+     ({"model_type": "mpt", "attn_config": {"prefix_lm": True}}, {}, {}, UsageError, "bidirectional attention over a "
+      "prefix"),
+     ({"model_type": "mpt", "no_bias": False}, {}, {}, UsageError, "mpt with no_bias false"),
+     ({"model_type": "bloom", "n_layer": 2}, {}, {"layer": 5}, UsageError, "bloom has 2 layers: no layer 5"),
+     ({"model_type": "bloom", "n_embed": 30, "n_head": 4}, {}, {}, UsageError, "hidden size 30 is not divisible by 4"),
+     ({"model_type": "mpt"}, {}, {"attention": "cross"}, UsageError, "decoder self-attention only"),
      ({"model_type": "gemma3"}, {}, {}, UsageError, "a gemma3_text checkpoint"),
      ({"model_type": "llama", "num_hidden_layers": 2}, {}, {"layer": 5}, UsageError, "llama has 2 layers: no layer 5"),
      ({"model_type": "qwen2"}, {}, {"attention": "cross"}, UsageError, "decoder self-attention only"),

@@ -21,7 +21,8 @@ from tests.conftest import LLM_CONFIGS
 # Every term with a function uses one; the structural ones (how heads are laid out, the cache) are the
 # frame every form writes, not a function of the scores.
 STRUCTURAL = {"grouped_heads", "cross", "kv_cache"}
-ALL_TERMS = LLM_CONFIGS["llm"]  # grouped heads, q/k norms, rope, softcap, causal, window, padding, sinks
+# grouped heads, q/k norms, rope, softcap, ALiBi, causal, window, padding, sinks
+ALL_TERMS = dataclasses.replace(LLM_CONFIGS["llm"], alibi=True)
 
 
 def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():
@@ -40,7 +41,7 @@ def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():
 
 
 def test_a_configs_terms_and_their_tensors():
-    assert ALL_TERMS.terms == ("grouped_heads", "qk_norm", "rope", "softcap", "causal", "sliding_window",
+    assert ALL_TERMS.terms == ("grouped_heads", "qk_norm", "rope", "softcap", "alibi", "causal", "sliding_window",
                                "key_padding_mask", "sinks")  # fmt: skip
     assert AttentionConfig(d_model=32, n_heads=4).terms == ()
     assert set(term_tensors(ALL_TERMS)) == {"q_norm.weight", "k_norm.weight", "sinks"} <= set(weight_shapes(ALL_TERMS))
