@@ -176,8 +176,7 @@ def weight_bytes(config: AttentionConfig, dtype: str, block_size: int = DEFAULT_
 def measure_bandwidth(threads: int, nbytes: int = 512 * 1024**2, repeat: int = 5) -> dict[str, float]:
     """Bytes per second of a large copy (read + write counted), best of `repeat`: numpy's (one
     thread) and torch's copy_ on `threads` threads, the step's own thread count. The higher is
-    the bound's bandwidth: one thread alone does not saturate memory here (measured: AMD EPYC,
-    24.6 GB/s with one, 31.9 GB/s with two)."""
+    the bound's bandwidth: one thread alone does not saturate memory here (measurements/facts.md)."""
     import torch
 
     src = np.ones(nbytes // 4, np.float32)

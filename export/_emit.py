@@ -32,12 +32,16 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper
+from onnx_ir.passes.common import ShapeInferencePass
 
 from attnx import __version__
 from attnx.errors import ExportError, UsageError
 from attnx.export._graph import Graph, heads, linear, named
 from attnx.export._llm import alibi_bias, norm_and_rotate, rope_table, visibility
+from attnx.export.passes.fp16 import ConvertToFloat16
+from attnx.export.passes.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeProjections
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
@@ -53,6 +57,7 @@ from attnx.model.contract import (
     buffer_form_specs,
 )
 from attnx.model.cores import CORES, Core, core_for, form_of
+from attnx.model.terms import TERMS
 
 __all__ = ["CORE_EMITTERS", "Emit", "build_model", "graph_opset", "half_precision", "quantize_model", "with_dtype"]
 
@@ -244,11 +249,20 @@ def _decomposed(e: Emit) -> str:
 @emitter("attention23")
 def _attention23(e: Emit) -> str:
     """The opset-23 Attention op, q/k/v as [B, S, heads*d] (q_num_heads, kv_num_heads), the masks as its
-    boolean attn_mask over token index (its causal flag aligns top-left: not a cache's rule), softcap as
-    its attribute (after the scale, before the mask: measured), a cache as past_key/past_value."""
+    boolean attn_mask over token index (its causal flag aligns top-left: not a cache's rule, so it is
+    used for the causal mask alone of a full sequence, where queries and keys are the same tokens, and
+    no [S, T] grid is built), softcap as its attribute (after the scale, before the mask: measured), a
+    cache as past_key/past_value."""
     c, g = e.c, e.g
     q, k, v = e.projections()
     q, k = e.scored(q, k, "onnx")
+    masks = {t for t in c.terms if TERMS[t].place == "mask"}
+    if not e.step and masks == {"causal"} and not c.alibi:
+        attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale, "is_causal": 1}
+        if c.softcap is not None:
+            attrs["softcap"] = c.softcap
+        g.op("Attention", q, k, v, name=g.stage("z"), **attrs)  # causal alone hides no row: nothing to zero
+        return "z"
     hidden, visible = visibility(g, c, e.kpm, e.step)
     attend = g.op("Not", hidden) if hidden is not None else ""  # [B|1, 1, S, T]: True takes part
     if c.alibi:  # an additive float mask instead: slope_h * (j - i), hidden keys at the lowest value
@@ -351,8 +365,8 @@ def _ms_attention(e: Emit) -> str:
 
 def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
     """GroupQueryAttention's attributes for `c`: heads, scale, and the modern-LLM terms it runs itself.
-    local_window_size W is attnx's window: the op shows key j to query p iff p - W < j <= p (measured,
-    W 2 and 3: error 2e-7 against that rule, 1.8-2.5 against p - W <= j)."""
+    local_window_size W is attnx's window: the op shows key j to query p iff p - W < j <= p (measured
+    against both conventions: measurements/facts.md)."""
     attrs: dict[str, object] = {"num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale}
     if not c.causal:
         attrs["causal"] = 0
@@ -367,7 +381,7 @@ def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
 def _gqa(e: Emit) -> str:
     """com.microsoft.GroupQueryAttention: kv_num_heads, softcap, local_window_size and head_sink as its
     own; q/k norms and rope as their own nodes (the op's rotation, do_rotary, reads only position_ids[0, 0]
-    of a prompt for every row: measured 1.39 abs error on a left-padded batch, so it cannot take Hugging
+    of a prompt for every row (measured on a left-padded batch: measurements/facts.md), so it cannot take Hugging
     Face's per-row positions). seqlens_k says every row is as long as the cache: left padding is an
     additive attention_bias (the op adds it after its softcap: measured), so the op's token index is
     attnx's, and so is its window. The buffer form: _gqa_buffer."""
@@ -594,11 +608,6 @@ def half_precision(model: onnx.ModelProto, keep_io_fp32: bool = False) -> tuple[
     """A float32 graph in float16 by the exporter's pass, ConvertToFloat16 (its rotary angle kept
     float32: attnx.export.passes.fp16), and the pass's notes. The graph declares the types of its inputs
     and outputs only: onnx's shape inference types the rest first (the pass reads them)."""
-    import onnx_ir as ir
-    from onnx_ir.passes.common import ShapeInferencePass
-
-    from attnx.export.passes.fp16 import ConvertToFloat16
-
     irm = ir.from_proto(model)
     ShapeInferencePass()(irm)
     convert = ConvertToFloat16(keep_io_fp32=keep_io_fp32)
@@ -612,10 +621,6 @@ def quantize_model(model: onnx.ModelProto, dtype: str, block_size: int | None = 
                    accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
     """The float32 graph `model` with its projections (q, k, v and out, or the packed q/k/v and out)
     quantized to `dtype` by QuantizeProjections; a projection the pass does not find is an error."""
-    import onnx_ir as ir
-
-    from attnx.export.passes.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeProjections
-
     qpass = QuantizeProjections(
         dtype,
         DEFAULT_BLOCK_SIZE if block_size is None else block_size,

@@ -104,7 +104,7 @@ def export_onnx(
     from the registry: attnx.export.build_model).
 
     A process that exports the same model again (the same config, weights, lowering and opset)
-    gets a fresh copy of the first trace (TRACES): tracing is ~1 s even for a tiny model, and the
+    gets a fresh copy of the first trace (TRACES): tracing dominates the export of a small model (measurements/build_paths), and the
     ort-fused lowering is the decomposed trace plus graph passes.
     """
     import torch
@@ -218,8 +218,8 @@ def release_rewriter_state() -> None:
         from onnxscript.rewriter._matcher import SimplePatternMatcher
     except ImportError:  # another onnxscript layout: nothing known to release
         return
-    # By exact type, not isinstance(): isinstance() on every live object costs ~0.1 s a scan in a
-    # process that has exported (half a million objects) and wakes torch's deprecated module attributes.
+    # By exact type, not isinstance(): isinstance() on every live object is a noticeable scan in a
+    # process that has exported (every object of the trace) and wakes torch's deprecated module attributes.
     types, pending = set(), [SimplePatternMatcher]
     while pending:
         cls = pending.pop()

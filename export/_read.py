@@ -264,9 +264,12 @@ def _read_ms_attention(node: ir.Node) -> dict[str, Any]:
 
 
 def _read_attention23(node: ir.Node) -> dict[str, Any]:
-    return {"n_heads": _int_attr(node, "q_num_heads"), "n_kv_heads": _int_attr(node, "kv_num_heads"),
-            "scale": _float_attr(node, "scale") or None, "softcap": _float_attr(node, "softcap") or None,
-            "kv_cache": _present(node, 4)}  # fmt: skip
+    facts = {"n_heads": _int_attr(node, "q_num_heads"), "n_kv_heads": _int_attr(node, "kv_num_heads"),
+             "scale": _float_attr(node, "scale") or None, "softcap": _float_attr(node, "softcap") or None,
+             "kv_cache": _present(node, 4)}  # fmt: skip
+    if _int_attr(node, "is_causal", 0):  # the causal mask alone (a mask input is a grid, read with its masks)
+        facts["causal"] = True
+    return facts
 
 
 def _read_decomposed(node: ir.Node) -> dict[str, Any]:

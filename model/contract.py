@@ -197,8 +197,8 @@ class Quantization:
 QUANTIZATIONS: dict[str, Quantization] = {
     q.name: q
     for q in (
-        # DynamicQuantizeMatMul (MLAS u8s8 GEMM, VNNI): measured fastest of the int8 candidates on
-        # this project's AMD EPYC (attnx.export.passes.quantize has the numbers).
+        # DynamicQuantizeMatMul (MLAS u8s8 GEMM): the fastest of the int8 candidates measured
+        # (measurements/quantized_forms).
         Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric 7-bit per output channel (int8 storage)",
                      "dynamic uint8 per row (each row divided by its max |x|, then per tensor)"),
         Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
@@ -344,8 +344,8 @@ EXPORT_ATTENTIONS = tuple(lw.name for lw in LOWERINGS.values() if lw.export) + (
 OPTIMIZE_ATTENTIONS = (*LOWERINGS, AUTO)
 BENCH_ORT_LOWERINGS = tuple(lw.name for lw in LOWERINGS.values() if lw.bench)
 # The lowering `attnx build` uses unless told otherwise: com.microsoft MultiHeadAttention, ORT's
-# fused kernel on CPU and CUDA (large preset, seq 8192: 0.89 s and 0.39 GB where the decomposed
-# graph takes 1.18 s warm and 9 GB; README, "CPU baseline"). Not "auto": it times candidates, so
+# fused kernel on CPU and CUDA (faster than the decomposed graph at long sequences, and a fraction of
+# its memory: measurements/cpu_baseline). Not "auto": it times candidates, so
 # two builds could choose differently and the timings it records would differ byte for byte.
 BUILD_ATTENTION = "ort-fused"
 

@@ -38,8 +38,7 @@ absolute score error into at most twice that relative error of the output (dz = 
     atol += ROPE_FACTOR * eps32 * P * B * scale          ROPE_FACTOR = 4 (q and k, the centring)
 
 A bound, reached only if every rounding went the worst way at once; the error grows with P as it
-says (llama3-8b preset, seeded weights, torch against the reference: 4.4e-6, 5.3e-5 and 5.2e-4 of
-rms(ref) at positions to 15, 8192 and 65536, against atol 6.7e-5, 2.6e-3 and 2.0e-2 of it). It cannot hide a planted fault in the rotation: a wrong position, pair layout or
+says (the llama3-8b and gemma2-9b presets against it: measurements/facts.md). It cannot hide a planted fault in the rotation: a wrong position, pair layout or
 frequency turns the fast pairs by whole radians, where this term is eps * P relative. At the
 positions of everyday parity (P < 200) the term is below the rule's own.
 """
@@ -111,10 +110,9 @@ TOLERANCES: dict[str | tuple[str, str], Tolerance] = {
     # half dtype but sums in float32 (ORT CPU runs fp16 MatMul/Softmax through float32
     # kernels, torch CPU and cuBLAS accumulate in float32), so the error is that of storing
     # x, the weights and each intermediate in the half dtype: about 0.5 eps RMS and at most
-    # ~3.5 eps times rms(ref) per element (S ~ 1), whatever K (measured for K = 2 .. 1024:
-    # the CONFIGS, "base", "large"; exact math on half-rounded weights gives the same). That
-    # floor does not shrink with K, and at K = 2 (sqrt(K) + S ~ 2.2) ulps = 4 puts atol at
-    # ~9 eps * rms: 2.8x over the worst error measured, the least margin of all cases. Fewer
+    # a few eps times rms(ref) per element (S ~ 1), whatever K (measured for K = 2 .. 1024:
+    # measurements/facts.md). That floor does not shrink with K, and at K = 2 (sqrt(K) + S ~ 2.2)
+    # ulps = 4 puts atol just over the worst error measured, the least margin of all cases. Fewer
     # ulps would leave none at small K; the sqrt(K) growth that makes the rule looser for
     # large K is what an accumulation in the half dtype itself would need. bf16 errors
     # measure the same number of its eps. (Issue 3 report: worst max_abs/atol 0.36 at K = 2,
@@ -310,15 +308,15 @@ def _with_activations(
 #   is at most rms(ds) (Cauchy-Schwarz under p): the contribution is eta_qk * rms(score).
 # The contributions are independent: their squares add, sigma^2 = sum of them, the predicted RMS
 # error of y. Every element of y is a sum of many independent roundings, so its error is close to
-# normal: QUANT_TAIL sigma bounds the largest of millions (P(|N(0,1)| > 7) = 3e-12; 6 let one
-# element of 360 cases (eight configs, three seeds, seq 1 to 200) through by 2%: the rows of a
-# causal model that see one or two keys have the heavier tails), and the
+# normal: QUANT_TAIL sigma bounds the largest of millions (P(|N(0,1)| > 7) = 3e-12; 6 let an element
+# through in the test configs: measurements/facts.md; the rows of a causal model that see one or two
+# keys have the heavier tails), and the
 # measured RMS error itself (an average over the whole output) must be at most QUANT_RMS_SLACK
 # sigma (times the sampling spread of an RMS over few values, rel_rms_bound): that test catches a
 # systematic fault (a zero point off by one, a scale off by 2x) that the elementwise bound alone,
 # sized for the tail, would let through. The slack covers the model's approximations (inputs not
-# aligned with the weights, the softmax bound): measured rel RMS / sigma was 0.4-1.0 over the
-# test configs (self, cross, causal, key padding, v_head_dim != head_dim; seq 7 to 512).
+# aligned with the weights, the softmax bound): the measured rel RMS / sigma over the test configs
+# is in measurements/facts.md.
 QUANT_TAIL = 7.0
 QUANT_RMS_SLACK = 1.5
 
@@ -441,7 +439,7 @@ for _dtype in ("int8", "int4"):
 #   |score| (the rounding of a dot product is relative to |q||k|, not to the scores' RMS), plus the rope
 #   term, whose bound 2 eps P B is absolute; quantized, the q and k projections' errors, each relative,
 #   of that largest |score| too: ds_ij = dq_i.k_j + q_i.dk_j is relative to |q_i||k_j|, not to row i's
-#   scores (a row of small scores measured 1.4x over QUANT_TAIL sigma of its own RMS, int8, seq 33).
+#   scores (a row of small scores measured over QUANT_TAIL sigma of its own RMS: measurements/facts.md).
 # - probs: a score error ds moves p_j by p_j (ds_j - mean_p ds), at most 2 |ds| p_j: relative to 1 (the
 #   largest a probability is), the whole rule (its score term is that); quantized, each probability's
 #   error relative to itself, 2 * QUANT_TAIL * eta_qk * rms(score) (the score error of y's model).

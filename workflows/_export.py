@@ -87,7 +87,7 @@ def export_model(
     weights are the arrays, a safetensors file, or None for seeded ones (`seed`). Given as a
     file or None, export_model holds the only reference and drops the weights before
     onnxruntime loads the written model, so the two never hold them at once (peak memory
-    about twice the weights, not three times: 4.4 GB for the gpt3 preset's 2.4 GB).
+    about twice the weights, not three times: measurements/facts.md, the gpt3 preset).
 
     check=False skips the file check (and validate): for a caller that checks the file
     itself after releasing the weights, as `attnx build` does.

@@ -18,7 +18,7 @@ class Command:
     module: str  # attnx.commands.<module>
     help: str
     # Whether it may start ONNX Runtime: the CLI then sets ORT's C++ log to errors first, which
-    # imports onnxruntime (60 ms); inspect reads files alone and starts without it.
+    # imports onnxruntime (measurements/inspect_startup.md); inspect reads files alone and starts without it.
     runs_ort: bool = True
 
 

@@ -17,40 +17,14 @@ projection becomes one ONNX Runtime contrib node (com.microsoft, with its opset 
   4-bit values a byte, the low nibble first), `accuracy_level` 4 quantizes the input to int8
   per block and multiplies in int8 (0 or 1: float32).
 
-Why these, measured (large preset, d_model 1024, batch 1, 2 threads, ORT 1.31.1 CPU, AMD EPYC
-with AVX-512 VNNI, no AMX; medians of one interleaved run, ort-fused graph; rel RMS vs fp32):
-
-    form                                  seq 512    seq 4096   rel RMS
-    fp32                                  60.8 ms    612 ms     -
-    DynamicQuantizeMatMul int8            35.7 ms    441 ms     1.0% / 0.62%
-    MatMulNBits 8-bit, block 32, acc 4    49.2 ms    509 ms     0.62% / 0.40%
-    MatMulNBits 8-bit, block 128, acc 4   49.7 ms    484 ms     0.73% / 0.45%
-    MatMulNBits 4-bit, block 32, acc 4    50.8 ms    524 ms     6.3% / 4.2%
-    MatMulNBits 4-bit, block 128, acc 4   47.0 ms    486 ms     6.6% / 4.4%
-    MatMulNBits 4-bit, block 32, acc 0    58.6 ms    582 ms     6.2% / 4.2%
-
-(The machine was shared: absolute times are ~4x those of the README's baseline; the ratios are
-from one run.) DynamicQuantizeMatMul is the fastest int8 form at both lengths, so `int8` is it.
-
-Its input per row rather than per tensor: one scale for a whole [batch, seq, K] tensor is set by
-its largest value (4.7-4.9 rms for 0.5-4M normal values, 3.2 for one row of 1024), and the input's
-rounding is most of int8's error (v's and out's input 0.62% and 0.63% of the 1.01% at seq 512, a
-float64 simulation). Dividing each row by its max |x| first, measured on the same machine, quiet,
-one interleaved run (large, batch 1, 2 threads, medians; rel RMS vs float64):
-
-    form                                  seq 512           seq 4096
-    DynamicQuantizeMatMul, per tensor     13.3 ms, 1.01%    420 ms, 0.62%
-    DynamicQuantizeMatMul, per row        14.1 ms, 0.81%    429 ms, 0.50%
-    static QDQ (ORT quantize_static, per-channel, MinMax / Percentile / Entropy calibration on
-    four other seeded inputs)            20.4-24.8 ms against 18.6 in one noisy run, 1.42-1.52%
-    OpenVINO bf16 on the fp32 graph       16.4 ms, 0.76%    383 ms, 0.85%
-
-The row scales cost 6% at seq 512 (three elementwise passes over x and y) and 2% at seq 4096 for a
-fifth less error, which puts int8 under 1% at seq 512: the form the issue's frontier asks for.
-Static QDQ quantizes with a calibrated range, so it keeps no per-row scale and its outputs are
-requantized: more error, no speed.
-MatMulNBits is what `int4` needs (the only 4-bit kernel); block 32 is the default for its
-accuracy (128 is 7% faster at seq 512 for 5% more error), accuracy_level 4 since it is faster.
+Why these (measurements/quantized_forms: the candidates timed and their error, one run each):
+DynamicQuantizeMatMul is the fastest int8 form at seq 512 and 4096, so `int8` is it. Its input per row
+rather than per tensor: one scale for a whole [batch, seq, K] tensor is set by its largest value, and
+the input's rounding is most of int8's error; dividing each row by its max |x| first costs three
+elementwise passes over x and y for a fifth less error. Static QDQ quantizes with a calibrated range,
+so it keeps no per-row scale and its outputs are requantized: more error, no speed. MatMulNBits is
+what `int4` needs (the only 4-bit kernel); block 32 is the default for its accuracy (128 is a little
+faster for more error), accuracy_level 4 since it is faster.
 
 Why a pass of our own and not onnxruntime.quantization.quantize_dynamic: that tool writes
 DynamicQuantizeLinear + MatMulInteger + Mul chains that only become DynamicQuantizeMatMul when
