@@ -51,8 +51,8 @@ def _complete(path: str) -> None:
 
 # Each point once, the signals taking turns (ATTNX_FAULTS=long: both at each). Inside torch.export
 # and at random moments: tests/faults/test_signals.py.
-POINTS = [(EXPORT, "exporting", 0.0, signal.SIGINT),  # while torch imports
-          (EXPORT, "running graph passes", 0.0, signal.SIGTERM), (EXPORT, "validating onnxruntime", 0.0, signal.SIGINT),
+POINTS = [(EXPORT, "running torch", 0.0, signal.SIGINT),  # while torch imports
+          (EXPORT, "writing the", 0.0, signal.SIGTERM), (EXPORT, "validating onnxruntime", 0.0, signal.SIGINT),
           (BUILD, "parity: reference", 0.0, signal.SIGTERM), (BUILD, "verifying the package", 0.0, signal.SIGINT)]  # fmt: skip
 if PROFILE == "long":
     POINTS += [(a, p, d, signal.SIGTERM if s == signal.SIGINT else signal.SIGINT) for a, p, d, s in POINTS]
