@@ -33,6 +33,7 @@ from attnx.export.passes._base import AttnxPass, const_array, fresh_name
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, MS_DOMAIN
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
+from attnx.model.weights import weight_shapes
 
 __all__ = ["NameStages", "name_graph", "find_stages", "fresh_name", "stages_json"]
 
@@ -330,6 +331,10 @@ def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tup
     softmaxes = [n for n in graph if _is(n, "Softmax")]
     if len(softmaxes) == 1:
         _core_stages(softmaxes[0], c, stage, names)
+    # the weights the exporter already names after the module's parameters (q_norm.weight, ...) keep them
+    for name, value in graph.initializers.items():
+        if name in weight_shapes(c) and value not in names:
+            names[value] = name
     return stages, projections, {v: n for v, n in names.items() if v.const_value is not None or
                                  _is(v.producer(), "Constant")}  # fmt: skip
 

@@ -254,15 +254,20 @@ def test_projections_read_back_by_structure_from_every_lowering(name, attention)
         np.testing.assert_array_equal(value, weights[key], err_msg=key)
 
 
-def test_the_torch_export_is_read_back_too(exported):
+@pytest.mark.parametrize("name", ["causal_kpm", "llm"])
+def test_the_torch_export_is_read_back_too(exported, name):
     """The decomposed form `attnx export` traces from torch: its weights by the names NameStages gives
-    them, its core's scale and masks by its structure (the mask reader of attnx.export.passes._masks)."""
-    name = "causal_kpm"
+    them (the norms' and the sinks' too: what `attnx optimize` writes another lowering from), its core's
+    scale and masks by its structure (the mask reader of attnx.export.passes._masks)."""
+    config = CONFIGS.get(name) or LLM_CONFIGS[name]
     model = ir.load(exported(name, "decomposed"))
-    read = read_weights(model, CONFIGS[name])
+    read = read_weights(model, config)
     for key, value in weights_for(name).items():
         np.testing.assert_array_equal(read[key], value, err_msg=key)
     (reading,) = read_cores(model)
     assert reading.core == "decomposed"
-    assert reading.facts["causal"] and reading.facts["key_padding_mask"]
-    assert reading.facts["scale"] == pytest.approx(CONFIGS[name].softmax_scale, rel=1e-6)
+    assert reading.facts["scale"] == pytest.approx(config.softmax_scale, rel=1e-6)
+    if name == "causal_kpm":
+        assert reading.facts["causal"] and reading.facts["key_padding_mask"]
+    else:
+        assert reading.facts["sinks"] and reading.facts["softcap"] == pytest.approx(config.softcap)
