@@ -1,7 +1,7 @@
 """The attnx command line: a thin layer, each subcommand calls one public function.
 
 main() is the one error boundary: whatever a command raises ends as one line on stderr and an
-exit status (README, "Exit codes"); --debug adds the traceback, with the same status.
+exit status (docs/reference/behaviour.md, "Exit codes and errors"); --debug adds the traceback, with the same status.
 
 Run as the process (the `attnx` script, `python -m attnx.cli`), Ctrl-C and SIGTERM belong to
 attnx._signals from the first line of this module: a watcher thread removes what the command

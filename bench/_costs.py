@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 # Rows of the GEMM that measures the machine's matmul throughput: enough to fill the cores
-# without being a long-sequence problem of its own (the README's CPU baseline measured ORT CPU
+# without being a long-sequence problem of its own (measurements/cpu_baseline measured ORT CPU
 # at 512 x 1024 x 1024).
 GEMM_ROWS = 512
 

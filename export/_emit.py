@@ -14,7 +14,7 @@ projection, opsets, metadata, names) is the same for every core:
 
 The buffer form's frame is its own (contract.buffer_form_specs: one fixed-capacity cache bound as
 past and present, seqlens_k and total_sequence_length; its q/k/v projection packed into one MatMul).
-The forms (README, "Decoding"): total_seq = past_seq + seq, query i of a step at token index
+The forms (docs/concepts/step-forms.md): total_seq = past_seq + seq, query i of a step at token index
 past_seq + i and key j at j; the masks are over token index, positions (position_ids) only rotate.
 
 The decomposed full-sequence graph `attnx export` writes is the torch module's export (attnx.export
@@ -167,7 +167,7 @@ class Emit:
         return g.op("Unsqueeze", g.op("Cast", seen, to=TensorProto.BOOL), g.ints("axes_2", [2]))
 
     def zero_hidden(self, z: str, visible: str, squeeze: bool = True) -> str:
-        """z with the rows of fully hidden queries set to 0 (the formula's rule, README "The model"),
+        """z with the rows of fully hidden queries set to 0 (the formula's rule, docs/concepts/formula.md),
         named as the stage z. visible: bool [B|1, 1, S, 1] (visibility) or [B, S|1, 1] (squeeze=False)."""
         g = self.g
         row = g.op("Squeeze", visible, g.ints("axes_1b", [1])) if squeeze else visible
@@ -502,8 +502,7 @@ def _grouped_mha(e: Emit, qkv: str | None = None) -> str:
 @emitter("auto")
 def _auto(e: Emit) -> str:
     """z of the buffer form's auto core: an If on the call's token count, the grouped core for one
-    token, GroupQueryAttention's for more; the faster of the two for each on the CPU (README, "The
-    buffer form"). Each branch writes the shared cache in place as its op does alone: ONNX Runtime
+    token, GroupQueryAttention's for more; the faster of the two for each on the CPU (docs/concepts/step-forms.md, "The buffer form"). Each branch writes the shared cache in place as its op does alone: ONNX Runtime
     hands the If's outputs, bound to the cache, to the branch's op. A branch's values carry its core's
     name (q/grouped-mha, ...), so that no name is made twice; the constants stay in the main graph,
     which both branches read."""

@@ -148,7 +148,7 @@ def export_onnx(
     model.producer_version = __version__  # not the exporter's torch version
     model.metadata_props[CONFIG_KEY] = config.to_json()
     model.metadata_props[ATTENTION_KEY] = attention
-    NameStages()(model)  # the formula's names for the exporter's val_5, linear_1 (README, "Names")
+    NameStages()(model)  # the formula's names for the exporter's val_5, linear_1 (docs/reference/onnx-graph.md, "Names")
     release_rewriter_state()
     TRACES.put(key, model)
     return model

@@ -1,5 +1,5 @@
 """A tiny ONNX graph builder shared by the hand-built graphs (the step model, the modern-LLM
-full-sequence forms): nodes, initializers, unique names, and the formula's names (README, "Names"):
+full-sequence forms): nodes, initializers, unique names, and the formula's names (docs/reference/onnx-graph.md, "Names"):
 the builder names the stages, weights and constants as it makes them (Graph.stage, linear) and
 named() gives every node and intermediate the name of the stage it leads to, as NameStages does
 for the exporter's graphs (attnx.export.passes._names.name_graph, the one scheme)."""

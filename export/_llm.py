@@ -1,4 +1,4 @@
-"""The modern-LLM terms (README, "Modern LLM attention") as pieces of the hand-built graphs, in
+"""The modern-LLM terms (docs/concepts/formula.md, "Modern LLM attention") as pieces of the hand-built graphs, in
 each lowering's own operators:
 
 - decomposed: RMSNorm as ReduceMean/Sqrt/Div, rope as Slice/Mul/Concat over cos/sin computed

@@ -4,7 +4,7 @@ The other half of each core's entry (attnx.model.cores): its emitter writes a no
 its reader (CORE_READERS) reads back what that node implies of the config: heads, scale, the masks and
 terms the node itself carries. read_cores() reads every core of a graph; read_weights() reads the
 weights of a graph attnx wrote back into the weights file's contract (by the names every attnx graph
-gives them: README, "Names"), which is how `attnx optimize` writes another lowering of a model file.
+gives them: docs/reference/onnx-graph.md, "Names"), which is how `attnx optimize` writes another lowering of a model file.
 
 lowering_of() names the form of the attention core a graph holds, from the graph itself, so the
 metadata never claims a lowering that is not there. qk_weights() finds the q and k projections that
@@ -373,7 +373,7 @@ def _core_of_node(node: ir.Node, graph_core: str) -> str | None:
 # The weights of a graph attnx wrote, back in the weights file's contract ------------------------------
 def read_weights(model: ir.Model, config: AttentionConfig) -> dict[str, np.ndarray]:
     """The weights of `config` read back from a float graph attnx wrote, by the names it gives them
-    (README, "Names": q_proj.weight.T [in, out], the packed qkv_proj.weight.T and qkv_proj.bias,
+    (docs/reference/onnx-graph.md, "Names": q_proj.weight.T [in, out], the packed qkv_proj.weight.T and qkv_proj.bias,
     q_norm.weight, sinks, ...), float32 in the torch convention. A tensor not found is a UsageError
     naming it (a quantized graph holds no float weights: optimize the float model it came from)."""
     values: dict[str, np.ndarray] = {}

@@ -63,7 +63,7 @@ def _parity(spec: dict[str, Any]) -> dict[str, Any]:
     stats = {k: getattr(case, k) for k in ("max_abs", "max_rel", "mean_abs", "p99_abs", "cosine", "needed_atol",
                                           "atol", "rtol")}  # fmt: skip
     out = {"status": case.status, "reason": case.reason, "stats": None if case.status == "skipped" else stats}
-    if case.localisation:  # a failing case says where it diverges (README, "Localisation")
+    if case.localisation:  # a failing case says where it diverges (docs/concepts/localisation.md)
         out["localisation"] = case.localisation
         out["reason"] = f"{case.reason}; {case.localisation['line']}"
     return out

@@ -1,8 +1,8 @@
 """ALiBi, attention with linear biases: the config's `alibi` key and its slopes.
 
 With `alibi`, head h adds slope_h * (j - i) to the score of query i and key j (token indices; the
-query of a step model sits at past + i), after the scale and softcap, before the masks (README,
-"Modern LLM attention"). The slopes are the one thing every form shares, so they are one function,
+query of a step model sits at past + i), after the scale and softcap, before the masks
+(docs/concepts/formula.md, "Modern LLM attention"). The slopes are the one thing every form shares, so they are one function,
 as the rope table is (attnx.model.rope).
 """
 

@@ -14,7 +14,7 @@ from attnx.model.terms import LLM_TERMS, TERMS, QKNorm, check_int, check_number,
 
 __all__ = ["AttentionConfig", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
 
-# The keys of modern LLM attention (README, "Modern LLM attention"): absent or null, the formula is
+# The keys of modern LLM attention (docs/concepts/formula.md, "Modern LLM attention"): absent or null, the formula is
 # the one without them. A core that cannot express one refuses it by name (attnx.model.cores).
 LLM_KEYS = tuple(key for name in LLM_TERMS for key in TERMS[name].keys)
 
@@ -49,11 +49,11 @@ class AttentionConfig:
     cross: bool = False
     key_padding_mask: bool = False
     scale: float | None = None
-    # Decode (README, "Decoding: KV cache and grouped-query attention"): key/value heads shared
+    # Decode (docs/concepts/step-forms.md): key/value heads shared
     # by groups of query heads (None: n_heads; 1: multi-query), and the step model's signature.
     n_kv_heads: int | None = None
     kv_cache: bool = False
-    # Modern LLM attention (README, "Modern LLM attention"), in the formula's order: qk_norm, rope,
+    # Modern LLM attention (docs/concepts/formula.md, "Modern LLM attention"), in the formula's order: qk_norm, rope,
     # scale, softcap, masks (sliding_window), softmax with a sink logit per head.
     rope: Rope | None = None
     sliding_window: int | None = None
@@ -151,7 +151,7 @@ class AttentionConfig:
         return "mem_seq" if self.cross else "seq"
 
     def inputs(self, dtype: str = "fp32") -> list[TensorSpec]:
-        """The model's inputs (README, "The ONNX graph"), with the contract's dim names."""
+        """The model's inputs (docs/reference/onnx-graph.md), with the contract's dim names."""
         specs = [TensorSpec("x", dtype, ("batch", "seq", self.d_model))]
         if self.kv_cache:
             # The step model: past keys/values in, a key padding mask over every position so far.
@@ -221,7 +221,7 @@ PRESETS: dict[str, AttentionConfig] = {
     # multi-query (one key/value head), the large preset's sizes.
     "large-gqa": AttentionConfig(d_model=1024, n_heads=16, n_kv_heads=4, causal=True, kv_cache=True),
     "large-mqa": AttentionConfig(d_model=1024, n_heads=16, n_kv_heads=1, causal=True, kv_cache=True),
-    # Modern LLM layers (README, "Modern LLM attention"). Llama 3.1 8B's attention: 32 query heads and
+    # Modern LLM layers (docs/concepts/formula.md, "Modern LLM attention"). Llama 3.1 8B's attention: 32 query heads and
     # 8 key/value heads of 128, no biases, rope theta 500000 with Llama 3.1's frequency scaling
     # (meta-llama/Llama-3.1-8B config.json, rope_scaling).
     "llama3-8b": AttentionConfig(

@@ -372,12 +372,12 @@ def contract_dims(config: AttentionConfig, decode: str | None = None) -> dict[st
 
 
 # Decode: the step model (config kv_cache) ---------------------------------------------------------
-# Its forms (README, "Decoding"): "growing" takes past_key/past_value [batch, n_kv_heads, past_seq, ..]
+# Its forms (docs/concepts/step-forms.md): "growing" takes past_key/past_value [batch, n_kv_heads, past_seq, ..]
 # and returns present_* [.., total_seq, ..] (a new cache each step); "buffer" binds one
 # fixed-capacity cache as both past and present and writes only the new token's keys/values.
 DECODE_FORMS = ("growing", "buffer")
 def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of the step model's buffer form (README, "Decoding"): the cache is one
+    """Inputs and outputs of the step model's buffer form (docs/concepts/step-forms.md): the cache is one
     buffer of `capacity` positions bound as both past_* and present_* (the same memory);
     seqlens_k int32 [batch] is the number of positions filled after this step minus 1 and
     total_sequence_length int32 [] the number filled after this step."""
@@ -487,7 +487,7 @@ class ModelInfo:
             "dtype": self.dtype,
             **({"quantization": _quant_summary(self.quantization)} if self.quantization else {}),
             "metadata": {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, QUANT_KEY, STAGES_KEY)},
-            # the formula's stages the graph names (attnx.model.stages; README, "Localisation")
+            # the formula's stages the graph names (attnx.model.stages; docs/concepts/localisation.md)
             "stages": list(stage_layouts(self.metadata)),
             "inputs": [s.to_dict() for s in self.inputs],
             "outputs": [s.to_dict() for s in self.outputs],

@@ -13,8 +13,8 @@ ALL_ATTENTION_FUNCTIONS.
                                         UsageError with every candidate's reasons
     LOWERINGS                           the user's choices (--attention) and the cores behind each
 
-The checks of export, build, optimize, parity and bench, the CLI's choices and the README's capability
-tables are all read from these tables (capability_table()). No torch and no onnx here.
+The checks of export, build, optimize, parity and bench, the CLI's choices and the docs' capability
+tables (docs/reference/capabilities.md, capability_table()) are all read from these tables. No torch and no onnx here.
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ __all__ = [
     "core_for",
     "export_core",
     "lowerings_for",
-    "README_BLOCKS",
+    "GENERATED_TABLES",
     "capability_table",
     "lowering_table",
     "term_table",
-    "update_readme",
+    "update_markdown",
 ]
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators
-# The forms a core is built in: the full-sequence model, and the step model's two (README, "Decoding"):
+# The forms a core is built in: the full-sequence model, and the step model's two (docs/concepts/step-forms.md):
 # a growing cache (past in, past + new out) or one fixed-capacity buffer written in place.
 FORMS = ("full", "growing", "buffer")
 _QUANTIZED = ("int8", "int4")  # the projections quantized, the core float32 (attnx.model.contract.QUANTIZATIONS)
@@ -436,43 +436,45 @@ def buffer_core_help() -> str:
     return "with --decode-form buffer, the attention core: " + "; ".join(parts)
 
 
-# The README's generated blocks: each between "<!-- generated: NAME -->" and "<!-- end generated -->",
-# held to these functions by tests/test_readme.py (update_readme() rewrites them).
-README_BLOCKS: dict[str, Callable[[], str]] = {}
+# The docs' generated tables (docs/reference/capabilities.md): each between "<!-- generated: NAME -->" and
+# "<!-- end generated -->", rewritten by update_markdown() when the docs are built (docs/_gen/hooks.py)
+# and held to these functions by tests/test_docs.py.
+GENERATED_TABLES: dict[str, Callable[[], str]] = {}
 
 
-def readme_block(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
+def generated_table(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
     def register(fn: Callable[[], str]) -> Callable[[], str]:
-        README_BLOCKS[name] = fn
+        GENERATED_TABLES[name] = fn
         return fn
 
     return register
 
 
-def update_readme(text: str) -> str:
-    """`text` (the README) with every generated block rewritten from the registry."""
+def update_markdown(text: str) -> str:
+    """`text` (Markdown) with every generated table rewritten from the registry; each of GENERATED_TABLES
+    must have its block ("<!-- generated: NAME -->" ... "<!-- end generated -->") in it."""
     import re
 
-    for name, fn in README_BLOCKS.items():
+    for name, fn in GENERATED_TABLES.items():
         pattern = re.compile(rf"(<!-- generated: {re.escape(name)} -->\n).*?(<!-- end generated -->)", re.S)
         if not pattern.search(text):
-            raise ValueError(f"the README has no generated block {name!r}")
+            raise ValueError(f"the text has no generated block {name!r}")
         text = pattern.sub(lambda m, fn=fn: m.group(1) + fn() + "\n" + m.group(2), text)
     return text
 
 
-@readme_block("terms")
+@generated_table("terms")
 def term_table() -> str:
-    """The README's table of the formula's terms (Markdown), from TERMS."""
+    """The table of the formula's terms (Markdown), from TERMS."""
     rows = [["term", "config keys", "place", "what it computes", "tolerance"], ["---"] * 5]
     for t in TERMS.values():
         rows.append([f"`{t.name}`", ", ".join(f"`{k}`" for k in t.keys), t.place, t.summary, t.tolerance])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
-@readme_block("lowerings")
+@generated_table("lowerings")
 def lowering_table() -> str:
-    """The README's table of lowerings (--attention): the cores each writes, per form (Markdown)."""
+    """The table of lowerings (--attention): the cores each writes, per form (Markdown)."""
     rows = [["--attention", "full sequence", "growing cache (step)", "buffer (step)", "export", "auto measures"],
             ["---"] * 6]  # fmt: skip
     for lw in LOWERINGS.values():
@@ -486,9 +488,9 @@ def lowering_table() -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
-@readme_block("cores")
+@generated_table("cores")
 def capability_table() -> str:
-    """The README's table of cores against terms (Markdown), generated from CORES and TERMS: for each
+    """The table of cores against terms (Markdown), generated from CORES and TERMS: for each
     core the forms and dtypes it is built in and each term it expresses, with the forms it does in."""
     terms = list(TERMS)
     head = ["core", "graph", "forms", "dtypes", *terms]

@@ -277,7 +277,7 @@ def import_weights(
     folder (a path; `layer`, `attention` self|cross, `stack` encoder|decoder where the architecture
     has both), or a torch.nn.MultiheadAttention module (attnx.model.from_torch_mha). key_padding_mask
     None: the architecture's default (text models take one, ViT and Whisper's encoder do not).
-    kv_cache: the config of the layer's step model (README, "Decoding"), for a causal self-attention."""
+    kv_cache: the config of the layer's step model (docs/concepts/step-forms.md), for a causal self-attention."""
     result = _import(source, layer, attention, stack, key_padding_mask)
     if kv_cache:
         if not result.config.causal:
@@ -426,7 +426,7 @@ def _scale(model_type: str, hf: Mapping[str, Any], layer: int, lay: Layout) -> f
 
 
 # Rotary decoders ----------------------------------------------------------------------------------
-# The modern-LLM families (README, "Modern LLM attention"): their attention is attnx's formula with
+# The modern-LLM families (docs/concepts/formula.md, "Modern LLM attention"): their attention is attnx's formula with
 # the config keys rope, sliding_window, softcap, qk_norm and sinks. Their config.json is read as
 # transformers (5.24) reads it: each family's config class fills in defaults for the keys a
 # checkpoint omits, and the rope keys come in two spellings, the older rope_theta + rope_scaling and
@@ -697,7 +697,7 @@ def _hf_rope_parameters(hf: Mapping[str, Any], family: RotaryFamily, layer_type:
     return params
 
 
-# The keys of transformers' rope parameters each attnx scaling takes (README, "Modern LLM attention").
+# The keys of transformers' rope parameters each attnx scaling takes (docs/concepts/formula.md, "Modern LLM attention").
 _ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),

@@ -1,5 +1,5 @@
 """The torch module: scaled dot-product multi-head attention, self or cross, with masks, and the
-modern LLM terms (README, "Modern LLM attention"): qk_norm, rope, softcap, ALiBi, sliding window, sinks.
+modern LLM terms (docs/concepts/formula.md, "Modern LLM attention"): qk_norm, rope, softcap, ALiBi, sliding window, sinks.
 
 The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
 function in TORCH_TERMS, in the formula's order (the numpy reference's are REFERENCE_TERMS):
@@ -99,7 +99,7 @@ class MultiHeadAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """y; with config.kv_cache the step model: (y, present_key, present_value), where the
-        present cache is the past one with this step's keys/values appended (README, "Decoding"),
+        present cache is the past one with this step's keys/values appended (docs/concepts/step-forms.md),
         keys as they are scored (after qk_norm and rope). position_ids [B, T] int64: each token's
         position, for config.rope."""
         c = self.config
@@ -140,7 +140,7 @@ class MultiHeadAttention(nn.Module):
         else:
             z = self._decomposed(q, k, v, hidden)
         if hidden is not None:
-            # A query whose keys are all hidden gets z = 0 (README, "The model"). torch.where
+            # A query whose keys are all hidden gets z = 0 (docs/concepts/formula.md). torch.where
             # rather than a product, so that a NaN from a backend's softmax cannot leak through.
             any_visible = ~hidden.all(dim=-1, keepdim=True)  # (B|1, 1, T|1, 1)
             z = torch.where(any_visible, z, torch.zeros((), dtype=z.dtype))

@@ -1,4 +1,4 @@
-"""The numpy reference: the formula of the README ("The model"), written to be read, not to be fast.
+"""The numpy reference: the formula of docs/concepts/formula.md, written to be read, not to be fast.
 
 One head and one query at a time, so that it shares no code and no numerical shortcut with the torch
 module or the ONNX graph it checks; float64 (any dtype when asked: the tolerance table's float32

@@ -3,7 +3,7 @@ allocated; and the guard that refuses a command the machine cannot hold (exit 2,
 estimate), instead of letting the kernel kill it, and the machine with it, minutes later.
 
 The estimates are bounds of the right size, not measurements; they are calibrated on the peaks
-the README reports:
+measured (measurements/facts.md):
 - weights: float32, 4 bytes a parameter, held once (the torch module shares the numpy arrays).
 - export/build: the exporter's graph holds a second copy of the weights beside the arrays, and
   ONNX Runtime loads one of its own once they are dropped: 2x the weights (gpt3 measured somewhat

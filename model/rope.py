@@ -9,7 +9,7 @@ and everything downstream (the numpy reference, the torch module, the exported g
 table) reads only that pair, through rope_frequencies(). A new scaling is one function and one row
 of the table, and its parameters' validation is one row of SCALING_PARAMS beside it.
 
-The rotation (README, "Rotary positions"): each head's first `dim` dims form dim/2 pairs (a, b),
+The rotation (docs/concepts/formula.md, "Modern LLM attention"): each head's first `dim` dims form dim/2 pairs (a, b),
 (i, i + dim/2) (Llama/NeoX layout) or (2i, 2i + 1) (interleaved, GPT-J); pair i at position p turns
 by the angle p * inv_freq[i]:
 

@@ -1,7 +1,7 @@
 """The stages of the formula: the named intermediate values every form is compared at when a case
-fails (README, "Localisation"). Part of the contract (attnx.model.contract re-exports them).
+fails (docs/concepts/localisation.md). Part of the contract (attnx.model.contract re-exports them).
 
-One entry a stage, in the formula's order (README, "Modern LLM attention": projections, qk_norm,
+One entry a stage, in the formula's order (docs/concepts/formula.md, "Modern LLM attention": projections, qk_norm,
 rope, scale * q.k, softcap, masks, softmax with sink, times v, out projection):
 
     q, k, v         the projections' outputs, bias included         [batch, seq, heads * dim]
@@ -20,7 +20,7 @@ k and v are this call's keys and values (a step model's new tokens; the cache ho
 ones), keys is every key a query is scored against (past + new for a step model). A fully hidden
 row of probs has no probabilities (its z is 0 by definition): it is not compared.
 
-A graph exposes a stage as a tensor named after it (the export names them: README, "Names"), and
+A graph exposes a stage as a tensor named after it (the export names them: docs/reference/onnx-graph.md, "Names"), and
 records in its metadata (STAGES_KEY, JSON {stage: layout}) the layout it holds it in when that is
 not the canonical one above: a grouped graph keeps the scores of a group's query heads stacked
 ([batch, n_kv_heads, group * seq, keys], "b k (g t) s"). A fused operator (MultiHeadAttention,

@@ -1,6 +1,6 @@
 """The terms of the formula, as data: one entry a term, in the formula's order.
 
-A term is a part of the formula that a config switches on (README, "The model" and "Modern LLM
+A term is a part of the formula that a config switches on (docs/concepts/formula.md and "Modern LLM
 attention"). Each entry says:
 
     keys        the config keys that set it, and validate(): their checks and normal form
@@ -98,7 +98,7 @@ class Term:
     name: str
     keys: tuple[str, ...]
     place: str
-    summary: str  # what it computes, one line (README tables)
+    summary: str  # what it computes, one line (the docs' tables: docs/reference/capabilities.md)
     uses: Callable[[Config], bool]
     validate: Callable[[Config, Callable[[str, Any], None]], None] = lambda c, set_: None
     # {name: (shape, (low, high) of its seeded draw)} of the tensors it adds to the weights file
@@ -106,7 +106,7 @@ class Term:
     tolerance: str = "none"
     fault: Callable[[Config, Weights], tuple[Config, Weights]] | None = None
     fault_summary: str = ""
-    modern: bool = False  # one of the modern-LLM terms (README, "Modern LLM attention")
+    modern: bool = False  # one of the modern-LLM terms (docs/concepts/formula.md, "Modern LLM attention")
 
 
 def _replace(c: Config, **changes: Any) -> Config:
@@ -269,7 +269,7 @@ TERMS: dict[str, Term] = {
              fault=_drop_sinks, fault_summary="the sink logit dropped", modern=True),
     )
 }  # fmt: skip
-# The modern-LLM terms (README, "Modern LLM attention"), in the formula's order.
+# The modern-LLM terms (docs/concepts/formula.md, "Modern LLM attention"), in the formula's order.
 LLM_TERMS = tuple(t.name for t in TERMS.values() if t.modern)
 
 

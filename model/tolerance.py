@@ -254,7 +254,7 @@ def _with_activations(
     """`size` with the scores' RMS (visible keys only) and the RMS and range of every input a
     quantized form quantizes: x, memory and z, the attention output, from the reference run in float32
     (the formula's own masks and terms)."""
-    # The modern-LLM terms keep the model (README, "Reduced precision"): a window only hides keys (the
+    # The modern-LLM terms keep the model (docs/concepts/tolerances.md, "Quantized forms"): a window only hides keys (the
     # masks); softcap's c tanh(s / c) has slope <= 1, so a score error does not grow through it
     # (score_rms is taken before the cap, the larger); a sink is one more logit with no value and no
     # error: dz = sum_j p_j (ds_j - mean_p ds) v_j over the keys, rows of p summing to <= 1, so both

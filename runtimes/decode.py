@@ -398,7 +398,7 @@ def localise_decode(
     look_inside: bool = True,
     runner_factory: Callable[..., Runner] = create_runner,
 ) -> Localisation:
-    """Localise one decode case (README, "Localisation"): the first step, position and output beyond
+    """Localise one decode case (docs/concepts/localisation.md): the first step, position and output beyond
     the bound (first_divergence), then, for a step of the growing form on a backend that runs a model
     file or the torch module, that step run alone (attnx.runtimes.localise.localise_case) from the
     expected cache up to it, cast to the model's float dtype, so that its stages are compared with the

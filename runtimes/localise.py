@@ -1,5 +1,5 @@
-"""Localisation: when a backend disagrees, the first stage of the formula that diverges (README,
-"Localisation").
+"""Localisation: when a backend disagrees, the first stage of the formula that diverges
+(docs/concepts/localisation.md).
 
 The case is run again with the stages the model names (attnx.model.stages: q, k, v, their norms and
 rotations, scores, probs, z, y, the cache) exposed as extra outputs, and each is compared with the
@@ -99,7 +99,7 @@ class StageCheck:
 
 @dataclasses.dataclass
 class Localisation:
-    """Where one failing case diverges (README, "Localisation")."""
+    """Where one failing case diverges (docs/concepts/localisation.md)."""
 
     backend: str
     stage: str | None  # the first stage beyond its bound; None: every exposed stage agrees
@@ -531,7 +531,7 @@ def _look_inside(source: ModelSource, backend: str, feeds: Mapping[str, np.ndarr
 
 
 def file_weights(path: str | Any, config: AttentionConfig) -> dict[str, np.ndarray]:
-    """The weights a model file holds as themselves, by their names (README, "Names"): `<name>` as
+    """The weights a model file holds as themselves, by their names (docs/reference/onnx-graph.md, "Names"): `<name>` as
     stored, `<name>.T` transposed for MatMul (`<name>_t` in a file written before the names), the packed
     `qkv_proj.weight.T` / `qkv_proj.bias` split into q, k and v; float32. A weight held in another form
     (quantized, packed with an unknown split) is absent."""

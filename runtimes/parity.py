@@ -45,7 +45,7 @@ DEFAULT_MEM_SEQS = (9,)
 # zero point off by one for one: its error, step * sum_k x_k, averages out when x has no mean and
 # grows with K * mean when it has one (as real activations have: after a GELU, a LayerNorm's shift).
 DEFAULT_MEANS = (0.0, 0.5)
-# Which cases are localised (README, "Localisation"): none, the failing ones (the default), or every
+# Which cases are localised (docs/concepts/localisation.md): none, the failing ones (the default), or every
 # case (a passing case must then show no stage beyond its bound).
 LOCALISE_MODES = ("off", "failing", "all")
 

@@ -1,4 +1,4 @@
-"""`reference`: the numpy float64 formula of the README ("The model")."""
+"""`reference`: the numpy float64 formula of docs/concepts/formula.md."""
 
 from __future__ import annotations
 

@@ -36,10 +36,10 @@ def pytest_configure(config):
 # cluster at a time (a head and a node, a dozen processes and their ports). The signal tests run
 # beside the others: each run tags its processes and reads the process table for its own tag alone.
 # (pytest-xdist's loadgroup would group across files, but sets a test id pytest 9 no longer reads.)
-# The files that take longest are handed out first (README "Tests"): one started last would leave
+# The files that take longest are handed out first (docs/about.md, "The tests"): one started last would leave
 # the other workers idle at the end.
 LONGEST_FIRST = ("tests/matrix/test_matrix.py", "tests/workflows/test_import.py", "tests/faults/test_signals.py",
-                 "tests/export/test_export.py", "tests/faults/test_interrupts.py", "tests/test_readme.py",
+                 "tests/export/test_export.py", "tests/test_docs.py", "tests/faults/test_interrupts.py", "tests/test_readme.py",
                  "tests/runtimes/test_quant_parity.py", "tests/cli/test_cli.py")  # fmt: skip
 
 

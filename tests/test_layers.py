@@ -1,4 +1,4 @@
-"""The layers import in one direction (README, "Architecture"), read from the source with ast.
+"""The layers import in one direction (docs/about.md, "Architecture"), read from the source with ast.
 
     ground    attnx.model, and attnx's own helpers (attnx, attnx.errors, attnx._io, attnx._signals, attnx._text)
     graph     attnx.export          run   attnx.runtimes        (siblings: neither imports the other)

@@ -154,7 +154,7 @@ def export_model(
 
 
 # The step model's validation: prefill then steps against the reference's full forward, at a
-# prefill the export never saw, batch 2 (README, "Decoding").
+# prefill the export never saw, batch 2 (docs/concepts/step-forms.md).
 STEP_VALIDATION = {"batch": 2, "prefills": (0, 5), "steps": 3}
 
 

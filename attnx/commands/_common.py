@@ -78,8 +78,8 @@ def add_decode_arg(parser: argparse.ArgumentParser) -> None:
     """--decode of export and build (load_step_config_arg reads it)."""
     parser.add_argument("--decode", action="store_true",
                         help="the step model of the causal self-attention config ('kv_cache': true: past keys and "
-                        "values in, present out), as attnx bench --decode and parity --decode take it (README, "
-                        "'Decoding')")  # fmt: skip
+                        "values in, present out), as attnx bench --decode and parity --decode take it "
+                        "(docs/concepts/step-forms.md)")  # fmt: skip
 
 
 def add_max_mem_arg(parser: argparse.ArgumentParser, what: str = "refuse to start when the estimate exceeds it") -> None:
@@ -113,7 +113,7 @@ def _step_model(config: AttentionConfig, what: str) -> AttentionConfig:
 def step_config(config: AttentionConfig, what: str, *, as_decoder: bool = False,
                 kv_heads: int | None = None) -> AttentionConfig:
     """--decode: the step model of `config` ('kv_cache': true: past keys and values in, present out;
-    README, "Decoding"), the one reading of the flag by export, build, parity and bench.
+    docs/concepts/step-forms.md), the one reading of the flag by export, build, parity and bench.
 
     export, build and parity write or check the config's own attention, and only causal
     self-attention has a step model: another config is one UsageError saying why (`what` names it,
@@ -140,7 +140,7 @@ def load_step_config_arg(args: argparse.Namespace) -> AttentionConfig:
         flag = f"--decode-form {args.decode_form}"
         _step_model(config, f"{flag}: {what}")  # raises when it has none
         raise UsageError(f"{flag} is a form of the step model: add --decode for the step model of {what} "
-                         "(README, 'Decoding')")  # fmt: skip
+                         "(docs/concepts/step-forms.md)")  # fmt: skip
     return config
 
 

@@ -108,7 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="store_true",
                    help="time the per-token step of the step model (batch 1, fp32; --dtype fp32,int8,int4 adds the "
                    "quantized step models) at each --past against the "
-                   "memory-bandwidth bound, with torch's growing-cache and static-cache steps as the peers and OpenVINO on the onnx step model (README, \"Decoding\")")  # fmt: skip
+                   "memory-bandwidth bound, with torch's growing-cache and static-cache steps as the peers and OpenVINO on the onnx step model (docs/how-to/benchmark.md)")  # fmt: skip
     p.add_argument("--past", type=int_list, default=[128, 2048, 8192], help="with --decode (default 128,2048,8192)")
     p.add_argument("--kv-heads", type=int_arg(1, 1 << 20), default=None,
                    help="with --decode: n_kv_heads of the step model (default: the config's)")  # fmt: skip
@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
     failed = [c for c in report.cases if c.status == "failed"]
     if failed or not any(c.status == "ok" for c in report.cases):
         # One line that says why the exit is 1, whatever the statuses were (a check that ran and
-        # failed says so on stdout: README, "Exit codes").
+        # failed says so on stdout: docs/reference/behaviour.md, "Exit codes and errors").
         counts = collections.Counter(c.status for c in report.cases)
         what = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
         print(f"bench FAILED: {'a case failed' if failed else 'no case was measured'} ({what or 'no cases'})")

@@ -129,7 +129,7 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
 
 
 def fresh_name(base: str, used: set[str]) -> str:
-    """`base`, or `base`_2, _3, ... when `used` has it (README, "Names": unique); taken into `used`."""
+    """`base`, or `base`_2, _3, ... when `used` has it (docs/reference/onnx-graph.md, "Names": unique); taken into `used`."""
     candidate, n = base, 1
     while candidate in used:
         n += 1

@@ -6,7 +6,7 @@ full-sequence model traced from PyTorch, goes through this list instead:
 
     ConvertToFloat16 (fp16), NameStages, QuantizeProjections (int8, int4)
 
-NameStages names the float graph the conversion leaves (README, "Names"); the quantization after it
+NameStages names the float graph the conversion leaves (docs/reference/onnx-graph.md, "Names"); the quantization after it
 finds the projections by those names and keeps them.
 """
 

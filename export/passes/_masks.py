@@ -1,6 +1,6 @@
 """Reading the attention masks of an exported graph: which keys a boolean mask hides.
 
-The exporter writes the mask of the formula (README, "The model") as a small boolean subgraph
+The exporter writes the mask of the formula (docs/concepts/formula.md) as a small boolean subgraph
 (`hidden`, True = the key is hidden from the query, broadcastable to [B, 1, S, L]):
 
     causal:        Unsqueeze(Greater(Unsqueeze(r, [0]), Unsqueeze(r, [1])), [0, 1]),  r = Range(0, S, 1)

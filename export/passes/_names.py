@@ -1,4 +1,4 @@
-"""NameStages: one naming scheme for every graph attnx writes, after the formula's terms (README, "Names").
+"""NameStages: one naming scheme for every graph attnx writes, after the formula's terms (docs/reference/onnx-graph.md, "Names").
 
     stage tensors   named exactly the stage (attnx.model.stages: q, k, v, q_norm, ..., z, y, present_key)
                     where the graph holds the stage's value; metadata STAGES_KEY = {stage: layout}

@@ -144,7 +144,7 @@ def dequantize_node(node: ir.Node) -> np.ndarray | None:
     return None
 
 
-# The projections' weights as every graph attnx writes names them (README, "Names"): <role>_proj.weight.T.
+# The projections' weights as every graph attnx writes names them (docs/reference/onnx-graph.md, "Names"): <role>_proj.weight.T.
 _PROJECTION_WEIGHT = {f"{role}_proj.weight.T": role for role in ("q", "k", "v", "qkv", "out")}
 
 
@@ -157,7 +157,7 @@ def projection_role(node: ir.Node) -> str | None:
 
 
 def _stage_of(node: ir.Node, role: str) -> str:
-    """The stage a projection leads to, as its output's name says (README, "Names": q/matmul, or q
+    """The stage a projection leads to, as its output's name says (docs/reference/onnx-graph.md, "Names": q/matmul, or q
     itself without a bias), for the names of the nodes and values the quantization adds."""
     name = node.outputs[0].name
     return name.split("/")[0] if name else ("y" if role == "out" else role)
@@ -226,14 +226,14 @@ class QuantizeProjections(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, True)
 
     def _fresh(self, name: str, node: bool = False) -> str:
-        """`name` (of a value, or of a node), or with a counter when the graph has it (README, "Names":
+        """`name` (of a value, or of a node), or with a counter when the graph has it (docs/reference/onnx-graph.md, "Names":
         unique)."""
         return fresh_name(name, self._node_names if node else self._taken)
 
     def _row_scaled(self, model: ir.Model, node: ir.Node, x: ir.Value, role: str) -> tuple[ir.Value, ir.Value]:
         """(x / r, r) with r = max(max |x| over the last axis, FLT_MIN) [..., 1]: made once per input
         (q, k and v read the same x), before the first projection that reads it, named after the
-        stage that projection leads to (README, "Names": q/row_max, y/row_max for z's)."""
+        stage that projection leads to (docs/reference/onnx-graph.md, "Names": q/row_max, y/row_max for z's)."""
         key = id(x)
         if key not in self._rows:
             stage = _stage_of(node, role)

@@ -2,7 +2,7 @@
 # The registry change's bench commands before and after, alternated in one run on one machine:
 #   BEFORE=/path/to/a/checkout/at/0e6b185/.venv/bin/attnx AFTER=.venv/bin/attnx \
 #     bash measurements/bench_registry/run.sh OUTDIR
-# Each command runs twice per side (A B A B), each time in a process of its own; the README compares
+# Each command runs twice per side (A B A B), each time in a process of its own; the comparison takes
 # the lower of each side's two numbers.
 set -euo pipefail
 out=${1:?OUTDIR}

@@ -1,4 +1,4 @@
-"""The buffer form's prefill with each core (README, "The buffer form": why GroupQueryAttention stays the
+"""The buffer form's prefill with each core (docs/concepts/step-forms.md, "The buffer form": why GroupQueryAttention stays the
 default and what auto keeps of each): the prompt of `seq` tokens written into an empty shared cache
 in one call, batch 1, fp32, 2 threads, ONNX Runtime's CPU provider, the median of `repeat` calls.
 

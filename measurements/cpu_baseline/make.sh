@@ -19,7 +19,7 @@ attnx=$(command -v attnx || echo .venv/bin/attnx)  # the active one, else the on
     --repeat 10 --warmup 2 --timeout 1800 \
     --json "$out/cpu_baseline.json" --plot "$out/cpu_baseline.png" "$@"
 
-# The numbers the README's note quotes, from the file just written.
+# The numbers its README (and the docs' benchmark page) quote, from the file just written.
 python3 - "$out/cpu_baseline.json" <<'EOF'
 import json, sys
 

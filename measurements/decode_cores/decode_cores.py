@@ -1,5 +1,5 @@
 """The attention core of one decode step alone, on a grouped-heads cache: which kernel reads the
-cache how fast (README, "Decode bench": why grouped heads are read more slowly per byte).
+cache how fast (docs/how-to/benchmark.md, "The decode step": why grouped heads are read more slowly per byte).
 
 A preset's layer shape (default llama3-8b: 32 query heads on 8 key/value heads of 128), batch 1, one
 new token over a cache of `past` positions (+1, the token's own), 2 threads, fp32; the projections

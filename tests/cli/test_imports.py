@@ -1,4 +1,4 @@
-"""What each command imports (README, "Command line"): the deployment commands (verify, run,
+"""What each command imports (docs/reference/behaviour.md): the deployment commands (verify, run,
 inspect) never import torch, onnxscript or onnx-ir (inspect of a model file not even onnx or
 onnxruntime), and `attnx --help` imports no heavy library at all, in an environment that has them
 all. Each is a fresh process: sys.modules after the command is what a user's call paid for."""

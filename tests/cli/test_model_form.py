@@ -1,4 +1,4 @@
-"""The model describes itself (README, "The model describes itself"): parity, bench and run take
+"""The model describes itself (docs/concepts/backends.md, "The model describes itself"): parity, bench and run take
 a model file's config, dtype, lowering and decode form from the file; a flag that contradicts
 the model is one error naming both."""
 

@@ -27,7 +27,7 @@ from tests.conftest import LLM_CONFIGS, LLM_FUSED_CONFIGS
 
 BACKENDS = ["ort-cpu", "openvino"]
 LOWERINGS = ("onnx", "ort-fused")
-# The operators each lowering is written in (README, "Modern LLM attention").
+# The operators each lowering is written in (docs/concepts/formula.md, "Modern LLM attention").
 OPS = {
     "onnx": {"RMSNormalization", "RotaryEmbedding", "Attention"},
     "ort-fused": {"RMSNormalization", "com.microsoft.RotaryEmbedding", "com.microsoft.GroupQueryAttention"},

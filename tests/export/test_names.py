@@ -1,4 +1,4 @@
-"""The names of every form attnx writes (README, "Names"): each stage of the formula a graph holds is
+"""The names of every form attnx writes (docs/reference/onnx-graph.md, "Names"): each stage of the formula a graph holds is
 a tensor named after it, listed in the metadata with its layout, and holds exactly the reference's
 value; weights, constants, nodes and intermediates are named after the formula's terms, never the
 exporter's val_5 or linear_1."""

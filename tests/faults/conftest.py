@@ -1,6 +1,6 @@
 """The fault-injection suite: what every CLI path promises when its input is bad or it is stopped.
 
-The promise (README, "Exit codes" and "Nothing is half-written"), checked for every generated case:
+The promise (docs/reference/behaviour.md, "Exit codes and errors" and "Nothing is half-written"), checked for every generated case:
 - the exit status is 0 (then the output is complete and checked) or one of 1, 2, 130, 143;
 - stderr holds at most one line that says "error", and never a traceback; a failed run says why
   in that line, or (a check that ran and failed, exit 1) in its report on stdout;

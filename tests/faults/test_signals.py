@@ -1,5 +1,5 @@
 """Ctrl-C and SIGTERM at any moment end an attnx command as asked, wherever they land
-(attnx._signals; README, "Exit codes" and "Nothing is half-written").
+(attnx._signals; docs/reference/behaviour.md, "Exit codes and errors" and "Nothing is half-written").
 
 Every run is a real attnx process with real signals, and every run is held to the whole promise:
 - exit 130 for SIGINT, 143 for SIGTERM (the first one sent); 0 only when the command had done

@@ -1,6 +1,6 @@
 """fp16 step models: the whole graph, its inputs, outputs and cache float16 (the rotary angle kept
 float32: attnx.export.passes.fp16), in every lowering and the buffer form, decoded step by step
-against the reference's full forward under fp16's rule (README, "Decoding")."""
+against the reference's full forward under fp16's rule (docs/concepts/step-forms.md)."""
 
 from __future__ import annotations
 

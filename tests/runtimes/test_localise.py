@@ -2,7 +2,7 @@
 backend that runs the model file (ONNX Runtime CPU, OpenVINO), and a passing case names no stage.
 
 The faults are planted in the exported graph (the reference and the weights are left as they are),
-by the names the export gives (README, "Names"): the stage tensors by stage, the weights by their
+by the names the export gives (docs/reference/onnx-graph.md, "Names"): the stage tensors by stage, the weights by their
 safetensors names."""
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def test_write_npz_is_reproducible_and_pickle_free(tmp_path):
 
 def test_a_build_whose_parity_fails_says_where(tmp_path, monkeypatch):
     # ONNX Runtime made to compute a wrong output projection (y + 0.1): the build writes nothing, and
-    # its message carries the localisation of a failing case (README, "Localisation").
+    # its message carries the localisation of a failing case (docs/concepts/localisation.md).
     from attnx.errors import CheckFailed
     from attnx.runtimes import create_runner
 

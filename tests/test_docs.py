@@ -1,0 +1,146 @@
+"""The docs (README.md and docs/**.md) as a reader uses them: every python and bash block runs as written, or
+is marked as not meant to run (its first line `# not run: REASON`; docs/about.md, "Code blocks"); and the
+generated reference pages (docs/_gen/hooks.py) hold what the code holds."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                                         recursive=True))]  # fmt: skip
+RUN = ("python", "bash")  # the languages whose blocks run
+SHOWN = ("text", "json", "yaml", "toml")  # the languages shown and never run
+NOT_RUN = re.compile(r"# not run: (\S.*)")
+# A fence at the start of a line: ``` and its info string (the language first), up to the closing ```.
+FENCE = re.compile(r"^```([^`\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+# README.md's first block holds the two commands (install, build and verify; bash .ci/run): the main job is run by
+# tests/test_readme.py, and `bash .ci/run` is this suite itself.
+TWO_COMMANDS = "bash .ci/install && "
+
+
+def read(page: str) -> str:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def blocks(page: str) -> list[tuple[str, str, int]]:
+    """(language, body, line) of every fenced block of a page."""
+    text = read(page)
+    return [(m.group(1).split()[0] if m.group(1).strip() else "", m.group(2), text.count("\n", 0, m.start()) + 1)
+            for m in FENCE.finditer(text)]  # fmt: skip
+
+
+def runnable(page: str) -> list[tuple[str, str, int]]:
+    """The blocks of a page the tests run, in order."""
+    return [(lang, body, line) for lang, body, line in blocks(page)
+            if lang in RUN and not NOT_RUN.match(body.split("\n", 1)[0]) and TWO_COMMANDS not in body]  # fmt: skip
+
+
+def test_the_docs_have_pages():
+    for page in ("docs/index.md", "docs/getting-started.md", "docs/about.md", "docs/reference/capabilities.md"):
+        assert page in PAGES
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_runs_or_is_marked(page):
+    """A python or bash block runs unless its first line is `# not run: REASON`; other languages are those
+    shown as they are (text, json, ...). A fence whose language is none or another (sh, console, py) fails:
+    no block escapes both the runner and the mark."""
+    for lang, body, line in blocks(page):
+        where = f"{page}:{line}"
+        assert lang in RUN or lang in SHOWN, f"{where}: a ```{lang or '(no language)'} block: say bash, python or text"
+        first = body.split("\n", 1)[0]
+        if first.startswith("# not run"):
+            assert NOT_RUN.match(first), f"{where}: the mark is '# not run: REASON', with the reason"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)])
+def test_page_blocks_run_as_written(page, tmp_path):
+    """The page's runnable blocks in order, in one empty folder, as a reader pastes them: python in a fresh
+    interpreter, bash with -e and this environment's attnx first on the PATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    for lang, body, line in runnable(page):
+        args = [sys.executable, "-c", body] if lang == "python" else ["bash", "-e", "-o", "pipefail", "-c", body]
+        r = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{page}:{line} ({lang}) exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+# --- the generated pages ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    spec = importlib.util.spec_from_file_location("attnx_docs_hooks", os.path.join(ROOT, "docs", "_gen", "hooks.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_page_has_every_subcommand_and_flag(hooks):
+    """Every subcommand and every flag `attnx --help` and `attnx COMMAND --help` show is on the page."""
+    import argparse
+
+    from attnx.cli import build_parser
+
+    page = hooks.cli_page()
+    parser = build_parser()
+    sub = hooks._subparsers(parser)
+    parsers = {"": parser, **sub.choices}
+    assert set(sub.choices) >= {"import", "export", "optimize", "parity", "bench", "build", "verify", "run",
+                                "inspect", "matrix"}  # fmt: skip
+    for name, p in parsers.items():
+        if name:
+            assert f"## attnx {name}\n" in page
+            assert p.format_usage().strip() in page
+        for action in p._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            for flag in action.option_strings:
+                assert f"`{flag}`" in page, (name, flag)
+            if not action.option_strings:  # a positional, by its metavar
+                assert f"`{action.metavar or action.dest}`" in page, (name, action.dest)
+
+
+def test_the_config_page_has_every_key(hooks):
+    import dataclasses
+
+    from attnx.model import PRESETS, AttentionConfig
+    from attnx.model.rope import SCALING_PARAMS
+
+    page = hooks.config_page()
+    for field in dataclasses.fields(AttentionConfig):
+        assert f"| `{field.name}` |" in page
+    for kind in SCALING_PARAMS:
+        assert f"| `{kind}` |" in page
+    for name in PRESETS:
+        assert f"| `{name}` |" in page
+
+
+def test_the_capability_page_is_the_registrys(hooks):
+    """docs/reference/capabilities.md holds the registry's tables (attnx.model.cores) as update_markdown writes
+    them; the build rewrites them too, so the site cannot go stale. To refresh the source:
+    python -c "from attnx.model.cores import update_markdown as u; p='docs/reference/capabilities.md'; ..."."""
+    from attnx.model.cores import GENERATED_TABLES, update_markdown
+
+    source = read("docs/reference/capabilities.md")
+    for name, table in GENERATED_TABLES.items():
+        assert f"<!-- generated: {name} -->\n{table()}\n<!-- end generated -->" in hooks.capabilities_page(source)
+    assert update_markdown(source) == source, "the page's tables differ from the registry: run update_markdown"
+
+
+def test_the_api_page_names_every_public_name(hooks):
+    import attnx
+
+    page = hooks.api_page()
+    for name in attnx.__all__:
+        if name != "__version__":
+            assert re.search(rf"^::: [\w.]+\.{name}$", page, re.M), name
