@@ -469,7 +469,7 @@ def term_table() -> str:
     rows = [["term", "config keys", "place", "what it computes", "tolerance"], ["---"] * 5]
     for t in TERMS.values():
         rows.append([f"`{t.name}`", ", ".join(f"`{k}`" for k in t.keys), t.place, t.summary, t.tolerance])
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return _markdown_table(rows)
 
 
 @generated_table("lowerings")
@@ -485,7 +485,7 @@ def lowering_table() -> str:
                          else f"--buffer-core: {', '.join(f'`{c}`' for c in cores)}")  # fmt: skip
         cells += ["yes" if lw.export else "optimize only", "yes" if lw.auto else "-"]
         rows.append([c if c else "-" for c in cells])
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return _markdown_table(rows)
 
 
 @generated_table("cores")
@@ -505,4 +505,9 @@ def capability_table() -> str:
                 forms = [f for f in takes.forms if f in core.forms]
                 cells.append("yes" if forms == list(core.forms) else ", ".join(forms))
         rows.append(cells)
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return _markdown_table(rows)
+
+
+def _markdown_table(rows: list[list[str]]) -> str:
+    """Markdown rows, a "|" inside a cell escaped (it would end the cell)."""
+    return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows)

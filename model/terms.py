@@ -252,7 +252,7 @@ TERMS: dict[str, Term] = {
         Term("alibi", ("alibi",), "scores",
              "head h adds slope_h * (j - i) over token index (attnx.model.alibi's slopes: BLOOM, MPT)",
              lambda c: c.alibi, _validate_alibi,
-             tolerance="S, the largest |score|, includes the largest |slope (j - i)|",
+             tolerance="S (the largest absolute score) includes the largest slope times distance",
              fault=_drop_alibi, fault_summary="the bias dropped", modern=True),
         Term("causal", ("causal",), "mask", "key j hidden from query i when j > i (token index)",
              lambda c: c.causal, lambda c, set_: _check_bool("causal", c.causal),
