@@ -8,6 +8,7 @@ import hashlib
 import io
 import logging
 import os
+import secrets
 import warnings
 from collections.abc import Iterator, Mapping
 
@@ -15,6 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+import attnx.model as model_package
 from attnx import __version__
 from attnx._io import Staging
 from attnx.errors import ExportError, UsageError, interrupt_in
@@ -104,13 +106,9 @@ def export_onnx(
     from the registry: attnx.export.build_model).
 
     A process that exports the same model again (the same config, weights, lowering and opset)
-    gets a fresh copy of the first trace (TRACES): tracing dominates the export of a small model (measurements/build_paths), and the
-    ort-fused lowering is the decomposed trace plus graph passes.
+    gets a fresh copy of the first trace (TRACES), and so does the next process where
+    $ATTNX_TRACE_CACHE names a folder: tracing dominates the export of a small model (measurements/build_paths).
     """
-    import torch
-
-    from attnx.model.module import build_module
-
     if attention != "decomposed":
         raise UsageError(f"export_onnx traces the decomposed form; {attention!r} is written by attnx.export.build_model")
     if config.kv_cache:
@@ -119,6 +117,10 @@ def export_onnx(
     key = TRACES.key(config, weights, seed, attention, opset)
     if (model := TRACES.get(key)) is not None:
         return model
+    import torch
+
+    from attnx.model.module import build_module
+
     module = build_module(config, weights, seed=seed, core=LOWERINGS[attention].torch_core)
     args, kwargs = _example_inputs(config)
     logger.info("exporting %s attention at opset %d", attention, opset)
@@ -154,20 +156,30 @@ def export_onnx(
     return model
 
 
+TRACE_CACHE_ENV = "ATTNX_TRACE_CACHE"
+
+
 class TraceCache:
     """Exports this process made, as serialized protos (a copy is handed out each time: graph
     passes work in place), newest last, within `max_bytes`. A model whose weights pass a quarter
-    of it is neither hashed nor kept: a large model is exported once per command anyway."""
+    of it is neither hashed nor kept: a large model is exported once per command anyway.
+
+    With $ATTNX_TRACE_CACHE naming a folder, traces are also kept there, one `<key>.onnx` each,
+    for the next process (docs/how-to/export.md, "Reusing traces"): the key holds the versions of
+    torch, onnxscript and onnx-ir and a digest of attnx's model/ and export/ sources, so a changed
+    exporter or formula never meets an old trace. Every trace, cached or not, is checked by the
+    export against the reference as before. Nothing is evicted from the folder."""
 
     def __init__(self, max_bytes: int = 128 * 2**20) -> None:
         self.max_bytes = max_bytes
         self._protos: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._sources: str | None = None
 
     def key(self, config: AttentionConfig, weights: Mapping[str, np.ndarray] | None, seed: int, attention: str,
             opset: int) -> str | None:  # fmt: skip
         """What decides the trace: the config, the weights (or the seed that draws them), the
-        lowering, the opset. None: not cached."""
-        digest = hashlib.sha256(f"{config.to_json()}|{attention}|{opset}".encode())
+        lowering, the opset, and the code that traces (versions, attnx's sources). None: not cached."""
+        digest = hashlib.sha256(f"{config.to_json()}|{attention}|{opset}|{self._code()}".encode())
         if weights is None:
             digest.update(f"|seed {seed}".encode())
         else:
@@ -179,11 +191,40 @@ class TraceCache:
                 digest.update(a.tobytes())
         return digest.hexdigest()
 
+    def _code(self) -> str:
+        """The versions of what traces, and a digest of the sources that define the module and the graph."""
+        if self._sources is None:
+            from importlib.metadata import version
+
+            digest = hashlib.sha256(__version__.encode())
+            for package in ("torch", "onnxscript", "onnx-ir", "onnx"):
+                digest.update(f"|{package} {version(package)}".encode())
+            for folder in (os.path.dirname(model_package.__file__), os.path.dirname(__file__)):
+                for root, dirs, files in os.walk(folder):
+                    dirs.sort()
+                    for name in sorted(f for f in files if f.endswith(".py")):
+                        with open(os.path.join(root, name), "rb") as f:
+                            digest.update(name.encode() + b"\0" + f.read())
+            self._sources = digest.hexdigest()
+        return self._sources
+
+    @staticmethod
+    def folder() -> str | None:
+        return os.environ.get(TRACE_CACHE_ENV) or None
+
     def get(self, key: str | None) -> ir.Model | None:
-        if key is None or key not in self._protos:
+        if key is None:
             return None
-        self._protos.move_to_end(key)
-        return ir.serde.deserialize_model(onnx.ModelProto.FromString(self._protos[key]))
+        if key in self._protos:
+            self._protos.move_to_end(key)
+            data = self._protos[key]
+        elif (folder := self.folder()) is not None and os.path.isfile(path := os.path.join(folder, f"{key}.onnx")):
+            with open(path, "rb") as f:
+                data = f.read()
+            logger.info("reusing the trace %s", path)
+        else:
+            return None
+        return ir.serde.deserialize_model(onnx.ModelProto.FromString(data))
 
     def put(self, key: str | None, model: ir.Model) -> None:
         if key is None:
@@ -194,6 +235,17 @@ class TraceCache:
         self._protos[key] = data
         while sum(map(len, self._protos.values())) > self.max_bytes:
             self._protos.popitem(last=False)
+        if (folder := self.folder()) is not None:
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"{key}.onnx")
+            partial = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.partial"  # another process may read it meanwhile
+            try:
+                with open(partial, "wb") as f:
+                    f.write(data)
+                os.replace(partial, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(partial)
 
     def clear(self) -> None:
         self._protos.clear()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 
+from attnx.export._export import TRACE_CACHE_ENV
 from attnx.model import AttentionConfig, init_weights
 
 
@@ -23,11 +26,35 @@ def pytest_configure(config):
     # runtime session gets its share (ATTNX_THREADS: ORT's intra-op pool, OpenVINO; OMP_NUM_THREADS:
     # torch), inherited by the attnx processes the tests start. A pool of every core in each worker
     # would spin against the others' (measured slower than one thread each: measurements/facts.md).
+    # One folder of traces for the whole run (its workers and the attnx processes they start):
+    # torch.onnx's trace costs ~12 s in a fresh process here and most tests export the same few
+    # configs (docs/about.md, "The tests"). The tests of the exporter itself run without it
+    # (the no_trace_cache fixture). Made by the controlling process, removed when it ends.
+    if "PYTEST_XDIST_WORKER" not in os.environ and TRACE_CACHE_ENV not in os.environ:
+        config._attnx_traces = tempfile.mkdtemp(prefix="attnx-traces-")
+        os.environ[TRACE_CACHE_ENV] = config._attnx_traces
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
         share = str(max(1, (os.cpu_count() or 1) // workers))
         for name in ("ATTNX_THREADS", "OMP_NUM_THREADS"):
             os.environ.setdefault(name, share)
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_attnx_traces", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(TRACE_CACHE_ENV, None)
+
+
+@pytest.fixture
+def no_trace_cache(monkeypatch):
+    """For the tests of the exporter itself (its output, its callbacks, signals during a trace):
+    every export traces, in this process and in the processes the test starts."""
+    from attnx.export._export import TRACES
+
+    monkeypatch.delenv(TRACE_CACHE_ENV, raising=False)
+    TRACES.clear()
 
 
 # How the suite is split across pytest-xdist's workers (.ci/run: -n auto --dist loadfile): each test

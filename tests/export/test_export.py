@@ -196,6 +196,31 @@ def test_no_rewrite_rule_keeps_the_exported_graph_alive():
     assert all(getattr(m, "_graph", None) is None for m in matchers)
 
 
+def test_a_trace_kept_in_the_trace_folder_serves_the_next_process(tmp_path, monkeypatch):
+    """$ATTNX_TRACE_CACHE: the trace is written there whole (by rename) and read back by a process
+    that has none in memory, without tracing; changed sources of attnx (the key's digest) miss."""
+    from attnx.export._export import TRACE_CACHE_ENV, TRACES
+
+    monkeypatch.setenv(TRACE_CACHE_ENV, str(tmp_path))
+    config = AttentionConfig(d_model=24, n_heads=2, causal=True)  # a config no other test traces
+    TRACES.clear()
+    first = export_onnx(config, seed=3)
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and files[0].endswith(".onnx"), files
+    TRACES.clear()  # as a fresh process: nothing in memory
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(torch.onnx, "export", no_trace)
+    again = export_onnx(config, seed=3)
+    assert ir.to_proto(again).SerializeToString() == ir.to_proto(first).SerializeToString()
+    TRACES.clear()
+    monkeypatch.setattr(TRACES, "_sources", "other sources")
+    with pytest.raises(ExportError, match="traced again"):
+        export_onnx(config, seed=3)
+
+
 def test_a_second_export_of_the_same_model_is_a_fresh_copy_of_the_first():
     """export_onnx keeps this process's traces (TRACES): the same config, weights, lowering and
     opset give a copy (a pass that changes it changes nothing of the next), anything else traces."""

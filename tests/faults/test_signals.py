@@ -41,6 +41,7 @@ import time
 
 import pytest
 
+from attnx.export._export import TRACE_CACHE_ENV
 from attnx.model import describe
 from attnx.runtimes.package import verify_package
 from tests.faults.conftest import PROFILE, leftovers, snapshot
@@ -207,6 +208,15 @@ def _package_complete(path: str) -> None:
 
 
 # The storm ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _every_export_traces():
+    """The storm's moments and the traps fall inside torch.onnx's trace: no run here reuses one
+    ($ATTNX_TRACE_CACHE, which the suite sets: tests/conftest.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(TRACE_CACHE_ENV, raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory):
     """The outputs already there (seed 1), and how long an uninterrupted run takes."""
