@@ -33,5 +33,6 @@ COMMANDS: dict[str, Command] = {
     "run": Command("run", "run an ONNX model or a package on .npy inputs"),
     "inspect": Command("inspect", "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators",
                        runs_ort=False),
+    "audit": Command("audit", "check every attention block of a whole exported model against the reference and its checkpoint"),
     "matrix": Command("matrix", "run a plan's parity / verify / bench cases here or across a Ray cluster, into one report"),
 }  # fmt: skip

@@ -1,0 +1,60 @@
+"""attnx audit: the attention blocks of a whole exported model, read back and checked layer by layer."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from attnx._io import check_output_file, not_a_file, write_json_atomic
+from attnx.commands import COMMANDS
+from attnx.errors import UsageError
+
+HELP = COMMANDS["audit"].help
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit", help=HELP, description=HELP)
+    p.add_argument("model", metavar="MODEL.onnx", help="a whole model another tool exported (its external data beside it)")
+    p.add_argument("--checkpoint", metavar="HF_DIR", default=None,
+                   help="the Hugging Face checkpoint it was made from: each block is paired with its layer by the "
+                        "weights' values and every term that differs is a finding")  # fmt: skip
+    p.add_argument("--layers", default=None, metavar="I,J,...", help="audit these blocks only (graph order, from 0)")
+    p.add_argument("--json", dest="json_out", metavar="OUT.json", default=None, help="write the report as JSON")
+    p.set_defaults(run=run)
+
+
+def _layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--layers {text!r}: give block indices separated by commas, e.g. 0,1") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnx.workflows._audit import audit_model
+
+    if not os.path.isfile(args.model):
+        raise UsageError(f"{args.model!r} {not_a_file(args.model)}")
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint!r} is not a folder")
+    if args.json_out:
+        check_output_file(args.json_out, "--json")
+    report = audit_model(args.model, checkpoint=args.checkpoint, layers=_layers(args.layers),
+                         progress=lambda m: print(f"auditing {m}", file=sys.stderr))  # fmt: skip
+    for block in report.blocks:
+        print(block.line())
+        for line in block.findings:
+            print(f"  finding: {line}")
+        for line in block.not_checked:
+            print(f"  not checked: {line}")
+    for line in report.unread:
+        print(f"not read: {line}")
+    if args.json_out:
+        write_json_atomic(args.json_out, report.to_dict())
+    n = len(report.blocks)
+    print(f"audit {'PASSED' if report.passed else 'FAILED'}: {sum(b.passed for b in report.blocks)} of {n} block(s) "
+          f"pass{f', {len(report.unread)} not read' if report.unread else ''}")  # fmt: skip
+    return 0 if report.passed else 1

@@ -1,0 +1,225 @@
+"""attnx audit on whole models ONNX Runtime GenAI's builder made (tests/fixtures/genai, README there):
+clean models pass against their checkpoints, each planted fault is found in its layer with its term,
+and files it did not make are refused as untrusted input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from attnx.cli import main
+from attnx.workflows._audit import audit_model
+
+GENAI = Path(__file__).resolve().parents[1] / "fixtures" / "genai"
+CLEAN = ["llama/fp32", "qwen2/fp32", "qwen3/fp32", "phi3/fp32", "llama/int4-acc1", "qwen3/int4-acc1"]
+WINDOWED = ["gemma2/fp32", "gpt-oss/fp32"]  # layer 0 keeps its window in a ring buffer (sliding_window_cache)
+
+
+def _checkpoint(model: str) -> str:
+    return str(GENAI / model.split("/")[0] / "checkpoint")
+
+
+@pytest.mark.parametrize("model", CLEAN)
+def test_a_clean_builder_model_passes_against_its_checkpoint(model):
+    report = audit_model(str(GENAI / model / "model.onnx"), checkpoint=_checkpoint(model))
+    assert report.passed, [b.findings + b.not_checked for b in report.blocks]
+    assert [b.layer for b in report.blocks] == [0, 1]
+    assert all(len(b.checks) == 2 for b in report.blocks)  # full sequence, then prefill + steps
+
+
+@pytest.mark.parametrize("model", WINDOWED)
+def test_a_windowed_model_agrees_and_names_the_decode_it_does_not_run(model):
+    report = audit_model(str(GENAI / model / "model.onnx"), checkpoint=_checkpoint(model))
+    assert all(not b.findings and all(b.checks) for b in report.blocks)
+    assert "sliding_window" in report.blocks[0].terms
+    assert report.blocks[0].not_checked == ["block 0: decode through a sliding_window_cache (a ring buffer) is not run yet"]
+    assert report.blocks[1].passed and not report.passed
+
+
+def test_the_builder_drops_mistral_s_window_and_the_audit_says_where():
+    """transformers 5 saves no layer_types for Mistral; the builder reads the window from them alone."""
+    report = audit_model(str(GENAI / "mistral/fp32/model.onnx"), checkpoint=_checkpoint("mistral/fp32"))
+    for block in report.blocks:
+        assert block.findings[0] == (f"layer {block.index}: no window in the graph (local_window_size -1), "
+                                     "sliding_window 8 in the checkpoint: every query past 8 sees keys it must not")  # fmt: skip
+        assert all(f.endswith("first at position 8") for f in block.findings[1:]) and len(block.findings) == 3
+    # without the checkpoint, the graph agrees with the formula it states
+    assert audit_model(str(GENAI / "mistral/fp32/model.onnx")).passed
+
+
+def test_accuracy_level_4_is_named_not_checked():
+    report = audit_model(str(GENAI / "llama/int4/model.onnx"), checkpoint=_checkpoint("llama/int4"))
+    assert not report.passed
+    assert all("accuracy_level 4" in b.not_checked[0] and not b.findings for b in report.blocks)
+
+
+# Planted faults -----------------------------------------------------------------------------------
+def _planted(tmp_path: Path, model: str, change: Callable[[onnx.ModelProto], None]) -> str:
+    proto = onnx.load(str(GENAI / model / "model.onnx"))
+    change(proto)
+    out = tmp_path / "model.onnx"
+    onnx.save(proto, str(out), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return str(out)
+
+
+def _node(proto: onnx.ModelProto, layer: int, op: str = "GroupQueryAttention") -> onnx.NodeProto:
+    return next(n for n in proto.graph.node if n.op_type == op and f"layers.{layer}/" in n.name)
+
+
+def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    for a in node.attribute:
+        if a.name == name:
+            node.attribute.remove(a)
+            break
+    node.attribute.append(onnx.helper.make_attribute(name, value))
+
+
+def _init(proto: onnx.ModelProto, name: str) -> tuple[onnx.TensorProto, np.ndarray]:
+    t = next(i for i in proto.graph.initializer if i.name == name)
+    return t, numpy_helper.to_array(t).copy()
+
+
+def _put(proto: onnx.ModelProto, t: onnx.TensorProto, array: np.ndarray) -> None:
+    t.CopyFrom(numpy_helper.from_array(array.astype(numpy_helper.to_array(t).dtype), t.name))
+
+
+def _qkv(layer: int, kind: str = "MatMul.weight") -> str:
+    return f"model.layers.{layer}.attn.qkv_proj.{kind}"
+
+
+def _window(size):
+    return lambda p: _set_attr(_node(p, 0), "local_window_size", size)
+
+
+def _swap_k(p):  # packed qkv [64, q 64 | k 32 | v 32]: layer 0's k columns for layer 1's
+    (t0, w0), (t1, w1) = _init(p, _qkv(0)), _init(p, _qkv(1))
+    w0[:, 64:96], w1[:, 64:96] = w1[:, 64:96].copy(), w0[:, 64:96].copy()
+    _put(p, t0, w0)
+    _put(p, t1, w1)
+
+
+def _permute_kv_heads(p):  # layer 1: its two k heads (16 columns each) swapped
+    t, w = _init(p, _qkv(1))
+    w[:, 64:80], w[:, 80:96] = w[:, 80:96].copy(), w[:, 64:80].copy()
+    _put(p, t, w)
+
+
+def _other_theta(p):
+    t_cos, cos = _init(p, "cos_cache")
+    t_sin, _ = _init(p, "sin_cache")
+    angles = np.arange(cos.shape[0])[:, None] / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    _put(p, t_cos, np.cos(angles))
+    _put(p, t_sin, np.sin(angles))
+
+
+def _norm_of_layer_1(p):
+    t0, _ = _init(p, "model.layers.0.attn.q_norm.layernorm.weight")
+    _, w1 = _init(p, "model.layers.1.attn.q_norm.layernorm.weight")
+    _put(p, t0, w1)
+
+
+def _drop_sink(p):
+    node = _node(p, 1)
+    del node.input[11:]
+
+
+def _double_int4_scale(p):
+    t, scales = _init(p, _qkv(0, "MatMul.weight_scales"))
+    scales[70, 0] *= 2  # column 70: a k column, its first block of 32 inputs
+    _put(p, t, scales)
+
+
+FAULTS = {
+    "window 8 -> 7": ("gemma2/fp32", _window(7), 0, "layer 0: window 7, sliding_window 8 in the checkpoint"),
+    "window 8 -> 9": ("gemma2/fp32", _window(9), 0, "layer 0: window 9, sliding_window 8 in the checkpoint"),
+    "rotary_interleaved flipped": ("llama/fp32", lambda p: _set_attr(_node(p, 1), "rotary_interleaved", 1), 1,
+                                   "layer 1: rotary_interleaved 1 in the graph"),
+    "cos/sin of another theta": ("llama/fp32", _other_theta, 0, "layer 0: rotary table differs from the checkpoint's"),
+    "scale changed": ("llama/fp32", lambda p: _set_attr(_node(p, 1), "scale", 0.3), 1,
+                      "layer 1: scale 0.3 in the graph, 0.25 in the checkpoint"),
+    "softcap changed": ("gemma2/fp32", lambda p: _set_attr(_node(p, 1), "softcap", 30.0), 1,
+                        "layer 1: softcap 30.0 in the graph, 50.0 in the checkpoint"),
+    "softcap dropped": ("gemma2/fp32", lambda p: _set_attr(_node(p, 1), "softcap", 0.0), 1,
+                        "layer 1: softcap None in the graph, 50.0 in the checkpoint"),
+    "head_sink dropped": ("gpt-oss/fp32", _drop_sink, 1, "layer 1: sinks missing from the graph"),
+    "another layer's q norm": ("qwen3/fp32", _norm_of_layer_1, 0, "layer 0: q_norm.weight differs"),
+    "k projections swapped": ("llama/fp32", _swap_k, 0, "layer 0: k_proj.weight differs"),
+    "kv heads permuted": ("qwen2/fp32", _permute_kv_heads, 1, "layer 1: k_proj.weight differs"),
+    "an int4 block's scale doubled": ("llama/int4-acc1", _double_int4_scale, 0,
+                                      "layer 0: k_proj.weight differs from the checkpoint's by more than its 4-bit step "
+                                      "in"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_planted_fault_is_found_in_its_layer_with_its_term(tmp_path, fault):
+    model, change, layer, finding = FAULTS[fault]
+    report = audit_model(_planted(tmp_path, model, change), checkpoint=_checkpoint(model))
+    block = next(b for b in report.blocks if b.layer == layer)
+    assert any(f.startswith(finding) for f in block.findings), block.findings
+    others = [b for b in report.blocks if b is not block and b.findings]
+    shared = fault in ("cos/sin of another theta", "k projections swapped")  # one table for all layers; a swap
+    assert shared or others == [], [b.findings for b in others]
+    assert not report.passed
+
+
+# Files it did not make ----------------------------------------------------------------------------
+def _with_location(tmp_path: Path, location: str) -> str:
+    proto = onnx.load(str(GENAI / "llama/fp32/model.onnx"), load_external_data=False)
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    out = tmp_path / "model.onnx"
+    onnx.save(proto, str(out))
+    return str(out)
+
+
+@pytest.mark.parametrize("location", ["../model.onnx.data", "/etc/passwd", "link.data"])
+def test_external_data_outside_the_folder_is_refused_naming_it(tmp_path, capsys, location):
+    inner = tmp_path / "m"
+    inner.mkdir()
+    shutil.copyfile(GENAI / "llama/fp32/model.onnx.data", tmp_path / "model.onnx.data")
+    os.symlink(tmp_path / "model.onnx.data", inner / "link.data")
+    path = _with_location(inner, location)
+    assert main(["audit", path]) == 2
+    err = capsys.readouterr().err
+    assert location in err and "refused" in err and len(err.strip().splitlines()) == 1
+
+
+def test_truncated_external_data_is_refused(tmp_path, capsys):
+    shutil.copyfile(GENAI / "llama/fp32/model.onnx", tmp_path / "model.onnx")
+    data = (GENAI / "llama/fp32/model.onnx.data").read_bytes()
+    (tmp_path / "model.onnx.data").write_bytes(data[: len(data) // 2])
+    assert main(["audit", str(tmp_path / "model.onnx")]) == 2
+    assert "truncated external data" in capsys.readouterr().err
+
+
+def test_a_graph_without_attention_is_refused(tmp_path, capsys):
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    onnx.save(model, str(tmp_path / "relu.onnx"))
+    assert main(["audit", str(tmp_path / "relu.onnx")]) == 2
+    assert "no attention block found" in capsys.readouterr().err
+
+
+def test_the_cli_prints_a_line_per_block_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    rc = main(["audit", str(GENAI / "mistral/fp32/model.onnx"), "--checkpoint", _checkpoint("mistral/fp32"),
+               "--json", str(out)])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 1
+    assert lines[0].startswith("block 0 = checkpoint layer 0: FAIL") and lines[-1] == "audit FAILED: 0 of 2 block(s) pass"
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["passed"] is False and [b["layer"] for b in report["blocks"]] == [0, 1]

@@ -1,0 +1,328 @@
+"""`attnx audit`: the attention blocks of a whole model another tool exported, each read back
+(attnx.export._blocks), cut out of the graph at its own tensors, run on ONNX Runtime and held
+against attnx's float64 reference; with a Hugging Face checkpoint, each block is paired with the
+checkpoint's layer by its weights' values (never by names) and every term that differs is a finding.
+
+Each block runs a full sequence longer than its window, then a prefill and single-token steps
+through the model's own cache inputs (past_key_values.N.*, seqlens_k, total_sequence_length): its
+output against the reference of the checkpoint's layer (or, without one, of the layer read from
+the graph) under the tolerance table. The model is untrusted input: external data is checked to lie
+inside the model's folder before anything is read (attnx.runtimes.package.member_path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import UsageError
+from attnx.export._blocks import read_blocks
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import external_data_locations
+from attnx.model.importers import import_weights, read_checkpoint_config
+from attnx.model.reference import reference_attention
+from attnx.model.rope import rope_cos_sin
+from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes.compare import Comparison, compare_arrays
+from attnx.runtimes.package import member_path
+
+__all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
+
+# (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table
+AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2}
+
+
+@dataclasses.dataclass
+class BlockAudit:
+    index: int
+    node: str
+    layer: int | None  # the checkpoint's layer it pairs with
+    terms: tuple[str, ...]
+    findings: list[str]
+    checks: list[Comparison]
+    not_checked: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings and not self.not_checked and all(self.checks)
+
+    def worst(self) -> Comparison | None:
+        return max(self.checks, key=lambda c: c.max_abs / max(c.atol, 1e-30), default=None)
+
+    def line(self) -> str:
+        verdict = "pass" if self.passed else "FAIL" if (self.findings or not all(self.checks)) else "not checked"
+        worst = self.worst()
+        err = f"max_abs {worst.max_abs:.3g} (atol {worst.atol:.3g})" if worst is not None else "not run"
+        paired = f" = checkpoint layer {self.layer}" if self.layer is not None else ""
+        return f"block {self.index}{paired}: {verdict:<11} {err}  gqa  {','.join(self.terms)}  [{self.node}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "node": self.node, "layer": self.layer, "terms": list(self.terms),
+                "passed": self.passed, "findings": self.findings, "not_checked": self.not_checked,
+                "checks": [{"name": c.name, "passed": c.passed, "atol": c.atol, "rtol": c.rtol, **c.stats()}
+                           for c in self.checks]}  # fmt: skip
+
+
+@dataclasses.dataclass
+class AuditReport:
+    model: str
+    checkpoint: str | None
+    blocks: list[BlockAudit]
+    unread: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return all(b.passed for b in self.blocks) and not self.unread
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed,
+                "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread}  # fmt: skip
+
+
+def check_model_file(path: str) -> None:
+    """Refuse (UsageError, exit 2) a model whose external data lies outside its folder, is missing or
+    shorter than the tensors it claims: before onnx or onnxruntime opens any data."""
+    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for location in external_data_locations(path):
+        member = member_path(root, location, f"the external data location of {os.path.basename(path)!r}")
+        if not os.path.isfile(member):
+            raise UsageError(f"{path}: its external data {location!r} is missing")
+    import onnx
+
+    proto = onnx.load(path, load_external_data=False)
+    for t in proto.graph.initializer:
+        entries = {e.key: e.value for e in t.external_data}
+        if "location" in entries:
+            end = int(entries.get("offset", 0)) + int(entries.get("length", 0))
+            size = os.path.getsize(os.path.join(root, entries["location"]))
+            if end > size:
+                raise UsageError(f"{path}: tensor {t.name!r} claims bytes up to {end} of {entries['location']!r}, "
+                                 f"which holds {size}: truncated external data")  # fmt: skip
+
+
+def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> tuple[int | None, float]:
+    """The checkpoint layer whose q projection is nearest the block's (relative max difference)."""
+    best, best_err = None, float("inf")
+    ours = block_weights["q_proj.weight"].astype(np.float64)
+    for i, imported in layers.items():
+        theirs = np.asarray(imported.weights["q_proj.weight"], np.float64)
+        if theirs.shape != ours.shape:
+            continue
+        err = float(np.abs(theirs - ours).max() / max(np.abs(theirs).max(), 1e-30))
+        if err < best_err:
+            best, best_err = i, err
+    return best, best_err
+
+
+def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int) -> list[str]:
+    """Every difference between the formula the graph states and the checkpoint layer's, by term."""
+    g, facts, found = block.config, block.facts, []
+    where = f"layer {layer}"
+    for key in ("n_heads", "n_kv_heads", "head_dim"):
+        if getattr(g, key) != getattr(config, key):
+            found.append(f"{where}: {key} {getattr(g, key)} in the graph, {getattr(config, key)} in the checkpoint")
+    if not np.isclose(g.softmax_scale, config.softmax_scale, rtol=1e-6):
+        found.append(f"{where}: scale {g.softmax_scale:.6g} in the graph, {config.softmax_scale:.6g} in the checkpoint")
+    if (g.softcap or None) != (config.softcap or None) and not (
+        g.softcap and config.softcap and np.isclose(g.softcap, config.softcap, rtol=1e-6)
+    ):
+        found.append(f"{where}: softcap {g.softcap} in the graph, {config.softcap} in the checkpoint")
+    if g.sliding_window != config.sliding_window:
+        graph_says = (f"window {g.sliding_window}" if g.sliding_window else
+                      f"no window in the graph (local_window_size {facts.get('local_window_size', -1)})")  # fmt: skip
+        ckpt = f"sliding_window {config.sliding_window}" if config.sliding_window else "no window"
+        found.append(f"{where}: {graph_says}, {ckpt} in the checkpoint"
+                     + (f": every query past {config.sliding_window} sees keys it must not"
+                        if config.sliding_window and not g.sliding_window else ""))  # fmt: skip
+    if g.sinks != config.sinks:
+        found.append(f"{where}: sinks {'in the graph' if g.sinks else 'missing from the graph'}, "
+                     f"{'in' if config.sinks else 'not in'} the checkpoint")  # fmt: skip
+    if (g.qk_norm is None) != (config.qk_norm is None):
+        found.append(f"{where}: q/k norm {'in the graph' if g.qk_norm else 'missing from the graph'}, "
+                     f"{'in' if config.qk_norm else 'not in'} the checkpoint")  # fmt: skip
+    if config.rope is not None:
+        tables = facts.get("rope_tables")
+        if tables is None:
+            found.append(f"{where}: no rotary in the graph, rope in the checkpoint")
+        else:
+            cos, sin = tables
+            want_cos, want_sin = rope_cos_sin(config.rope, np.arange(cos.shape[0]))
+            half = cos.shape[1]
+            err = float(max(np.abs(want_cos[..., :half] - cos).max(), np.abs(want_sin[..., :half] - sin).max()))
+            if err > 1e-4:
+                found.append(f"{where}: rotary table differs from the checkpoint's rope ({config.rope.rope_type}, "
+                             f"theta {config.rope.theta:g}) by {err:.3g} (graph theta fit "
+                             f"{facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
+            if block.facts.get("rotary_interleaved") != config.rope.interleaved:
+                found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
+                             f"the checkpoint's rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
+    # weights: the graph's (dequantized where quantized) against the checkpoint's
+    quantized = block.quantization is not None
+    for name, theirs in weights.items():
+        ours = block.weights.get(name)
+        if ours is None:
+            if name == "sinks" and not g.sinks:
+                continue  # said above, as the term
+            if np.any(theirs):
+                found.append(f"{where}: {name} is in the checkpoint, not in the graph")
+            continue
+        if ours.shape != theirs.shape:
+            found.append(f"{where}: {name} shape {list(ours.shape)} in the graph, {list(theirs.shape)} in the checkpoint")
+            continue
+        ref = np.asarray(theirs, np.float64)
+        diff = np.abs(ours - ref)
+        if quantized and name.endswith("_proj.weight"):
+            # 4-bit blocks along the input: each weight within one step of its block (|w| max of the block / 7)
+            n = int(block.quantization.get("block_size", 32))
+            pad = (-ref.shape[1]) % n
+            blocks = np.pad(np.abs(ref), ((0, 0), (0, pad))).reshape(ref.shape[0], -1, n)
+            step = np.repeat(blocks.max(axis=2) / 7, n, axis=1)[:, : ref.shape[1]]
+            bad = diff > step * (1 + 1e-3) + 1e-12
+            if bad.any():
+                r, k = np.argwhere(bad)[0]
+                found.append(f"{where}: {name} differs from the checkpoint's by more than its 4-bit step in "
+                             f"{int(bad.sum())} weight(s), first [{r}, {k}] (block {k // n})")  # fmt: skip
+            continue
+        err = float(diff.max() / max(np.abs(ref).max(), 1e-30))
+        if err > 1e-5:  # float32 storage of the checkpoint's values: a few ulps
+            found.append(f"{where}: {name} differs from the checkpoint's by {err:.3g} of its largest value")
+    return found
+
+
+def _cut(model_path: str, block: Any, folder: str) -> str:
+    """The block as a model of its own: the graph's nodes between its boundary tensors."""
+    import onnx
+    from onnx.utils import Extractor
+
+    model = onnx.load(model_path)
+    names = [block.inputs[k] for k in ("x", "seqlens_k", "total_sequence_length", "past_key", "past_value")
+             if k in block.inputs]  # fmt: skip
+    outs = [block.outputs[k] for k in ("y", "present_key", "present_value")]
+    cut = Extractor(model).extract_model(names, outs)
+    path = os.path.join(folder, f"block{block.index}.onnx")
+    onnx.save(cut, path)
+    return path
+
+
+def _run_block(session: Any, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray]) -> tuple:
+    batch, tokens, _ = x.shape
+    total = past_len + tokens
+    feeds = {block.inputs["x"]: x.astype(np.float32),
+             block.inputs["seqlens_k"]: np.full((batch,), total - 1, np.int32),
+             block.inputs["total_sequence_length"]: np.array(total, np.int32).reshape(
+                 _scalar_shape(session, block.inputs["total_sequence_length"])),
+             block.inputs["past_key"]: past[0], block.inputs["past_value"]: past[1]}  # fmt: skip
+    return tuple(session.run(None, feeds))
+
+
+def _scalar_shape(session: Any, name: str) -> tuple[int, ...]:
+    spec = next(i for i in session.get_inputs() if i.name == name)
+    return tuple(1 for _ in spec.shape) if spec.shape else ()
+
+
+def audit_model(
+    model_path: str,
+    *,
+    checkpoint: str | None = None,
+    layers: Sequence[int] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> AuditReport:
+    """Audit every attention block of `model_path` (see the module's docstring)."""
+    import onnx_ir as ir
+
+    say = progress or (lambda _m: None)
+    check_model_file(model_path)
+    blocks = read_blocks(ir.load(model_path))
+    if not blocks.blocks and not blocks.unread:
+        raise UsageError(f"{model_path}: no attention block found")
+    imported: dict[int, Any] = {}
+    if checkpoint is not None:
+        hf = read_checkpoint_config(checkpoint)
+        n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
+        for i in range(n_layers):
+            imported[i] = import_weights(checkpoint, layer=i)
+    report = AuditReport(model_path, checkpoint, [], list(blocks.unread))
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="attnx-audit-") as tmp:
+        for block in blocks.blocks:
+            if layers is not None and block.index not in layers:
+                continue
+            say(f"block {block.index}: {block.node}")
+            report.blocks.append(_audit_block(model_path, block, imported, tmp, ort))
+    return report
+
+
+def _audit_block(model_path: str, block: Any, imported: dict[int, Any], tmp: str, ort: Any) -> BlockAudit:
+    findings, not_checked, checks = [], [], []
+    layer = None
+    config, weights = block.config, block.weights
+    if imported:
+        layer, err = _pair(block.weights, imported)
+        if layer is None:
+            findings.append(f"block {block.index}: no checkpoint layer has its q projection's shape")
+        else:
+            source = imported[layer]
+            findings += _compare_terms(block, source.config, source.weights, layer)
+            config, weights = source.config, source.weights  # the reference is the checkpoint's layer
+    if config is not None:
+        config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
+    terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
+    audit = BlockAudit(block.index, block.node, layer, terms, findings, checks, not_checked)
+    if block.unread and not imported:
+        not_checked.append(f"block {block.index}: {block.unread}")
+        return audit
+    if block.quantization is not None and block.quantization["accuracy_level"] != 1:
+        not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {block.quantization['accuracy_level']} "
+                           "quantizes the activations too: its error model is not built yet (accuracy_level 1 is checked)")  # fmt: skip
+        return audit
+    if block.quantization is not None and imported:
+        # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
+        weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
+    session = ort.InferenceSession(_cut(model_path, block, tmp), providers=["CPUExecutionProvider"])
+    shape = AUDIT_SHAPE
+    batch, tokens, hd, n_kv = shape["batch"], shape["tokens"], block.config.head_dim, block.config.n_kv_heads
+    rng = np.random.Generator(np.random.PCG64(block.index))
+    x = rng.standard_normal((batch, tokens, config.d_model), dtype=np.float32)
+    positions = np.broadcast_to(np.arange(tokens, dtype=np.int64), (batch, tokens))
+    feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
+    ref = np.asarray(reference_attention(config, weights, **feeds))
+    tol, size = tolerance_for("fp32"), problem_size(config, weights, feeds)
+    capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
+    empty = np.zeros((batch, n_kv, capacity, hd), np.float32)
+    outputs: list[np.ndarray] = []
+    try:
+        y, *_ = _run_block(session, block, x, 0, (empty, empty))
+        outputs.append(y)
+        checks.append(compare_arrays(f"full sequence ({tokens} tokens)", y, ref, tol, size))
+        if block.facts.get("sliding_window_cache"):
+            not_checked.append(f"block {block.index}: decode through a sliding_window_cache (a ring buffer) is not "
+                               "run yet")  # fmt: skip
+        else:
+            prefill = shape["prefill"]
+            y, pk, pv = _run_block(session, block, x[:, :prefill], 0, (empty, empty))
+            steps = [y]
+            for t in range(prefill, tokens):
+                y, pk, pv = _run_block(session, block, x[:, t : t + 1], t, (pk, pv))
+                steps.append(y)
+            outputs.append(np.concatenate(steps, axis=1))
+            checks.append(compare_arrays(f"prefill {prefill} + {tokens - prefill} steps", outputs[-1], ref, tol, size))
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime's own error types, on the model as exported
+        findings.append(f"block {block.index}: {block.node} fails to run: {type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0][:300]}")  # fmt: skip
+    for c, out in zip(checks, outputs):
+        if not c:
+            findings.append(f"block {block.index}: {c.name} against the reference fails: max_abs {c.max_abs:.3g} > "
+                            f"atol {c.atol:.3g}, first at position {_first_position(out, ref, c)}")  # fmt: skip
+    return audit
+
+
+def _first_position(out: np.ndarray, ref: np.ndarray, c: Comparison) -> int:
+    """The first token position where some output is outside the comparison's bound."""
+    bad = np.abs(np.asarray(out, np.float64) - ref) > c.atol + c.rtol * np.abs(ref)
+    return int(np.argmax(bad.any(axis=(0, 2))))
