@@ -96,6 +96,7 @@ __all__ = [
     "model_form",
     "config_from_metadata",
     "external_data_locations",
+    "external_data_tensors",
     "DECODE_KEY",
     "DECODE_FORMS",
     "buffer_form_specs",
@@ -677,20 +678,35 @@ def external_data_locations(model_path: str | os.PathLike[str]) -> list[str]:
     return _external_locations(_load_proto(path), path)
 
 
-def _external_locations(proto: Any, path: str) -> list[str]:
+def external_data_tensors(model_path: str | os.PathLike[str]) -> list[Any]:
+    """Every TensorProto stored outside the model file (external_data_locations' walk), each with its
+    location, offset and length entries; ModelFileError for one with no location."""
+    path = os.fspath(model_path)
+    return _external_tensors(_load_proto(path), path)
+
+
+def _external_tensors(proto: Any, path: str) -> list[Any]:
     tensors = list(_tensors(proto.graph))
     for function in proto.functions:
         tensors += list(_node_tensors(function.node))
     for info in proto.training_info:
         tensors += list(_tensors(info.initialization)) + list(_tensors(info.algorithm))
-    locations: list[str] = []
+    out = []
     for t in tensors:
         entries = {e.key: e.value for e in t.external_data}
         if t.data_location == EXTERNAL or entries:
             if "location" not in entries:
                 raise ModelFileError(f"tensor {t.name!r} of {os.path.basename(path)!r} is external but has no location")
-            if entries["location"] not in locations:
-                locations.append(entries["location"])
+            out.append(t)
+    return out
+
+
+def _external_locations(proto: Any, path: str) -> list[str]:
+    locations: list[str] = []
+    for t in _external_tensors(proto, path):
+        location = next(e.value for e in t.external_data if e.key == "location")
+        if location not in locations:
+            locations.append(location)
     return locations
 
 

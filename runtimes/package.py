@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from attnx._io import not_a_file
 from attnx.errors import CheckFailed, ConfigError, InputError, ModelFileError, PackageError, UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import MODEL_DTYPES, describe, external_data_locations, get_provider
+from attnx.model.contract import MODEL_DTYPES, describe, external_data_locations, external_data_tensors, get_provider
 from attnx.model.tolerance import ProblemSize, stage_tolerance, tolerance_for
 from attnx.model.weights import init_weights, weight_shapes, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
@@ -91,6 +92,29 @@ def member_path(root: str, name: Any, what: str) -> str:
     if real == root or os.path.commonpath([root, real]) != root:
         raise PackageError(f"{what} {name!r} resolves to {real!r}, outside the package folder: refused")
     return path
+
+
+def check_external_data(model_path: str) -> None:
+    """Refuse (UsageError, exit 2) a model file whose external data does not lie, whole, inside its own
+    folder: every location a plain file name (member_path's rule), present, and at least as long as the
+    bytes its tensors claim. Read from the model's protobuf alone, before any runtime opens the file: one
+    rule for every backend (ONNX Runtime refuses such a file, OpenVINO reads it)."""
+    root = os.path.realpath(os.path.dirname(os.path.abspath(model_path)))
+    what = f"the external data location of {os.path.basename(model_path)!r}"
+    ends: dict[str, int] = {}
+    for tensor in external_data_tensors(model_path):
+        entries = {e.key: e.value for e in tensor.external_data}
+        location = entries.get("location", "")
+        path = member_path(root, location, what)
+        if not os.path.isfile(path):
+            raise UsageError(f"{model_path}: its external data {location!r} {not_a_file(path)}")
+        end = int(entries.get("offset", 0) or 0) + int(entries.get("length", 0) or 0)
+        ends[location] = max(ends.get(location, 0), end)
+    for location, end in ends.items():
+        size = os.path.getsize(os.path.join(root, location))
+        if end > size:
+            raise UsageError(f"{model_path}: its tensors claim bytes up to {end} of {location!r}, which holds {size}: "
+                             "truncated external data")  # fmt: skip
 
 
 def file_sha256(path: str, progress: Callable[[str], None] | None = None, label: str = "") -> str:

@@ -7,7 +7,7 @@ Each block runs a full sequence longer than its window, then a prefill and singl
 through the model's own cache inputs (past_key_values.N.*, seqlens_k, total_sequence_length): its
 output against the reference of the checkpoint's layer (or, without one, of the layer read from
 the graph) under the tolerance table. The model is untrusted input: external data is checked to lie
-inside the model's folder before anything is read (attnx.runtimes.package.member_path).
+whole inside the model's folder before anything is read (attnx.runtimes.package.check_external_data).
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ import numpy as np
 from attnx.errors import UsageError
 from attnx.export._blocks import read_blocks
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import external_data_locations
 from attnx.model.importers import import_weights, read_checkpoint_config
 from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_cos_sin
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import Comparison, compare_arrays
-from attnx.runtimes.package import member_path
+from attnx.runtimes.package import check_external_data
 
 __all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
 
@@ -82,27 +81,6 @@ class AuditReport:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed,
                 "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread}  # fmt: skip
-
-
-def check_model_file(path: str) -> None:
-    """Refuse (UsageError, exit 2) a model whose external data lies outside its folder, is missing or
-    shorter than the tensors it claims: before onnx or onnxruntime opens any data."""
-    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-    for location in external_data_locations(path):
-        member = member_path(root, location, f"the external data location of {os.path.basename(path)!r}")
-        if not os.path.isfile(member):
-            raise UsageError(f"{path}: its external data {location!r} is missing")
-    import onnx
-
-    proto = onnx.load(path, load_external_data=False)
-    for t in proto.graph.initializer:
-        entries = {e.key: e.value for e in t.external_data}
-        if "location" in entries:
-            end = int(entries.get("offset", 0)) + int(entries.get("length", 0))
-            size = os.path.getsize(os.path.join(root, entries["location"]))
-            if end > size:
-                raise UsageError(f"{path}: tensor {t.name!r} claims bytes up to {end} of {entries['location']!r}, "
-                                 f"which holds {size}: truncated external data")  # fmt: skip
 
 
 def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> tuple[int | None, float]:
@@ -236,7 +214,7 @@ def audit_model(
     import onnx_ir as ir
 
     say = progress or (lambda _m: None)
-    check_model_file(model_path)
+    check_external_data(model_path)
     blocks = read_blocks(ir.load(model_path))
     if not blocks.blocks and not blocks.unread:
         raise UsageError(f"{model_path}: no attention block found")

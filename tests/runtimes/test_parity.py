@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -103,3 +104,28 @@ def test_all_skipped_is_not_a_pass():
     source = ModelSource(CONFIGS["self"], weights_for("self"))
     report = run_parity(source, ["missing"], batches=(1,), seqs=(2,), runner_factory=_factory)
     assert not report.passed and {c.status for c in report.cases} == {"skipped"}
+
+
+@pytest.mark.parametrize("location", ["../outside.data", "/etc/hostname"])
+def test_a_model_whose_data_lies_outside_its_folder_is_refused_for_every_backend(exported, tmp_path, capsys, location):
+    """One rule before any backend reads the file: ONNX Runtime refuses such a model and OpenVINO reads
+    it, so parity refuses it first (exit 2, the location named), whichever backends are asked."""
+    import onnx
+
+    from attnx.cli import main
+
+    proto = onnx.load(exported("self", "ort-fused"))
+    (tmp_path / "m").mkdir()
+    path = str(tmp_path / "m" / "model.onnx")
+    onnx.save(proto, path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    os.replace(tmp_path / "m" / "model.onnx.data", tmp_path / "outside.data")
+    moved = onnx.load(path, load_external_data=False)
+    for t in moved.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save(moved, path)
+    for backends in ("reference,openvino", "reference,ort-cpu"):
+        assert main(["parity", "--model", path, "--backends", backends, "--seq", "3"]) == 2
+        err = capsys.readouterr().err
+        assert location in err and "refused" in err, err
