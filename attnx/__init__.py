@@ -48,6 +48,7 @@ _EXPORTS = {
     "optimize_file": "attnx.workflows",
     "build_package": "attnx.workflows",
     "import_model": "attnx.workflows",
+    "audit_model": "attnx.workflows",
     "import_weights": "attnx.model.importers",
     "create_runner": "attnx.runtimes",
     "ModelSource": "attnx.runtimes",

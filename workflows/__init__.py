@@ -3,13 +3,15 @@
 Export with its validation at unseen shapes (export_model), optimize's parity gate
 (optimize_file), auto's measured choice of lowering (lower with attention="auto"), the
 deployment package build (build_package), and the import of a model people have, checked
-against its source (import_model). Below: attnx.model, attnx.export, attnx.runtimes;
+against its source (import_model), and the audit of a whole model another tool exported
+(audit_model). Below: attnx.model, attnx.export, attnx.runtimes;
 above: attnx.bench and the API/CLI.
 """
 
 from __future__ import annotations
 
 from attnx.runtimes.localise import set_decomposed_writer
+from attnx.workflows._audit import AuditReport, BlockAudit, audit_model
 from attnx.workflows._build import (
     DEFAULT_ATTENTION,
     DEFAULT_PROVIDERS,
@@ -47,13 +49,16 @@ __all__ = [
     "LARGE_MODEL_BYTES",
     "PARITY_SHAPES",
     "VALIDATION_SHAPES",
+    "AuditReport",
     "AutoChoice",
+    "BlockAudit",
     "BuildReport",
     "CheckPlan",
     "Expected",
     "ExportReport",
     "ImportReport",
     "OptimizeResult",
+    "audit_model",
     "build_package",
     "check_against_expected",
     "check_against_source",
