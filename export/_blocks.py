@@ -175,7 +175,11 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
                 norms[role] = (nw, eps)
             proj = _projection(before)
             if proj is None:
-                raise NotRead(f"{'query key value'.split()['qkv'.index(role)]} {value.name}: not read as a projection")
+                maker = before.producer()
+                raise NotRead(f"{'query key value'.split()['qkv'.index(role)]} {value.name}: made by "
+                              f"{maker.op_type if maker is not None else 'a graph input'}, not read as a projection"
+                              + (" (a rotary step of its own before the core: not read yet)"
+                                 if maker is not None and maker.op_type == "RotaryEmbedding" else ""))  # fmt: skip
             w, b = proj
             weights[f"{role}_proj.weight"] = w.T
             weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
