@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope
 from attnx.model.terms import QKNorm
 
-__all__ = ["Block", "Blocks", "read_blocks", "fit_rope"]
+__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope"]
 
 _STD = ("", "ai.onnx")
 
@@ -246,10 +247,11 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
 _BLOCK_READERS = {"gqa": _read_gqa_block}
 
 
-def read_blocks(model: ir.Model) -> Blocks:
-    """Every attention block of the graph in graph order, each read into a config and weights where its
-    core has a block reader, else named with why it is not read."""
-    blocks, unread = [], []
+def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
+    """Every attention block of the graph in graph order, read one at a time (its weights read from the
+    graph's tensors as it is reached: a model larger than memory is read a layer at a time), each where
+    its core has a block reader; what is not read is appended to `unread` with the node and why."""
+    index = 0
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         core = _core_of_node(node, "")
         if core is None:
@@ -261,7 +263,15 @@ def read_blocks(model: ir.Model) -> Blocks:
                           f"{', '.join(_BLOCK_READERS)} blocks in this version")  # fmt: skip
             continue
         try:
-            blocks.append(reader(len(blocks), node))
+            block = reader(index, node)
         except NotRead as e:
             unread.append(f"node {name}: not read as attention: {e}")
-    return Blocks(blocks, unread)
+            continue
+        index += 1
+        yield block
+
+
+def read_blocks(model: ir.Model) -> Blocks:
+    """Every attention block of the graph (iter_blocks), all held at once."""
+    unread: list[str] = []
+    return Blocks(list(iter_blocks(model, unread)), unread)

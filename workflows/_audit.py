@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from attnx.errors import UsageError
-from attnx.export._blocks import read_blocks
+from attnx.export._blocks import iter_blocks
 from attnx.model.config import AttentionConfig
 from attnx.model.importers import import_weights, read_checkpoint_config
 from attnx.model.reference import reference_attention
@@ -172,19 +171,18 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
     return found
 
 
-def _cut(model_path: str, block: Any, folder: str) -> str:
-    """The block as a model of its own: the graph's nodes between its boundary tensors."""
-    import onnx
+def _cut(graph: Any, block: Any, base_dir: str) -> bytes:
+    """The block as a model of its own: the graph's nodes between its boundary tensors, with only their
+    own tensors' external data read (the graph was loaded without any)."""
+    from onnx.external_data_helper import load_external_data_for_model
     from onnx.utils import Extractor
 
-    model = onnx.load(model_path)
     names = [block.inputs[k] for k in ("x", "seqlens_k", "total_sequence_length", "past_key", "past_value")
              if k in block.inputs]  # fmt: skip
     outs = [block.outputs[k] for k in ("y", "present_key", "present_value")]
-    cut = Extractor(model).extract_model(names, outs)
-    path = os.path.join(folder, f"block{block.index}.onnx")
-    onnx.save(cut, path)
-    return path
+    cut = Extractor(graph).extract_model(names, outs)
+    load_external_data_for_model(cut, base_dir)
+    return cut.SerializeToString()
 
 
 def _run_block(session: Any, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray]) -> tuple:
@@ -215,28 +213,31 @@ def audit_model(
 
     say = progress or (lambda _m: None)
     check_external_data(model_path)
-    blocks = read_blocks(ir.load(model_path))
-    if not blocks.blocks and not blocks.unread:
-        raise UsageError(f"{model_path}: no attention block found")
+    import onnx
+    import onnxruntime as ort
+
+    model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
+    graph = onnx.load(model_path, load_external_data=False)  # the structure the blocks are cut from
+    base_dir = os.path.dirname(os.path.abspath(model_path))
     imported: dict[int, Any] = {}
     if checkpoint is not None:
         hf = read_checkpoint_config(checkpoint)
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         for i in range(n_layers):
             imported[i] = import_weights(checkpoint, layer=i)
-    report = AuditReport(model_path, checkpoint, [], list(blocks.unread))
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory(prefix="attnx-audit-") as tmp:
-        for block in blocks.blocks:
-            if layers is not None and block.index not in layers:
-                continue
-            say(f"block {block.index}: {block.node}")
-            report.blocks.append(_audit_block(model_path, block, imported, tmp, ort))
+    report = AuditReport(model_path, checkpoint, [], [])
+    for block in iter_blocks(model, report.unread):
+        if layers is not None and block.index not in layers:
+            continue
+        say(f"block {block.index}: {block.node}")
+        report.blocks.append(_audit_block(graph, base_dir, block, imported, ort))
+        block.weights = None  # one block's weights at a time
+    if not report.blocks and not report.unread:
+        raise UsageError(f"{model_path}: no attention block found")
     return report
 
 
-def _audit_block(model_path: str, block: Any, imported: dict[int, Any], tmp: str, ort: Any) -> BlockAudit:
+def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any], ort: Any) -> BlockAudit:
     findings, not_checked, checks = [], [], []
     layer = None
     config, weights = block.config, block.weights
@@ -262,7 +263,7 @@ def _audit_block(model_path: str, block: Any, imported: dict[int, Any], tmp: str
     if block.quantization is not None and imported:
         # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
         weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
-    session = ort.InferenceSession(_cut(model_path, block, tmp), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(_cut(graph, block, base_dir), providers=["CPUExecutionProvider"])
     shape = AUDIT_SHAPE
     batch, tokens, hd, n_kv = shape["batch"], shape["tokens"], block.config.head_dim, block.config.n_kv_heads
     rng = np.random.Generator(np.random.PCG64(block.index))
