@@ -31,8 +31,9 @@ from attnx.runtimes.package import check_external_data
 
 __all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
 
-# (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table
-AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2}
+# (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table;
+# the padded batch's second row is `padding` tokens shorter
+AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3}
 
 
 @dataclasses.dataclass
@@ -185,11 +186,14 @@ def _cut(graph: Any, block: Any, base_dir: str) -> bytes:
     return cut.SerializeToString()
 
 
-def _run_block(session: Any, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray]) -> tuple:
+def _run_block(session: Any, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray],
+               lengths: np.ndarray | None = None) -> tuple:  # fmt: skip
+    """One call of the cut block; lengths: each row's tokens of a right-padded prompt (seqlens_k + 1)."""
     batch, tokens, _ = x.shape
     total = past_len + tokens
+    seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     feeds = {block.inputs["x"]: x.astype(np.float32),
-             block.inputs["seqlens_k"]: np.full((batch,), total - 1, np.int32),
+             block.inputs["seqlens_k"]: seqlens - 1,
              block.inputs["total_sequence_length"]: np.array(total, np.int32).reshape(
                  _scalar_shape(session, block.inputs["total_sequence_length"])),
              block.inputs["past_key"]: past[0], block.inputs["past_value"]: past[1]}  # fmt: skip
@@ -263,7 +267,9 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
     if block.quantization is not None and imported:
         # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
         weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
-    session = ort.InferenceSession(_cut(graph, block, base_dir), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # ORT's own error lines: the audit reports the error it raises
+    session = ort.InferenceSession(_cut(graph, block, base_dir), options, providers=["CPUExecutionProvider"])
     shape = AUDIT_SHAPE
     batch, tokens, hd, n_kv = shape["batch"], shape["tokens"], block.config.head_dim, block.config.n_kv_heads
     rng = np.random.Generator(np.random.PCG64(block.index))
@@ -274,11 +280,28 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
     tol, size = tolerance_for("fp32"), problem_size(config, weights, feeds)
     capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
     empty = np.zeros((batch, n_kv, capacity, hd), np.float32)
-    outputs: list[np.ndarray] = []
+    outputs: list[tuple[np.ndarray, np.ndarray]] = []  # (what the block gave, its reference), per check
     try:
         y, *_ = _run_block(session, block, x, 0, (empty, empty))
-        outputs.append(y)
+        outputs.append((y, ref))
         checks.append(compare_arrays(f"full sequence ({tokens} tokens)", y, ref, tol, size))
+        # a padded batch in GroupQueryAttention's own convention: right padding, each row's length in seqlens_k
+        # (its schema: "must be a right padding mask"), every row against the reference of its own tokens
+        short = tokens - shape["padding"]
+        try:
+            y, *_ = _run_block(session, block, x, 0, (empty, empty), lengths=np.array([tokens, short]))
+        except Exception as e:  # ONNX Runtime's own error types (re-raised but for the ring buffer)
+            if not block.facts.get("sliding_window_cache"):
+                raise
+            # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
+            not_checked.append(f"block {block.index}: a padded batch (rows of {tokens} and {short} tokens), which "
+                               f"ONNX Runtime refuses with a sliding_window_cache: {_first_line(e)}")  # fmt: skip
+        else:
+            row = {k: v[1:, :short] for k, v in feeds.items()}
+            padded_ref = np.concatenate([ref[0:1], np.asarray(reference_attention(config, weights, **row))], axis=1)
+            outputs.append((np.concatenate([y[0:1], y[1:, :short]], axis=1), padded_ref))
+            checks.append(compare_arrays(f"padded batch (rows of {tokens} and {short} tokens)", *outputs[-1],
+                                         tol, size))  # fmt: skip
         # the model's own cache: what the block returns as present is the next step's past (a window kept in
         # a ring buffer, sliding_window_cache, returns its buffer of the window's capacity)
         prefill = shape["prefill"]
@@ -287,16 +310,21 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
         for t in range(prefill, tokens):
             y, pk, pv = _run_block(session, block, x[:, t : t + 1], t, (pk, pv))
             steps.append(y)
-        outputs.append(np.concatenate(steps, axis=1))
-        checks.append(compare_arrays(f"prefill {prefill} + {tokens - prefill} steps", outputs[-1], ref, tol, size))
+        outputs.append((np.concatenate(steps, axis=1), ref))
+        checks.append(compare_arrays(f"prefill {prefill} + {tokens - prefill} steps", *outputs[-1], tol, size))
     except Exception as e:  # noqa: BLE001 - ONNX Runtime's own error types, on the model as exported
-        findings.append(f"block {block.index}: {block.node} fails to run: {type(e).__name__}: "
-                        f"{str(e).strip().splitlines()[0][:300]}")  # fmt: skip
-    for c, out in zip(checks, outputs):
+        findings.append(f"block {block.index}: {block.node} fails to run: {_first_line(e)}")
+    for c, (out, expected) in zip(checks, outputs):
         if not c:
             findings.append(f"block {block.index}: {c.name} against the reference fails: max_abs {c.max_abs:.3g} > "
-                            f"atol {c.atol:.3g}, first at position {_first_position(out, ref, c)}")  # fmt: skip
+                            f"atol {c.atol:.3g}, first at position {_first_position(out, expected, c)}")  # fmt: skip
     return audit
+
+
+def _first_line(e: BaseException) -> str:
+    """ONNX Runtime's message without its prefix: "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ..." """
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line.rsplit(" : ", 1)[-1][:300]
 
 
 def _first_position(out: np.ndarray, ref: np.ndarray, c: Comparison) -> int:

@@ -18,9 +18,8 @@ from attnx.cli import main
 from attnx.workflows._audit import audit_model
 
 GENAI = Path(__file__).resolve().parents[1] / "fixtures" / "genai"
-# gemma2's and gpt-oss's layer 0 keep their window in a ring buffer (sliding_window_cache): decoded through it
-CLEAN = ["llama/fp32", "qwen2/fp32", "qwen3/fp32", "gemma2/fp32", "phi3/fp32", "gpt-oss/fp32", "llama/int4-acc1",
-         "qwen3/int4-acc1"]
+CLEAN = ["llama/fp32", "qwen2/fp32", "qwen3/fp32", "phi3/fp32", "llama/int4-acc1", "qwen3/int4-acc1"]
+WINDOWED = ["gemma2/fp32", "gpt-oss/fp32"]  # layer 0 keeps its window in a ring buffer (sliding_window_cache)
 
 
 def _checkpoint(model: str) -> str:
@@ -32,7 +31,19 @@ def test_a_clean_builder_model_passes_against_its_checkpoint(model):
     report = audit_model(str(GENAI / model / "model.onnx"), checkpoint=_checkpoint(model))
     assert report.passed, [b.findings + b.not_checked for b in report.blocks]
     assert [b.layer for b in report.blocks] == [0, 1]
-    assert all(len(b.checks) == 2 for b in report.blocks)  # full sequence, then prefill + steps
+    assert all(len(b.checks) == 3 for b in report.blocks)  # full sequence, a padded batch, prefill + steps
+
+
+@pytest.mark.parametrize("model", WINDOWED)
+def test_a_windowed_model_agrees_and_names_the_padded_batch_ort_refuses(model):
+    """Decoded through the ring buffer the block returns; ONNX Runtime refuses a row shorter than the
+    prompt in that mode, said as not checked with its message."""
+    report = audit_model(str(GENAI / model / "model.onnx"), checkpoint=_checkpoint(model))
+    assert all(not b.findings and all(b.checks) for b in report.blocks)
+    assert [len(b.checks) for b in report.blocks] == [2, 3]
+    assert "sliding_window" in report.blocks[0].terms and report.blocks[1].passed and not report.passed
+    [reason] = report.blocks[0].not_checked
+    assert "ONNX Runtime refuses with a sliding_window_cache" in reason and "seqlens_k[1] = 8" in reason
 
 
 def test_the_builder_drops_mistral_s_window_and_the_audit_says_where():
@@ -41,7 +52,7 @@ def test_the_builder_drops_mistral_s_window_and_the_audit_says_where():
     for block in report.blocks:
         assert block.findings[0] == (f"layer {block.index}: no window in the graph (local_window_size -1), "
                                      "sliding_window 8 in the checkpoint: every query past 8 sees keys it must not")  # fmt: skip
-        assert all(f.endswith("first at position 8") for f in block.findings[1:]) and len(block.findings) == 3
+        assert all(f.endswith("first at position 8") for f in block.findings[1:]) and len(block.findings) == 4
     # without the checkpoint, the graph agrees with the formula it states
     assert audit_model(str(GENAI / "mistral/fp32/model.onnx")).passed
 
