@@ -260,9 +260,10 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
     if block.unread and not imported:
         not_checked.append(f"block {block.index}: {block.unread}")
         return audit
-    if block.quantization is not None and block.quantization["accuracy_level"] != 1:
-        not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {block.quantization['accuracy_level']} "
-                           "quantizes the activations too: its error model is not built yet (accuracy_level 1 is checked)")  # fmt: skip
+    level = block.quantization["accuracy_level"] if block.quantization is not None else None
+    if level not in (None, 0, 1, 4):
+        not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {level} (fp16/bf16 compute): its error "
+                           "model is not built yet (levels 0, 1 and 4 are checked)")  # fmt: skip
         return audit
     if block.quantization is not None and imported:
         # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
@@ -276,7 +277,12 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
     x = rng.standard_normal((batch, tokens, config.d_model), dtype=np.float32)
     positions = np.broadcast_to(np.arange(tokens, dtype=np.int64), (batch, tokens))
     feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
-    ref = np.asarray(reference_attention(config, weights, **feeds))
+    block_size = block.quantization["block_size"] if level == 4 else None
+
+    def reference(**call: np.ndarray) -> np.ndarray:
+        return _reference(config, weights, call, block_size)
+
+    ref = reference(**feeds)
     tol, size = tolerance_for("fp32"), problem_size(config, weights, feeds)
     capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
     empty = np.zeros((batch, n_kv, capacity, hd), np.float32)
@@ -298,7 +304,7 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
                                f"ONNX Runtime refuses with a sliding_window_cache: {_first_line(e)}")  # fmt: skip
         else:
             row = {k: v[1:, :short] for k, v in feeds.items()}
-            padded_ref = np.concatenate([ref[0:1], np.asarray(reference_attention(config, weights, **row))], axis=1)
+            padded_ref = np.concatenate([ref[0:1], reference(**row)], axis=1)
             outputs.append((np.concatenate([y[0:1], y[1:, :short]], axis=1), padded_ref))
             checks.append(compare_arrays(f"padded batch (rows of {tokens} and {short} tokens)", *outputs[-1],
                                          tol, size))  # fmt: skip
@@ -319,6 +325,33 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
             findings.append(f"block {block.index}: {c.name} against the reference fails: max_abs {c.max_abs:.3g} > "
                             f"atol {c.atol:.3g}, first at position {_first_position(out, expected, c)}")  # fmt: skip
     return audit
+
+
+def int8_blocks(a: np.ndarray, block: int) -> np.ndarray:
+    """`a` as MatMulNBits at accuracy_level 4 computes with it: each row's blocks of `block` values along the last
+    axis quantized to int8, symmetric, scale = max |a| / 127, rounded to nearest even, and back (float64)."""
+    a = np.asarray(a, np.float32)
+    k = a.shape[-1]
+    pad = (-k) % block
+    rows = np.pad(a.reshape(-1, k), ((0, 0), (0, pad))).reshape(-1, (k + pad) // block, block)
+    amax = np.abs(rows).max(axis=2, keepdims=True)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.clip(np.rint(rows * inverse), -127, 127)
+    return (q * (amax / np.float32(127))).reshape(-1, k + pad)[:, :k].reshape(a.shape).astype(np.float64)
+
+
+def _reference(config: AttentionConfig, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarray],
+               block_size: int | None) -> np.ndarray:  # fmt: skip
+    """The float64 reference; with block_size, of the model as MatMulNBits computes at accuracy_level 4: the
+    projections' inputs (x, and the heads' output z before out_proj) in int8 blocks (int8_blocks)."""
+    if block_size is None:
+        return np.asarray(reference_attention(config, weights, **feeds))
+    stages: dict[str, np.ndarray] = {}
+    reference_attention(config, weights, **{**feeds, "x": int8_blocks(feeds["x"], block_size)}, stages=stages,
+                        core_stages=False)  # fmt: skip
+    z = int8_blocks(stages["z"].astype(np.float32), block_size)
+    bias = weights.get("out_proj.bias")  # a config without biases has none
+    return z @ np.asarray(weights["out_proj.weight"], np.float64).T + (0.0 if bias is None else np.asarray(bias, np.float64))
 
 
 def _first_line(e: BaseException) -> str:
