@@ -230,14 +230,20 @@ def audit_model(
         for i in range(n_layers):
             imported[i] = import_weights(checkpoint, layer=i)
     report = AuditReport(model_path, checkpoint, [], [])
+    seen = 0
     for block in iter_blocks(model, report.unread):
+        seen += 1
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
         report.blocks.append(_audit_block(graph, base_dir, block, imported, ort))
         block.weights = None  # one block's weights at a time
-    if not report.blocks and not report.unread:
+    if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
+    missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
+    if missing:
+        raise UsageError(f"--layers {','.join(map(str, missing))}: the model has {seen} block(s) read"
+                         + (f" (0 to {seen - 1})" if seen else ""))  # fmt: skip
     return report
 
 

@@ -223,6 +223,11 @@ def test_a_graph_without_attention_is_refused(tmp_path, capsys):
     assert "no attention block found" in capsys.readouterr().err
 
 
+def test_layers_outside_the_model_are_refused(capsys):
+    assert main(["audit", str(GENAI / "llama/fp32/model.onnx"), "--layers", "1,5"]) == 2
+    assert "--layers 5: the model has 2 block(s) read (0 to 1)" in capsys.readouterr().err
+
+
 def test_the_cli_prints_a_line_per_block_and_writes_json(tmp_path, capsys):
     out = tmp_path / "a.json"
     rc = main(["audit", str(GENAI / "mistral/fp32/model.onnx"), "--checkpoint", _checkpoint("mistral/fp32"),
