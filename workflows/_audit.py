@@ -3,10 +3,12 @@
 against attnx's float64 reference; with a Hugging Face checkpoint, each block is paired with the
 checkpoint's layer by its weights' values (never by names) and every term that differs is a finding.
 
-Each block runs a full sequence longer than its window, then a prefill and single-token steps
-through the model's own cache inputs (past_key_values.N.*, seqlens_k, total_sequence_length): its
-output against the reference of the checkpoint's layer (or, without one, of the layer read from
-the graph) under the tolerance table. The model is untrusted input: external data is checked to lie
+Each block runs a full sequence longer than its window, a right-padded batch (the op's convention:
+each row's length in seqlens_k), then a prefill and single-token steps through the model's own cache
+inputs (past_key_values.N.*, seqlens_k, total_sequence_length): its output against the reference of the
+checkpoint's layer (or, without one, of the layer read from the graph) under the tolerance table. A
+MatMulNBits graph is held against the model as it computes: its dequantized weights, and at
+accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks). The model is untrusted input: external data is checked to lie
 whole inside the model's folder before anything is read (attnx.runtimes.package.check_external_data).
 """
 
@@ -40,6 +42,7 @@ AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3}
 class BlockAudit:
     index: int
     node: str
+    core: str  # the registry's name of its core (attnx.model.cores)
     layer: int | None  # the checkpoint's layer it pairs with
     terms: tuple[str, ...]
     findings: list[str]
@@ -58,10 +61,10 @@ class BlockAudit:
         worst = self.worst()
         err = f"max_abs {worst.max_abs:.3g} (atol {worst.atol:.3g})" if worst is not None else "not run"
         paired = f" = checkpoint layer {self.layer}" if self.layer is not None else ""
-        return f"block {self.index}{paired}: {verdict:<11} {err}  gqa  {','.join(self.terms)}  [{self.node}]"
+        return f"block {self.index}{paired}: {verdict:<11} {err}  {self.core}  {','.join(self.terms)}  [{self.node}]"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "node": self.node, "layer": self.layer, "terms": list(self.terms),
+        return {"index": self.index, "node": self.node, "core": self.core, "layer": self.layer, "terms": list(self.terms),
                 "passed": self.passed, "findings": self.findings, "not_checked": self.not_checked,
                 "checks": [{"name": c.name, "passed": c.passed, "atol": c.atol, "rtol": c.rtol, **c.stats()}
                            for c in self.checks]}  # fmt: skip
@@ -111,7 +114,8 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
     ):
         found.append(f"{where}: softcap {g.softcap} in the graph, {config.softcap} in the checkpoint")
     if g.sliding_window != config.sliding_window:
-        graph_says = (f"window {g.sliding_window}" if g.sliding_window else
+        graph_says = (f"window {g.sliding_window} in the graph (local_window_size {facts.get('local_window_size')})"
+                      if g.sliding_window else
                       f"no window in the graph (local_window_size {facts.get('local_window_size', -1)})")  # fmt: skip
         ckpt = f"sliding_window {config.sliding_window}" if config.sliding_window else "no window"
         found.append(f"{where}: {graph_says}, {ckpt} in the checkpoint"
@@ -262,7 +266,7 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
     if config is not None:
         config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
     terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
-    audit = BlockAudit(block.index, block.node, layer, terms, findings, checks, not_checked)
+    audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked)
     if block.unread and not imported:
         not_checked.append(f"block {block.index}: {block.unread}")
         return audit

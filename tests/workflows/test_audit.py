@@ -148,8 +148,8 @@ def _double_int4_scale(p):
 
 
 FAULTS = {
-    "window 8 -> 7": ("gemma2/fp32", _window(7), 0, "layer 0: window 7, sliding_window 8 in the checkpoint"),
-    "window 8 -> 9": ("gemma2/fp32", _window(9), 0, "layer 0: window 9, sliding_window 8 in the checkpoint"),
+    "window 8 -> 7": ("gemma2/fp32", _window(7), 0, "layer 0: window 7 in the graph (local_window_size 7), sliding_window 8 in the checkpoint"),
+    "window 8 -> 9": ("gemma2/fp32", _window(9), 0, "layer 0: window 9 in the graph (local_window_size 9), sliding_window 8 in the checkpoint"),
     "rotary_interleaved flipped": ("llama/fp32", lambda p: _set_attr(_node(p, 1), "rotary_interleaved", 1), 1,
                                    "layer 1: rotary_interleaved 1 in the graph"),
     "cos/sin of another theta": ("llama/fp32", _other_theta, 0, "layer 0: rotary table differs from the checkpoint's"),
