@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +77,7 @@ class AuditReport:
     checkpoint: str | None
     blocks: list[BlockAudit]
     unread: list[str]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # a backend unavailable on this machine, and why
 
     @property
     def passed(self) -> bool:
@@ -83,7 +85,8 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed,
-                "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread}  # fmt: skip
+                "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread,
+                "skipped": self.skipped}  # fmt: skip
 
 
 def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> tuple[int | None, float]:
@@ -186,27 +189,64 @@ def _cut(graph: Any, block: Any, base_dir: str) -> bytes:
              if k in block.inputs]  # fmt: skip
     outs = [block.outputs[k] for k in ("y", "present_key", "present_value")]
     cut = Extractor(graph).extract_model(names, outs)
+    for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
+        if value.name == block.inputs.get("total_sequence_length"):
+            value.type.tensor_type.shape.Clear()
     load_external_data_for_model(cut, base_dir)
     return cut.SerializeToString()
 
 
-def _run_block(session: Any, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray],
-               lengths: np.ndarray | None = None) -> tuple:  # fmt: skip
+Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # feeds by the cut's input names -> y, presents
+
+
+def _run_block(run: Run, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray],
+               lengths: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
     """One call of the cut block; lengths: each row's tokens of a right-padded prompt (seqlens_k + 1)."""
     batch, tokens, _ = x.shape
     total = past_len + tokens
     seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    feeds = {block.inputs["x"]: x.astype(np.float32),
-             block.inputs["seqlens_k"]: seqlens - 1,
-             block.inputs["total_sequence_length"]: np.array(total, np.int32).reshape(
-                 _scalar_shape(session, block.inputs["total_sequence_length"])),
-             block.inputs["past_key"]: past[0], block.inputs["past_value"]: past[1]}  # fmt: skip
-    return tuple(session.run(None, feeds))
+    return run({block.inputs["x"]: x.astype(np.float32), block.inputs["seqlens_k"]: seqlens - 1,
+                block.inputs["total_sequence_length"]: np.array(total, np.int32),
+                block.inputs["past_key"]: past[0], block.inputs["past_value"]: past[1]})  # fmt: skip
 
 
-def _scalar_shape(session: Any, name: str) -> tuple[int, ...]:
-    spec = next(i for i in session.get_inputs() if i.name == name)
-    return tuple(1 for _ in spec.shape) if spec.shape else ()
+BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
+
+
+def _runner(backend: str, cut: bytes) -> Run | str:
+    """The cut block loaded on `backend` (a Run), or why the backend is unavailable on this machine (a str: a
+    skip). A backend that is here but cannot read or compile the block raises: a finding."""
+    if backend == "openvino":
+        from attnx.runtimes.openvino_runner import DEVICE, OPENVINO_PRECISIONS, openvino_unavailable_reason
+
+        reason = openvino_unavailable_reason()
+        if reason is not None:
+            return reason
+        import openvino as ov
+
+        with tempfile.TemporaryDirectory(prefix="attnx-audit-") as folder:  # OpenVINO reads ONNX from a file
+            path = os.path.join(folder, "block.onnx")
+            with open(path, "wb") as f:
+                f.write(cut)
+            core = ov.Core()
+            compiled = core.compile_model(core.read_model(path), DEVICE, {
+                "INFERENCE_PRECISION_HINT": OPENVINO_PRECISIONS["fp32"],
+                "CPU_RUNTIME_CACHE_CAPACITY": 0})  # its shape cache's fault: attnx.runtimes.openvino_runner  # fmt: skip
+        return lambda feeds: [np.asarray(v) for v in compiled(feeds).values()]
+    import onnxruntime as ort
+
+    providers = ["CPUExecutionProvider"]
+    if backend == "ort-cuda":
+        from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
+
+        reason = ort_cuda_unavailable_reason()
+        if reason is not None:
+            return reason
+        providers = ["CUDAExecutionProvider"]
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # ORT's own error lines: the audit reports the error it raises
+    session = ort.InferenceSession(cut, options, providers=providers)
+    return lambda feeds: session.run(None, feeds)
 
 
 def audit_model(
@@ -214,15 +254,18 @@ def audit_model(
     *,
     checkpoint: str | None = None,
     layers: Sequence[int] | None = None,
+    backends: Sequence[str] = ("ort-cpu",),
     progress: Callable[[str], None] | None = None,
 ) -> AuditReport:
     """Audit every attention block of `model_path` (see the module's docstring)."""
     import onnx_ir as ir
 
     say = progress or (lambda _m: None)
+    for name in backends:
+        if name not in BACKENDS:
+            raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
     check_external_data(model_path)
     import onnx
-    import onnxruntime as ort
 
     model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
     graph = onnx.load(model_path, load_external_data=False)  # the structure the blocks are cut from
@@ -240,7 +283,7 @@ def audit_model(
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
-        report.blocks.append(_audit_block(graph, base_dir, block, imported, ort))
+        report.blocks.append(_audit_block(graph, base_dir, block, imported, backends, report.skipped))
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
@@ -251,7 +294,8 @@ def audit_model(
     return report
 
 
-def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any], ort: Any) -> BlockAudit:
+def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any], backends: Sequence[str],
+                 skipped: list[str]) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
     config, weights = block.config, block.weights
@@ -278,14 +322,10 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
     if block.quantization is not None and imported:
         # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
         weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # ORT's own error lines: the audit reports the error it raises
-    session = ort.InferenceSession(_cut(graph, block, base_dir), options, providers=["CPUExecutionProvider"])
     shape = AUDIT_SHAPE
-    batch, tokens, hd, n_kv = shape["batch"], shape["tokens"], block.config.head_dim, block.config.n_kv_heads
     rng = np.random.Generator(np.random.PCG64(block.index))
-    x = rng.standard_normal((batch, tokens, config.d_model), dtype=np.float32)
-    positions = np.broadcast_to(np.arange(tokens, dtype=np.int64), (batch, tokens))
+    x = rng.standard_normal((shape["batch"], shape["tokens"], config.d_model), dtype=np.float32)
+    positions = np.broadcast_to(np.arange(shape["tokens"], dtype=np.int64), x.shape[:2])
     feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
     block_size = block.quantization["block_size"] if level == 4 else None
 
@@ -293,48 +333,72 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
         return _reference(config, weights, call, block_size)
 
     ref = reference(**feeds)
-    tol, size = tolerance_for("fp32"), problem_size(config, weights, feeds)
+    size = problem_size(config, weights, feeds)
+    cut = _cut(graph, block, base_dir)
+    for backend in backends:
+        try:
+            run = _runner(backend, cut)
+        except Exception as e:  # noqa: BLE001 - each runtime's own error types: a backend asked for cannot read it
+            findings.append(f"block {block.index}: {backend} cannot load {block.node}: {_first_line(e)}")
+            continue
+        if isinstance(run, str):  # unavailable on this machine: a skip, as in parity
+            if f"{backend}: {run}" not in skipped:
+                skipped.append(f"{backend}: {run}")
+            continue
+        _run_checks(run, backend, block, feeds, ref, reference, size, audit)
+    return audit
+
+
+def _run_checks(run: Run, backend: str, block: Any, feeds: dict[str, np.ndarray], ref: np.ndarray,
+                reference: Callable[..., np.ndarray], size: Any, audit: BlockAudit) -> None:  # fmt: skip
+    """The block on one backend: a full sequence, a right-padded batch, a prefill and steps through its cache."""
+    shape, x = AUDIT_SHAPE, feeds["x"]
+    batch, tokens = x.shape[:2]
     capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
-    empty = np.zeros((batch, n_kv, capacity, hd), np.float32)
+    empty = np.zeros((batch, block.config.n_kv_heads, capacity, block.config.head_dim), np.float32)
+    tol = tolerance_for("fp32")
+    label = f"{backend}: " if backend != "ort-cpu" else ""
     outputs: list[tuple[np.ndarray, np.ndarray]] = []  # (what the block gave, its reference), per check
+    checks = []
     try:
-        y, *_ = _run_block(session, block, x, 0, (empty, empty))
+        y, *_ = _run_block(run, block, x, 0, (empty, empty))
         outputs.append((y, ref))
-        checks.append(compare_arrays(f"full sequence ({tokens} tokens)", y, ref, tol, size))
+        checks.append(compare_arrays(f"{label}full sequence ({tokens} tokens)", y, ref, tol, size))
         # a padded batch in GroupQueryAttention's own convention: right padding, each row's length in seqlens_k
         # (its schema: "must be a right padding mask"), every row against the reference of its own tokens
         short = tokens - shape["padding"]
         try:
-            y, *_ = _run_block(session, block, x, 0, (empty, empty), lengths=np.array([tokens, short]))
-        except Exception as e:  # ONNX Runtime's own error types (re-raised but for the ring buffer)
+            y, *_ = _run_block(run, block, x, 0, (empty, empty), lengths=np.array([tokens, short]))
+        except Exception as e:  # the runtime's own error types (re-raised but for the ring buffer)
             if not block.facts.get("sliding_window_cache"):
                 raise
             # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
-            not_checked.append(f"block {block.index}: a padded batch (rows of {tokens} and {short} tokens), which "
-                               f"ONNX Runtime refuses with a sliding_window_cache: {_first_line(e)}")  # fmt: skip
+            audit.not_checked.append(f"block {block.index}: {label}a padded batch (rows of {tokens} and {short} "
+                                     f"tokens), which {backend} refuses with a sliding_window_cache: {_first_line(e)}")  # fmt: skip
         else:
             row = {k: v[1:, :short] for k, v in feeds.items()}
             padded_ref = np.concatenate([ref[0:1], reference(**row)], axis=1)
             outputs.append((np.concatenate([y[0:1], y[1:, :short]], axis=1), padded_ref))
-            checks.append(compare_arrays(f"padded batch (rows of {tokens} and {short} tokens)", *outputs[-1],
+            checks.append(compare_arrays(f"{label}padded batch (rows of {tokens} and {short} tokens)", *outputs[-1],
                                          tol, size))  # fmt: skip
         # the model's own cache: what the block returns as present is the next step's past (a window kept in
         # a ring buffer, sliding_window_cache, returns its buffer of the window's capacity)
         prefill = shape["prefill"]
-        y, pk, pv = _run_block(session, block, x[:, :prefill], 0, (empty, empty))
+        y, pk, pv = _run_block(run, block, x[:, :prefill], 0, (empty, empty))
         steps = [y]
         for t in range(prefill, tokens):
-            y, pk, pv = _run_block(session, block, x[:, t : t + 1], t, (pk, pv))
+            y, pk, pv = _run_block(run, block, x[:, t : t + 1], t, (pk, pv))
             steps.append(y)
         outputs.append((np.concatenate(steps, axis=1), ref))
-        checks.append(compare_arrays(f"prefill {prefill} + {tokens - prefill} steps", *outputs[-1], tol, size))
-    except Exception as e:  # noqa: BLE001 - ONNX Runtime's own error types, on the model as exported
-        findings.append(f"block {block.index}: {block.node} fails to run: {_first_line(e)}")
+        checks.append(compare_arrays(f"{label}prefill {prefill} + {tokens - prefill} steps", *outputs[-1], tol, size))
+    except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+        audit.findings.append(f"block {block.index}: {label}{block.node} fails to run: {_first_line(e)}")
+    audit.checks.extend(checks)
     for c, (out, expected) in zip(checks, outputs):
         if not c:
-            findings.append(f"block {block.index}: {c.name} against the reference fails: max_abs {c.max_abs:.3g} > "
-                            f"atol {c.atol:.3g}, first at position {_first_position(out, expected, c)}")  # fmt: skip
-    return audit
+            audit.findings.append(f"block {block.index}: {c.name} against the reference fails: max_abs "
+                                  f"{c.max_abs:.3g} > atol {c.atol:.3g}, first at position "
+                                  f"{_first_position(out, expected, c)}")  # fmt: skip
 
 
 def int8_blocks(a: np.ndarray, block: int) -> np.ndarray:
@@ -365,9 +429,14 @@ def _reference(config: AttentionConfig, weights: dict[str, np.ndarray], feeds: d
 
 
 def _first_line(e: BaseException) -> str:
-    """ONNX Runtime's message without its prefix: "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ..." """
-    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return line.rsplit(" : ", 1)[-1][:300]
+    """A runtime's message in one line: ONNX Runtime's without its "[ONNXRuntimeError] : 2 : ... : " prefix;
+    OpenVINO's informative line (its first lines are source locations)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    if lines[0].startswith("Exception from src/"):
+        return next((line for line in lines if "not supported" in line), lines[-1])[:300]
+    return lines[0].rsplit(" : ", 1)[-1][:300]
 
 
 def _first_position(out: np.ndarray, ref: np.ndarray, c: Comparison) -> int:

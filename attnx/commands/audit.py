@@ -19,6 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", metavar="HF_DIR", default=None,
                    help="the Hugging Face checkpoint it was made from: each block is paired with its layer by the "
                         "weights' values and every term that differs is a finding")  # fmt: skip
+    p.add_argument("--backends", default="ort-cpu", metavar="B,B",
+                   help="where each block runs: ort-cpu, openvino, ort-cuda (default ort-cpu); one asked for that "
+                        "cannot load or run a block is a finding, one unavailable on this machine a skip")  # fmt: skip
     p.add_argument("--layers", default=None, metavar="I,J,...", help="audit these blocks only (graph order, from 0)")
     p.add_argument("--json", dest="json_out", metavar="OUT.json", default=None, help="write the report as JSON")
     p.set_defaults(run=run)
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint!r} is not a folder")
     if args.json_out:
         check_output_file(args.json_out, "--json")
-    report = audit_model(args.model, checkpoint=args.checkpoint, layers=_layers(args.layers),
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    report = audit_model(args.model, checkpoint=args.checkpoint, layers=_layers(args.layers), backends=backends,
                          progress=lambda m: print(f"auditing {m}", file=sys.stderr))  # fmt: skip
     for block in report.blocks:
         print(block.line())
@@ -52,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  not checked: {line}")
     for line in report.unread:
         print(f"not read: {line}")
+    for line in report.skipped:
+        print(f"skipped: {line}")
     if args.json_out:
         write_json_atomic(args.json_out, report.to_dict())
     n = len(report.blocks)

@@ -44,7 +44,7 @@ def test_a_windowed_model_agrees_and_names_the_padded_batch_ort_refuses(model):
     assert [len(b.checks) for b in report.blocks] == [2, 3]
     assert "sliding_window" in report.blocks[0].terms and report.blocks[1].passed and not report.passed
     [reason] = report.blocks[0].not_checked
-    assert "ONNX Runtime refuses with a sliding_window_cache" in reason and "seqlens_k[1] = 8" in reason
+    assert "ort-cpu refuses with a sliding_window_cache" in reason and "seqlens_k[1] = 8" in reason
 
 
 def test_the_builder_drops_mistral_s_window_and_the_audit_says_where():
@@ -221,6 +221,22 @@ def test_a_graph_without_attention_is_refused(tmp_path, capsys):
     onnx.save(model, str(tmp_path / "relu.onnx"))
     assert main(["audit", str(tmp_path / "relu.onnx")]) == 2
     assert "no attention block found" in capsys.readouterr().err
+
+
+def test_a_backend_asked_for_that_cannot_run_a_block_is_a_finding_and_one_not_here_a_skip():
+    """OpenVINO 2026.4 converts GroupQueryAttention but refuses its softcap, and fails at run time on its
+    cache input: both findings of the block, named; ort-cuda without a GPU is a skip, as in parity."""
+    gemma = audit_model(str(GENAI / "gemma2/fp32/model.onnx"), backends=("ort-cpu", "openvino"))
+    assert all(any("openvino cannot load" in f and "softcap is not supported" in f for f in b.findings)
+               for b in gemma.blocks)  # fmt: skip
+    llama = audit_model(str(GENAI / "llama/fp32/model.onnx"), layers=[0], backends=("openvino",))
+    [finding] = llama.blocks[0].findings
+    assert finding.startswith("block 0: openvino: /model/layers.0/attn/GroupQueryAttention fails to run: ")
+    from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
+
+    if ort_cuda_unavailable_reason() is not None:
+        cuda = audit_model(str(GENAI / "llama/fp32/model.onnx"), backends=("ort-cpu", "ort-cuda"))
+        assert cuda.passed and cuda.skipped[0].startswith("ort-cuda: ")
 
 
 def test_layers_outside_the_model_are_refused(capsys):
