@@ -30,6 +30,8 @@ from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_cos_sin
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import Comparison, compare_arrays
+from attnx.runtimes.openvino_runner import DEVICE, OPENVINO_PRECISIONS, openvino_unavailable_reason
+from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 from attnx.runtimes.package import check_external_data
 
 __all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
@@ -217,8 +219,6 @@ def _runner(backend: str, cut: bytes) -> Run | str:
     """The cut block loaded on `backend` (a Run), or why the backend is unavailable on this machine (a str: a
     skip). A backend that is here but cannot read or compile the block raises: a finding."""
     if backend == "openvino":
-        from attnx.runtimes.openvino_runner import DEVICE, OPENVINO_PRECISIONS, openvino_unavailable_reason
-
         reason = openvino_unavailable_reason()
         if reason is not None:
             return reason
@@ -237,8 +237,6 @@ def _runner(backend: str, cut: bytes) -> Run | str:
 
     providers = ["CPUExecutionProvider"]
     if backend == "ort-cuda":
-        from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
-
         reason = ort_cuda_unavailable_reason()
         if reason is not None:
             return reason
