@@ -65,7 +65,7 @@ from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.contract import MS_DOMAIN, OPENVINO, QUANTIZATIONS, describe, float_dtype, host_dtype
 from attnx.runtimes.base import Runner, register_backend, require_source, runtime_threads
 
-__all__ = ["OPENVINO_INPUT_GROUP", "OPENVINO_PRECISIONS", "OpenvinoRunner", "openvino_unavailable_reason"]
+__all__ = ["OPENVINO_INPUT_GROUP", "OPENVINO_PRECISIONS", "OpenvinoRunner", "compile_config", "openvino_unavailable_reason"]
 
 # attnx's dtype -> OpenVINO's INFERENCE_PRECISION_HINT (an ov.Type's name).
 OPENVINO_PRECISIONS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
@@ -75,6 +75,19 @@ OPENVINO_PRECISIONS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 OPENVINO_INPUT_GROUP = 32
 _FROM_OPENVINO = {v: k for k, v in OPENVINO_PRECISIONS.items()}
 DEVICE = "CPU"
+
+
+def compile_config(precision: str, threads: int | None, *, shape_cache: bool = False) -> dict[str, Any]:
+    """The CPU plugin's settings every OpenVINO run of attnx uses: the precision asked (its hint), the shape
+    cache off (it gives wrong results: the module doc), the quantized forms' input groups, the threads."""
+    config: dict[str, Any] = {
+        "INFERENCE_PRECISION_HINT": OPENVINO_PRECISIONS[precision],
+        "CPU_RUNTIME_CACHE_CAPACITY": 5000 if shape_cache else 0,  # its shape cache gives wrong results (module doc)
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": OPENVINO_INPUT_GROUP,  # the quantized forms' inputs (module doc)
+    }
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return config
 
 
 def openvino_unavailable_reason() -> str | None:
@@ -167,13 +180,7 @@ class OpenvinoRunner(Runner):
                 f"backend {OPENVINO!r} cannot run the {info.lowering} lowering: OpenVINO {ov.__version__} cannot "
                 f"read {os.path.basename(path)!r}: {_reason(e)}"
             ) from None
-        config: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": OPENVINO_PRECISIONS[self.requested],
-            "CPU_RUNTIME_CACHE_CAPACITY": 5000 if self.shape_cache else 0,  # its shape cache gives wrong results (module doc)
-            "DYNAMIC_QUANTIZATION_GROUP_SIZE": OPENVINO_INPUT_GROUP,  # the quantized forms' inputs (module doc)
-        }
-        if self.threads is not None:
-            config["INFERENCE_NUM_THREADS"] = self.threads
+        config = compile_config(self.requested, self.threads, shape_cache=self.shape_cache)
         try:
             self.compiled = core.compile_model(model, DEVICE, config)
         except RuntimeError as e:

@@ -224,14 +224,18 @@ def test_a_graph_without_attention_is_refused(tmp_path, capsys):
 
 
 def test_a_backend_asked_for_that_cannot_run_a_block_is_a_finding_and_one_not_here_a_skip():
-    """OpenVINO 2026.4 converts GroupQueryAttention but refuses its softcap, and fails at run time on its
-    cache input: both findings of the block, named; ort-cuda without a GPU is a skip, as in parity."""
+    """OpenVINO 2026.4 converts GroupQueryAttention but refuses its softcap, and cannot run its cache input:
+    both findings of the block, named; ort-cuda without a GPU is a skip, as in parity."""
     gemma = audit_model(str(GENAI / "gemma2/fp32/model.onnx"), backends=("ort-cpu", "openvino"))
     assert all(any("openvino cannot load" in f and "softcap is not supported" in f for f in b.findings)
                for b in gemma.blocks)  # fmt: skip
+    # on two threads OpenVINO raises at run time; on one (ATTNX_THREADS=1, as under the suite's workers) it returns
+    # an empty output: either is a finding of the block, never a pass
     llama = audit_model(str(GENAI / "llama/fp32/model.onnx"), layers=[0], backends=("openvino",))
-    [finding] = llama.blocks[0].findings
-    assert finding.startswith("block 0: openvino: /model/layers.0/attn/GroupQueryAttention fails to run: ")
+    findings = llama.blocks[0].findings
+    assert findings and not llama.passed and all(f.startswith("block 0: openvino: ") for f in findings), findings
+    assert (findings[0].startswith("block 0: openvino: /model/layers.0/attn/GroupQueryAttention fails to run: ")
+            or all("shape [0, 0, 64] differs" in f for f in findings)), findings  # fmt: skip
     from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 
     if ort_cuda_unavailable_reason() is not None:
