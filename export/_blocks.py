@@ -23,16 +23,14 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._read import CORE_READERS, _core_of_node, _projection
+from attnx.export._read import CORE_READERS, _core_of_node, _is, _projection, _strip_layout
 from attnx.export.passes._base import const_array
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
-from attnx.model.rope import Rope
+from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
 
 __all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope"]
-
-_STD = ("", "ai.onnx")
 
 
 @dataclasses.dataclass
@@ -72,20 +70,6 @@ class NotRead(Exception):
     """A block's structure that the reader does not follow; the message says what and where."""
 
 
-def _is(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = _STD) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in domain
-
-
-def _producer(value: ir.Value | None) -> ir.Node | None:
-    return value.producer() if value is not None else None
-
-
-def _through_reshapes(value: ir.Value) -> ir.Value:
-    while _is(node := value.producer(), "Reshape") or _is(node, "Transpose"):
-        value = node.inputs[0]
-    return value
-
-
 def _projection_node(value: ir.Value) -> ir.Node:
     """The MatMul (or MatMulNBits) of a projection's output, through a bias Add and a Split."""
     node = value.producer()
@@ -111,14 +95,14 @@ def _quantization(node: ir.Node) -> dict[str, Any] | None:
 def _norm(value: ir.Value) -> tuple[ir.Value, np.ndarray | None, float | None]:
     """(the value before it, weight, eps) for a per-head RMSNorm (SimplifiedLayerNormalization between
     Reshapes), else (value, None, None)."""
-    inner = _through_reshapes(value)
+    inner = _strip_layout(value)
     node = inner.producer()
     if _is(node, "SimplifiedLayerNormalization") or _is(node, "SimplifiedLayerNormalization", (MS_DOMAIN,)) or _is(
         node, "RMSNormalization"
     ):
         weight = const_array(node.inputs[1])
         eps = node.attributes.get_float("epsilon", 1e-5)
-        return _through_reshapes(node.inputs[0]), weight, eps
+        return _strip_layout(node.inputs[0]), weight, eps
     return value, None, None
 
 
@@ -140,7 +124,7 @@ def _rope_of(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope 
     theta = float(inv_freq[1] ** (-dim / 2))
     rope = Rope(theta=theta, dim=dim, interleaved=interleaved)
     positions = np.arange(cos.shape[0], dtype=np.float64)
-    expected = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    expected, _ = rope_frequencies(rope)
     angles = positions[:, None] * expected[None, :]
     error = float(max(np.abs(np.cos(angles) - cos).max(), np.abs(np.sin(angles) - sin).max()))
     facts.update(rope_theta=theta, rope_fit_error=error, rope_factor=factor)
