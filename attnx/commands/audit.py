@@ -8,6 +8,7 @@ import sys
 
 from attnx._io import check_output_file, not_a_file, write_json_atomic
 from attnx.commands import COMMANDS
+from attnx.commands._common import str_list
 from attnx.errors import UsageError
 
 HELP = COMMANDS["audit"].help
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", metavar="HF_DIR", default=None,
                    help="the Hugging Face checkpoint it was made from: each block is paired with its layer by the "
                         "weights' values and every term that differs is a finding")  # fmt: skip
-    p.add_argument("--backends", default="ort-cpu", metavar="B,B",
+    p.add_argument("--backends", type=str_list, default=["ort-cpu"], metavar="B,B",
                    help="where each block runs: ort-cpu, openvino, ort-cuda (default ort-cpu); one asked for that "
                         "cannot load or run a block is a finding, one unavailable on this machine a skip")  # fmt: skip
     p.add_argument("--layers", default=None, metavar="I,J,...", help="audit these blocks only (graph order, from 0)")
@@ -45,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint!r} is not a folder")
     if args.json_out:
         check_output_file(args.json_out, "--json")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    report = audit_model(args.model, checkpoint=args.checkpoint, layers=_layers(args.layers), backends=backends,
+    report = audit_model(args.model, checkpoint=args.checkpoint, layers=_layers(args.layers), backends=args.backends,
                          progress=lambda m: print(f"auditing {m}", file=sys.stderr))  # fmt: skip
     for block in report.blocks:
         print(block.line())
