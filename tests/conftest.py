@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from attnx.export._export import TRACE_CACHE_ENV
+from attnx.export._export import TRACE_CACHE_ENV, TRACES
 from attnx.model import AttentionConfig, init_weights
 
 
@@ -27,8 +27,8 @@ def pytest_configure(config):
     # torch), inherited by the attnx processes the tests start. A pool of every core in each worker
     # would spin against the others' (measured slower than one thread each: measurements/facts.md).
     # One folder of traces for the whole run (its workers and the attnx processes they start):
-    # torch.onnx's trace costs ~12 s in a fresh process here and most tests export the same few
-    # configs (docs/about.md, "The tests"). The tests of the exporter itself run without it
+    # torch.onnx's trace dominates an export in a fresh process (measurements/trace_cache) and most
+    # tests export the same few configs (docs/about.md, "The tests"). The tests of the exporter itself run without it
     # (the no_trace_cache fixture). Made by the controlling process, removed when it ends.
     if "PYTEST_XDIST_WORKER" not in os.environ and TRACE_CACHE_ENV not in os.environ:
         config._attnx_traces = tempfile.mkdtemp(prefix="attnx-traces-")
@@ -51,8 +51,6 @@ def pytest_unconfigure(config):
 def no_trace_cache(monkeypatch):
     """For the tests of the exporter itself (its output, its callbacks, signals during a trace):
     every export traces, in this process and in the processes the test starts."""
-    from attnx.export._export import TRACES
-
     monkeypatch.delenv(TRACE_CACHE_ENV, raising=False)
     TRACES.clear()
 
