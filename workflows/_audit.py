@@ -181,16 +181,15 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
     return found
 
 
-def _cut(graph: Any, block: Any, base_dir: str) -> bytes:
-    """The block as a model of its own: the graph's nodes between its boundary tensors, with only their
-    own tensors' external data read (the graph was loaded without any)."""
+def _cut(extractor: Any, block: Any, base_dir: str) -> bytes:
+    """The block as a model of its own: the graph's nodes between its boundary tensors (onnx's Extractor over
+    the whole graph, typed once), with only their own tensors' external data read (the graph has none)."""
     from onnx.external_data_helper import load_external_data_for_model
-    from onnx.utils import Extractor
 
     names = [block.inputs[k] for k in ("x", "seqlens_k", "total_sequence_length", "past_key", "past_value")
              if k in block.inputs]  # fmt: skip
     outs = [block.outputs[k] for k in ("y", "present_key", "present_value")]
-    cut = Extractor(graph).extract_model(names, outs)
+    cut = extractor.extract_model(names, outs)
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
             value.type.tensor_type.shape.Clear()
@@ -263,9 +262,11 @@ def audit_model(
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
     check_external_data(model_path)
     import onnx
+    from onnx.utils import Extractor
 
     model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
-    graph = onnx.load(model_path, load_external_data=False)  # the structure the blocks are cut from
+    # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
+    extractor = Extractor(onnx.load(model_path, load_external_data=False))
     base_dir = os.path.dirname(os.path.abspath(model_path))
     imported: dict[int, Any] = {}
     if checkpoint is not None:
@@ -280,7 +281,7 @@ def audit_model(
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
-        report.blocks.append(_audit_block(graph, base_dir, block, imported, backends, report.skipped))
+        report.blocks.append(_audit_block(extractor, base_dir, block, imported, backends, report.skipped))
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
@@ -291,7 +292,7 @@ def audit_model(
     return report
 
 
-def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any], backends: Sequence[str],
+def _audit_block(extractor: Any, base_dir: str, block: Any, imported: dict[int, Any], backends: Sequence[str],
                  skipped: list[str]) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
@@ -331,7 +332,7 @@ def _audit_block(graph: Any, base_dir: str, block: Any, imported: dict[int, Any]
 
     ref = reference(**feeds)
     size = problem_size(config, weights, feeds)
-    cut = _cut(graph, block, base_dir)
+    cut = _cut(extractor, block, base_dir)
     for backend in backends:
         try:
             run = _runner(backend, cut)
