@@ -29,6 +29,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
+from attnx.model.tolerance import rope_table_bound
 
 __all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope"]
 
@@ -48,12 +49,15 @@ class Block:
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # as the node states them (local_window_size, ...)
     quantization: dict[str, Any] | None = None  # MatMulNBits: bits, block_size, accuracy_level
     unread: str | None = None  # why the block was not read into a config
+    dtype: str = "fp32"  # what the block computes in: its hidden state's type
+    mask: str | None = None  # the tensor of the core's mask input (an additive bias or a key padding mask), if any
+    weight_dtype: str = "float32"  # how the graph stores the projections' weights (numpy's name)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "node": self.node, "core": self.core,
                 "config": self.config.to_dict() if self.config is not None else None, "inputs": self.inputs,
                 "outputs": self.outputs, "facts": _jsonable(self.facts), "quantization": self.quantization,
-                "unread": self.unread}  # fmt: skip
+                "unread": self.unread, "dtype": self.dtype, "mask": self.mask}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -108,9 +112,13 @@ def _norm(value: ir.Value) -> tuple[ir.Value, np.ndarray | None, float | None]:
 
 def fit_rope(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
     """The frequencies and attention factor of a rotary table cos/sin [positions, dim/2] (row p, column
-    i: cos(p * inv_freq_i) * factor): read at position 1 (every frequency is below pi)."""
+    i: cos(p * inv_freq_i) * factor): each column's angle unwrapped along the positions (every frequency is
+    below pi per position) and fitted through the origin, so a table stored in half precision reads as well."""
     cos, sin = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
-    return np.arctan2(sin[1], cos[1]), float(np.hypot(cos[1], sin[1]).mean())
+    angles = np.unwrap(np.arctan2(sin, cos), axis=0)
+    positions = np.arange(cos.shape[0], dtype=np.float64)
+    inv_freq = positions @ angles / max(float(positions @ positions), 1e-30)
+    return inv_freq, float(np.hypot(cos, sin).mean())
 
 
 def _rope_of(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
@@ -121,16 +129,19 @@ def _rope_of(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope 
     facts: dict[str, Any] = {"rope_positions": int(cos.shape[0]), "rope_dim": dim}
     if dim < 4 or inv_freq[1] <= 0:
         return None, {**facts, "rope": "not read: fewer than 2 frequencies"}
-    theta = float(inv_freq[1] ** (-dim / 2))
+    # inv_freq_i = theta^(-2i/dim): log theta from every frequency past the first (which is 1 for any theta)
+    i = np.arange(1, dim // 2, dtype=np.float64)
+    theta = float(np.exp(-(np.log(inv_freq[1:]) @ i) / (2.0 / dim * (i @ i))))
     rope = Rope(theta=theta, dim=dim, interleaved=interleaved)
     positions = np.arange(cos.shape[0], dtype=np.float64)
     expected, _ = rope_frequencies(rope)
     angles = positions[:, None] * expected[None, :]
     error = float(max(np.abs(np.cos(angles) - cos).max(), np.abs(np.sin(angles) - sin).max()))
-    facts.update(rope_theta=theta, rope_fit_error=error, rope_factor=factor)
-    if error > 1e-4 or abs(factor - 1.0) > 1e-4:
+    bound = rope_table_bound(np.asarray(cos).dtype, cos.shape[0])
+    facts.update(rope_theta=theta, rope_fit_error=error, rope_factor=factor, rope_table_bound=bound)
+    if error > bound or abs(factor - 1.0) > bound:
         return None, {**facts, "rope": f"not read: the table is not theta^(-2i/{dim}) of any theta (max error "
-                                       f"{error:.2g}, factor {factor:.4g}): a scaled rope"}  # fmt: skip
+                                       f"{error:.2g} > {bound:.2g}, factor {factor:.4g}): a scaled rope"}  # fmt: skip
     return rope, facts
 
 
@@ -178,23 +189,9 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
             facts["qk_norm_eps"] = [float(norms["q"][1]), float(norms["k"][1])]
     block.quantization = _quantization(proj_node)
     block.inputs["x"] = proj_node.inputs[0].name
-    # the output projection: the MatMul reading the core's output, with its bias
-    out = node.outputs[0]
-    users = [u for u, _ in out.uses()]
-    o_node = next((u for u in users if _is(u, "MatMul") or _is(u, "MatMulNBits", (MS_DOMAIN,))), None)
-    if o_node is None:
-        raise NotRead(f"{out.name}: no output projection reads it (used by {', '.join(u.op_type for u in users)})")
-    y = o_node.outputs[0]
-    o_proj = _projection(y)
-    adds = [u for u, _ in y.uses() if _is(u, "Add") and any(const_array(i) is not None for i in u.inputs)]
-    if adds:
-        o_proj = _projection(adds[0].outputs[0])
-        y = adds[0].outputs[0]
-    if o_proj is None:
-        raise NotRead(f"{o_node.name}: the output projection's weights are not constants")
-    weights["out_proj.weight"] = o_proj[0].T
-    weights["out_proj.bias"] = o_proj[1] if o_proj[1] is not None else np.zeros(o_proj[0].shape[1])
-    block.outputs = {"y": y.name, "present_key": node.outputs[1].name, "present_value": node.outputs[2].name}
+    block.dtype = _dtype_of(proj_node.inputs[0])
+    block.outputs = {"y": _output_projection(node.outputs[0], weights).name, "present_key": node.outputs[1].name,
+                     "present_value": node.outputs[2].name}  # fmt: skip
     for role, i in (("past_key", 3), ("past_value", 4), ("seqlens_k", 5), ("total_sequence_length", 6)):
         if inputs[i] is not None:
             block.inputs[role] = inputs[i].name
@@ -222,13 +219,172 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         sinks=sinks is not None,
     )  # fmt: skip
     block.config = config
+    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
     block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
     if rope is None and "rope" in facts:
         block.unread = f"rope {facts['rope']}"
     return block
 
 
-_BLOCK_READERS = {"gqa": _read_gqa_block}
+def _output_projection(out: ir.Value, weights: dict[str, np.ndarray]) -> ir.Value:
+    """The MatMul (with its bias Add) reading a core's output, through the Reshape/Transpose that merge the
+    heads: its weights into `weights` (out_proj.*); returns the block's output value."""
+    value = out
+    while (users := [u for u, _ in value.uses()]) and len(users) == 1 and users[0].op_type in ("Reshape", "Transpose") \
+            and users[0].domain in ("", "ai.onnx"):  # fmt: skip
+        value = users[0].outputs[0]
+    o_node = next((u for u in users if _is(u, "MatMul") or _is(u, "MatMulNBits", (MS_DOMAIN,))), None)
+    if o_node is None:
+        raise NotRead(f"{out.name}: no output projection reads it (used by {', '.join(u.op_type for u in users)})")
+    y = o_node.outputs[0]
+    o_proj = _projection(y)
+    adds = [u for u, _ in y.uses() if _is(u, "Add") and any(const_array(i) is not None for i in u.inputs)]
+    if adds:
+        o_proj = _projection(adds[0].outputs[0])
+        y = adds[0].outputs[0]
+    if o_proj is None:
+        raise NotRead(f"{o_node.name}: the output projection's weights are not constants")
+    weights["out_proj.weight"] = o_proj[0].T
+    weights["out_proj.bias"] = o_proj[1] if o_proj[1] is not None else np.zeros(o_proj[0].shape[1])
+    return y
+
+
+_DTYPES = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
+
+
+def _dtype_of(value: ir.Value) -> str:
+    """The tolerance table's name of a hidden state's type (fp32 where the graph does not say)."""
+    return _DTYPES.get(value.dtype, "fp32") if value.dtype is not None else "fp32"
+
+
+# what lies between a core's query/key/value input and its projection: the heads' layout, a GQA group's
+# repeat (Expand, Tile), casts, a RotaryEmbedding, a per-head norm, the cache's Concat(past, new)
+_PASS = ("Reshape", "Transpose", "Expand", "Unsqueeze", "Squeeze", "Cast", "Identity", "Tile")
+
+
+@dataclasses.dataclass
+class _Path:
+    projection: ir.Value  # the projection's output (with its bias)
+    rotary: ir.Node | None = None
+    norm: tuple[np.ndarray, float] | None = None
+    past: ir.Value | None = None  # the graph input the cache Concat appends to
+    present: ir.Value | None = None  # that Concat's output
+
+
+def _walk(value: ir.Value) -> _Path:
+    """Back from a core's input to its projection, noting the rotary, norm and cache met on the way."""
+    path = _Path(value)
+    while (node := value.producer()) is not None:
+        if _is(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
+                and node.inputs[0].is_graph_input():  # fmt: skip
+            path.past, path.present, value = node.inputs[0], node.outputs[0], node.inputs[1]
+        elif node.op_type == "RotaryEmbedding" and node.domain in (MS_DOMAIN, "", "ai.onnx"):
+            path.rotary, value = node, node.inputs[0]
+        elif node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization") and node.domain in (
+            MS_DOMAIN, "", "ai.onnx"
+        ):  # fmt: skip
+            weight = const_array(node.inputs[1])
+            if weight is None:
+                raise NotRead(f"node {node.name}: a norm whose weight is not a constant")
+            path.norm, value = (weight, node.attributes.get_float("epsilon", 1e-5)), node.inputs[0]
+        elif node.op_type in _PASS and node.domain in ("", "ai.onnx"):
+            value = node.inputs[0]
+        else:
+            break
+    path.projection = value
+    return path
+
+
+def _rotary_tables(node: ir.Node) -> tuple[np.ndarray, np.ndarray, bool, str | None]:
+    """(cos, sin, interleaved, position input's name) of a RotaryEmbedding node: com.microsoft's (x, position_ids,
+    cos, sin) or ONNX's (x, cos, sin, position_ids)."""
+    ms = node.domain == MS_DOMAIN
+    cos, sin = (node.inputs[2], node.inputs[3]) if ms else (node.inputs[1], node.inputs[2])
+    positions = node.inputs[1] if ms else (node.inputs[3] if len(node.inputs) > 3 else None)
+    cos_a, sin_a = const_array(cos), const_array(sin)
+    if cos_a is None or sin_a is None:
+        raise NotRead(f"node {node.name}: a RotaryEmbedding whose cos/sin caches are not constants")
+    interleaved = bool(node.attributes.get_int("interleaved", 0))
+    return cos_a, sin_a, interleaved, positions.name if positions is not None else None
+
+
+def _read_mha_block(index: int, node: ir.Node) -> Block:
+    """com.microsoft MultiHeadAttention with separate query, key and value (as the GenAI builder writes its fp16
+    CPU models): each walked back to its projection through a RotaryEmbedding, the cache's Concat and the
+    repeat of a GQA group; the mask is the op's attention bias or key padding mask, read by the audit."""
+    facts = CORE_READERS["mha"](node)
+    inputs = list(node.inputs) + [None] * (10 - len(node.inputs))
+    if inputs[1] is None or inputs[2] is None:
+        raise NotRead("a packed query/key/value MultiHeadAttention: not read in this version")
+    if inputs[6] is not None or inputs[7] is not None:
+        raise NotRead("the op's own past_key/past_value inputs: not read in this version")
+    block = Block(index, node.name or node.op_type, "mha", facts=facts)
+    weights: dict[str, np.ndarray] = {}
+    paths = {}
+    for role, value in zip("qkv", inputs[:3]):
+        path = paths[role] = _walk(value)
+        proj = _projection(path.projection)
+        if proj is None:
+            maker = path.projection.producer()
+            raise NotRead(f"{role} {value.name}: made by {maker.op_type if maker is not None else 'a graph input'} "
+                          f"({path.projection.name}), not read as a projection")  # fmt: skip
+        w, b = proj
+        weights[f"{role}_proj.weight"] = w.T
+        weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
+    packed_bias = const_array(inputs[3])
+    if packed_bias is not None:  # the op's [Dq | Dk | Dv] bias, added after the projections
+        ends = np.cumsum([0] + [weights[f"{r}_proj.weight"].shape[0] for r in "qkv"])
+        for role, a, e in zip("qkv", ends[:-1], ends[1:]):
+            weights[f"{role}_proj.bias"] = weights[f"{role}_proj.bias"] + packed_bias[a:e]
+    n_heads = facts["n_heads"]
+    hd = weights["q_proj.weight"].shape[0] // n_heads
+    n_kv = weights["k_proj.weight"].shape[0] // hd
+    facts["n_kv_heads"] = n_kv
+    proj_node = _projection_node(paths["q"].projection)
+    block.quantization = _quantization(proj_node)
+    block.inputs["x"] = proj_node.inputs[0].name
+    block.dtype = _dtype_of(proj_node.inputs[0])
+    if paths["q"].norm is not None or paths["k"].norm is not None:
+        if paths["q"].norm is None or paths["k"].norm is None:
+            raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
+        weights["q_norm.weight"], weights["k_norm.weight"] = paths["q"].norm[0], paths["k"].norm[0]
+        facts["qk_norm_eps"] = [float(paths["q"].norm[1]), float(paths["k"].norm[1])]
+    block.outputs["y"] = _output_projection(node.outputs[0], weights).name
+    for role, kv in (("key", "k"), ("value", "v")):
+        if (paths[kv].past is None) != (paths["k"].past is None):
+            raise NotRead("a cache on the key or the value alone")
+        if paths[kv].past is not None:
+            block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
+    rope = None
+    if (paths["q"].rotary is None) != (paths["k"].rotary is None):
+        raise NotRead(f"a RotaryEmbedding on {'q' if paths['q'].rotary is not None else 'k'} alone")
+    if paths["q"].rotary is not None:
+        cos, sin, interleaved, positions = _rotary_tables(paths["q"].rotary)
+        k_cos, k_sin, k_interleaved, _ = _rotary_tables(paths["k"].rotary)
+        if not (np.array_equal(cos, k_cos) and np.array_equal(sin, k_sin)) or interleaved != k_interleaved:
+            raise NotRead("q and k rotated by different tables")
+        facts["rotary_interleaved"] = interleaved
+        rope, rope_facts = _rope_of(cos, sin, interleaved)
+        facts.update(rope_facts)
+        facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
+        if positions is not None:
+            block.inputs["position_ids"] = positions
+    mask = inputs[5] if inputs[5] is not None else inputs[4]
+    block.mask = mask.name if mask is not None else None
+    config = AttentionConfig(
+        d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
+        causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
+        qk_norm=QKNorm(eps=facts["qk_norm_eps"][0]) if "qk_norm_eps" in facts else None,
+    )  # fmt: skip
+    block.config = config
+    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
+    block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
+    if rope is None and "rope" in facts:
+        block.unread = f"rope {facts['rope']}"
+    return block
+
+
+_BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block}
 
 
 def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:

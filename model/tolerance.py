@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,8 @@ __all__ = [
     "ROPE_FACTOR",
     "ROPE_EPS",
     "rotated_cache_size",
+    "stored_bound",
+    "rope_table_bound",
     # Localisation (issue 23)
     "StageBound",
     "stage_tolerance",
@@ -83,6 +86,23 @@ __all__ = [
 # The rope term (module doc): the angle is rounded in float32 whatever the dtype of the rest.
 ROPE_FACTOR = 4.0
 ROPE_EPS = float(np.finfo(np.float32).eps)
+
+
+# Values read back from a graph another tool wrote (its weights, its rotary tables) against the source's:
+# stored in the graph's dtype, each is within half an eps of the value (relative to the tensor's largest);
+# STORED_ULPS of them is the bound, the slack covering a source held in another dtype before the cast.
+STORED_ULPS = 2.0
+
+
+def stored_bound(dtype: Any) -> float:
+    """The largest difference, relative to a tensor's largest |value|, of a tensor stored in `dtype`."""
+    return STORED_ULPS * float(np.finfo(np.dtype(dtype)).eps)
+
+
+def rope_table_bound(dtype: Any, positions: int) -> float:
+    """The largest difference of a cos/sin table of `positions` rows stored in `dtype` from the exact one: its
+    storage, and the angle p * inv_freq rounded in float32 (the rope term of the module doc)."""
+    return stored_bound(dtype) + ROPE_FACTOR * ROPE_EPS * max(positions - 1, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,12 +15,15 @@ whole inside the model's folder before anything is read (attnx.runtimes.package.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
@@ -28,8 +31,9 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
 from attnx.model.importers import import_weights, read_checkpoint_config
 from attnx.model.reference import reference_attention
+from attnx.model.resources import available_memory_bytes
 from attnx.model.rope import rope_cos_sin
-from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.model.tolerance import problem_size, rope_table_bound, stored_bound, tolerance_for
 from attnx.runtimes.base import runtime_threads
 from attnx.runtimes.compare import Comparison, compare_arrays
 from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
@@ -82,15 +86,17 @@ class AuditReport:
     blocks: list[BlockAudit]
     unread: list[str]
     skipped: list[str] = dataclasses.field(default_factory=list)  # a backend unavailable on this machine, and why
+    findings: list[str] = dataclasses.field(default_factory=list)  # of the whole model as exported
+    not_checked: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return all(b.passed for b in self.blocks) and not self.unread
+        return all(b.passed for b in self.blocks) and not self.unread and not self.findings and not self.not_checked
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed,
                 "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread,
-                "skipped": self.skipped}  # fmt: skip
+                "skipped": self.skipped, "findings": self.findings, "not_checked": self.not_checked}  # fmt: skip
 
 
 def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> int | None:
@@ -143,7 +149,7 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
             want_cos, want_sin = rope_cos_sin(config.rope, np.arange(cos.shape[0]))
             half = cos.shape[1]
             err = float(max(np.abs(want_cos[..., :half] - cos).max(), np.abs(want_sin[..., :half] - sin).max()))
-            if err > 1e-4:
+            if err > rope_table_bound(cos.dtype, cos.shape[0]):
                 found.append(f"{where}: rotary table differs from the checkpoint's rope ({config.rope.rope_type}, "
                              f"theta {config.rope.theta:g}) by {err:.3g} (graph theta fit "
                              f"{facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
@@ -176,20 +182,51 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
                              f"{int(bad.sum())} weight(s), first [{r}, {k}] (block {k // n})")  # fmt: skip
             continue
         err = float(diff.max() / max(np.abs(ref).max(), 1e-30))
-        if err > 1e-5:  # float32 storage of the checkpoint's values: a few ulps
+        if err > stored_bound(block.weight_dtype):  # the checkpoint's values stored in the graph's dtype
             found.append(f"{where}: {name} differs from the checkpoint's by {err:.3g} of its largest value")
     return found
 
 
-def _cut(extractor: Any, block: Any, base_dir: str) -> bytes:
-    """The block as a model of its own: the graph's nodes between its boundary tensors (onnx's Extractor over
-    the whole graph, typed once), with only their own tensors' external data read (the graph has none)."""
+_BOUNDARY = ("x", "seqlens_k", "total_sequence_length", "past_key", "past_value")
+
+
+def _graph_inputs_needed(model: Any, block: Any, outputs: Sequence[str], within: bool = True) -> list[str]:
+    """The graph inputs the block's outputs depend on (attention_mask, position_ids, the shape of input_ids: what a
+    mask or a rotary computed once for all layers reads), in the graph's order; within: not through its boundary."""
+    boundary = {block.inputs[k] for k in _BOUNDARY if k in block.inputs} if within else set()
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    graph_inputs = {v.name for v in model.graph.inputs}
+    needed, seen, todo = set(), set(), list(outputs)
+    while todo:
+        name = todo.pop()
+        if name in seen or name in boundary:
+            continue
+        seen.add(name)
+        if name in graph_inputs:
+            needed.add(name)
+            continue
+        value = values.get(name)
+        producer = value.producer() if value is not None else None
+        if producer is None:
+            continue  # an initializer
+        todo += [i.name for i in producer.inputs if i is not None]
+        for attr in producer.attributes.values():  # an If's branches read outer values
+            if attr.type == ir.AttributeType.GRAPH:
+                todo += [i.name for n in attr.value for i in n.inputs if i is not None]
+    return [v.name for v in model.graph.inputs if v.name in needed]
+
+
+def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequence[str] | None = None) -> bytes:
+    """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its
+    outputs read (onnx's Extractor over the whole graph, typed once), with only their own tensors' external data
+    read (the graph has none); `outputs`: others than the block's own (its mask, read by running it)."""
     from onnx.external_data_helper import load_external_data_for_model
 
-    names = [block.inputs[k] for k in ("x", "seqlens_k", "total_sequence_length", "past_key", "past_value")
-             if k in block.inputs]  # fmt: skip
-    outs = [block.outputs[k] for k in ("y", "present_key", "present_value")]
-    cut = extractor.extract_model(names, outs)
+    outs = list(outputs) if outputs is not None else [block.outputs[k] for k in ("y", "present_key", "present_value")
+                                                        if k in block.outputs]  # fmt: skip
+    names = [block.inputs[k] for k in _BOUNDARY if k in block.inputs] if outputs is None else []
+    names += _graph_inputs_needed(model, block, outs, within=outputs is None)
+    cut = extractor.extract_model(list(dict.fromkeys(names)), outs)
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
             value.type.tensor_type.shape.Clear()
@@ -200,15 +237,46 @@ def _cut(extractor: Any, block: Any, base_dir: str) -> bytes:
 Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # feeds by the cut's input names -> y, presents
 
 
-def _run_block(run: Run, block: Any, x: np.ndarray, past_len: int, past: tuple[np.ndarray, np.ndarray],
-               lengths: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
-    """One call of the cut block; lengths: each row's tokens of a right-padded prompt (seqlens_k + 1)."""
+class NotFed(Exception):
+    """A graph input the block reads that the audit does not know how to feed."""
+
+
+_NP = {"fp32": np.float32, "fp16": np.float16}
+
+
+def _run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_len: int,
+               past: tuple[np.ndarray, np.ndarray], lengths: np.ndarray | None = None,
+               left: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
+    """One call of the cut block on `x` after `past_len` cached tokens. GroupQueryAttention's convention: each
+    row's length in seqlens_k (`lengths`: a right-padded prompt). Hugging Face's (attention_mask, position_ids):
+    `left`, each row's padding tokens at its start (position_ids as transformers makes them: cumsum(mask) - 1)."""
     batch, tokens, _ = x.shape
     total = past_len + tokens
-    seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    return run({block.inputs["x"]: x.astype(np.float32), block.inputs["seqlens_k"]: seqlens - 1,
-                block.inputs["total_sequence_length"]: np.array(total, np.int32),
-                block.inputs["past_key"]: past[0], block.inputs["past_value"]: past[1]})  # fmt: skip
+    dtype = _NP[block.dtype]
+    feeds = {block.inputs["x"]: x.astype(dtype)}
+    if "seqlens_k" in block.inputs:
+        seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        feeds[block.inputs["seqlens_k"]] = seqlens - 1
+        feeds[block.inputs["total_sequence_length"]] = np.array(total, np.int32)
+    if "past_key" in block.inputs:
+        feeds[block.inputs["past_key"]], feeds[block.inputs["past_value"]] = (p.astype(dtype) for p in past)
+    mask = np.ones((batch, total), np.int64)
+    if left is not None:
+        mask[np.arange(total)[None, :] < np.asarray(left)[:, None]] = 0
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[:, past_len:]
+    for name in needs:
+        if name == "attention_mask":
+            feeds[name] = mask
+        elif name == "position_ids":
+            feeds[name] = positions.astype(np.int64)
+        elif name == "input_ids":  # read for its shape (the hidden state is the block's own input)
+            feeds[name] = np.zeros((batch, tokens), np.int64)
+        elif name.startswith("past") and "past_key" in block.inputs:  # another layer's cache, read for its length
+            feeds[name] = np.zeros_like(feeds[block.inputs["past_key"]])
+        else:
+            raise NotFed(f"the block reads graph input {name!r}, which the audit does not feed (it feeds "
+                         "attention_mask, position_ids and input_ids as transformers makes them)")  # fmt: skip
+    return run(feeds)
 
 
 BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
@@ -254,8 +322,6 @@ def audit_model(
     progress: Callable[[str], None] | None = None,
 ) -> AuditReport:
     """Audit every attention block of `model_path` (see the module's docstring)."""
-    import onnx_ir as ir
-
     say = progress or (lambda _m: None)
     for name in backends:
         if name not in BACKENDS:
@@ -276,15 +342,23 @@ def audit_model(
             imported[i] = import_weights(checkpoint, layer=i)
     report = AuditReport(model_path, checkpoint, [], [])
     seen = 0
+    caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
     for block in iter_blocks(model, report.unread):
         seen += 1
+        if block.config is not None:
+            capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
+            for role in ("past_key", "past_value"):
+                if role in block.inputs:
+                    caches[block.inputs[role]] = (block.config.n_kv_heads, capacity, block.config.head_dim)
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
-        report.blocks.append(_audit_block(extractor, base_dir, block, imported, backends, report.skipped))
+        report.blocks.append(_audit_block(extractor, model, base_dir, block, imported, backends, report.skipped))
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
+    if layers is None and seen and "ort-cpu" in backends:
+        _decode_whole(model_path, model, caches, report)
     missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
     if missing:
         raise UsageError(f"--layers {','.join(map(str, missing))}: the model has {seen} block(s) read"
@@ -292,10 +366,15 @@ def audit_model(
     return report
 
 
-def _audit_block(extractor: Any, base_dir: str, block: Any, imported: dict[int, Any], backends: Sequence[str],
-                 skipped: list[str]) -> BlockAudit:  # fmt: skip
+def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, imported: dict[int, Any],
+                 backends: Sequence[str], skipped: list[str]) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
+    if block.mask is not None and block.config is not None:  # the terms a computed mask applies, read by running it
+        try:
+            block.config = _read_mask_terms(extractor, model, block, base_dir)
+        except NotFed as e:
+            block.unread = f"its mask {block.mask} not read: {e}"
     config, weights = block.config, block.weights
     if imported:
         layer = _pair(block.weights, imported)
@@ -317,12 +396,16 @@ def _audit_block(extractor: Any, base_dir: str, block: Any, imported: dict[int, 
         not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {level} (fp16/bf16 compute): its error "
                            "model is not built yet (levels 0, 1 and 4 are checked)")  # fmt: skip
         return audit
+    if block.dtype not in _NP:
+        not_checked.append(f"block {block.index}: a {block.dtype} block: the audit feeds fp32 and fp16 blocks")
+        return audit
     if block.quantization is not None and imported:
         # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
         weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
     shape = AUDIT_SHAPE
     rng = np.random.Generator(np.random.PCG64(block.index))
     x = rng.standard_normal((shape["batch"], shape["tokens"], config.d_model), dtype=np.float32)
+    x = x.astype(_NP[block.dtype]).astype(np.float32)  # the values the block is fed, in its own dtype
     positions = np.broadcast_to(np.arange(shape["tokens"], dtype=np.int64), x.shape[:2])
     feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
     block_size = block.quantization["block_size"] if level == 4 else None
@@ -332,7 +415,8 @@ def _audit_block(extractor: Any, base_dir: str, block: Any, imported: dict[int, 
 
     ref = reference(**feeds)
     size = problem_size(config, weights, feeds)
-    cut = _cut(extractor, block, base_dir)
+    cut = _cut(extractor, model, block, base_dir)
+    needs = _graph_inputs_needed(model, block, [block.outputs["y"]])
     for backend in backends:
         try:
             run = _runner(backend, cut)
@@ -343,56 +427,164 @@ def _audit_block(extractor: Any, base_dir: str, block: Any, imported: dict[int, 
             if f"{backend}: {run}" not in skipped:
                 skipped.append(f"{backend}: {run}")
             continue
-        _run_checks(run, backend, block, feeds, ref, reference, size, audit)
+        _run_checks(functools.partial(_run_block, run, block, needs), backend, block, feeds, ref, reference, size,
+                    audit)  # fmt: skip
     return audit
 
 
-def _run_checks(run: Run, backend: str, block: Any, feeds: dict[str, np.ndarray], ref: np.ndarray,
-                reference: Callable[..., np.ndarray], size: Any, audit: BlockAudit) -> None:  # fmt: skip
-    """The block on one backend: a full sequence, a right-padded batch, a prefill and steps through its cache."""
+def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int, int]], report: AuditReport) -> None:
+    """The whole model as exported, on ONNX Runtime's CPU: a prefill then single steps through its own cache (every
+    present fed back as the next past), which fails in some exports though every block cut out alone runs (a
+    buffer the runtime plans from the graph's dim labels). It only has to run: its numbers are the blocks'."""
+    import onnxruntime as ort
+
+    size = sum(os.path.getsize(os.path.join(os.path.dirname(os.path.abspath(model_path)), f))
+               for f in os.listdir(os.path.dirname(os.path.abspath(model_path))))  # fmt: skip
+    memory = available_memory_bytes()
+    if memory is not None and size > memory // 2:
+        report.not_checked.append(f"the whole model's decoding: its folder ({size / 2**30:.1f} GiB) is more than half "
+                                  f"the memory available ({memory / 2**30:.1f} GiB); each block's is checked")  # fmt: skip
+        return
+    known = ("input_ids", "attention_mask", "position_ids")
+    other = [v.name for v in model.graph.inputs if v.name not in known and v.name not in caches]
+    if other:
+        report.not_checked.append(f"the whole model's decoding: it reads {', '.join(other)}, which the audit does "
+                                  "not feed")  # fmt: skip
+        return
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    if (threads := runtime_threads()) is not None:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model_path, options, providers=[PROVIDERS["cpu"].ort_name])
+    types = {v.name: v.type for v in session.get_inputs()}
+    np_of = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    names = [o.name for o in session.get_outputs()]
+    prefill, steps = AUDIT_SHAPE["prefill"], AUDIT_SHAPE["tokens"] - AUDIT_SHAPE["prefill"]
+    past = {name: np.zeros((1, kv, capacity, hd), np_of.get(types.get(name, ""), np.float32))
+            for name, (kv, capacity, hd) in caches.items()}  # fmt: skip
+    presents = {name: "present" + name[len("past_key_values"):] if name.startswith("past_key_values") else None
+                for name in caches}  # fmt: skip
+    done = 0
+    for step, tokens in enumerate([prefill] + [1] * steps):
+        feeds = {"input_ids": np.ones((1, tokens), np.int64), "attention_mask": np.ones((1, done + tokens), np.int64),
+                 "position_ids": np.arange(done, done + tokens, dtype=np.int64)[None]}  # fmt: skip
+        feeds = {k: v for k, v in feeds.items() if k in types} | past
+        what = f"the prefill of {prefill} tokens" if step == 0 else f"decoding step {step} (after {done} tokens)"
+        try:
+            outputs = dict(zip(names, session.run(None, feeds)))
+        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+            report.findings.append(f"the whole model as exported fails at {what} on ort-cpu: {_first_line(e)}")
+            return
+        if any(presents[n] not in outputs for n in caches):
+            report.not_checked.append("the whole model's decoding: its cache outputs are not named present.* after "
+                                      "its past_key_values.* inputs")  # fmt: skip
+            return
+        past = {n: outputs[presents[n]] for n in caches}
+        done += tokens
+
+
+def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> AttentionConfig:
+    """The block's config with the terms of the mask the graph computes for its core (causal, a window): the mask
+    tensor cut out with what it reads and run once on ONNX Runtime's CPU for a full prompt past any window."""
+    import onnxruntime as ort
+
+    tokens = AUDIT_SHAPE["tokens"]
+    session = ort.InferenceSession(_cut(extractor, model, block, base_dir, outputs=[block.mask]),
+                                   providers=[PROVIDERS["cpu"].ort_name])  # fmt: skip
+    feeds = {}
+    for value in session.get_inputs():
+        if value.name.startswith("past"):  # the cache inputs (this layer's or another's): read for their length
+            feeds[value.name] = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), _NP[block.dtype])
+        elif value.name in ("attention_mask", "input_ids", "position_ids"):
+            feeds[value.name] = (np.arange(tokens, dtype=np.int64)[None] if value.name == "position_ids"
+                                 else np.ones((1, tokens), np.int64))  # fmt: skip
+        else:
+            raise NotFed(f"the mask reads graph input {value.name!r}, which the audit does not feed")
+    mask = np.asarray(session.run(None, feeds)[0])
+    allowed = mask > np.finfo(np.float16).min / 2 if mask.dtype.kind == "f" else mask.astype(bool)
+    allowed = allowed.reshape((-1,) + allowed.shape[-2:])[0] if allowed.ndim >= 2 else allowed
+    grid = np.arange(tokens)
+    if allowed.shape != (tokens, tokens):
+        raise NotFed(f"the mask {block.mask} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
+    causal = grid[None, :] <= grid[:, None]
+    if allowed.all():
+        terms: dict[str, Any] = {"causal": False}
+    elif not (allowed & ~causal).any() and allowed[np.arange(tokens), np.arange(tokens)].all():
+        width = int(allowed[-1].sum())  # the keys the last query sees
+        window = grid[None, :] > grid[:, None] - width
+        if not np.array_equal(allowed, causal & window):
+            raise NotFed(f"the mask {block.mask} is neither causal nor a causal window")
+        terms = {"causal": True, "sliding_window": width if width < tokens else None}
+    else:
+        raise NotFed(f"the mask {block.mask} is neither causal nor a causal window")
+    block.facts["mask"] = ("causal" if terms["causal"] else "none") + (
+        f", window {terms['sliding_window']}" if terms.get("sliding_window") else "")  # fmt: skip
+    return dataclasses.replace(block.config, **terms)
+
+
+def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, feeds: dict[str, np.ndarray],
+                ref: np.ndarray, reference: Callable[..., np.ndarray], size: Any, audit: BlockAudit) -> None:  # fmt: skip
+    """The block on one backend: a full sequence, a padded batch (in the block's convention), a prefill and steps
+    through its cache; each check's failure to run is a finding of its own, naming the check and the runtime's
+    error."""
     shape, x = AUDIT_SHAPE, feeds["x"]
     batch, tokens = x.shape[:2]
-    capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
-    empty = np.zeros((batch, block.config.n_kv_heads, capacity, block.config.head_dim), np.float32)
-    tol = tolerance_for("fp32")
+    config = block.config
+    capacity = config.sliding_window if block.facts.get("sliding_window_cache") else 0
+    empty = np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32)
+    tol = tolerance_for(block.dtype)
     label = f"{backend}: " if backend != "ort-cpu" else ""
-    outputs: list[tuple[np.ndarray, np.ndarray]] = []  # (what the block gave, its reference), per check
-    checks = []
-    try:
-        y, *_ = _run_block(run, block, x, 0, (empty, empty))
-        outputs.append((y, ref))
-        checks.append(compare_arrays(f"{label}full sequence ({tokens} tokens)", y, ref, tol, size))
-        # a padded batch in GroupQueryAttention's own convention: right padding, each row's length in seqlens_k
-        # (its schema: "must be a right padding mask"), every row against the reference of its own tokens
-        short = tokens - shape["padding"]
-        try:
-            y, *_ = _run_block(run, block, x, 0, (empty, empty), lengths=np.array([tokens, short]))
-        except Exception as e:  # the runtime's own error types (re-raised but for the ring buffer)
-            if not block.facts.get("sliding_window_cache"):
-                raise
-            # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
-            audit.not_checked.append(f"block {block.index}: {label}a padded batch (rows of {tokens} and {short} "
-                                     f"tokens), which {backend} refuses with a sliding_window_cache: {_first_line(e)}")  # fmt: skip
-        else:
-            row = {k: v[1:, :short] for k, v in feeds.items()}
-            padded_ref = np.concatenate([ref[0:1], reference(**row)], axis=1)
-            outputs.append((np.concatenate([y[0:1], y[1:, :short]], axis=1), padded_ref))
-            checks.append(compare_arrays(f"{label}padded batch (rows of {tokens} and {short} tokens)", *outputs[-1],
-                                         tol, size))  # fmt: skip
+    short = tokens - shape["padding"]
+    gqa = "seqlens_k" in block.inputs
+
+    def full() -> tuple[np.ndarray, np.ndarray]:
+        return run(x, 0, (empty, empty))[0], ref
+
+    def padded() -> tuple[np.ndarray, np.ndarray]:
+        row = {k: v[1:, :short] for k, v in feeds.items()}
+        if gqa:  # GroupQueryAttention's own convention: right padding, each row's length in seqlens_k
+            y = run(x, 0, (empty, empty), lengths=np.array([tokens, short]))[0]
+            return np.concatenate([y[0:1], y[1:, :short]], axis=1), np.concatenate([ref[0:1], reference(**row)], axis=1)
+        # transformers' convention: left padding in attention_mask, the row's tokens at the end
+        shifted = np.concatenate([np.zeros_like(x[1:, : tokens - short]), x[1:, :short]], axis=1)
+        y = run(np.concatenate([x[0:1], shifted]), 0, (empty, empty), left=np.array([0, tokens - short]))[0]
+        return np.concatenate([y[0:1], y[1:, tokens - short :]], axis=1), np.concatenate([ref[0:1], reference(**row)],
+                                                                                          axis=1)  # fmt: skip
+
+    def decode() -> tuple[np.ndarray, np.ndarray]:
         # the model's own cache: what the block returns as present is the next step's past (a window kept in
         # a ring buffer, sliding_window_cache, returns its buffer of the window's capacity)
-        prefill = shape["prefill"]
-        y, pk, pv = _run_block(run, block, x[:, :prefill], 0, (empty, empty))
+        y, pk, pv = run(x[:, : shape["prefill"]], 0, (empty, empty))
         steps = [y]
-        for t in range(prefill, tokens):
-            y, pk, pv = _run_block(run, block, x[:, t : t + 1], t, (pk, pv))
+        for t in range(shape["prefill"], tokens):
+            y, pk, pv = run(x[:, t : t + 1], t, (pk, pv))
             steps.append(y)
-        outputs.append((np.concatenate(steps, axis=1), ref))
-        checks.append(compare_arrays(f"{label}prefill {prefill} + {tokens - prefill} steps", *outputs[-1], tol, size))
-    except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
-        audit.findings.append(f"block {block.index}: {label}{block.node} fails to run: {_first_line(e)}")
-    audit.checks.extend(checks)
-    for c, (out, expected) in zip(checks, outputs):
+        return np.concatenate(steps, axis=1), ref
+
+    padding = "right" if gqa else "left"
+    plan = [(f"{label}full sequence ({tokens} tokens)", full),
+            (f"{label}padded batch (rows of {tokens} and {short} tokens, {padding}-padded)", padded)]  # fmt: skip
+    if "past_key" in block.inputs:
+        plan.append((f"{label}prefill {shape['prefill']} + {tokens - shape['prefill']} steps", decode))
+    else:
+        audit.not_checked.append(f"block {block.index}: {label}decoding: the block has no cache inputs")
+    for name, check in plan:
+        try:
+            out, expected = check()
+        except NotFed as e:
+            audit.not_checked.append(f"block {block.index}: {name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+            if check is padded and block.facts.get("sliding_window_cache"):
+                # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
+                audit.not_checked.append(f"block {block.index}: {name}, which {backend} refuses with a "
+                                         f"sliding_window_cache: {_first_line(e)}")  # fmt: skip
+            else:
+                audit.findings.append(f"block {block.index}: {name}: {block.node} fails to run as exported: "
+                                      f"{_first_line(e)}")  # fmt: skip
+            continue
+        c = compare_arrays(name, out, expected, tol, size)
+        audit.checks.append(c)
         if c.shape_error is not None:  # an output of another shape (OpenVINO's empty one, on one thread)
             audit.findings.append(f"block {block.index}: {c.name}: {c.shape_error}")
         elif not c:
@@ -434,14 +626,17 @@ def _reference(config: AttentionConfig, weights: dict[str, np.ndarray], feeds: d
 
 
 def _first_line(e: BaseException) -> str:
-    """A runtime's message in one line: ONNX Runtime's without its "[ONNXRuntimeError] : 2 : ... : " prefix;
-    OpenVINO's informative line (its first lines are source locations)."""
+    """A runtime's message in one line: ONNX Runtime's without its "[ONNXRuntimeError] : 2 : ... : " prefix, with
+    the node it names ("node N (Op): ..."); OpenVINO's informative line (its first lines are source locations)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
     if lines[0].startswith("Exception from src/"):
         return next((line for line in lines if "not supported" in line), lines[-1])[:300]
-    return lines[0].rsplit(" : ", 1)[-1][:300]
+    text = " ".join(lines)
+    node = re.search(r"running (\w+) node\. Name:'([^']*)'", text)
+    message = text.rsplit(" : ", 1)[-1]
+    return (f"node {node.group(2)} ({node.group(1)}): " if node else "") + message[:300]
 
 
 def _first_position(out: np.ndarray, ref: np.ndarray, c: Comparison) -> int:

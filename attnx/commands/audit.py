@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  finding: {line}")
         for line in block.not_checked:
             print(f"  not checked: {line}")
+    for line in report.findings:
+        print(f"finding: {line}")
+    for line in report.not_checked:
+        print(f"not checked: {line}")
     for line in report.unread:
         print(f"not read: {line}")
     for line in report.skipped:

@@ -58,6 +58,39 @@ def test_the_builder_drops_mistral_s_window_and_the_audit_says_where():
     assert audit_model(str(GENAI / "mistral/fp32/model.onnx")).passed
 
 
+def test_the_builder_s_fp16_model_agrees_block_by_block_and_its_decode_fails_as_exported():
+    """llama/fp16: MultiHeadAttention fed by RotaryEmbedding nodes, the cache's Concat and a repeat of each kv head,
+    its mask an additive bias computed once from attention_mask (read by running it: causal). Each block agrees
+    with its checkpoint layer in fp16's tolerance, cut out alone, full sequence, left-padded batch and decoding;
+    the whole model fails at its first decoding step, which the audit says naming ONNX Runtime's node."""
+    report = audit_model(str(GENAI / "llama/fp16/model.onnx"), checkpoint=_checkpoint("llama/fp16"))
+    assert [b.layer for b in report.blocks] == [0, 1] and all(b.passed for b in report.blocks)
+    assert all(b.core == "mha" and len(b.checks) == 3 for b in report.blocks)
+    assert all("left-padded" in b.checks[1].name and b.checks[0].atol > 1e-3 for b in report.blocks)  # fp16's bound
+    [finding] = report.findings
+    assert finding.startswith("the whole model as exported fails at decoding step 1 (after 9 tokens) on ort-cpu: "
+                              "node InsertedPrecisionFreeCast_/model/layers.1/attn/v_proj/repeat_kv/Reshape_4")  # fmt: skip
+    assert not report.passed
+
+
+def test_a_computed_mask_and_a_rotary_node_are_read_from_the_graph_alone(monkeypatch):
+    """Without a checkpoint: the rope fitted to the RotaryEmbedding's fp16 tables, the mask (the op's unidirectional
+    is 0) read as causal by running its subgraph; the same audit not reading the mask fails at position 0."""
+    import onnx_ir as ir
+
+    from attnx.export._blocks import read_blocks
+    from attnx.workflows import _audit
+
+    path = str(GENAI / "llama/fp16/model.onnx")
+    blocks = read_blocks(ir.load(path)).blocks
+    assert [b.config.rope.theta for b in blocks] == pytest.approx([10000.0] * 2, rel=1e-4)
+    assert all(b.mask == "/model/attn_mask_reformat/Tile/output_0" and not b.config.causal for b in blocks)
+    assert audit_model(path, layers=[1]).blocks[0].passed
+    monkeypatch.setattr(_audit, "_read_mask_terms", lambda extractor, model, block, base_dir: block.config)
+    [block] = audit_model(path, layers=[1]).blocks
+    assert not block.passed and block.findings[0].endswith("first at position 0")
+
+
 def test_accuracy_level_4_is_checked_as_it_computes_int8_activations(monkeypatch):
     """The builder's CPU int4 default (accuracy_level 4) quantizes each projection's input to int8 in blocks:
     against the plain formula of its own dequantized weights it is ~3% off, so the reference quantizes the
