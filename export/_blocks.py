@@ -31,7 +31,7 @@ from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
 from attnx.model.tolerance import rope_table_bound
 
-__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope"]
+__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope", "rope_of_table"]
 
 
 @dataclasses.dataclass
@@ -121,7 +121,7 @@ def fit_rope(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
     return inv_freq, float(np.hypot(cos, sin).mean())
 
 
-def _rope_of(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
+def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
     """A Rope(theta, dim) whose table matches the graph's, with the fit's error; None (and why) when the
     table is not theta^(-2i/dim) for any theta (a scaled rope: read against a checkpoint's)."""
     inv_freq, factor = fit_rope(cos, sin)
@@ -151,6 +151,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
     n_heads, n_kv = facts["n_heads"], facts["n_kv_heads"]
     inputs = list(node.inputs) + [None] * (12 - len(node.inputs))
     weights: dict[str, np.ndarray] = {}
+    paths: dict[str, _Path] = {}
     qk_norm = None
     if inputs[1] is None:  # packed: query holds q | k | v
         proj = _projection(inputs[0])
@@ -164,29 +165,25 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
             weights[f"{role}_proj.weight"] = w[:, a:e].T
             weights[f"{role}_proj.bias"] = b[a:e] if b is not None else np.zeros(e - a)
     else:
-        norms = {}
         for role, value in zip("qkv", inputs[:3]):
-            before, nw, eps = _norm(value) if role != "v" else (value, None, None)
-            if nw is not None:
-                norms[role] = (nw, eps)
-            proj = _projection(before)
+            path = paths[role] = _walk(value)
+            proj = _projection(path.projection)
             if proj is None:
-                maker = before.producer()
+                maker = path.projection.producer()
                 raise NotRead(f"{'query key value'.split()['qkv'.index(role)]} {value.name}: made by "
-                              f"{maker.op_type if maker is not None else 'a graph input'}, not read as a projection"
-                              + (" (a rotary step of its own before the core: not read yet)"
-                                 if maker is not None and maker.op_type == "RotaryEmbedding" else ""))  # fmt: skip
+                              f"{maker.op_type if maker is not None else 'a graph input'} ({path.projection.name}), "
+                              "not read as a projection")  # fmt: skip
             w, b = proj
             weights[f"{role}_proj.weight"] = w.T
             weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
         hd = weights["q_proj.weight"].shape[0] // n_heads
-        proj_node = _projection_node(_norm(inputs[0])[0])
-        if norms:
-            if set(norms) != {"q", "k"}:
-                raise NotRead(f"a norm on {' and '.join(sorted(norms))} alone")
-            weights["q_norm.weight"], weights["k_norm.weight"] = norms["q"][0], norms["k"][0]
-            qk_norm = QKNorm(eps=float(norms["q"][1]))
-            facts["qk_norm_eps"] = [float(norms["q"][1]), float(norms["k"][1])]
+        proj_node = _projection_node(paths["q"].projection)
+        if paths["q"].norm is not None or paths["k"].norm is not None:
+            if paths["q"].norm is None or paths["k"].norm is None:
+                raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
+            (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = paths["q"].norm, paths["k"].norm
+            qk_norm = QKNorm(eps=float(q_eps))
+            facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
     block.quantization = _quantization(proj_node)
     block.inputs["x"] = proj_node.inputs[0].name
     block.dtype = _dtype_of(proj_node.inputs[0])
@@ -201,9 +198,11 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         if cos is None or sin is None:
             raise NotRead("do_rotary with cos/sin caches that are not constants")
         facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
-        rope, rope_facts = _rope_of(cos, sin, facts["rotary_interleaved"])
+        rope, rope_facts = rope_of_table(cos, sin, facts["rotary_interleaved"])
         facts.update(rope_facts)
         facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
+    elif paths:  # a RotaryEmbedding of its own before the core (as attnx writes it)
+        rope = _rotary_of(paths, facts, block)
     sinks = None
     if facts.get("sinks"):
         sinks = const_array(inputs[11])
@@ -230,8 +229,10 @@ def _output_projection(out: ir.Value, weights: dict[str, np.ndarray]) -> ir.Valu
     """The MatMul (with its bias Add) reading a core's output, through the Reshape/Transpose that merge the
     heads: its weights into `weights` (out_proj.*); returns the block's output value."""
     value = out
-    while (users := [u for u, _ in value.uses()]) and len(users) == 1 and users[0].op_type in ("Reshape", "Transpose") \
-            and users[0].domain in ("", "ai.onnx"):  # fmt: skip
+    while (users := [u for u, _ in value.uses()]) and len(users) == 1 and users[0].domain in ("", "ai.onnx") and (
+        users[0].op_type in ("Reshape", "Transpose")
+        or (users[0].op_type == "Where" and users[0].inputs[1] is value and const_array(users[0].inputs[2]) is not None)
+    ):  # the heads merged; a row no key may see set to a constant
         value = users[0].outputs[0]
     o_node = next((u for u in users if _is(u, "MatMul") or _is(u, "MatMulNBits", (MS_DOMAIN,))), None)
     if o_node is None:
@@ -295,33 +296,79 @@ def _walk(value: ir.Value) -> _Path:
     return path
 
 
-def _rotary_tables(node: ir.Node) -> tuple[np.ndarray, np.ndarray, bool, str | None]:
+def _rotary_tables(node: ir.Node) -> tuple[ir.Value, ir.Value, bool, str | None]:
     """(cos, sin, interleaved, position input's name) of a RotaryEmbedding node: com.microsoft's (x, position_ids,
-    cos, sin) or ONNX's (x, cos, sin, position_ids)."""
+    cos, sin) or ONNX's (x, cos, sin, position_ids); cos/sin constant caches, or tensors the graph computes."""
     ms = node.domain == MS_DOMAIN
     cos, sin = (node.inputs[2], node.inputs[3]) if ms else (node.inputs[1], node.inputs[2])
     positions = node.inputs[1] if ms else (node.inputs[3] if len(node.inputs) > 3 else None)
-    cos_a, sin_a = const_array(cos), const_array(sin)
-    if cos_a is None or sin_a is None:
-        raise NotRead(f"node {node.name}: a RotaryEmbedding whose cos/sin caches are not constants")
     interleaved = bool(node.attributes.get_int("interleaved", 0))
-    return cos_a, sin_a, interleaved, positions.name if positions is not None else None
+    return cos, sin, interleaved, positions.name if positions is not None and positions.is_graph_input() else None
 
 
 def _read_mha_block(index: int, node: ir.Node) -> Block:
     """com.microsoft MultiHeadAttention with separate query, key and value (as the GenAI builder writes its fp16
-    CPU models): each walked back to its projection through a RotaryEmbedding, the cache's Concat and the
-    repeat of a GQA group; the mask is the op's attention bias or key padding mask, read by the audit."""
-    facts = CORE_READERS["mha"](node)
+    CPU models)."""
     inputs = list(node.inputs) + [None] * (10 - len(node.inputs))
     if inputs[1] is None or inputs[2] is None:
         raise NotRead("a packed query/key/value MultiHeadAttention: not read in this version")
     if inputs[6] is not None or inputs[7] is not None:
         raise NotRead("the op's own past_key/past_value inputs: not read in this version")
-    block = Block(index, node.name or node.op_type, "mha", facts=facts)
+    mask = inputs[5] if inputs[5] is not None else inputs[4]  # an additive bias, else a key padding mask
+    return _read_separate(index, node, "mha", CORE_READERS["mha"](node), inputs[:3], mask, packed_bias=inputs[3])
+
+
+def _read_attention23_block(index: int, node: ir.Node) -> Block:
+    """ONNX's Attention (opset 23): query, key and value, a mask input (boolean: True attends; or additive), the op's
+    own past_key/past_value -> present_key/present_value, is_causal."""
+    inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
+    facts = CORE_READERS["attention23"](node)
+    facts["causal"] = bool(facts.get("causal"))
+    cache = None
+    if inputs[4] is not None:
+        if not (inputs[4].is_graph_input() and inputs[5] is not None and inputs[5].is_graph_input()):
+            raise NotRead("past_key/past_value that are not graph inputs")
+        cache = (inputs[4], inputs[5], node.outputs[1], node.outputs[2])
+    return _read_separate(index, node, "attention23", facts, inputs[:3], inputs[3], own_cache=cache)
+
+
+def _rotary_of(paths: dict[str, _Path], facts: dict[str, Any], block: Block) -> Rope | None:
+    """The rope of the RotaryEmbedding nodes met on q's and k's way (one table for both), or None; tables the graph
+    computes are named in facts["rope_tensors"] for the audit to read by running them."""
+    rope = None
+    if (paths["q"].rotary is None) != (paths["k"].rotary is None):
+        raise NotRead(f"a RotaryEmbedding on {'q' if paths['q'].rotary is not None else 'k'} alone")
+    if paths["q"].rotary is not None:
+        cos_v, sin_v, interleaved, positions = _rotary_tables(paths["q"].rotary)
+        k_cos_v, k_sin_v, k_interleaved, _ = _rotary_tables(paths["k"].rotary)
+        cos, sin, k_cos, k_sin = (const_array(v) for v in (cos_v, sin_v, k_cos_v, k_sin_v))
+        same = (cos_v is k_cos_v and sin_v is k_sin_v) or (cos is not None and k_cos is not None and sin is not None
+                                                           and k_sin is not None and np.array_equal(cos, k_cos)
+                                                           and np.array_equal(sin, k_sin))  # fmt: skip
+        if not same or interleaved != k_interleaved:
+            raise NotRead("q and k rotated by different tables")
+        facts["rotary_interleaved"] = interleaved
+        if cos is None or sin is None:  # tables the graph computes (from position_ids): the audit reads them by running
+            facts["rope_tensors"] = (cos_v.name, sin_v.name)
+        else:
+            rope, rope_facts = rope_of_table(cos, sin, interleaved)
+            facts.update(rope_facts)
+            facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
+        if positions is not None:
+            block.inputs["position_ids"] = positions
+    return rope
+
+
+def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
+                   mask: ir.Value | None, packed_bias: ir.Value | None = None,
+                   own_cache: tuple[ir.Value, ...] | None = None) -> Block:  # fmt: skip
+    """A core taking query, key and value apart: each walked back to its projection through a RotaryEmbedding, a
+    per-head norm, the cache's Concat(past, new) and the repeat of a GQA group; the mask tensor is named for the
+    audit, which reads its terms by running it."""
+    block = Block(index, node.name or node.op_type, core, facts=facts)
     weights: dict[str, np.ndarray] = {}
     paths = {}
-    for role, value in zip("qkv", inputs[:3]):
+    for role, value in zip("qkv", qkv):
         path = paths[role] = _walk(value)
         proj = _projection(path.projection)
         if proj is None:
@@ -331,12 +378,17 @@ def _read_mha_block(index: int, node: ir.Node) -> Block:
         w, b = proj
         weights[f"{role}_proj.weight"] = w.T
         weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
-    packed_bias = const_array(inputs[3])
+    packed_bias = const_array(packed_bias)
     if packed_bias is not None:  # the op's [Dq | Dk | Dv] bias, added after the projections
         ends = np.cumsum([0] + [weights[f"{r}_proj.weight"].shape[0] for r in "qkv"])
         for role, a, e in zip("qkv", ends[:-1], ends[1:]):
             weights[f"{role}_proj.bias"] = weights[f"{role}_proj.bias"] + packed_bias[a:e]
     n_heads = facts["n_heads"]
+    if n_heads is None:  # a 4D query [batch, heads, tokens, head_dim]: the op's attributes do not say
+        shape = qkv[0].shape
+        if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+            raise NotRead(f"query {qkv[0].name}: its heads are neither an attribute nor a static dimension")
+        n_heads = facts["n_heads"] = shape[1]
     hd = weights["q_proj.weight"].shape[0] // n_heads
     n_kv = weights["k_proj.weight"].shape[0] // hd
     facts["n_kv_heads"] = n_kv
@@ -350,26 +402,18 @@ def _read_mha_block(index: int, node: ir.Node) -> Block:
         weights["q_norm.weight"], weights["k_norm.weight"] = paths["q"].norm[0], paths["k"].norm[0]
         facts["qk_norm_eps"] = [float(paths["q"].norm[1]), float(paths["k"].norm[1])]
     block.outputs["y"] = _output_projection(node.outputs[0], weights).name
+    if own_cache is not None:
+        if paths["k"].past is not None:
+            raise NotRead("a cache both in the op and before it")
+        past_k, past_v, present_k, present_v = own_cache
+        block.inputs.update(past_key=past_k.name, past_value=past_v.name)
+        block.outputs.update(present_key=present_k.name, present_value=present_v.name)
     for role, kv in (("key", "k"), ("value", "v")):
         if (paths[kv].past is None) != (paths["k"].past is None):
             raise NotRead("a cache on the key or the value alone")
         if paths[kv].past is not None:
             block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
-    rope = None
-    if (paths["q"].rotary is None) != (paths["k"].rotary is None):
-        raise NotRead(f"a RotaryEmbedding on {'q' if paths['q'].rotary is not None else 'k'} alone")
-    if paths["q"].rotary is not None:
-        cos, sin, interleaved, positions = _rotary_tables(paths["q"].rotary)
-        k_cos, k_sin, k_interleaved, _ = _rotary_tables(paths["k"].rotary)
-        if not (np.array_equal(cos, k_cos) and np.array_equal(sin, k_sin)) or interleaved != k_interleaved:
-            raise NotRead("q and k rotated by different tables")
-        facts["rotary_interleaved"] = interleaved
-        rope, rope_facts = _rope_of(cos, sin, interleaved)
-        facts.update(rope_facts)
-        facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
-        if positions is not None:
-            block.inputs["position_ids"] = positions
-    mask = inputs[5] if inputs[5] is not None else inputs[4]
+    rope = _rotary_of(paths, facts, block)
     block.mask = mask.name if mask is not None else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
@@ -384,7 +428,7 @@ def _read_mha_block(index: int, node: ir.Node) -> Block:
     return block
 
 
-_BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block}
+_BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23": _read_attention23_block}
 
 
 def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:

@@ -19,6 +19,7 @@ import functools
 import os
 import re
 import tempfile
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,9 +27,9 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
-from attnx.export._blocks import iter_blocks
+from attnx.export._blocks import iter_blocks, rope_of_table
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import PROVIDERS
+from attnx.model.contract import CONFIG_KEY, PROVIDERS, config_from_metadata
 from attnx.model.importers import import_weights, read_checkpoint_config
 from attnx.model.reference import reference_attention
 from attnx.model.resources import available_memory_bytes
@@ -44,7 +45,7 @@ __all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
 
 # (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table;
 # the padded batch's second row is `padding` tokens shorter
-AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3}
+AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3, "rope_positions": 128}
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class BlockAudit:
     findings: list[str]
     checks: list[Comparison]
     not_checked: list[str]
+    source: str = "checkpoint layer"  # what it is held to: a checkpoint's layer, or the attnx.config of attnx's model
 
     @property
     def passed(self) -> bool:
@@ -69,11 +71,12 @@ class BlockAudit:
         verdict = "pass" if self.passed else "FAIL" if (self.findings or not all(self.checks)) else "not checked"
         worst = self.worst()
         err = f"max_abs {worst.max_abs:.3g} (atol {worst.atol:.3g})" if worst is not None else "not run"
-        paired = f" = checkpoint layer {self.layer}" if self.layer is not None else ""
+        paired = "" if self.layer is None else f" = {self.source}" + (f" {self.layer}" if self.source != "attnx.config" else "")
         return f"block {self.index}{paired}: {verdict:<11} {err}  {self.core}  {','.join(self.terms)}  [{self.node}]"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "node": self.node, "core": self.core, "layer": self.layer, "terms": list(self.terms),
+        return {"index": self.index, "node": self.node, "core": self.core, "layer": self.layer, "source": self.source,
+                "terms": list(self.terms),
                 "passed": self.passed, "findings": self.findings, "not_checked": self.not_checked,
                 "checks": [{"name": c.name, "passed": c.passed, "atol": c.atol, "rtol": c.rtol, **c.stats()}
                            for c in self.checks]}  # fmt: skip
@@ -113,50 +116,51 @@ def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> int |
     return best
 
 
-def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int) -> list[str]:
+def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int,
+                   source: str = "the checkpoint") -> list[str]:
     """Every difference between the formula the graph states and the checkpoint layer's, by term."""
     g, facts, found = block.config, block.facts, []
     where = f"layer {layer}"
     for key in ("n_heads", "n_kv_heads", "head_dim"):
         if getattr(g, key) != getattr(config, key):
-            found.append(f"{where}: {key} {getattr(g, key)} in the graph, {getattr(config, key)} in the checkpoint")
+            found.append(f"{where}: {key} {getattr(g, key)} in the graph, {getattr(config, key)} in {source}")
     if not np.isclose(g.softmax_scale, config.softmax_scale, rtol=1e-6):
-        found.append(f"{where}: scale {g.softmax_scale:.6g} in the graph, {config.softmax_scale:.6g} in the checkpoint")
+        found.append(f"{where}: scale {g.softmax_scale:.6g} in the graph, {config.softmax_scale:.6g} in {source}")
     if (g.softcap or None) != (config.softcap or None) and not (
         g.softcap and config.softcap and np.isclose(g.softcap, config.softcap, rtol=1e-6)
     ):
-        found.append(f"{where}: softcap {g.softcap} in the graph, {config.softcap} in the checkpoint")
+        found.append(f"{where}: softcap {g.softcap} in the graph, {config.softcap} in {source}")
     if g.sliding_window != config.sliding_window:
         graph_says = (f"window {g.sliding_window} in the graph (local_window_size {facts.get('local_window_size')})"
                       if g.sliding_window else
                       f"no window in the graph (local_window_size {facts.get('local_window_size', -1)})")  # fmt: skip
         ckpt = f"sliding_window {config.sliding_window}" if config.sliding_window else "no window"
-        found.append(f"{where}: {graph_says}, {ckpt} in the checkpoint"
+        found.append(f"{where}: {graph_says}, {ckpt} in {source}"
                      + (f": every query past {config.sliding_window} sees keys it must not"
                         if config.sliding_window and not g.sliding_window else ""))  # fmt: skip
     if g.sinks != config.sinks:
         found.append(f"{where}: sinks {'in the graph' if g.sinks else 'missing from the graph'}, "
-                     f"{'in' if config.sinks else 'not in'} the checkpoint")  # fmt: skip
+                     f"{'in' if config.sinks else 'not in'} {source}")  # fmt: skip
     if (g.qk_norm is None) != (config.qk_norm is None):
         found.append(f"{where}: q/k norm {'in the graph' if g.qk_norm else 'missing from the graph'}, "
-                     f"{'in' if config.qk_norm else 'not in'} the checkpoint")  # fmt: skip
+                     f"{'in' if config.qk_norm else 'not in'} {source}")  # fmt: skip
     if config.rope is not None:
         tables = facts.get("rope_tables")
         if tables is None:
-            found.append(f"{where}: no rotary in the graph, rope in the checkpoint")
+            found.append(f"{where}: no rotary in the graph, rope in {source}")
         else:
             cos, sin = tables
             want_cos, want_sin = rope_cos_sin(config.rope, np.arange(cos.shape[0]))
             half = cos.shape[1]
             err = float(max(np.abs(want_cos[..., :half] - cos).max(), np.abs(want_sin[..., :half] - sin).max()))
             if err > rope_table_bound(cos.dtype, cos.shape[0]):
-                found.append(f"{where}: rotary table differs from the checkpoint's rope ({config.rope.rope_type}, "
+                found.append(f"{where}: rotary table differs from {source}'s rope ({config.rope.rope_type}, "
                              f"theta {config.rope.theta:g}) by {err:.3g} (graph theta fit "
                              f"{facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
             if block.facts.get("rotary_interleaved") != config.rope.interleaved:
                 found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
-                             f"the checkpoint's rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
-    # weights: the graph's (dequantized where quantized) against the checkpoint's
+                             f"{source}'s rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
+    # weights: the graph's (dequantized where quantized) against the source's
     quantized = block.quantization is not None
     for name, theirs in weights.items():
         ours = block.weights.get(name)
@@ -164,10 +168,10 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
             if name == "sinks" and not g.sinks:
                 continue  # said above, as the term
             if np.any(theirs):
-                found.append(f"{where}: {name} is in the checkpoint, not in the graph")
+                found.append(f"{where}: {name} is in {source}, not in the graph")
             continue
         if ours.shape != theirs.shape:
-            found.append(f"{where}: {name} shape {list(ours.shape)} in the graph, {list(theirs.shape)} in the checkpoint")
+            found.append(f"{where}: {name} shape {list(ours.shape)} in the graph, {list(theirs.shape)} in {source}")
             continue
         ref = np.asarray(theirs, np.float64)
         diff = np.abs(ours - ref)
@@ -178,12 +182,12 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
             bad = diff > step * (1 + 1e-3) + 1e-12
             if bad.any():
                 r, k = np.argwhere(bad)[0]
-                found.append(f"{where}: {name} differs from the checkpoint's by more than its 4-bit step in "
+                found.append(f"{where}: {name} differs from {source}'s by more than its 4-bit step in "
                              f"{int(bad.sum())} weight(s), first [{r}, {k}] (block {k // n})")  # fmt: skip
             continue
         err = float(diff.max() / max(np.abs(ref).max(), 1e-30))
-        if err > stored_bound(block.weight_dtype):  # the checkpoint's values stored in the graph's dtype
-            found.append(f"{where}: {name} differs from the checkpoint's by {err:.3g} of its largest value")
+        if err > stored_bound(block.weight_dtype):  # the source's values stored in the graph's dtype
+            found.append(f"{where}: {name} differs from {source}'s by {err:.3g} of its largest value")
     return found
 
 
@@ -216,16 +220,30 @@ def _graph_inputs_needed(model: Any, block: Any, outputs: Sequence[str], within:
     return [v.name for v in model.graph.inputs if v.name in needed]
 
 
+def _value(model: Any, name: str) -> Any:
+    """The graph's value of that name (a graph input or a node's output), or None."""
+    for value in model.graph.inputs:
+        if value.name == name:
+            return value
+    return next((v for node in model.graph for v in node.outputs if v.name == name), None)
+
+
 def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequence[str] | None = None) -> bytes:
     """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its
     outputs read (onnx's Extractor over the whole graph, typed once), with only their own tensors' external data
     read (the graph has none); `outputs`: others than the block's own (its mask, read by running it)."""
+    import onnx
     from onnx.external_data_helper import load_external_data_for_model
 
     outs = list(outputs) if outputs is not None else [block.outputs[k] for k in ("y", "present_key", "present_value")
                                                         if k in block.outputs]  # fmt: skip
     names = [block.inputs[k] for k in _BOUNDARY if k in block.inputs] if outputs is None else []
     names += _graph_inputs_needed(model, block, outs, within=outputs is None)
+    for name in names + outs:  # a value shape inference left untyped (the output of a contrib op): typed by its dtype
+        if name not in extractor.value_infos and name not in extractor.initializers:
+            value = _value(model, name)
+            elem = value.dtype.value if value is not None and value.dtype is not None else onnx.TensorProto.FLOAT
+            extractor.value_infos[name] = onnx.helper.make_tensor_value_info(name, elem, None)
     cut = extractor.extract_model(list(dict.fromkeys(names)), outs)
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
@@ -332,7 +350,8 @@ def audit_model(
 
     model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
     # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
-    extractor = Extractor(onnx.load(model_path, load_external_data=False))
+    structure = onnx.load(model_path, load_external_data=False)
+    extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
     base_dir = os.path.dirname(os.path.abspath(model_path))
     imported: dict[int, Any] = {}
     if checkpoint is not None:
@@ -340,6 +359,9 @@ def audit_model(
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         for i in range(n_layers):
             imported[i] = import_weights(checkpoint, layer=i)
+    # a model attnx wrote states its config (attnx.config): the source each block is held to, as a checkpoint's
+    # layer would be, with the graph's own weights (what `attnx parity --model` holds it to)
+    stated = _stated_config(structure) if checkpoint is None else None
     report = AuditReport(model_path, checkpoint, [], [])
     seen = 0
     caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
@@ -353,7 +375,10 @@ def audit_model(
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
-        report.blocks.append(_audit_block(extractor, model, base_dir, block, imported, backends, report.skipped))
+        if stated is not None and block.weights is not None:
+            imported = {0: types.SimpleNamespace(config=stated, weights=block.weights)}
+        report.blocks.append(_audit_block(extractor, model, base_dir, block, imported, backends, report.skipped,
+                                          stated is not None))  # fmt: skip
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
@@ -367,14 +392,11 @@ def audit_model(
 
 
 def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, imported: dict[int, Any],
-                 backends: Sequence[str], skipped: list[str]) -> BlockAudit:  # fmt: skip
+                 backends: Sequence[str], skipped: list[str], stated: bool = False) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
-    if block.mask is not None and block.config is not None:  # the terms a computed mask applies, read by running it
-        try:
-            block.config = _read_mask_terms(extractor, model, block, base_dir)
-        except NotFed as e:
-            block.unread = f"its mask {block.mask} not read: {e}"
+    if block.config is not None:
+        _read_computed_terms(extractor, model, block, base_dir)
     config, weights = block.config, block.weights
     if imported:
         layer = _pair(block.weights, imported)
@@ -382,12 +404,14 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, imported
             findings.append(f"block {block.index}: no checkpoint layer has its q projection's shape")
         else:
             source = imported[layer]
-            findings += _compare_terms(block, source.config, source.weights, layer)
+            findings += _compare_terms(block, source.config, source.weights, layer,
+                                       "its attnx.config" if stated else "the checkpoint")  # fmt: skip
             config, weights = source.config, source.weights  # the reference is the checkpoint's layer
     if config is not None:
         config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
     terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
-    audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked)
+    audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
+                       "attnx.config" if stated else "checkpoint layer")  # fmt: skip
     if block.unread and not imported:
         not_checked.append(f"block {block.index}: {block.unread}")
         return audit
@@ -427,9 +451,17 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, imported
             if f"{backend}: {run}" not in skipped:
                 skipped.append(f"{backend}: {run}")
             continue
-        _run_checks(functools.partial(_run_block, run, block, needs), backend, block, feeds, ref, reference, size,
-                    audit)  # fmt: skip
+        _run_checks(functools.partial(_run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
+                    size, audit)  # fmt: skip
     return audit
+
+
+def _stated_config(structure: Any) -> AttentionConfig | None:
+    """The AttentionConfig a model attnx wrote states in its metadata (attnx.config), or None."""
+    metadata = {p.key: p.value for p in structure.metadata_props}
+    if CONFIG_KEY not in metadata:
+        return None
+    return config_from_metadata(metadata, "the model's attnx.config")
 
 
 def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int, int]], report: AuditReport) -> None:
@@ -438,6 +470,8 @@ def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int,
     buffer the runtime plans from the graph's dim labels). It only has to run: its numbers are the blocks'."""
     import onnxruntime as ort
 
+    if not caches or "input_ids" not in {v.name for v in model.graph.inputs}:
+        return  # nothing to decode, or a model that is its blocks (from a hidden state): each block says
     size = sum(os.path.getsize(os.path.join(os.path.dirname(os.path.abspath(model_path)), f))
                for f in os.listdir(os.path.dirname(os.path.abspath(model_path))))  # fmt: skip
     memory = available_memory_bytes()
@@ -483,47 +517,79 @@ def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int,
         done += tokens
 
 
-def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> AttentionConfig:
-    """The block's config with the terms of the mask the graph computes for its core (causal, a window): the mask
-    tensor cut out with what it reads and run once on ONNX Runtime's CPU for a full prompt past any window."""
+def _evaluate(extractor: Any, model: Any, block: Any, base_dir: str, names: Sequence[str], tokens: int) -> list[np.ndarray]:
+    """Tensors of the graph that the block's terms are computed from (its mask, its rotary tables), cut out with
+    what they read and run once on ONNX Runtime's CPU for one prompt of `tokens` tokens at positions 0.."""
     import onnxruntime as ort
 
-    tokens = AUDIT_SHAPE["tokens"]
-    session = ort.InferenceSession(_cut(extractor, model, block, base_dir, outputs=[block.mask]),
+    session = ort.InferenceSession(_cut(extractor, model, block, base_dir, outputs=names),
                                    providers=[PROVIDERS["cpu"].ort_name])  # fmt: skip
+    dtype = _NP.get(block.dtype, np.float32)
     feeds = {}
     for value in session.get_inputs():
         if value.name.startswith("past"):  # the cache inputs (this layer's or another's): read for their length
-            feeds[value.name] = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), _NP[block.dtype])
+            feeds[value.name] = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), dtype)
+        elif value.name == block.inputs.get("x"):  # read for its shape
+            feeds[value.name] = np.zeros((1, tokens, block.config.d_model), dtype)
         elif value.name in ("attention_mask", "input_ids", "position_ids"):
             feeds[value.name] = (np.arange(tokens, dtype=np.int64)[None] if value.name == "position_ids"
                                  else np.ones((1, tokens), np.int64))  # fmt: skip
         else:
-            raise NotFed(f"the mask reads graph input {value.name!r}, which the audit does not feed")
-    mask = np.asarray(session.run(None, feeds)[0])
+            raise NotFed(f"it reads graph input {value.name!r}, which the audit does not feed")
+    return [np.asarray(a) for a in session.run(None, feeds)]
+
+
+def _read_computed_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> None:
+    """The terms of a block that the graph computes rather than states, read by running what computes them: its
+    rotary tables (from position_ids) and its mask's (causal, a window)."""
+    if "rope_tensors" in block.facts:
+        positions = AUDIT_SHAPE["rope_positions"]
+        try:
+            cos, sin = _evaluate(extractor, model, block, base_dir, block.facts.pop("rope_tensors"), positions)
+        except NotFed as e:
+            block.unread = f"its rotary tables not read: {e}"
+            return
+        cos, sin = (a.reshape(-1, a.shape[-1])[:positions] for a in (cos, sin))
+        rope, facts = rope_of_table(cos, sin, block.facts["rotary_interleaved"])
+        block.facts.update(facts, rope_tables=(cos, sin))
+        block.config = dataclasses.replace(block.config, rope=rope)
+        if rope is None:
+            block.unread = f"rope {facts['rope']}"
+    if block.mask is not None:
+        try:
+            block.config = _read_mask_terms(extractor, model, block, base_dir)
+        except NotFed as e:
+            block.unread = f"its mask {block.mask} not read: {e}"
+
+
+def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> AttentionConfig:
+    """The block's config with the terms of the mask the graph computes for its core (causal, a window), run for a
+    full prompt past any window."""
+    tokens = AUDIT_SHAPE["tokens"]
+    [mask] = _evaluate(extractor, model, block, base_dir, [block.mask], tokens)
     allowed = mask > np.finfo(np.float16).min / 2 if mask.dtype.kind == "f" else mask.astype(bool)
     allowed = allowed.reshape((-1,) + allowed.shape[-2:])[0] if allowed.ndim >= 2 else allowed
     grid = np.arange(tokens)
     if allowed.shape != (tokens, tokens):
-        raise NotFed(f"the mask {block.mask} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
+        raise NotFed(f"it is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
     causal = grid[None, :] <= grid[:, None]
     if allowed.all():
         terms: dict[str, Any] = {"causal": False}
-    elif not (allowed & ~causal).any() and allowed[np.arange(tokens), np.arange(tokens)].all():
+    elif not (allowed & ~causal).any() and allowed[grid, grid].all():
         width = int(allowed[-1].sum())  # the keys the last query sees
-        window = grid[None, :] > grid[:, None] - width
-        if not np.array_equal(allowed, causal & window):
-            raise NotFed(f"the mask {block.mask} is neither causal nor a causal window")
+        if not np.array_equal(allowed, causal & (grid[None, :] > grid[:, None] - width)):
+            raise NotFed("it is neither causal nor a causal window")
         terms = {"causal": True, "sliding_window": width if width < tokens else None}
     else:
-        raise NotFed(f"the mask {block.mask} is neither causal nor a causal window")
+        raise NotFed("it is neither causal nor a causal window")
     block.facts["mask"] = ("causal" if terms["causal"] else "none") + (
         f", window {terms['sliding_window']}" if terms.get("sliding_window") else "")  # fmt: skip
     return dataclasses.replace(block.config, **terms)
 
 
-def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, feeds: dict[str, np.ndarray],
-                ref: np.ndarray, reference: Callable[..., np.ndarray], size: Any, audit: BlockAudit) -> None:  # fmt: skip
+def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],
+                feeds: dict[str, np.ndarray], ref: np.ndarray, reference: Callable[..., np.ndarray], size: Any,
+                audit: BlockAudit) -> None:  # fmt: skip
     """The block on one backend: a full sequence, a padded batch (in the block's convention), a prefill and steps
     through its cache; each check's failure to run is a finding of its own, naming the check and the runtime's
     error."""
@@ -544,12 +610,17 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
         row = {k: v[1:, :short] for k, v in feeds.items()}
         if gqa:  # GroupQueryAttention's own convention: right padding, each row's length in seqlens_k
             y = run(x, 0, (empty, empty), lengths=np.array([tokens, short]))[0]
-            return np.concatenate([y[0:1], y[1:, :short]], axis=1), np.concatenate([ref[0:1], reference(**row)], axis=1)
-        # transformers' convention: left padding in attention_mask, the row's tokens at the end
-        shifted = np.concatenate([np.zeros_like(x[1:, : tokens - short]), x[1:, :short]], axis=1)
-        y = run(np.concatenate([x[0:1], shifted]), 0, (empty, empty), left=np.array([0, tokens - short]))[0]
-        return np.concatenate([y[0:1], y[1:, tokens - short :]], axis=1), np.concatenate([ref[0:1], reference(**row)],
-                                                                                          axis=1)  # fmt: skip
+            mine = y[1:, :short]
+        else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
+            shifted = np.concatenate([np.zeros_like(x[1:, : tokens - short]), x[1:, :short]], axis=1)
+            y = run(np.concatenate([x[0:1], shifted]), 0, (empty, empty), left=np.array([0, tokens - short]))[0]
+            mine = y[1:, tokens - short :]
+        # each row at its own tokens' positions (the shorter row's padding left out of both sides)
+        fill = np.zeros((1, tokens - short, ref.shape[-1]))
+        theirs = np.concatenate([reference(**row), fill], axis=1)
+        if y.shape != ref.shape:  # an output of another shape: the comparison says so
+            return y, np.concatenate([ref[0:1], theirs])
+        return np.concatenate([y[0:1], np.concatenate([mine, fill], axis=1)]), np.concatenate([ref[0:1], theirs])
 
     def decode() -> tuple[np.ndarray, np.ndarray]:
         # the model's own cache: what the block returns as present is the next step's past (a window kept in
@@ -561,13 +632,14 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
             steps.append(y)
         return np.concatenate(steps, axis=1), ref
 
-    padding = "right" if gqa else "left"
-    plan = [(f"{label}full sequence ({tokens} tokens)", full),
-            (f"{label}padded batch (rows of {tokens} and {short} tokens, {padding}-padded)", padded)]  # fmt: skip
+    # what the block's inputs allow: a padded batch where it reads each row's length (seqlens_k, attention_mask),
+    # decoding where it has a cache
+    plan = [(f"{label}full sequence ({tokens} tokens)", full)]
+    if gqa or "attention_mask" in needs:
+        padding = "right" if gqa else "left"
+        plan.append((f"{label}padded batch (rows of {tokens} and {short} tokens, {padding}-padded)", padded))
     if "past_key" in block.inputs:
         plan.append((f"{label}prefill {shape['prefill']} + {tokens - shape['prefill']} steps", decode))
-    else:
-        audit.not_checked.append(f"block {block.index}: {label}decoding: the block has no cache inputs")
     for name, check in plan:
         try:
             out, expected = check()

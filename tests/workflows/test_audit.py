@@ -267,7 +267,8 @@ def test_a_backend_asked_for_that_cannot_run_a_block_is_a_finding_and_one_not_he
     llama = audit_model(str(GENAI / "llama/fp32/model.onnx"), layers=[0], backends=("openvino",))
     findings = llama.blocks[0].findings
     assert findings and not llama.passed and all(f.startswith("block 0: openvino: ") for f in findings), findings
-    assert (findings[0].startswith("block 0: openvino: /model/layers.0/attn/GroupQueryAttention fails to run: ")
+    assert (findings[0].startswith("block 0: openvino: full sequence (12 tokens): /model/layers.0/attn/"
+                                   "GroupQueryAttention fails to run as exported: ")
             or all("shape [0, 0, 64] differs" in f for f in findings)), findings  # fmt: skip
     from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 
@@ -292,3 +293,31 @@ def test_the_cli_prints_a_line_per_block_and_writes_json(tmp_path, capsys):
 
     report = json.loads(out.read_text())
     assert report["passed"] is False and [b["layer"] for b in report["blocks"]] == [0, 1]
+
+
+# attnx's own models ---------------------------------------------------------------------------------
+LLM = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "causal": True, "rope": {"theta": 10000.0}}
+
+
+@pytest.mark.parametrize("attention", ["onnx", "ort-fused"])
+def test_an_attnx_export_audits_as_parity_checks_it(tmp_path, attention):
+    """The step model attnx writes (opset-23 Attention, or GroupQueryAttention after a RotaryEmbedding of its own;
+    rotary tables computed from position_ids, read by running them): the audit passes where `attnx parity` does,
+    and both fail on the same planted scale."""
+    import json
+
+    config = tmp_path / "llm.json"
+    config.write_text(json.dumps(LLM))
+    model = tmp_path / "llm.onnx"
+    assert main(["export", "--config", str(config), "--attention", attention, "--decode", "--out", str(model)]) == 0
+    [block] = audit_model(str(model)).blocks
+    assert block.passed and block.core == ("attention23" if attention == "onnx" else "gqa")
+    assert [c.name.split(" (")[0] for c in block.checks][-1] == "prefill 9 + 3 steps" and len(block.checks) >= 2
+    assert main(["parity", "--model", str(model)]) == 0
+    proto = onnx.load(str(model))
+    node = next(n for n in proto.graph.node if n.op_type in ("Attention", "GroupQueryAttention"))
+    _set_attr(node, "scale", 0.3)
+    onnx.save(proto, str(model))
+    [block] = audit_model(str(model)).blocks
+    assert not block.passed and block.findings[0] == "layer 0: scale 0.3 in the graph, 0.25 in its attnx.config"
+    assert main(["parity", "--model", str(model)]) == 1
