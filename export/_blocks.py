@@ -52,6 +52,7 @@ class Block:
     dtype: str = "fp32"  # what the block computes in: its hidden state's type
     mask: str | None = None  # the tensor of the core's mask input (an additive bias or a key padding mask), if any
     weight_dtype: str = "float32"  # how the graph stores the projections' weights (numpy's name)
+    masks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (tensor, how it masks), decomposed cores
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "node": self.node, "core": self.core,
@@ -266,7 +267,7 @@ _PASS = ("Reshape", "Transpose", "Expand", "Unsqueeze", "Squeeze", "Cast", "Iden
 @dataclasses.dataclass
 class _Path:
     projection: ir.Value  # the projection's output (with its bias)
-    rotary: ir.Node | None = None
+    rotary: Any = None  # the RotaryEmbedding node; for a decomposed rotary, its {"Cos": table, "Sin": table}
     norm: tuple[np.ndarray, float] | None = None
     past: ir.Value | None = None  # the graph input the cache Concat appends to
     present: ir.Value | None = None  # that Concat's output
@@ -428,7 +429,182 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     return block
 
 
-_BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23": _read_attention23_block}
+# The decomposed core: MatMul(q, k^T), scale, masks, Softmax, MatMul(p, v), as attnx and torch.onnx write it --------
+_PROJECTION_OPS = (("MatMul", ("", "ai.onnx")), ("MatMulNBits", (MS_DOMAIN,)))
+
+
+def _is_projection(node: ir.Node) -> bool:
+    return any(_is(node, op, domain) for op, domain in _PROJECTION_OPS) and (
+        const_array(node.inputs[1]) is not None or node.op_type == "MatMulNBits"
+    )
+
+
+def _find_projection(value: ir.Value, limit: int = 64) -> tuple[ir.Value, _Path]:
+    """The nearest projection (a MatMul of constant weights) above `value`, breadth first, with its bias Add, and what
+    was met on the way: the cache's Concat(past, new) and the rotary's Cos/Sin (their first Mul by a constant, the
+    attention factor, kept), for any arrangement of the rotation's Slice/Neg/Mul/Add/Concat."""
+    path = _Path(value)
+    seen, queue = set(), [value]
+    while queue and len(seen) < limit:
+        v = queue.pop(0)
+        node = v.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if _is_projection(node):
+            out = node.outputs[0]
+            adds = [u for u, _ in out.uses() if _is(u, "Add") and any(
+                (c := const_array(i)) is not None and c.ndim == 1 for i in u.inputs)]  # fmt: skip
+            path.projection = adds[0].outputs[0] if adds else out
+            return path.projection, path
+        if _is(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
+                and node.inputs[0].is_graph_input() and path.past is None:  # fmt: skip
+            path.past, path.present = node.inputs[0], node.outputs[0]
+            queue.append(node.inputs[1])
+            continue
+        if node.op_type in ("Cos", "Sin") and node.domain in ("", "ai.onnx"):
+            table = node.outputs[0]
+            users = [u for u, _ in table.uses()]
+            if len(users) == 1 and _is(users[0], "Mul") and any(const_array(i) is not None for i in users[0].inputs):
+                table = users[0].outputs[0]  # the attention factor
+            path.rotary = path.rotary or {}
+            path.rotary[node.op_type] = table
+            continue  # the table's own inputs (position_ids, inv_freq) hold no projection
+        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
+    raise NotRead(f"{value.name}: no projection (a MatMul of constant weights) found above it")
+
+
+def _head_dim(value: ir.Value) -> int | None:
+    """A query's head size: its last static dimension, else the last entry of a constant 4-or-more-axis Reshape
+    above it (the split into heads)."""
+    if value.shape is not None and len(value.shape) >= 3 and isinstance(value.shape[-1], int):
+        return value.shape[-1]
+    seen, queue = set(), [value]
+    while queue and len(seen) < 32:
+        node = queue.pop(0).producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if _is(node, "Reshape") and (shape := const_array(node.inputs[1])) is not None and shape.size >= 4 \
+                and shape[-1] > 0:  # fmt: skip
+            return int(shape[-1])
+        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
+    return None
+
+
+def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]]]:
+    """From a Softmax's input back to MatMul(q, k^T) through the scale, a softcap, a sink's column, Reshapes and
+    the masks: each mask as (tensor, how it masks: "where-masked" True hides, "where-kept" True keeps, "additive")."""
+    masks: list[tuple[str, str]] = []
+    while (node := value.producer()) is not None and node.domain in ("", "ai.onnx"):
+        if node.op_type == "MatMul":
+            return node, masks
+        if node.op_type == "Where":
+            first, second = node.inputs[1], node.inputs[2]
+            if const_array(first) is not None:  # Where(hide, lowest, scores)
+                masks.append((node.inputs[0].name, "where-masked"))
+                value = second
+            else:  # Where(keep, scores, lowest)
+                masks.append((node.inputs[0].name, "where-kept"))
+                value = first
+        elif node.op_type == "Add":
+            a, b = node.inputs[0], node.inputs[1]
+            if const_array(b) is not None or const_array(a) is not None:  # a constant bias: the scores pass
+                value = a if const_array(b) is not None else b
+                continue
+            scores_side = a if _reaches_matmul(a) else b
+            other = b if scores_side is a else a
+            masks.append((other.name, "additive"))
+            value = scores_side
+        elif node.op_type in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Identity"):
+            value = next(i for i in node.inputs if i is not None and const_array(i) is None)
+        elif node.op_type == "Concat" and len(node.inputs) == 2:  # a sink's column after the scores
+            value = node.inputs[0]
+        else:
+            break
+    raise NotRead(f"{value.name}: the Softmax's scores are not traced back to MatMul(q, k^T) "
+                  f"(made by {node.op_type if node is not None else 'a graph input'})")  # fmt: skip
+
+
+def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
+    """Whether `value` comes from a non-constant MatMul within a few scaling/layout steps (the scores' side)."""
+    for _ in range(depth):
+        node = value.producer()
+        if node is None:
+            return False
+        if _is(node, "MatMul") and const_array(node.inputs[1]) is None:
+            return True
+        inputs = [i for i in node.inputs if i is not None and const_array(i) is None]
+        if node.op_type not in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add") or not inputs:
+            return False
+        value = inputs[0]
+    return False
+
+
+def _read_decomposed_block(index: int, node: ir.Node) -> Block:
+    """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
+    layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
+    core reads them, each mask tensor named for the audit to read by running it."""
+    facts = {k: v for k, v in CORE_READERS["decomposed"](node).items() if k in ("scale", "softcap", "sinks")}
+    qk, masks = _scores_and_masks(node.inputs[0])
+    probs = node.outputs[0]
+    while (users := [u for u, _ in probs.uses()]) and len(users) == 1 and users[0].op_type in (
+        "Reshape", "Slice", "Cast", "Dropout", "Identity"
+    ):  # fmt: skip
+        probs = users[0].outputs[0]
+    pv = next((u for u in users if _is(u, "MatMul") and u.inputs[0] is probs), None)
+    if pv is None:
+        raise NotRead(f"{node.outputs[0].name}: the probabilities are not multiplied by values")
+    block = Block(index, node.name or node.op_type, "decomposed", facts=facts)
+    weights: dict[str, np.ndarray] = {}
+    paths = {}
+    for role, value in (("q", qk.inputs[0]), ("k", qk.inputs[1]), ("v", pv.inputs[1])):
+        projection, paths[role] = _find_projection(value)
+        proj = _projection(projection)
+        if proj is None:
+            raise NotRead(f"{role} {projection.name}: not read as a projection")
+        w, b = proj
+        weights[f"{role}_proj.weight"] = w.T
+        weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
+    hd = _head_dim(qk.inputs[0])
+    if hd is None:
+        raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
+    n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
+    facts.update(n_heads=n_heads, n_kv_heads=n_kv)
+    proj_node = _projection_node(paths["q"].projection)
+    if any(_projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
+        raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
+    block.quantization = _quantization(proj_node)
+    block.inputs["x"] = proj_node.inputs[0].name
+    block.dtype = _dtype_of(proj_node.inputs[0])
+    block.outputs["y"] = _output_projection(pv.outputs[0], weights).name
+    for role, kv in (("key", "k"), ("value", "v")):
+        if (paths[kv].past is None) != (paths["k"].past is None):
+            raise NotRead("a cache on the key or the value alone")
+        if paths[kv].past is not None:
+            block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
+    if (paths["q"].rotary is None) != (paths["k"].rotary is None):
+        raise NotRead(f"a rotary on {'q' if paths['q'].rotary is not None else 'k'} alone")
+    if paths["q"].rotary is not None:
+        tables = paths["q"].rotary
+        if set(tables) != {"Cos", "Sin"}:
+            raise NotRead("a rotary with a cos or a sin table alone")
+        facts["rotary_interleaved"] = False  # rotate_half's (i, i + dim/2) pairs, as transformers and attnx write it
+        facts["rope_tensors"] = (tables["Cos"].name, tables["Sin"].name)
+    block.masks = masks
+    block.mask = masks[0][0] if masks else None
+    config = AttentionConfig(
+        d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
+        causal=False, scale=facts.get("scale") or 1.0 / math.sqrt(hd), softcap=facts.get("softcap"),
+    )  # fmt: skip
+    block.config = config
+    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
+    block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
+    return block
+
+
+_BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23": _read_attention23_block,
+                  "decomposed": _read_decomposed_block}
 
 
 def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:

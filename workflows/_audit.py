@@ -124,6 +124,10 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
     for key in ("n_heads", "n_kv_heads", "head_dim"):
         if getattr(g, key) != getattr(config, key):
             found.append(f"{where}: {key} {getattr(g, key)} in the graph, {getattr(config, key)} in {source}")
+    if g.causal != config.causal:
+        found.append(f"{where}: {'a causal mask' if g.causal else 'no causal mask'} in the graph"
+                     f"{' (' + facts['mask'] + ')' if 'mask' in facts else ''}, {'causal' if config.causal else 'not causal'} "
+                     f"in {source}")  # fmt: skip
     if not np.isclose(g.softmax_scale, config.softmax_scale, rtol=1e-6):
         found.append(f"{where}: scale {g.softmax_scale:.6g} in the graph, {config.softmax_scale:.6g} in {source}")
     if (g.softcap or None) != (config.softcap or None) and not (
@@ -566,12 +570,17 @@ def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> A
     """The block's config with the terms of the mask the graph computes for its core (causal, a window), run for a
     full prompt past any window."""
     tokens = AUDIT_SHAPE["tokens"]
-    [mask] = _evaluate(extractor, model, block, base_dir, [block.mask], tokens)
-    allowed = mask > np.finfo(np.float16).min / 2 if mask.dtype.kind == "f" else mask.astype(bool)
-    allowed = allowed.reshape((-1,) + allowed.shape[-2:])[0] if allowed.ndim >= 2 else allowed
+    masks = block.masks or [(block.mask, "additive" if block.core != "attention23" else "kept")]
     grid = np.arange(tokens)
-    if allowed.shape != (tokens, tokens):
-        raise NotFed(f"it is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
+    allowed = np.ones((tokens, tokens), bool)
+    for (name, how), mask in zip(masks, _evaluate(extractor, model, block, base_dir, [m for m, _ in masks], tokens)):
+        # a float mask is added to the scores (a large negative hides); a boolean one keeps where True (ONNX's
+        # Attention, a Where(keep, scores, lowest)) or hides where True (a Where(hide, lowest, scores))
+        kept = mask > np.finfo(np.float16).min / 2 if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
+        kept = kept.reshape((-1,) + kept.shape[-2:])[0] if kept.ndim >= 2 else kept
+        if kept.shape != (tokens, tokens):
+            raise NotFed(f"{name} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
+        allowed &= kept
     causal = grid[None, :] <= grid[:, None]
     if allowed.all():
         terms: dict[str, Any] = {"causal": False}

@@ -299,11 +299,11 @@ def test_the_cli_prints_a_line_per_block_and_writes_json(tmp_path, capsys):
 LLM = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "causal": True, "rope": {"theta": 10000.0}}
 
 
-@pytest.mark.parametrize("attention", ["onnx", "ort-fused"])
+@pytest.mark.parametrize("attention", ["decomposed", "onnx", "ort-fused"])
 def test_an_attnx_export_audits_as_parity_checks_it(tmp_path, attention):
-    """The step model attnx writes (opset-23 Attention, or GroupQueryAttention after a RotaryEmbedding of its own;
-    rotary tables computed from position_ids, read by running them): the audit passes where `attnx parity` does,
-    and both fail on the same planted scale."""
+    """The step model attnx writes (decomposed; opset-23 Attention; GroupQueryAttention after a RotaryEmbedding of
+    its own; rotary tables computed from position_ids and masks computed from the cache's length, read by running
+    them): the audit passes where `attnx parity` does, and both fail on the same planted scale."""
     import json
 
     config = tmp_path / "llm.json"
@@ -311,12 +311,16 @@ def test_an_attnx_export_audits_as_parity_checks_it(tmp_path, attention):
     model = tmp_path / "llm.onnx"
     assert main(["export", "--config", str(config), "--attention", attention, "--decode", "--out", str(model)]) == 0
     [block] = audit_model(str(model)).blocks
-    assert block.passed and block.core == ("attention23" if attention == "onnx" else "gqa")
+    assert block.passed and block.core == {"decomposed": "decomposed", "onnx": "attention23", "ort-fused": "gqa"}[attention]
     assert [c.name.split(" (")[0] for c in block.checks][-1] == "prefill 9 + 3 steps" and len(block.checks) >= 2
     assert main(["parity", "--model", str(model)]) == 0
     proto = onnx.load(str(model))
-    node = next(n for n in proto.graph.node if n.op_type in ("Attention", "GroupQueryAttention"))
-    _set_attr(node, "scale", 0.3)
+    node = next((n for n in proto.graph.node if n.op_type in ("Attention", "GroupQueryAttention")), None)
+    if node is not None:
+        _set_attr(node, "scale", 0.3)
+    else:  # the decomposed core's scale: the constant its scores are multiplied by
+        [scale] = [t for t in proto.graph.initializer if t.name == "scale"]
+        scale.CopyFrom(numpy_helper.from_array(np.array(0.3, np.float32), "scale"))
     onnx.save(proto, str(model))
     [block] = audit_model(str(model)).blocks
     assert not block.passed and block.findings[0] == "layer 0: scale 0.3 in the graph, 0.25 in its attnx.config"
