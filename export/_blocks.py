@@ -53,6 +53,8 @@ class Block:
     mask: str | None = None  # the tensor of the core's mask input (an additive bias or a key padding mask), if any
     weight_dtype: str = "float32"  # how the graph stores the projections' weights (numpy's name)
     masks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (tensor, how it masks), decomposed cores
+    # the formula's stages (attnx.model.stages) the graph holds as tensors: stage -> (tensor, its columns or None)
+    stages: dict[str, tuple[str, tuple[int, int] | None]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "node": self.node, "core": self.core,
@@ -163,6 +165,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         parts = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
         proj_node = _projection_node(inputs[0])
         for role, a, e in zip("qkv", parts[:-1], parts[1:]):
+            block.stages[role] = (_strip_layout(inputs[0]).name, (int(a), int(e)))
             weights[f"{role}_proj.weight"] = w[:, a:e].T
             weights[f"{role}_proj.bias"] = b[a:e] if b is not None else np.zeros(e - a)
     else:
@@ -178,6 +181,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
             weights[f"{role}_proj.weight"] = w.T
             weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
         hd = weights["q_proj.weight"].shape[0] // n_heads
+        _path_stages(block, paths)
         proj_node = _projection_node(paths["q"].projection)
         if paths["q"].norm is not None or paths["k"].norm is not None:
             if paths["q"].norm is None or paths["k"].norm is None:
@@ -188,7 +192,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
     block.quantization = _quantization(proj_node)
     block.inputs["x"] = proj_node.inputs[0].name
     block.dtype = _dtype_of(proj_node.inputs[0])
-    block.outputs = {"y": _output_projection(node.outputs[0], weights).name, "present_key": node.outputs[1].name,
+    block.outputs = {"y": _output_projection(node.outputs[0], weights, block).name, "present_key": node.outputs[1].name,
                      "present_value": node.outputs[2].name}  # fmt: skip
     for role, i in (("past_key", 3), ("past_value", 4), ("seqlens_k", 5), ("total_sequence_length", 6)):
         if inputs[i] is not None:
@@ -226,7 +230,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
     return block
 
 
-def _output_projection(out: ir.Value, weights: dict[str, np.ndarray]) -> ir.Value:
+def _output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Block) -> ir.Value:
     """The MatMul (with its bias Add) reading a core's output, through the Reshape/Transpose that merge the
     heads: its weights into `weights` (out_proj.*); returns the block's output value."""
     value = out
@@ -246,6 +250,7 @@ def _output_projection(out: ir.Value, weights: dict[str, np.ndarray]) -> ir.Valu
         y = adds[0].outputs[0]
     if o_proj is None:
         raise NotRead(f"{o_node.name}: the output projection's weights are not constants")
+    block.stages.update(z=(o_node.inputs[0].name, None), y=(y.name, None))
     weights["out_proj.weight"] = o_proj[0].T
     weights["out_proj.bias"] = o_proj[1] if o_proj[1] is not None else np.zeros(o_proj[0].shape[1])
     return y
@@ -271,6 +276,16 @@ class _Path:
     norm: tuple[np.ndarray, float] | None = None
     past: ir.Value | None = None  # the graph input the cache Concat appends to
     present: ir.Value | None = None  # that Concat's output
+
+
+def _path_stages(block: Block, paths: dict[str, _Path], biased_apart: bool = False) -> None:
+    """The projection (q, k, v) and rotation (q_rope, k_rope) stages met on the paths to a core; not the projections
+    when the core adds their bias itself (biased_apart)."""
+    for role, path in paths.items():
+        if not biased_apart:
+            block.stages[role] = (path.projection.name, None)
+        if isinstance(path.rotary, ir.Node):
+            block.stages[f"{role}_rope"] = (path.rotary.outputs[0].name, None)
 
 
 def _walk(value: ir.Value) -> _Path:
@@ -380,6 +395,7 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
         weights[f"{role}_proj.weight"] = w.T
         weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
     packed_bias = const_array(packed_bias)
+    _path_stages(block, paths, biased_apart=packed_bias is not None)
     if packed_bias is not None:  # the op's [Dq | Dk | Dv] bias, added after the projections
         ends = np.cumsum([0] + [weights[f"{r}_proj.weight"].shape[0] for r in "qkv"])
         for role, a, e in zip("qkv", ends[:-1], ends[1:]):
@@ -402,7 +418,7 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
             raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
         weights["q_norm.weight"], weights["k_norm.weight"] = paths["q"].norm[0], paths["k"].norm[0]
         facts["qk_norm_eps"] = [float(paths["q"].norm[1]), float(paths["k"].norm[1])]
-    block.outputs["y"] = _output_projection(node.outputs[0], weights).name
+    block.outputs["y"] = _output_projection(node.outputs[0], weights, block).name
     if own_cache is not None:
         if paths["k"].past is not None:
             raise NotRead("a cache both in the op and before it")
@@ -566,6 +582,8 @@ def _read_decomposed_block(index: int, node: ir.Node) -> Block:
         w, b = proj
         weights[f"{role}_proj.weight"] = w.T
         weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
+    for role in "qkv":
+        block.stages[role] = (paths[role].projection.name, None)
     hd = _head_dim(qk.inputs[0])
     if hd is None:
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
@@ -577,7 +595,7 @@ def _read_decomposed_block(index: int, node: ir.Node) -> Block:
     block.quantization = _quantization(proj_node)
     block.inputs["x"] = proj_node.inputs[0].name
     block.dtype = _dtype_of(proj_node.inputs[0])
-    block.outputs["y"] = _output_projection(pv.outputs[0], weights).name
+    block.outputs["y"] = _output_projection(pv.outputs[0], weights, block).name
     for role, kv in (("key", "k"), ("value", "v")):
         if (paths[kv].past is None) != (paths["k"].past is None):
             raise NotRead("a cache on the key or the value alone")

@@ -46,7 +46,7 @@ from attnx.model.weights import weight_shapes
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
 
-__all__ = ["StageCheck", "Localisation", "localise_case", "reference_stages", "ORT_LEVELS", "FUSED_OPS",
+__all__ = ["StageCheck", "Localisation", "localise_case", "compare_stages", "reference_stages", "ORT_LEVELS", "FUSED_OPS",
            "DecomposedWriter", "set_decomposed_writer", "file_weights", "localisation_dict"]
 
 logger = logging.getLogger(__name__)
@@ -313,6 +313,13 @@ def localisation_dict(localise: Callable[[], Localisation]) -> dict[str, Any]:
         why = text if isinstance(e, AttnxError) else f"{type(e).__name__}: {text}"
         return {"error": f"{type(e).__name__}: {text}", "line": f"not localised: {why}"}
     return {**found.to_dict(), "line": found.line()}
+
+
+def compare_stages(backend: str, config: AttentionConfig, found: Mapping[str, np.ndarray],
+                   ref: Mapping[str, np.ndarray], tol: Tolerance, size: ProblemSize) -> Localisation:  # fmt: skip
+    """Stages a run exposed (found: stage -> its value in the canonical layout) against the reference's, each under its
+    own bound, in the formula's order: the first beyond its bound (what `attnx audit` localises a block to)."""
+    return _compare(backend, config, False, found, ref, tol, size, None)
 
 
 def _compare(backend: str, config: AttentionConfig, step: bool, found: Mapping[str, np.ndarray],

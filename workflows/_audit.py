@@ -34,9 +34,11 @@ from attnx.model.importers import import_weights, read_checkpoint_config
 from attnx.model.reference import reference_attention
 from attnx.model.resources import available_memory_bytes
 from attnx.model.rope import rope_cos_sin
+from attnx.model.stages import STAGES
 from attnx.model.tolerance import problem_size, rope_table_bound, stored_bound, tolerance_for
 from attnx.runtimes.base import runtime_threads
 from attnx.runtimes.compare import Comparison, compare_arrays
+from attnx.runtimes.localise import compare_stages, reference_stages
 from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
 from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 from attnx.runtimes.package import check_external_data
@@ -59,6 +61,7 @@ class BlockAudit:
     checks: list[Comparison]
     not_checked: list[str]
     source: str = "checkpoint layer"  # what it is held to: a checkpoint's layer, or the attnx.config of attnx's model
+    localised: str | None = None  # a failing block's first stage beyond its bound
 
     @property
     def passed(self) -> bool:
@@ -78,6 +81,7 @@ class BlockAudit:
         return {"index": self.index, "node": self.node, "core": self.core, "layer": self.layer, "source": self.source,
                 "terms": list(self.terms),
                 "passed": self.passed, "findings": self.findings, "not_checked": self.not_checked,
+                "localised": self.localised,
                 "checks": [{"name": c.name, "passed": c.passed, "atol": c.atol, "rtol": c.rtol, **c.stats()}
                            for c in self.checks]}  # fmt: skip
 
@@ -232,7 +236,8 @@ def _value(model: Any, name: str) -> Any:
     return next((v for node in model.graph for v in node.outputs if v.name == name), None)
 
 
-def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequence[str] | None = None) -> bytes:
+def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequence[str] | None = None,
+         boundary: bool | None = None) -> bytes:  # fmt: skip
     """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its
     outputs read (onnx's Extractor over the whole graph, typed once), with only their own tensors' external data
     read (the graph has none); `outputs`: others than the block's own (its mask, read by running it)."""
@@ -241,8 +246,9 @@ def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequenc
 
     outs = list(outputs) if outputs is not None else [block.outputs[k] for k in ("y", "present_key", "present_value")
                                                         if k in block.outputs]  # fmt: skip
-    names = [block.inputs[k] for k in _BOUNDARY if k in block.inputs] if outputs is None else []
-    names += _graph_inputs_needed(model, block, outs, within=outputs is None)
+    within = outputs is None if boundary is None else boundary  # at the block's boundary, or from the graph's inputs
+    names = [block.inputs[k] for k in _BOUNDARY if k in block.inputs] if within else []
+    names += _graph_inputs_needed(model, block, outs, within=within)
     for name in names + outs:  # a value shape inference left untyped (the output of a contrib op): typed by its dtype
         if name not in extractor.value_infos and name not in extractor.initializers:
             value = _value(model, name)
@@ -455,9 +461,51 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, imported
             if f"{backend}: {run}" not in skipped:
                 skipped.append(f"{backend}: {run}")
             continue
+        failed = len(audit.findings)
         _run_checks(functools.partial(_run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
                     size, audit)  # fmt: skip
+        if len(audit.findings) > failed and not audit.localised:
+            audit.localised = _localise(extractor, model, block, base_dir, backend, needs, config, weights, feeds, size)
     return audit
+
+
+def _localise(extractor: Any, model: Any, block: Any, base_dir: str, backend: str, needs: Sequence[str],
+              config: AttentionConfig, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarray], size: Any) -> str:  # fmt: skip
+    """The first stage of the formula (attnx.model.stages) where the block's full sequence leaves its bound: the
+    stages the graph holds as tensors (the projections, their rotations, the heads' output, y) exposed in its cut and
+    each held to the reference's under its own bound (attnx.runtimes.localise.compare_stages)."""
+    if block.quantization is not None:
+        return f"block {block.index}: not localised: a quantized block's stages have no float reference"
+    order = [s.name for s in STAGES if s.name in block.stages]
+    names = list(dict.fromkeys(block.stages[s][0] for s in order))
+    try:
+        run = _runner(backend, _cut(extractor, model, block, base_dir, outputs=names, boundary=True))
+        if isinstance(run, str):
+            return f"block {block.index}: not localised: {run}"
+        x = feeds["x"]
+        empty = np.zeros((x.shape[0], config.n_kv_heads, 0, config.head_dim), np.float32)
+        values = dict(zip(names, _run_block(run, block, needs, x, 0, (empty, empty))))
+    except Exception as e:  # noqa: BLE001 - the runtime's own error types
+        return f"block {block.index}: not localised: the block with its stages exposed fails on {backend}: {_first_line(e)}"
+    found = {}
+    batch, tokens = x.shape[:2]
+    for stage in order:
+        tensor, columns = block.stages[stage]
+        value = np.asarray(values[tensor], np.float64)
+        if columns is not None:
+            value = value[..., columns[0] : columns[1]]
+        if value.ndim == 4:  # [batch, heads, tokens, dim] or [batch, tokens, heads, dim]
+            value = value.transpose(0, 2, 1, 3) if value.shape[1] != tokens else value
+            value = value.reshape(batch, tokens, -1)
+        found[stage] = value
+    ref = reference_stages(config, weights, feeds, False)
+    result = compare_stages(backend, config, found, ref, tolerance_for(block.dtype), size)
+    if result.stage is None:
+        return f"block {block.index}: not localised: every stage the graph holds agrees ({', '.join(found)})"
+    check = next(c for c in result.checks if c.stage == result.stage)
+    agree = f"; {', '.join(result.agree)} agree{'s' if len(result.agree) == 1 else ''}" if result.agree else ""
+    return (f"block {block.index}: localised to stage {result.stage} (tensor {block.stages[result.stage][0]}): max_abs "
+            f"{check.max_abs:.3g} > atol {check.atol:.3g}{agree}")  # fmt: skip
 
 
 def _stated_config(structure: Any) -> AttentionConfig | None:

@@ -180,6 +180,12 @@ def _double_int4_scale(p):
     _put(p, t, scales)
 
 
+def _interleave_rotary_nodes(p):  # llama/fp16 layer 1: its q and k RotaryEmbedding nodes pair (2i, 2i+1)
+    for n in p.graph.node:
+        if n.op_type == "RotaryEmbedding" and "layers.1/" in n.name:
+            _set_attr(n, "interleaved", 1)
+
+
 FAULTS = {
     "window 8 -> 7": ("gemma2/fp32", _window(7), 0, "layer 0: window 7 in the graph (local_window_size 7), sliding_window 8 in the checkpoint"),
     "window 8 -> 9": ("gemma2/fp32", _window(9), 0, "layer 0: window 9 in the graph (local_window_size 9), sliding_window 8 in the checkpoint"),
@@ -196,6 +202,8 @@ FAULTS = {
     "another layer's q norm": ("qwen3/fp32", _norm_of_layer_1, 0, "layer 0: q_norm.weight differs"),
     "k projections swapped": ("llama/fp32", _swap_k, 0, "layer 0: k_proj.weight differs"),
     "kv heads permuted": ("qwen2/fp32", _permute_kv_heads, 1, "layer 1: k_proj.weight differs"),
+    "fp16 RotaryEmbedding interleaved": ("llama/fp16", _interleave_rotary_nodes, 1,
+                                         "layer 1: rotary_interleaved 1 in the graph"),
     "an int4 block's scale doubled": ("llama/int4-acc1", _double_int4_scale, 0,
                                       "layer 0: k_proj.weight differs from the checkpoint's by more than its 4-bit step "
                                       "in"),
@@ -212,6 +220,12 @@ def test_a_planted_fault_is_found_in_its_layer_with_its_term(tmp_path, fault):
     shared = fault in ("cos/sin of another theta", "k projections swapped")  # one table for all layers; a swap
     assert shared or others == [], [b.findings for b in others]
     assert not report.passed
+    if fault in LOCALISED:  # the first stage the block's full sequence leaves its bound at
+        assert block.localised.startswith(f"block {block.index}: localised to stage {LOCALISED[fault]} "), block.localised
+
+
+LOCALISED = {"scale changed": "z", "k projections swapped": "k", "kv heads permuted": "k",
+             "fp16 RotaryEmbedding interleaved": "q_rope", "another layer's q norm": "z"}
 
 
 # Files it did not make ----------------------------------------------------------------------------
