@@ -504,8 +504,9 @@ def _localise(extractor: Any, model: Any, block: Any, base_dir: str, backend: st
         return f"block {block.index}: not localised: every stage the graph holds agrees ({', '.join(found)})"
     check = next(c for c in result.checks if c.stage == result.stage)
     agree = f"; {', '.join(result.agree)} agree{'s' if len(result.agree) == 1 else ''}" if result.agree else ""
-    return (f"block {block.index}: localised to stage {result.stage} (tensor {block.stages[result.stage][0]}): max_abs "
-            f"{check.max_abs:.3g} > atol {check.atol:.3g}{agree}")  # fmt: skip
+    error = (f"max_abs {check.max_abs:.3g} > atol {check.atol:.3g}" if check.max_abs is not None and check.atol is not None
+             and np.isfinite(check.max_abs) else check.detail or "its shape differs")  # fmt: skip
+    return f"block {block.index}: localised to stage {result.stage} (tensor {block.stages[result.stage][0]}): {error}{agree}"
 
 
 def _stated_config(structure: Any) -> AttentionConfig | None:
