@@ -30,7 +30,7 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
 
-__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope"]
+__all__ = ["Block", "Blocks", "block_nodes", "iter_blocks", "read_blocks", "fit_rope"]
 
 
 @dataclasses.dataclass
@@ -259,3 +259,11 @@ def read_blocks(model: ir.Model) -> Blocks:
     """Every attention block of the graph (iter_blocks), all held at once."""
     unread: list[str] = []
     return Blocks(list(iter_blocks(model, unread)), unread)
+
+
+def block_nodes(model: ir.Model) -> list[str]:
+    """The names of the nodes iter_blocks reads as blocks (a core with a block reader), in graph order, from the
+    graph alone (no weight read): how many blocks a model has before any is read. A node its reader then
+    refuses is still listed here (iter_blocks names it as unread and numbers the blocks after it one lower)."""
+    return [node.name or node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if _core_of_node(node, "") in _BLOCK_READERS]  # fmt: skip
