@@ -1,7 +1,8 @@
-"""Files travel by content: the driver names each file of a package (or of a model it exported)
-by its sha256 and puts the bytes in the cluster's object store once per hash; a node writes them
-into a folder of its own cache, checking each name (a plain name inside the folder: the verify
-rules of attnx.runtimes.package) and each hash before anything runs.
+"""Files travel by content: the driver names each file of a package (or of a model it exported,
+or of a model to audit and its checkpoint) by its sha256 and puts the bytes in the cluster's
+object store once per hash; a node writes them into a folder of its own cache, checking each name
+(a plain name inside the folder: the verify rules of attnx.runtimes.package) and each hash
+before anything runs.
 
     bundle = {"key": <the manifest's sha256, or the model's>, "files": {name: sha256}}
 
@@ -38,7 +39,8 @@ def package_bundle(root: str, manifest: dict) -> dict:
 
 
 def files_bundle(paths: list[str]) -> dict:
-    """The bundle of loose files (an exported model and its data file), keyed by their hashes."""
+    """The bundle of loose files (an exported model and its data file, a model to audit and its data
+    files, a checkpoint's files), keyed by their names and hashes."""
     files = {os.path.basename(p): file_sha256(p) for p in paths}
     key = hashlib.sha256("".join(f"{n}\0{h}\0" for n, h in sorted(files.items())).encode()).hexdigest()
     return {"key": key, "files": files}

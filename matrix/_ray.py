@@ -7,8 +7,9 @@ ray is imported inside this module's functions only: the local path (attnx matri
   custom resources such as {"cpu_amx": 1}); a bench case also holds the node's BENCH_SLOT, which
   a node declares once (`ray start --resources '{"attnx_bench_slot": 1}'`): at most one timed
   case per node at a time.
-- Content: package files and exported models go into the object store once per sha256; the
-  task writes them into the node's cache, checking every name and hash (attnx.matrix._content).
+- Content: package files, exported models, audited models and their checkpoints go into the
+  object store once per sha256; the task writes them into the node's cache, checking every name
+  and hash (attnx.matrix._content).
 - Faults: a task whose Ray worker dies, or whose case process is killed (CaseKilled), is retried
   by Ray (max_retries, retry_exceptions) and then reported lost with the reason; a case no node
   can hold (its resources exist on no node of the cluster) is cancelled after the plan's
@@ -77,6 +78,8 @@ def run_on_node(spec: dict[str, Any], bundles: dict[str, Any], blobs: dict[str, 
     if "model" in bundles:
         folder = materialize(bundles["model"], fetch)
         spec["model_path"] = os.path.join(folder, bundles["model_name"])
+    if "checkpoint" in bundles:
+        spec["checkpoint"] = materialize(bundles["checkpoint"], fetch)
     # The case's folder is a stage of attnx._io: removed when the task ends, and the one a killed
     # worker left is removed by the next case on this node (its process is provably gone).
     os.makedirs(cache_root(), mode=0o700, exist_ok=True)
@@ -249,9 +252,15 @@ class RayExecutor:
                         put(bundled[key], {os.path.basename(p): p for p in item.model_files})
                     bundles["model"] = bundled[key]
                     bundles["model_name"] = os.path.basename(key)
+                if item.checkpoint_files:
+                    key = f"checkpoint:{item.checkpoint_root}"
+                    if key not in bundled:
+                        bundled[key] = files_bundle(item.checkpoint_files)
+                        put(bundled[key], {os.path.basename(p): p for p in item.checkpoint_files})
+                    bundles["checkpoint"] = bundled[key]
                 need, options = placement(item.case)
-                needed = {d: blobs[d] for b in (bundles.get("package"), bundles.get("model")) if b
-                          for d in b["files"].values()}  # fmt: skip
+                needed = {d: blobs[d] for b in (bundles.get("package"), bundles.get("model"), bundles.get("checkpoint"))
+                          if b for d in b["files"].values()}  # fmt: skip
                 ref = task.options(**options, max_retries=plan.retries, retry_exceptions=[CaseKilled]).remote(
                     item.spec, bundles, needed, plan.timeout_s
                 )
