@@ -8,8 +8,8 @@ ray is imported inside this module's functions only: the local path (attnx matri
   a node declares once (`ray start --resources '{"attnx_bench_slot": 1}'`): at most one timed
   case per node at a time.
 - Content: package files, exported models, audited models and their checkpoints go into the
-  object store once per sha256; the task writes them into the node's cache, checking every name
-  and hash (attnx.matrix._content).
+  object store in parts of at most PART_BYTES, once per sha256; the task writes them into the
+  node's cache, checking every name and hash (attnx.matrix._content).
 - Faults: a task whose Ray worker dies, or whose case process is killed (CaseKilled), is retried
   by Ray (max_retries, retry_exceptions) and then reported lost with the reason; a case no node
   can hold (its resources exist on no node of the cluster) is cancelled after the plan's
@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 from attnx._io import Staging
 from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
 from attnx.errors import UsageError
-from attnx.matrix._content import cache_root, files_bundle, materialize, package_bundle
+from attnx.matrix._content import bundle_parts, cache_root, files_bundle, materialize, package_bundle, part_digests
 from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
 from attnx.matrix._report import MatrixReport
 from attnx.matrix._worker import CaseKilled, host_info, run_case_process
@@ -230,10 +230,10 @@ class RayExecutor:
             blobs: dict[str, Any] = {}
 
             def put(bundle: dict[str, Any], paths: dict[str, str]) -> None:
-                for name, digest in bundle["files"].items():
-                    if digest not in blobs:
-                        with open(paths[name], "rb") as f:
-                            blobs[digest] = ray.put(f.read())
+                for name in bundle["files"]:  # a part at a time: a data file larger than this machine's memory too
+                    for digest, data in bundle_parts(bundle, name, paths[name], skip=blobs.__contains__):
+                        blobs[digest] = ray.put(data)
+                        del data
 
             bundled: dict[str, dict[str, Any]] = {}
             for item in items:
@@ -260,7 +260,7 @@ class RayExecutor:
                     bundles["checkpoint"] = bundled[key]
                 need, options = placement(item.case)
                 needed = {d: blobs[d] for b in (bundles.get("package"), bundles.get("model"), bundles.get("checkpoint"))
-                          if b for d in b["files"].values()}  # fmt: skip
+                          if b for d in part_digests(b)}  # fmt: skip
                 ref = task.options(**options, max_retries=plan.retries, retry_exceptions=[CaseKilled]).remote(
                     item.spec, bundles, needed, plan.timeout_s
                 )

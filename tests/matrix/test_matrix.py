@@ -10,6 +10,7 @@ cannot start on this machine the Ray tests skip, saying why; a wrong result neve
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 
 from attnx.errors import PackageError, UsageError
 from attnx.matrix import BENCH_SLOT, MatrixPlan, load_plan
-from attnx.matrix._content import cache_root, files_bundle, materialize
+from attnx.matrix._content import bundle_parts, cache_root, files_bundle, materialize, part_digests
 from attnx.matrix._plan import AUDIT_BACKENDS
 from attnx.matrix._ray import feasible, placement
 from attnx.matrix._report import MatrixReport, host_key
@@ -373,6 +374,32 @@ def test_content_is_checked_on_the_node_before_use(tmp_path):
     with pytest.raises(PackageError, match="plain files"):  # a name that leaves the folder
         materialize(escape, store.__getitem__, str(tmp_path / "third"))
     assert not os.path.exists(tmp_path / "outside") and not os.listdir(tmp_path / "third")
+
+
+def test_a_file_travels_in_parts_each_checked_on_the_node(tmp_path):
+    """A file larger than a part (a model's data file larger than the driver's memory) is put and written a part
+    at a time; each part and the whole file are checked against their hashes."""
+    data = b"".join(hashlib.sha256(bytes([i])).digest() for i in range(24)) + b"tail"  # parts of 256, 256, 256, 4
+    (tmp_path / "model.onnx.data").write_bytes(data)
+    bundle = files_bundle([str(tmp_path / "model.onnx.data")], part_bytes=256)
+    parts = list(bundle_parts(bundle, "model.onnx.data", str(tmp_path / "model.onnx.data")))
+    assert [len(p) for _, p in parts] == [256, 256, 256, 4] and b"".join(p for _, p in parts) == data
+    assert [d for d, _ in parts] == part_digests(bundle) and bundle["files"]["model.onnx.data"] not in part_digests(bundle)
+    store = dict(parts)
+    fetched = []
+    folder = materialize(bundle, lambda d: fetched.append(d) or store[d], str(tmp_path / "cache"))
+    assert (tmp_path / "cache" / bundle["key"] / "model.onnx.data").read_bytes() == data and fetched == part_digests(bundle)
+    assert folder == str(tmp_path / "cache" / bundle["key"])
+    skipped = list(bundle_parts(bundle, "model.onnx.data", str(tmp_path / "model.onnx.data"), skip=store.__contains__))
+    assert skipped == []  # what is already put is not read again
+    swapped = {**store, parts[1][0]: parts[2][1]}  # a part whose bytes are another's
+    with pytest.raises(PackageError, match="'model.onnx.data' part 1 arrived with sha256"):
+        materialize(bundle, swapped.__getitem__, str(tmp_path / "other"))
+    # parts that each match their hash but are not the file it was sent as
+    reordered = {**bundle, "parts": {"model.onnx.data": [parts[1][0], parts[0][0], parts[2][0], parts[3][0]]}}
+    with pytest.raises(PackageError, match="'model.onnx.data' arrived with sha256 .* not the"):
+        materialize(reordered, store.__getitem__, str(tmp_path / "third"))
+    assert not os.listdir(tmp_path / "other") and not os.listdir(tmp_path / "third")
 
 
 def test_resume_refuses_a_report_of_another_plan(tmp_path):
