@@ -4,6 +4,9 @@ a Ray cluster this module starts on the loopback address (a head and a second no
 {"tagged": 1}; the plan sends every torch case to the tag and the cuda verify to a GPU no node has),
 with one Ray worker killed mid-run; then --resume and Ctrl-C. Verdicts must equal the local run's.
 
+The audit job's tests run the builder's tiny Llama (tests/fixtures/genai/llama) and a copy with a window planted
+on layer 1, one case per block, on the local pool and once on the same cluster.
+
 Ray is started by the test and stopped by its own process ids (tests/matrix/_cluster.py). When Ray
 cannot start on this machine the Ray tests skip, saying why; a wrong result never skips.
 """
