@@ -31,7 +31,7 @@ from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
 from attnx.model.tolerance import rope_table_bound
 
-__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope", "rope_of_table"]
+__all__ = ["Block", "Blocks", "block_nodes", "iter_blocks", "read_blocks", "fit_rope", "rope_of_table"]
 
 
 @dataclasses.dataclass
@@ -635,6 +635,8 @@ def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
         if core is None:
             continue
         name = node.name or node.op_type
+        if core == "decomposed" and not _reaches_matmul(node.inputs[0], depth=16):
+            continue  # a Softmax of no q.k (a router's, a classifier's): not attention
         reader = _BLOCK_READERS.get(core)
         if reader is None:
             unread.append(f"node {name}: a {node.op_type} ({core} core) not read as a block: attnx audit reads "
@@ -653,3 +655,12 @@ def read_blocks(model: ir.Model) -> Blocks:
     """Every attention block of the graph (iter_blocks), all held at once."""
     unread: list[str] = []
     return Blocks(list(iter_blocks(model, unread)), unread)
+
+
+def block_nodes(model: ir.Model) -> list[str]:
+    """The names of the nodes iter_blocks reads as blocks (a core with a block reader), in graph order, from the
+    graph alone (no weight read): how many blocks a model has before any is read. A node its reader then
+    refuses is still listed here (iter_blocks names it as unread and numbers the blocks after it one lower)."""
+    return [node.name or node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if (core := _core_of_node(node, "")) in _BLOCK_READERS
+            and (core != "decomposed" or _reaches_matmul(node.inputs[0], depth=16))]  # fmt: skip

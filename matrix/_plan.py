@@ -14,7 +14,19 @@ may be set at the top (for every job) and overridden in a job's own object:
 
 `jobs` may also be a list of job names (no overrides). Which sources each job takes: parity and
 bench run presets and configs (seeded weights, `seed`); verify runs packages; bench also times a
-package's own model on the ort-* backends. Relative paths are read from the plan file's folder.
+package's own model on the ort-* backends; audit runs `models`, whole models another tool exported
+(`attnx audit`), one case per attention block and backend:
+
+    {"models": [{"model": "llama/model.onnx", "checkpoint": "llama-hf", "layers": "all"}],
+     "backends": ["ort-cpu"], "jobs": ["audit"]}
+
+A model entry may also be the model's path alone (no checkpoint, every block). `layers` is "all"
+(the default: the blocks are counted from the graph, no weight read) or a list of block indices.
+The files an audit case needs are the model, the external data files it names (each a plain name
+inside the model's folder: attnx.runtimes.package.check_external_data) and the checkpoint's
+config.json and safetensors files (each inside the checkpoint's folder, links out of it refused):
+listed once here, they travel to a Ray node by content (attnx.matrix._content). Relative paths
+are read from the plan file's folder.
 """
 
 from __future__ import annotations
@@ -37,21 +49,26 @@ from attnx.model.contract import (
     REFERENCE,
     TORCH_CORES,
     check_choice,
+    external_data_locations,
     provider_of_backend,
 )
-from attnx.runtimes.package import read_manifest
+from attnx.model.importers import checkpoint_files
+from attnx.runtimes.package import check_external_data, member_path, read_manifest
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS
 
 __all__ = ["BENCH_SLOT", "JOBS", "CaseSpec", "JobAxes", "MatrixPlan", "Source", "load_plan"]
 
-JOBS = ("parity", "verify", "bench")
+JOBS = ("parity", "verify", "bench", "audit")
+# The backends an audit case runs on (attnx.workflows._audit.BACKENDS, which imports onnx-ir: checked equal in
+# tests/matrix/test_matrix.py)
+AUDIT_BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
 # The Ray resource a node declares once to take timed work: a bench case holds it while it runs,
 # so that at most one timed case runs on a node at a time.
 BENCH_SLOT = "attnx_bench_slot"
 _AXES = ("backends", "lowerings", "dtypes", "batches", "seqs", "mem_seqs")
 _BENCH_KEYS = ("repeat", "warmup", "threads")
 _TOP_KEYS = frozenset(
-    {"presets", "configs", "packages", "jobs", "requirements", "seed", "timeout_s", "retries",
+    {"presets", "configs", "packages", "models", "jobs", "requirements", "seed", "timeout_s", "retries",
      "unschedulable_timeout_s", *_AXES, *_BENCH_KEYS}
 )  # fmt: skip
 _DEFAULTS: dict[str, Any] = {
@@ -69,13 +86,18 @@ _DEFAULTS: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """A model source: a preset, a config file or a package. label names it in case ids."""
+    """A model source: a preset, a config file, a package or a whole model to audit. label names it
+    in case ids."""
 
-    kind: str  # "preset" | "config" | "package"
-    label: str  # "preset:tiny", "config:cfg/causal.json", "package:pkg"
-    config: AttentionConfig
-    path: str | None = None  # the config file or package folder (absolute)
+    kind: str  # "preset" | "config" | "package" | "model"
+    label: str  # "preset:tiny", "config:cfg/causal.json", "package:pkg", "model:llama/model.onnx"
+    config: AttentionConfig | None  # None for a whole model (each block has its own)
+    path: str | None = None  # the config file, package folder or model file (absolute)
     manifest: dict[str, Any] | None = None  # a package's manifest (its names and sha256 checked)
+    files: tuple[str, ...] = ()  # a model's files: the model first, then its external data files
+    checkpoint: str | None = None  # a model's Hugging Face checkpoint folder (absolute)
+    checkpoint_files: tuple[str, ...] = ()  # the checkpoint's files the import reads
+    layers: tuple[int, ...] = ()  # a model's blocks to audit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +122,14 @@ class CaseSpec:
     job: str
     source: str  # the Source's label
     backend: str
-    lowering: str | None  # the ONNX lowering (ort-*), the torch core (bench on torch), None (torch parity)
-    dtype: str
+    lowering: str | None  # the ONNX lowering (ort-*), the torch core (bench on torch), None (torch parity, audit)
+    dtype: str | None  # None for an audit case (the model's own)
     batch: int | None
     seq: int | None
     mem_seq: int | None
     requires: dict[str, float]  # Ray resources (CPU and GPU included) beyond the default one CPU
     timed: bool  # a bench case: holds the node's bench slot
+    layer: int | None = None  # an audit case's block (graph order, from 0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,6 +165,12 @@ class MatrixPlan:
 
 
 def _job_cases(plan: MatrixPlan, job: str, axes: JobAxes, src: Source) -> list[CaseSpec]:
+    if job == "audit" or src.kind == "model":  # the audit runs whole models, and whole models only the audit
+        if job != "audit" or src.kind != "model":
+            return []
+        return [CaseSpec(f"audit:{src.label}:{backend}:layer{layer}", job, src.label, backend, None, None, None, None,
+                         None, dict(plan.requirements.get(backend, {})), False, layer)
+                for backend in axes.backends if backend in AUDIT_BACKENDS for layer in src.layers]  # fmt: skip
     out = []
     shapes = _shapes(src.config, axes)
 
@@ -314,12 +343,86 @@ def _sources(data: Mapping[str, Any], folder: str) -> list[Source]:
         root, manifest = read_manifest(path)  # not a package, a name outside it: PackageError (exit 2)
         sources.append(Source("package", f"package:{name}", AttentionConfig.from_dict(dict(manifest["config"])), root,
                               manifest))  # fmt: skip
+    models = data.get("models", [])
+    if not isinstance(models, list):
+        models = [models]
+    for i, entry in enumerate(models):
+        sources.append(_model_source(entry, folder, f"models[{i}]"))
     labels = [s.label for s in sources]
     if len(set(labels)) != len(labels):
         raise UsageError(f"plan names a source twice: {', '.join(sorted({x for x in labels if labels.count(x) > 1}))}")
     if not sources:
-        raise UsageError("plan names no source: give 'presets', 'configs' and/or 'packages'")
+        raise UsageError("plan names no source: give 'presets', 'configs', 'packages' and/or 'models'")
     return sources
+
+
+_MODEL_KEYS = frozenset({"model", "checkpoint", "layers"})
+
+
+def _model_source(entry: Any, folder: str, where: str) -> Source:
+    """A whole model to audit: its files (the model, its external data) and its checkpoint's, each
+    checked to lie inside its own folder, and the blocks to audit (counted from the graph for "all")."""
+    if isinstance(entry, str):
+        entry = {"model": entry}
+    if not isinstance(entry, dict) or not isinstance(entry.get("model"), str) or not entry["model"]:
+        raise UsageError(f"plan {where} must be a model's path, or an object with 'model' (a path), 'checkpoint' "
+                         f"and 'layers', got {entry!r}")  # fmt: skip
+    unknown = sorted(set(entry) - _MODEL_KEYS)
+    if unknown:
+        raise UsageError(f"plan {where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_MODEL_KEYS))})")
+    name = entry["model"]
+    path = os.path.abspath(os.path.join(folder, name))
+    if not os.path.isfile(path):
+        raise UsageError(f"plan {where}: model {name!r} " + ("does not exist" if not os.path.exists(path)
+                                                              else "is not a file"))  # fmt: skip
+    try:
+        check_external_data(path)  # every data file a plain name inside the model's folder, whole: before reading it
+        root = os.path.realpath(os.path.dirname(path))
+        what = f"the external data of {name!r}"
+        files = [path, *(member_path(root, loc, what) for loc in external_data_locations(path))]
+    except UsageError as e:
+        raise UsageError(f"plan {where}: {e}") from None
+    checkpoint, ckpt_files = None, []
+    if entry.get("checkpoint") is not None:
+        if not isinstance(entry["checkpoint"], str) or not entry["checkpoint"]:
+            raise UsageError(f"plan {where} 'checkpoint' must be a folder's path, got {entry['checkpoint']!r}")
+        checkpoint = os.path.abspath(os.path.join(folder, entry["checkpoint"]))
+        try:
+            real = os.path.realpath(checkpoint)
+            ckpt_files = [member_path(real, n, f"checkpoint {entry['checkpoint']!r}: its file")
+                          for n in checkpoint_files(checkpoint)]  # fmt: skip
+        except UsageError as e:
+            raise UsageError(f"plan {where}: {e}") from None
+    count = _block_count(path, where)
+    layers = entry.get("layers", "all")
+    if layers == "all":
+        layers = list(range(count))
+    elif not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool)
+                                                           for i in layers)):  # fmt: skip
+        raise UsageError(f"plan {where} 'layers' must be \"all\" or a non-empty list of block indices, got {layers!r}")
+    outside = [i for i in layers if not 0 <= i < count]
+    if outside or len(set(layers)) != len(layers):
+        raise UsageError(f"plan {where} 'layers' {layers}: "
+                         + (f"{outside[0]} is not a block of {name!r}, which has {count} (0 to {count - 1})"
+                            if outside else "a block given twice"))  # fmt: skip
+    return Source("model", f"model:{name}", None, path, files=tuple(files), checkpoint=checkpoint,
+                  checkpoint_files=tuple(ckpt_files), layers=tuple(layers))  # fmt: skip
+
+
+def _block_count(path: str, where: str) -> int:
+    """How many attention blocks the model's graph holds (attnx.export._blocks.block_nodes: no weight read)."""
+    import onnx_ir as ir
+
+    from attnx.export._blocks import block_nodes  # onnx-ir: only for a plan that audits a model
+
+    try:
+        model = ir.load(path)  # the graph; external data stays unread
+    except Exception as e:  # noqa: BLE001 - protobuf's and onnx-ir's own errors: a file that is no ONNX model
+        raise UsageError(f"plan {where}: {os.path.basename(path)!r} is not an ONNX model: {e}") from None
+    count = len(block_nodes(model))
+    if not count:
+        raise UsageError(f"plan {where}: {os.path.basename(path)!r}: no attention block found")
+    return count
 
 
 def load_plan(path: str | os.PathLike[str]) -> MatrixPlan:
@@ -362,8 +465,12 @@ def load_plan(path: str | os.PathLike[str]) -> MatrixPlan:
         retries=_number(data, "retries", 2, 0, integer=True),
         unschedulable_timeout_s=float(_number(data, "unschedulable_timeout_s", 60.0, 0)),
     )
+    if "audit" in jobs and not set(jobs["audit"].backends) & set(AUDIT_BACKENDS):
+        raise UsageError(f"plan: the audit runs on {', '.join(AUDIT_BACKENDS)}, and its backends are "
+                         f"{', '.join(jobs['audit'].backends)}: give one in jobs['audit'] 'backends'")  # fmt: skip
     if not plan.cases():
         raise UsageError(
-            "the plan has no case: verify needs 'packages' and an ort-* backend; parity needs 'presets' or 'configs'"
+            "the plan has no case: verify needs 'packages' and an ort-* backend; parity needs 'presets' or 'configs'; "
+            "audit needs 'models'"
         )
     return plan

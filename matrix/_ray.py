@@ -7,8 +7,9 @@ ray is imported inside this module's functions only: the local path (attnx matri
   custom resources such as {"cpu_amx": 1}); a bench case also holds the node's BENCH_SLOT, which
   a node declares once (`ray start --resources '{"attnx_bench_slot": 1}'`): at most one timed
   case per node at a time.
-- Content: package files and exported models go into the object store once per sha256; the
-  task writes them into the node's cache, checking every name and hash (attnx.matrix._content).
+- Content: package files, exported models, audited models and their checkpoints go into the
+  object store in parts of at most PART_BYTES, once per sha256; the task writes them into the
+  node's cache, checking every name and hash (attnx.matrix._content).
 - Faults: a task whose Ray worker dies, or whose case process is killed (CaseKilled), is retried
   by Ray (max_retries, retry_exceptions) and then reported lost with the reason; a case no node
   can hold (its resources exist on no node of the cluster) is cancelled after the plan's
@@ -35,7 +36,7 @@ from urllib.parse import urlparse
 from attnx._io import Staging
 from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
 from attnx.errors import UsageError
-from attnx.matrix._content import cache_root, files_bundle, materialize, package_bundle
+from attnx.matrix._content import bundle_parts, cache_root, files_bundle, materialize, package_bundle, part_digests
 from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
 from attnx.matrix._report import MatrixReport
 from attnx.matrix._worker import CaseKilled, host_info, run_case_process
@@ -77,6 +78,8 @@ def run_on_node(spec: dict[str, Any], bundles: dict[str, Any], blobs: dict[str, 
     if "model" in bundles:
         folder = materialize(bundles["model"], fetch)
         spec["model_path"] = os.path.join(folder, bundles["model_name"])
+    if "checkpoint" in bundles:
+        spec["checkpoint"] = materialize(bundles["checkpoint"], fetch)
     # The case's folder is a stage of attnx._io: removed when the task ends, and the one a killed
     # worker left is removed by the next case on this node (its process is provably gone).
     os.makedirs(cache_root(), mode=0o700, exist_ok=True)
@@ -227,10 +230,10 @@ class RayExecutor:
             blobs: dict[str, Any] = {}
 
             def put(bundle: dict[str, Any], paths: dict[str, str]) -> None:
-                for name, digest in bundle["files"].items():
-                    if digest not in blobs:
-                        with open(paths[name], "rb") as f:
-                            blobs[digest] = ray.put(f.read())
+                for name in bundle["files"]:  # a part at a time: a data file larger than this machine's memory too
+                    for digest, data in bundle_parts(bundle, name, paths[name], skip=blobs.__contains__):
+                        blobs[digest] = ray.put(data)
+                        del data
 
             bundled: dict[str, dict[str, Any]] = {}
             for item in items:
@@ -249,9 +252,15 @@ class RayExecutor:
                         put(bundled[key], {os.path.basename(p): p for p in item.model_files})
                     bundles["model"] = bundled[key]
                     bundles["model_name"] = os.path.basename(key)
+                if item.checkpoint_files:
+                    key = f"checkpoint:{item.checkpoint_root}"
+                    if key not in bundled:
+                        bundled[key] = files_bundle(item.checkpoint_files)
+                        put(bundled[key], {os.path.basename(p): p for p in item.checkpoint_files})
+                    bundles["checkpoint"] = bundled[key]
                 need, options = placement(item.case)
-                needed = {d: blobs[d] for b in (bundles.get("package"), bundles.get("model")) if b
-                          for d in b["files"].values()}  # fmt: skip
+                needed = {d: blobs[d] for b in (bundles.get("package"), bundles.get("model"), bundles.get("checkpoint"))
+                          if b for d in part_digests(b)}  # fmt: skip
                 ref = task.options(**options, max_retries=plan.retries, retry_exceptions=[CaseKilled]).remote(
                     item.spec, bundles, needed, plan.timeout_s
                 )

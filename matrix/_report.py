@@ -1,5 +1,6 @@
 """The matrix report: report.json (every case with its verdict, the comparator's statistics, the
-bench timings and the host it ran on) and report.md (a case x host table), both rewritten
+bench timings, an audit case's block and the host it ran on) and report.md (a case x host table:
+an audit's cases are its blocks, one row per block and backend), both rewritten
 atomically (attnx._io) after every finished case, so that the JSON is valid at all times and
 Ctrl-C keeps every finished case.
 
@@ -145,7 +146,8 @@ def _cell(c: dict[str, Any]) -> str:
 
 def markdown(data: dict[str, Any]) -> str:
     """report.md: the summary, a case x host table (each cell the verdict, the tolerance the case
-    needed against the one it had, the median time of a bench case) and the reasons."""
+    needed against the one it had, the median time of a bench case), the audited blocks (each
+    block's line, as `attnx audit` prints it) and the reasons."""
     cases = data["cases"]
     hosts = list(dict.fromkeys(host_key(c.get("host")) for c in cases))
     rows = []
@@ -164,6 +166,10 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     if rows:
         lines += [_md_row(["case", *hosts]), _md_row(["---"] * (len(hosts) + 1)), *(_md_row(r) for r in rows)]
+    audits = [c for c in cases if c.get("audit")]
+    if audits:
+        lines += ["", "## Audited blocks", ""]
+        lines += [f"- `{c['id']}` on {host_key(c.get('host'))}: {c['audit']['line']}" for c in audits]
     reasons = [(c["id"], c["status"], c.get("reason")) for c in cases if c["status"] != "pass" and c.get("reason")]
     if reasons:
         lines += ["", "## Reasons", ""]

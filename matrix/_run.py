@@ -40,8 +40,9 @@ Progress = Callable[[str], None]
 
 @dataclasses.dataclass
 class WorkItem:
-    """A case with its worker SPEC and the files it needs: an exported model (model_files, the
-    model first) or a package (package_root; package_model names its model for a bench case)."""
+    """A case with its worker SPEC and the files it needs: an exported model or a model to audit
+    (model_files, the model first), an audit's checkpoint (checkpoint_root, checkpoint_files) or a
+    package (package_root; package_model names its model for a bench case)."""
 
     case: CaseSpec
     spec: dict[str, Any]
@@ -49,6 +50,8 @@ class WorkItem:
     package_root: str | None = None
     package_manifest: dict[str, Any] | None = None
     package_model: str | None = None
+    checkpoint_root: str | None = None
+    checkpoint_files: list[str] | None = None
     attempts: int = 0
 
 
@@ -70,6 +73,8 @@ class LocalExecutor:
         spec = dict(item.spec)
         if item.model_files:
             spec["model_path"] = item.model_files[0]
+        if item.checkpoint_root:
+            spec["checkpoint"] = item.checkpoint_root
         if item.package_root:
             spec["package"] = item.package_root
             if item.package_model:
@@ -157,7 +162,11 @@ def _prepare(plan: MatrixPlan, cases: list[CaseSpec], out: str, progress: Progre
     for case in cases:
         source = plan.source(case.source)
         item = WorkItem(case, case_job_spec(case, plan, source))
-        if source.kind == "package":
+        if case.job == "audit":  # the model's files as the plan listed them (each checked inside its folder)
+            item.model_files = list(source.files)
+            if source.checkpoint:
+                item.checkpoint_root, item.checkpoint_files = source.checkpoint, list(source.checkpoint_files)
+        elif source.kind == "package":
             item.package_root, item.package_manifest = source.path, source.manifest
             if case.job == "bench":
                 item.package_model = _package_model(source.manifest, case.backend)
@@ -216,7 +225,7 @@ def run_matrix(plan: MatrixPlan, out: str | os.PathLike[str], executor: Any, *, 
                 "reason": result.get("reason"),
                 "stats": result.get("stats"),
                 "bench": result.get("bench"),
-                **({k: result[k] for k in ("checks", "localisation", "worker_pid", "span") if k in result}),
+                **({k: result[k] for k in ("checks", "localisation", "audit", "worker_pid", "span") if k in result}),
                 "host": host,
                 "attempts": attempts,
                 "seconds": result.get("seconds"),

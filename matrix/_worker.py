@@ -3,17 +3,21 @@ run_case_process(), the parent's side (the local pool's thread or the Ray task o
 
 The case runs attnx's own code, nothing re-implemented: parity through
 attnx.runtimes.parity.run_parity, verify through attnx.runtimes.package.verify_package, bench
-through the bench worker's run_spec (attnx.bench._worker: warm-up, timed calls, peak memory).
+through the bench worker's run_spec (attnx.bench._worker: warm-up, timed calls, peak memory),
+audit through attnx.workflows.audit_model (one block on one backend: `attnx audit MODEL
+--layers I --backends B`, whose verdict is the case's).
 Every agreement figure comes from the one comparator (attnx.runtimes.compare). A case whose
 process dies (a crash in native code, a kill) cannot take the driver down: the parent sees the
 signal and reports it (the caller retries, then reports the case lost).
 
 SPEC (JSON): job, backend, lowering, dtype, batch, seq, mem_seq, seed, and per job: config (dict)
 and model_path (ort-*) for parity; package (a folder) and provider for verify; the bench worker's
-case spec fields for bench (config, attention, model_path, repeat, warmup, threads).
+case spec fields for bench (config, attention, model_path, repeat, warmup, threads); model_path,
+checkpoint (a folder or None) and layer for audit.
 RESULT (JSON): status "pass" | "fail" | "skipped", reason, stats (the comparator's: max_abs,
 max_rel, mean_abs, p99_abs, cosine, needed_atol, atol, rtol), bench (median_ms, p10_ms, p90_ms,
-first_ms, runs, peak_rss_mb), checks (verify).
+first_ms, runs, peak_rss_mb), checks (verify), audit (the block's BlockAudit.to_dict() with its
+line, the model's unread nodes and skipped backends, and the paths the case read).
 """
 
 from __future__ import annotations
@@ -112,13 +116,34 @@ def _bench(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _audit(spec: dict[str, Any]) -> dict[str, Any]:
+    from attnx.workflows import audit_model  # onnx-ir: only in an audit case's process
+
+    report = audit_model(spec["model_path"], checkpoint=spec.get("checkpoint"), layers=[spec["layer"]],
+                         backends=[spec["backend"]])  # fmt: skip
+    (block,) = report.blocks
+    worst = block.worst()
+    audit = {**block.to_dict(), "line": block.line(), "unread": report.unread, "skipped": report.skipped,
+             "model": report.model, "checkpoint": report.checkpoint}  # fmt: skip
+    if not block.checks and not block.findings and not block.not_checked and report.skipped:
+        return {"status": "skipped", "reason": "; ".join(report.skipped), "stats": None, "audit": audit}
+    # the verdict of `attnx audit MODEL --layers I`: the block passes and every attention node was read
+    passed = block.passed and not report.unread
+    reasons = [*block.findings, *block.not_checked, *(f"not read: {u}" for u in report.unread)]
+    stats = None
+    if worst is not None:
+        stats = {**worst.stats(), "atol": worst.atol, "rtol": worst.rtol}
+    return {"status": "pass" if passed else "fail", "reason": "; ".join(reasons)[:2000] or None, "stats": stats,
+            "audit": audit}  # fmt: skip
+
+
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     """The case's result (never raises for a backend that cannot run or a check that fails:
     those are results). An error of attnx's own (a bad package, a model that will not load) is a
     failed case with its message."""
     start = time.perf_counter()
     try:
-        result = {"parity": _parity, "verify": _verify, "bench": _bench}[spec["job"]](spec)
+        result = {"parity": _parity, "verify": _verify, "bench": _bench, "audit": _audit}[spec["job"]](spec)
     except ProviderUnavailable as e:
         result = {"status": "skipped", "reason": str(e)}
     except AttnxError as e:
@@ -246,8 +271,10 @@ def case_job_spec(case: Any, plan: Any, source: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "id": case.id, "job": case.job, "backend": case.backend, "lowering": case.lowering, "dtype": case.dtype,
         "batch": case.batch, "seq": case.seq, "mem_seq": case.mem_seq, "seed": plan.seed,
-        "config": source.config.to_dict(),
+        "config": source.config.to_dict() if source.config is not None else None,
     }  # fmt: skip
+    if case.job == "audit":
+        spec["layer"] = case.layer
     if case.job == "verify":
         spec["provider"] = provider_of_backend(case.backend).name
     if case.job == "bench":

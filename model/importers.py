@@ -50,6 +50,7 @@ __all__ = [
     "read_checkpoint_config",
     "write_import",
     "check_import_target",
+    "checkpoint_files",
 ]
 
 MAX_HEADER_BYTES = 100 * 1024**2  # a safetensors header past this is not one
@@ -195,6 +196,15 @@ def _weight_files(folder: str) -> dict[str, str]:
             "save the model with safetensors (save_pretrained(safe_serialization=True))"
         )
     raise WeightsError(f"{folder!r} has no model.safetensors nor model.safetensors.index.json")
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    """The names of the files in a checkpoint folder that importing it reads: config.json, then
+    model.safetensors, or the sharded index and every shard it names (plain names, _weight_files' rule)."""
+    read_checkpoint_config(folder)
+    index = "model.safetensors.index.json"
+    shards = sorted({os.path.basename(p) for p in _weight_files(folder).values()})
+    return ["config.json", *([index] if os.path.isfile(os.path.join(folder, index)) else []), *shards]
 
 
 def _header(path: str) -> dict[str, Any]:

@@ -34,5 +34,5 @@ COMMANDS: dict[str, Command] = {
     "inspect": Command("inspect", "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators",
                        runs_ort=False),
     "audit": Command("audit", "check every attention block of a whole exported model against the reference and its checkpoint"),
-    "matrix": Command("matrix", "run a plan's parity / verify / bench cases here or across a Ray cluster, into one report"),
+    "matrix": Command("matrix", "run a plan's parity / verify / bench / audit cases here or on a Ray cluster, into one report"),
 }  # fmt: skip

@@ -1,4 +1,4 @@
-"""attnx matrix: a plan's parity / verify / bench cases on this machine or across a Ray cluster,
+"""attnx matrix: a plan's parity / verify / bench / audit cases on this machine or across a Ray cluster,
 into one report."""
 
 from __future__ import annotations

@@ -4,12 +4,16 @@ a Ray cluster this module starts on the loopback address (a head and a second no
 {"tagged": 1}; the plan sends every torch case to the tag and the cuda verify to a GPU no node has),
 with one Ray worker killed mid-run; then --resume and Ctrl-C. Verdicts must equal the local run's.
 
+The audit job's tests run the builder's tiny Llama (tests/fixtures/genai/llama) and a copy with a window planted
+on layer 1, one case per block, on the local pool and once on the same cluster.
+
 Ray is started by the test and stopped by its own process ids (tests/matrix/_cluster.py). When Ray
 cannot start on this machine the Ray tests skip, saying why; a wrong result never skips.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -22,10 +26,11 @@ import time
 import pytest
 
 from attnx.errors import PackageError, UsageError
-from attnx.matrix import BENCH_SLOT, load_plan
-from attnx.matrix._content import files_bundle, materialize
+from attnx.matrix import BENCH_SLOT, MatrixPlan, load_plan
+from attnx.matrix._content import bundle_parts, cache_root, files_bundle, materialize, part_digests
+from attnx.matrix._plan import AUDIT_BACKENDS
 from attnx.matrix._ray import feasible, placement
-from attnx.matrix._report import MatrixReport
+from attnx.matrix._report import MatrixReport, host_key
 from tests.matrix._cluster import RayCluster
 
 PLAN = {
@@ -374,6 +379,32 @@ def test_content_is_checked_on_the_node_before_use(tmp_path):
     assert not os.path.exists(tmp_path / "outside") and not os.listdir(tmp_path / "third")
 
 
+def test_a_file_travels_in_parts_each_checked_on_the_node(tmp_path):
+    """A file larger than a part (a model's data file larger than the driver's memory) is put and written a part
+    at a time; each part and the whole file are checked against their hashes."""
+    data = b"".join(hashlib.sha256(bytes([i])).digest() for i in range(24)) + b"tail"  # parts of 256, 256, 256, 4
+    (tmp_path / "model.onnx.data").write_bytes(data)
+    bundle = files_bundle([str(tmp_path / "model.onnx.data")], part_bytes=256)
+    parts = list(bundle_parts(bundle, "model.onnx.data", str(tmp_path / "model.onnx.data")))
+    assert [len(p) for _, p in parts] == [256, 256, 256, 4] and b"".join(p for _, p in parts) == data
+    assert [d for d, _ in parts] == part_digests(bundle) and bundle["files"]["model.onnx.data"] not in part_digests(bundle)
+    store = dict(parts)
+    fetched = []
+    folder = materialize(bundle, lambda d: fetched.append(d) or store[d], str(tmp_path / "cache"))
+    assert (tmp_path / "cache" / bundle["key"] / "model.onnx.data").read_bytes() == data and fetched == part_digests(bundle)
+    assert folder == str(tmp_path / "cache" / bundle["key"])
+    skipped = list(bundle_parts(bundle, "model.onnx.data", str(tmp_path / "model.onnx.data"), skip=store.__contains__))
+    assert skipped == []  # what is already put is not read again
+    swapped = {**store, parts[1][0]: parts[2][1]}  # a part whose bytes are another's
+    with pytest.raises(PackageError, match="'model.onnx.data' part 1 arrived with sha256"):
+        materialize(bundle, swapped.__getitem__, str(tmp_path / "other"))
+    # parts that each match their hash but are not the file it was sent as
+    reordered = {**bundle, "parts": {"model.onnx.data": [parts[1][0], parts[0][0], parts[2][0], parts[3][0]]}}
+    with pytest.raises(PackageError, match="'model.onnx.data' arrived with sha256 .* not the"):
+        materialize(reordered, store.__getitem__, str(tmp_path / "third"))
+    assert not os.listdir(tmp_path / "other") and not os.listdir(tmp_path / "third")
+
+
 def test_resume_refuses_a_report_of_another_plan(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"presets": ["tiny"], "jobs": ["parity"], "seqs": [1]}))
     (tmp_path / "b.json").write_text(json.dumps({"presets": ["tiny"], "jobs": ["parity"], "seqs": [2]}))
@@ -437,3 +468,187 @@ def test_a_ray_address_where_no_cluster_answers_is_refused_before_any_work():
         RayExecutor("nonsense")
     with pytest.raises(UsageError, match="no Ray cluster answers there"):
         RayExecutor(f"127.0.0.1:{_free_port()}")
+
+
+# The audit job: whole models, one case per block --------------------------------------------------------------
+GENAI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "genai")
+AUDIT_CASES = [f"audit:model:llama/model.onnx:ort-cpu:layer{i}" for i in (0, 1)]
+FAULTY_CASES = [f"audit:model:faulty/model.onnx:ort-cpu:layer{i}" for i in (0, 1)]
+WINDOW_FINDING = "layer 1: window 4 in the graph (local_window_size 4), no window in the checkpoint"
+
+
+def _copy_model(src: str, dst: str, change=None) -> None:
+    """The builder's model (tests/fixtures/genai) in a folder of its own; change(proto) plants a fault
+    (tests/workflows/test_audit.py's way: the proto changed, its data written beside it)."""
+    import onnx
+
+    os.makedirs(dst)
+    if change is None:
+        for name in ("model.onnx", "model.onnx.data"):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+        return
+    proto = onnx.load(os.path.join(src, "model.onnx"))
+    change(proto)
+    onnx.save(proto, os.path.join(dst, "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)  # fmt: skip
+
+
+def _window_on_layer_1(proto) -> None:
+    node = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention" and "layers.1/" in n.name)
+    next(a for a in node.attribute if a.name == "local_window_size").i = 4  # -1 (no window) as built
+
+
+@pytest.fixture(scope="module")
+def audit_work(tmp_path_factory):
+    """The llama fp32 fixture, a copy whose layer 1 has a window its checkpoint does not, the checkpoint, and
+    the plans that audit them."""
+    root = tmp_path_factory.mktemp("audit")
+    _copy_model(os.path.join(GENAI, "llama", "fp32"), str(root / "llama"))
+    _copy_model(os.path.join(GENAI, "llama", "fp32"), str(root / "faulty"), _window_on_layer_1)
+    shutil.copytree(os.path.join(GENAI, "llama", "checkpoint"), root / "llama-hf")
+    for name, models in (("audit", ["llama"]), ("faulty", ["faulty"]), ("both", ["llama", "faulty"])):
+        plan = {"models": [{"model": f"{m}/model.onnx", "checkpoint": "llama-hf"} for m in models], "jobs": ["audit"]}
+        (root / f"{name}.json").write_text(json.dumps(plan))
+    return str(root)
+
+
+def test_an_audit_plan_runs_each_block_as_a_case_and_a_clean_model_passes(audit_work):
+    run = attnx("matrix", "audit.json", "--out", "audit-out", "--jobs", "2", cwd=audit_work)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ray not imported" in run.stderr
+    out = os.path.join(audit_work, "audit-out")
+    report = read(out)
+    assert [c["id"] for c in report["cases"]] == AUDIT_CASES and report["passed"]
+    for i, c in enumerate(report["cases"]):
+        block = c["audit"]
+        assert c["status"] == "pass" and c["layer"] == i and c["reason"] is None
+        assert block["index"] == i and block["layer"] == i and block["core"] == "gqa" and not block["findings"]
+        assert len(block["checks"]) == 3 and all(k["passed"] for k in block["checks"])  # full, padded, decode
+        assert not block["unread"] and not block["skipped"] and block["line"].startswith(f"block {i} = checkpoint layer {i}: pass")
+        assert 0 < c["stats"]["needed_atol"] <= c["stats"]["atol"] and c["stats"]["max_abs"] <= c["stats"]["atol"]
+        # the files as the plan named them, read where they lie (no copy on the local pool)
+        assert block["model"] == os.path.join(audit_work, "llama", "model.onnx")
+        assert block["checkpoint"] == os.path.join(audit_work, "llama-hf")
+    with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+        md = f.read()
+    host = host_key(report["cases"][0]["host"])
+    for i, case_id in enumerate(AUDIT_CASES):  # one row per layer, its cell under the host it ran on
+        assert f"| {case_id} | pass, needs atol " in md
+        assert f"- `{case_id}` on {host}: block {i} = checkpoint layer {i}: pass" in md
+
+
+def test_a_planted_fault_fails_exactly_its_layer_s_audit_case_with_the_finding(audit_work):
+    run = attnx("matrix", "faulty.json", "--out", "faulty-out", "--jobs", "2", cwd=audit_work)
+    assert run.returncode == 1, run.stderr[-2000:]
+    report = read(os.path.join(audit_work, "faulty-out"))
+    cases = by_id(report)
+    assert list(cases) == FAULTY_CASES and report["complete"] and not report["passed"]
+    ok, bad = cases[FAULTY_CASES[0]], cases[FAULTY_CASES[1]]
+    assert ok["status"] == "pass" and not ok["audit"]["findings"]
+    assert bad["status"] == "fail" and bad["audit"]["findings"][0] == WINDOW_FINDING
+    assert bad["reason"].startswith(WINDOW_FINDING + "; block 1: full sequence (12 tokens) against the reference fails")
+    assert "first at position 4" in bad["reason"] and bad["stats"]["max_abs"] > bad["stats"]["atol"]
+    assert f"fail {FAULTY_CASES[1]}: {WINDOW_FINDING}" in run.stdout
+    with open(os.path.join(audit_work, "faulty-out", "report.md"), encoding="utf-8") as f:
+        md = f.read()
+    assert f"- `{FAULTY_CASES[1]}` fail: {WINDOW_FINDING}" in md and f"| {FAULTY_CASES[1]} | fail, needs atol" in md
+
+
+def test_ray_audits_ship_model_data_and_checkpoint_by_content(audit_work, cluster):
+    """The clean model and the faulty one on the module's cluster: each case reads the files from its node's
+    cache, where they arrived by sha256; the verdicts are the local pool's."""
+    run = attnx("matrix", "both.json", "--out", "both-ray", "--ray", cluster.address, cwd=audit_work, env=cluster.env)
+    assert run.returncode == 1, run.stderr[-2000:]  # the faulty model's layer 1
+    report = read(os.path.join(audit_work, "both-ray"))
+    assert [c["id"] for c in report["cases"]] == AUDIT_CASES + FAULTY_CASES and report["complete"]
+    assert [c["status"] for c in report["cases"]] == ["pass", "pass", "pass", "fail"]
+    assert report["cases"][3]["audit"]["findings"][0] == WINDOW_FINDING
+    for c in report["cases"]:
+        assert c["host"]["node_id"] in cluster.nodes
+        model = c["audit"]["model"]
+        name = os.path.basename(os.path.dirname(model))
+        local = os.path.join(audit_work, c["source"].split(":", 1)[1])
+        assert model.startswith(cache_root()) and name == files_bundle([local, local + ".data"])["key"]
+        ckpt = os.path.join(audit_work, "llama-hf")
+        ckpt_files = [os.path.join(ckpt, n) for n in ("config.json", "model.safetensors")]
+        assert c["audit"]["checkpoint"] == os.path.join(cache_root(), files_bundle(ckpt_files)["key"])
+        assert sorted(os.listdir(c["audit"]["checkpoint"])) == ["config.json", "model.safetensors"]
+
+
+def _plan_of(root, models, **top) -> MatrixPlan:
+    (root / "plan.json").write_text(json.dumps({"models": models, "jobs": ["audit"], **top}))
+    return load_plan(root / "plan.json")
+
+
+def test_an_audit_plan_expands_blocks_and_backends(tmp_path):
+    from attnx.workflows._audit import BACKENDS
+
+    assert AUDIT_BACKENDS == BACKENDS  # the plan's copy, kept free of onnx-ir
+    model = os.path.join(GENAI, "llama", "fp32", "model.onnx")
+    ckpt = os.path.join(GENAI, "llama", "checkpoint")
+    plan = _plan_of(tmp_path, [model], backends=["torch", "ort-cpu", "openvino"],
+                    requirements={"openvino": {"ov": 1}})  # fmt: skip
+    cases = plan.cases()  # every block (counted from the graph), on each backend the audit runs on
+    assert [(c.backend, c.layer, c.requires) for c in cases] == [
+        ("ort-cpu", 0, {}), ("ort-cpu", 1, {}), ("openvino", 0, {"ov": 1.0}), ("openvino", 1, {"ov": 1.0})
+    ]  # fmt: skip
+    assert cases[0].id == f"audit:model:{model}:ort-cpu:layer0" and not cases[0].timed
+    (source,) = plan.sources
+    assert source.files == (model, model + ".data") and source.checkpoint is None
+    plan = _plan_of(tmp_path, [{"model": model, "checkpoint": ckpt, "layers": [1]}])
+    assert [c.id for c in plan.cases()] == [f"audit:model:{model}:ort-cpu:layer1"]
+    assert plan.sources[0].checkpoint_files == (os.path.join(ckpt, "config.json"), os.path.join(ckpt, "model.safetensors"))
+    # a plan of parity and audit: the audit's models are not parity's sources, nor the presets the audit's
+    (tmp_path / "mixed.json").write_text(json.dumps({"presets": ["tiny"], "models": [model], "backends": ["ort-cpu"],
+                                                     "lowerings": ["decomposed"], "batches": [1], "seqs": [2],
+                                                     "jobs": ["parity", "audit"]}))  # fmt: skip
+    assert [c.id for c in load_plan(tmp_path / "mixed.json").cases()] == [
+        "parity:preset:tiny:ort-cpu:decomposed:fp32:b1:s2", f"audit:model:{model}:ort-cpu:layer0",
+        f"audit:model:{model}:ort-cpu:layer1",
+    ]  # fmt: skip
+
+
+def test_a_bad_audit_model_is_one_error_naming_it_before_any_work(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = os.path.join(GENAI, "llama", "fp32", "model.onnx")
+    ckpt = os.path.join(GENAI, "llama", "checkpoint")
+    # external data named outside the model's folder
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    proto = onnx.load(model, load_external_data=False)
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../model.onnx.data"
+    onnx.save(proto, str(outside / "model.onnx"))
+    shutil.copyfile(model + ".data", tmp_path / "model.onnx.data")
+    # a checkpoint whose weights are a link out of its folder
+    linked = tmp_path / "linked-hf"
+    linked.mkdir()
+    shutil.copyfile(os.path.join(ckpt, "config.json"), linked / "config.json")
+    os.symlink(os.path.join(ckpt, "model.safetensors"), linked / "model.safetensors")
+    # a graph without attention
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])  # fmt: skip
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]),
+              str(tmp_path / "relu.onnx"))  # fmt: skip
+    bad = [
+        ([{"model": model, "layers": [2]}], {}, "'layers' [2]: 2 is not a block of"),
+        ([{"model": model, "layers": [0, 0]}], {}, "a block given twice"),
+        ([{"model": model, "layers": "some"}], {}, "'layers' must be \"all\" or a non-empty list"),
+        ([{"model": model, "colour": 1}], {}, "models[0]: unknown key 'colour'"),
+        ([{"checkpoint": ckpt}], {}, "models[0] must be a model's path"),
+        (["missing.onnx"], {}, "model 'missing.onnx' does not exist"),
+        ([str(outside / "model.onnx")], {}, "'../model.onnx.data'"),
+        ([{"model": model, "checkpoint": str(linked)}], {}, "outside the package folder: refused"),
+        ([{"model": model, "checkpoint": str(tmp_path)}], {}, "has no config.json"),
+        (["relu.onnx"], {}, "'relu.onnx': no attention block found"),
+        ([model], {"backends": ["torch"]}, "the audit runs on ort-cpu, openvino, ort-cuda"),
+    ]
+    for models, top, message in bad:
+        with pytest.raises(UsageError) as info:
+            _plan_of(tmp_path, models, **top)
+        assert message in str(info.value), (models, str(info.value))
