@@ -543,17 +543,20 @@ def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]]]:
 
 
 def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
-    """Whether `value` comes from a non-constant MatMul within a few scaling/layout steps (the scores' side)."""
+    """Whether `value` comes from a MatMul of two computed operands (q.k) within a few scaling, masking and layout
+    steps: the scores' side of an Add, or a Softmax that is attention's."""
+    frontier = [value]
     for _ in range(depth):
-        node = value.producer()
-        if node is None:
-            return False
-        if _is(node, "MatMul") and const_array(node.inputs[1]) is None:
-            return True
-        inputs = [i for i in node.inputs if i is not None and const_array(i) is None]
-        if node.op_type not in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add") or not inputs:
-            return False
-        value = inputs[0]
+        nxt = []
+        for v in frontier:
+            node = v.producer()
+            if node is None or node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type == "MatMul" and const_array(node.inputs[1]) is None and const_array(node.inputs[0]) is None:
+                return True
+            if node.op_type in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add", "Where", "Concat"):
+                nxt += [i for i in node.inputs if i is not None and const_array(i) is None]
+        frontier = nxt
     return False
 
 
