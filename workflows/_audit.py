@@ -30,11 +30,11 @@ from attnx.model.importers import import_weights, read_checkpoint_config
 from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_cos_sin
 from attnx.model.tolerance import problem_size, tolerance_for
+from attnx.runtimes._untrusted import check_cut_fits, check_model_file
 from attnx.runtimes.base import runtime_threads
 from attnx.runtimes.compare import Comparison, compare_arrays
 from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
 from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
-from attnx.runtimes.package import check_external_data
 
 __all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
 
@@ -193,6 +193,7 @@ def _cut(extractor: Any, block: Any, base_dir: str) -> bytes:
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
             value.type.tensor_type.shape.Clear()
+    check_cut_fits(cut, base_dir, f"block {block.index} ({block.node})")  # before its data is read
     load_external_data_for_model(cut, base_dir)
     return cut.SerializeToString()
 
@@ -260,7 +261,7 @@ def audit_model(
     for name in backends:
         if name not in BACKENDS:
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
-    check_external_data(model_path)
+    check_model_file(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
     from onnx.utils import Extractor
 
