@@ -108,7 +108,12 @@ def check_external_data(model_path: str) -> None:
         path = member_path(root, location, what)
         if not os.path.isfile(path):
             raise UsageError(f"{model_path}: its external data {location!r} {not_a_file(path)}")
-        end = int(entries.get("offset", 0) or 0) + int(entries.get("length", 0) or 0)
+        numbers = {key: entries.get(key) or "0" for key in ("offset", "length")}
+        for key, text in numbers.items():
+            if not text.isdigit():  # digits only: no sign, no space
+                raise UsageError(f"{model_path}: tensor {tensor.name!r} gives its external data {key} {text!r}, not a "
+                                 "whole number of bytes: refused")  # fmt: skip
+        end = int(numbers["offset"]) + int(numbers["length"])
         ends[location] = max(ends.get(location, 0), end)
     for location, end in ends.items():
         size = os.path.getsize(os.path.join(root, location))

@@ -8,8 +8,8 @@ each row's length in seqlens_k), then a prefill and single-token steps through t
 inputs (past_key_values.N.*, seqlens_k, total_sequence_length): its output against the reference of the
 checkpoint's layer (or, without one, of the layer read from the graph) under the tolerance table. A
 MatMulNBits graph is held against the model as it computes: its dequantized weights, and at
-accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks). The model is untrusted input: external data is checked to lie
-whole inside the model's folder before anything is read (attnx.runtimes.package.check_external_data).
+accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks). The model is untrusted input: it is checked before anything
+parses it (attnx.runtimes._untrusted.check_model_file: external data inside its folder, sizes, cycles, domains).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from attnx.model.resources import available_memory_bytes
 from attnx.model.rope import rope_cos_sin
 from attnx.model.stages import STAGES
 from attnx.model.tolerance import problem_size, rope_table_bound, stored_bound, tolerance_for
+from attnx.runtimes._untrusted import check_cut_fits, check_model_file
 from attnx.runtimes.base import runtime_threads
 from attnx.runtimes.compare import Comparison, compare_arrays
 from attnx.runtimes.localise import compare_stages, reference_stages
 from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
 from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
-from attnx.runtimes.package import check_external_data
 
 __all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
 
@@ -258,6 +258,7 @@ def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequenc
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
             value.type.tensor_type.shape.Clear()
+    check_cut_fits(cut, base_dir, f"block {block.index} ({block.node})")  # before its data is read
     load_external_data_for_model(cut, base_dir)
     return cut.SerializeToString()
 
@@ -354,7 +355,7 @@ def audit_model(
     for name in backends:
         if name not in BACKENDS:
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
-    check_external_data(model_path)
+    check_model_file(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
     from onnx.utils import Extractor
 
