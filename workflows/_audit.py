@@ -26,7 +26,7 @@ from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
-from attnx.model.importers import import_weights, read_checkpoint_config
+from attnx.model.importers import import_weights, read_checkpoint_config, read_q_projection
 from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_cos_sin
 from attnx.model.tolerance import problem_size, tolerance_for
@@ -36,7 +36,7 @@ from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unav
 from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 from attnx.runtimes.package import check_external_data
 
-__all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
+__all__ = ["AuditReport", "BlockAudit", "CheckpointLayers", "audit_model", "AUDIT_SHAPE"]
 
 # (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table;
 # the padded batch's second row is `padding` tokens shorter
@@ -93,18 +93,51 @@ class AuditReport:
                 "skipped": self.skipped}  # fmt: skip
 
 
-def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> int | None:
-    """The checkpoint layer whose q projection is nearest the block's (relative max difference)."""
-    best, best_err = None, float("inf")
-    ours = block_weights["q_proj.weight"].astype(np.float64)
-    for i, imported in layers.items():
-        theirs = np.asarray(imported.weights["q_proj.weight"], np.float64)
-        if theirs.shape != ours.shape:
-            continue
-        err = float(np.abs(theirs - ours).max() / max(np.abs(theirs).max(), 1e-30))
-        if err < best_err:
-            best, best_err = i, err
-    return best
+class CheckpointLayers:
+    """A checkpoint's layers as the audit needs them, one at a time: each layer's q projection kept only as a
+    sample of its rows (read alone, read_q_projection), which pairs a block with its layer by value; the
+    paired layer's attention imported (import_weights) when its block is checked, and dropped after. So
+    a checkpoint larger than memory is held a layer at a time, plus the samples (at most SAMPLE_ROWS rows
+    of q per layer)."""
+
+    SAMPLE_ROWS = 32
+
+    def __init__(self, folder: str) -> None:
+        hf = read_checkpoint_config(folder)
+        n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
+        self.folder = folder
+        self.samples: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}  # layer -> (q's shape, its sampled rows)
+        for i in range(n_layers):
+            q = read_q_projection(folder, i)
+            self.samples[i] = (q.shape, np.array(q[self._rows(q.shape[0])]))
+
+    def _rows(self, n: int) -> np.ndarray:
+        """The rows sampled of a q projection of n rows: all of a small one, else evenly spread."""
+        return np.unique(np.linspace(0, n - 1, min(n, self.SAMPLE_ROWS)).round().astype(np.int64))
+
+    def pair(self, q: np.ndarray) -> int | None:
+        """The layer whose q projection is nearest the block's `q` (relative max difference, never names):
+        on the sampled rows; layers tied there are told apart by their whole q projections."""
+
+        def error(theirs: np.ndarray, ours: np.ndarray) -> float:
+            theirs = np.asarray(theirs, np.float64)
+            return float(np.abs(theirs - ours).max() / max(np.abs(theirs).max(), 1e-30))
+
+        rows = self._rows(q.shape[0])
+        ours = np.asarray(q, np.float64)[rows]
+        errors = {i: error(sample, ours) for i, (shape, sample) in self.samples.items() if shape == q.shape}
+        if not errors:
+            return None
+        best = min(errors.values())
+        tied = [i for i, e in errors.items() if e <= best]
+        if len(tied) == 1 or len(rows) == q.shape[0]:
+            return tied[0]
+        whole = np.asarray(q, np.float64)
+        return min(tied, key=lambda i: error(read_q_projection(self.folder, i), whole))
+
+    def layer(self, i: int) -> Any:
+        """Layer i's attention, imported now (an ImportResult)."""
+        return import_weights(self.folder, layer=i)
 
 
 def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int) -> list[str]:
@@ -268,12 +301,7 @@ def audit_model(
     # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
     extractor = Extractor(onnx.load(model_path, load_external_data=False))
     base_dir = os.path.dirname(os.path.abspath(model_path))
-    imported: dict[int, Any] = {}
-    if checkpoint is not None:
-        hf = read_checkpoint_config(checkpoint)
-        n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
-        for i in range(n_layers):
-            imported[i] = import_weights(checkpoint, layer=i)
+    source = CheckpointLayers(checkpoint) if checkpoint is not None else None
     report = AuditReport(model_path, checkpoint, [], [])
     seen = 0
     for block in iter_blocks(model, report.unread):
@@ -281,7 +309,7 @@ def audit_model(
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
-        report.blocks.append(_audit_block(extractor, base_dir, block, imported, backends, report.skipped))
+        report.blocks.append(_audit_block(extractor, base_dir, block, source, backends, report.skipped))
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
@@ -292,19 +320,20 @@ def audit_model(
     return report
 
 
-def _audit_block(extractor: Any, base_dir: str, block: Any, imported: dict[int, Any], backends: Sequence[str],
-                 skipped: list[str]) -> BlockAudit:  # fmt: skip
+def _audit_block(extractor: Any, base_dir: str, block: Any, source: CheckpointLayers | None,
+                 backends: Sequence[str], skipped: list[str]) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
     config, weights = block.config, block.weights
-    if imported:
-        layer = _pair(block.weights, imported)
+    imported = source is not None
+    if source is not None:
+        layer = source.pair(block.weights["q_proj.weight"])
         if layer is None:
             findings.append(f"block {block.index}: no checkpoint layer has its q projection's shape")
         else:
-            source = imported[layer]
-            findings += _compare_terms(block, source.config, source.weights, layer)
-            config, weights = source.config, source.weights  # the reference is the checkpoint's layer
+            paired = source.layer(layer)  # this block's layer alone, dropped with the block's audit
+            findings += _compare_terms(block, paired.config, paired.weights, layer)
+            config, weights = paired.config, paired.weights  # the reference is the checkpoint's layer
     if config is not None:
         config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
     terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
