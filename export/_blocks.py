@@ -30,7 +30,7 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
 
-__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope"]
+__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope", "release_external"]
 
 
 @dataclasses.dataclass
@@ -206,7 +206,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
         rope, rope_facts = _rope_of(cos, sin, facts["rotary_interleaved"])
         facts.update(rope_facts)
-        facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
+        facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
     sinks = None
     if facts.get("sinks"):
         sinks = const_array(inputs[11])
@@ -222,7 +222,8 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         sinks=sinks is not None,
     )  # fmt: skip
     block.config = config
-    block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
+    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block)
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()}
     if rope is None and "rope" in facts:
         block.unread = f"rope {facts['rope']}"
     return block
@@ -233,8 +234,9 @@ _BLOCK_READERS = {"gqa": _read_gqa_block}
 
 def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
     """Every attention block of the graph in graph order, read one at a time (its weights read from the
-    graph's tensors as it is reached: a model larger than memory is read a layer at a time), each where
-    its core has a block reader; what is not read is appended to `unread` with the node and why."""
+    graph's tensors as it is reached, and the tensors released when the next block is read: a model larger
+    than memory is read a layer at a time), each where its core has a block reader; what is not read is
+    appended to `unread` with the node and why."""
     index = 0
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         core = _core_of_node(node, "")
@@ -251,8 +253,23 @@ def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
         except NotRead as e:
             unread.append(f"node {name}: not read as attention: {e}")
             continue
+        finally:
+            release_external(model)
         index += 1
         yield block
+
+
+def release_external(model: ir.Model) -> int:
+    """Unmap every external tensor of `model` that a read mapped (onnx_ir maps the data file when a tensor
+    is read, and keeps it mapped: the pages read stay in the process's memory until released), and return
+    how many were. A block keeps copies of what it read, so none is in use."""
+    released = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.raw is not None:
+            tensor.release()
+            released += 1
+    return released
 
 
 def read_blocks(model: ir.Model) -> Blocks:
