@@ -30,7 +30,7 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
 
-__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope", "release_external"]
+__all__ = ["Block", "Blocks", "iter_blocks", "read_blocks", "fit_rope", "release_external", "rope_table_error"]
 
 
 @dataclasses.dataclass
@@ -106,31 +106,65 @@ def _norm(value: ir.Value) -> tuple[ir.Value, np.ndarray | None, float | None]:
     return value, None, None
 
 
+# A rotary table against the exact cos/sin of its frequencies: float32 storage (ROPE_TABLE_ATOL) plus the
+# float32 arithmetic a builder computes the angles with (inv_freq rounded, then position * inv_freq rounded:
+# a few ulps of the angle, growing with the position: ROPE_ANGLE_RTOL of the angle). A theta or a scaling
+# that moves a frequency by a relative 1e-6 or more exceeds it on the table's far rows.
+ROPE_TABLE_ATOL, ROPE_ANGLE_RTOL = 1e-5, 8 * 2.0**-24
+
+
+def rope_table_error(cos: np.ndarray, sin: np.ndarray, inv_freq: np.ndarray, factor: float = 1.0) -> tuple[float, float]:
+    """(max |difference|, max difference / its bound) of a table cos/sin [positions, k] against
+    factor * cos/sin(position * inv_freq[:k]) in float64: a ratio above 1 is a table of other frequencies."""
+    cos, sin = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    angles = np.arange(cos.shape[0], dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, : cos.shape[1]]
+    diff = np.maximum(np.abs(np.cos(angles) * factor - cos), np.abs(np.sin(angles) * factor - sin))
+    bound = abs(factor) * (ROPE_TABLE_ATOL + ROPE_ANGLE_RTOL * np.abs(angles))
+    return float(diff.max()), float((diff / bound).max())
+
+
 def fit_rope(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
     """The frequencies and attention factor of a rotary table cos/sin [positions, dim/2] (row p, column
-    i: cos(p * inv_freq_i) * factor): read at position 1 (every frequency is below pi)."""
+    i: cos(p * inv_freq_i) * factor): read at position 1 (every frequency is below pi), then refined at the
+    last row (its angle is p * inv_freq plus whole turns, which position 1's estimate tells apart), where
+    the table's rounding is the smallest part of the angle."""
     cos, sin = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
-    return np.arctan2(sin[1], cos[1]), float(np.hypot(cos[1], sin[1]).mean())
+    inv_freq = np.arctan2(sin[1], cos[1])
+    last = cos.shape[0] - 1
+    if last > 1:
+        far = np.arctan2(sin[last], cos[last])
+        turns = np.round((last * inv_freq - far) / (2 * np.pi))
+        inv_freq = (far + 2 * np.pi * turns) / last
+    return inv_freq, float(np.hypot(cos[1], sin[1]).mean())
+
+
+def _fit_theta(inv_freq: np.ndarray, dim: int, last: int) -> float:
+    """theta of inv_freq_i = theta^(-2i/dim), least squares in log space, each frequency weighted by how
+    well the table states it (a frequency whose angle stays small over the table is known to fewer digits)."""
+    x = np.arange(inv_freq.shape[0], dtype=np.float64) * 2 / dim
+    angle = np.maximum(last, 1) * inv_freq
+    w = (angle / (1 + angle)) ** 2
+    return float(np.exp(-np.sum(w * x * np.log(inv_freq)) / np.sum(w * x * x)))
 
 
 def _rope_of(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
-    """A Rope(theta, dim) whose table matches the graph's, with the fit's error; None (and why) when the
-    table is not theta^(-2i/dim) for any theta (a scaled rope: read against a checkpoint's)."""
+    """A Rope(theta, dim) whose table matches the graph's (within rope_table_error's bound), with the fit's
+    error; None (and why) when the table is not theta^(-2i/dim) for any theta (a scaled rope: read against
+    a checkpoint's)."""
     inv_freq, factor = fit_rope(cos, sin)
     dim = 2 * inv_freq.shape[0]
     facts: dict[str, Any] = {"rope_positions": int(cos.shape[0]), "rope_dim": dim}
-    if dim < 4 or inv_freq[1] <= 0:
-        return None, {**facts, "rope": "not read: fewer than 2 frequencies"}
-    theta = float(inv_freq[1] ** (-dim / 2))
+    if dim < 4 or np.any(inv_freq[1:] <= 0):
+        return None, {**facts, "rope": "not read: fewer than 2 frequencies, or one not positive"}
+    theta = _fit_theta(inv_freq, dim, cos.shape[0] - 1)
     rope = Rope(theta=theta, dim=dim, interleaved=interleaved)
-    positions = np.arange(cos.shape[0], dtype=np.float64)
     expected, _ = rope_frequencies(rope)
-    angles = positions[:, None] * expected[None, :]
-    error = float(max(np.abs(np.cos(angles) - cos).max(), np.abs(np.sin(angles) - sin).max()))
-    facts.update(rope_theta=theta, rope_fit_error=error, rope_factor=factor)
-    if error > 1e-4 or abs(factor - 1.0) > 1e-4:
+    error, ratio = rope_table_error(cos, sin, expected)
+    facts.update(rope_theta=theta, rope_fit_error=error, rope_fit_bound_ratio=ratio, rope_factor=factor)
+    if ratio > 1 or abs(factor - 1.0) > 1e-4:
         return None, {**facts, "rope": f"not read: the table is not theta^(-2i/{dim}) of any theta (max error "
-                                       f"{error:.2g}, factor {factor:.4g}): a scaled rope"}  # fmt: skip
+                                       f"{error:.2g}, {ratio:.3g} times its bound; factor {factor:.4g}): a scaled "
+                                       "rope"}  # fmt: skip
     return rope, facts
 
 

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import UsageError
-from attnx.export._blocks import iter_blocks
+from attnx.export._blocks import iter_blocks, rope_table_error
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
 from attnx.model.importers import import_weights, read_checkpoint_config, read_q_projection
 from attnx.model.reference import reference_attention
-from attnx.model.rope import rope_cos_sin
+from attnx.model.rope import rope_frequencies
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.base import runtime_threads
 from attnx.runtimes.compare import Comparison, compare_arrays
@@ -173,13 +173,12 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
             found.append(f"{where}: no rotary in the graph, rope in the checkpoint")
         else:
             cos, sin = tables
-            want_cos, want_sin = rope_cos_sin(config.rope, np.arange(cos.shape[0]))
-            half = cos.shape[1]
-            err = float(max(np.abs(want_cos[..., :half] - cos).max(), np.abs(want_sin[..., :half] - sin).max()))
-            if err > 1e-4:
+            inv_freq, factor = rope_frequencies(config.rope, cos.shape[0])
+            err, ratio = rope_table_error(cos, sin, inv_freq, factor)
+            if ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
                 found.append(f"{where}: rotary table differs from the checkpoint's rope ({config.rope.rope_type}, "
-                             f"theta {config.rope.theta:g}) by {err:.3g} (graph theta fit "
-                             f"{facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
+                             f"theta {config.rope.theta:g}) by {err:.3g}, {ratio:.3g} times its bound (graph theta "
+                             f"fit {facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
             if block.facts.get("rotary_interleaved") != config.rope.interleaved:
                 found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
                              f"the checkpoint's rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip

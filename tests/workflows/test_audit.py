@@ -136,6 +136,33 @@ def test_blocks_are_read_with_the_graph_s_tensors_released():
     assert not np.array_equal(blocks[0].weights["q_proj.weight"], blocks[1].weights["q_proj.weight"])
 
 
+def _float32_table(theta: float, dim: int = 128, positions: int = 8192, inv_freq=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin as ONNX Runtime GenAI's builder computes them: float32 inv_freq, float32 position * inv_freq."""
+    if inv_freq is None:
+        inv_freq = 1.0 / np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    angles = np.outer(np.arange(positions, dtype=np.float32), np.asarray(inv_freq, np.float32))
+    return np.cos(angles), np.sin(angles)
+
+
+def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
+    """Llama-3-8B's table (theta 500000, 8192 rows) as the builder writes it is off the exact cos/sin by up to
+    5.8e-4 on its far rows (float32 angles): read as theta 500000; a theta 1e-4 away, or Llama 3.1's scaling,
+    is not that table."""
+    from attnx.export._blocks import _rope_of, rope_table_error
+    from attnx.model.rope import Rope, parse_rope, rope_frequencies
+
+    cos, sin = _float32_table(500000.0)
+    rope, facts = _rope_of(cos, sin, False)
+    assert rope is not None and abs(rope.theta / 500000.0 - 1) < 1e-6 and facts["rope_fit_error"] > 1e-4
+    exact, _ = rope_frequencies(Rope(theta=500000.0, dim=128))
+    assert rope_table_error(cos, sin, exact)[1] < 1
+    assert rope_table_error(*_float32_table(500000.0 * (1 + 1e-4)), exact)[1] > 1
+    scaled = parse_rope({"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 128)  # fmt: skip
+    table = _float32_table(0, inv_freq=rope_frequencies(scaled)[0])
+    assert _rope_of(*table, False)[0] is None and rope_table_error(*table, exact)[1] > 1
+
+
 # Planted faults -----------------------------------------------------------------------------------
 def _planted(tmp_path: Path, model: str, change: Callable[[onnx.ModelProto], None]) -> str:
     proto = onnx.load(str(GENAI / model / "model.onnx"))
