@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -168,7 +168,7 @@ def _rope_of(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope 
     return rope, facts
 
 
-def _read_gqa_block(index: int, node: ir.Node) -> Block:
+def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     facts = CORE_READERS["gqa"](node)
     block = Block(index, node.name or node.op_type, "gqa", facts=facts)
     n_heads, n_kv = facts["n_heads"], facts["n_kv_heads"]
@@ -256,8 +256,9 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         sinks=sinks is not None,
     )  # fmt: skip
     block.config = config
-    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block)
-    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()}
+    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
+    # without keep_weights none is copied, so none of their pages is read
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
     if rope is None and "rope" in facts:
         block.unread = f"rope {facts['rope']}"
     return block
@@ -266,11 +267,12 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
 _BLOCK_READERS = {"gqa": _read_gqa_block}
 
 
-def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
+def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool] | None = None) -> Iterator[Block]:
     """Every attention block of the graph in graph order, read one at a time (its weights read from the
     graph's tensors as it is reached, and the tensors released when the next block is read: a model larger
     than memory is read a layer at a time), each where its core has a block reader; what is not read is
-    appended to `unread` with the node and why."""
+    appended to `unread` with the node and why. wanted(index) false: the block is read (its structure,
+    config and index) without its weights (Block.weights None), whose bytes are then never read."""
     index = 0
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         core = _core_of_node(node, "")
@@ -283,7 +285,7 @@ def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
                           f"{', '.join(_BLOCK_READERS)} blocks in this version")  # fmt: skip
             continue
         try:
-            block = reader(index, node)
+            block = reader(index, node, wanted is None or wanted(index))
         except NotRead as e:
             unread.append(f"node {name}: not read as attention: {e}")
             continue

@@ -303,7 +303,8 @@ def audit_model(
     source = CheckpointLayers(checkpoint) if checkpoint is not None else None
     report = AuditReport(model_path, checkpoint, [], [])
     seen = 0
-    for block in iter_blocks(model, report.unread):
+    asked = set(layers) if layers is not None else None
+    for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__):
         seen += 1
         if layers is not None and block.index not in layers:
             continue

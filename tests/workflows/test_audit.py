@@ -134,6 +134,10 @@ def test_blocks_are_read_with_the_graph_s_tensors_released():
         blocks.append(block)
     assert len(blocks) == 2 and all(w.flags.owndata for b in blocks for w in b.weights.values())
     assert not np.array_equal(blocks[0].weights["q_proj.weight"], blocks[1].weights["q_proj.weight"])
+    # --layers 1: block 0 is read for its index alone, its weights not copied out of the file
+    skipped, asked = iter_blocks(ir.load(str(GENAI / "llama/fp32/model.onnx")), [], wanted=lambda i: i == 1)
+    assert skipped.weights is None and skipped.config == blocks[0].config and asked.index == 1
+    assert np.array_equal(asked.weights["q_proj.weight"], blocks[1].weights["q_proj.weight"])
 
 
 def _float32_table(theta: float, dim: int = 128, positions: int = 8192, inv_freq=None) -> tuple[np.ndarray, np.ndarray]:
