@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,9 +29,10 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope, rope_frequencies
 from attnx.model.terms import QKNorm
-from attnx.model.tolerance import rope_table_bound
+from attnx.model.tolerance import rope_table_bound, stored_bound
 
-__all__ = ["Block", "Blocks", "block_nodes", "iter_blocks", "read_blocks", "fit_rope", "rope_of_table"]
+__all__ = ["Block", "Blocks", "block_nodes", "iter_blocks", "read_blocks", "fit_rope", "release_external",
+           "rope_of_table", "rope_table_error"]
 
 
 @dataclasses.dataclass
@@ -124,31 +125,40 @@ def fit_rope(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
     return inv_freq, float(np.hypot(cos, sin).mean())
 
 
+def rope_table_error(cos: np.ndarray, sin: np.ndarray, inv_freq: np.ndarray, factor: float = 1.0) -> tuple[float, float]:
+    """(max |difference|, max difference / its bound) of a table cos/sin [positions, k] against
+    factor * cos/sin(position * inv_freq[:k]) in float64, each entry's bound that of a table stored in its dtype with
+    its angle computed in float32 (attnx.model.tolerance.rope_table_bound): a ratio above 1 is another table."""
+    angles = np.arange(cos.shape[0], dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, : cos.shape[1]]
+    c, s = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    diff = np.maximum(np.abs(np.cos(angles) * factor - c), np.abs(np.sin(angles) * factor - s))
+    bound = abs(factor) * rope_table_bound(np.asarray(cos).dtype, angles)
+    return float(diff.max()), float((diff / bound).max())
+
+
 def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
-    """A Rope(theta, dim) whose table matches the graph's, with the fit's error; None (and why) when the
-    table is not theta^(-2i/dim) for any theta (a scaled rope: read against a checkpoint's)."""
+    """A Rope(theta, dim) whose table matches the graph's (within rope_table_error's bound), with the fit's error;
+    None (and why) when the table is not theta^(-2i/dim) for any theta (a scaled rope: read against a checkpoint's)."""
     inv_freq, factor = fit_rope(cos, sin)
     dim = 2 * inv_freq.shape[0]
     facts: dict[str, Any] = {"rope_positions": int(cos.shape[0]), "rope_dim": dim}
-    if dim < 4 or inv_freq[1] <= 0:
-        return None, {**facts, "rope": "not read: fewer than 2 frequencies"}
+    if dim < 4 or np.any(inv_freq[1:] <= 0):
+        return None, {**facts, "rope": "not read: fewer than 2 frequencies, or one not positive"}
     # inv_freq_i = theta^(-2i/dim): log theta from every frequency past the first (which is 1 for any theta)
     i = np.arange(1, dim // 2, dtype=np.float64)
     theta = float(np.exp(-(np.log(inv_freq[1:]) @ i) / (2.0 / dim * (i @ i))))
     rope = Rope(theta=theta, dim=dim, interleaved=interleaved)
-    positions = np.arange(cos.shape[0], dtype=np.float64)
     expected, _ = rope_frequencies(rope)
-    angles = positions[:, None] * expected[None, :]
-    error = float(max(np.abs(np.cos(angles) - cos).max(), np.abs(np.sin(angles) - sin).max()))
-    bound = rope_table_bound(np.asarray(cos).dtype, cos.shape[0])
-    facts.update(rope_theta=theta, rope_fit_error=error, rope_factor=factor, rope_table_bound=bound)
-    if error > bound or abs(factor - 1.0) > bound:
+    error, ratio = rope_table_error(cos, sin, expected)
+    facts.update(rope_theta=theta, rope_fit_error=error, rope_fit_bound_ratio=ratio, rope_factor=factor)
+    if ratio > 1 or abs(factor - 1.0) > stored_bound(np.asarray(cos).dtype):
         return None, {**facts, "rope": f"not read: the table is not theta^(-2i/{dim}) of any theta (max error "
-                                       f"{error:.2g} > {bound:.2g}, factor {factor:.4g}): a scaled rope"}  # fmt: skip
+                                       f"{error:.2g}, {ratio:.3g} times its bound; factor {factor:.4g}): a scaled "
+                                       "rope"}  # fmt: skip
     return rope, facts
 
 
-def _read_gqa_block(index: int, node: ir.Node) -> Block:
+def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     facts = CORE_READERS["gqa"](node)
     block = Block(index, node.name or node.op_type, "gqa", facts=facts)
     n_heads, n_kv = facts["n_heads"], facts["n_kv_heads"]
@@ -205,7 +215,7 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
         facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
         rope, rope_facts = rope_of_table(cos, sin, facts["rotary_interleaved"])
         facts.update(rope_facts)
-        facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
+        facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
     elif paths:  # a RotaryEmbedding of its own before the core (as attnx writes it)
         rope = _rotary_of(paths, facts, block)
     sinks = None
@@ -224,7 +234,9 @@ def _read_gqa_block(index: int, node: ir.Node) -> Block:
     )  # fmt: skip
     block.config = config
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
-    block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
+    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
+    # without keep_weights none is copied, so none of their pages is read
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
     if rope is None and "rope" in facts:
         block.unread = f"rope {facts['rope']}"
     return block
@@ -322,7 +334,7 @@ def _rotary_tables(node: ir.Node) -> tuple[ir.Value, ir.Value, bool, str | None]
     return cos, sin, interleaved, positions.name if positions is not None and positions.is_graph_input() else None
 
 
-def _read_mha_block(index: int, node: ir.Node) -> Block:
+def _read_mha_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     """com.microsoft MultiHeadAttention with separate query, key and value (as the GenAI builder writes its fp16
     CPU models)."""
     inputs = list(node.inputs) + [None] * (10 - len(node.inputs))
@@ -331,10 +343,11 @@ def _read_mha_block(index: int, node: ir.Node) -> Block:
     if inputs[6] is not None or inputs[7] is not None:
         raise NotRead("the op's own past_key/past_value inputs: not read in this version")
     mask = inputs[5] if inputs[5] is not None else inputs[4]  # an additive bias, else a key padding mask
-    return _read_separate(index, node, "mha", CORE_READERS["mha"](node), inputs[:3], mask, packed_bias=inputs[3])
+    return _read_separate(index, node, "mha", CORE_READERS["mha"](node), inputs[:3], mask, keep_weights,
+                          packed_bias=inputs[3])
 
 
-def _read_attention23_block(index: int, node: ir.Node) -> Block:
+def _read_attention23_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     """ONNX's Attention (opset 23): query, key and value, a mask input (boolean: True attends; or additive), the op's
     own past_key/past_value -> present_key/present_value, is_causal."""
     inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
@@ -345,7 +358,7 @@ def _read_attention23_block(index: int, node: ir.Node) -> Block:
         if not (inputs[4].is_graph_input() and inputs[5] is not None and inputs[5].is_graph_input()):
             raise NotRead("past_key/past_value that are not graph inputs")
         cache = (inputs[4], inputs[5], node.outputs[1], node.outputs[2])
-    return _read_separate(index, node, "attention23", facts, inputs[:3], inputs[3], own_cache=cache)
+    return _read_separate(index, node, "attention23", facts, inputs[:3], inputs[3], keep_weights, own_cache=cache)
 
 
 def _rotary_of(paths: dict[str, _Path], facts: dict[str, Any], block: Block) -> Rope | None:
@@ -369,14 +382,14 @@ def _rotary_of(paths: dict[str, _Path], facts: dict[str, Any], block: Block) -> 
         else:
             rope, rope_facts = rope_of_table(cos, sin, interleaved)
             facts.update(rope_facts)
-            facts["rope_tables"] = (np.asarray(cos), np.asarray(sin))
+            facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
         if positions is not None:
             block.inputs["position_ids"] = positions
     return rope
 
 
 def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
-                   mask: ir.Value | None, packed_bias: ir.Value | None = None,
+                   mask: ir.Value | None, keep_weights: bool, packed_bias: ir.Value | None = None,
                    own_cache: tuple[ir.Value, ...] | None = None) -> Block:  # fmt: skip
     """A core taking query, key and value apart: each walked back to its projection through a RotaryEmbedding, a
     per-head norm, the cache's Concat(past, new) and the repeat of a GQA group; the mask tensor is named for the
@@ -439,7 +452,9 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     )  # fmt: skip
     block.config = config
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
-    block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
+    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
+    # without keep_weights none is copied, so none of their pages is read
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
     if rope is None and "rope" in facts:
         block.unread = f"rope {facts['rope']}"
     return block
@@ -560,7 +575,7 @@ def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
     return False
 
 
-def _read_decomposed_block(index: int, node: ir.Node) -> Block:
+def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
     layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
     core reads them, each mask tensor named for the audit to read by running it."""
@@ -620,7 +635,9 @@ def _read_decomposed_block(index: int, node: ir.Node) -> Block:
     )  # fmt: skip
     block.config = config
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
-    block.weights = {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}
+    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
+    # without keep_weights none is copied, so none of their pages is read
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
     return block
 
 
@@ -628,10 +645,12 @@ _BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23":
                   "decomposed": _read_decomposed_block}
 
 
-def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
+def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool] | None = None) -> Iterator[Block]:
     """Every attention block of the graph in graph order, read one at a time (its weights read from the
-    graph's tensors as it is reached: a model larger than memory is read a layer at a time), each where
-    its core has a block reader; what is not read is appended to `unread` with the node and why."""
+    graph's tensors as it is reached, and the tensors released when the next block is read: a model larger
+    than memory is read a layer at a time), each where its core has a block reader; what is not read is
+    appended to `unread` with the node and why. wanted(index) false: the block is read (its structure,
+    config and index) without its weights (Block.weights None), whose bytes are then never read."""
     index = 0
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         core = _core_of_node(node, "")
@@ -646,12 +665,27 @@ def iter_blocks(model: ir.Model, unread: list[str]) -> Iterator[Block]:
                           f"{', '.join(_BLOCK_READERS)} blocks in this version")  # fmt: skip
             continue
         try:
-            block = reader(index, node)
+            block = reader(index, node, wanted is None or wanted(index))
         except NotRead as e:
             unread.append(f"node {name}: not read as attention: {e}")
             continue
+        finally:
+            release_external(model)
         index += 1
         yield block
+
+
+def release_external(model: ir.Model) -> int:
+    """Unmap every external tensor of `model` that a read mapped (onnx_ir maps the data file when a tensor
+    is read, and keeps it mapped: the pages read stay in the process's memory until released), and return
+    how many were. A block keeps copies of what it read, so none is in use."""
+    released = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.raw is not None:
+            tensor.release()
+            released += 1
+    return released
 
 
 def read_blocks(model: ir.Model) -> Blocks:

@@ -48,6 +48,7 @@ __all__ = [
     "ImportResult",
     "import_weights",
     "read_checkpoint_config",
+    "read_q_projection",
     "write_import",
     "check_import_target",
     "checkpoint_files",
@@ -754,6 +755,41 @@ def _rope_config(hf: Mapping[str, Any], family: RotaryFamily, model_type: str, l
     return rope, f"rope: rope_type {kind}, theta {params['rope_theta']}, {dim} of {head_dim} dims rotated"
 
 
+def _rotary_widths(folder: str, hf: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """(d_model, n_heads, n_kv_heads, head_dim) of a rotary decoder's config (its family's defaults merged in)."""
+
+    def number(key: str, value: Any = None) -> int:
+        value = hf.get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{folder!r} config.json: {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    d_model, n_heads = number("hidden_size"), number("num_attention_heads")
+    n_kv_heads = number("num_key_value_heads", hf["num_key_value_heads"] or n_heads)
+    return d_model, n_heads, n_kv_heads, number("head_dim", hf["head_dim"] or d_model // n_heads)
+
+
+def read_q_projection(source: str | os.PathLike[str], layer: int) -> np.ndarray:
+    """The q projection of one decoder layer of a checkpoint folder, [n_heads * head_dim, d_model] as
+    import_weights gives it. A rotary decoder's (ROTARY_FAMILIES) is read alone, its tensor's bytes and
+    no other (Phi-3's: the q rows of its fused q|k|v): what `attnx audit` pairs a graph's blocks with the
+    checkpoint's layers by, before it imports the one layer a block is checked against. Other
+    architectures: the layer's attention imported (import_weights) and its q projection kept."""
+    folder = os.fspath(source)
+    hf = read_checkpoint_config(folder)
+    model_type = hf.get("model_type")
+    family = ROTARY_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        return import_weights(folder, layer=layer).weights["q_proj.weight"]
+    _, n_heads, _, head_dim = _rotary_widths(folder, {**family.defaults, **hf})
+    names = family.names(layer)
+    ckpt = _Checkpoint(folder)
+    if family.fused_qkv:
+        _, qkv = ckpt.get(names["qkv"] + ".weight")  # [(N + 2 Nkv) hd, d_model], rows q | k | v
+        return np.array(qkv[: n_heads * head_dim])  # a copy: the k and v rows are dropped
+    return ckpt.get(names["q"] + ".weight")[1]
+
+
 def _import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: int,
                    key_padding_mask: bool | None) -> ImportResult:  # fmt: skip
     """One self-attention layer of a rotary decoder (ROTARY_FAMILIES)."""
@@ -769,9 +805,7 @@ def _import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: i
             raise UsageError(f"{folder!r} config.json: {key!r} must be a positive integer, got {value!r}")
         return value
 
-    d_model, n_heads = number("hidden_size"), number("num_attention_heads")
-    n_kv_heads = number("num_key_value_heads", hf["num_key_value_heads"] or n_heads)
-    head_dim = number("head_dim", hf["head_dim"] or d_model // n_heads)
+    d_model, n_heads, n_kv_heads, head_dim = _rotary_widths(folder, hf)
     n_layers = number("num_hidden_layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise UsageError(f"--layer must be a non-negative integer, got {layer!r}")

@@ -99,10 +99,10 @@ def stored_bound(dtype: Any) -> float:
     return STORED_ULPS * float(np.finfo(np.dtype(dtype)).eps)
 
 
-def rope_table_bound(dtype: Any, positions: int) -> float:
-    """The largest difference of a cos/sin table of `positions` rows stored in `dtype` from the exact one: its
-    storage, and the angle p * inv_freq rounded in float32 (the rope term of the module doc)."""
-    return stored_bound(dtype) + ROPE_FACTOR * ROPE_EPS * max(positions - 1, 1)
+def rope_table_bound(dtype: Any, angles: np.ndarray) -> np.ndarray:
+    """Each entry's largest difference of a cos/sin table stored in `dtype` from the exact one, at its angle
+    p * inv_freq: its storage, and the angle rounded in float32 (the rope term of the module doc)."""
+    return stored_bound(dtype) + ROPE_FACTOR * ROPE_EPS * np.abs(angles)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,15 +27,15 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
-from attnx.export._blocks import iter_blocks, rope_of_table
+from attnx.export._blocks import iter_blocks, rope_of_table, rope_table_error
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, PROVIDERS, config_from_metadata
-from attnx.model.importers import import_weights, read_checkpoint_config
+from attnx.model.importers import import_weights, read_checkpoint_config, read_q_projection
 from attnx.model.reference import reference_attention
 from attnx.model.resources import available_memory_bytes
-from attnx.model.rope import rope_cos_sin
+from attnx.model.rope import rope_frequencies
 from attnx.model.stages import STAGES
-from attnx.model.tolerance import problem_size, rope_table_bound, stored_bound, tolerance_for
+from attnx.model.tolerance import problem_size, stored_bound, tolerance_for
 from attnx.runtimes._untrusted import check_cut_fits, check_model_file
 from attnx.runtimes.base import runtime_threads
 from attnx.runtimes.compare import Comparison, compare_arrays
@@ -43,7 +43,7 @@ from attnx.runtimes.localise import compare_stages, reference_stages
 from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
 from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
 
-__all__ = ["AuditReport", "BlockAudit", "audit_model", "AUDIT_SHAPE"]
+__all__ = ["AuditReport", "BlockAudit", "CheckpointLayers", "audit_model", "AUDIT_SHAPE"]
 
 # (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table;
 # the padded batch's second row is `padding` tokens shorter
@@ -106,18 +106,68 @@ class AuditReport:
                 "skipped": self.skipped, "findings": self.findings, "not_checked": self.not_checked}  # fmt: skip
 
 
-def _pair(block_weights: dict[str, np.ndarray], layers: dict[int, Any]) -> int | None:
-    """The checkpoint layer whose q projection is nearest the block's (relative max difference)."""
-    best, best_err = None, float("inf")
-    ours = block_weights["q_proj.weight"].astype(np.float64)
-    for i, imported in layers.items():
-        theirs = np.asarray(imported.weights["q_proj.weight"], np.float64)
-        if theirs.shape != ours.shape:
-            continue
-        err = float(np.abs(theirs - ours).max() / max(np.abs(theirs).max(), 1e-30))
-        if err < best_err:
-            best, best_err = i, err
-    return best
+class CheckpointLayers:
+    """A checkpoint's layers as the audit needs them, one at a time: each layer's q projection kept only as a
+    sample of its rows (read alone, read_q_projection), which pairs a block with its layer by value; the
+    paired layer's attention imported (import_weights) when its block is checked, and dropped after. So
+    a checkpoint larger than memory is held a layer at a time, plus the samples (at most SAMPLE_ROWS rows
+    of q per layer)."""
+
+    SAMPLE_ROWS = 32
+    label = "the checkpoint"  # as findings name it
+
+    def __init__(self, folder: str) -> None:
+        hf = read_checkpoint_config(folder)
+        n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
+        self.folder = folder
+        self.samples: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}  # layer -> (q's shape, its sampled rows)
+        for i in range(n_layers):
+            q = read_q_projection(folder, i)
+            self.samples[i] = (q.shape, np.array(q[self._rows(q.shape[0])]))
+
+    def _rows(self, n: int) -> np.ndarray:
+        """The rows sampled of a q projection of n rows: all of a small one, else evenly spread."""
+        return np.unique(np.linspace(0, n - 1, min(n, self.SAMPLE_ROWS)).round().astype(np.int64))
+
+    def pair(self, q: np.ndarray) -> int | None:
+        """The layer whose q projection is nearest the block's `q` (relative max difference, never names):
+        on the sampled rows; layers tied there are told apart by their whole q projections."""
+
+        def error(theirs: np.ndarray, ours: np.ndarray) -> float:
+            theirs = np.asarray(theirs, np.float64)
+            return float(np.abs(theirs - ours).max() / max(np.abs(theirs).max(), 1e-30))
+
+        rows = self._rows(q.shape[0])
+        ours = np.asarray(q, np.float64)[rows]
+        errors = {i: error(sample, ours) for i, (shape, sample) in self.samples.items() if shape == q.shape}
+        if not errors:
+            return None
+        best = min(errors.values())
+        tied = [i for i, e in errors.items() if e <= best]
+        if len(tied) == 1 or len(rows) == q.shape[0]:
+            return tied[0]
+        whole = np.asarray(q, np.float64)
+        return min(tied, key=lambda i: error(read_q_projection(self.folder, i), whole))
+
+    def layer(self, i: int) -> Any:
+        """Layer i's attention, imported now (an ImportResult)."""
+        return import_weights(self.folder, layer=i)
+
+
+class StatedConfig:
+    """The source of a model attnx wrote: the config its metadata states (attnx.config), with the block's own
+    weights (one block), in CheckpointLayers' interface."""
+
+    label = "its attnx.config"
+
+    def __init__(self, config: AttentionConfig, weights: dict[str, np.ndarray]) -> None:
+        self.config, self.weights = config, weights
+
+    def pair(self, q: np.ndarray) -> int:
+        return 0
+
+    def layer(self, i: int) -> Any:
+        return types.SimpleNamespace(config=self.config, weights=self.weights)
 
 
 def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int,
@@ -158,13 +208,12 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
             found.append(f"{where}: no rotary in the graph, rope in {source}")
         else:
             cos, sin = tables
-            want_cos, want_sin = rope_cos_sin(config.rope, np.arange(cos.shape[0]))
-            half = cos.shape[1]
-            err = float(max(np.abs(want_cos[..., :half] - cos).max(), np.abs(want_sin[..., :half] - sin).max()))
-            if err > rope_table_bound(cos.dtype, cos.shape[0]):
+            inv_freq, factor = rope_frequencies(config.rope, cos.shape[0])
+            err, ratio = rope_table_error(cos, sin, inv_freq, factor)
+            if ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
                 found.append(f"{where}: rotary table differs from {source}'s rope ({config.rope.rope_type}, "
-                             f"theta {config.rope.theta:g}) by {err:.3g} (graph theta fit "
-                             f"{facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
+                             f"theta {config.rope.theta:g}) by {err:.3g}, {ratio:.3g} times its bound (graph theta "
+                             f"fit {facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
             if block.facts.get("rotary_interleaved") != config.rope.interleaved:
                 found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
                              f"{source}'s rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
@@ -364,19 +413,15 @@ def audit_model(
     structure = onnx.load(model_path, load_external_data=False)
     extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
     base_dir = os.path.dirname(os.path.abspath(model_path))
-    imported: dict[int, Any] = {}
-    if checkpoint is not None:
-        hf = read_checkpoint_config(checkpoint)
-        n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
-        for i in range(n_layers):
-            imported[i] = import_weights(checkpoint, layer=i)
     # a model attnx wrote states its config (attnx.config): the source each block is held to, as a checkpoint's
     # layer would be, with the graph's own weights (what `attnx parity --model` holds it to)
     stated = _stated_config(structure) if checkpoint is None else None
+    source = CheckpointLayers(checkpoint) if checkpoint is not None else None
     report = AuditReport(model_path, checkpoint, [], [])
     seen = 0
     caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
-    for block in iter_blocks(model, report.unread):
+    asked = set(layers) if layers is not None else None
+    for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__):
         seen += 1
         if block.config is not None:
             capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
@@ -387,9 +432,8 @@ def audit_model(
             continue
         say(f"block {block.index}: {block.node}")
         if stated is not None and block.weights is not None:
-            imported = {0: types.SimpleNamespace(config=stated, weights=block.weights)}
-        report.blocks.append(_audit_block(extractor, model, base_dir, block, imported, backends, report.skipped,
-                                          stated is not None))  # fmt: skip
+            source = StatedConfig(stated, block.weights)
+        report.blocks.append(_audit_block(extractor, model, base_dir, block, source, backends, report.skipped))
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
@@ -402,27 +446,27 @@ def audit_model(
     return report
 
 
-def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, imported: dict[int, Any],
-                 backends: Sequence[str], skipped: list[str], stated: bool = False) -> BlockAudit:  # fmt: skip
+def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: Any, backends: Sequence[str],
+                 skipped: list[str]) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
     if block.config is not None:
         _read_computed_terms(extractor, model, block, base_dir)
     config, weights = block.config, block.weights
-    if imported:
-        layer = _pair(block.weights, imported)
+    imported = source is not None
+    if source is not None:
+        layer = source.pair(block.weights["q_proj.weight"])
         if layer is None:
             findings.append(f"block {block.index}: no checkpoint layer has its q projection's shape")
         else:
-            source = imported[layer]
-            findings += _compare_terms(block, source.config, source.weights, layer,
-                                       "its attnx.config" if stated else "the checkpoint")  # fmt: skip
-            config, weights = source.config, source.weights  # the reference is the checkpoint's layer
+            paired = source.layer(layer)  # this block's layer alone, dropped with the block's audit
+            findings += _compare_terms(block, paired.config, paired.weights, layer, source.label)
+            config, weights = paired.config, paired.weights  # the reference is the checkpoint's layer
     if config is not None:
         config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
     terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
     audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
-                       "attnx.config" if stated else "checkpoint layer")  # fmt: skip
+                       "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer")  # fmt: skip
     if block.unread and not imported:
         not_checked.append(f"block {block.index}: {block.unread}")
         return audit

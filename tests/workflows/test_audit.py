@@ -15,6 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 from attnx.cli import main
+from attnx.model.importers import import_weights, read_q_projection
 from attnx.workflows._audit import audit_model
 
 GENAI = Path(__file__).resolve().parents[1] / "fixtures" / "genai"
@@ -102,6 +103,102 @@ def test_accuracy_level_4_is_checked_as_it_computes_int8_activations(monkeypatch
     monkeypatch.setattr(_audit, "int8_blocks", lambda a, block: np.asarray(a, np.float64))
     report = audit_model(path)
     assert not report.passed and all("full sequence" in b.findings[0] for b in report.blocks)
+
+
+def test_the_checkpoint_is_held_a_layer_at_a_time(monkeypatch):
+    """Pairing reads each layer's q projection alone; a block's layer is imported when that block is checked
+    and dropped before the next one is (a checkpoint larger than memory is audited)."""
+    import weakref
+
+    from attnx.workflows import _audit
+
+    events: list[str] = []
+    alive: dict[int, weakref.ref] = {}
+
+    def read_q(folder, layer):
+        events.append(f"q {layer}")
+        return read_q_projection(folder, layer)
+
+    def imported(folder, layer):
+        events.append(f"import {layer} (layers still held: {sorted(i for i, r in alive.items() if r() is not None)})")
+        result = import_weights(folder, layer=layer)
+        alive[layer] = weakref.ref(result)
+        return result
+
+    monkeypatch.setattr(_audit, "read_q_projection", read_q)
+    monkeypatch.setattr(_audit, "import_weights", imported)
+    path, checkpoint = str(GENAI / "qwen3/fp32/model.onnx"), _checkpoint("qwen3/fp32")
+    report = audit_model(path, checkpoint=checkpoint, progress=events.append)
+    assert report.passed and [b.layer for b in report.blocks] == [0, 1]
+    assert events == ["q 0", "q 1",
+                      "block 0: /model/layers.0/attn/GroupQueryAttention", "import 0 (layers still held: [])",
+                      "block 1: /model/layers.1/attn/GroupQueryAttention", "import 1 (layers still held: [])"]  # fmt: skip
+    events.clear()
+    assert audit_model(path, checkpoint=checkpoint, layers=[1]).blocks[0].layer == 1
+    assert [e for e in events if e.startswith("import")] == ["import 1 (layers still held: [])"]
+
+
+def test_pairing_on_sampled_rows_tells_tied_layers_apart_by_their_whole_q(tmp_path, monkeypatch):
+    """Two layers whose sampled q rows are equal and the rest differ: paired by the whole q projection."""
+    from attnx.workflows import _audit
+
+    folder = _checkpoint("llama/fp32")
+    q0, q1 = read_q_projection(folder, 0), read_q_projection(folder, 1)
+    monkeypatch.setattr(_audit.CheckpointLayers, "SAMPLE_ROWS", 2)  # rows 0 and 63 of 64
+    layers = _audit.CheckpointLayers(folder)
+    layers.samples[1] = (q1.shape, q0[[0, -1]].copy())  # layer 1 looks like layer 0 on the sampled rows
+    assert layers.pair(q0) == 0 and layers.pair(q1) == 1
+    assert layers.pair(np.zeros((8, 8), np.float32)) is None  # no layer of that shape
+
+
+def test_blocks_are_read_with_the_graph_s_tensors_released():
+    """iter_blocks unmaps the data file after each block it reads (onnx_ir keeps a read tensor mapped, its pages
+    resident): when a block is yielded no external tensor is mapped, and its weights are its own copies."""
+    import onnx_ir as ir
+
+    from attnx.export._blocks import iter_blocks
+
+    model = ir.load(str(GENAI / "llama/fp32/model.onnx"))
+    external = [v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
+    assert len(external) > 10
+    blocks = []
+    for block in iter_blocks(model, []):
+        assert not [t.name for t in external if t.raw is not None]
+        blocks.append(block)
+    assert len(blocks) == 2 and all(w.flags.owndata for b in blocks for w in b.weights.values())
+    assert not np.array_equal(blocks[0].weights["q_proj.weight"], blocks[1].weights["q_proj.weight"])
+    # --layers 1: block 0 is read for its index alone, its weights not copied out of the file
+    skipped, asked = iter_blocks(ir.load(str(GENAI / "llama/fp32/model.onnx")), [], wanted=lambda i: i == 1)
+    assert skipped.weights is None and skipped.config == blocks[0].config and asked.index == 1
+    assert np.array_equal(asked.weights["q_proj.weight"], blocks[1].weights["q_proj.weight"])
+
+
+def _float32_table(theta: float, dim: int = 128, positions: int = 8192, inv_freq=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin as ONNX Runtime GenAI's builder computes them: float32 inv_freq, float32 position * inv_freq."""
+    if inv_freq is None:
+        inv_freq = 1.0 / np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    angles = np.outer(np.arange(positions, dtype=np.float32), np.asarray(inv_freq, np.float32))
+    return np.cos(angles), np.sin(angles)
+
+
+def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
+    """Llama-3-8B's table (theta 500000, 8192 rows) as the builder writes it is off the exact cos/sin by up to
+    5.8e-4 on its far rows (float32 angles): read as theta 500000; a theta 1e-4 away, or Llama 3.1's scaling,
+    is not that table."""
+    from attnx.export._blocks import rope_of_table as _rope_of
+    from attnx.export._blocks import rope_table_error
+    from attnx.model.rope import Rope, parse_rope, rope_frequencies
+
+    cos, sin = _float32_table(500000.0)
+    rope, facts = _rope_of(cos, sin, False)
+    assert rope is not None and abs(rope.theta / 500000.0 - 1) < 1e-6 and facts["rope_fit_error"] > 1e-4
+    exact, _ = rope_frequencies(Rope(theta=500000.0, dim=128))
+    assert rope_table_error(cos, sin, exact)[1] < 1
+    assert rope_table_error(*_float32_table(500000.0 * (1 + 1e-4)), exact)[1] > 1
+    scaled = parse_rope({"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 128)  # fmt: skip
+    table = _float32_table(0, inv_freq=rope_frequencies(scaled)[0])
+    assert _rope_of(*table, False)[0] is None and rope_table_error(*table, exact)[1] > 1
 
 
 # Planted faults -----------------------------------------------------------------------------------
