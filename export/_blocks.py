@@ -32,7 +32,7 @@ from attnx.model.terms import QKNorm
 from attnx.model.tolerance import rope_table_bound, stored_bound
 
 __all__ = ["Block", "Blocks", "block_nodes", "iter_blocks", "read_blocks", "fit_rope", "release_external",
-           "rope_of_table", "rope_table_error"]
+           "half_table", "rope_of_table", "rope_table_error"]
 
 
 @dataclasses.dataclass
@@ -136,9 +136,20 @@ def rope_table_error(cos: np.ndarray, sin: np.ndarray, inv_freq: np.ndarray, fac
     return float(diff.max()), float((diff / bound).max())
 
 
+def half_table(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A rotary table [positions, dim/2]: a whole head's table, cat(freqs, freqs) as transformers writes it, read
+    as its first half."""
+    half = cos.shape[1] // 2
+    if cos.shape[1] % 2 == 0 and np.array_equal(cos[:, :half], cos[:, half:]) and np.array_equal(sin[:, :half],
+                                                                                                  sin[:, half:]):  # fmt: skip
+        return cos[:, :half], sin[:, :half]
+    return cos, sin
+
+
 def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
     """A Rope(theta, dim) whose table matches the graph's (within rope_table_error's bound), with the fit's error;
     None (and why) when the table is not theta^(-2i/dim) for any theta (a scaled rope: read against a checkpoint's)."""
+    cos, sin = half_table(cos, sin)
     inv_freq, factor = fit_rope(cos, sin)
     dim = 2 * inv_freq.shape[0]
     facts: dict[str, Any] = {"rope_positions": int(cos.shape[0]), "rope_dim": dim}
@@ -288,6 +299,7 @@ class _Path:
     norm: tuple[np.ndarray, float] | None = None
     past: ir.Value | None = None  # the graph input the cache Concat appends to
     present: ir.Value | None = None  # that Concat's output
+    scale: float = 1.0  # constant scalings met (a decomposed core's sqrt(scale) on q and on k)
 
 
 def _path_stages(block: Block, paths: dict[str, _Path], biased_apart: bool = False) -> None:
@@ -371,14 +383,16 @@ def _rotary_of(paths: dict[str, _Path], facts: dict[str, Any], block: Block) -> 
         cos_v, sin_v, interleaved, positions = _rotary_tables(paths["q"].rotary)
         k_cos_v, k_sin_v, k_interleaved, _ = _rotary_tables(paths["k"].rotary)
         cos, sin, k_cos, k_sin = (const_array(v) for v in (cos_v, sin_v, k_cos_v, k_sin_v))
-        same = (cos_v is k_cos_v and sin_v is k_sin_v) or (cos is not None and k_cos is not None and sin is not None
-                                                           and k_sin is not None and np.array_equal(cos, k_cos)
+        computed = any(a is None for a in (cos, sin, k_cos, k_sin))
+        same = (cos_v is k_cos_v and sin_v is k_sin_v) or (not computed and np.array_equal(cos, k_cos)
                                                            and np.array_equal(sin, k_sin))  # fmt: skip
-        if not same or interleaved != k_interleaved:
+        if (not same and not computed) or interleaved != k_interleaved:
             raise NotRead("q and k rotated by different tables")
         facts["rotary_interleaved"] = interleaved
-        if cos is None or sin is None:  # tables the graph computes (from position_ids): the audit reads them by running
+        if computed:  # tables the graph computes (from position_ids): the audit reads them by running them
             facts["rope_tensors"] = (cos_v.name, sin_v.name)
+            if not same:  # computed apart for q and k: the audit holds k's to q's
+                facts["k_rope_tensors"] = (k_cos_v.name, k_sin_v.name)
         else:
             rope, rope_facts = rope_of_table(cos, sin, interleaved)
             facts.update(rope_facts)
@@ -470,11 +484,55 @@ def _is_projection(node: ir.Node) -> bool:
     )
 
 
-def _find_projection(value: ir.Value, limit: int = 64) -> tuple[ir.Value, _Path]:
+def _feeds_from(value: ir.Value, ops: tuple[str, ...], depth: int = 4) -> ir.Node | None:
+    """The node of one of `ops` that `value` comes from within a few layout steps (Unsqueeze, Cast, Reshape,
+    Expand, Transpose, Squeeze), or None."""
+    for _ in range(depth + 1):
+        node = value.producer()
+        if node is None:
+            return None
+        if node.op_type in ops:
+            return node
+        if node.op_type not in ("Unsqueeze", "Cast", "Reshape", "Expand", "Transpose", "Squeeze"):
+            return None
+        value = node.inputs[0]
+    return None
+
+
+def _rms_norm(node: ir.Node) -> tuple[np.ndarray, float] | None:
+    """(weight, eps) of a decomposed RMS norm ending at `node`: Mul(x * rsqrt(mean(x^2) + eps), weight), the weight
+    a constant vector; None when the Mul is not one."""
+    weight = next((c for i in node.inputs if (c := const_array(i)) is not None and c.ndim == 1 and c.size > 1), None)
+    if weight is None:
+        return None
+    seen, queue, eps, mean = set(), [i for i in node.inputs if const_array(i) is None], None, False
+    while queue and len(seen) < 12:
+        n = queue.pop(0).producer()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op_type == "ReduceMean":
+            mean = True
+        elif n.op_type == "Add" and (c := next((const_array(i) for i in n.inputs if const_array(i) is not None), None)) is not None \
+                and c.size == 1:  # fmt: skip
+            eps = float(c.ravel()[0])
+        if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Pow", "Cast"):
+            queue += [i for i in n.inputs if i is not None and const_array(i) is None]
+    return (weight, eps if eps is not None else 1e-6) if mean else None
+
+
+# the operators whose inputs past the first are a shape, axes, indices or sizes
+_SHAPED = ("Reshape", "Expand", "Tile", "Slice", "Unsqueeze", "Squeeze", "Pad", "Gather", "ConstantOfShape", "Range")
+
+
+def _find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, _Path]:
     """The nearest projection (a MatMul of constant weights) above `value`, breadth first, with its bias Add, and what
-    was met on the way: the cache's Concat(past, new) and the rotary's Cos/Sin (their first Mul by a constant, the
-    attention factor, kept), for any arrangement of the rotation's Slice/Neg/Mul/Add/Concat."""
+    lies between: the cache's Concat(past, new), the rotary's Cos/Sin (their Mul by a constant, the attention factor,
+    kept), a decomposed RMS norm, and constant scalings (the square root of the scale that transformers' sdpa puts on
+    q and on k): for any arrangement of the rotation's Slice/Neg/Mul/Add/Concat. Nothing above a projection is read."""
     path = _Path(value)
+    path.scale = 1.0
+    found = None
     seen, queue = set(), [value]
     while queue and len(seen) < limit:
         v = queue.pop(0)
@@ -483,11 +541,12 @@ def _find_projection(value: ir.Value, limit: int = 64) -> tuple[ir.Value, _Path]
             continue
         seen.add(id(node))
         if _is_projection(node):
-            out = node.outputs[0]
-            adds = [u for u, _ in out.uses() if _is(u, "Add") and any(
-                (c := const_array(i)) is not None and c.ndim == 1 for i in u.inputs)]  # fmt: skip
-            path.projection = adds[0].outputs[0] if adds else out
-            return path.projection, path
+            if found is None:
+                out = node.outputs[0]
+                adds = [u for u, _ in out.uses() if _is(u, "Add") and any(
+                    (c := const_array(i)) is not None and c.ndim == 1 for i in u.inputs)]  # fmt: skip
+                found = adds[0].outputs[0] if adds else out
+            continue  # the hidden state and the layers before: not this block's
         if _is(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
                 and node.inputs[0].is_graph_input() and path.past is None:  # fmt: skip
             path.past, path.present = node.inputs[0], node.outputs[0]
@@ -501,8 +560,42 @@ def _find_projection(value: ir.Value, limit: int = 64) -> tuple[ir.Value, _Path]
             path.rotary = path.rotary or {}
             path.rotary[node.op_type] = table
             continue  # the table's own inputs (position_ids, inv_freq) hold no projection
-        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
-    raise NotRead(f"{value.name}: no projection (a MatMul of constant weights) found above it")
+        if node.op_type in ("Shape", "Size"):
+            continue  # a size, not values: the shape arithmetic above it is not the block's
+        if node.op_type in ("Mul", "Div") and node.domain in ("", "ai.onnx"):
+            consts = [c for i in node.inputs if (c := const_array(i)) is not None]
+            computed = [i for i in node.inputs if i is not None and const_array(i) is None]
+            divisor = node.op_type == "Mul" or const_array(node.inputs[1]) is not None
+            if consts and consts[0].size == 1 and consts[0].dtype.kind == "f" and len(computed) == 1 and divisor:
+                if _feeds_from(computed[0], ("Cos", "Sin")) is None:  # not a table's attention factor
+                    c = float(consts[0].ravel()[0])
+                    path.scale *= c if node.op_type == "Mul" else 1.0 / c
+            elif node.op_type == "Mul" and consts and path.norm is None and (norm := _rms_norm(node)) is not None:
+                path.norm = norm
+                queue += _rms_input(node)
+                continue
+        data = node.inputs[:1] if node.op_type in _SHAPED else node.inputs  # not the shape, axes or indices
+        queue += [i for i in data if i is not None and const_array(i) is None]
+    if found is None:
+        raise NotRead(f"{value.name}: no projection (a MatMul of constant weights) found above it")
+    path.projection = found
+    return found, path
+
+
+def _rms_input(node: ir.Node) -> list[ir.Value]:
+    """The value a decomposed RMS norm normalizes (the input of its Pow or of its first Mul), to walk on from."""
+    seen, queue = set(), [i for i in node.inputs if const_array(i) is None]
+    while queue and len(seen) < 12:
+        v = queue.pop(0)
+        n = v.producer()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op_type == "Pow":
+            return [n.inputs[0]]
+        if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Cast"):
+            queue += [i for i in n.inputs if i is not None and const_array(i) is None]
+    return [i for i in node.inputs if const_array(i) is None]
 
 
 def _head_dim(value: ir.Value) -> int | None:
@@ -516,20 +609,36 @@ def _head_dim(value: ir.Value) -> int | None:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if _is(node, "Reshape") and (shape := const_array(node.inputs[1])) is not None and shape.size >= 4 \
-                and shape[-1] > 0:  # fmt: skip
-            return int(shape[-1])
+        if _is(node, "Reshape"):
+            shape = const_array(node.inputs[1])
+            maker = node.inputs[1].producer()
+            if shape is None and _is(maker, "Concat") and len(maker.inputs) >= 3:  # a shape of computed dims
+                shape = const_array(maker.inputs[-1])
+                shape = shape if shape is not None and shape.size == 1 else None
+            elif shape is not None and shape.size < 4:
+                shape = None
+            if shape is not None and shape.ravel()[-1] > 0:
+                return int(shape.ravel()[-1])
         queue += [i for i in node.inputs if i is not None and const_array(i) is None]
     return None
 
 
-def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]]]:
-    """From a Softmax's input back to MatMul(q, k^T) through the scale, a softcap, a sink's column, Reshapes and
-    the masks: each mask as (tensor, how it masks: "where-masked" True hides, "where-kept" True keeps, "additive")."""
+def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]], float, float | None]:
+    """From a Softmax's input back to MatMul(q, k^T) through the scale, a softcap c * tanh(s / c), a sink's column,
+    Reshapes and the masks: (the MatMul, each mask as (tensor, how it masks: "where-masked" True hides,
+    "where-kept" True keeps, "additive"), the constant scale met, the softcap or None)."""
     masks: list[tuple[str, str]] = []
+    chain: list[tuple[str, float]] = []  # from the Softmax back: ("scale", factor) and ("tanh", 0)
     while (node := value.producer()) is not None and node.domain in ("", "ai.onnx"):
         if node.op_type == "MatMul":
-            return node, masks
+            return (node, masks, *_scale_and_softcap(chain))
+        if node.op_type in ("Mul", "Div") and (c := next((const_array(i) for i in node.inputs
+                                                           if const_array(i) is not None), None)) is not None \
+                and c.size == 1:  # fmt: skip
+            factor = float(c.ravel()[0])
+            chain.append(("scale", factor if node.op_type == "Mul" else 1.0 / factor))
+        elif node.op_type == "Tanh":
+            chain.append(("tanh", 0.0))
         if node.op_type == "Where":
             first, second = node.inputs[1], node.inputs[2]
             if const_array(first) is not None:  # Where(hide, lowest, scores)
@@ -544,8 +653,7 @@ def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]]]:
                 value = a if const_array(b) is not None else b
                 continue
             scores_side = a if _reaches_matmul(a) else b
-            other = b if scores_side is a else a
-            masks.append((other.name, "additive"))
+            masks.append(((b if scores_side is a else a).name, "additive"))
             value = scores_side
         elif node.op_type in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Identity"):
             value = next(i for i in node.inputs if i is not None and const_array(i) is None)
@@ -555,6 +663,24 @@ def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]]]:
             break
     raise NotRead(f"{value.name}: the Softmax's scores are not traced back to MatMul(q, k^T) "
                   f"(made by {node.op_type if node is not None else 'a graph input'})")  # fmt: skip
+
+
+def _scale_and_softcap(chain: list[tuple[str, float]]) -> tuple[float, float | None]:
+    """The scale and softcap of the scalings between q.k and the Softmax (from the Softmax back): c * tanh(s / c) is
+    the factor next to the tanh on each side, the rest multiplies into the scale."""
+    softcap = None
+    at = next((i for i, (kind, _) in enumerate(chain) if kind == "tanh"), None)
+    if at is not None and 0 < at < len(chain) - 1 and chain[at - 1][0] == chain[at + 1][0] == "scale":
+        softcap = chain[at - 1][1]
+        if not np.isclose(softcap * chain[at + 1][1], 1.0, rtol=1e-5):
+            raise NotRead(f"a tanh between {chain[at + 1][1]:g} and {softcap:g}: not a softcap c * tanh(s / c)")
+        chain = chain[: at - 1] + chain[at + 2 :]
+    elif at is not None:
+        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c)")
+    scale = 1.0
+    for _, factor in chain:
+        scale *= factor
+    return scale, softcap
 
 
 def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
@@ -579,12 +705,14 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
     layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
     core reads them, each mask tensor named for the audit to read by running it."""
-    facts = {k: v for k, v in CORE_READERS["decomposed"](node).items() if k in ("scale", "softcap", "sinks")}
-    qk, masks = _scores_and_masks(node.inputs[0])
+    facts = {k: v for k, v in CORE_READERS["decomposed"](node).items() if k == "sinks"}
+    qk, masks, scale, softcap = _scores_and_masks(node.inputs[0])
     probs = node.outputs[0]
-    while (users := [u for u, _ in probs.uses()]) and len(users) == 1 and users[0].op_type in (
-        "Reshape", "Slice", "Cast", "Dropout", "Identity"
-    ):  # fmt: skip
+    while (users := [u for u, _ in probs.uses() if u.op_type != "IsNaN"]) and len(users) == 1 and (
+        users[0].op_type in ("Reshape", "Slice", "Cast", "Dropout", "Identity")
+        or (users[0].op_type == "Where" and probs in users[0].inputs[1:] and any(
+            const_array(i) is not None for i in users[0].inputs[1:]))
+    ):  # the layout, a sink's column dropped, a guard setting a row of NaN (no key visible) to 0
         probs = users[0].outputs[0]
     pv = next((u for u in users if _is(u, "MatMul") and u.inputs[0] is probs), None)
     if pv is None:
@@ -606,7 +734,14 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     if hd is None:
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
-    facts.update(n_heads=n_heads, n_kv_heads=n_kv)
+    facts.update(n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale, softcap=softcap)
+    qk_norm = None
+    if paths["q"].norm is not None or paths["k"].norm is not None:
+        if paths["q"].norm is None or paths["k"].norm is None:
+            raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
+        (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = paths["q"].norm, paths["k"].norm
+        qk_norm = QKNorm(eps=float(q_eps))
+        facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
     proj_node = _projection_node(paths["q"].projection)
     if any(_projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
@@ -631,7 +766,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     block.mask = masks[0][0] if masks else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=False, scale=facts.get("scale") or 1.0 / math.sqrt(hd), softcap=facts.get("softcap"),
+        causal=False, scale=facts["scale"], softcap=softcap, qk_norm=qk_norm,
     )  # fmt: skip
     block.config = config
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name

@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
-from attnx.export._blocks import iter_blocks, rope_of_table, rope_table_error
+from attnx.export._blocks import half_table, iter_blocks, rope_of_table, rope_table_error
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, PROVIDERS, config_from_metadata
 from attnx.model.importers import import_weights, read_checkpoint_config, read_q_projection
@@ -642,12 +642,17 @@ def _read_computed_terms(extractor: Any, model: Any, block: Any, base_dir: str) 
     rotary tables (from position_ids) and its mask's (causal, a window)."""
     if "rope_tensors" in block.facts:
         positions = AUDIT_SHAPE["rope_positions"]
+        names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
         try:
-            cos, sin = _evaluate(extractor, model, block, base_dir, block.facts.pop("rope_tensors"), positions)
+            tables = [a.reshape(-1, a.shape[-1])[:positions] for a in
+                      _evaluate(extractor, model, block, base_dir, names, positions)]  # fmt: skip
         except NotFed as e:
             block.unread = f"its rotary tables not read: {e}"
             return
-        cos, sin = (a.reshape(-1, a.shape[-1])[:positions] for a in (cos, sin))
+        cos, sin = half_table(*tables[:2])
+        if len(tables) == 4 and not all(np.array_equal(a, b) for a, b in zip(half_table(*tables[2:]), (cos, sin))):
+            block.unread = "q and k rotated by different tables"
+            return
         rope, facts = rope_of_table(cos, sin, block.facts["rotary_interleaved"])
         block.facts.update(facts, rope_tables=(cos, sin))
         block.config = dataclasses.replace(block.config, rope=rope)
