@@ -53,6 +53,8 @@ class Block:
     dtype: str = "fp32"  # what the block computes in: its hidden state's type
     mask: str | None = None  # the tensor of the core's mask input (an additive bias or a key padding mask), if any
     weight_dtype: str = "float32"  # how the graph stores the projections' weights (numpy's name)
+    y_bias: np.ndarray | None = None  # the output projection's bias where a fused op after the block adds it
+    padding: str = "left"  # how a padded batch is fed: "left" (transformers'), "right" (seqlens_k, a mask_index)
     masks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (tensor, how it masks), decomposed cores
     # the formula's stages (attnx.model.stages) the graph holds as tensors: stage -> (tensor, its columns or None)
     stages: dict[str, tuple[str, tuple[int, int] | None]] = dataclasses.field(default_factory=dict)
@@ -273,6 +275,10 @@ def _output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Blo
         y = adds[0].outputs[0]
     if o_proj is None:
         raise NotRead(f"{o_node.name}: the output projection's weights are not constants")
+    skip = [u for u, _ in y.uses() if _is(u, "SkipLayerNormalization", (MS_DOMAIN,)) and len(u.inputs) > 4]
+    if not adds and skip and (bias := const_array(skip[0].inputs[4])) is not None:
+        o_proj = (o_proj[0], bias)  # ONNX Runtime's optimizer moves the bias into the SkipLayerNormalization after
+        block.y_bias = np.array(bias, np.float32)
     block.stages.update(z=(o_node.inputs[0].name, None), y=(y.name, None))
     weights["out_proj.weight"] = o_proj[0].T
     weights["out_proj.bias"] = o_proj[1] if o_proj[1] is not None else np.zeros(o_proj[0].shape[1])
@@ -400,6 +406,44 @@ def _rotary_of(paths: dict[str, _Path], facts: dict[str, Any], block: Block) -> 
         if positions is not None:
             block.inputs["position_ids"] = positions
     return rope
+
+
+def _read_ms_attention_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
+    """com.microsoft Attention, as ONNX Runtime's transformers optimizer fuses BERT: the hidden state in, one packed
+    [q | k | v] weight and bias (qkv_hidden_sizes, else thirds), mask_index (each row's length, right padding),
+    unidirectional for a causal mask; the output projection after it (its bias possibly in the next
+    SkipLayerNormalization)."""
+    inputs = list(node.inputs) + [None] * (10 - len(node.inputs))
+    if inputs[4] is not None:
+        raise NotRead("the op's packed past input: not read in this version")
+    if any(v is not None for v in inputs[5:]):
+        raise NotRead("an attention bias or a past sequence length: not read in this version")
+    facts = CORE_READERS["ms-attention"](node)
+    w = const_array(inputs[1])
+    if w is None or w.ndim != 2:
+        raise NotRead(f"{inputs[1].name}: the packed qkv weight is not a constant")
+    b = const_array(inputs[2]) if inputs[2] is not None else np.zeros(w.shape[1], w.dtype)
+    sizes = node.attributes.get_ints("qkv_hidden_sizes", None) or [w.shape[1] // 3] * 3
+    ends = np.cumsum([0, *sizes])
+    block = Block(index, node.name or node.op_type, "ms-attention", facts=facts)
+    weights: dict[str, np.ndarray] = {}
+    for role, a, e in zip("qkv", ends[:-1], ends[1:]):
+        weights[f"{role}_proj.weight"], weights[f"{role}_proj.bias"] = w[:, a:e].T, b[a:e]
+    n_heads = facts["n_heads"]
+    hd = int(sizes[0]) // n_heads
+    block.inputs["x"] = inputs[0].name
+    block.dtype = _dtype_of(inputs[0])
+    block.outputs["y"] = _output_projection(node.outputs[0], weights, block).name
+    if inputs[3] is not None:
+        block.inputs["mask_index"] = inputs[3].name
+        block.padding = "right"  # a row's length: its keys past it are padding
+    block.config = AttentionConfig(
+        d_model=w.shape[0], n_heads=n_heads, head_dim=hd, n_kv_heads=int(sizes[1]) // hd, bias=True,
+        causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd),
+    )  # fmt: skip
+    block.weight_dtype = np.asarray(w).dtype.name
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
+    return block
 
 
 def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
@@ -777,7 +821,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
 
 
 _BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23": _read_attention23_block,
-                  "decomposed": _read_decomposed_block}
+                  "decomposed": _read_decomposed_block, "ms-attention": _read_ms_attention_block}
 
 
 def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool] | None = None) -> Iterator[Block]:

@@ -248,7 +248,7 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
     return found
 
 
-_BOUNDARY = ("x", "seqlens_k", "total_sequence_length", "past_key", "past_value")
+_BOUNDARY = ("x", "seqlens_k", "total_sequence_length", "mask_index", "past_key", "past_value")
 
 
 def _graph_inputs_needed(model: Any, block: Any, outputs: Sequence[str], within: bool = True) -> list[str]:
@@ -298,10 +298,12 @@ def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequenc
     within = outputs is None if boundary is None else boundary  # at the block's boundary, or from the graph's inputs
     names = [block.inputs[k] for k in _BOUNDARY if k in block.inputs] if within else []
     names += _graph_inputs_needed(model, block, outs, within=within)
+    int32 = {block.inputs.get(k) for k in ("seqlens_k", "total_sequence_length", "mask_index")} - {None}
     for name in names + outs:  # a value shape inference left untyped (the output of a contrib op): typed by its dtype
         if name not in extractor.value_infos and name not in extractor.initializers:
             value = _value(model, name)
-            elem = value.dtype.value if value is not None and value.dtype is not None else onnx.TensorProto.FLOAT
+            elem = (value.dtype.value if value is not None and value.dtype is not None else
+                    onnx.TensorProto.INT32 if name in int32 else onnx.TensorProto.FLOAT)  # fmt: skip
             extractor.value_infos[name] = onnx.helper.make_tensor_value_info(name, elem, None)
     cut = extractor.extract_model(list(dict.fromkeys(names)), outs)
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
@@ -336,25 +338,33 @@ def _run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_l
         seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
         feeds[block.inputs["seqlens_k"]] = seqlens - 1
         feeds[block.inputs["total_sequence_length"]] = np.array(total, np.int32)
+    if "mask_index" in block.inputs:  # com.microsoft Attention's: each row's length (right padding)
+        feeds[block.inputs["mask_index"]] = np.full((batch,), total, np.int32) if lengths is None else \
+            np.asarray(lengths, np.int32)  # fmt: skip
     if "past_key" in block.inputs:
         feeds[block.inputs["past_key"]], feeds[block.inputs["past_value"]] = (p.astype(dtype) for p in past)
     mask = np.ones((batch, total), np.int64)
     if left is not None:
         mask[np.arange(total)[None, :] < np.asarray(left)[:, None]] = 0
+    elif lengths is not None:  # right padding: each row's keys past its length
+        mask[np.arange(total)[None, :] >= np.asarray(lengths)[:, None]] = 0
     positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[:, past_len:]
     for name in needs:
         if name == "attention_mask":
             feeds[name] = mask
         elif name == "position_ids":
             feeds[name] = positions.astype(np.int64)
-        elif name == "input_ids":  # read for its shape (the hidden state is the block's own input)
+        elif name in ("input_ids", "token_type_ids"):  # read for their shape (the hidden state is the block's input)
             feeds[name] = np.zeros((batch, tokens), np.int64)
         elif name.startswith("past") and "past_key" in block.inputs:  # another layer's cache, read for its length
             feeds[name] = np.zeros_like(feeds[block.inputs["past_key"]])
         else:
             raise NotFed(f"the block reads graph input {name!r}, which the audit does not feed (it feeds "
-                         "attention_mask, position_ids and input_ids as transformers makes them)")  # fmt: skip
-    return run(feeds)
+                         "attention_mask, position_ids, input_ids and token_type_ids as transformers makes them)")  # fmt: skip
+    outputs = run(feeds)
+    if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
+        outputs[0] = outputs[0] + block.y_bias
+    return outputs
 
 
 BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
@@ -710,13 +720,14 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
     label = f"{backend}: " if backend != "ort-cpu" else ""
     short = tokens - shape["padding"]
     gqa = "seqlens_k" in block.inputs
+    right = gqa or block.padding == "right"
 
     def full() -> tuple[np.ndarray, np.ndarray]:
         return run(x, 0, (empty, empty))[0], ref
 
     def padded() -> tuple[np.ndarray, np.ndarray]:
         row = {k: v[1:, :short] for k, v in feeds.items()}
-        if gqa:  # GroupQueryAttention's own convention: right padding, each row's length in seqlens_k
+        if right:  # right padding: each row's length in seqlens_k (GroupQueryAttention's rule) or its mask
             y = run(x, 0, (empty, empty), lengths=np.array([tokens, short]))[0]
             mine = y[1:, :short]
         else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
@@ -743,8 +754,8 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
     # what the block's inputs allow: a padded batch where it reads each row's length (seqlens_k, attention_mask),
     # decoding where it has a cache
     plan = [(f"{label}full sequence ({tokens} tokens)", full)]
-    if gqa or "attention_mask" in needs:
-        padding = "right" if gqa else "left"
+    if gqa or "attention_mask" in needs or "mask_index" in block.inputs:
+        padding = "right" if right else "left"
         plan.append((f"{label}padded batch (rows of {tokens} and {short} tokens, {padding}-padded)", padded))
     if "past_key" in block.inputs:
         plan.append((f"{label}prefill {shape['prefill']} + {tokens - shape['prefill']} steps", decode))

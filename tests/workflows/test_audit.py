@@ -436,3 +436,43 @@ def test_an_attnx_export_audits_as_parity_checks_it(tmp_path, attention):
     [block] = audit_model(str(model)).blocks
     assert not block.passed and block.findings[0] == "layer 0: scale 0.3 in the graph, 0.25 in its attnx.config"
     assert main(["parity", "--model", str(model)]) == 1
+
+
+# Models other tools exported: torch.onnx, Optimum, ONNX Runtime's transformers optimizer -------------------
+EXPORTED = Path(__file__).resolve().parents[1] / "fixtures" / "exported"
+AGREE = {  # (fixture, its core)
+    "torch-dynamo/llama/sdpa-opset20": "decomposed", "torch-dynamo/llama/eager-opset20": "decomposed",
+    "torch-dynamo/llama/sdpa-opset23": "attention23", "torch-dynamo/qwen3/sdpa-opset20": "decomposed",
+    "torch-dynamo/qwen3/sdpa-opset23": "attention23", "torch-dynamo/gemma2/eager-opset20": "decomposed",
+    "optimum/llama": "decomposed", "ort-optimizer/bert": "ms-attention",
+}
+
+
+def _exported_checkpoint(fixture: str) -> str:
+    import json
+
+    folder = EXPORTED / fixture
+    return str((folder / json.loads((folder / "fixture.json").read_text())["checkpoint"]).resolve())
+
+
+@pytest.mark.parametrize("fixture", AGREE)
+def test_a_model_another_tool_exported_agrees_term_by_term(fixture):
+    """Each block read (the scale on the scores or as sqrt(scale) on q and k, a softcap, decomposed RMS norms and
+    rotations, masks computed once for all layers, a fused BERT Attention with its bias in the next
+    SkipLayerNormalization), paired with its checkpoint layer, no term differing, every check passing."""
+    report = audit_model(str(EXPORTED / fixture / "model.onnx"), checkpoint=_exported_checkpoint(fixture))
+    assert report.passed, [b.findings + b.not_checked for b in report.blocks] + report.unread + report.findings
+    assert [b.layer for b in report.blocks] == [0, 1] and all(b.core == AGREE[fixture] for b in report.blocks)
+    assert all(len(b.checks) == (2 if fixture.startswith("ort-optimizer") else 3) for b in report.blocks)
+
+
+def test_optimum_s_gemma2_drops_the_softcap_and_the_audit_says_where():
+    """optimum-onnx 0.1.0 exports through transformers 4.57, whose sdpa path for Gemma 2 leaves out
+    attn_logit_softcapping: every layer is named with the term, the first position and the stage."""
+    report = audit_model(str(EXPORTED / "optimum/gemma2/model.onnx"), checkpoint=_exported_checkpoint("optimum/gemma2"))
+    for block in report.blocks:
+        assert block.findings[0] == f"layer {block.index}: softcap None in the graph, 50.0 in the checkpoint"
+        assert any(f.startswith(f"block {block.index}: full sequence (12 tokens) against the reference fails")
+                   and f.endswith("first at position 1") for f in block.findings)  # fmt: skip
+        assert block.localised.startswith(f"block {block.index}: localised to stage z ")
+    assert not report.passed
