@@ -438,6 +438,7 @@ def config_from_metadata(metadata: Mapping[str, str], source: str, needed_for: s
         raise ModelFileError(
             f"{source!r} has no {CONFIG_KEY!r} metadata"
             + (f": {needed_for}" if needed_for else ": it was not written by attnx export")
+            + " (a model another tool exported: `attnx audit MODEL.onnx [--checkpoint HF_DIR]` checks its attention)"
         )
     try:
         return AttentionConfig.from_json(text)
@@ -484,6 +485,7 @@ class ModelInfo:
             "opsets": self.opsets,
             "producer": self.producer,
             "config": self.config.to_dict() if self.config is not None else None,
+            **({"config_error": self.config_error} if self.config is None and self.config_error else {}),
             "lowering": self.lowering,
             "dtype": self.dtype,
             **({"quantization": _quant_summary(self.quantization)} if self.quantization else {}),
@@ -552,7 +554,8 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         (n.domain, n.op_type, producers.get(n.input[0]) if n.input else None) for n in nodes
     )
     inputs = _specs(proto.graph.input)
-    x = next((s for s in inputs if s.name == "x"), inputs[0] if inputs else None)
+    floats = [s for s in inputs if s.dtype in ("fp32", "fp16", "bf16")]  # a whole model's first is input_ids
+    x = next((s for s in inputs if s.name == "x"), floats[0] if floats else inputs[0] if inputs else None)
     io_dtype = x.dtype if x is not None else "fp32"
     return ModelInfo(
         path=path,
