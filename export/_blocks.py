@@ -220,6 +220,8 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     for role, i in (("past_key", 3), ("past_value", 4), ("seqlens_k", 5), ("total_sequence_length", 6)):
         if inputs[i] is not None:
             block.inputs[role] = inputs[i].name
+    if inputs[10] is not None:  # an attention bias (a key padding mask, as attnx writes it): read by the audit
+        block.mask = inputs[10].name
     rope = None
     if facts.pop("rope_interleaved", None) is not None:
         cos, sin = const_array(inputs[7]), const_array(inputs[8])
@@ -241,7 +243,7 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     facts["sliding_window_cache"] = node.attributes.get_int("sliding_window_cache", 0)
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv,
-        bias=True, causal=True, scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
+        bias=True, causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
         sliding_window=facts.get("sliding_window"), softcap=facts.get("softcap"), qk_norm=qk_norm,
         sinks=sinks is not None,
     )  # fmt: skip
@@ -424,6 +426,9 @@ def _read_ms_attention_block(index: int, node: ir.Node, keep_weights: bool = Tru
         raise NotRead(f"{inputs[1].name}: the packed qkv weight is not a constant")
     b = const_array(inputs[2]) if inputs[2] is not None else np.zeros(w.shape[1], w.dtype)
     sizes = node.attributes.get_ints("qkv_hidden_sizes", None) or [w.shape[1] // 3] * 3
+    if len(sizes) != 3 or sum(sizes) != w.shape[1] or min(sizes) <= 0 or not facts["n_heads"]:
+        raise NotRead(f"qkv_hidden_sizes {list(sizes)} and num_heads {facts['n_heads']} do not split a weight of "
+                      f"{w.shape[1]} columns into heads")  # fmt: skip
     ends = np.cumsum([0, *sizes])
     block = Block(index, node.name or node.op_type, "ms-attention", facts=facts)
     weights: dict[str, np.ndarray] = {}
@@ -506,7 +511,7 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
         causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        qk_norm=QKNorm(eps=facts["qk_norm_eps"][0]) if "qk_norm_eps" in facts else None,
+        qk_norm=QKNorm(eps=facts["qk_norm_eps"][0]) if "qk_norm_eps" in facts else None, softcap=facts.get("softcap"),
     )  # fmt: skip
     block.config = config
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
@@ -709,6 +714,25 @@ def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]], 
                   f"(made by {node.op_type if node is not None else 'a graph input'})")  # fmt: skip
 
 
+def _sink_logits(value: ir.Value) -> np.ndarray | None:
+    """A head sink's logits: the constant behind a column concatenated after the scores before the Softmax (through
+    its Expand/Reshape/Cast to the scores' shape), or None without one."""
+    node = value.producer()
+    if not (_is(node, "Concat") and len(node.inputs) == 2):
+        return None
+    seen, queue = set(), [node.inputs[1]]
+    while queue and len(seen) < 12:
+        v = queue.pop(0)
+        if (c := const_array(v)) is not None and c.dtype.kind == "f" and c.size > 1:
+            return np.array(c, np.float32)
+        n = v.producer()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        queue += list(n.inputs[:1]) if n.op_type in _SHAPED else [i for i in n.inputs if i is not None]
+    raise NotRead(f"{node.inputs[1].name}: a column after the scores (a sink) whose logits are not a constant")
+
+
 def _scale_and_softcap(chain: list[tuple[str, float]]) -> tuple[float, float | None]:
     """The scale and softcap of the scalings between q.k and the Softmax (from the Softmax back): c * tanh(s / c) is
     the factor next to the tanh on each side, the rest multiplies into the scale."""
@@ -727,6 +751,11 @@ def _scale_and_softcap(chain: list[tuple[str, float]]) -> tuple[float, float | N
     return scale, softcap
 
 
+# the steps between q.k and a Softmax: scalings, caps, masks, layouts, a sink's column
+_SCORE_STEPS = ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add", "Sub", "Where", "Concat", "Clip", "Max",
+                "Min", "Neg", "Identity", "Expand", "Squeeze", "Unsqueeze")
+
+
 def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
     """Whether `value` comes from a MatMul of two computed operands (q.k) within a few scaling, masking and layout
     steps: the scores' side of an Add, or a Softmax that is attention's."""
@@ -739,7 +768,7 @@ def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
                 continue
             if node.op_type == "MatMul" and const_array(node.inputs[1]) is None and const_array(node.inputs[0]) is None:
                 return True
-            if node.op_type in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add", "Where", "Concat"):
+            if node.op_type in _SCORE_STEPS:
                 nxt += [i for i in node.inputs if i is not None and const_array(i) is None]
         frontier = nxt
     return False
@@ -749,8 +778,9 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
     layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
     core reads them, each mask tensor named for the audit to read by running it."""
-    facts = {k: v for k, v in CORE_READERS["decomposed"](node).items() if k == "sinks"}
+    facts: dict[str, Any] = {}
     qk, masks, scale, softcap = _scores_and_masks(node.inputs[0])
+    sinks = _sink_logits(node.inputs[0])
     probs = node.outputs[0]
     while (users := [u for u, _ in probs.uses() if u.op_type != "IsNaN"]) and len(users) == 1 and (
         users[0].op_type in ("Reshape", "Slice", "Cast", "Dropout", "Identity")
@@ -810,8 +840,12 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     block.mask = masks[0][0] if masks else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=False, scale=facts["scale"], softcap=softcap, qk_norm=qk_norm,
+        causal=False, scale=facts["scale"], softcap=softcap, qk_norm=qk_norm, sinks=sinks is not None,
     )  # fmt: skip
+    if sinks is not None:
+        if sinks.size != n_heads:
+            raise NotRead(f"a sink column of {sinks.size} logits for {n_heads} heads")
+        weights["sinks"] = sinks.reshape(n_heads)
     block.config = config
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
     # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
@@ -824,12 +858,14 @@ _BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23":
                   "decomposed": _read_decomposed_block, "ms-attention": _read_ms_attention_block}
 
 
-def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool] | None = None) -> Iterator[Block]:
+def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool] | None = None,
+                others: list[str] | None = None) -> Iterator[Block]:  # fmt: skip
     """Every attention block of the graph in graph order, read one at a time (its weights read from the
     graph's tensors as it is reached, and the tensors released when the next block is read: a model larger
     than memory is read a layer at a time), each where its core has a block reader; what is not read is
-    appended to `unread` with the node and why. wanted(index) false: the block is read (its structure,
-    config and index) without its weights (Block.weights None), whose bytes are then never read."""
+    appended to `unread` with the node and why; a Softmax of no q.k (a router's, a classifier's) to `others`.
+    wanted(index) false: the block is read (its structure, config and index) without its weights (Block.weights
+    None), whose bytes are then never read."""
     index = 0
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         core = _core_of_node(node, "")
@@ -837,19 +873,26 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
             continue
         name = node.name or node.op_type
         if core == "decomposed" and not _reaches_matmul(node.inputs[0], depth=16):
-            continue  # a Softmax of no q.k (a router's, a classifier's): not attention
+            if others is not None:
+                others.append(f"node {name}: a Softmax whose input comes from no MatMul of two computed operands "
+                              "(q.k): not read as attention")  # fmt: skip
+            continue
         reader = _BLOCK_READERS.get(core)
         if reader is None:
             unread.append(f"node {name}: a {node.op_type} ({core} core) not read as a block: attnx audit reads "
                           f"{', '.join(_BLOCK_READERS)} blocks in this version")  # fmt: skip
             continue
+        block, why = None, None
         try:
             block = reader(index, node, wanted is None or wanted(index))
         except NotRead as e:
-            unread.append(f"node {name}: not read as attention: {e}")
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - an untrusted graph's values (heads 0, sizes that do not add up)
+            why = f"{type(e).__name__}: {e}"
+        release_external(model)  # after the exception and its traceback (views of the mapped data) are gone
+        if block is None:
+            unread.append(f"node {name}: not read as attention: {why}")
             continue
-        finally:
-            release_external(model)
         index += 1
         yield block
 

@@ -47,6 +47,11 @@ __all__ = ["AuditReport", "BlockAudit", "CheckpointLayers", "audit_model", "AUDI
 
 # (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table;
 # the padded batch's second row is `padding` tokens shorter
+# an additive mask's entry at or below this hides its key (-1e4: BERT's and ONNX Runtime's mask_filter_value; -inf,
+# finfo.min and -65504 in other exports); a visible key's entry is 0 (or a position bias, far above it)
+MASKED = -1000.0
+# the longest prompt a computed mask is read at (a [tokens, tokens] grid): windows up to it are read
+MASK_PROBE_MAX = 8194
 AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3, "rope_positions": 128}
 
 
@@ -94,6 +99,7 @@ class AuditReport:
     unread: list[str]
     skipped: list[str] = dataclasses.field(default_factory=list)  # a backend unavailable on this machine, and why
     findings: list[str] = dataclasses.field(default_factory=list)  # of the whole model as exported
+    others: list[str] = dataclasses.field(default_factory=list)  # Softmaxes not attention's (a router's), named
     not_checked: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -103,7 +109,8 @@ class AuditReport:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed,
                 "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread,
-                "skipped": self.skipped, "findings": self.findings, "not_checked": self.not_checked}  # fmt: skip
+                "skipped": self.skipped, "findings": self.findings, "not_checked": self.not_checked,
+                "others": self.others}  # fmt: skip
 
 
 class CheckpointLayers:
@@ -118,6 +125,7 @@ class CheckpointLayers:
 
     def __init__(self, folder: str) -> None:
         hf = read_checkpoint_config(folder)
+        self.window = int(hf.get("sliding_window") or 0)  # how far a computed mask is read (_read_mask_terms)
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         self.folder = folder
         self.samples: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}  # layer -> (q's shape, its sampled rows)
@@ -162,6 +170,7 @@ class StatedConfig:
 
     def __init__(self, config: AttentionConfig, weights: dict[str, np.ndarray]) -> None:
         self.config, self.weights = config, weights
+        self.window = config.sliding_window or 0
 
     def pair(self, q: np.ndarray) -> int:
         return 0
@@ -189,9 +198,9 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
     ):
         found.append(f"{where}: softcap {g.softcap} in the graph, {config.softcap} in {source}")
     if g.sliding_window != config.sliding_window:
-        graph_says = (f"window {g.sliding_window} in the graph (local_window_size {facts.get('local_window_size')})"
-                      if g.sliding_window else
-                      f"no window in the graph (local_window_size {facts.get('local_window_size', -1)})")  # fmt: skip
+        how = (f"local_window_size {facts['local_window_size']}" if "local_window_size" in facts
+               else f"its mask: {facts.get('mask', 'not read')}")  # fmt: skip
+        graph_says = f"window {g.sliding_window} in the graph ({how})" if g.sliding_window else f"no window in the graph ({how})"
         ckpt = f"sliding_window {config.sliding_window}" if config.sliding_window else "no window"
         found.append(f"{where}: {graph_says}, {ckpt} in {source}"
                      + (f": every query past {config.sliding_window} sees keys it must not"
@@ -209,8 +218,12 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
         else:
             cos, sin = tables
             inv_freq, factor = rope_frequencies(config.rope, cos.shape[0])
-            err, ratio = rope_table_error(cos, sin, inv_freq, factor)
-            if ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
+            err, ratio = (rope_table_error(cos, sin, inv_freq, factor) if cos.shape[1] == inv_freq.shape[0]
+                          else (float("nan"), float("inf")))  # fmt: skip
+            if cos.shape[1] != inv_freq.shape[0]:
+                found.append(f"{where}: rotary on {2 * cos.shape[1]} of each head's dims in the graph, "
+                             f"{2 * inv_freq.shape[0]} in {source}")  # fmt: skip
+            elif ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
                 found.append(f"{where}: rotary table differs from {source}'s rope ({config.rope.rope_type}, "
                              f"theta {config.rope.theta:g}) by {err:.3g}, {ratio:.3g} times its bound (graph theta "
                              f"fit {facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
@@ -233,13 +246,14 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
         ref = np.asarray(theirs, np.float64)
         diff = np.abs(ours - ref)
         if quantized and name.endswith("_proj.weight"):
-            # 4-bit blocks along the input: each weight within one step of its block (|w| max of the block / 7)
-            n = int(block.quantization.get("block_size", 32))
-            step = np.repeat(_blocks_of(np.abs(ref), n).max(axis=2) / 7, n, axis=1)[:, : ref.shape[1]]
+            # b-bit blocks along the input: each weight within one step of its block (|w| max of the block / levels)
+            n, bits = int(block.quantization.get("block_size", 32)), int(block.quantization.get("bits", 4))
+            levels = 2 ** (bits - 1) - 1
+            step = np.repeat(_blocks_of(np.abs(ref), n).max(axis=2) / levels, n, axis=1)[:, : ref.shape[1]]
             bad = diff > step * (1 + 1e-3) + 1e-12
             if bad.any():
                 r, k = np.argwhere(bad)[0]
-                found.append(f"{where}: {name} differs from {source}'s by more than its 4-bit step in "
+                found.append(f"{where}: {name} differs from {source}'s by more than its {bits}-bit step in "
                              f"{int(bad.sum())} weight(s), first [{r}, {k}] (block {k // n})")  # fmt: skip
             continue
         err = float(diff.max() / max(np.abs(ref).max(), 1e-30))
@@ -275,6 +289,41 @@ def _graph_inputs_needed(model: Any, block: Any, outputs: Sequence[str], within:
             if attr.type == ir.AttributeType.GRAPH:
                 todo += [i.name for n in attr.value for i in n.inputs if i is not None]
     return [v.name for v in model.graph.inputs if v.name in needed]
+
+
+_FED = ("attention_mask", "position_ids", "input_ids", "token_type_ids", "key_padding_mask")  # graph inputs the audit feeds (_run_block)
+
+
+def _compute_in_cut(model: Any, block: Any) -> None:
+    """The block's lengths (GroupQueryAttention's seqlens_k and total_sequence_length, Attention's mask_index) computed
+    in its cut from the graph inputs they come from, as the model computes them from attention_mask, rather than fed:
+    a fault in that subgraph is the block's. Fed where they come from something else (the node that also makes the
+    hidden state, as BERT's EmbedLayerNormalization; a graph input the audit does not feed)."""
+    x = block.inputs["x"]
+    for role in ("seqlens_k", "total_sequence_length", "mask_index"):
+        name = block.inputs.get(role)
+        if name is None:
+            continue
+        needed = _graph_inputs_needed(model, block, [name], within=False)
+        if needed and all(n in _FED or n.startswith("past") for n in needed) and not _made_with(model, name, x):
+            block.facts.setdefault("computed", []).append(role)
+            del block.inputs[role]
+
+
+def _made_with(model: Any, name: str, other: str) -> bool:
+    """Whether a node on the way to `name` also makes `other`."""
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    seen, todo = set(), [name]
+    while todo:
+        v = values.get(todo.pop())
+        node = v.producer() if v is not None else None
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if any(o.name == other for o in node.outputs):
+            return True
+        todo += [i.name for i in node.inputs if i is not None]
+    return False
 
 
 def _value(model: Any, name: str) -> Any:
@@ -356,11 +405,14 @@ def _run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_l
             feeds[name] = positions.astype(np.int64)
         elif name in ("input_ids", "token_type_ids"):  # read for their shape (the hidden state is the block's input)
             feeds[name] = np.zeros((batch, tokens), np.int64)
+        elif name == "key_padding_mask":  # attnx's own: True hides a key
+            feeds[name] = mask == 0
         elif name.startswith("past") and "past_key" in block.inputs:  # another layer's cache, read for its length
             feeds[name] = np.zeros_like(feeds[block.inputs["past_key"]])
         else:
             raise NotFed(f"the block reads graph input {name!r}, which the audit does not feed (it feeds "
-                         "attention_mask, position_ids, input_ids and token_type_ids as transformers makes them)")  # fmt: skip
+                         "attention_mask, position_ids, input_ids and token_type_ids as transformers makes them, and "
+                         "attnx's key_padding_mask)")  # fmt: skip
     outputs = run(feeds)
     if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
         outputs[0] = outputs[0] + block.y_bias
@@ -421,7 +473,10 @@ def audit_model(
     model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
     # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
     structure = onnx.load(model_path, load_external_data=False)
-    extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
+    try:
+        extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
+    except onnx.shape_inference.InferenceError as e:
+        raise UsageError(f"{model_path}: its shapes contradict each other: {_first_line(e)}") from None
     base_dir = os.path.dirname(os.path.abspath(model_path))
     # a model attnx wrote states its config (attnx.config): the source each block is held to, as a checkpoint's
     # layer would be, with the graph's own weights (what `attnx parity --model` holds it to)
@@ -431,7 +486,7 @@ def audit_model(
     seen = 0
     caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
     asked = set(layers) if layers is not None else None
-    for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__):
+    for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__, report.others):
         seen += 1
         if block.config is not None:
             capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
@@ -447,6 +502,8 @@ def audit_model(
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
+    if isinstance(source, CheckpointLayers):
+        _pairing_findings(report, source, whole=layers is None)
     if layers is None and seen and "ort-cpu" in backends:
         _decode_whole(model_path, model, caches, report)
     missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
@@ -456,12 +513,34 @@ def audit_model(
     return report
 
 
+def _pairing_findings(report: AuditReport, source: CheckpointLayers, whole: bool) -> None:
+    """Each checkpoint layer paired with one block, and (auditing them all) every layer with one: a block that is
+    another layer's copy, or a layer the graph left out, is a finding."""
+    paired: dict[int, list[int]] = {}
+    for b in report.blocks:
+        if b.layer is not None:
+            paired.setdefault(b.layer, []).append(b.index)
+    for layer, blocks in sorted(paired.items()):
+        if len(blocks) > 1:
+            report.findings.append(f"blocks {', '.join(map(str, blocks))} all pair with checkpoint layer {layer}: the "
+                                   "graph holds one layer's weights more than once")  # fmt: skip
+    missing = sorted(set(source.samples) - set(paired))
+    if whole and missing:
+        report.findings.append(f"checkpoint layer(s) {', '.join(map(str, missing))}: no block of the graph pairs with "
+                               "them")  # fmt: skip
+
+
 def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: Any, backends: Sequence[str],
                  skipped: list[str]) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
+    if source is not None:
+        block.facts["window_hint"] = source.window
     if block.config is not None:
-        _read_computed_terms(extractor, model, block, base_dir)
+        try:
+            _read_computed_terms(extractor, model, block, base_dir)
+        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
+            block.unread = f"what the graph computes for it (its mask, its rotary tables) does not run: {_first_line(e)}"
     config, weights = block.config, block.weights
     imported = source is not None
     if source is not None:
@@ -477,9 +556,12 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
     terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
     audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
                        "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer")  # fmt: skip
-    if block.unread and not imported:
+    # a table no theta fits (a scaled rope) is held to the source's rope instead (_compare_terms): read, with one
+    rope_held = imported and "rope_tables" in block.facts and block.unread == f"rope {block.facts.get('rope')}"
+    if block.unread and not rope_held:
         not_checked.append(f"block {block.index}: {block.unread}")
-        return audit
+        if not imported:
+            return audit
     level = block.quantization["accuracy_level"] if block.quantization is not None else None
     if level not in (None, 0, 1, 4):
         not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {level} (fp16/bf16 compute): its error "
@@ -504,8 +586,16 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
 
     ref = reference(**feeds)
     size = problem_size(config, weights, feeds)
-    cut = _cut(extractor, model, block, base_dir)
+    _compute_in_cut(model, block)
+    try:
+        cut = _cut(extractor, model, block, base_dir)
+    except UsageError:
+        raise  # too large for this machine (check_cut_fits): said, exit 2
+    except Exception as e:  # noqa: BLE001 - onnx's error types, on an untrusted graph
+        not_checked.append(f"block {block.index}: it cannot be cut out of the graph: {_first_line(e)}")
+        return audit
     needs = _graph_inputs_needed(model, block, [block.outputs["y"]])
+    ran = False
     for backend in backends:
         try:
             run = _runner(backend, cut)
@@ -516,11 +606,14 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
             if f"{backend}: {run}" not in skipped:
                 skipped.append(f"{backend}: {run}")
             continue
+        ran = True
         failed = len(audit.findings)
         _run_checks(functools.partial(_run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
                     size, audit)  # fmt: skip
         if len(audit.findings) > failed and not audit.localised:
             audit.localised = _localise(extractor, model, block, base_dir, backend, needs, config, weights, feeds, size)
+    if not ran and not audit.findings:
+        not_checked.append(f"block {block.index}: not run: no backend asked for ({', '.join(backends)}) runs here")
     return audit
 
 
@@ -597,7 +690,11 @@ def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int,
     options.log_severity_level = 4
     if (threads := runtime_threads()) is not None:
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model_path, options, providers=[PROVIDERS["cpu"].ort_name])
+    try:
+        session = ort.InferenceSession(model_path, options, providers=[PROVIDERS["cpu"].ort_name])
+    except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+        report.findings.append(f"the whole model as exported does not load on ort-cpu: {_first_line(e)}")
+        return
     types = {v.name: v.type for v in session.get_inputs()}
     np_of = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
     names = [o.name for o in session.get_outputs()]
@@ -639,9 +736,11 @@ def _evaluate(extractor: Any, model: Any, block: Any, base_dir: str, names: Sequ
             feeds[value.name] = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), dtype)
         elif value.name == block.inputs.get("x"):  # read for its shape
             feeds[value.name] = np.zeros((1, tokens, block.config.d_model), dtype)
-        elif value.name in ("attention_mask", "input_ids", "position_ids"):
+        elif value.name in ("attention_mask", "input_ids", "position_ids", "token_type_ids"):
             feeds[value.name] = (np.arange(tokens, dtype=np.int64)[None] if value.name == "position_ids"
                                  else np.ones((1, tokens), np.int64))  # fmt: skip
+        elif value.name == "key_padding_mask":
+            feeds[value.name] = np.zeros((1, tokens), bool)
         else:
             raise NotFed(f"it reads graph input {value.name!r}, which the audit does not feed")
     return [np.asarray(a) for a in session.run(None, feeds)]
@@ -678,15 +777,21 @@ def _read_computed_terms(extractor: Any, model: Any, block: Any, base_dir: str) 
 def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> AttentionConfig:
     """The block's config with the terms of the mask the graph computes for its core (causal, a window), run for a
     full prompt past any window."""
-    tokens = AUDIT_SHAPE["tokens"]
+    # past the widest window the graph or the source states (a wider one reads as none): GQA's local_window_size,
+    # the checkpoint's sliding_window
+    hint = max(block.facts.get("local_window_size", -1), block.facts.get("window_hint") or 0)
+    tokens = max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX))
     masks = block.masks or [(block.mask, "additive" if block.core != "attention23" else "kept")]
     grid = np.arange(tokens)
     allowed = np.ones((tokens, tokens), bool)
     for (name, how), mask in zip(masks, _evaluate(extractor, model, block, base_dir, [m for m, _ in masks], tokens)):
         # a float mask is added to the scores (a large negative hides); a boolean one keeps where True (ONNX's
         # Attention, a Where(keep, scores, lowest)) or hides where True (a Where(hide, lowest, scores))
-        kept = mask > np.finfo(np.float16).min / 2 if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
-        kept = kept.reshape((-1,) + kept.shape[-2:])[0] if kept.ndim >= 2 else kept
+        kept = mask > MASKED if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
+        while kept.ndim > 2:  # [batch, heads, queries, keys]: the first row's first head
+            kept = kept[0]
+        if kept.ndim == 1 or kept.shape[0] == 1:  # a mask of the keys alone ([batch, keys], [.., 1, keys])
+            kept = np.broadcast_to(kept.reshape(1, -1), (tokens, kept.shape[-1]))
         if kept.shape != (tokens, tokens):
             raise NotFed(f"{name} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
         allowed &= kept
@@ -702,6 +807,9 @@ def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> A
         raise NotFed("it is neither causal nor a causal window")
     block.facts["mask"] = ("causal" if terms["causal"] else "none") + (
         f", window {terms['sliding_window']}" if terms.get("sliding_window") else "")  # fmt: skip
+    # with what the op itself states (GroupQueryAttention's causal and local_window_size, Attention's is_causal)
+    terms["causal"] = terms["causal"] or block.config.causal
+    terms["sliding_window"] = terms.get("sliding_window") or block.config.sliding_window
     return dataclasses.replace(block.config, **terms)
 
 
@@ -719,7 +827,7 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
     tol = tolerance_for(block.dtype)
     label = f"{backend}: " if backend != "ort-cpu" else ""
     short = tokens - shape["padding"]
-    gqa = "seqlens_k" in block.inputs
+    gqa = block.core == "gqa"
     right = gqa or block.padding == "right"
 
     def full() -> tuple[np.ndarray, np.ndarray]:
@@ -754,7 +862,7 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
     # what the block's inputs allow: a padded batch where it reads each row's length (seqlens_k, attention_mask),
     # decoding where it has a cache
     plan = [(f"{label}full sequence ({tokens} tokens)", full)]
-    if gqa or "attention_mask" in needs or "mask_index" in block.inputs:
+    if "seqlens_k" in block.inputs or "mask_index" in block.inputs or {"attention_mask", "key_padding_mask"} & set(needs):
         padding = "right" if right else "left"
         plan.append((f"{label}padded batch (rows of {tokens} and {short} tokens, {padding}-padded)", padded))
     if "past_key" in block.inputs:

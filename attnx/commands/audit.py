@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"not checked: {line}")
     for line in report.unread:
         print(f"not read: {line}")
+    for line in report.others:
+        print(f"not attention: {line}")
     for line in report.skipped:
         print(f"skipped: {line}")
     if args.json_out:

@@ -476,3 +476,60 @@ def test_optimum_s_gemma2_drops_the_softcap_and_the_audit_says_where():
                    and f.endswith("first at position 1") for f in block.findings)  # fmt: skip
         assert block.localised.startswith(f"block {block.index}: localised to stage z ")
     assert not report.passed
+
+
+# What a review found (each once a silent pass or an internal error) -------------------------------------------
+def _mask_sub_two(p):  # the builder's seqlens_k = ReduceSum(attention_mask) - 1, made - 2: every row one key short
+    sub = next(n for n in p.graph.node if n.name == "/model/attn_mask_reformat/attn_mask_subgraph/Sub")
+    p.graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), "planted_two"))
+    sub.input[1] = "planted_two"
+
+
+def test_the_lengths_a_block_reads_are_computed_from_attention_mask_in_its_cut(tmp_path):
+    """seqlens_k comes from the model's own attention_mask subgraph (shared by the layers), not fed by the audit: a
+    fault there is every block's."""
+    report = audit_model(_planted(tmp_path, "llama/fp32", _mask_sub_two), checkpoint=_checkpoint("llama/fp32"))
+    assert all(any("full sequence (12 tokens) against the reference fails" in f for f in b.findings)
+               for b in report.blocks) and not report.passed  # fmt: skip
+
+
+def test_a_layer_held_twice_and_a_layer_left_out_are_findings(tmp_path):
+    def copy_layer_0(p):
+        for kind in ("qkv_proj", "o_proj"):
+            src, dst = _init(p, f"model.layers.0.attn.{kind}.MatMul.weight"), _init(p, f"model.layers.1.attn.{kind}.MatMul.weight")
+            _put(p, dst[0], src[1])
+
+    report = audit_model(_planted(tmp_path, "llama/fp32", copy_layer_0), checkpoint=_checkpoint("llama/fp32"))
+    assert report.findings == ["blocks 0, 1 all pair with checkpoint layer 0: the graph holds one layer's weights more "
+                               "than once", "checkpoint layer(s) 1: no block of the graph pairs with them"]  # fmt: skip
+    assert not report.passed
+
+
+def test_nothing_run_is_not_a_pass(monkeypatch):
+    from attnx.workflows import _audit
+
+    monkeypatch.setattr(_audit, "_runner", lambda backend, cut: "not on this machine")
+    report = audit_model(str(GENAI / "llama/fp32/model.onnx"), layers=[0])
+    assert not report.passed and report.blocks[0].not_checked[-1].startswith("block 0: not run: no backend asked for")
+
+
+def test_a_graph_whose_values_break_a_reader_is_named_not_an_internal_error(tmp_path, capsys):
+    path = _planted(tmp_path, "llama/fp32", lambda p: _set_attr(_node(p, 0), "num_heads", 0))
+    assert main(["audit", path]) == 1
+    out = capsys.readouterr().out
+    assert "not read: node /model/layers.0/attn/GroupQueryAttention: not read as attention: ConfigError: " in out
+
+
+@pytest.mark.parametrize("terms", [{"sliding_window": 4, "softcap": 30.0, "rope": {"theta": 10000.0}},
+                                   {"sinks": True}, {"key_padding_mask": True, "causal": False}])  # fmt: skip
+def test_attnx_exports_with_more_terms_audit_as_parity_checks_them(tmp_path, terms):
+    import json
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "causal": True, **terms}))
+    for attention in ("decomposed", "onnx", "ort-fused"):
+        model = tmp_path / f"{attention}.onnx"
+        if main(["export", "--config", str(config), "--attention", attention, "--out", str(model)]) != 0:
+            continue  # a lowering that refuses the config says so (sinks on opset-23 Attention)
+        [block] = audit_model(str(model)).blocks
+        assert block.passed, (attention, block.findings, block.not_checked)
