@@ -8,9 +8,14 @@ tensors at the block's boundary (the hidden state in, the block's output and pre
 is where `attnx audit` cuts it out to run (attnx.workflows._audit). What is not read is said, with
 the node and why, never skipped in silence (Block.unread, and Blocks.unread for cores not read).
 
-Read today: com.microsoft GroupQueryAttention blocks, as ONNX Runtime GenAI's model builder writes
-them (packed qkv MatMul or MatMulNBits, Split, q/k SimplifiedLayerNormalization, the op's own rotary
-from cos/sin caches, window, softcap, head sinks). Other cores are named as not read yet.
+Readers (_BLOCK_READERS), one per core: GroupQueryAttention (ONNX Runtime GenAI's builder: packed or separate
+qkv, MatMulNBits, the op's own rotary from cos/sin caches, window, softcap, sinks; attnx's: a RotaryEmbedding of its
+own before it), MultiHeadAttention (the builder's fp16 models), ONNX's opset-23 Attention, com.microsoft Attention
+(BERT as ONNX Runtime's optimizer fuses it) and the decomposed MatMul-Softmax-MatMul (attnx, torch.onnx, Optimum).
+From a core, each of q, k and v is followed back to its projection (_walk for the fused ops' inputs, _find_projection
+breadth first for the decomposed form), noting the rotation, norm, cache and scalings met. What the graph computes
+rather than states (rotary tables from position_ids, masks from attention_mask) is named for the audit, which reads it
+by running it (Block.facts["rope_tensors"], Block.mask, Block.masks).
 """
 
 from __future__ import annotations
