@@ -703,7 +703,11 @@ def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]], 
                 value = first
         elif node.op_type == "Add":
             a, b = node.inputs[0], node.inputs[1]
-            if const_array(b) is not None or const_array(a) is not None:  # a constant bias: the scores pass
+            constant = const_array(b) if const_array(b) is not None else const_array(a)
+            if constant is not None:  # a constant added to the scores: a folded mask or position bias
+                if np.any(constant):
+                    raise NotRead("a constant added to the scores (a folded mask or a position bias): not read in "
+                                  "this version")  # fmt: skip
                 value = a if const_array(b) is not None else b
                 continue
             scores_side = a if _reaches_matmul(a) else b

@@ -232,8 +232,12 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
             if block.facts.get("rotary_interleaved") != config.rope.interleaved:
                 found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
                              f"{source}'s rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
-    # weights: the graph's (dequantized where quantized) against the source's
+    # weights: the graph's (dequantized where quantized) against the source's; a bias the source has not is zero there
     quantized = block.quantization is not None
+    for name in sorted(set(block.weights) - set(weights)):
+        if name.endswith(".bias") and np.any(block.weights[name]):
+            found.append(f"{where}: {name} in the graph (largest |value| {float(np.abs(block.weights[name]).max()):.3g}), "
+                         f"none in {source}")  # fmt: skip
     for name, theirs in weights.items():
         ours = block.weights.get(name)
         if ours is None:
