@@ -211,15 +211,8 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
         hd = weights["q_proj.weight"].shape[0] // n_heads
         _path_stages(block, paths)
         proj_node = _projection_node(paths["q"].projection)
-        if paths["q"].norm is not None or paths["k"].norm is not None:
-            if paths["q"].norm is None or paths["k"].norm is None:
-                raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
-            (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = paths["q"].norm, paths["k"].norm
-            qk_norm = QKNorm(eps=float(q_eps))
-            facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
-    block.quantization = _quantization(proj_node)
-    block.inputs["x"] = proj_node.inputs[0].name
-    block.dtype = _dtype_of(proj_node.inputs[0])
+        qk_norm = _qk_norm(paths, weights, facts)
+    _hidden_state(block, proj_node)
     block.outputs = {"y": _output_projection(node.outputs[0], weights, block).name, "present_key": node.outputs[1].name,
                      "present_value": node.outputs[2].name}  # fmt: skip
     for role, i in (("past_key", 3), ("past_value", 4), ("seqlens_k", 5), ("total_sequence_length", 6)):
@@ -252,14 +245,7 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
         sliding_window=facts.get("sliding_window"), softcap=facts.get("softcap"), qk_norm=qk_norm,
         sinks=sinks is not None,
     )  # fmt: skip
-    block.config = config
-    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
-    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
-    # without keep_weights none is copied, so none of their pages is read
-    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
-    if rope is None and "rope" in facts:
-        block.unread = f"rope {facts['rope']}"
-    return block
+    return _keep(block, config, weights, keep_weights)
 
 
 def _output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Block) -> ir.Value:
@@ -323,6 +309,47 @@ def _path_stages(block: Block, paths: dict[str, _Path], biased_apart: bool = Fal
             block.stages[role] = (path.projection.name, None)
         if isinstance(path.rotary, ir.Node):
             block.stages[f"{role}_rope"] = (path.rotary.outputs[0].name, None)
+
+
+def _qk_norm(paths: dict[str, _Path], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
+    """The per-head RMS norms met on q's and k's paths (their weights into `weights`), or None; one alone is not read."""
+    q, k = paths["q"].norm, paths["k"].norm
+    if q is None and k is None:
+        return None
+    if q is None or k is None:
+        raise NotRead(f"a norm on {'q' if q is not None else 'k'} alone")
+    (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = q, k
+    facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
+    return QKNorm(eps=float(q_eps))
+
+
+def _path_cache(block: Block, paths: dict[str, _Path]) -> None:
+    """The cache met on k's and v's paths (present = Concat(past, new)) as the block's past/present; one alone is not
+    read."""
+    for role, kv in (("key", "k"), ("value", "v")):
+        if (paths[kv].past is None) != (paths["k"].past is None):
+            raise NotRead("a cache on the key or the value alone")
+        if paths[kv].past is not None:
+            block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
+
+
+def _hidden_state(block: Block, proj_node: ir.Node) -> None:
+    """The block's input (the q projection's), its dtype, and the projection's quantization."""
+    block.quantization = _quantization(proj_node)
+    block.inputs["x"] = proj_node.inputs[0].name
+    block.dtype = _dtype_of(proj_node.inputs[0])
+
+
+def _keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray], keep_weights: bool) -> Block:
+    """The block with its config and weights: copies, never views of the graph's memory-mapped tensors (iter_blocks
+    releases them after each block); without keep_weights none is copied, so none of their pages is read. A rope
+    that no theta fits is said (Block.unread)."""
+    block.config = config
+    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
+    if config.rope is None and "rope" in block.facts:
+        block.unread = f"rope {block.facts['rope']}"
+    return block
 
 
 def _walk(value: ir.Value) -> _Path:
@@ -447,13 +474,11 @@ def _read_ms_attention_block(index: int, node: ir.Node, keep_weights: bool = Tru
     if inputs[3] is not None:
         block.inputs["mask_index"] = inputs[3].name
         block.padding = "right"  # a row's length: its keys past it are padding
-    block.config = AttentionConfig(
+    config = AttentionConfig(
         d_model=w.shape[0], n_heads=n_heads, head_dim=hd, n_kv_heads=int(sizes[1]) // hd, bias=True,
         causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd),
     )  # fmt: skip
-    block.weight_dtype = np.asarray(w).dtype.name
-    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
-    return block
+    return _keep(block, config, weights, keep_weights)
 
 
 def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
@@ -491,14 +516,8 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     n_kv = weights["k_proj.weight"].shape[0] // hd
     facts["n_kv_heads"] = n_kv
     proj_node = _projection_node(paths["q"].projection)
-    block.quantization = _quantization(proj_node)
-    block.inputs["x"] = proj_node.inputs[0].name
-    block.dtype = _dtype_of(proj_node.inputs[0])
-    if paths["q"].norm is not None or paths["k"].norm is not None:
-        if paths["q"].norm is None or paths["k"].norm is None:
-            raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
-        weights["q_norm.weight"], weights["k_norm.weight"] = paths["q"].norm[0], paths["k"].norm[0]
-        facts["qk_norm_eps"] = [float(paths["q"].norm[1]), float(paths["k"].norm[1])]
+    _hidden_state(block, proj_node)
+    qk_norm = _qk_norm(paths, weights, facts)
     block.outputs["y"] = _output_projection(node.outputs[0], weights, block).name
     if own_cache is not None:
         if paths["k"].past is not None:
@@ -506,26 +525,15 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
         past_k, past_v, present_k, present_v = own_cache
         block.inputs.update(past_key=past_k.name, past_value=past_v.name)
         block.outputs.update(present_key=present_k.name, present_value=present_v.name)
-    for role, kv in (("key", "k"), ("value", "v")):
-        if (paths[kv].past is None) != (paths["k"].past is None):
-            raise NotRead("a cache on the key or the value alone")
-        if paths[kv].past is not None:
-            block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
+    _path_cache(block, paths)
     rope = _rotary_of(paths, facts, block)
     block.mask = mask.name if mask is not None else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
         causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        qk_norm=QKNorm(eps=facts["qk_norm_eps"][0]) if "qk_norm_eps" in facts else None, softcap=facts.get("softcap"),
+        qk_norm=qk_norm, softcap=facts.get("softcap"),
     )  # fmt: skip
-    block.config = config
-    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
-    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
-    # without keep_weights none is copied, so none of their pages is read
-    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
-    if rope is None and "rope" in facts:
-        block.unread = f"rope {facts['rope']}"
-    return block
+    return _keep(block, config, weights, keep_weights)
 
 
 # The decomposed core: MatMul(q, k^T), scale, masks, Softmax, MatMul(p, v), as attnx and torch.onnx write it --------
@@ -818,25 +826,13 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
     facts.update(n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale, softcap=softcap)
-    qk_norm = None
-    if paths["q"].norm is not None or paths["k"].norm is not None:
-        if paths["q"].norm is None or paths["k"].norm is None:
-            raise NotRead(f"a norm on {'q' if paths['q'].norm is not None else 'k'} alone")
-        (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = paths["q"].norm, paths["k"].norm
-        qk_norm = QKNorm(eps=float(q_eps))
-        facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
+    qk_norm = _qk_norm(paths, weights, facts)
     proj_node = _projection_node(paths["q"].projection)
     if any(_projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
-    block.quantization = _quantization(proj_node)
-    block.inputs["x"] = proj_node.inputs[0].name
-    block.dtype = _dtype_of(proj_node.inputs[0])
+    _hidden_state(block, proj_node)
     block.outputs["y"] = _output_projection(pv.outputs[0], weights, block).name
-    for role, kv in (("key", "k"), ("value", "v")):
-        if (paths[kv].past is None) != (paths["k"].past is None):
-            raise NotRead("a cache on the key or the value alone")
-        if paths[kv].past is not None:
-            block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
+    _path_cache(block, paths)
     if (paths["q"].rotary is None) != (paths["k"].rotary is None):
         raise NotRead(f"a rotary on {'q' if paths['q'].rotary is not None else 'k'} alone")
     if paths["q"].rotary is not None:
@@ -855,12 +851,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         if sinks.size != n_heads:
             raise NotRead(f"a sink column of {sinks.size} logits for {n_heads} heads")
         weights["sinks"] = sinks.reshape(n_heads)
-    block.config = config
-    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
-    # copies, never views of the graph's memory-mapped tensors (iter_blocks releases them after each block);
-    # without keep_weights none is copied, so none of their pages is read
-    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
-    return block
+    return _keep(block, config, weights, keep_weights)
 
 
 _BLOCK_READERS = {"gqa": _read_gqa_block, "mha": _read_mha_block, "attention23": _read_attention23_block,

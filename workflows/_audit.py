@@ -403,8 +403,24 @@ def _run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_l
         mask[np.arange(total)[None, :] < np.asarray(left)[:, None]] = 0
     elif lengths is not None:  # right padding: each row's keys past its length
         mask[np.arange(total)[None, :] >= np.asarray(lengths)[:, None]] = 0
+    other_cache = feeds.get(block.inputs.get("past_key"))  # another layer's cache input, read for its length
+    feeds.update(_graph_feeds(needs, mask, past_len, other_cache))
+    outputs = run(feeds)
+    if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
+        outputs[0] = outputs[0] + block.y_bias
+    return outputs
+
+
+def _graph_feeds(names: Sequence[str], mask: np.ndarray, past_len: int,
+                 cache: np.ndarray | None) -> dict[str, np.ndarray]:  # fmt: skip
+    """The graph inputs a block's cut reads besides its boundary, as transformers makes them for a batch whose
+    attention_mask is `mask` [batch, past_len + tokens] (position_ids counted from each row's first token, ids read
+    for their shape, attnx's key_padding_mask True where a key is hidden); `cache`: what a cache input is fed (read
+    for its length), None where the block has none to give."""
+    batch, tokens = mask.shape[0], mask.shape[1] - past_len
     positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[:, past_len:]
-    for name in needs:
+    feeds: dict[str, np.ndarray] = {}
+    for name in names:
         if name == "attention_mask":
             feeds[name] = mask
         elif name == "position_ids":
@@ -413,16 +429,13 @@ def _run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_l
             feeds[name] = np.zeros((batch, tokens), np.int64)
         elif name == "key_padding_mask":  # attnx's own: True hides a key
             feeds[name] = mask == 0
-        elif name.startswith("past") and "past_key" in block.inputs:  # another layer's cache, read for its length
-            feeds[name] = np.zeros_like(feeds[block.inputs["past_key"]])
+        elif name.startswith("past") and cache is not None:
+            feeds[name] = np.zeros_like(cache)
         else:
             raise NotFed(f"the block reads graph input {name!r}, which the audit does not feed (it feeds "
                          "attention_mask, position_ids, input_ids and token_type_ids as transformers makes them, and "
                          "attnx's key_padding_mask)")  # fmt: skip
-    outputs = run(feeds)
-    if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
-        outputs[0] = outputs[0] + block.y_bias
-    return outputs
+    return feeds
 
 
 BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
@@ -736,19 +749,11 @@ def _evaluate(extractor: Any, model: Any, block: Any, base_dir: str, names: Sequ
     session = ort.InferenceSession(_cut(extractor, model, block, base_dir, outputs=names),
                                    providers=[PROVIDERS["cpu"].ort_name])  # fmt: skip
     dtype = _NP.get(block.dtype, np.float32)
-    feeds = {}
-    for value in session.get_inputs():
-        if value.name.startswith("past"):  # the cache inputs (this layer's or another's): read for their length
-            feeds[value.name] = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), dtype)
-        elif value.name == block.inputs.get("x"):  # read for its shape
-            feeds[value.name] = np.zeros((1, tokens, block.config.d_model), dtype)
-        elif value.name in ("attention_mask", "input_ids", "position_ids", "token_type_ids"):
-            feeds[value.name] = (np.arange(tokens, dtype=np.int64)[None] if value.name == "position_ids"
-                                 else np.ones((1, tokens), np.int64))  # fmt: skip
-        elif value.name == "key_padding_mask":
-            feeds[value.name] = np.zeros((1, tokens), bool)
-        else:
-            raise NotFed(f"it reads graph input {value.name!r}, which the audit does not feed")
+    names = [v.name for v in session.get_inputs()]
+    x = block.inputs.get("x")
+    feeds = {x: np.zeros((1, tokens, block.config.d_model), dtype)} if x in names else {}  # read for its shape
+    empty = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # every cache input: no past
+    feeds.update(_graph_feeds([n for n in names if n != x], np.ones((1, tokens), np.int64), 0, empty))
     return [np.asarray(a) for a in session.run(None, feeds)]
 
 
