@@ -223,6 +223,18 @@ class Runner:
         pass
 
     # Shared work ----------------------------------------------------------------------
+    def fixed_dims_mismatch(self, feeds: Mapping[str, Any]) -> str | None:
+        """The first feed of a size the model's fixed dims do not allow (a batch fixed at 1 fed 3 rows), said as
+        check_feeds says it, or None: a case the model's own dims rule out (parity skips it, not applicable)."""
+        for spec in self.inputs:
+            value = feeds.get(spec.name)
+            if value is None or len(value.shape) != len(spec.shape):
+                continue
+            for axis, (dim, size) in enumerate(zip(spec.shape, value.shape)):
+                if isinstance(dim, int) and size != dim:
+                    return f"input {spec.name!r} has size {size} on axis {axis}, expected {dim} {_shape_str(spec.shape)}"
+        return None
+
     def check_feeds(self, feeds: Mapping[str, Any]) -> None:
         """Raise one InputError naming the first bad feed: name, rank, dtype, fixed dims,
         and symbolic dims that must agree between inputs (batch, and the key length)."""
@@ -247,9 +259,7 @@ class Runner:
             for axis, (dim, size) in enumerate(zip(spec.shape, shape)):
                 if isinstance(dim, int):
                     if size != dim:
-                        raise InputError(
-                            f"input {spec.name!r} has size {size} on axis {axis}, expected {dim} {_shape_str(spec.shape)}"
-                        )
+                        raise InputError(self.fixed_dims_mismatch({spec.name: value}))
                     continue
                 if size == 0 and dim != "past_seq":  # an empty cache is the prefill
                     raise InputError(f"input {spec.name!r} has an empty axis {axis} ({dim})")

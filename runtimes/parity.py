@@ -139,6 +139,8 @@ def _case(
     tol = tolerance_for(dtype, backend, quantization)
     common = dict(backend=backend, reference=reference, dtype=dtype, batch=batch, seq=seq, mem_seq=mem_seq,
                   input_mean=input_mean)  # fmt: skip
+    if not isinstance(runner, str) and (mismatch := runner.fixed_dims_mismatch(feeds)) is not None:
+        runner = f"not applicable: the model's own dims rule this case out ({mismatch})"
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip

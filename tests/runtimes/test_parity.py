@@ -106,6 +106,27 @@ def test_all_skipped_is_not_a_pass():
     assert not report.passed and {c.status for c in report.cases} == {"skipped"}
 
 
+def test_a_case_the_model_s_fixed_dims_rule_out_is_not_applicable_not_an_error(exported, tmp_path):
+    """A model whose batch is fixed at 1 (edited after export): its batch-3 cases are skipped on the backends that run
+    the file, naming the input and its dims; the batch-1 cases run; the module backends run every case."""
+    import onnx
+
+    proto = onnx.load(exported("self"))
+    for value in [*proto.graph.input, *proto.graph.output]:
+        dim = value.type.tensor_type.shape.dim[0]
+        dim.Clear()
+        dim.dim_value = 1
+    path = str(tmp_path / "b1.onnx")
+    onnx.save(proto, path)
+    report = run_parity(ModelSource(CONFIGS["self"], weights_for("self"), path), ["torch", "ort-cpu"], batches=(1, 3),
+                        seqs=(4,))  # fmt: skip
+    by = {(c.backend, c.batch): c for c in report.cases}
+    assert by[("ort-cpu", 1)].status == by[("torch", 3)].status == "pass" and report.passed
+    assert by[("ort-cpu", 3)].status == "skipped"
+    assert by[("ort-cpu", 3)].reason == ("not applicable: the model's own dims rule this case out (input 'x' has size "
+                                         "3 on axis 0, expected 1 [1, seq, 32])")  # fmt: skip
+
+
 @pytest.mark.parametrize("location", ["../outside.data", "/etc/hostname"])
 def test_a_model_whose_data_lies_outside_its_folder_is_refused_for_every_backend(exported, tmp_path, capsys, location):
     """One rule before any backend reads the file: ONNX Runtime refuses such a model and OpenVINO reads
