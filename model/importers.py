@@ -26,7 +26,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,8 @@ __all__ = [
     "ImportResult",
     "import_weights",
     "read_checkpoint_config",
-    "read_q_projection",
+    "projection_shape",
+    "read_projection",
     "write_import",
     "check_import_target",
     "checkpoint_files",
@@ -226,24 +227,40 @@ def _header(path: str) -> dict[str, Any]:
 _SAFETENSORS_TYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-def _read(path: str, name: str, entry: Mapping[str, Any], converted: set[str]) -> np.ndarray:
-    """One tensor as float32, read from its byte range (only the tensors an import needs are read)."""
+def _read(path: str, name: str, entry: Mapping[str, Any], converted: set[str],
+          rows: Sequence[int] | None = None) -> np.ndarray:  # fmt: skip
+    """One tensor as float32, read from its byte range (only the tensors an import needs are read); rows: of a
+    matrix, only these rows' bytes are read (a sample), in that order."""
     dtype = entry.get("dtype")
     if dtype not in _SAFETENSORS_TYPES:
         raise WeightsError(f"{os.path.basename(path)}: tensor {name!r} has dtype {dtype}, expected a float dtype")
     begin, end = entry["data_offsets"]
+    item = np.dtype(_SAFETENSORS_TYPES[dtype]).itemsize
+    shape = list(entry["shape"])
+    if end - begin != math.prod(shape) * item:
+        raise WeightsError(f"{os.path.basename(path)}: tensor {name!r} is truncated")
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + size + begin)
-        raw = f.read(end - begin)
+        if rows is None:
+            f.seek(8 + size + begin)
+            raw = f.read(end - begin)
+        else:  # [rows, columns]: each row's bytes alone
+            if len(shape) != 2 or any(not 0 <= r < shape[0] for r in rows):
+                raise WeightsError(f"{os.path.basename(path)}: tensor {name!r} {shape} has no rows {list(rows)[:4]}")
+            width = shape[1] * item
+            parts = []
+            for r in rows:
+                f.seek(8 + size + begin + int(r) * width)
+                parts.append(f.read(width))
+            raw, shape = b"".join(parts), [len(rows), shape[1]]
     array = np.frombuffer(raw, dtype=np.dtype(_SAFETENSORS_TYPES[dtype]).newbyteorder("<"))
-    if array.size != math.prod(entry["shape"]):
+    if array.size != math.prod(shape):
         raise WeightsError(f"{os.path.basename(path)}: tensor {name!r} is truncated")
     if dtype == "BF16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
     if dtype != "F32":
         converted.add(dtype)
-    return np.array(array, dtype=np.float32).reshape(entry["shape"])
+    return np.array(array, dtype=np.float32).reshape(shape)
 
 
 class _Checkpoint:
@@ -262,7 +279,8 @@ class _Checkpoint:
             raise WeightsError(f"{self.folder!r}: tensor {name!r} is ambiguous ({', '.join(sorted(hits)[:3])})")
         return hits[0] if hits else None
 
-    def get(self, name: str) -> tuple[str, np.ndarray]:
+    def get(self, name: str, rows: Sequence[int] | None = None) -> tuple[str, np.ndarray]:
+        """(its key, the tensor) of `name`; rows: only those rows of a matrix (_read)."""
         key = self.find(name)
         if key is None:
             raise WeightsError(f"{self.folder!r} has no tensor {name!r}: not the layer or architecture it claims")
@@ -271,7 +289,7 @@ class _Checkpoint:
             self.headers[path] = _header(path)
         if key not in self.headers[path]:
             raise WeightsError(f"{os.path.basename(path)} has no tensor {key!r}, which its index names")
-        return key, _read(path, key, self.headers[path][key], self.converted)
+        return key, _read(path, key, self.headers[path][key], self.converted, rows)
 
 
 # The import ---------------------------------------------------------------------------------------
@@ -769,25 +787,65 @@ def _rotary_widths(folder: str, hf: Mapping[str, Any]) -> tuple[int, int, int, i
     return d_model, n_heads, n_kv_heads, number("head_dim", hf["head_dim"] or d_model // n_heads)
 
 
-def read_q_projection(source: str | os.PathLike[str], layer: int) -> np.ndarray:
-    """The q projection of one decoder layer of a checkpoint folder, [n_heads * head_dim, d_model] as
-    import_weights gives it. A rotary decoder's (ROTARY_FAMILIES) is read alone, its tensor's bytes and
-    no other (Phi-3's: the q rows of its fused q|k|v): what `attnx audit` pairs a graph's blocks with the
-    checkpoint's layers by, before it imports the one layer a block is checked against. Other
-    architectures: the layer's attention imported (import_weights) and its q projection kept."""
-    folder = os.fspath(source)
+# attnx's name of each projection's weight, [out, in] as import_weights gives it
+PROJECTIONS = {"q": "q_proj.weight", "k": "k_proj.weight", "v": "v_proj.weight", "o": "out_proj.weight"}
+
+
+def _rotary_projection(folder: str, layer: int, role: str) -> tuple[_Checkpoint, str, int | None, tuple[int, int]] | None:
+    """Where a rotary decoder's projection lies in its checkpoint: (the checkpoint, the tensor, its first row in a
+    fused tensor or None where the tensor is the projection, its [out, in] shape), read from the headers alone; None
+    for another architecture."""
+    if role not in PROJECTIONS:
+        raise UsageError(f"projection {role!r}: one of {', '.join(PROJECTIONS)}")
     hf = read_checkpoint_config(folder)
     model_type = hf.get("model_type")
     family = ROTARY_FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        return import_weights(folder, layer=layer).weights["q_proj.weight"]
-    _, n_heads, _, head_dim = _rotary_widths(folder, {**family.defaults, **hf})
-    names = family.names(layer)
-    ckpt = _Checkpoint(folder)
-    if family.fused_qkv:
-        _, qkv = ckpt.get(names["qkv"] + ".weight")  # [(N + 2 Nkv) hd, d_model], rows q | k | v
-        return np.array(qkv[: n_heads * head_dim])  # a copy: the k and v rows are dropped
-    return ckpt.get(names["q"] + ".weight")[1]
+        return None
+    _, n_heads, n_kv_heads, head_dim = _rotary_widths(folder, {**family.defaults, **hf})
+    names, ckpt = family.names(layer), _Checkpoint(folder)
+    fused = family.fused_qkv and role != "o"  # [(N + 2 Nkv) hd, d_model], rows q | k | v
+    name = names["qkv" if fused else role] + ".weight"
+    key = ckpt.find(name)
+    if key is None:
+        raise WeightsError(f"{folder!r} has no tensor {name!r}: not the layer or architecture it claims")
+    path = ckpt.files[key]
+    ckpt.headers.setdefault(path, _header(path))
+    shape = ckpt.headers[path].get(key, {}).get("shape")
+    if not isinstance(shape, list) or len(shape) != 2:
+        raise WeightsError(f"{os.path.basename(path)}: tensor {key!r} is not a matrix (shape {shape})")
+    if not fused:
+        return ckpt, name, None, (int(shape[0]), int(shape[1]))
+    start, count = {"q": (0, n_heads), "k": (n_heads, n_kv_heads), "v": (n_heads + n_kv_heads, n_kv_heads)}[role]
+    return ckpt, name, start * head_dim, (count * head_dim, int(shape[1]))
+
+
+def projection_shape(source: str | os.PathLike[str], layer: int, role: str = "q") -> tuple[int, int]:
+    """The [out, in] shape of one projection of a decoder layer (read_projection), from the headers alone where the
+    architecture allows."""
+    where = _rotary_projection(os.fspath(source), layer, role)
+    return where[3] if where is not None else tuple(read_projection(source, layer, role).shape)  # type: ignore[return-value]
+
+
+def read_projection(source: str | os.PathLike[str], layer: int, role: str = "q",
+                    rows: Sequence[int] | None = None) -> np.ndarray:  # fmt: skip
+    """One projection of one decoder layer of a checkpoint folder (role q, k, v or o), [out, in] as import_weights
+    gives it; rows: only those rows. A rotary decoder's (ROTARY_FAMILIES) is read alone, that tensor's bytes and no
+    other, and of it only the rows asked for (Phi-3's q, k, v: their rows of its fused q|k|v): what `attnx audit`
+    pairs a graph's blocks with the checkpoint's layers by, before it imports the one layer a block is checked
+    against. Other architectures: the layer's attention imported (import_weights) and the projection kept."""
+    folder = os.fspath(source)
+    where = _rotary_projection(folder, layer, role)
+    if where is None:
+        weight = import_weights(folder, layer=layer).weights[PROJECTIONS[role]]
+        return weight if rows is None else np.array(weight[list(rows)])
+    ckpt, name, start, shape = where
+    if start is None:
+        return ckpt.get(name, rows)[1]
+    wanted = range(shape[0]) if rows is None else rows
+    if any(not 0 <= int(r) < shape[0] for r in wanted):
+        raise WeightsError(f"{folder!r}: layer {layer}'s {role} projection {list(shape)} has no rows {list(wanted)[:4]}")
+    return ckpt.get(name, [start + int(r) for r in wanted])[1]
 
 
 def _import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: int,

@@ -32,7 +32,7 @@ from attnx.errors import UsageError
 from attnx.export._blocks import half_table, iter_blocks, rope_of_table, rope_table_error
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, PROVIDERS, config_from_metadata
-from attnx.model.importers import import_weights, read_checkpoint_config, read_q_projection
+from attnx.model.importers import PROJECTIONS, import_weights, projection_shape, read_checkpoint_config, read_projection
 from attnx.model.reference import reference_attention
 from attnx.model.resources import available_memory_bytes
 from attnx.model.rope import rope_frequencies
@@ -57,8 +57,77 @@ MASK_PROBE_MAX = 8194
 AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3, "rope_positions": 128}
 
 
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The shapes the audit feeds a model: AUDIT_SHAPE's where the model's dims are dynamic, the model's own where
+    it fixes them (model_shapes), so that every run is one the model's dims allow."""
+
+    batch: int
+    tokens: int  # a full sequence's
+    prefill: int | None  # decoding: a prefill of this many tokens, then single steps to `tokens`; None: none fits
+    fixed: dict[str, str] = dataclasses.field(default_factory=dict)  # batch/sequence/cache -> the input fixing it
+    padding: int = AUDIT_SHAPE["padding"]  # the padded batch's last row is this many tokens shorter
+
+    @property
+    def padded(self) -> bool:
+        """Whether a padded batch fits: two rows or more, and a row shorter than the sequence."""
+        return self.batch >= 2 and self.tokens > self.padding
+
+    def not_applicable(self) -> list[str]:
+        """The checks the model's dims rule out, each with the dim and the input that fixes it."""
+        lines = []
+        if self.batch < 2:
+            lines.append(f"a padded batch: the model's batch is fixed at {self.batch} ({self.fixed['batch']})")
+        elif not self.padded:
+            lines.append(f"a padded batch: the model's sequence is fixed at {self.tokens} tokens "
+                         f"({self.fixed['sequence']}), too short to pad a row by {self.padding}")  # fmt: skip
+        if "sequence" in self.fixed:
+            lines.append(f"decoding step by step: the model's sequence is fixed at {self.tokens} tokens "
+                         f"({self.fixed['sequence']}), so no single-token step can be fed")  # fmt: skip
+        return lines
+
+
+# graph inputs whose first dim is the batch; whose second is the sequence (the tokens of this call); a cache's third
+_BATCH_FIRST = ("x", "memory", "input_ids", "attention_mask", "position_ids", "token_type_ids", "key_padding_mask")
+_SEQUENCE_SECOND = ("x", "input_ids", "position_ids", "token_type_ids")
+
+
+def model_shapes(model: Any) -> Shapes:
+    """The shapes a model's own graph inputs allow (a batch or a sequence fixed by its dims, say by a torch.onnx
+    export whose batch was not made dynamic), else AUDIT_SHAPE's."""
+
+    def said(value: Any) -> str:
+        return f"input {value.name} [{', '.join(str(d) for d in value.shape)}]"
+
+    fixed: dict[str, str] = {}
+    batch = tokens = None
+    caches = [v for v in model.graph.inputs if v.name.startswith("past")]
+    for value in model.graph.inputs:
+        dims = list(value.shape) if value.shape is not None else []
+        cache = value in caches
+        if not dims or not (value.name in _BATCH_FIRST or cache):
+            continue
+        if isinstance(dims[0], int) and batch is None:
+            batch, fixed["batch"] = dims[0], said(value)
+        sequence = 1 if value.name in _SEQUENCE_SECOND or (value.name == "attention_mask" and not caches) else None
+        if sequence is not None and len(dims) > sequence and isinstance(dims[sequence], int) and tokens is None:
+            tokens, fixed["sequence"] = dims[sequence], said(value)
+        if cache and len(dims) == 4 and isinstance(dims[2], int) and "cache" not in fixed:
+            fixed["cache"] = said(value)
+        if value.name == "attention_mask" and caches and isinstance(dims[1], int) and "cache" not in fixed:
+            fixed["cache"] = said(value)  # a total length fixed: a static cache
+    prefill = AUDIT_SHAPE["prefill"] if tokens is None and "cache" not in fixed else None
+    return Shapes(batch if batch is not None else AUDIT_SHAPE["batch"],
+                  tokens if tokens is not None else AUDIT_SHAPE["tokens"], prefill, fixed)  # fmt: skip
+
+
 @dataclasses.dataclass
 class BlockAudit:
+    """One block's audit. Its verdict says what was proven: it passes when at least one check ran and every check
+    run agrees, with no finding; a check its model cannot run (`not_checked`: why, and what the model then cannot
+    serve) is a gap, named on its own line, that fails the block only under `strict`. A check the model's own dims
+    rule out (a batch fixed at 1 has no padded batch) is neither: AuditReport.not_applicable names it."""
+
     index: int
     node: str
     core: str  # the registry's name of its core (attnx.model.cores)
@@ -69,10 +138,11 @@ class BlockAudit:
     not_checked: list[str]
     source: str = "checkpoint layer"  # what it is held to: a checkpoint's layer, or the attnx.config of attnx's model
     localised: str | None = None  # a failing block's first stage beyond its bound
+    strict: bool = False  # a gap fails the block
 
     @property
     def passed(self) -> bool:
-        return not self.findings and not self.not_checked and all(self.checks)
+        return bool(self.checks) and not self.findings and all(self.checks) and not (self.strict and self.not_checked)
 
     def worst(self) -> Comparison | None:
         return max(self.checks, key=lambda c: c.max_abs / max(c.atol, 1e-30), default=None)
@@ -95,6 +165,10 @@ class BlockAudit:
 
 @dataclasses.dataclass
 class AuditReport:
+    """The audit of a whole model. It passes when every attention node was read into a block, every block passes
+    (BlockAudit) and the whole model raised no finding; its gaps (a check some block, or the whole model's decoding,
+    could not run) are listed, and fail it only under `strict`."""
+
     model: str
     checkpoint: str | None
     blocks: list[BlockAudit]
@@ -102,27 +176,38 @@ class AuditReport:
     skipped: list[str] = dataclasses.field(default_factory=list)  # a backend unavailable on this machine, and why
     findings: list[str] = dataclasses.field(default_factory=list)  # of the whole model as exported
     others: list[str] = dataclasses.field(default_factory=list)  # Softmaxes not attention's (a router's), named
-    not_checked: list[str] = dataclasses.field(default_factory=list)
+    not_checked: list[str] = dataclasses.field(default_factory=list)  # the whole model's gaps (its decoding)
+    not_applicable: list[str] = dataclasses.field(default_factory=list)
+    strict: bool = False
+
+    @property
+    def gaps(self) -> list[str]:
+        """Every check that applies to the model and could not run: the blocks' and the whole model's."""
+        return [line for b in self.blocks for line in b.not_checked] + self.not_checked
 
     @property
     def passed(self) -> bool:
-        return all(b.passed for b in self.blocks) and not self.unread and not self.findings and not self.not_checked
+        return (all(b.passed for b in self.blocks) and not self.unread and not self.findings
+                and not (self.strict and self.not_checked))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed,
+        return {"model": self.model, "checkpoint": self.checkpoint, "passed": self.passed, "strict": self.strict,
                 "blocks": [b.to_dict() for b in self.blocks], "unread": self.unread,
                 "skipped": self.skipped, "findings": self.findings, "not_checked": self.not_checked,
-                "others": self.others}  # fmt: skip
+                "not_applicable": self.not_applicable, "gaps": len(self.gaps), "others": self.others}  # fmt: skip
 
 
 class CheckpointLayers:
-    """A checkpoint's layers as the audit needs them, one at a time: each layer's q projection kept only as a
-    sample of its rows (read alone, read_q_projection), which pairs a block with its layer by value; the
-    paired layer's attention imported (import_weights) when its block is checked, and dropped after. So
-    a checkpoint larger than memory is held a layer at a time, plus the samples (at most SAMPLE_ROWS rows
-    of q per layer)."""
+    """A checkpoint's layers as the audit needs them, one at a time: each layer's four projections kept only as a
+    sample of their rows (each read alone, read_projection), which pairs a block with its layer by value; the
+    paired layer's attention imported (import_weights) when its block is checked, and dropped after. So a
+    checkpoint larger than memory is held a layer at a time, plus the samples (at most SAMPLE_ROWS rows of each
+    projection per layer)."""
 
     SAMPLE_ROWS = 32
+    # a sampled row matches a block's when it is within this fraction of its largest |value|: int4's half step is
+    # 1/14 of its block's largest, fp16's 1e-3; another layer's row differs by about all of it
+    MATCH = 0.25
     label = "the checkpoint"  # as findings name it
 
     def __init__(self, folder: str) -> None:
@@ -130,34 +215,50 @@ class CheckpointLayers:
         self.window = int(hf.get("sliding_window") or 0)  # how far a computed mask is read (_read_mask_terms)
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         self.folder = folder
-        self.samples: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}  # layer -> (q's shape, its sampled rows)
+        # layer -> attnx's weight name -> (the projection's shape, the rows sampled, their values)
+        self.samples: dict[int, dict[str, tuple[tuple[int, ...], np.ndarray, np.ndarray]]] = {}
         for i in range(n_layers):
-            q = read_q_projection(folder, i)
-            self.samples[i] = (q.shape, np.array(q[self._rows(q.shape[0])]))
+            self.samples[i] = {}
+            for role, name in PROJECTIONS.items():
+                shape = projection_shape(folder, i, role)
+                rows = self._rows(shape[0])
+                self.samples[i][name] = (tuple(shape), rows, read_projection(folder, i, role, rows))
 
     def _rows(self, n: int) -> np.ndarray:
-        """The rows sampled of a q projection of n rows: all of a small one, else evenly spread."""
+        """The rows sampled of a projection of n rows: all of a small one, else evenly spread."""
         return np.unique(np.linspace(0, n - 1, min(n, self.SAMPLE_ROWS)).round().astype(np.int64))
 
-    def pair(self, q: np.ndarray) -> int | None:
-        """The layer whose q projection is nearest the block's `q` (relative max difference, never names):
-        on the sampled rows; layers tied there are told apart by their whole q projections."""
+    def pair(self, weights: dict[str, np.ndarray]) -> int | None:
+        """The layer whose projections match the block's `weights` on the most sampled rows (never names), so that a
+        fault in one projection of a layer (its heads permuted, its rows scaled) still pairs the block with its own
+        layer; layers tied on those counts are told apart by their rows' errors, then by their whole q projections.
+        None where no layer has a projection of the block's shapes."""
 
-        def error(theirs: np.ndarray, ours: np.ndarray) -> float:
+        def errors(theirs: np.ndarray, ours: np.ndarray) -> np.ndarray:  # each row's, relative to its largest value
             theirs = np.asarray(theirs, np.float64)
-            return float(np.abs(theirs - ours).max() / max(np.abs(theirs).max(), 1e-30))
+            scale = np.maximum(np.abs(theirs).max(axis=-1), 1e-30)
+            return np.abs(theirs - np.asarray(ours, np.float64)).max(axis=-1) / scale
 
-        rows = self._rows(q.shape[0])
-        ours = np.asarray(q, np.float64)[rows]
-        errors = {i: error(sample, ours) for i, (shape, sample) in self.samples.items() if shape == q.shape}
-        if not errors:
+        scores: dict[int, tuple[int, float]] = {}
+        for i, sampled in self.samples.items():
+            matched, total, compared = 0, 0.0, False
+            for name, (shape, rows, sample) in sampled.items():
+                ours = weights.get(name)
+                if ours is None or tuple(ours.shape) != shape:
+                    continue
+                e = errors(sample, np.asarray(ours)[rows])
+                matched, total, compared = matched + int((e <= self.MATCH).sum()), total + float(e.sum()), True
+            if compared:
+                scores[i] = (-matched, total)
+        if not scores:
             return None
-        best = min(errors.values())
-        tied = [i for i, e in errors.items() if e <= best]
-        if len(tied) == 1 or len(rows) == q.shape[0]:
+        best = min(scores.values())
+        tied = [i for i, score in scores.items() if score == best]
+        q = weights["q_proj.weight"]
+        shape, rows, _ = self.samples[tied[0]]["q_proj.weight"]
+        if len(tied) == 1 or tuple(q.shape) != shape or len(rows) == q.shape[0]:
             return tied[0]
-        whole = np.asarray(q, np.float64)
-        return min(tied, key=lambda i: error(read_q_projection(self.folder, i), whole))
+        return min(tied, key=lambda i: float(errors(read_projection(self.folder, i, "q"), q).max()))
 
     def layer(self, i: int) -> Any:
         """Layer i's attention, imported now (an ImportResult)."""
@@ -174,7 +275,7 @@ class StatedConfig:
         self.config, self.weights = config, weights
         self.window = config.sliding_window or 0
 
-    def pair(self, q: np.ndarray) -> int:
+    def pair(self, weights: dict[str, np.ndarray]) -> int:
         return 0
 
     def layer(self, i: int) -> Any:
@@ -340,14 +441,26 @@ def _value(model: Any, name: str) -> Any:
     return next((v for node in model.graph for v in node.outputs if v.name == name), None)
 
 
-def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequence[str] | None = None,
-         boundary: bool | None = None) -> bytes:  # fmt: skip
+@dataclasses.dataclass
+class _Graph:
+    """The model under audit as each step reads it: its graph (onnx-ir, external data read as a block reaches it),
+    the structure blocks are cut from (onnx's Extractor over the graph without its data, typed once), the folder its
+    data lies in, and the shapes its own dims allow."""
+
+    model: Any
+    extractor: Any
+    base_dir: str
+    shapes: Shapes
+
+
+def _cut(graph: _Graph, block: Any, outputs: Sequence[str] | None = None, boundary: bool | None = None) -> bytes:
     """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its
     outputs read (onnx's Extractor over the whole graph, typed once), with only their own tensors' external data
     read (the graph has none); `outputs`: others than the block's own (its mask, read by running it)."""
     import onnx
     from onnx.external_data_helper import load_external_data_for_model
 
+    model, extractor = graph.model, graph.extractor
     outs = list(outputs) if outputs is not None else [block.outputs[k] for k in ("y", "present_key", "present_value")
                                                         if k in block.outputs]  # fmt: skip
     within = outputs is None if boundary is None else boundary  # at the block's boundary, or from the graph's inputs
@@ -364,8 +477,8 @@ def _cut(extractor: Any, model: Any, block: Any, base_dir: str, outputs: Sequenc
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
             value.type.tensor_type.shape.Clear()
-    check_cut_fits(cut, base_dir, f"block {block.index} ({block.node})")  # before its data is read
-    load_external_data_for_model(cut, base_dir)
+    check_cut_fits(cut, graph.base_dir, f"block {block.index} ({block.node})")  # before its data is read
+    load_external_data_for_model(cut, graph.base_dir)
     return cut.SerializeToString()
 
 
@@ -478,9 +591,11 @@ def audit_model(
     checkpoint: str | None = None,
     layers: Sequence[int] | None = None,
     backends: Sequence[str] = ("ort-cpu",),
+    strict: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> AuditReport:
-    """Audit every attention block of `model_path` (see the module's docstring)."""
+    """Audit every attention block of `model_path` (see the module's docstring). strict: a check the model cannot
+    run (a gap, AuditReport.gaps) fails the audit; without it, the gap is named and the verdict is what was run."""
     say = progress or (lambda _m: None)
     for name in backends:
         if name not in BACKENDS:
@@ -496,12 +611,12 @@ def audit_model(
         extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
     except onnx.shape_inference.InferenceError as e:
         raise UsageError(f"{model_path}: its shapes contradict each other: {_first_line(e)}") from None
-    base_dir = os.path.dirname(os.path.abspath(model_path))
+    graph = _Graph(model, extractor, os.path.dirname(os.path.abspath(model_path)), model_shapes(model))
     # a model attnx wrote states its config (attnx.config): the source each block is held to, as a checkpoint's
     # layer would be, with the graph's own weights (what `attnx parity --model` holds it to)
     stated = _stated_config(structure) if checkpoint is None else None
     source = CheckpointLayers(checkpoint) if checkpoint is not None else None
-    report = AuditReport(model_path, checkpoint, [], [])
+    report = AuditReport(model_path, checkpoint, [], [], strict=strict)
     seen = 0
     caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
     asked = set(layers) if layers is not None else None
@@ -517,14 +632,16 @@ def audit_model(
         say(f"block {block.index}: {block.node}")
         if stated is not None and block.weights is not None:
             source = StatedConfig(stated, block.weights)
-        report.blocks.append(_audit_block(extractor, model, base_dir, block, source, backends, report.skipped))
+        report.blocks.append(_audit_block(graph, block, source, backends, report.skipped, strict))
         block.weights = None  # one block's weights at a time
     if not seen and not report.unread:
         raise UsageError(f"{model_path}: no attention block found")
+    report.not_applicable = [line for line in graph.shapes.not_applicable()
+                             if caches or not line.startswith("decoding")]  # fmt: skip
     if isinstance(source, CheckpointLayers):
         _pairing_findings(report, source, whole=layers is None)
     if layers is None and seen and "ort-cpu" in backends:
-        _decode_whole(model_path, model, caches, report)
+        _decode_whole(model_path, graph, caches, report)
     missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
     if missing:
         raise UsageError(f"--layers {','.join(map(str, missing))}: the model has {seen} block(s) read"
@@ -549,23 +666,23 @@ def _pairing_findings(report: AuditReport, source: CheckpointLayers, whole: bool
                                "them")  # fmt: skip
 
 
-def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: Any, backends: Sequence[str],
-                 skipped: list[str]) -> BlockAudit:  # fmt: skip
+def _audit_block(graph: _Graph, block: Any, source: Any, backends: Sequence[str], skipped: list[str],
+                 strict: bool = False) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
     layer = None
     if source is not None:
         block.facts["window_hint"] = source.window
     if block.config is not None:
         try:
-            _read_computed_terms(extractor, model, block, base_dir)
+            _read_computed_terms(graph, block)
         except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
             block.unread = f"what the graph computes for it (its mask, its rotary tables) does not run: {_first_line(e)}"
     config, weights = block.config, block.weights
     imported = source is not None
     if source is not None:
-        layer = source.pair(block.weights["q_proj.weight"])
+        layer = source.pair(block.weights)
         if layer is None:
-            findings.append(f"block {block.index}: no checkpoint layer has its q projection's shape")
+            findings.append(f"block {block.index}: no checkpoint layer has a projection of its shapes")
         else:
             paired = source.layer(layer)  # this block's layer alone, dropped with the block's audit
             findings += _compare_terms(block, paired.config, paired.weights, layer, source.label)
@@ -574,13 +691,16 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
         config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
     terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
     audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
-                       "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer")  # fmt: skip
+                       "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer", strict=strict)  # fmt: skip
     # a table no theta fits (a scaled rope) is held to the source's rope instead (_compare_terms): read, with one
     rope_held = imported and "rope_tables" in block.facts and block.unread == f"rope {block.facts.get('rope')}"
     if block.unread and not rope_held:
-        not_checked.append(f"block {block.index}: {block.unread}")
-        if not imported:
+        if not imported:  # nothing to hold the block to: nothing is run
+            not_checked.append(f"block {block.index}: {block.unread}: not run without a checkpoint (give --checkpoint "
+                               "to hold it to its source's layer)")  # fmt: skip
             return audit
+        not_checked.append(f"block {block.index}: {block.unread}: the block is held to the checkpoint's layer by "
+                           "its numbers alone")  # fmt: skip
     level = block.quantization["accuracy_level"] if block.quantization is not None else None
     if level not in (None, 0, 1, 4):
         not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {level} (fp16/bf16 compute): its error "
@@ -592,11 +712,11 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
     if block.quantization is not None and imported:
         # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
         weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
-    shape = AUDIT_SHAPE
+    shapes = graph.shapes
     rng = np.random.Generator(np.random.PCG64(block.index))
-    x = rng.standard_normal((shape["batch"], shape["tokens"], config.d_model), dtype=np.float32)
+    x = rng.standard_normal((shapes.batch, shapes.tokens, config.d_model), dtype=np.float32)
     x = x.astype(_NP[block.dtype]).astype(np.float32)  # the values the block is fed, in its own dtype
-    positions = np.broadcast_to(np.arange(shape["tokens"], dtype=np.int64), x.shape[:2])
+    positions = np.broadcast_to(np.arange(shapes.tokens, dtype=np.int64), x.shape[:2])
     feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
     block_size = block.quantization["block_size"] if level == 4 else None
 
@@ -605,15 +725,15 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
 
     ref = reference(**feeds)
     size = problem_size(config, weights, feeds)
-    _compute_in_cut(model, block)
+    _compute_in_cut(graph.model, block)
     try:
-        cut = _cut(extractor, model, block, base_dir)
+        cut = _cut(graph, block)
     except UsageError:
         raise  # too large for this machine (check_cut_fits): said, exit 2
     except Exception as e:  # noqa: BLE001 - onnx's error types, on an untrusted graph
         not_checked.append(f"block {block.index}: it cannot be cut out of the graph: {_first_line(e)}")
         return audit
-    needs = _graph_inputs_needed(model, block, [block.outputs["y"]])
+    needs = _graph_inputs_needed(graph.model, block, [block.outputs["y"]])
     ran = False
     for backend in backends:
         try:
@@ -628,15 +748,15 @@ def _audit_block(extractor: Any, model: Any, base_dir: str, block: Any, source: 
         ran = True
         failed = len(audit.findings)
         _run_checks(functools.partial(_run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
-                    size, audit)  # fmt: skip
+                    size, audit, shapes)  # fmt: skip
         if len(audit.findings) > failed and not audit.localised:
-            audit.localised = _localise(extractor, model, block, base_dir, backend, needs, config, weights, feeds, size)
+            audit.localised = _localise(graph, block, backend, needs, config, weights, feeds, size)
     if not ran and not audit.findings:
         not_checked.append(f"block {block.index}: not run: no backend asked for ({', '.join(backends)}) runs here")
     return audit
 
 
-def _localise(extractor: Any, model: Any, block: Any, base_dir: str, backend: str, needs: Sequence[str],
+def _localise(graph: _Graph, block: Any, backend: str, needs: Sequence[str],
               config: AttentionConfig, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarray], size: Any) -> str:  # fmt: skip
     """The first stage of the formula (attnx.model.stages) where the block's full sequence leaves its bound: the
     stages the graph holds as tensors (the projections, their rotations, the heads' output, y) exposed in its cut and
@@ -646,11 +766,11 @@ def _localise(extractor: Any, model: Any, block: Any, base_dir: str, backend: st
     order = [s.name for s in STAGES if s.name in block.stages]
     names = list(dict.fromkeys(block.stages[s][0] for s in order))
     try:
-        run = _runner(backend, _cut(extractor, model, block, base_dir, outputs=names, boundary=True))
+        run = _runner(backend, _cut(graph, block, outputs=names, boundary=True))
         if isinstance(run, str):
             return f"block {block.index}: not localised: {run}"
         x = feeds["x"]
-        empty = np.zeros((x.shape[0], config.n_kv_heads, 0, config.head_dim), np.float32)
+        empty = _empty_cache(block, x.shape[0])
         values = dict(zip(names, _run_block(run, block, needs, x, 0, (empty, empty))))
     except Exception as e:  # noqa: BLE001 - the runtime's own error types
         return f"block {block.index}: not localised: the block with its stages exposed fails on {backend}: {_first_line(e)}"
@@ -684,16 +804,21 @@ def _stated_config(structure: Any) -> AttentionConfig | None:
     return config_from_metadata(metadata, "the model's attnx.config")
 
 
-def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int, int]], report: AuditReport) -> None:
+def _decode_whole(model_path: str, graph: _Graph, caches: dict[str, tuple[int, int, int]], report: AuditReport) -> None:
     """The whole model as exported, on ONNX Runtime's CPU: a prefill then single steps through its own cache (every
     present fed back as the next past), which fails in some exports though every block cut out alone runs (a
     buffer the runtime plans from the graph's dim labels). It only has to run: its numbers are the blocks'."""
     import onnxruntime as ort
 
+    model, shapes = graph.model, graph.shapes
     if not caches or "input_ids" not in {v.name for v in model.graph.inputs}:
         return  # nothing to decode, or a model that is its blocks (from a hidden state): each block says
-    size = sum(os.path.getsize(os.path.join(os.path.dirname(os.path.abspath(model_path)), f))
-               for f in os.listdir(os.path.dirname(os.path.abspath(model_path))))  # fmt: skip
+    if shapes.prefill is None:
+        if "cache" in shapes.fixed:
+            report.not_checked.append(f"the whole model's decoding: its cache is fixed ({shapes.fixed['cache']}), a "
+                                      "static cache the audit does not fill")  # fmt: skip
+        return  # a sequence fixed by its dims: not applicable (report.not_applicable says so)
+    size = sum(os.path.getsize(os.path.join(graph.base_dir, f)) for f in os.listdir(graph.base_dir))
     memory = available_memory_bytes()
     if memory is not None and size > memory // 2:
         report.not_checked.append(f"the whole model's decoding: its folder ({size / 2**30:.1f} GiB) is more than half "
@@ -717,15 +842,16 @@ def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int,
     types = {v.name: v.type for v in session.get_inputs()}
     np_of = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
     names = [o.name for o in session.get_outputs()]
-    prefill, steps = AUDIT_SHAPE["prefill"], AUDIT_SHAPE["tokens"] - AUDIT_SHAPE["prefill"]
-    past = {name: np.zeros((1, kv, capacity, hd), np_of.get(types.get(name, ""), np.float32))
+    batch, prefill, steps = shapes.batch, shapes.prefill, shapes.tokens - shapes.prefill
+    past = {name: np.zeros((batch, kv, capacity, hd), np_of.get(types.get(name, ""), np.float32))
             for name, (kv, capacity, hd) in caches.items()}  # fmt: skip
     presents = {name: "present" + name[len("past_key_values"):] if name.startswith("past_key_values") else None
                 for name in caches}  # fmt: skip
     done = 0
     for step, tokens in enumerate([prefill] + [1] * steps):
-        feeds = {"input_ids": np.ones((1, tokens), np.int64), "attention_mask": np.ones((1, done + tokens), np.int64),
-                 "position_ids": np.arange(done, done + tokens, dtype=np.int64)[None]}  # fmt: skip
+        feeds = {"input_ids": np.ones((batch, tokens), np.int64),
+                 "attention_mask": np.ones((batch, done + tokens), np.int64),
+                 "position_ids": np.broadcast_to(np.arange(done, done + tokens, dtype=np.int64), (batch, tokens))}  # fmt: skip
         feeds = {k: v for k, v in feeds.items() if k in types} | past
         what = f"the prefill of {prefill} tokens" if step == 0 else f"decoding step {step} (after {done} tokens)"
         try:
@@ -741,31 +867,36 @@ def _decode_whole(model_path: str, model: Any, caches: dict[str, tuple[int, int,
         done += tokens
 
 
-def _evaluate(extractor: Any, model: Any, block: Any, base_dir: str, names: Sequence[str], tokens: int) -> list[np.ndarray]:
+def _evaluate(graph: _Graph, block: Any, names: Sequence[str], tokens: int) -> list[np.ndarray]:
     """Tensors of the graph that the block's terms are computed from (its mask, its rotary tables), cut out with
-    what they read and run once on ONNX Runtime's CPU for one prompt of `tokens` tokens at positions 0.."""
+    what they read and run once on ONNX Runtime's CPU for one prompt of `tokens` tokens at positions 0.. (in each row
+    of a batch the model's dims fix)."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(_cut(extractor, model, block, base_dir, outputs=names),
-                                   providers=[PROVIDERS["cpu"].ort_name])  # fmt: skip
+    session = ort.InferenceSession(_cut(graph, block, outputs=names), providers=[PROVIDERS["cpu"].ort_name])
     dtype = _NP.get(block.dtype, np.float32)
+    batch = graph.shapes.batch if "batch" in graph.shapes.fixed else 1
     names = [v.name for v in session.get_inputs()]
     x = block.inputs.get("x")
-    feeds = {x: np.zeros((1, tokens, block.config.d_model), dtype)} if x in names else {}  # read for its shape
-    empty = np.zeros((1, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # every cache input: no past
-    feeds.update(_graph_feeds([n for n in names if n != x], np.ones((1, tokens), np.int64), 0, empty))
+    feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in names else {}  # read for its shape
+    empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # every cache input: no past
+    feeds.update(_graph_feeds([n for n in names if n != x], np.ones((batch, tokens), np.int64), 0, empty))
     return [np.asarray(a) for a in session.run(None, feeds)]
 
 
-def _read_computed_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> None:
+def _probe_tokens(graph: _Graph, wanted: int) -> int:
+    """The tokens a computed term is read at: `wanted`, or the sequence the model's dims fix."""
+    return graph.shapes.tokens if "sequence" in graph.shapes.fixed else wanted
+
+
+def _read_computed_terms(graph: _Graph, block: Any) -> None:
     """The terms of a block that the graph computes rather than states, read by running what computes them: its
     rotary tables (from position_ids) and its mask's (causal, a window)."""
     if "rope_tensors" in block.facts:
-        positions = AUDIT_SHAPE["rope_positions"]
+        positions = _probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
         names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
         try:
-            tables = [a.reshape(-1, a.shape[-1])[:positions] for a in
-                      _evaluate(extractor, model, block, base_dir, names, positions)]  # fmt: skip
+            tables = [a.reshape(-1, a.shape[-1])[:positions] for a in _evaluate(graph, block, names, positions)]
         except NotFed as e:
             block.unread = f"its rotary tables not read: {e}"
             return
@@ -780,22 +911,22 @@ def _read_computed_terms(extractor: Any, model: Any, block: Any, base_dir: str) 
             block.unread = f"rope {facts['rope']}"
     if block.mask is not None:
         try:
-            block.config = _read_mask_terms(extractor, model, block, base_dir)
+            block.config = _read_mask_terms(graph, block)
         except NotFed as e:
             block.unread = f"its mask {block.mask} not read: {e}"
 
 
-def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> AttentionConfig:
+def _read_mask_terms(graph: _Graph, block: Any) -> AttentionConfig:
     """The block's config with the terms of the mask the graph computes for its core (causal, a window), run for a
     full prompt past any window."""
     # past the widest window the graph or the source states (a wider one reads as none): GQA's local_window_size,
     # the checkpoint's sliding_window
     hint = max(block.facts.get("local_window_size", -1), block.facts.get("window_hint") or 0)
-    tokens = max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX))
+    tokens = _probe_tokens(graph, max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX)))
     masks = block.masks or [(block.mask, "additive" if block.core != "attention23" else "kept")]
     grid = np.arange(tokens)
     allowed = np.ones((tokens, tokens), bool)
-    for (name, how), mask in zip(masks, _evaluate(extractor, model, block, base_dir, [m for m, _ in masks], tokens)):
+    for (name, how), mask in zip(masks, _evaluate(graph, block, [m for m, _ in masks], tokens)):
         # a float mask is added to the scores (a large negative hides); a boolean one keeps where True (ONNX's
         # Attention, a Where(keep, scores, lowest)) or hides where True (a Where(hide, lowest, scores))
         kept = mask > MASKED if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
@@ -824,60 +955,73 @@ def _read_mask_terms(extractor: Any, model: Any, block: Any, base_dir: str) -> A
     return dataclasses.replace(block.config, **terms)
 
 
-def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],
-                feeds: dict[str, np.ndarray], ref: np.ndarray, reference: Callable[..., np.ndarray], size: Any,
-                audit: BlockAudit) -> None:  # fmt: skip
-    """The block on one backend: a full sequence, a padded batch (in the block's convention), a prefill and steps
-    through its cache; each check's failure to run is a finding of its own, naming the check and the runtime's
-    error."""
-    shape, x = AUDIT_SHAPE, feeds["x"]
-    batch, tokens = x.shape[:2]
+def _empty_cache(block: Any, batch: int) -> np.ndarray:
+    """A block's past before its first token: no position, or a window's worth where the window is kept in a ring
+    buffer (GroupQueryAttention's sliding_window_cache, whose past has the window's capacity)."""
     config = block.config
     capacity = config.sliding_window if block.facts.get("sliding_window_cache") else 0
-    empty = np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32)
+    return np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32)
+
+
+def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],
+                feeds: dict[str, np.ndarray], ref: np.ndarray, reference: Callable[..., np.ndarray], size: Any,
+                audit: BlockAudit, shapes: Shapes) -> None:  # fmt: skip
+    """The block on one backend at the shapes its model allows: a full sequence, a padded batch (in the block's
+    convention), a prefill and steps through its cache. A check that fails to run is a finding naming the check and
+    the runtime's error, except where the runtime refuses that input by its operator's own rule (a padded batch with
+    a ring-buffer window): a gap, named with what the model then cannot serve."""
+    x = feeds["x"]
+    batch, tokens = x.shape[:2]
+    empty = _empty_cache(block, batch)
     tol = tolerance_for(block.dtype)
     label = f"{backend}: " if backend != "ort-cpu" else ""
-    short = tokens - shape["padding"]
-    gqa = block.core == "gqa"
-    right = gqa or block.padding == "right"
+    short = tokens - shapes.padding
+    right = block.core == "gqa" or block.padding == "right"
 
     def full() -> tuple[np.ndarray, np.ndarray]:
         return run(x, 0, (empty, empty))[0], ref
 
     def padded() -> tuple[np.ndarray, np.ndarray]:
-        row = {k: v[1:, :short] for k, v in feeds.items()}
-        if right:  # right padding: each row's length in seqlens_k (GroupQueryAttention's rule) or its mask
-            y = run(x, 0, (empty, empty), lengths=np.array([tokens, short]))[0]
-            mine = y[1:, :short]
-        else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
-            shifted = np.concatenate([np.zeros_like(x[1:, : tokens - short]), x[1:, :short]], axis=1)
-            y = run(np.concatenate([x[0:1], shifted]), 0, (empty, empty), left=np.array([0, tokens - short]))[0]
-            mine = y[1:, tokens - short :]
-        # each row at its own tokens' positions (the shorter row's padding left out of both sides)
+        # the last row `padding` tokens shorter, the others whole; each row at its own tokens' positions (the short
+        # row's padding left out of both sides)
         fill = np.zeros((1, tokens - short, ref.shape[-1]))
-        theirs = np.concatenate([reference(**row), fill], axis=1)
+        last = np.concatenate([reference(**{k: v[-1:, :short] for k, v in feeds.items()}), fill], axis=1)
+        expected = np.concatenate([ref[:-1], last])
+        lengths = np.array([tokens] * (batch - 1) + [short])
+        if right:  # right padding: each row's length in seqlens_k (GroupQueryAttention's rule) or its mask
+            y = run(x, 0, (empty, empty), lengths=lengths)[0]
+            mine = y[-1:, :short]
+        else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
+            shifted = np.concatenate([np.zeros_like(x[-1:, : tokens - short]), x[-1:, :short]], axis=1)
+            y = run(np.concatenate([x[:-1], shifted]), 0, (empty, empty), left=tokens - lengths)[0]
+            mine = y[-1:, tokens - short :]
         if y.shape != ref.shape:  # an output of another shape: the comparison says so
-            return y, np.concatenate([ref[0:1], theirs])
-        return np.concatenate([y[0:1], np.concatenate([mine, fill], axis=1)]), np.concatenate([ref[0:1], theirs])
+            return y, expected
+        return np.concatenate([y[:-1], np.concatenate([mine, fill], axis=1)]), expected
 
     def decode() -> tuple[np.ndarray, np.ndarray]:
         # the model's own cache: what the block returns as present is the next step's past (a window kept in
         # a ring buffer, sliding_window_cache, returns its buffer of the window's capacity)
-        y, pk, pv = run(x[:, : shape["prefill"]], 0, (empty, empty))
+        y, pk, pv = run(x[:, : shapes.prefill], 0, (empty, empty))
         steps = [y]
-        for t in range(shape["prefill"], tokens):
+        for t in range(shapes.prefill, tokens):
             y, pk, pv = run(x[:, t : t + 1], t, (pk, pv))
             steps.append(y)
         return np.concatenate(steps, axis=1), ref
 
-    # what the block's inputs allow: a padded batch where it reads each row's length (seqlens_k, attention_mask),
-    # decoding where it has a cache
+    # what the block's inputs and the model's dims allow: a padded batch where it reads each row's length
+    # (seqlens_k, attention_mask) and two rows fit, decoding where it has a cache and single steps fit
     plan = [(f"{label}full sequence ({tokens} tokens)", full)]
-    if "seqlens_k" in block.inputs or "mask_index" in block.inputs or {"attention_mask", "key_padding_mask"} & set(needs):
-        padding = "right" if right else "left"
-        plan.append((f"{label}padded batch (rows of {tokens} and {short} tokens, {padding}-padded)", padded))
-    if "past_key" in block.inputs:
-        plan.append((f"{label}prefill {shape['prefill']} + {tokens - shape['prefill']} steps", decode))
+    lengths_read = "seqlens_k" in block.inputs or "mask_index" in block.inputs or \
+        bool({"attention_mask", "key_padding_mask"} & set(needs))  # fmt: skip
+    if lengths_read and shapes.padded:
+        rows = f"{batch - 1} row(s) of {tokens} and one of {short}" if batch > 2 else f"rows of {tokens} and {short}"
+        plan.append((f"{label}padded batch ({rows} tokens, {'right' if right else 'left'}-padded)", padded))
+    if "past_key" in block.inputs and shapes.prefill is not None:
+        plan.append((f"{label}prefill {shapes.prefill} + {tokens - shapes.prefill} steps", decode))
+    elif "past_key" in block.inputs and "cache" in shapes.fixed:
+        audit.not_checked.append(f"block {block.index}: {label}decoding: its cache is fixed ({shapes.fixed['cache']}), "
+                                 "a static cache the audit does not fill")  # fmt: skip
     for name, check in plan:
         try:
             out, expected = check()
@@ -887,8 +1031,9 @@ def _run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, 
         except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
             if check is padded and block.facts.get("sliding_window_cache"):
                 # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
-                audit.not_checked.append(f"block {block.index}: {name}, which {backend} refuses with a "
-                                         f"sliding_window_cache: {_first_line(e)}")  # fmt: skip
+                audit.not_checked.append(f"block {block.index}: {name}: {backend} refuses it with a "
+                                         f"sliding_window_cache ({_first_line(e)}): on {backend} this model cannot "
+                                         "serve prompts of different lengths in one batch")  # fmt: skip
             else:
                 audit.findings.append(f"block {block.index}: {name}: {block.node} fails to run as exported: "
                                       f"{_first_line(e)}")  # fmt: skip
@@ -946,6 +1091,7 @@ def _first_line(e: BaseException) -> str:
     text = " ".join(lines)
     node = re.search(r"running (\w+) node\. Name:'([^']*)'", text)
     message = text.rsplit(" : ", 1)[-1]
+    message = message.split("Status Message: ", 1)[-1] if node else message  # the node is named once, before it
     return (f"node {node.group(2)} ({node.group(1)}): " if node else "") + message[:300]
 
 

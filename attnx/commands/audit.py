@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from attnx._io import check_output_file, not_a_file, write_json_atomic
 from attnx.commands import COMMANDS
@@ -24,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where each block runs: ort-cpu, openvino, ort-cuda (default ort-cpu); one asked for that "
                         "cannot load or run a block is a finding, one unavailable on this machine a skip")  # fmt: skip
     p.add_argument("--layers", default=None, metavar="I,J,...", help="audit these blocks only (graph order, from 0)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 1) on any check that could not run (a 'not checked' line) as well; without it "
+                        "the verdict is what was run: exit 0 when every block was read and every check run passed")  # fmt: skip
     p.add_argument("--json", dest="json_out", metavar="OUT.json", default=None, help="write the report as JSON")
     p.set_defaults(run=run)
 
@@ -47,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         check_output_file(args.json_out, "--json")
     report = audit_model(args.model, checkpoint=args.checkpoint, layers=_layers(args.layers), backends=args.backends,
-                         progress=lambda m: print(f"auditing {m}", file=sys.stderr))  # fmt: skip
+                         strict=args.strict, progress=lambda m: print(f"auditing {m}", file=sys.stderr))  # fmt: skip
     for block in report.blocks:
         print(block.line())
         for line in block.findings:
@@ -60,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"finding: {line}")
     for line in report.not_checked:
         print(f"not checked: {line}")
+    for line in report.not_applicable:
+        print(f"not applicable: {line}")
     for line in report.unread:
         print(f"not read: {line}")
     for line in report.others:
@@ -68,7 +74,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped: {line}")
     if args.json_out:
         write_json_atomic(args.json_out, report.to_dict())
-    n = len(report.blocks)
-    print(f"audit {'PASSED' if report.passed else 'FAILED'}: {sum(b.passed for b in report.blocks)} of {n} block(s) "
-          f"pass{f', {len(report.unread)} not read' if report.unread else ''}")  # fmt: skip
+    print(verdict(report))
     return 0 if report.passed else 1
+
+
+def verdict(report: Any) -> str:
+    """The last line: what was proven, and the checks that could not run (which fail it under --strict)."""
+    n, gaps = len(report.blocks), len(report.gaps)
+    line = (f"audit {'PASSED' if report.passed else 'FAILED'}{' (--strict)' if report.strict and gaps else ''}: "
+            f"{sum(b.passed for b in report.blocks)} of {n} block(s) pass"
+            f"{f', {len(report.unread)} not read' if report.unread else ''}")  # fmt: skip
+    if gaps:
+        line += (f"; {gaps} check(s) could not run (the 'not checked' lines)"
+                 + ("" if report.strict else ", which --strict fails on"))  # fmt: skip
+    return line

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from attnx.cli import main
 from attnx.errors import UsageError, WeightsError
 from attnx.model import load_config, load_weights
-from attnx.model.importers import ARCHITECTURES, import_weights, read_q_projection
+from attnx.model.importers import ARCHITECTURES, import_weights, read_projection
 
 rng = np.random.default_rng(7)
 
@@ -173,21 +173,28 @@ def test_the_table_declares_every_family_the_readme_lists():
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "qwen3"])
-def test_read_q_projection_reads_the_q_tensor_alone_as_the_import_gives_it(family, monkeypatch):
-    """A rotary decoder's q projection read by itself (Phi-3's: the q rows of its fused q|k|v), equal to the
-    import's; a BERT checkpoint's through the import of its layer."""
+def test_read_projection_reads_one_tensor_alone_as_the_import_gives_it(family, monkeypatch):
+    """A rotary decoder's projection read by itself (Phi-3's q, k, v: their rows of its fused q|k|v), equal to the
+    import's, and of it only the rows asked for; a BERT checkpoint's through the import of its layer."""
     from attnx.model import importers
 
     folder = os.path.join(os.path.dirname(__file__), "..", "fixtures", "genai", family, "checkpoint")
     read: list[str] = []
     real = importers._read
     monkeypatch.setattr(importers, "_read", lambda path, name, *a: (read.append(name), real(path, name, *a))[1])
-    q = read_q_projection(folder, 1)
-    assert read == [f"model.layers.1.self_attn.{'qkv' if family == 'phi3' else 'q'}_proj.weight"]
-    assert np.array_equal(q, import_weights(folder, layer=1).weights["q_proj.weight"])
+    weights = import_weights(folder, layer=1).weights
+    for role, name in importers.PROJECTIONS.items():
+        read.clear()
+        weight = read_projection(folder, 1, role)
+        tensor = "qkv" if family == "phi3" and role != "o" else role
+        assert read == [f"model.layers.1.self_attn.{tensor}_proj.weight"]
+        assert np.array_equal(weight, weights[name])
+        assert np.array_equal(read_projection(folder, 1, role, rows=[5, 0, 9]), weights[name][[5, 0, 9]])
 
 
-def test_read_q_projection_of_another_architecture_imports_its_layer(tmp_path):
+def test_read_projection_of_another_architecture_imports_its_layer(tmp_path):
     folder = _checkpoint(tmp_path / "bert", BERT, _bert_tensors())
-    assert np.array_equal(read_q_projection(folder, 1), import_weights(folder, layer=1).weights["q_proj.weight"])
+    weights = import_weights(folder, layer=1).weights
+    assert np.array_equal(read_projection(folder, 1, "q"), weights["q_proj.weight"])
+    assert np.array_equal(read_projection(folder, 1, "o", rows=[3, 1]), weights["out_proj.weight"][[3, 1]])
 
