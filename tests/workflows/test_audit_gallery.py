@@ -1,0 +1,75 @@
+"""The planted-fault gallery (tests/workflows/_gallery.py): on every clean model another tool exported, each fault
+that applies is planted in one layer and `attnx audit --checkpoint` finds it in that layer and in no other: the
+other blocks pass, and nothing is said of the whole model."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from attnx.workflows._audit import audit_model
+from tests.workflows import _gallery
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+GENAI = FIXTURES / "genai"
+EXPORTED = FIXTURES / "exported"
+
+
+def _exported(fixture: str) -> tuple[str, str]:
+    folder = EXPORTED / fixture
+    return str(folder / "model.onnx"), str((folder / json.loads((folder / "fixture.json").read_text())["checkpoint"]).resolve())
+
+
+# (model, its checkpoint): the clean models of both fixture sets
+MODELS = {
+    **{m: (str(GENAI / m / "model.onnx"), str(GENAI / m.split("/")[0] / "checkpoint"))
+       for m in ["llama/fp32", "qwen2/fp32", "qwen3/fp32", "phi3/fp32", "gemma2/fp32", "gpt-oss/fp32", "llama/int4",
+                 "qwen3/int4-acc1", "llama/fp16"]},
+    **{f: _exported(f) for f in ["torch-dynamo/llama/sdpa-opset20", "torch-dynamo/llama/eager-opset20",
+                                 "torch-dynamo/llama/sdpa-opset23", "torch-dynamo/qwen3/sdpa-opset20",
+                                 "torch-dynamo/gemma2/eager-opset20", "optimum/llama"]},
+}  # fmt: skip
+
+
+def _cases():
+    for name, (path, checkpoint) in MODELS.items():
+        model = _gallery.Model.read(path, checkpoint)
+        for fault in _gallery.FAULTS:
+            if _gallery.applies(fault, model):
+                yield pytest.param(name, fault, id=f"{name}:{fault}")
+
+
+@functools.cache
+def _layers(checkpoint: str) -> list:
+    return _gallery.checkpoint_layers(checkpoint)
+
+
+@functools.cache
+def _clean(model: str) -> tuple[str, ...]:
+    """What the audit says of the clean model as a whole (the builder's fp16 model fails its first decoding step)."""
+    path, checkpoint = MODELS[model]
+    return tuple(audit_model(path, checkpoint=checkpoint).findings)
+
+
+@pytest.mark.parametrize(("model", "fault"), list(_cases()))
+def test_a_planted_fault_is_found_in_its_own_layer_and_no_other(tmp_path, model, fault):
+    path, checkpoint = MODELS[model]
+    layers = _layers(checkpoint)
+    layer = len(layers) // 2
+    proto = onnx.load(path)
+    finding = _gallery.FAULTS[fault](proto, layer, layers)
+    assert finding is not None, f"{fault} could not be planted in {model}"
+    out = tmp_path / "model.onnx"
+    external = (Path(path).parent / "model.onnx.data").exists()  # as the tool wrote it: one file, or with its data
+    onnx.save(proto, str(out), save_as_external_data=external, location="model.onnx.data")
+    report = audit_model(str(out), checkpoint=checkpoint)
+    [block] = [b for b in report.blocks if b.layer == layer]
+    assert any(f.startswith(finding) for f in block.findings), block.findings
+    elsewhere = {b.index: b.findings + b.not_checked for b in report.blocks if b is not block and not b.passed}
+    whole = [f for f in report.findings if f not in _clean(model)]
+    assert not elsewhere and not whole and not report.unread, (elsewhere, whole, report.unread)
+    assert not report.passed
