@@ -223,12 +223,15 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     rope = None
     if facts.pop("rope_interleaved", None) is not None:
         cos, sin = const_array(inputs[7]), const_array(inputs[8])
-        if cos is None or sin is None:
-            raise NotRead("do_rotary with cos/sin caches that are not constants")
         facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
-        rope, rope_facts = rope_of_table(cos, sin, facts["rotary_interleaved"])
-        facts.update(rope_facts)
-        facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
+        if cos is None or sin is None:  # caches the graph computes (the builder's longrope: an If on the length)
+            if inputs[7] is None or inputs[8] is None:
+                raise NotRead("do_rotary without cos/sin caches")
+            facts["rope_tensors"] = (inputs[7].name, inputs[8].name)
+        else:
+            rope, rope_facts = rope_of_table(cos, sin, facts["rotary_interleaved"])
+            facts.update(rope_facts)
+            facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
     elif paths:  # a RotaryEmbedding of its own before the core (as attnx writes it)
         rope = _rotary_of(paths, facts, block)
     sinks = None

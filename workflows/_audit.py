@@ -54,6 +54,9 @@ __all__ = ["AuditReport", "BlockAudit", "CheckpointLayers", "audit_model", "AUDI
 MASKED = -1000.0
 # the longest prompt a computed mask is read at (a [tokens, tokens] grid): windows up to it are read
 MASK_PROBE_MAX = 8194
+# the longest prompt a computed rotary table is read at (a [tokens, dim/2] table): a source's original length past it
+# is not probed
+ROPE_PROBE_MAX = 65537
 AUDIT_SHAPE = {"tokens": 12, "prefill": 9, "steps": 3, "batch": 2, "padding": 3, "rope_positions": 128}
 
 
@@ -213,6 +216,7 @@ class CheckpointLayers:
     def __init__(self, folder: str) -> None:
         hf = read_checkpoint_config(folder)
         self.window = int(hf.get("sliding_window") or 0)  # how far a computed mask is read (_read_mask_terms)
+        self.rope_original = _original_length(hf)  # where a computed rotary table is read (_read_computed_terms)
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         self.folder = folder
         # layer -> attnx's weight name -> (the projection's shape, the rows sampled, their values)
@@ -265,6 +269,18 @@ class CheckpointLayers:
         return import_weights(self.folder, layer=i)
 
 
+def _original_length(hf: dict[str, Any]) -> int:
+    """A checkpoint's original_max_position_embeddings, wherever its config.json keeps it (top level, rope_scaling,
+    rope_parameters, or rope_parameters per layer type), or 0."""
+    found = [hf.get("original_max_position_embeddings")]
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key)
+        if isinstance(params, dict):
+            found += [params.get("original_max_position_embeddings")]
+            found += [p.get("original_max_position_embeddings") for p in params.values() if isinstance(p, dict)]
+    return max((int(v) for v in found if isinstance(v, int) and not isinstance(v, bool)), default=0)
+
+
 class StatedConfig:
     """The source of a model attnx wrote: the config its metadata states (attnx.config), with the block's own
     weights (one block), in CheckpointLayers' interface."""
@@ -274,6 +290,8 @@ class StatedConfig:
     def __init__(self, config: AttentionConfig, weights: dict[str, np.ndarray]) -> None:
         self.config, self.weights = config, weights
         self.window = config.sliding_window or 0
+        scaling = config.rope.scaling.to_dict() if config.rope is not None and config.rope.scaling else {}
+        self.rope_original = int(scaling.get("original_max_position_embeddings") or 0)
 
     def pair(self, weights: dict[str, np.ndarray]) -> int:
         return 0
@@ -319,17 +337,21 @@ def _compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nd
         if tables is None:
             found.append(f"{where}: no rotary in the graph, rope in {source}")
         else:
-            cos, sin = tables
-            inv_freq, factor = rope_frequencies(config.rope, cos.shape[0])
-            err, ratio = (rope_table_error(cos, sin, inv_freq, factor) if cos.shape[1] == inv_freq.shape[0]
-                          else (float("nan"), float("inf")))  # fmt: skip
-            if cos.shape[1] != inv_freq.shape[0]:
-                found.append(f"{where}: rotary on {2 * cos.shape[1]} of each head's dims in the graph, "
-                             f"{2 * inv_freq.shape[0]} in {source}")  # fmt: skip
-            elif ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
-                found.append(f"{where}: rotary table differs from {source}'s rope ({config.rope.rope_type}, "
-                             f"theta {config.rope.theta:g}) by {err:.3g}, {ratio:.3g} times its bound (graph theta "
-                             f"fit {facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
+            # a table the graph computes, read at each prompt length (its rows for that call); a constant one,
+            # whatever the length: its rows are the positions
+            at = facts.get("rope_tables_at") or {tables[0].shape[0]: tables}
+            for tokens, (cos, sin) in sorted(at.items()):
+                inv_freq, factor = rope_frequencies(config.rope, tokens)
+                if cos.shape[1] != inv_freq.shape[0]:
+                    found.append(f"{where}: rotary on {2 * cos.shape[1]} of each head's dims in the graph, "
+                                 f"{2 * inv_freq.shape[0]} in {source}")  # fmt: skip
+                    break
+                err, ratio = rope_table_error(cos, sin, inv_freq, factor)
+                if ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
+                    prompt = f" for a prompt of {tokens} tokens" if "rope_tables_at" in facts else ""
+                    found.append(f"{where}: rotary table{prompt} differs from {source}'s rope ({config.rope.rope_type}, "
+                                 f"theta {config.rope.theta:g}) by {err:.3g}, {ratio:.3g} times its bound (graph theta "
+                                 f"fit {facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
             if block.facts.get("rotary_interleaved") != config.rope.interleaved:
                 found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
                              f"{source}'s rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
@@ -671,7 +693,7 @@ def _audit_block(graph: _Graph, block: Any, source: Any, backends: Sequence[str]
     findings, not_checked, checks = [], [], []
     layer = None
     if source is not None:
-        block.facts["window_hint"] = source.window
+        block.facts["window_hint"], block.facts["rope_hint"] = source.window, source.rope_original
     if block.config is not None:
         try:
             _read_computed_terms(graph, block)
@@ -895,17 +917,26 @@ def _read_computed_terms(graph: _Graph, block: Any) -> None:
     if "rope_tensors" in block.facts:
         positions = _probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
         names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
-        try:
-            tables = [a.reshape(-1, a.shape[-1])[:positions] for a in _evaluate(graph, block, names, positions)]
-        except NotFed as e:
-            block.unread = f"its rotary tables not read: {e}"
-            return
-        cos, sin = half_table(*tables[:2])
-        if len(tables) == 4 and not all(np.array_equal(a, b) for a, b in zip(half_table(*tables[2:]), (cos, sin))):
-            block.unread = "q and k rotated by different tables"
-            return
+        # at the probe's length, and on each side of the source's original length, where a rope that switches on
+        # the prompt's length (longrope's short and long factors) changes tables
+        original = block.facts.get("rope_hint") or 0
+        lengths = dict.fromkeys(_probe_tokens(graph, n) for n in (positions, original, original + 1)
+                                if 0 < n <= ROPE_PROBE_MAX)  # fmt: skip
+        at = {}
+        for tokens in lengths:
+            try:
+                tables = [a.reshape(-1, a.shape[-1])[: max(tokens, positions)]
+                          for a in _evaluate(graph, block, names, tokens)]  # fmt: skip
+            except NotFed as e:
+                block.unread = f"its rotary tables not read: {e}"
+                return
+            at[tokens] = half_table(*tables[:2])
+            if len(tables) == 4 and not all(np.array_equal(a, b) for a, b in zip(half_table(*tables[2:]), at[tokens])):
+                block.unread = "q and k rotated by different tables"
+                return
+        cos, sin = at[positions]
         rope, facts = rope_of_table(cos, sin, block.facts["rotary_interleaved"])
-        block.facts.update(facts, rope_tables=(cos, sin))
+        block.facts.update(facts, rope_tables=(cos, sin), rope_tables_at=at)
         block.config = dataclasses.replace(block.config, rope=rope)
         if rope is None:
             block.unread = f"rope {facts['rope']}"
