@@ -920,8 +920,8 @@ def _read_computed_terms(graph: _Graph, block: Any) -> None:
         # at the probe's length, and on each side of the source's original length, where a rope that switches on
         # the prompt's length (longrope's short and long factors) changes tables
         original = block.facts.get("rope_hint") or 0
-        lengths = dict.fromkeys(_probe_tokens(graph, n) for n in (positions, original, original + 1)
-                                if 0 < n <= ROPE_PROBE_MAX)  # fmt: skip
+        wanted = (positions, original, original + 1) if original else (positions,)
+        lengths = dict.fromkeys(_probe_tokens(graph, n) for n in wanted if n <= ROPE_PROBE_MAX)
         at = {}
         for tokens in lengths:
             try:
