@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._read import CORE_READERS, _core_of_node, _is, _projection, _strip_layout
+from attnx.export._read import CORE_READERS, _core_of_node, _is, _projection, _strip_layout, last_axis_slice
 from attnx.export.passes._base import const_array
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
@@ -90,7 +90,7 @@ def _projection_node(value: ir.Value) -> ir.Node:
     node = value.producer()
     if _is(node, "Add"):
         node = next((i.producer() for i in node.inputs if i is not None and const_array(i) is None), None)
-    if _is(node, "Split"):
+    if _is(node, "Split") or (_is(node, "Slice") and last_axis_slice(node) is not None):
         return _projection_node(node.inputs[0])
     if _is(node, "MatMul") or _is(node, "MatMulNBits", (MS_DOMAIN,)):
         return node
@@ -605,6 +605,9 @@ def _find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, _Path]
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        if _is(node, "Slice") and last_axis_slice(node) is not None and _projection(node.outputs[0]) is not None:
+            found = found or node.outputs[0]  # a packed projection's columns (q | k | v in one MatMul)
+            continue
         if _is_projection(node):
             if found is None:
                 out = node.outputs[0]

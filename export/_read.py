@@ -91,6 +91,12 @@ def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
         w, b = packed
         cols = slice(start, start + int(sizes[index]))
         return w[:, cols], (b[cols] if b is not None else bias)
+    if _is(node, "Slice") and (cols := last_axis_slice(node)) is not None:  # a packed MatMul's columns
+        packed = _projection(node.inputs[0])
+        if packed is None:
+            return None
+        w, b = packed
+        return w[:, cols], (b[cols] if b is not None else bias)
     if _is(node, "Mul"):  # int8's row rescale: DynamicQuantizeMatMul(x / r, ...) * r
         inner = next((i.producer() for i in node.inputs if i is not None and i.producer() is not None
                       and i.producer().op_type == "DynamicQuantizeMatMul"), None)  # fmt: skip
@@ -102,6 +108,20 @@ def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
         return None
     w = const_array(node.inputs[1])
     return (w, bias) if w is not None and w.ndim == 2 else None
+
+
+def last_axis_slice(node: ir.Node) -> slice | None:
+    """The columns a Slice takes on its input's last axis (constant starts, ends and axes, step 1), or None."""
+    starts, ends = (const_array(node.inputs[i]) if len(node.inputs) > i else None for i in (1, 2))
+    axes = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
+    if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 or axes.size != 1:
+        return None
+    if (steps is not None and int(steps.ravel()[0]) != 1) or int(axes.ravel()[0]) not in (-1, (rank or 0) - 1):
+        return None
+    start, end = int(starts.ravel()[0]), int(ends.ravel()[0])
+    return slice(start, end) if 0 <= start < end else None
 
 
 def _past_cache(value: ir.Value) -> ir.Value:
