@@ -1,5 +1,5 @@
-"""The planted-fault gallery (tests/workflows/_gallery.py): on every clean model another tool exported, each fault
-that applies is planted in one layer and `attnx audit --checkpoint` finds it in that layer and in no other: the
+"""The planted-fault gallery (tests/workflows/_gallery.py): on every clean model another tool exported (both fixture
+sets), each fault that applies is planted in one layer and `attnx audit --checkpoint` finds it in that layer and in no other: the
 other blocks pass, and nothing is said of the whole model."""
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ MODELS = {
                                  "torch-dynamo/llama/sdpa-opset23", "torch-dynamo/qwen3/sdpa-opset20",
                                  "torch-dynamo/gemma2/eager-opset20", "optimum/llama"]},
 }  # fmt: skip
+UNSEEN = FIXTURES / "unseen"  # the second set: other shapes in every source (tests/fixtures/unseen/models.json)
+MODELS.update({f"unseen/{m['path'].removesuffix('/model.onnx')}": (str(UNSEEN / m["path"]), str(UNSEEN / m["checkpoint"]))
+               for m in json.loads((UNSEEN / "models.json").read_text()) if m["agrees"]})  # fmt: skip
 
 
 def _cases():
