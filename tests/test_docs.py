@@ -1,6 +1,7 @@
 """The docs (README.md and docs/**.md) as a reader uses them: every python and bash block runs as written, or
 is marked as not meant to run (its first line `# not run: REASON`; docs/about.md, "Code blocks"); and the
-generated reference pages (docs/_gen/hooks.py) hold what the code holds."""
+generated reference pages (docs/_gen/hooks.py) hold what the code holds; and the site builds as .ci/run builds it,
+strict, every warning counted."""
 
 from __future__ import annotations
 
@@ -135,6 +136,67 @@ def test_the_capability_page_is_the_registrys(hooks):
     for name, table in GENERATED_TABLES.items():
         assert f"<!-- generated: {name} -->\n{table()}\n<!-- end generated -->" in hooks.capabilities_page(source)
     assert update_markdown(source) == source, "the page's tables differ from the registry: run update_markdown"
+
+
+# --- the site, built as .ci/run builds it -------------------------------------------------------
+
+
+def ci_mkdocs_args() -> list[str]:
+    """The arguments .ci/run gives `mkdocs build`, without the site folder (the build a warning must fail)."""
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        (line,) = [ln for ln in f if re.search(r"/mkdocs\" build ", ln)]
+    args = line.split('/mkdocs" build ', 1)[1].split()
+    at = args.index("--site-dir")
+    return args[:at] + args[at + 2 :]
+
+
+def mkdocs_build(config: str, site: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    mkdocs = os.path.join(os.path.dirname(sys.executable), "mkdocs")
+    return subprocess.run([mkdocs, "build", *ci_mkdocs_args(), "--config-file", config, "--site-dir", site],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_the_ci_build_fails_on_a_page_left_out_of_the_nav(tmp_path):
+    """.ci/run's build, with this site's validation settings, on a two-page site that leaves one page out of
+    its nav: the build fails (strict mode counts the warning; --quiet would hide it, and the build pass),
+    and passes once the page is in the nav."""
+    import yaml
+
+    assert "--strict" in ci_mkdocs_args()
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        validation = yaml.safe_load(f)["validation"]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Home\n")
+    (tmp_path / "docs" / "left-out.md").write_text("# Left out\n")
+    for nav, fails in ((["index.md"], True), (["index.md", "left-out.md"], False)):
+        config = tmp_path / "mkdocs.yml"
+        config.write_text(yaml.safe_dump({"site_name": "t", "docs_dir": str(tmp_path / "docs"), "nav": nav,
+                                          "validation": validation}))  # fmt: skip
+        r = mkdocs_build(str(config), str(tmp_path / "site"))
+        assert (r.returncode != 0) == fails, (nav, r.returncode, r.stderr[-2000:])
+        if fails:
+            assert "left-out.md" in r.stderr and 'not included in the "nav"' in r.stderr, r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> str:
+    """The built site: the one .ci/run built before the tests (ATTNX_DOCS_SITE), else built here the same way
+    (about 5 s); either way `mkdocs build --strict` passed, every warning counted."""
+    built = os.environ.get("ATTNX_DOCS_SITE")
+    if built:
+        assert os.path.exists(os.path.join(built, "index.html")), built
+        return built
+    folder = str(tmp_path_factory.mktemp("site"))
+    r = mkdocs_build(os.path.join(ROOT, "mkdocs.yml"), folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return folder
+
+
+def test_the_site_builds_strict(site):
+    for page in ("index.html", "getting-started/index.html", "reference/cli/index.html",
+                 "measurements/audit_scale/index.html"):  # fmt: skip
+        assert os.path.exists(os.path.join(site, page)), page
 
 
 def test_the_api_page_names_every_public_name(hooks):
