@@ -1,7 +1,7 @@
 """The docs (README.md and docs/**.md) as a reader uses them: every python and bash block runs as written, or
-is marked as not meant to run (its first line `# not run: REASON`; docs/about.md, "Code blocks"); and the
-generated reference pages (docs/_gen/hooks.py) hold what the code holds; and the site builds as .ci/run builds it,
-strict, every warning counted."""
+is marked as not meant to run (an HTML comment `<!-- not run: REASON -->` on the line before its fence, which
+neither the site nor GitHub shows; docs/about.md, "Code blocks"); the generated reference pages (docs/_gen/hooks.py)
+hold what the code holds; and the site builds as .ci/run builds it, strict, every warning counted."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
                                                                          recursive=True))]  # fmt: skip
 RUN = ("python", "bash")  # the languages whose blocks run
 SHOWN = ("text", "json", "yaml", "toml")  # the languages shown and never run
-NOT_RUN = re.compile(r"# not run: (\S.*)")
+# The mark of a block not meant to run: the line right before its fence, a comment no reader sees.
+NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->")
+MARK_START = "<!-- not run"  # a line that starts so is a mark, complete or not
 # A fence at the start of a line: ``` and its info string (the language first), up to the closing ```.
 FENCE = re.compile(r"^```([^`\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 # README.md's first block holds the two commands (install, build and verify; bash .ci/run): the main job is run by
@@ -32,17 +34,21 @@ def read(page: str) -> str:
         return f.read()
 
 
-def blocks(page: str) -> list[tuple[str, str, int]]:
-    """(language, body, line) of every fenced block of a page."""
+def blocks(page: str) -> list[tuple[str, str, int, str]]:
+    """(language, body, line, mark) of every fenced block of a page; mark is the line before its fence."""
     text = read(page)
-    return [(m.group(1).split()[0] if m.group(1).strip() else "", m.group(2), text.count("\n", 0, m.start()) + 1)
-            for m in FENCE.finditer(text)]  # fmt: skip
+    found = []
+    for m in FENCE.finditer(text):
+        before = text[: max(m.start() - 1, 0)].rsplit("\n", 1)[-1]  # the line before the fence's
+        lang = m.group(1).split()[0] if m.group(1).strip() else ""
+        found.append((lang, m.group(2), text.count("\n", 0, m.start()) + 1, before))
+    return found
 
 
 def runnable(page: str) -> list[tuple[str, str, int]]:
     """The blocks of a page the tests run, in order."""
-    return [(lang, body, line) for lang, body, line in blocks(page)
-            if lang in RUN and not NOT_RUN.match(body.split("\n", 1)[0]) and TWO_COMMANDS not in body]  # fmt: skip
+    return [(lang, body, line) for lang, body, line, mark in blocks(page)
+            if lang in RUN and not mark.startswith(MARK_START) and TWO_COMMANDS not in body]  # fmt: skip
 
 
 def test_the_docs_have_pages():
@@ -52,15 +58,24 @@ def test_the_docs_have_pages():
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_block_runs_or_is_marked(page):
-    """A python or bash block runs unless its first line is `# not run: REASON`; other languages are those
-    shown as they are (text, json, ...). A fence whose language is none or another (sh, console, py) fails:
-    no block escapes both the runner and the mark."""
-    for lang, body, line in blocks(page):
+    """A python or bash block runs unless the line right before its fence is `<!-- not run: REASON -->`; other
+    languages are those shown as they are (text, json, ...). A fence whose language is none or another (sh,
+    console, py) fails: no block escapes both the runner and the mark. A mark without its reason, one on no
+    fence (a blank line between them: the mark would apply to nothing) or on a block that never runs fails; so
+    does the old mark, a first line `# not run: ...` inside the block, which every reader saw."""
+    text = read(page)
+    marked = set()
+    for lang, body, line, mark in blocks(page):
         where = f"{page}:{line}"
         assert lang in RUN or lang in SHOWN, f"{where}: a ```{lang or '(no language)'} block: say bash, python or text"
-        first = body.split("\n", 1)[0]
-        if first.startswith("# not run"):
-            assert NOT_RUN.match(first), f"{where}: the mark is '# not run: REASON', with the reason"
+        assert not body.startswith("# not run"), f"{where}: the mark is '<!-- not run: REASON -->' before the fence"
+        if mark.startswith(MARK_START):
+            assert NOT_RUN.fullmatch(mark), f"{where}: the mark is '<!-- not run: REASON -->', with the reason"
+            assert lang in RUN, f"{where}: a ```{lang} block never runs: it needs no mark"
+            marked.add(line - 1)
+    for number, text_line in enumerate(text.splitlines(), 1):
+        if text_line.startswith(MARK_START):
+            assert number in marked, f"{page}:{number}: a mark with no fence on the next line"
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)])

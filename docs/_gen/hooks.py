@@ -10,7 +10,7 @@ The reference pages are written from the code at build time, so they cannot go s
                                source page to the same tables)
     reference/api.md           one mkdocstrings block per name of attnx's public API (attnx.__all__) and a few more
     measurements/...           measurements/ of the repository, copied as it is (each measurement's README, script,
-                               JSON and plot), its code blocks marked as records, not run
+                               JSON and plot), its code blocks marked as records, not run (a comment before each fence)
 
 mkdocstrings reads the source statically (griffe); attnx's subpackages live in top-level folders that
 pyproject maps into the package (package-dir), so on_config lays out a tree of links in the package's
@@ -33,7 +33,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GENERATED = ("reference/cli.md", "reference/config.md", "reference/api.md")
-NOT_RUN_RECORD = "# not run: the record of a measurement (minutes to hours, on the machine its page names)"
+NOT_RUN_RECORD = "<!-- not run: the record of a measurement (minutes to hours, on the machine its page names) -->"
 
 _api_tree: str | None = None
 
@@ -297,8 +297,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         # A link from measurements/ into docs/ (right on GitHub) is one level less deep on the site,
         # where docs/ is the root and measurements/ sits beside the pages.
         markdown = re.sub(r"\]\(((?:\.\./)+)docs/", r"](\1", markdown)
-        # a record of a run: shown, marked, never run
-        return re.sub(r"^```(bash|python|sh)\n", lambda m: f"```{m.group(1)}\n{NOT_RUN_RECORD}\n", markdown, flags=re.M)
+        # a record of a run: shown, marked (as tests/test_docs.py marks a block: a comment before its fence, which
+        # no reader sees), never run
+        return re.sub(r"^(?!<!-- not run: .* -->\n)(.*\n)(```(?:bash|python|sh)\n)", rf"\1{NOT_RUN_RECORD}\n\2",
+                      markdown, flags=re.M)  # fmt: skip
     return markdown
 
 
