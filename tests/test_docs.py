@@ -101,8 +101,19 @@ def hooks():
     return module
 
 
+def table_rows(page: str) -> list[list[str]]:
+    """The cells of every row of every Markdown table of a page (the separator rows left out)."""
+    rows = []
+    for line in re.findall(r"^\|.*\|$", page, re.M):
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if not all(re.fullmatch(r":?-+:?", c) for c in cells):
+            rows.append(cells)
+    return rows
+
+
 def test_the_cli_page_has_every_subcommand_and_flag(hooks):
-    """Every subcommand and every flag `attnx --help` and `attnx COMMAND --help` show is on the page."""
+    """Every subcommand and every flag `attnx --help` and `attnx COMMAND --help` show is on the page, each with
+    its help (no empty cell), its default as a user types it (never a Python list), a positional named once."""
     import argparse
 
     from attnx.cli import build_parser
@@ -124,6 +135,12 @@ def test_the_cli_page_has_every_subcommand_and_flag(hooks):
                 assert f"`{flag}`" in page, (name, flag)
             if not action.option_strings:  # a positional, by its metavar
                 assert f"`{action.metavar or action.dest}`" in page, (name, action.dest)
+            assert action.help, f"attnx {name} {action.option_strings or action.dest}: no help"
+    for cells in table_rows(page):
+        assert all(cells), f"an empty cell: {cells}"
+        if len(cells) == 4:  # a flag's row: argument, takes, default, what it does
+            assert cells[0] != cells[1], f"a positional named twice: {cells}"
+            assert not re.search(r"\[\d|\['|\bTrue\b|\bNone\b", cells[2]), f"a Python value as a default: {cells}"
 
 
 def test_the_config_page_has_every_key(hooks):

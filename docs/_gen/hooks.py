@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import inspect
 import os
 import re
@@ -46,30 +47,66 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _help_text(text: str) -> str:
+    """Help text (plain, as `attnx --help` prints it) as Markdown: the characters Markdown would read as markup
+    escaped (a `*` in `*.safetensors` would open emphasis), and a docs page it names a link to that page."""
+    parts = re.split(r"\bdocs/([\w/-]+\.md)", " ".join(str(text).split()))
+    for i, part in enumerate(parts):  # text, a page, text, ...
+        parts[i] = f"[docs/{part}](../{part})" if i % 2 else re.sub(r"([\\`*_\[\]<>])", r"\\\1", part)
+    return "".join(parts)
+
+
+def _help_cell(text: str) -> str:
+    return _cell(_help_text(text))
+
+
+def _typed(value: Any) -> str:
+    """A default as a user types it: a list comma-separated (as the flag takes it), 600.0 as 600."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(_typed(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _value(typed: str) -> str:
+    """A value as inline code that breaks only after a comma (docs/stylesheets/attnx.css, code.attnx-value):
+    `decomposed` stays whole in a narrow column, a list of six backends still wraps."""
+    return f'<code class="attnx-value">{",<wbr>".join(html.escape(part) for part in typed.split(","))}</code>'
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+    """One row per argument: its name (a positional's is what it takes), what it takes, its default as typed,
+    its help. An argument without help is an error of the build: the page cannot leave a cell empty."""
     formatter = parser._get_formatter()
     rows = ["| argument | takes | default | what it does |", "| --- | --- | --- | --- |"]
     for action in parser._actions:
         if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
             continue
-        name = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
-        if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
-            takes = " \\| ".join(f"`{c}`" for c in action.choices)
+        if not action.help:
+            raise ValueError(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}: no help to show")
+        if action.option_strings:
+            name = ", ".join(f"`{s}`" for s in action.option_strings)
+        else:
+            name = f"`{action.metavar or action.dest}`"
+        if action.choices is not None:
+            takes = ", ".join(f"`{c}`" for c in action.choices)
         elif action.nargs == 0:
             takes = "-"
+        elif not action.option_strings:
+            takes = "positional"
         else:
             takes = f"`{action.metavar or action.dest.upper()}`"
         default = action.default
-        shown = "-" if default is None or default is False or default == argparse.SUPPRESS or action.nargs == 0 \
-            else f"`{default}`"
+        empty = default is None or default is False or default == argparse.SUPPRESS or default == []
+        shown = "-" if empty or action.nargs == 0 else _value(_typed(default))
         if action.required and action.option_strings:
             shown = "required"
-        help_text = formatter._expand_help(action) if action.help else ""
-        rows.append(f"| {name} | {takes} | {_cell(shown)} | {_cell(help_text)} |")
+        rows.append(f"| {name} | {takes} | {_cell(shown)} | {_help_cell(formatter._expand_help(action))} |")
     return rows
 
 
@@ -93,20 +130,20 @@ def cli_page() -> str:
         parser.format_usage().strip(),
         "```",
         "",
-        parser.description or "",
+        _help_text(parser.description or ""),
         "",
         *_flag_rows(parser),
         "",
         "| command | what it does |",
         "| --- | --- |",
     ]
-    lines += [f"| [`attnx {name}`](#attnx-{name}) | {_cell(c.help)} |" for name, c in COMMANDS.items()]
+    lines += [f"| [`attnx {name}`](#attnx-{name}) | {_help_cell(c.help)} |" for name, c in COMMANDS.items()]
     for name, command_parser in sub.choices.items():
         lines += [
             "",
             f"## attnx {name}",
             "",
-            _cell(COMMANDS[name].help),
+            _help_cell(COMMANDS[name].help),
             "",
             "```text",
             command_parser.format_usage().strip(),
@@ -114,10 +151,10 @@ def cli_page() -> str:
             "",
         ]
         if command_parser.description and command_parser.description != COMMANDS[name].help:
-            lines += [command_parser.description, ""]
+            lines += [_help_text(command_parser.description), ""]
         lines += _flag_rows(command_parser)
         if command_parser.epilog:
-            lines += ["", command_parser.epilog]
+            lines += ["", _help_text(command_parser.epilog)]
     return "\n".join(lines) + "\n"
 
 
