@@ -156,6 +156,19 @@ def test_the_config_page_has_every_key(hooks):
         assert f"| `{kind}` |" in page
     for name in PRESETS:
         assert f"| `{name}` |" in page
+    # Configs are JSON: every type is JSON's, every default parses as JSON, every preset's keys are a config
+    # file that makes the preset
+    import json
+
+    for cells in table_rows(page):
+        if cells[0] in ("key", "preset", "rope_type") or cells[0].strip("`") in SCALING_PARAMS:
+            continue
+        if len(cells) == 2:
+            assert AttentionConfig.from_dict(json.loads(cells[1].strip("`"))) == PRESETS[cells[0].strip("`")], cells
+        else:  # key, type, default (, what it is)
+            assert not re.search(r"\b(int|float|bool|str|None|Rope\w*|QKNorm)\b|\\", cells[1]), cells
+            if cells[2] != "required":
+                json.loads(cells[2].strip("`"))
 
 
 def test_the_capability_page_is_the_registrys(hooks):

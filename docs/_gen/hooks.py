@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import html
 import inspect
+import json
 import os
 import re
 import shutil
@@ -52,7 +53,9 @@ def _help_text(text: str) -> str:
     escaped (a `*` in `*.safetensors` would open emphasis), and a docs page it names a link to that page."""
     parts = re.split(r"\bdocs/([\w/-]+\.md)", " ".join(str(text).split()))
     for i, part in enumerate(parts):  # text, a page, text, ...
-        parts[i] = f"[docs/{part}](../{part})" if i % 2 else re.sub(r"([\\`*_\[\]<>])", r"\\\1", part)
+        # (`<` has no backslash escape in Markdown: an entity)
+        parts[i] = (f"[docs/{part}](../{part})" if i % 2
+                    else re.sub(r"([\\`*_\[\]])", r"\\\1", part).replace("<", "&lt;"))  # fmt: skip
     return "".join(parts)
 
 
@@ -173,10 +176,31 @@ PLAIN_KEYS = {
 }
 
 
+# The JSON type of each Python type a config field is annotated with; an object is described in a section of
+# its own (the anchor). A type not here is an error of the build: the page cannot show a Python type.
+JSON_TYPES = {"int": "integer", "float": "number", "bool": "true or false", "str": "string", "None": "null",
+              "Rope": "object ([rope](#rope))", "QKNorm": "object ([qk_norm](#qk_norm))",
+              "RopeScaling": "object (below)"}  # fmt: skip
+
+
+def _json_type(annotation: str) -> str:
+    """`int | None` as JSON says it: integer or null."""
+    names = [name.strip() for name in str(annotation).split("|")]
+    unknown = [name for name in names if name not in JSON_TYPES]
+    if unknown:
+        raise ValueError(f"docs/_gen/hooks.py JSON_TYPES: say what {unknown} is in JSON")
+    return " or ".join(JSON_TYPES[name] for name in names)
+
+
+def _json(value: Any) -> str:
+    """A value as it is written in a config file: JSON, as inline code."""
+    return f"`{json.dumps(value)}`"
+
+
 def _default(field: dataclasses.Field) -> str:
     if field.default is dataclasses.MISSING:
         return "required"
-    return "null" if field.default is None else str(field.default).lower()
+    return _json(field.default)
 
 
 def config_page() -> str:
@@ -200,33 +224,34 @@ def config_page() -> str:
         "Only `d_model` and `n_heads` are required. An unknown key, a wrong type or a non-positive size is one",
         "error that names the key. What each term computes is on [The formula and its terms](../concepts/formula.md).",
         "",
-        "| key | type | default | what it is | term |",
-        "| --- | --- | --- | --- | --- |",
+        "| key | type | default | what it is |",
+        "| --- | --- | --- | --- |",
     ]
     for f in fields:
         term = owner.get(f.name)
-        what = PLAIN_KEYS.get(f.name) or term.summary
-        lines.append(f"| `{f.name}` | `{_cell(f.type)}` | `{_default(f)}` | {_cell(what)} | "
-                     f"{f'`{term.name}`' if term else '-'} |")  # fmt: skip
+        what = _help_cell(PLAIN_KEYS.get(f.name) or term.summary) + (f" (term `{term.name}`)" if term else "")
+        lines.append(f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} | {what} |")
     lines += ["", "## `rope`", "", "An object (`attnx.model.rope.Rope`; the default column is the resolved config's):",
               "", "| key | type | default |", "| --- | --- | --- |"]  # fmt: skip
-    lines += [f"| `{f.name}` | `{_cell(f.type)}` | `{_default(f)}` |" for f in dataclasses.fields(Rope)]
+    lines += [f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} |" for f in dataclasses.fields(Rope)]
     lines += ["", "`theta` is required; `dim` absent or null is head_dim (every default is resolved and stored as a number). `scaling` null is plain rope (inv_freq_i = theta^(-2i/dim)); otherwise an",
               "object with `rope_type` and that type's parameters, transformers' names (`attnx.model.rope.SCALING_PARAMS`):",
-              "", "| rope_type | required | defaults | read only to resolve a default | attention_factor |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+              "", "| rope_type | its parameters | attention_factor |", "| --- | --- | --- |"]  # fmt: skip
     for kind, spec in SCALING_PARAMS.items():
-        defaults = ", ".join(f"`{k}` {v}" for k, v in spec.defaults.items()) or "-"
-        lines.append(f"| `{kind}` | {', '.join(f'`{k}`' for k in spec.required)} | {defaults} | "
-                     f"{', '.join(f'`{k}`' for k in spec.resolve_only) or '-'} | "
-                     f"{'resolved when absent' if spec.attention_factor else '-'} |")  # fmt: skip
+        # one cell of parameters, so that no column is too narrow for original_max_position_embeddings
+        params = [f"required: {', '.join(f'`{k}`' for k in spec.required)}"]
+        if spec.defaults:
+            params.append("defaults: " + ", ".join(f"`{k}` {_json(v)}" for k, v in spec.defaults.items()))
+        if spec.resolve_only:
+            params.append(f"read only to resolve a default: {', '.join(f'`{k}`' for k in spec.resolve_only)}")
+        lines.append(f"| `{kind}` | {'; '.join(params)} | {'resolved when absent' if spec.attention_factor else '-'} |")
     lines += ["", "Refused by name:", ""]
     lines += [f"- `{kind}`: {_cell(why)}" for kind, why in REFUSED_ROPE_TYPES.items()]
     lines += ["", "## `qk_norm`", "", "An object (`attnx.model.terms.QKNorm`):", "", "| key | type | default |",
               "| --- | --- | --- |"]  # fmt: skip
-    lines += [f"| `{f.name}` | `{_cell(f.type)}` | `{_default(f)}` |" for f in dataclasses.fields(QKNorm)]
-    lines += ["", "## Presets", "", "`--preset NAME`, `attnx.preset(NAME)`: the keys each sets (the others are their defaults).",
-              "", "| preset | keys |", "| --- | --- |"]  # fmt: skip
+    lines += [f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} |" for f in dataclasses.fields(QKNorm)]
+    lines += ["", "## Presets", "", "`--preset NAME`, `attnx.preset(NAME)`: the keys each sets, as a config file would "
+              "(the others are their defaults).", "", "| preset | keys |", "| --- | --- |"]  # fmt: skip
     base = {f.name: f.default for f in fields}
     for name, config in PRESETS.items():
         data = config.to_dict()
@@ -234,7 +259,7 @@ def config_page() -> str:
         # the derived defaults (head_dim = d_model / n_heads, ...) are shown only where they were given
         derived = AttentionConfig(d_model=config.d_model, n_heads=config.n_heads).to_dict()
         given = {k: v for k, v in given.items() if k in ("d_model", "n_heads") or derived.get(k) != v}
-        lines.append(f"| `{name}` | {_cell(', '.join(f'`{k}`: {v}' for k, v in given.items()))} |")
+        lines.append(f"| `{name}` | {_cell(_json(given))} |")
     return "\n".join(lines) + "\n"
 
 
