@@ -14,7 +14,7 @@ ALL_ATTENTION_FUNCTIONS.
     LOWERINGS                           the user's choices (--attention) and the cores behind each
 
 The checks of export, build, optimize, parity and bench, the CLI's choices and the docs' capability
-tables (docs/reference/capabilities.md, capability_table()) are all read from these tables. No torch and no onnx here.
+tables (docs/reference/capabilities.md: core_table(), capability_table()) are all read from these tables. No torch and no onnx here.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ __all__ = [
     "lowerings_for",
     "GENERATED_TABLES",
     "capability_table",
+    "core_table",
     "lowering_table",
     "term_table",
     "update_markdown",
@@ -488,24 +489,42 @@ def lowering_table() -> str:
     return _markdown_table(rows)
 
 
+# The docs' text column is 688 px wide at 1280 px and Material gives a table's column at least 100 px (5rem):
+# a term and four cores to a table fit it (measured in Chromium), eight cores and the term did not.
+CORES_PER_TABLE = 4
+
+
 @generated_table("cores")
-def capability_table() -> str:
-    """The table of cores against terms (Markdown), generated from CORES and TERMS: for each
-    core the forms and dtypes it is built in and each term it expresses, with the forms it does in."""
-    terms = list(TERMS)
-    head = ["core", "graph", "forms", "dtypes", *terms]
-    rows = [head, ["---"] * len(head)]
+def core_table() -> str:
+    """The table of cores (Markdown), from CORES: what each is in the graph, its forms and dtypes."""
+    rows = [["core", "graph", "forms", "dtypes"], ["---"] * 4]
     for core in CORES.values():
-        cells = [f"`{core.name}`", core.label, ", ".join(core.forms), ", ".join(core.dtypes)]
-        for t in terms:
-            takes = core.terms.get(t)
-            if takes is None:
-                cells.append("-")
-            else:
-                forms = [f for f in takes.forms if f in core.forms]
-                cells.append("yes" if forms == list(core.forms) else ", ".join(forms))
-        rows.append(cells)
+        rows.append([f"`{core.name}`", core.label, ", ".join(core.forms), ", ".join(core.dtypes)])
     return _markdown_table(rows)
+
+
+@generated_table("core-terms")
+def capability_table() -> str:
+    """The terms each core expresses (Markdown), generated from CORES and TERMS: a row per term, a column per
+    core, CORES_PER_TABLE cores to a table; a cell is yes (in every form the core has), the forms it does it in,
+    or - (not expressed)."""
+    cores = list(CORES.values())
+    tables = []
+    for at in range(0, len(cores), CORES_PER_TABLE):
+        group = cores[at : at + CORES_PER_TABLE]
+        rows = [["term", *(f"`{core.name}`" for core in group)], ["---"] * (len(group) + 1)]
+        for t in TERMS:
+            cells = [f"`{t}`"]
+            for core in group:
+                takes = core.terms.get(t)
+                if takes is None:
+                    cells.append("-")
+                else:
+                    forms = [f for f in takes.forms if f in core.forms]
+                    cells.append("yes" if forms == list(core.forms) else ", ".join(forms))
+            rows.append(cells)
+        tables.append(_markdown_table(rows))
+    return "\n\n".join(tables)
 
 
 def _markdown_table(rows: list[list[str]]) -> str:

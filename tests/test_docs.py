@@ -1,6 +1,7 @@
 """The docs (README.md and docs/**.md) as a reader uses them: every python and bash block runs as written, or
-is marked as not meant to run (its first line `# not run: REASON`; docs/about.md, "Code blocks"); and the
-generated reference pages (docs/_gen/hooks.py) hold what the code holds."""
+is marked as not meant to run (an HTML comment `<!-- not run: REASON -->` on the line before its fence, which
+neither the site nor GitHub shows; docs/about.md, "Code blocks"); the generated reference pages (docs/_gen/hooks.py)
+hold what the code holds; and the site builds as .ci/run builds it, strict, every warning counted."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
                                                                          recursive=True))]  # fmt: skip
 RUN = ("python", "bash")  # the languages whose blocks run
 SHOWN = ("text", "json", "yaml", "toml")  # the languages shown and never run
-NOT_RUN = re.compile(r"# not run: (\S.*)")
+# The mark of a block not meant to run: the line right before its fence, a comment no reader sees.
+NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->")
+MARK_START = "<!-- not run"  # a line that starts so is a mark, complete or not
 # A fence at the start of a line: ``` and its info string (the language first), up to the closing ```.
 FENCE = re.compile(r"^```([^`\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 # README.md's first block holds the two commands (install, build and verify; bash .ci/run): the main job is run by
@@ -31,17 +34,21 @@ def read(page: str) -> str:
         return f.read()
 
 
-def blocks(page: str) -> list[tuple[str, str, int]]:
-    """(language, body, line) of every fenced block of a page."""
+def blocks(page: str) -> list[tuple[str, str, int, str]]:
+    """(language, body, line, mark) of every fenced block of a page; mark is the line before its fence."""
     text = read(page)
-    return [(m.group(1).split()[0] if m.group(1).strip() else "", m.group(2), text.count("\n", 0, m.start()) + 1)
-            for m in FENCE.finditer(text)]  # fmt: skip
+    found = []
+    for m in FENCE.finditer(text):
+        before = text[: max(m.start() - 1, 0)].rsplit("\n", 1)[-1]  # the line before the fence's
+        lang = m.group(1).split()[0] if m.group(1).strip() else ""
+        found.append((lang, m.group(2), text.count("\n", 0, m.start()) + 1, before))
+    return found
 
 
 def runnable(page: str) -> list[tuple[str, str, int]]:
     """The blocks of a page the tests run, in order."""
-    return [(lang, body, line) for lang, body, line in blocks(page)
-            if lang in RUN and not NOT_RUN.match(body.split("\n", 1)[0]) and TWO_COMMANDS not in body]  # fmt: skip
+    return [(lang, body, line) for lang, body, line, mark in blocks(page)
+            if lang in RUN and not mark.startswith(MARK_START) and TWO_COMMANDS not in body]  # fmt: skip
 
 
 def test_the_docs_have_pages():
@@ -51,15 +58,24 @@ def test_the_docs_have_pages():
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_block_runs_or_is_marked(page):
-    """A python or bash block runs unless its first line is `# not run: REASON`; other languages are those
-    shown as they are (text, json, ...). A fence whose language is none or another (sh, console, py) fails:
-    no block escapes both the runner and the mark."""
-    for lang, body, line in blocks(page):
+    """A python or bash block runs unless the line right before its fence is `<!-- not run: REASON -->`; other
+    languages are those shown as they are (text, json, ...). A fence whose language is none or another (sh,
+    console, py) fails: no block escapes both the runner and the mark. A mark without its reason, one on no
+    fence (a blank line between them: the mark would apply to nothing) or on a block that never runs fails; so
+    does the old mark, a first line `# not run: ...` inside the block, which every reader saw."""
+    text = read(page)
+    marked = set()
+    for lang, body, line, mark in blocks(page):
         where = f"{page}:{line}"
         assert lang in RUN or lang in SHOWN, f"{where}: a ```{lang or '(no language)'} block: say bash, python or text"
-        first = body.split("\n", 1)[0]
-        if first.startswith("# not run"):
-            assert NOT_RUN.match(first), f"{where}: the mark is '# not run: REASON', with the reason"
+        assert not body.startswith("# not run"), f"{where}: the mark is '<!-- not run: REASON -->' before the fence"
+        if mark.startswith(MARK_START):
+            assert NOT_RUN.fullmatch(mark), f"{where}: the mark is '<!-- not run: REASON -->', with the reason"
+            assert lang in RUN, f"{where}: a ```{lang} block never runs: it needs no mark"
+            marked.add(line - 1)
+    for number, text_line in enumerate(text.splitlines(), 1):
+        if text_line.startswith(MARK_START):
+            assert number in marked, f"{page}:{number}: a mark with no fence on the next line"
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)])
@@ -85,8 +101,19 @@ def hooks():
     return module
 
 
+def table_rows(page: str) -> list[list[str]]:
+    """The cells of every row of every Markdown table of a page (the separator rows left out)."""
+    rows = []
+    for line in re.findall(r"^\|.*\|$", page, re.M):
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if not all(re.fullmatch(r":?-+:?", c) for c in cells):
+            rows.append(cells)
+    return rows
+
+
 def test_the_cli_page_has_every_subcommand_and_flag(hooks):
-    """Every subcommand and every flag `attnx --help` and `attnx COMMAND --help` show is on the page."""
+    """Every subcommand and every flag `attnx --help` and `attnx COMMAND --help` show is on the page, each with
+    its help (no empty cell), its default as a user types it (never a Python list), a positional named once."""
     import argparse
 
     from attnx.cli import build_parser
@@ -108,6 +135,12 @@ def test_the_cli_page_has_every_subcommand_and_flag(hooks):
                 assert f"`{flag}`" in page, (name, flag)
             if not action.option_strings:  # a positional, by its metavar
                 assert f"`{action.metavar or action.dest}`" in page, (name, action.dest)
+            assert action.help, f"attnx {name} {action.option_strings or action.dest}: no help"
+    for cells in table_rows(page):
+        assert all(cells), f"an empty cell: {cells}"
+        if len(cells) == 4:  # a flag's row: argument, takes, default, what it does
+            assert cells[0] != cells[1], f"a positional named twice: {cells}"
+            assert not re.search(r"\[\d|\['|\bTrue\b|\bNone\b", cells[2]), f"a Python value as a default: {cells}"
 
 
 def test_the_config_page_has_every_key(hooks):
@@ -123,6 +156,19 @@ def test_the_config_page_has_every_key(hooks):
         assert f"| `{kind}` |" in page
     for name in PRESETS:
         assert f"| `{name}` |" in page
+    # Configs are JSON: every type is JSON's, every default parses as JSON, every preset's keys are a config
+    # file that makes the preset
+    import json
+
+    for cells in table_rows(page):
+        if cells[0] in ("key", "preset", "rope_type") or cells[0].strip("`") in SCALING_PARAMS:
+            continue
+        if len(cells) == 2:
+            assert AttentionConfig.from_dict(json.loads(cells[1].strip("`"))) == PRESETS[cells[0].strip("`")], cells
+        else:  # key, type, default (, what it is)
+            assert not re.search(r"\b(int|float|bool|str|None|Rope\w*|QKNorm)\b|\\", cells[1]), cells
+            if cells[2] != "required":
+                json.loads(cells[2].strip("`"))
 
 
 def test_the_capability_page_is_the_registrys(hooks):
@@ -135,6 +181,67 @@ def test_the_capability_page_is_the_registrys(hooks):
     for name, table in GENERATED_TABLES.items():
         assert f"<!-- generated: {name} -->\n{table()}\n<!-- end generated -->" in hooks.capabilities_page(source)
     assert update_markdown(source) == source, "the page's tables differ from the registry: run update_markdown"
+
+
+# --- the site, built as .ci/run builds it -------------------------------------------------------
+
+
+def ci_mkdocs_args() -> list[str]:
+    """The arguments .ci/run gives `mkdocs build`, without the site folder (the build a warning must fail)."""
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        (line,) = [ln for ln in f if re.search(r"/mkdocs\" build ", ln)]
+    args = line.split('/mkdocs" build ', 1)[1].split()
+    at = args.index("--site-dir")
+    return args[:at] + args[at + 2 :]
+
+
+def mkdocs_build(config: str, site: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    mkdocs = os.path.join(os.path.dirname(sys.executable), "mkdocs")
+    return subprocess.run([mkdocs, "build", *ci_mkdocs_args(), "--config-file", config, "--site-dir", site],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_the_ci_build_fails_on_a_page_left_out_of_the_nav(tmp_path):
+    """.ci/run's build, with this site's validation settings, on a two-page site that leaves one page out of
+    its nav: the build fails (strict mode counts the warning; --quiet would hide it, and the build pass),
+    and passes once the page is in the nav."""
+    import yaml
+
+    assert "--strict" in ci_mkdocs_args()
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        validation = yaml.safe_load(f)["validation"]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Home\n")
+    (tmp_path / "docs" / "left-out.md").write_text("# Left out\n")
+    for nav, fails in ((["index.md"], True), (["index.md", "left-out.md"], False)):
+        config = tmp_path / "mkdocs.yml"
+        config.write_text(yaml.safe_dump({"site_name": "t", "docs_dir": str(tmp_path / "docs"), "nav": nav,
+                                          "validation": validation}))  # fmt: skip
+        r = mkdocs_build(str(config), str(tmp_path / "site"))
+        assert (r.returncode != 0) == fails, (nav, r.returncode, r.stderr[-2000:])
+        if fails:
+            assert "left-out.md" in r.stderr and 'not included in the "nav"' in r.stderr, r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> str:
+    """The built site: the one .ci/run built before the tests (ATTNX_DOCS_SITE), else built here the same way
+    (about 5 s); either way `mkdocs build --strict` passed, every warning counted."""
+    built = os.environ.get("ATTNX_DOCS_SITE")
+    if built:
+        assert os.path.exists(os.path.join(built, "index.html")), built
+        return built
+    folder = str(tmp_path_factory.mktemp("site"))
+    r = mkdocs_build(os.path.join(ROOT, "mkdocs.yml"), folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return folder
+
+
+def test_the_site_builds_strict(site):
+    for page in ("index.html", "getting-started/index.html", "reference/cli/index.html",
+                 "measurements/audit_scale/index.html"):  # fmt: skip
+        assert os.path.exists(os.path.join(site, page)), page
 
 
 def test_the_api_page_names_every_public_name(hooks):

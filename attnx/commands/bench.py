@@ -95,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "case's lowest median: a shared machine's slow spells then fall on no one form "
                         "(default 1; --decode: 3)")  # fmt: skip
     p.add_argument(
-        "--threads", type=int_arg(1, 4096), default=os.cpu_count() or 1, help="ORT intra-op and torch threads (default: all cores)"
+        # None: the cores of the machine that runs the bench (_threads), not of the one that made the parser
+        "--threads", type=int_arg(1, 4096), default=None, help="ORT intra-op and torch threads (default: all cores)"
     )
     p.add_argument(
         "--timeout", type=float_arg(0.0, 7 * 24 * 3600.0), default=600.0, metavar="S", help="time budget per case in seconds (default 600)"
@@ -113,6 +114,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-heads", type=int_arg(1, 1 << 20), default=None,
                    help="with --decode: n_kv_heads of the step model (default: the config's)")  # fmt: skip
     p.set_defaults(run=run)
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """--threads, or every core of this machine."""
+    return args.threads if args.threads is not None else os.cpu_count() or 1
 
 
 def run_decode(args: argparse.Namespace) -> int:
@@ -134,7 +140,7 @@ def run_decode(args: argparse.Namespace) -> int:
             impls.remove(impl)
             print(f"  skipped {impl}: {why}", file=sys.stderr)
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
-    rows = run_decode_bench(config, args.past, threads=args.threads, repeat=args.repeat, seed=args.seed,
+    rows = run_decode_bench(config, args.past, threads=_threads(args), repeat=args.repeat, seed=args.seed,
                             rounds=args.rounds or 3, impls=impls,
                             progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
     table = []
@@ -147,13 +153,13 @@ def run_decode(args: argparse.Namespace) -> int:
                           f"{r.times_ms['torch static flushed'] / flushed:.2f}"))  # fmt: skip
     machine = machine_info()
     print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
-          f"{','.join(dtypes)}, {args.threads} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
+          f"{','.join(dtypes)}, {_threads(args)} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
           f"large copy of this run: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0].copies_gbs.items())
           + f"); flushed: a 256 MB read before each timed step; lowest median of {args.rounds or 3} rounds")  # fmt: skip
     headers = ["past", "step", "ms flushed", "ms warm", "MB/step", "bound ms", "x bound", "torch/this", "static/this"]
     print(format_table(headers, table))
     if args.json:
-        write_json_atomic(args.json, {"config": config.to_dict(), "threads": args.threads, "machine": machine,
+        write_json_atomic(args.json, {"config": config.to_dict(), "threads": _threads(args), "machine": machine,
                                       "rows": [r.to_dict() for r in rows]})  # fmt: skip
     return 0
 
@@ -191,7 +197,7 @@ def _plan(args: argparse.Namespace) -> Any:
         repeat=args.repeat,
         warmup=args.warmup,
         rounds=args.rounds or 1,
-        threads=args.threads,
+        threads=_threads(args),
         timeout_s=args.timeout,
         max_mem_gb=args.max_mem_gb,
         weights_path=args.weights,

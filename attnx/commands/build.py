@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="replace an existing package at --out (only one holding nothing but its manifest's files)",
     )  # fmt: skip
     add_max_mem_arg(p)
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="the package folder to write (one there already: --force)")
     p.set_defaults(run=run)
 
 

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "lowering) or buffer (ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
     p.add_argument("--buffer-core", choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE, help=buffer_core_help())
     add_max_mem_arg(p)
-    p.add_argument("--out", required=True, metavar="MODEL.onnx")
+    p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write, once its checks pass")
     p.set_defaults(run=run)
 
 

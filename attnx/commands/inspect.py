@@ -17,7 +17,7 @@ HELP = COMMANDS["inspect"].help
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help=HELP, description=HELP)
-    p.add_argument("model", metavar="DIR|MODEL.onnx")
+    p.add_argument("model", metavar="DIR|MODEL.onnx", help="a package folder (attnx build) or an ONNX model file")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
 

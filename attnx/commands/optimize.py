@@ -26,7 +26,7 @@ def _shape(text: str) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("optimize", help=HELP, description=HELP)
     p.add_argument("model", metavar="IN.onnx", help="a model written by attnx export")
-    p.add_argument("--out", required=True, metavar="OUT.onnx")
+    p.add_argument("--out", required=True, metavar="OUT.onnx", help="the ONNX file to write, once its parity check passes")
     p.add_argument(
         "--attention", choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
         help=attention_help(OPTIMIZE_ATTENTIONS, "ort-fused") + " (auto measures each on --provider)",

@@ -53,8 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "error")  # fmt: skip
     p.add_argument("--backends", type=str_list, default=str_list(DEFAULT_BACKENDS), help=f"default {DEFAULT_BACKENDS}")
     p.add_argument("--require", type=str_list, default=[], help="backends that must be available (else exit 2)")
-    p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES))
-    p.add_argument("--seq", type=int_list, default=list(DEFAULT_SEQS))
+    p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES),
+                   help=f"batch sizes, comma-separated (default {','.join(map(str, DEFAULT_BATCHES))})")  # fmt: skip
+    p.add_argument("--seq", type=int_list, default=list(DEFAULT_SEQS),
+                   help=f"sequence lengths, comma-separated (default {','.join(map(str, DEFAULT_SEQS))})")  # fmt: skip
     p.add_argument("--mem-seq", type=int_list, default=None, help="memory lengths for cross-attention (default 9)")
     p.add_argument(
         "--dtype",

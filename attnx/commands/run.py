@@ -21,16 +21,18 @@ HELP = COMMANDS["run"].help
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help=HELP, description=HELP)
-    p.add_argument("model", metavar="DIR|MODEL.onnx")
-    p.add_argument("--input", required=True, metavar="x.npy")
-    p.add_argument("--memory", metavar="m.npy")
-    p.add_argument("--key-padding-mask", metavar="k.npy")
+    p.add_argument("model", metavar="DIR|MODEL.onnx", help="a package folder (attnx build) or an ONNX model file")
+    p.add_argument("--input", required=True, metavar="x.npy", help="x [batch, seq, d_model], the model's dtype")
+    p.add_argument("--memory", metavar="m.npy",
+                   help="memory [batch, mem_seq, kv_dim]: the second sequence, for a cross-attention model")  # fmt: skip
+    p.add_argument("--key-padding-mask", metavar="k.npy",
+                   help="bool [batch, seq or mem_seq], True where a key is padding (hidden), for a model with one")  # fmt: skip
     p.add_argument("--position-ids", metavar="p.npy",
                    help="int64 [batch, seq]: each token's position, for a model with rope (its input position_ids)")  # fmt: skip
     p.add_argument("--past-key", metavar="k.npy", help="a step model's past_key (default: an empty cache, the prefill)")
     p.add_argument("--past-value", metavar="v.npy", help="a step model's past_value (with --past-key)")
-    p.add_argument("--provider", choices=list(PROVIDERS), default="cpu")
-    p.add_argument("--output", required=True, metavar="y.npy")
+    p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="execution provider to run on (default cpu)")
+    p.add_argument("--output", required=True, metavar="y.npy", help="write y [batch, seq, d_model] here")
     p.add_argument("--present-key", metavar="k.npy", help="write a step model's present_key here")
     p.add_argument("--present-value", metavar="v.npy", help="write a step model's present_value here")
     p.set_defaults(run=run)

@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify", help=HELP, description=HELP + ". Exit 0: all holds; 1: a check failed; 2: not a package."
     )
-    p.add_argument("package", metavar="DIR")
+    p.add_argument("package", metavar="DIR", help="the package folder (attnx build's --out)")
     p.add_argument(
         "--provider", choices=list(PROVIDERS), default="cpu", help="execution provider to run on (default cpu)"
     )

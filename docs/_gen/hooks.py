@@ -10,7 +10,7 @@ The reference pages are written from the code at build time, so they cannot go s
                                source page to the same tables)
     reference/api.md           one mkdocstrings block per name of attnx's public API (attnx.__all__) and a few more
     measurements/...           measurements/ of the repository, copied as it is (each measurement's README, script,
-                               JSON and plot), its code blocks marked as records, not run
+                               JSON and plot), its code blocks marked as records, not run (a comment before each fence)
 
 mkdocstrings reads the source statically (griffe); attnx's subpackages live in top-level folders that
 pyproject maps into the package (package-dir), so on_config lays out a tree of links in the package's
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import inspect
+import json
 import os
 import re
 import shutil
@@ -33,7 +35,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GENERATED = ("reference/cli.md", "reference/config.md", "reference/api.md")
-NOT_RUN_RECORD = "# not run: the record of a measurement (minutes to hours, on the machine its page names)"
+NOT_RUN_RECORD = "<!-- not run: the record of a measurement (minutes to hours, on the machine its page names) -->"
 
 _api_tree: str | None = None
 
@@ -46,30 +48,68 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _help_text(text: str) -> str:
+    """Help text (plain, as `attnx --help` prints it) as Markdown: the characters Markdown would read as markup
+    escaped (a `*` in `*.safetensors` would open emphasis), and a docs page it names a link to that page."""
+    parts = re.split(r"\bdocs/([\w/-]+\.md)", " ".join(str(text).split()))
+    for i, part in enumerate(parts):  # text, a page, text, ...
+        # (`<` has no backslash escape in Markdown: an entity)
+        parts[i] = (f"[docs/{part}](../{part})" if i % 2
+                    else re.sub(r"([\\`*_\[\]])", r"\\\1", part).replace("<", "&lt;"))  # fmt: skip
+    return "".join(parts)
+
+
+def _help_cell(text: str) -> str:
+    return _cell(_help_text(text))
+
+
+def _typed(value: Any) -> str:
+    """A default as a user types it: a list comma-separated (as the flag takes it), 600.0 as 600."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(_typed(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _value(typed: str) -> str:
+    """A value as inline code that breaks only after a comma (docs/stylesheets/attnx.css, code.attnx-value):
+    `decomposed` stays whole in a narrow column, a list of six backends still wraps."""
+    return f'<code class="attnx-value">{",<wbr>".join(html.escape(part) for part in typed.split(","))}</code>'
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+    """One row per argument: its name (a positional's is what it takes), what it takes, its default as typed,
+    its help. An argument without help is an error of the build: the page cannot leave a cell empty."""
     formatter = parser._get_formatter()
     rows = ["| argument | takes | default | what it does |", "| --- | --- | --- | --- |"]
     for action in parser._actions:
         if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
             continue
-        name = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
-        if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
-            takes = " \\| ".join(f"`{c}`" for c in action.choices)
+        if not action.help:
+            raise ValueError(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}: no help to show")
+        if action.option_strings:
+            name = ", ".join(f"`{s}`" for s in action.option_strings)
+        else:
+            name = f"`{action.metavar or action.dest}`"
+        if action.choices is not None:
+            takes = ", ".join(f"`{c}`" for c in action.choices)
         elif action.nargs == 0:
             takes = "-"
+        elif not action.option_strings:
+            takes = "positional"
         else:
             takes = f"`{action.metavar or action.dest.upper()}`"
         default = action.default
-        shown = "-" if default is None or default is False or default == argparse.SUPPRESS or action.nargs == 0 \
-            else f"`{default}`"
+        empty = default is None or default is False or default == argparse.SUPPRESS or default == []
+        shown = "-" if empty or action.nargs == 0 else _value(_typed(default))
         if action.required and action.option_strings:
             shown = "required"
-        help_text = formatter._expand_help(action) if action.help else ""
-        rows.append(f"| {name} | {takes} | {_cell(shown)} | {_cell(help_text)} |")
+        rows.append(f"| {name} | {takes} | {_cell(shown)} | {_help_cell(formatter._expand_help(action))} |")
     return rows
 
 
@@ -93,20 +133,20 @@ def cli_page() -> str:
         parser.format_usage().strip(),
         "```",
         "",
-        parser.description or "",
+        _help_text(parser.description or ""),
         "",
         *_flag_rows(parser),
         "",
         "| command | what it does |",
         "| --- | --- |",
     ]
-    lines += [f"| [`attnx {name}`](#attnx-{name}) | {_cell(c.help)} |" for name, c in COMMANDS.items()]
+    lines += [f"| [`attnx {name}`](#attnx-{name}) | {_help_cell(c.help)} |" for name, c in COMMANDS.items()]
     for name, command_parser in sub.choices.items():
         lines += [
             "",
             f"## attnx {name}",
             "",
-            _cell(COMMANDS[name].help),
+            _help_cell(COMMANDS[name].help),
             "",
             "```text",
             command_parser.format_usage().strip(),
@@ -114,10 +154,10 @@ def cli_page() -> str:
             "",
         ]
         if command_parser.description and command_parser.description != COMMANDS[name].help:
-            lines += [command_parser.description, ""]
+            lines += [_help_text(command_parser.description), ""]
         lines += _flag_rows(command_parser)
         if command_parser.epilog:
-            lines += ["", command_parser.epilog]
+            lines += ["", _help_text(command_parser.epilog)]
     return "\n".join(lines) + "\n"
 
 
@@ -136,10 +176,31 @@ PLAIN_KEYS = {
 }
 
 
+# The JSON type of each Python type a config field is annotated with; an object is described in a section of
+# its own (the anchor). A type not here is an error of the build: the page cannot show a Python type.
+JSON_TYPES = {"int": "integer", "float": "number", "bool": "true or false", "str": "string", "None": "null",
+              "Rope": "object ([rope](#rope))", "QKNorm": "object ([qk_norm](#qk_norm))",
+              "RopeScaling": "object (below)"}  # fmt: skip
+
+
+def _json_type(annotation: str) -> str:
+    """`int | None` as JSON says it: integer or null."""
+    names = [name.strip() for name in str(annotation).split("|")]
+    unknown = [name for name in names if name not in JSON_TYPES]
+    if unknown:
+        raise ValueError(f"docs/_gen/hooks.py JSON_TYPES: say what {unknown} is in JSON")
+    return " or ".join(JSON_TYPES[name] for name in names)
+
+
+def _json(value: Any) -> str:
+    """A value as it is written in a config file: JSON, as inline code."""
+    return f"`{json.dumps(value)}`"
+
+
 def _default(field: dataclasses.Field) -> str:
     if field.default is dataclasses.MISSING:
         return "required"
-    return "null" if field.default is None else str(field.default).lower()
+    return _json(field.default)
 
 
 def config_page() -> str:
@@ -163,33 +224,34 @@ def config_page() -> str:
         "Only `d_model` and `n_heads` are required. An unknown key, a wrong type or a non-positive size is one",
         "error that names the key. What each term computes is on [The formula and its terms](../concepts/formula.md).",
         "",
-        "| key | type | default | what it is | term |",
-        "| --- | --- | --- | --- | --- |",
+        "| key | type | default | what it is |",
+        "| --- | --- | --- | --- |",
     ]
     for f in fields:
         term = owner.get(f.name)
-        what = PLAIN_KEYS.get(f.name) or term.summary
-        lines.append(f"| `{f.name}` | `{_cell(f.type)}` | `{_default(f)}` | {_cell(what)} | "
-                     f"{f'`{term.name}`' if term else '-'} |")  # fmt: skip
+        what = _help_cell(PLAIN_KEYS.get(f.name) or term.summary) + (f" (term `{term.name}`)" if term else "")
+        lines.append(f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} | {what} |")
     lines += ["", "## `rope`", "", "An object (`attnx.model.rope.Rope`; the default column is the resolved config's):",
               "", "| key | type | default |", "| --- | --- | --- |"]  # fmt: skip
-    lines += [f"| `{f.name}` | `{_cell(f.type)}` | `{_default(f)}` |" for f in dataclasses.fields(Rope)]
+    lines += [f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} |" for f in dataclasses.fields(Rope)]
     lines += ["", "`theta` is required; `dim` absent or null is head_dim (every default is resolved and stored as a number). `scaling` null is plain rope (inv_freq_i = theta^(-2i/dim)); otherwise an",
               "object with `rope_type` and that type's parameters, transformers' names (`attnx.model.rope.SCALING_PARAMS`):",
-              "", "| rope_type | required | defaults | read only to resolve a default | attention_factor |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+              "", "| rope_type | its parameters | attention_factor |", "| --- | --- | --- |"]  # fmt: skip
     for kind, spec in SCALING_PARAMS.items():
-        defaults = ", ".join(f"`{k}` {v}" for k, v in spec.defaults.items()) or "-"
-        lines.append(f"| `{kind}` | {', '.join(f'`{k}`' for k in spec.required)} | {defaults} | "
-                     f"{', '.join(f'`{k}`' for k in spec.resolve_only) or '-'} | "
-                     f"{'resolved when absent' if spec.attention_factor else '-'} |")  # fmt: skip
+        # one cell of parameters, so that no column is too narrow for original_max_position_embeddings
+        params = [f"required: {', '.join(f'`{k}`' for k in spec.required)}"]
+        if spec.defaults:
+            params.append("defaults: " + ", ".join(f"`{k}` {_json(v)}" for k, v in spec.defaults.items()))
+        if spec.resolve_only:
+            params.append(f"read only to resolve a default: {', '.join(f'`{k}`' for k in spec.resolve_only)}")
+        lines.append(f"| `{kind}` | {'; '.join(params)} | {'resolved when absent' if spec.attention_factor else '-'} |")
     lines += ["", "Refused by name:", ""]
     lines += [f"- `{kind}`: {_cell(why)}" for kind, why in REFUSED_ROPE_TYPES.items()]
     lines += ["", "## `qk_norm`", "", "An object (`attnx.model.terms.QKNorm`):", "", "| key | type | default |",
               "| --- | --- | --- |"]  # fmt: skip
-    lines += [f"| `{f.name}` | `{_cell(f.type)}` | `{_default(f)}` |" for f in dataclasses.fields(QKNorm)]
-    lines += ["", "## Presets", "", "`--preset NAME`, `attnx.preset(NAME)`: the keys each sets (the others are their defaults).",
-              "", "| preset | keys |", "| --- | --- |"]  # fmt: skip
+    lines += [f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} |" for f in dataclasses.fields(QKNorm)]
+    lines += ["", "## Presets", "", "`--preset NAME`, `attnx.preset(NAME)`: the keys each sets, as a config file would "
+              "(the others are their defaults).", "", "| preset | keys |", "| --- | --- |"]  # fmt: skip
     base = {f.name: f.default for f in fields}
     for name, config in PRESETS.items():
         data = config.to_dict()
@@ -197,7 +259,7 @@ def config_page() -> str:
         # the derived defaults (head_dim = d_model / n_heads, ...) are shown only where they were given
         derived = AttentionConfig(d_model=config.d_model, n_heads=config.n_heads).to_dict()
         given = {k: v for k, v in given.items() if k in ("d_model", "n_heads") or derived.get(k) != v}
-        lines.append(f"| `{name}` | {_cell(', '.join(f'`{k}`: {v}' for k, v in given.items()))} |")
+        lines.append(f"| `{name}` | {_cell(_json(given))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -297,8 +359,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         # A link from measurements/ into docs/ (right on GitHub) is one level less deep on the site,
         # where docs/ is the root and measurements/ sits beside the pages.
         markdown = re.sub(r"\]\(((?:\.\./)+)docs/", r"](\1", markdown)
-        # a record of a run: shown, marked, never run
-        return re.sub(r"^```(bash|python|sh)\n", lambda m: f"```{m.group(1)}\n{NOT_RUN_RECORD}\n", markdown, flags=re.M)
+        # a record of a run: shown, marked (as tests/test_docs.py marks a block: a comment before its fence, which
+        # no reader sees), never run
+        return re.sub(r"^(?!<!-- not run: .* -->\n)(.*\n)(```(?:bash|python|sh)\n)", rf"\1{NOT_RUN_RECORD}\n\2",
+                      markdown, flags=re.M)  # fmt: skip
     return markdown
 
 
