@@ -49,14 +49,21 @@ def _cell(text: str) -> str:
 
 
 def _help_text(text: str) -> str:
-    """Help text (plain, as `attnx --help` prints it) as Markdown: the characters Markdown would read as markup
-    escaped (a `*` in `*.safetensors` would open emphasis), and a docs page it names a link to that page."""
-    parts = re.split(r"\bdocs/([\w/-]+\.md)", " ".join(str(text).split()))
-    for i, part in enumerate(parts):  # text, a page, text, ...
-        # (`<` has no backslash escape in Markdown: an entity)
-        parts[i] = (f"[docs/{part}](../{part})" if i % 2
-                    else re.sub(r"([\\`*_\[\]])", r"\\\1", part).replace("<", "&lt;"))  # fmt: skip
-    return "".join(parts)
+    """Help text (plain, as `attnx --help` prints it) as Markdown: a command in backticks as code, the other
+    characters Markdown would read as markup escaped (a `*` in `*.safetensors` would open emphasis), and a docs page
+    it names a link to that page."""
+    parts = re.split(r"`([^`]+)`|\bdocs/([\w/-]+\.md)", " ".join(str(text).split()))
+    out = []
+    for i, part in enumerate(parts):  # text, code or None, a page or None, text, ...
+        if part is None:
+            continue
+        if i % 3 == 1:
+            out.append(f"<code>{html.escape(part)}</code>")
+        elif i % 3 == 2:
+            out.append(f"[docs/{part}](../{part})")
+        else:  # (`<` has no backslash escape in Markdown: an entity)
+            out.append(re.sub(r"([\\`*_\[\]])", r"\\\1", part).replace("<", "&lt;"))
+    return "".join(out)
 
 
 def _help_cell(text: str) -> str:
