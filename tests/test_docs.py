@@ -251,3 +251,53 @@ def test_the_api_page_names_every_public_name(hooks):
     for name in attnx.__all__:
         if name != "__version__":
             assert re.search(rf"^::: [\w.]+\.{name}$", page, re.M), name
+
+
+# The rendered pages: what a reader sees ------------------------------------------------------------------------------
+# Columns a table may have: measured in headless Chromium at 1280 px (each table's scrollWidth against its 720 px
+# column, every page of the site), the 7-column tables of the measurements fit and a 12-column one did not.
+MAX_COLUMNS = 7
+# emphasis opened or closed inside a word: a `*` of a shape (`[N*head_dim, d_model]`) outside backticks
+INTRAWORD_EMPHASIS = re.compile(r"[\w\]]<em>|</em>[\w\[]")
+
+
+def _rendered(site: str) -> dict[str, str]:
+    return {os.path.relpath(f, site): open(f, encoding="utf-8").read()
+            for f in sorted(glob.glob(os.path.join(site, "**", "index.html"), recursive=True))}  # fmt: skip
+
+
+def table_columns(page_html: str) -> list[int]:
+    """The most cells of a row, for each table of a rendered page."""
+    return [max((len(re.findall(r"<t[hd][ >]", row)) for row in re.findall(r"<tr.*?</tr>", table, re.S)), default=0)
+            for table in re.findall(r"<table.*?</table>", page_html, re.S)]  # fmt: skip
+
+
+def stray_backticks(page_html: str) -> int:
+    """Backticks a reader sees: in the article's text outside code (a code span whose closing backtick is
+    missing renders its opening one as text)."""
+    article = re.search(r"<article.*?</article>", page_html, re.S)
+    text = re.sub(r"<(pre|code)\b.*?</\1>", "", article.group(0) if article else "", flags=re.S)
+    return re.sub(r"<[^>]+>", "", text).count("`")
+
+
+def test_the_rendering_checks_fail_on_their_faults():
+    """Each check below can fail: a shape's star, a bare backtick, a wide table."""
+    import markdown
+
+    html = markdown.markdown("`q_proj.weight` [N*head_dim, d_model] and `out_proj.weight` [d_model, N*v_head_dim]")
+    assert INTRAWORD_EMPHASIS.search(html)
+    assert stray_backticks(f"<article>{markdown.markdown('ends `attnx run pkg --input x.npy')}</article>") == 1
+    row = "|" + " x |" * 8
+    assert table_columns(markdown.markdown(f"{row}\n|{'---|' * 8}\n{row}", extensions=["tables"])) == [8]
+
+
+def test_no_page_renders_a_shape_s_star_as_emphasis_or_a_bare_backtick(site):
+    pages = _rendered(site)
+    assert len(pages) > 30
+    assert [p for p, h in pages.items() if INTRAWORD_EMPHASIS.search(h)] == []
+    assert {p: n for p, h in pages.items() if (n := stray_backticks(h))} == {}
+
+
+def test_no_table_of_the_site_is_wider_than_its_column(site):
+    wide = {p: cols for p, h in _rendered(site).items() if (cols := [c for c in table_columns(h) if c > MAX_COLUMNS])}
+    assert wide == {}
