@@ -85,6 +85,6 @@ def verdict(report: Any) -> str:
             f"{sum(b.passed for b in report.blocks)} of {n} block(s) pass"
             f"{f', {len(report.unread)} not read' if report.unread else ''}")  # fmt: skip
     if gaps:
-        line += (f"; {gaps} check(s) could not run (the 'not checked' lines)"
+        line += (f"; {gaps} check{'s' if gaps != 1 else ''} could not run (the 'not checked' lines)"
                  + ("" if report.strict else ", which --strict fails on"))  # fmt: skip
     return line
