@@ -5,7 +5,7 @@ what belongs to it: the q/k/v projections (packed or separate, with biases, floa
 the q/k norms, the rotary tables, the output projection and the cache. read_blocks() reads each
 into an AttentionConfig and the weights of the weights file's contract, and names the graph's own
 tensors at the block's boundary (the hidden state in, the block's output and presents out), which
-is where `attnx audit` cuts it out to run (attnx.workflows._audit). What is not read is said, with
+is where `attnx audit` cuts it out to run (attnx.workflows.audit). What is not read is said, with
 the node and why, never skipped in silence (Block.unread, and Blocks.unread for cores not read).
 
 Readers (_BLOCK_READERS), one per core: GroupQueryAttention (ONNX Runtime GenAI's builder: packed or separate

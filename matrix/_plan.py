@@ -59,7 +59,7 @@ from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQ
 __all__ = ["BENCH_SLOT", "JOBS", "CaseSpec", "JobAxes", "MatrixPlan", "Source", "load_plan"]
 
 JOBS = ("parity", "verify", "bench", "audit")
-# The backends an audit case runs on (attnx.workflows._audit.BACKENDS, which imports onnx-ir: checked equal in
+# The backends an audit case runs on (attnx.workflows.audit.BACKENDS, which imports onnx-ir: checked equal in
 # tests/matrix/test_matrix.py)
 AUDIT_BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
 # The Ray resource a node declares once to take timed work: a bench case holds it while it runs,

@@ -11,7 +11,7 @@ above: attnx.bench and the API/CLI.
 from __future__ import annotations
 
 from attnx.runtimes.localise import set_decomposed_writer
-from attnx.workflows._audit import AuditReport, BlockAudit, audit_model
+from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
 from attnx.workflows._build import (
     DEFAULT_ATTENTION,
     DEFAULT_PROVIDERS,

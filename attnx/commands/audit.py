@@ -42,7 +42,7 @@ def _layers(text: str | None) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnx.workflows._audit import audit_model
+    from attnx.workflows.audit import audit_model
 
     if not os.path.isfile(args.model):
         raise UsageError(f"{args.model!r} {not_a_file(args.model)}")

@@ -581,7 +581,7 @@ def _plan_of(root, models, **top) -> MatrixPlan:
 
 
 def test_an_audit_plan_expands_blocks_and_backends(tmp_path):
-    from attnx.workflows._audit import BACKENDS
+    from attnx.workflows.audit import BACKENDS
 
     assert AUDIT_BACKENDS == BACKENDS  # the plan's copy, kept free of onnx-ir
     model = os.path.join(GENAI, "llama", "fp32", "model.onnx")

@@ -22,7 +22,7 @@ from attnx.cli import main
 from attnx.errors import UsageError
 from attnx.runtimes import _untrusted
 from attnx.runtimes._untrusted import check_model_file
-from attnx.workflows._audit import audit_model
+from attnx.workflows.audit import audit_model
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "genai" / "llama" / "fp32"
 BIG = [1_000_000, 1_000_000]  # 10^12 elements: 4e12 bytes of float32

@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from attnx.cli import main
 from attnx.model.importers import import_weights, read_projection
-from attnx.workflows._audit import audit_model
+from attnx.workflows.audit import audit_model
 
 GENAI = Path(__file__).resolve().parents[1] / "fixtures" / "genai"
 CLEAN = ["llama/fp32", "qwen2/fp32", "qwen3/fp32", "phi3/fp32", "llama/int4-acc1", "qwen3/int4-acc1", "llama/int4",
@@ -85,14 +85,14 @@ def test_a_computed_mask_and_a_rotary_node_are_read_from_the_graph_alone(monkeyp
     import onnx_ir as ir
 
     from attnx.export._blocks import read_blocks
-    from attnx.workflows import _audit
+    from attnx.workflows.audit import cut
 
     path = str(GENAI / "llama/fp16/model.onnx")
     blocks = read_blocks(ir.load(path)).blocks
     assert [b.config.rope.theta for b in blocks] == pytest.approx([10000.0] * 2, rel=1e-4)
     assert all(b.mask == "/model/attn_mask_reformat/Tile/output_0" and not b.config.causal for b in blocks)
     assert audit_model(path, layers=[1]).blocks[0].passed
-    monkeypatch.setattr(_audit, "_read_mask_terms", lambda graph, block: block.config)
+    monkeypatch.setattr(cut, "read_mask_terms", lambda graph, block: block.config)
     [block] = audit_model(path, layers=[1]).blocks
     assert not block.passed and block.findings[0].endswith("first at position 0")
 
@@ -101,11 +101,11 @@ def test_accuracy_level_4_is_checked_as_it_computes_int8_activations(monkeypatch
     """The builder's CPU int4 default (accuracy_level 4) quantizes each projection's input to int8 in blocks:
     against the plain formula of its own dequantized weights it is ~3% off, so the reference quantizes the
     same inputs (int8_blocks); without that step the same audit fails."""
-    from attnx.workflows import _audit
+    from attnx.workflows.audit import compare
 
     path = str(GENAI / "llama/int4/model.onnx")
     assert audit_model(path).passed
-    monkeypatch.setattr(_audit, "int8_blocks", lambda a, block: np.asarray(a, np.float64))
+    monkeypatch.setattr(compare, "int8_blocks", lambda a, block: np.asarray(a, np.float64))
     report = audit_model(path)
     assert not report.passed and all("full sequence" in b.findings[0] for b in report.blocks)
 
@@ -116,7 +116,7 @@ def test_the_checkpoint_is_held_a_layer_at_a_time(monkeypatch):
     memory is audited)."""
     import weakref
 
-    from attnx.workflows import _audit
+    from attnx.workflows.audit import sources
 
     events: list[str] = []
     alive: dict[int, weakref.ref] = {}
@@ -131,8 +131,8 @@ def test_the_checkpoint_is_held_a_layer_at_a_time(monkeypatch):
         alive[layer] = weakref.ref(result)
         return result
 
-    monkeypatch.setattr(_audit, "read_projection", read)
-    monkeypatch.setattr(_audit, "import_weights", imported)
+    monkeypatch.setattr(sources, "read_projection", read)
+    monkeypatch.setattr(sources, "import_weights", imported)
     path, checkpoint = str(GENAI / "qwen3/fp32/model.onnx"), _checkpoint("qwen3/fp32")
     report = audit_model(path, checkpoint=checkpoint, progress=events.append)
     assert report.passed and [b.layer for b in report.blocks] == [0, 1]
@@ -146,12 +146,12 @@ def test_the_checkpoint_is_held_a_layer_at_a_time(monkeypatch):
 
 def test_pairing_on_sampled_rows_tells_tied_layers_apart_by_their_whole_q(monkeypatch):
     """Two layers whose sampled rows are equal and the rest of q differs: paired by the whole q projection."""
-    from attnx.workflows import _audit
+    from attnx.workflows.audit import sources
 
     folder = _checkpoint("llama/fp32")
     weights = [import_weights(folder, layer=i).weights for i in (0, 1)]
-    monkeypatch.setattr(_audit.CheckpointLayers, "SAMPLE_ROWS", 2)  # rows 0 and 63 of q's 64
-    layers = _audit.CheckpointLayers(folder)
+    monkeypatch.setattr(sources.CheckpointLayers, "SAMPLE_ROWS", 2)  # rows 0 and 63 of q's 64
+    layers = sources.CheckpointLayers(folder)
     layers.samples[1] = layers.samples[0]  # layer 1 looks like layer 0 on every sampled row
     assert layers.pair(weights[0]) == 0 and layers.pair(weights[1]) == 1
     assert layers.pair({"q_proj.weight": np.zeros((8, 8), np.float32)}) is None  # no layer of that shape
@@ -160,7 +160,7 @@ def test_pairing_on_sampled_rows_tells_tied_layers_apart_by_their_whole_q(monkey
 def test_a_fault_in_one_projection_pairs_the_block_with_its_own_layer():
     """A layer whose q heads are permuted is nearer another layer's q by its largest difference; its k, v and o
     rows still match its own: paired with its own layer."""
-    from attnx.workflows._audit import CheckpointLayers
+    from attnx.workflows.audit import CheckpointLayers
 
     folder = _checkpoint("llama/fp32")
     layers = CheckpointLayers(folder)
@@ -525,9 +525,9 @@ def test_a_layer_held_twice_and_a_layer_left_out_are_findings(tmp_path):
 
 
 def test_nothing_run_is_not_a_pass(monkeypatch):
-    from attnx.workflows import _audit
+    from attnx.workflows.audit import run
 
-    monkeypatch.setattr(_audit, "_runner", lambda backend, cut: "not on this machine")
+    monkeypatch.setattr(run, "runner_for", lambda backend, cut: "not on this machine")
     report = audit_model(str(GENAI / "llama/fp32/model.onnx"), layers=[0])
     assert not report.passed and report.blocks[0].not_checked[-1].startswith("block 0: not run: no backend asked for")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from attnx.workflows._audit import audit_model
+from attnx.workflows.audit import audit_model
 from tests.workflows import _gallery
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from attnx.cli import main
-from attnx.workflows._audit import audit_model
+from attnx.workflows.audit import audit_model
 
 UNSEEN = Path(__file__).resolve().parents[1] / "fixtures" / "unseen"
 MODELS = {m["path"].removesuffix("/model.onnx"): m for m in json.loads((UNSEEN / "models.json").read_text())}

@@ -1,0 +1,188 @@
+"""`attnx audit`: each attention block of a whole model read back (attnx.export._blocks), cut out and run
+(workflows.audit.cut, .run), held to its source (.sources, .compare); see the package's docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.errors import UsageError
+from attnx.export._blocks import iter_blocks
+from attnx.model.tolerance import problem_size
+from attnx.runtimes._untrusted import check_model_file
+from attnx.workflows.audit import run as _run
+from attnx.workflows.audit.compare import compare_terms, reference_of
+from attnx.workflows.audit.cut import (
+    NP_DTYPES,
+    AuditGraph,
+    compute_in_cut,
+    cut_block,
+    graph_inputs_needed,
+    read_computed_terms,
+)
+from attnx.workflows.audit.report import AuditReport, BlockAudit
+from attnx.workflows.audit.run import BACKENDS, first_line
+from attnx.workflows.audit.shapes import model_shapes
+from attnx.workflows.audit.sources import CheckpointLayers, StatedConfig, pairing_findings, stated_config
+
+__all__ = ["audit_model"]
+
+
+def audit_model(
+    model_path: str,
+    *,
+    checkpoint: str | None = None,
+    layers: Sequence[int] | None = None,
+    backends: Sequence[str] = ("ort-cpu",),
+    strict: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> AuditReport:
+    """Audit every attention block of `model_path` (see the module's docstring). strict: a check the model cannot
+    run (a gap, AuditReport.gaps) fails the audit; without it, the gap is named and the verdict is what was run."""
+    say = progress or (lambda _m: None)
+    for name in backends:
+        if name not in BACKENDS:
+            raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
+    check_model_file(model_path)  # untrusted input: refused before anything parses it for real
+    import onnx
+    from onnx.utils import Extractor
+
+    model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
+    # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
+    structure = onnx.load(model_path, load_external_data=False)
+    try:
+        extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
+    except onnx.shape_inference.InferenceError as e:
+        raise UsageError(f"{model_path}: its shapes contradict each other: {first_line(e)}") from None
+    graph = AuditGraph(model, extractor, os.path.dirname(os.path.abspath(model_path)), model_shapes(model))
+    # a model attnx wrote states its config (attnx.config): the source each block is held to, as a checkpoint's
+    # layer would be, with the graph's own weights (what `attnx parity --model` holds it to)
+    stated = stated_config(structure) if checkpoint is None else None
+    source = CheckpointLayers(checkpoint) if checkpoint is not None else None
+    report = AuditReport(model_path, checkpoint, [], [], strict=strict)
+    seen = 0
+    caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
+    asked = set(layers) if layers is not None else None
+    for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__, report.others):
+        seen += 1
+        if block.config is not None:
+            capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
+            for role in ("past_key", "past_value"):
+                if role in block.inputs:
+                    caches[block.inputs[role]] = (block.config.n_kv_heads, capacity, block.config.head_dim)
+        if layers is not None and block.index not in layers:
+            continue
+        say(f"block {block.index}: {block.node}")
+        if stated is not None and block.weights is not None:
+            source = StatedConfig(stated, block.weights)
+        report.blocks.append(audit_block(graph, block, source, backends, report.skipped, strict))
+        block.weights = None  # one block's weights at a time
+    if not seen and not report.unread:
+        raise UsageError(f"{model_path}: no attention block found")
+    report.not_applicable = [line for line in graph.shapes.not_applicable()
+                             if caches or not line.startswith("decoding")]  # fmt: skip
+    if isinstance(source, CheckpointLayers):
+        pairing_findings(report, source, whole=layers is None)
+    if layers is None and seen and "ort-cpu" in backends:
+        _run.decode_whole(model_path, graph, caches, report)
+    missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
+    if missing:
+        raise UsageError(f"--layers {','.join(map(str, missing))}: the model has {seen} block(s) read"
+                         + (f" (0 to {seen - 1})" if seen else ""))  # fmt: skip
+    return report
+
+
+def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[str], skipped: list[str],
+                 strict: bool = False) -> BlockAudit:  # fmt: skip
+    findings, not_checked, checks = [], [], []
+    layer = None
+    if source is not None:
+        block.facts["window_hint"], block.facts["rope_hint"] = source.window, source.rope_original
+    if block.config is not None:
+        try:
+            read_computed_terms(graph, block)
+        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
+            block.unread = f"what the graph computes for it (its mask, its rotary tables) does not run: {first_line(e)}"
+    config, weights = block.config, block.weights
+    imported = source is not None
+    if source is not None:
+        layer = source.pair(block.weights)
+        if layer is None:
+            findings.append(f"block {block.index}: no checkpoint layer has a projection of its shapes")
+        else:
+            paired = source.layer(layer)  # this block's layer alone, dropped with the block's audit
+            findings += compare_terms(block, paired.config, paired.weights, layer, source.label)
+            config, weights = paired.config, paired.weights  # the reference is the checkpoint's layer
+    if config is not None:
+        config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
+    terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
+    audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
+                       "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer", strict=strict)  # fmt: skip
+    # a table no theta fits (a scaled rope) is held to the source's rope instead (compare_terms): read, with one
+    rope_held = imported and "rope_tables" in block.facts and block.unread == f"rope {block.facts.get('rope')}"
+    if block.unread and not rope_held:
+        if not imported:  # nothing to hold the block to: nothing is run
+            not_checked.append(f"block {block.index}: {block.unread}: not run without a checkpoint (give --checkpoint "
+                               "to hold it to its source's layer)")  # fmt: skip
+            return audit
+        not_checked.append(f"block {block.index}: {block.unread}: the block is held to the checkpoint's layer by "
+                           "its numbers alone")  # fmt: skip
+    level = block.quantization["accuracy_level"] if block.quantization is not None else None
+    if level not in (None, 0, 1, 4):
+        not_checked.append(f"block {block.index}: MatMulNBits accuracy_level {level} (fp16/bf16 compute): its error "
+                           "model is not built yet (levels 0, 1 and 4 are checked)")  # fmt: skip
+        return audit
+    if block.dtype not in NP_DTYPES:
+        not_checked.append(f"block {block.index}: a {block.dtype} block: the audit feeds fp32 and fp16 blocks")
+        return audit
+    if block.quantization is not None and imported:
+        # the file's own dequantized weights: the quantization is what the int4 form is, not a finding
+        weights = {**weights, **{k: v for k, v in block.weights.items() if k.endswith("_proj.weight")}}
+    shapes = graph.shapes
+    rng = np.random.Generator(np.random.PCG64(block.index))
+    x = rng.standard_normal((shapes.batch, shapes.tokens, config.d_model), dtype=np.float32)
+    x = x.astype(NP_DTYPES[block.dtype]).astype(np.float32)  # the values the block is fed, in its own dtype
+    positions = np.broadcast_to(np.arange(shapes.tokens, dtype=np.int64), x.shape[:2])
+    feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
+    block_size = block.quantization["block_size"] if level == 4 else None
+
+    def reference(**call: np.ndarray) -> np.ndarray:
+        return reference_of(config, weights, call, block_size)
+
+    ref = reference(**feeds)
+    size = problem_size(config, weights, feeds)
+    compute_in_cut(graph.model, block)
+    try:
+        cut = cut_block(graph, block)
+    except UsageError:
+        raise  # too large for this machine (check_cut_fits): said, exit 2
+    except Exception as e:  # noqa: BLE001 - onnx's error types, on an untrusted graph
+        not_checked.append(f"block {block.index}: it cannot be cut out of the graph: {first_line(e)}")
+        return audit
+    needs = graph_inputs_needed(graph.model, block, [block.outputs["y"]])
+    ran = False
+    for backend in backends:
+        try:
+            run = _run.runner_for(backend, cut)
+        except Exception as e:  # noqa: BLE001 - each runtime's own error types: a backend asked for cannot read it
+            findings.append(f"block {block.index}: {backend} cannot load {block.node}: {first_line(e)}")
+            continue
+        if isinstance(run, str):  # unavailable on this machine: a skip, as in parity
+            if f"{backend}: {run}" not in skipped:
+                skipped.append(f"{backend}: {run}")
+            continue
+        ran = True
+        failed = len(audit.findings)
+        _run.run_checks(functools.partial(_run.run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
+                    size, audit, shapes)  # fmt: skip
+        if len(audit.findings) > failed and not audit.localised:
+            audit.localised = _run.localise_block(graph, block, backend, needs, config, weights, feeds, size)
+    if not ran and not audit.findings:
+        not_checked.append(f"block {block.index}: not run: no backend asked for ({', '.join(backends)}) runs here")
+    return audit

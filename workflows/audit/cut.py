@@ -1,0 +1,281 @@
+"""A block cut out of its model at its own tensors (AuditGraph, cut_block), with the graph inputs its mask, lengths
+and rotary are computed from; what the graph computes for a block (its rotary tables, its mask) read by running that
+subgraph (read_computed_terms); the feeds of those graph inputs as transformers makes them (graph_feeds)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export._blocks import half_table, rope_of_table
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import PROVIDERS
+from attnx.runtimes._untrusted import check_cut_fits
+from attnx.workflows.audit.shapes import AUDIT_SHAPE, Shapes
+
+__all__ = ["AuditGraph", "NotFed", "cut_block", "evaluate", "graph_feeds", "graph_inputs_needed", "read_computed_terms"]
+
+# an additive mask's entry at or below this hides its key (-1e4: BERT's and ONNX Runtime's mask_filter_value; -inf,
+# finfo.min and -65504 in other exports); a visible key's entry is 0 (or a position bias, far above it)
+# (full-sequence tokens, prefill tokens, single steps): past an 8-token window, within a 128-row rope table;
+# the padded batch's second row is `padding` tokens shorter
+# an additive mask's entry at or below this hides its key (-1e4: BERT's and ONNX Runtime's mask_filter_value; -inf,
+# finfo.min and -65504 in other exports); a visible key's entry is 0 (or a position bias, far above it)
+MASKED = -1000.0
+
+
+# the longest prompt a computed mask is read at (a [tokens, tokens] grid): windows up to it are read
+MASK_PROBE_MAX = 8194
+
+
+# the longest prompt a computed rotary table is read at (a [tokens, dim/2] table): a source's original length past it
+# is not probed
+ROPE_PROBE_MAX = 65537
+
+
+BOUNDARY = ("x", "seqlens_k", "total_sequence_length", "mask_index", "past_key", "past_value")
+
+
+def graph_inputs_needed(model: Any, block: Any, outputs: Sequence[str], within: bool = True) -> list[str]:
+    """The graph inputs the block's outputs depend on (attention_mask, position_ids, the shape of input_ids: what a
+    mask or a rotary computed once for all layers reads), in the graph's order; within: not through its boundary."""
+    boundary = {block.inputs[k] for k in BOUNDARY if k in block.inputs} if within else set()
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    graph_inputs = {v.name for v in model.graph.inputs}
+    needed, seen, todo = set(), set(), list(outputs)
+    while todo:
+        name = todo.pop()
+        if name in seen or name in boundary:
+            continue
+        seen.add(name)
+        if name in graph_inputs:
+            needed.add(name)
+            continue
+        value = values.get(name)
+        producer = value.producer() if value is not None else None
+        if producer is None:
+            continue  # an initializer
+        todo += [i.name for i in producer.inputs if i is not None]
+        for attr in producer.attributes.values():  # an If's branches read outer values
+            if attr.type == ir.AttributeType.GRAPH:
+                todo += [i.name for n in attr.value for i in n.inputs if i is not None]
+    return [v.name for v in model.graph.inputs if v.name in needed]
+
+
+FED = ("attention_mask", "position_ids", "input_ids", "token_type_ids", "key_padding_mask")  # graph inputs the audit feeds (run_block)
+
+
+def compute_in_cut(model: Any, block: Any) -> None:
+    """The block's lengths (GroupQueryAttention's seqlens_k and total_sequence_length, Attention's mask_index) computed
+    in its cut from the graph inputs they come from, as the model computes them from attention_mask, rather than fed:
+    a fault in that subgraph is the block's. Fed where they come from something else (the node that also makes the
+    hidden state, as BERT's EmbedLayerNormalization; a graph input the audit does not feed)."""
+    x = block.inputs["x"]
+    for role in ("seqlens_k", "total_sequence_length", "mask_index"):
+        name = block.inputs.get(role)
+        if name is None:
+            continue
+        needed = graph_inputs_needed(model, block, [name], within=False)
+        if needed and all(n in FED or n.startswith("past") for n in needed) and not made_with(model, name, x):
+            block.facts.setdefault("computed", []).append(role)
+            del block.inputs[role]
+
+
+def made_with(model: Any, name: str, other: str) -> bool:
+    """Whether a node on the way to `name` also makes `other`."""
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    seen, todo = set(), [name]
+    while todo:
+        v = values.get(todo.pop())
+        node = v.producer() if v is not None else None
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if any(o.name == other for o in node.outputs):
+            return True
+        todo += [i.name for i in node.inputs if i is not None]
+    return False
+
+
+def graph_value(model: Any, name: str) -> Any:
+    """The graph's value of that name (a graph input or a node's output), or None."""
+    for value in model.graph.inputs:
+        if value.name == name:
+            return value
+    return next((v for node in model.graph for v in node.outputs if v.name == name), None)
+
+
+@dataclasses.dataclass
+class AuditGraph:
+    """The model under audit as each step reads it: its graph (onnx-ir, external data read as a block reaches it),
+    the structure blocks are cut from (onnx's Extractor over the graph without its data, typed once), the folder its
+    data lies in, and the shapes its own dims allow."""
+
+    model: Any
+    extractor: Any
+    base_dir: str
+    shapes: Shapes
+
+
+def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = None, boundary: bool | None = None) -> bytes:
+    """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its
+    outputs read (onnx's Extractor over the whole graph, typed once), with only their own tensors' external data
+    read (the graph has none); `outputs`: others than the block's own (its mask, read by running it)."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    model, extractor = graph.model, graph.extractor
+    outs = list(outputs) if outputs is not None else [block.outputs[k] for k in ("y", "present_key", "present_value")
+                                                        if k in block.outputs]  # fmt: skip
+    within = outputs is None if boundary is None else boundary  # at the block's boundary, or from the graph's inputs
+    names = [block.inputs[k] for k in BOUNDARY if k in block.inputs] if within else []
+    names += graph_inputs_needed(model, block, outs, within=within)
+    int32 = {block.inputs.get(k) for k in ("seqlens_k", "total_sequence_length", "mask_index")} - {None}
+    for name in names + outs:  # a value shape inference left untyped (the output of a contrib op): typed by its dtype
+        if name not in extractor.value_infos and name not in extractor.initializers:
+            value = graph_value(model, name)
+            elem = (value.dtype.value if value is not None and value.dtype is not None else
+                    onnx.TensorProto.INT32 if name in int32 else onnx.TensorProto.FLOAT)  # fmt: skip
+            extractor.value_infos[name] = onnx.helper.make_tensor_value_info(name, elem, None)
+    cut = extractor.extract_model(list(dict.fromkeys(names)), outs)
+    for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
+        if value.name == block.inputs.get("total_sequence_length"):
+            value.type.tensor_type.shape.Clear()
+    check_cut_fits(cut, graph.base_dir, f"block {block.index} ({block.node})")  # before its data is read
+    load_external_data_for_model(cut, graph.base_dir)
+    return cut.SerializeToString()
+
+
+class NotFed(Exception):
+    """A graph input the block reads that the audit does not know how to feed."""
+
+
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+def graph_feeds(names: Sequence[str], mask: np.ndarray, past_len: int,
+                 cache: np.ndarray | None) -> dict[str, np.ndarray]:  # fmt: skip
+    """The graph inputs a block's cut reads besides its boundary, as transformers makes them for a batch whose
+    attention_mask is `mask` [batch, past_len + tokens] (position_ids counted from each row's first token, ids read
+    for their shape, attnx's key_padding_mask True where a key is hidden); `cache`: what a cache input is fed (read
+    for its length), None where the block has none to give."""
+    batch, tokens = mask.shape[0], mask.shape[1] - past_len
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[:, past_len:]
+    feeds: dict[str, np.ndarray] = {}
+    for name in names:
+        if name == "attention_mask":
+            feeds[name] = mask
+        elif name == "position_ids":
+            feeds[name] = positions.astype(np.int64)
+        elif name in ("input_ids", "token_type_ids"):  # read for their shape (the hidden state is the block's input)
+            feeds[name] = np.zeros((batch, tokens), np.int64)
+        elif name == "key_padding_mask":  # attnx's own: True hides a key
+            feeds[name] = mask == 0
+        elif name.startswith("past") and cache is not None:
+            feeds[name] = np.zeros_like(cache)
+        else:
+            raise NotFed(f"the block reads graph input {name!r}, which the audit does not feed (it feeds "
+                         "attention_mask, position_ids, input_ids and token_type_ids as transformers makes them, and "
+                         "attnx's key_padding_mask)")  # fmt: skip
+    return feeds
+
+
+def evaluate(graph: AuditGraph, block: Any, names: Sequence[str], tokens: int) -> list[np.ndarray]:
+    """Tensors of the graph that the block's terms are computed from (its mask, its rotary tables), cut out with
+    what they read and run once on ONNX Runtime's CPU for one prompt of `tokens` tokens at positions 0.. (in each row
+    of a batch the model's dims fix)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(cut_block(graph, block, outputs=names), providers=[PROVIDERS["cpu"].ort_name])
+    dtype = NP_DTYPES.get(block.dtype, np.float32)
+    batch = graph.shapes.batch if "batch" in graph.shapes.fixed else 1
+    names = [v.name for v in session.get_inputs()]
+    x = block.inputs.get("x")
+    feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in names else {}  # read for its shape
+    empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # every cache input: no past
+    feeds.update(graph_feeds([n for n in names if n != x], np.ones((batch, tokens), np.int64), 0, empty))
+    return [np.asarray(a) for a in session.run(None, feeds)]
+
+
+def probe_tokens(graph: AuditGraph, wanted: int) -> int:
+    """The tokens a computed term is read at: `wanted`, or the sequence the model's dims fix."""
+    return graph.shapes.tokens if "sequence" in graph.shapes.fixed else wanted
+
+
+def read_computed_terms(graph: AuditGraph, block: Any) -> None:
+    """The terms of a block that the graph computes rather than states, read by running what computes them: its
+    rotary tables (from position_ids) and its mask's (causal, a window)."""
+    if "rope_tensors" in block.facts:
+        positions = probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
+        names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
+        # at the probe's length, and on each side of the source's original length, where a rope that switches on
+        # the prompt's length (longrope's short and long factors) changes tables
+        original = block.facts.get("rope_hint") or 0
+        wanted = (positions, original, original + 1) if original else (positions,)
+        lengths = dict.fromkeys(probe_tokens(graph, n) for n in wanted if n <= ROPE_PROBE_MAX)
+        at = {}
+        for tokens in lengths:
+            try:
+                tables = [a.reshape(-1, a.shape[-1])[: max(tokens, positions)]
+                          for a in evaluate(graph, block, names, tokens)]  # fmt: skip
+            except NotFed as e:
+                block.unread = f"its rotary tables not read: {e}"
+                return
+            at[tokens] = half_table(*tables[:2])
+            if len(tables) == 4 and not all(np.array_equal(a, b) for a, b in zip(half_table(*tables[2:]), at[tokens])):
+                block.unread = "q and k rotated by different tables"
+                return
+        cos, sin = at[positions]
+        rope, facts = rope_of_table(cos, sin, block.facts["rotary_interleaved"])
+        block.facts.update(facts, rope_tables=(cos, sin), rope_tables_at=at)
+        block.config = dataclasses.replace(block.config, rope=rope)
+        if rope is None:
+            block.unread = f"rope {facts['rope']}"
+    if block.mask is not None:
+        try:
+            block.config = read_mask_terms(graph, block)
+        except NotFed as e:
+            block.unread = f"its mask {block.mask} not read: {e}"
+
+
+def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
+    """The block's config with the terms of the mask the graph computes for its core (causal, a window), run for a
+    full prompt past any window."""
+    # past the widest window the graph or the source states (a wider one reads as none): GQA's local_window_size,
+    # the checkpoint's sliding_window
+    hint = max(block.facts.get("local_window_size", -1), block.facts.get("window_hint") or 0)
+    tokens = probe_tokens(graph, max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX)))
+    masks = block.masks or [(block.mask, "additive" if block.core != "attention23" else "kept")]
+    grid = np.arange(tokens)
+    allowed = np.ones((tokens, tokens), bool)
+    for (name, how), mask in zip(masks, evaluate(graph, block, [m for m, _ in masks], tokens)):
+        # a float mask is added to the scores (a large negative hides); a boolean one keeps where True (ONNX's
+        # Attention, a Where(keep, scores, lowest)) or hides where True (a Where(hide, lowest, scores))
+        kept = mask > MASKED if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
+        while kept.ndim > 2:  # [batch, heads, queries, keys]: the first row's first head
+            kept = kept[0]
+        if kept.ndim == 1 or kept.shape[0] == 1:  # a mask of the keys alone ([batch, keys], [.., 1, keys])
+            kept = np.broadcast_to(kept.reshape(1, -1), (tokens, kept.shape[-1]))
+        if kept.shape != (tokens, tokens):
+            raise NotFed(f"{name} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
+        allowed &= kept
+    causal = grid[None, :] <= grid[:, None]
+    if allowed.all():
+        terms: dict[str, Any] = {"causal": False}
+    elif not (allowed & ~causal).any() and allowed[grid, grid].all():
+        width = int(allowed[-1].sum())  # the keys the last query sees
+        if not np.array_equal(allowed, causal & (grid[None, :] > grid[:, None] - width)):
+            raise NotFed("it is neither causal nor a causal window")
+        terms = {"causal": True, "sliding_window": width if width < tokens else None}
+    else:
+        raise NotFed("it is neither causal nor a causal window")
+    block.facts["mask"] = ("causal" if terms["causal"] else "none") + (
+        f", window {terms['sliding_window']}" if terms.get("sliding_window") else "")  # fmt: skip
+    # with what the op itself states (GroupQueryAttention's causal and local_window_size, Attention's is_causal)
+    terms["causal"] = terms["causal"] or block.config.causal
+    terms["sliding_window"] = terms.get("sliding_window") or block.config.sliding_window
+    return dataclasses.replace(block.config, **terms)

@@ -1,0 +1,315 @@
+"""A cut block run: on a backend (runner_for), at the shapes its model allows, each check against the reference
+(run_checks), a failing block localised to its first stage (localise_block); and the whole model's decoding as
+exported (decode_whole)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import PROVIDERS
+from attnx.model.resources import available_memory_bytes
+from attnx.model.stages import STAGES
+from attnx.model.tolerance import tolerance_for
+from attnx.runtimes.base import runtime_threads
+from attnx.runtimes.compare import Comparison, compare_arrays
+from attnx.runtimes.localise import compare_stages, reference_stages
+from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
+from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
+from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, NotFed, cut_block, graph_feeds
+from attnx.workflows.audit.report import AuditReport, BlockAudit
+from attnx.workflows.audit.shapes import Shapes
+
+__all__ = ["BACKENDS", "decode_whole", "first_line", "localise_block", "run_block", "run_checks", "runner_for"]
+
+
+Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # feeds by the cut's input names -> y, presents
+
+
+def run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_len: int,
+               past: tuple[np.ndarray, np.ndarray], lengths: np.ndarray | None = None,
+               left: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
+    """One call of the cut block on `x` after `past_len` cached tokens. GroupQueryAttention's convention: each
+    row's length in seqlens_k (`lengths`: a right-padded prompt). Hugging Face's (attention_mask, position_ids):
+    `left`, each row's padding tokens at its start (position_ids as transformers makes them: cumsum(mask) - 1)."""
+    batch, tokens, _ = x.shape
+    total = past_len + tokens
+    dtype = NP_DTYPES[block.dtype]
+    feeds = {block.inputs["x"]: x.astype(dtype)}
+    if "seqlens_k" in block.inputs:
+        seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        feeds[block.inputs["seqlens_k"]] = seqlens - 1
+        feeds[block.inputs["total_sequence_length"]] = np.array(total, np.int32)
+    if "mask_index" in block.inputs:  # com.microsoft Attention's: each row's length (right padding)
+        feeds[block.inputs["mask_index"]] = np.full((batch,), total, np.int32) if lengths is None else \
+            np.asarray(lengths, np.int32)  # fmt: skip
+    if "past_key" in block.inputs:
+        feeds[block.inputs["past_key"]], feeds[block.inputs["past_value"]] = (p.astype(dtype) for p in past)
+    mask = np.ones((batch, total), np.int64)
+    if left is not None:
+        mask[np.arange(total)[None, :] < np.asarray(left)[:, None]] = 0
+    elif lengths is not None:  # right padding: each row's keys past its length
+        mask[np.arange(total)[None, :] >= np.asarray(lengths)[:, None]] = 0
+    other_cache = feeds.get(block.inputs.get("past_key"))  # another layer's cache input, read for its length
+    feeds.update(graph_feeds(needs, mask, past_len, other_cache))
+    outputs = run(feeds)
+    if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
+        outputs[0] = outputs[0] + block.y_bias
+    return outputs
+
+
+BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
+
+
+def runner_for(backend: str, cut: bytes) -> Run | str:
+    """The cut block loaded on `backend` (a Run), or why the backend is unavailable on this machine (a str: a
+    skip). A backend that is here but cannot read or compile the block raises: a finding."""
+    if backend == "openvino":
+        reason = openvino_unavailable_reason()
+        if reason is not None:
+            return reason
+        import openvino as ov
+
+        with tempfile.TemporaryDirectory(prefix="attnx-audit-") as folder:  # OpenVINO reads ONNX from a file
+            path = os.path.join(folder, "block.onnx")
+            with open(path, "wb") as f:
+                f.write(cut)
+            core = ov.Core()
+            compiled = core.compile_model(core.read_model(path), DEVICE, compile_config("fp32", runtime_threads()))
+        return lambda feeds: [np.asarray(v) for v in compiled(feeds).values()]
+    import onnxruntime as ort
+
+    provider = PROVIDERS["cuda" if backend == "ort-cuda" else "cpu"].ort_name
+    if backend == "ort-cuda" and (reason := ort_cuda_unavailable_reason()) is not None:
+        return reason
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # ORT's own error lines: the audit reports the error it raises
+    if (threads := runtime_threads()) is not None:  # ATTNX_THREADS, as every attnx session
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(cut, options, providers=[provider])
+    if session.get_providers()[0] != provider:  # never a CUDA run that fell back to the CPU
+        raise RuntimeError(f"onnxruntime did not start {provider} (session providers: {session.get_providers()})")
+    return lambda feeds: session.run(None, feeds)
+
+
+def localise_block(graph: AuditGraph, block: Any, backend: str, needs: Sequence[str],
+              config: AttentionConfig, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarray], size: Any) -> str:  # fmt: skip
+    """The first stage of the formula (attnx.model.stages) where the block's full sequence leaves its bound: the
+    stages the graph holds as tensors (the projections, their rotations, the heads' output, y) exposed in its cut and
+    each held to the reference's under its own bound (attnx.runtimes.localise.compare_stages)."""
+    if block.quantization is not None:
+        return f"block {block.index}: not localised: a quantized block's stages have no float reference"
+    order = [s.name for s in STAGES if s.name in block.stages]
+    names = list(dict.fromkeys(block.stages[s][0] for s in order))
+    try:
+        run = runner_for(backend, cut_block(graph, block, outputs=names, boundary=True))
+        if isinstance(run, str):
+            return f"block {block.index}: not localised: {run}"
+        x = feeds["x"]
+        empty = empty_cache(block, x.shape[0])
+        values = dict(zip(names, run_block(run, block, needs, x, 0, (empty, empty))))
+    except Exception as e:  # noqa: BLE001 - the runtime's own error types
+        return f"block {block.index}: not localised: the block with its stages exposed fails on {backend}: {first_line(e)}"
+    found = {}
+    batch, tokens = x.shape[:2]
+    for stage in order:
+        tensor, columns = block.stages[stage]
+        value = np.asarray(values[tensor], np.float64)
+        if columns is not None:
+            value = value[..., columns[0] : columns[1]]
+        if value.ndim == 4:  # [batch, heads, tokens, dim] or [batch, tokens, heads, dim]
+            value = value.transpose(0, 2, 1, 3) if value.shape[1] != tokens else value
+            value = value.reshape(batch, tokens, -1)
+        found[stage] = value
+    ref = reference_stages(config, weights, feeds, False)
+    result = compare_stages(backend, config, found, ref, tolerance_for(block.dtype), size)
+    if result.stage is None:
+        return f"block {block.index}: not localised: every stage the graph holds agrees ({', '.join(found)})"
+    check = next(c for c in result.checks if c.stage == result.stage)
+    agree = f"; {', '.join(result.agree)} agree{'s' if len(result.agree) == 1 else ''}" if result.agree else ""
+    error = (f"max_abs {check.max_abs:.3g} > atol {check.atol:.3g}" if check.max_abs is not None and check.atol is not None
+             and np.isfinite(check.max_abs) else check.detail or "its shape differs")  # fmt: skip
+    return f"block {block.index}: localised to stage {result.stage} (tensor {block.stages[result.stage][0]}): {error}{agree}"
+
+
+def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int, int, int]], report: AuditReport) -> None:
+    """The whole model as exported, on ONNX Runtime's CPU: a prefill then single steps through its own cache (every
+    present fed back as the next past), which fails in some exports though every block cut out alone runs (a
+    buffer the runtime plans from the graph's dim labels). It only has to run: its numbers are the blocks'."""
+    import onnxruntime as ort
+
+    model, shapes = graph.model, graph.shapes
+    if not caches or "input_ids" not in {v.name for v in model.graph.inputs}:
+        return  # nothing to decode, or a model that is its blocks (from a hidden state): each block says
+    if shapes.prefill is None:
+        if "cache" in shapes.fixed:
+            report.not_checked.append(f"the whole model's decoding: its cache is fixed ({shapes.fixed['cache']}), a "
+                                      "static cache the audit does not fill")  # fmt: skip
+        return  # a sequence fixed by its dims: not applicable (report.not_applicable says so)
+    size = sum(os.path.getsize(os.path.join(graph.base_dir, f)) for f in os.listdir(graph.base_dir))
+    memory = available_memory_bytes()
+    if memory is not None and size > memory // 2:
+        report.not_checked.append(f"the whole model's decoding: its folder ({size / 2**30:.1f} GiB) is more than half "
+                                  f"the memory available ({memory / 2**30:.1f} GiB); each block's is checked")  # fmt: skip
+        return
+    known = ("input_ids", "attention_mask", "position_ids")
+    other = [v.name for v in model.graph.inputs if v.name not in known and v.name not in caches]
+    if other:
+        report.not_checked.append(f"the whole model's decoding: it reads {', '.join(other)}, which the audit does "
+                                  "not feed")  # fmt: skip
+        return
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    if (threads := runtime_threads()) is not None:
+        options.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(model_path, options, providers=[PROVIDERS["cpu"].ort_name])
+    except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+        report.findings.append(f"the whole model as exported does not load on ort-cpu: {first_line(e)}")
+        return
+    types = {v.name: v.type for v in session.get_inputs()}
+    np_of = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    names = [o.name for o in session.get_outputs()]
+    batch, prefill, steps = shapes.batch, shapes.prefill, shapes.tokens - shapes.prefill
+    past = {name: np.zeros((batch, kv, capacity, hd), np_of.get(types.get(name, ""), np.float32))
+            for name, (kv, capacity, hd) in caches.items()}  # fmt: skip
+    presents = {name: "present" + name[len("past_key_values"):] if name.startswith("past_key_values") else None
+                for name in caches}  # fmt: skip
+    done = 0
+    for step, tokens in enumerate([prefill] + [1] * steps):
+        feeds = {"input_ids": np.ones((batch, tokens), np.int64),
+                 "attention_mask": np.ones((batch, done + tokens), np.int64),
+                 "position_ids": np.broadcast_to(np.arange(done, done + tokens, dtype=np.int64), (batch, tokens))}  # fmt: skip
+        feeds = {k: v for k, v in feeds.items() if k in types} | past
+        what = f"the prefill of {prefill} tokens" if step == 0 else f"decoding step {step} (after {done} tokens)"
+        try:
+            outputs = dict(zip(names, session.run(None, feeds)))
+        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+            report.findings.append(f"the whole model as exported fails at {what} on ort-cpu: {first_line(e)}")
+            return
+        if any(presents[n] not in outputs for n in caches):
+            report.not_checked.append("the whole model's decoding: its cache outputs are not named present.* after "
+                                      "its past_key_values.* inputs")  # fmt: skip
+            return
+        past = {n: outputs[presents[n]] for n in caches}
+        done += tokens
+
+
+def empty_cache(block: Any, batch: int) -> np.ndarray:
+    """A block's past before its first token: no position, or a window's worth where the window is kept in a ring
+    buffer (GroupQueryAttention's sliding_window_cache, whose past has the window's capacity)."""
+    config = block.config
+    capacity = config.sliding_window if block.facts.get("sliding_window_cache") else 0
+    return np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32)
+
+
+def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],
+                feeds: dict[str, np.ndarray], ref: np.ndarray, reference: Callable[..., np.ndarray], size: Any,
+                audit: BlockAudit, shapes: Shapes) -> None:  # fmt: skip
+    """The block on one backend at the shapes its model allows: a full sequence, a padded batch (in the block's
+    convention), a prefill and steps through its cache. A check that fails to run is a finding naming the check and
+    the runtime's error, except where the runtime refuses that input by its operator's own rule (a padded batch with
+    a ring-buffer window): a gap, named with what the model then cannot serve."""
+    x = feeds["x"]
+    batch, tokens = x.shape[:2]
+    empty = empty_cache(block, batch)
+    tol = tolerance_for(block.dtype)
+    label = f"{backend}: " if backend != "ort-cpu" else ""
+    short = tokens - shapes.padding
+    right = block.core == "gqa" or block.padding == "right"
+
+    def full() -> tuple[np.ndarray, np.ndarray]:
+        return run(x, 0, (empty, empty))[0], ref
+
+    def padded() -> tuple[np.ndarray, np.ndarray]:
+        # the last row `padding` tokens shorter, the others whole; each row at its own tokens' positions (the short
+        # row's padding left out of both sides)
+        fill = np.zeros((1, tokens - short, ref.shape[-1]))
+        last = np.concatenate([reference(**{k: v[-1:, :short] for k, v in feeds.items()}), fill], axis=1)
+        expected = np.concatenate([ref[:-1], last])
+        lengths = np.array([tokens] * (batch - 1) + [short])
+        if right:  # right padding: each row's length in seqlens_k (GroupQueryAttention's rule) or its mask
+            y = run(x, 0, (empty, empty), lengths=lengths)[0]
+            mine = y[-1:, :short]
+        else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
+            shifted = np.concatenate([np.zeros_like(x[-1:, : tokens - short]), x[-1:, :short]], axis=1)
+            y = run(np.concatenate([x[:-1], shifted]), 0, (empty, empty), left=tokens - lengths)[0]
+            mine = y[-1:, tokens - short :]
+        if y.shape != ref.shape:  # an output of another shape: the comparison says so
+            return y, expected
+        return np.concatenate([y[:-1], np.concatenate([mine, fill], axis=1)]), expected
+
+    def decode() -> tuple[np.ndarray, np.ndarray]:
+        # the model's own cache: what the block returns as present is the next step's past (a window kept in
+        # a ring buffer, sliding_window_cache, returns its buffer of the window's capacity)
+        y, pk, pv = run(x[:, : shapes.prefill], 0, (empty, empty))
+        steps = [y]
+        for t in range(shapes.prefill, tokens):
+            y, pk, pv = run(x[:, t : t + 1], t, (pk, pv))
+            steps.append(y)
+        return np.concatenate(steps, axis=1), ref
+
+    # what the block's inputs and the model's dims allow: a padded batch where it reads each row's length
+    # (seqlens_k, attention_mask) and two rows fit, decoding where it has a cache and single steps fit
+    plan = [(f"{label}full sequence ({tokens} tokens)", full)]
+    lengths_read = "seqlens_k" in block.inputs or "mask_index" in block.inputs or \
+        bool({"attention_mask", "key_padding_mask"} & set(needs))  # fmt: skip
+    if lengths_read and shapes.padded:
+        rows = f"{batch - 1} row(s) of {tokens} and one of {short}" if batch > 2 else f"rows of {tokens} and {short}"
+        plan.append((f"{label}padded batch ({rows} tokens, {'right' if right else 'left'}-padded)", padded))
+    if "past_key" in block.inputs and shapes.prefill is not None:
+        plan.append((f"{label}prefill {shapes.prefill} + {tokens - shapes.prefill} steps", decode))
+    elif "past_key" in block.inputs and "cache" in shapes.fixed:
+        audit.not_checked.append(f"block {block.index}: {label}decoding: its cache is fixed ({shapes.fixed['cache']}), "
+                                 "a static cache the audit does not fill")  # fmt: skip
+    for name, check in plan:
+        try:
+            out, expected = check()
+        except NotFed as e:
+            audit.not_checked.append(f"block {block.index}: {name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
+            if check is padded and block.facts.get("sliding_window_cache"):
+                # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
+                audit.not_checked.append(f"block {block.index}: {name}: {backend} refuses it with a "
+                                         f"sliding_window_cache ({first_line(e)}): on {backend} this model cannot "
+                                         "serve prompts of different lengths in one batch")  # fmt: skip
+            else:
+                audit.findings.append(f"block {block.index}: {name}: {block.node} fails to run as exported: "
+                                      f"{first_line(e)}")  # fmt: skip
+            continue
+        c = compare_arrays(name, out, expected, tol, size)
+        audit.checks.append(c)
+        if c.shape_error is not None:  # an output of another shape (OpenVINO's empty one, on one thread)
+            audit.findings.append(f"block {block.index}: {c.name}: {c.shape_error}")
+        elif not c:
+            audit.findings.append(f"block {block.index}: {c.name} against the reference fails: max_abs "
+                                  f"{c.max_abs:.3g} > atol {c.atol:.3g}, first at position "
+                                  f"{first_position(out, expected, c)}")  # fmt: skip
+
+
+def first_line(e: BaseException) -> str:
+    """A runtime's message in one line: ONNX Runtime's without its "[ONNXRuntimeError] : 2 : ... : " prefix, with
+    the node it names ("node N (Op): ..."); OpenVINO's informative line (its first lines are source locations)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    if lines[0].startswith("Exception from src/"):
+        return next((line for line in lines if "not supported" in line), lines[-1])[:300]
+    text = " ".join(lines)
+    node = re.search(r"running (\w+) node\. Name:'([^']*)'", text)
+    message = text.rsplit(" : ", 1)[-1]
+    message = message.split("Status Message: ", 1)[-1] if node else message  # the node is named once, before it
+    return (f"node {node.group(2)} ({node.group(1)}): " if node else "") + message[:300]
+
+
+def first_position(out: np.ndarray, ref: np.ndarray, c: Comparison) -> int:
+    """The first token position where some output is outside the comparison's bound."""
+    bad = np.abs(np.asarray(out, np.float64) - ref) > c.atol + c.rtol * np.abs(ref)
+    return int(np.argmax(bad.any(axis=(0, 2))))
