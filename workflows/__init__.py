@@ -11,7 +11,6 @@ above: attnx.bench and the API/CLI.
 from __future__ import annotations
 
 from attnx.runtimes.localise import set_decomposed_writer
-from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
 from attnx.workflows._build import (
     DEFAULT_ATTENTION,
     DEFAULT_PROVIDERS,
@@ -38,6 +37,7 @@ from attnx.workflows._export import ExportReport, export_model, write_decomposed
 from attnx.workflows._import import ImportReport, check_against_source, import_model
 from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
 from attnx.workflows._optimize import OptimizeResult, optimize_file
+from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
 
 set_decomposed_writer(write_decomposed_form)  # localisation's look inside a fused operator: the exporter's form
 

@@ -204,9 +204,9 @@ def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
     """Llama-3-8B's table (theta 500000, 8192 rows) as the builder writes it is off the exact cos/sin by up to
     5.8e-4 on its far rows (float32 angles): read as theta 500000; a theta 1e-4 away, or Llama 3.1's scaling,
     is not that table."""
-    from attnx.export._blocks import rope_of_table as _rope_of
-    from attnx.export._blocks import rope_table_error
     from attnx.model.rope import Rope, parse_rope, rope_frequencies
+    from attnx.model.rope_fit import rope_of_table as _rope_of
+    from attnx.model.rope_fit import rope_table_error
 
     cos, sin = _float32_table(500000.0)
     rope, facts = _rope_of(cos, sin, False)

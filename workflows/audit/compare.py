@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from attnx.export._blocks import rope_table_error
 from attnx.model.config import AttentionConfig
 from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_frequencies
+from attnx.model.rope_fit import rope_table_error
 from attnx.model.tolerance import stored_bound
 
 __all__ = ["blocks_of", "compare_terms", "int8_blocks", "reference_of"]

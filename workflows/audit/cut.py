@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._blocks import half_table, rope_of_table
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
+from attnx.model.rope_fit import half_table, rope_of_table
 from attnx.runtimes._untrusted import check_cut_fits
 from attnx.workflows.audit.shapes import AUDIT_SHAPE, Shapes
 
