@@ -7,70 +7,22 @@ from typing import Any
 
 import numpy as np
 
+from attnx.export import terms as graph_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.reference import reference_attention
-from attnx.model.rope import rope_frequencies
-from attnx.model.rope_fit import rope_table_error
 from attnx.model.tolerance import stored_bound
 
 __all__ = ["blocks_of", "compare_terms", "int8_blocks", "reference_of"]
 
 
 def compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int,
-                   source: str = "the checkpoint") -> list[str]:
-    """Every difference between the formula the graph states and the checkpoint layer's, by term."""
-    g, facts, found = block.config, block.facts, []
+                  source: str = "the checkpoint") -> list[str]:  # fmt: skip
+    """Every difference between the formula the graph states and the source layer's: each term's
+    (attnx.export.terms, in the formula's order), then each weight's."""
+    g = block.config
     where = f"layer {layer}"
-    for key in ("n_heads", "n_kv_heads", "head_dim"):
-        if getattr(g, key) != getattr(config, key):
-            found.append(f"{where}: {key} {getattr(g, key)} in the graph, {getattr(config, key)} in {source}")
-    if g.causal != config.causal:
-        found.append(f"{where}: {'a causal mask' if g.causal else 'no causal mask'} in the graph"
-                     f"{' (' + facts['mask'] + ')' if 'mask' in facts else ''}, {'causal' if config.causal else 'not causal'} "
-                     f"in {source}")  # fmt: skip
-    if not np.isclose(g.softmax_scale, config.softmax_scale, rtol=1e-6):
-        found.append(f"{where}: scale {g.softmax_scale:.6g} in the graph, {config.softmax_scale:.6g} in {source}")
-    if (g.softcap or None) != (config.softcap or None) and not (
-        g.softcap and config.softcap and np.isclose(g.softcap, config.softcap, rtol=1e-6)
-    ):
-        found.append(f"{where}: softcap {g.softcap} in the graph, {config.softcap} in {source}")
-    if g.sliding_window != config.sliding_window:
-        how = (f"local_window_size {facts['local_window_size']}" if "local_window_size" in facts
-               else f"its mask: {facts.get('mask', 'not read')}")  # fmt: skip
-        graph_says = f"window {g.sliding_window} in the graph ({how})" if g.sliding_window else f"no window in the graph ({how})"
-        ckpt = f"sliding_window {config.sliding_window}" if config.sliding_window else "no window"
-        found.append(f"{where}: {graph_says}, {ckpt} in {source}"
-                     + (f": every query past {config.sliding_window} sees keys it must not"
-                        if config.sliding_window and not g.sliding_window else ""))  # fmt: skip
-    if g.sinks != config.sinks:
-        found.append(f"{where}: sinks {'in the graph' if g.sinks else 'missing from the graph'}, "
-                     f"{'in' if config.sinks else 'not in'} {source}")  # fmt: skip
-    if (g.qk_norm is None) != (config.qk_norm is None):
-        found.append(f"{where}: q/k norm {'in the graph' if g.qk_norm else 'missing from the graph'}, "
-                     f"{'in' if config.qk_norm else 'not in'} {source}")  # fmt: skip
-    if config.rope is not None:
-        tables = facts.get("rope_tables")
-        if tables is None:
-            found.append(f"{where}: no rotary in the graph, rope in {source}")
-        else:
-            # a table the graph computes, read at each prompt length (its rows for that call); a constant one,
-            # whatever the length: its rows are the positions
-            at = facts.get("rope_tables_at") or {tables[0].shape[0]: tables}
-            for tokens, (cos, sin) in sorted(at.items()):
-                inv_freq, factor = rope_frequencies(config.rope, tokens)
-                if cos.shape[1] != inv_freq.shape[0]:
-                    found.append(f"{where}: rotary on {2 * cos.shape[1]} of each head's dims in the graph, "
-                                 f"{2 * inv_freq.shape[0]} in {source}")  # fmt: skip
-                    break
-                err, ratio = rope_table_error(cos, sin, inv_freq, factor)
-                if ratio > 1:  # beyond float32's rounding of the angles (rope_table_error)
-                    prompt = f" for a prompt of {tokens} tokens" if "rope_tables_at" in facts else ""
-                    found.append(f"{where}: rotary table{prompt} differs from {source}'s rope ({config.rope.rope_type}, "
-                                 f"theta {config.rope.theta:g}) by {err:.3g}, {ratio:.3g} times its bound (graph theta "
-                                 f"fit {facts.get('rope_theta', float('nan')):.6g})")  # fmt: skip
-            if block.facts.get("rotary_interleaved") != config.rope.interleaved:
-                found.append(f"{where}: rotary_interleaved {int(block.facts.get('rotary_interleaved', 0))} in the graph, "
-                             f"{source}'s rope pairs {'(2i, 2i+1)' if config.rope.interleaved else '(i, i+dim/2)'}")  # fmt: skip
+    found = graph_terms.compare_terms(g, block.facts, config, graph_terms.Context(where, source))
+    said = graph_terms.said_by_terms(g, config)
     # weights: the graph's (dequantized where quantized) against the source's; a bias the source has not is zero there
     quantized = block.quantization is not None
     for name in sorted(set(block.weights) - set(weights)):
@@ -80,7 +32,7 @@ def compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nda
     for name, theirs in weights.items():
         ours = block.weights.get(name)
         if ours is None:
-            if name == "sinks" and not g.sinks:
+            if name in said:
                 continue  # said above, as the term
             if np.any(theirs):
                 found.append(f"{where}: {name} is in {source}, not in the graph")
