@@ -28,8 +28,23 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._read import CORE_READERS, _core_of_node, _is, _projection, _strip_layout, last_axis_slice
+from attnx.export._read import CORE_READERS, _core_of_node
 from attnx.export.passes._base import const_array
+from attnx.export.passes.walk import (
+    NotRead,
+    Path,
+    find_projection,
+    head_dim,
+    is_op,
+    projection,
+    projection_node,
+    reaches_matmul,
+    scale_and_softcap,
+    score_chain,
+    sink_logits,
+    strip_layout,
+    walk,
+)
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope
@@ -80,44 +95,13 @@ def _jsonable(facts: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)) for k, v in facts.items()}
 
 
-class NotRead(Exception):
-    """A block's structure that the reader does not follow; the message says what and where."""
-
-
-def _projection_node(value: ir.Value) -> ir.Node:
-    """The MatMul (or MatMulNBits) of a projection's output, through a bias Add and a Split."""
-    node = value.producer()
-    if _is(node, "Add"):
-        node = next((i.producer() for i in node.inputs if i is not None and const_array(i) is None), None)
-    if _is(node, "Split") or (_is(node, "Slice") and last_axis_slice(node) is not None):
-        return _projection_node(node.inputs[0])
-    if _is(node, "MatMul") or _is(node, "MatMulNBits", (MS_DOMAIN,)):
-        return node
-    raise NotRead(f"{value.name}: not a projection (MatMul, MatMulNBits, with a bias Add or a Split), "
-                  f"made by {node.op_type if node is not None else 'a graph input'}")  # fmt: skip
-
-
 def _quantization(node: ir.Node) -> dict[str, Any] | None:
-    if not _is(node, "MatMulNBits", (MS_DOMAIN,)):
+    if not is_op(node, "MatMulNBits", (MS_DOMAIN,)):
         return None
     a = node.attributes
     zero_points = len(node.inputs) > 3 and node.inputs[3] is not None
     return {"op": "MatMulNBits", "bits": a.get_int("bits", 4), "block_size": a.get_int("block_size", 32),
             "accuracy_level": a.get_int("accuracy_level", 0), "zero_points": zero_points}  # fmt: skip
-
-
-def _norm(value: ir.Value) -> tuple[ir.Value, np.ndarray | None, float | None]:
-    """(the value before it, weight, eps) for a per-head RMSNorm (SimplifiedLayerNormalization between
-    Reshapes), else (value, None, None)."""
-    inner = _strip_layout(value)
-    node = inner.producer()
-    if _is(node, "SimplifiedLayerNormalization") or _is(node, "SimplifiedLayerNormalization", (MS_DOMAIN,)) or _is(
-        node, "RMSNormalization"
-    ):
-        weight = const_array(node.inputs[1])
-        eps = node.attributes.get_float("epsilon", 1e-5)
-        return _strip_layout(node.inputs[0]), weight, eps
-    return value, None, None
 
 
 def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
@@ -126,24 +110,24 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     n_heads, n_kv = facts["n_heads"], facts["n_kv_heads"]
     inputs = list(node.inputs) + [None] * (12 - len(node.inputs))
     weights: dict[str, np.ndarray] = {}
-    paths: dict[str, _Path] = {}
+    paths: dict[str, Path] = {}
     qk_norm = None
     if inputs[1] is None:  # packed: query holds q | k | v
-        proj = _projection(inputs[0])
+        proj = projection(inputs[0])
         if proj is None:
             raise NotRead(f"query {inputs[0].name}: not read as a packed qkv projection")
         w, b = proj
         hd = w.shape[1] // (n_heads + 2 * n_kv)
         parts = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
-        proj_node = _projection_node(inputs[0])
+        proj_node = projection_node(inputs[0])
         for role, a, e in zip("qkv", parts[:-1], parts[1:]):
-            block.stages[role] = (_strip_layout(inputs[0]).name, (int(a), int(e)))
+            block.stages[role] = (strip_layout(inputs[0]).name, (int(a), int(e)))
             weights[f"{role}_proj.weight"] = w[:, a:e].T
             weights[f"{role}_proj.bias"] = b[a:e] if b is not None else np.zeros(e - a)
     else:
         for role, value in zip("qkv", inputs[:3]):
-            path = paths[role] = _walk(value)
-            proj = _projection(path.projection)
+            path = paths[role] = walk(value)
+            proj = projection(path.projection)
             if proj is None:
                 maker = path.projection.producer()
                 raise NotRead(f"{'query key value'.split()['qkv'.index(role)]} {value.name}: made by "
@@ -154,7 +138,7 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
             weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
         hd = weights["q_proj.weight"].shape[0] // n_heads
         _path_stages(block, paths)
-        proj_node = _projection_node(paths["q"].projection)
+        proj_node = projection_node(paths["q"].projection)
         qk_norm = _qk_norm(paths, weights, facts)
     _hidden_state(block, proj_node)
     block.outputs = {"y": _output_projection(node.outputs[0], weights, block).name, "present_key": node.outputs[1].name,
@@ -204,18 +188,18 @@ def _output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Blo
         or (users[0].op_type == "Where" and users[0].inputs[1] is value and const_array(users[0].inputs[2]) is not None)
     ):  # the heads merged; a row no key may see set to a constant
         value = users[0].outputs[0]
-    o_node = next((u for u in users if _is(u, "MatMul") or _is(u, "MatMulNBits", (MS_DOMAIN,))), None)
+    o_node = next((u for u in users if is_op(u, "MatMul") or is_op(u, "MatMulNBits", (MS_DOMAIN,))), None)
     if o_node is None:
         raise NotRead(f"{out.name}: no output projection reads it (used by {', '.join(u.op_type for u in users)})")
     y = o_node.outputs[0]
-    o_proj = _projection(y)
-    adds = [u for u, _ in y.uses() if _is(u, "Add") and any(const_array(i) is not None for i in u.inputs)]
+    o_proj = projection(y)
+    adds = [u for u, _ in y.uses() if is_op(u, "Add") and any(const_array(i) is not None for i in u.inputs)]
     if adds:
-        o_proj = _projection(adds[0].outputs[0])
+        o_proj = projection(adds[0].outputs[0])
         y = adds[0].outputs[0]
     if o_proj is None:
         raise NotRead(f"{o_node.name}: the output projection's weights are not constants")
-    skip = [u for u, _ in y.uses() if _is(u, "SkipLayerNormalization", (MS_DOMAIN,)) and len(u.inputs) > 4]
+    skip = [u for u, _ in y.uses() if is_op(u, "SkipLayerNormalization", (MS_DOMAIN,)) and len(u.inputs) > 4]
     if not adds and skip and (bias := const_array(skip[0].inputs[4])) is not None:
         o_proj = (o_proj[0], bias)  # ONNX Runtime's optimizer moves the bias into the SkipLayerNormalization after
         block.y_bias = np.array(bias, np.float32)
@@ -233,22 +217,7 @@ def _dtype_of(value: ir.Value) -> str:
     return _DTYPES.get(value.dtype, "fp32") if value.dtype is not None else "fp32"
 
 
-# what lies between a core's query/key/value input and its projection: the heads' layout, a GQA group's
-# repeat (Expand, Tile), casts, a RotaryEmbedding, a per-head norm, the cache's Concat(past, new)
-_PASS = ("Reshape", "Transpose", "Expand", "Unsqueeze", "Squeeze", "Cast", "Identity", "Tile")
-
-
-@dataclasses.dataclass
-class _Path:
-    projection: ir.Value  # the projection's output (with its bias)
-    rotary: Any = None  # the RotaryEmbedding node; for a decomposed rotary, its {"Cos": table, "Sin": table}
-    norm: tuple[np.ndarray, float] | None = None
-    past: ir.Value | None = None  # the graph input the cache Concat appends to
-    present: ir.Value | None = None  # that Concat's output
-    scale: float = 1.0  # constant scalings met (a decomposed core's sqrt(scale) on q and on k)
-
-
-def _path_stages(block: Block, paths: dict[str, _Path], biased_apart: bool = False) -> None:
+def _path_stages(block: Block, paths: dict[str, Path], biased_apart: bool = False) -> None:
     """The projection (q, k, v) and rotation (q_rope, k_rope) stages met on the paths to a core; not the projections
     when the core adds their bias itself (biased_apart)."""
     for role, path in paths.items():
@@ -258,7 +227,7 @@ def _path_stages(block: Block, paths: dict[str, _Path], biased_apart: bool = Fal
             block.stages[f"{role}_rope"] = (path.rotary.outputs[0].name, None)
 
 
-def _qk_norm(paths: dict[str, _Path], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
+def _qk_norm(paths: dict[str, Path], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
     """The per-head RMS norms met on q's and k's paths (their weights into `weights`), or None; one alone is not read."""
     q, k = paths["q"].norm, paths["k"].norm
     if q is None and k is None:
@@ -270,7 +239,7 @@ def _qk_norm(paths: dict[str, _Path], weights: dict[str, np.ndarray], facts: dic
     return QKNorm(eps=float(q_eps))
 
 
-def _path_cache(block: Block, paths: dict[str, _Path]) -> None:
+def _path_cache(block: Block, paths: dict[str, Path]) -> None:
     """The cache met on k's and v's paths (present = Concat(past, new)) as the block's past/present; one alone is not
     read."""
     for role, kv in (("key", "k"), ("value", "v")):
@@ -297,30 +266,6 @@ def _keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray],
     if config.rope is None and "rope" in block.facts:
         block.unread = f"rope {block.facts['rope']}"
     return block
-
-
-def _walk(value: ir.Value) -> _Path:
-    """Back from a core's input to its projection, noting the rotary, norm and cache met on the way."""
-    path = _Path(value)
-    while (node := value.producer()) is not None:
-        if _is(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
-                and node.inputs[0].is_graph_input():  # fmt: skip
-            path.past, path.present, value = node.inputs[0], node.outputs[0], node.inputs[1]
-        elif node.op_type == "RotaryEmbedding" and node.domain in (MS_DOMAIN, "", "ai.onnx"):
-            path.rotary, value = node, node.inputs[0]
-        elif node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization") and node.domain in (
-            MS_DOMAIN, "", "ai.onnx"
-        ):  # fmt: skip
-            weight = const_array(node.inputs[1])
-            if weight is None:
-                raise NotRead(f"node {node.name}: a norm whose weight is not a constant")
-            path.norm, value = (weight, node.attributes.get_float("epsilon", 1e-5)), node.inputs[0]
-        elif node.op_type in _PASS and node.domain in ("", "ai.onnx"):
-            value = node.inputs[0]
-        else:
-            break
-    path.projection = value
-    return path
 
 
 def _rotary_tables(node: ir.Node) -> tuple[ir.Value, ir.Value, bool, str | None]:
@@ -360,7 +305,7 @@ def _read_attention23_block(index: int, node: ir.Node, keep_weights: bool = True
     return _read_separate(index, node, "attention23", facts, inputs[:3], inputs[3], keep_weights, own_cache=cache)
 
 
-def _rotary_of(paths: dict[str, _Path], facts: dict[str, Any], block: Block) -> Rope | None:
+def _rotary_of(paths: dict[str, Path], facts: dict[str, Any], block: Block) -> Rope | None:
     """The rope of the RotaryEmbedding nodes met on q's and k's way (one table for both), or None; tables the graph
     computes are named in facts["rope_tensors"] for the audit to read by running them."""
     rope = None
@@ -438,8 +383,8 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     weights: dict[str, np.ndarray] = {}
     paths = {}
     for role, value in zip("qkv", qkv):
-        path = paths[role] = _walk(value)
-        proj = _projection(path.projection)
+        path = paths[role] = walk(value)
+        proj = projection(path.projection)
         if proj is None:
             maker = path.projection.producer()
             raise NotRead(f"{role} {value.name}: made by {maker.op_type if maker is not None else 'a graph input'} "
@@ -462,7 +407,7 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     hd = weights["q_proj.weight"].shape[0] // n_heads
     n_kv = weights["k_proj.weight"].shape[0] // hd
     facts["n_kv_heads"] = n_kv
-    proj_node = _projection_node(paths["q"].projection)
+    proj_node = projection_node(paths["q"].projection)
     _hidden_state(block, proj_node)
     qk_norm = _qk_norm(paths, weights, facts)
     block.outputs["y"] = _output_projection(node.outputs[0], weights, block).name
@@ -483,302 +428,45 @@ def _read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], 
     return _keep(block, config, weights, keep_weights)
 
 
-# The decomposed core: MatMul(q, k^T), scale, masks, Softmax, MatMul(p, v), as attnx and torch.onnx write it --------
-_PROJECTION_OPS = (("MatMul", ("", "ai.onnx")), ("MatMulNBits", (MS_DOMAIN,)))
-
-
-def _is_projection(node: ir.Node) -> bool:
-    return any(_is(node, op, domain) for op, domain in _PROJECTION_OPS) and (
-        const_array(node.inputs[1]) is not None or node.op_type == "MatMulNBits"
-    )
-
-
-def _feeds_from(value: ir.Value, ops: tuple[str, ...], depth: int = 4) -> ir.Node | None:
-    """The node of one of `ops` that `value` comes from within a few layout steps (Unsqueeze, Cast, Reshape,
-    Expand, Transpose, Squeeze), or None."""
-    for _ in range(depth + 1):
-        node = value.producer()
-        if node is None:
-            return None
-        if node.op_type in ops:
-            return node
-        if node.op_type not in ("Unsqueeze", "Cast", "Reshape", "Expand", "Transpose", "Squeeze"):
-            return None
-        value = node.inputs[0]
-    return None
-
-
-def _rms_norm(node: ir.Node) -> tuple[np.ndarray, float] | None:
-    """(weight, eps) of a decomposed RMS norm ending at `node`: Mul(x * rsqrt(mean(x^2) + eps), weight), the weight
-    a constant vector; None when the Mul is not one."""
-    weight = next((c for i in node.inputs if (c := const_array(i)) is not None and c.ndim == 1 and c.size > 1), None)
-    if weight is None:
-        return None
-    seen, queue, eps, mean = set(), [i for i in node.inputs if const_array(i) is None], None, False
-    while queue and len(seen) < 12:
-        n = queue.pop(0).producer()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.op_type == "ReduceMean":
-            mean = True
-        elif n.op_type == "Add" and (c := next((const_array(i) for i in n.inputs if const_array(i) is not None), None)) is not None \
-                and c.size == 1:  # fmt: skip
-            eps = float(c.ravel()[0])
-        if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Pow", "Cast"):
-            queue += [i for i in n.inputs if i is not None and const_array(i) is None]
-    return (weight, eps if eps is not None else 1e-6) if mean else None
-
-
-# the operators whose inputs past the first are a shape, axes, indices or sizes
-_SHAPED = ("Reshape", "Expand", "Tile", "Slice", "Unsqueeze", "Squeeze", "Pad", "Gather", "ConstantOfShape", "Range")
-
-
-def _find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, _Path]:
-    """The nearest projection (a MatMul of constant weights) above `value`, breadth first, with its bias Add, and what
-    lies between: the cache's Concat(past, new), the rotary's Cos/Sin (their Mul by a constant, the attention factor,
-    kept), a decomposed RMS norm, and constant scalings (the square root of the scale that transformers' sdpa puts on
-    q and on k): for any arrangement of the rotation's Slice/Neg/Mul/Add/Concat. Nothing above a projection is read."""
-    path = _Path(value)
-    path.scale = 1.0
-    found = None
-    seen, queue = set(), [value]
-    while queue and len(seen) < limit:
-        v = queue.pop(0)
-        node = v.producer()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if _is(node, "Slice") and last_axis_slice(node) is not None and _projection(node.outputs[0]) is not None:
-            found = found or node.outputs[0]  # a packed projection's columns (q | k | v in one MatMul)
-            continue
-        if _is_projection(node):
-            if found is None:
-                out = node.outputs[0]
-                adds = [u for u, _ in out.uses() if _is(u, "Add") and any(
-                    (c := const_array(i)) is not None and c.ndim == 1 for i in u.inputs)]  # fmt: skip
-                found = adds[0].outputs[0] if adds else out
-            continue  # the hidden state and the layers before: not this block's
-        if _is(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
-                and node.inputs[0].is_graph_input() and path.past is None:  # fmt: skip
-            path.past, path.present = node.inputs[0], node.outputs[0]
-            queue.append(node.inputs[1])
-            continue
-        if node.op_type in ("Cos", "Sin") and node.domain in ("", "ai.onnx"):
-            table = node.outputs[0]
-            users = [u for u, _ in table.uses()]
-            if len(users) == 1 and _is(users[0], "Mul") and any(const_array(i) is not None for i in users[0].inputs):
-                table = users[0].outputs[0]  # the attention factor
-            path.rotary = path.rotary or {}
-            path.rotary[node.op_type] = table
-            continue  # the table's own inputs (position_ids, inv_freq) hold no projection
-        if node.op_type in ("Shape", "Size"):
-            continue  # a size, not values: the shape arithmetic above it is not the block's
-        if node.op_type in ("Mul", "Div") and node.domain in ("", "ai.onnx"):
-            consts = [c for i in node.inputs if (c := const_array(i)) is not None]
-            computed = [i for i in node.inputs if i is not None and const_array(i) is None]
-            divisor = node.op_type == "Mul" or const_array(node.inputs[1]) is not None
-            if consts and consts[0].size == 1 and consts[0].dtype.kind == "f" and len(computed) == 1 and divisor:
-                if _feeds_from(computed[0], ("Cos", "Sin")) is None:  # not a table's attention factor
-                    c = float(consts[0].ravel()[0])
-                    path.scale *= c if node.op_type == "Mul" else 1.0 / c
-            elif node.op_type == "Mul" and consts and path.norm is None and (norm := _rms_norm(node)) is not None:
-                path.norm = norm
-                queue += _rms_input(node)
-                continue
-        data = node.inputs[:1] if node.op_type in _SHAPED else node.inputs  # not the shape, axes or indices
-        queue += [i for i in data if i is not None and const_array(i) is None]
-    if found is None:
-        raise NotRead(f"{value.name}: no projection (a MatMul of constant weights) found above it")
-    path.projection = found
-    return found, path
-
-
-def _rms_input(node: ir.Node) -> list[ir.Value]:
-    """The value a decomposed RMS norm normalizes (the input of its Pow or of its first Mul), to walk on from."""
-    seen, queue = set(), [i for i in node.inputs if const_array(i) is None]
-    while queue and len(seen) < 12:
-        v = queue.pop(0)
-        n = v.producer()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.op_type == "Pow":
-            return [n.inputs[0]]
-        if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Cast"):
-            queue += [i for i in n.inputs if i is not None and const_array(i) is None]
-    return [i for i in node.inputs if const_array(i) is None]
-
-
-def _head_dim(value: ir.Value) -> int | None:
-    """A query's head size: its last static dimension, else the last entry of a constant 4-or-more-axis Reshape
-    above it (the split into heads)."""
-    if value.shape is not None and len(value.shape) >= 3 and isinstance(value.shape[-1], int):
-        return value.shape[-1]
-    seen, queue = set(), [value]
-    while queue and len(seen) < 32:
-        node = queue.pop(0).producer()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if _is(node, "Reshape"):
-            shape = const_array(node.inputs[1])
-            maker = node.inputs[1].producer()
-            if shape is None and _is(maker, "Concat") and len(maker.inputs) >= 3:  # a shape of computed dims
-                shape = const_array(maker.inputs[-1])
-                shape = shape if shape is not None and shape.size == 1 else None
-            elif shape is not None and shape.size < 4:
-                shape = None
-            if shape is not None and shape.ravel()[-1] > 0:
-                return int(shape.ravel()[-1])
-        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
-    return None
-
-
-def _scores_and_masks(value: ir.Value) -> tuple[ir.Node, list[tuple[str, str]], float, float | None]:
-    """From a Softmax's input back to MatMul(q, k^T) through the scale, a softcap c * tanh(s / c), a sink's column,
-    Reshapes and the masks: (the MatMul, each mask as (tensor, how it masks: "where-masked" True hides,
-    "where-kept" True keeps, "additive"), the constant scale met, the softcap or None)."""
-    masks: list[tuple[str, str]] = []
-    chain: list[tuple[str, float]] = []  # from the Softmax back: ("scale", factor) and ("tanh", 0)
-    while (node := value.producer()) is not None and node.domain in ("", "ai.onnx"):
-        if node.op_type == "MatMul":
-            return (node, masks, *_scale_and_softcap(chain))
-        if node.op_type in ("Mul", "Div") and (c := next((const_array(i) for i in node.inputs
-                                                           if const_array(i) is not None), None)) is not None \
-                and c.size == 1:  # fmt: skip
-            factor = float(c.ravel()[0])
-            chain.append(("scale", factor if node.op_type == "Mul" else 1.0 / factor))
-        elif node.op_type == "Tanh":
-            chain.append(("tanh", 0.0))
-        if node.op_type == "Where":
-            first, second = node.inputs[1], node.inputs[2]
-            if const_array(first) is not None:  # Where(hide, lowest, scores)
-                masks.append((node.inputs[0].name, "where-masked"))
-                value = second
-            else:  # Where(keep, scores, lowest)
-                masks.append((node.inputs[0].name, "where-kept"))
-                value = first
-        elif node.op_type == "Add":
-            a, b = node.inputs[0], node.inputs[1]
-            constant = const_array(b) if const_array(b) is not None else const_array(a)
-            if constant is not None:  # a constant added to the scores: a folded mask or position bias
-                if np.any(constant):
-                    raise NotRead("a constant added to the scores (a folded mask or a position bias): not read in "
-                                  "this version")  # fmt: skip
-                value = a if const_array(b) is not None else b
-                continue
-            scores_side = a if _reaches_matmul(a) else b
-            masks.append(((b if scores_side is a else a).name, "additive"))
-            value = scores_side
-        elif node.op_type in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Identity"):
-            value = next(i for i in node.inputs if i is not None and const_array(i) is None)
-        elif node.op_type == "Concat" and len(node.inputs) == 2:  # a sink's column after the scores
-            value = node.inputs[0]
-        else:
-            break
-    raise NotRead(f"{value.name}: the Softmax's scores are not traced back to MatMul(q, k^T) "
-                  f"(made by {node.op_type if node is not None else 'a graph input'})")  # fmt: skip
-
-
-def _sink_logits(value: ir.Value) -> np.ndarray | None:
-    """A head sink's logits: the constant behind a column concatenated after the scores before the Softmax (through
-    its Expand/Reshape/Cast to the scores' shape), or None without one."""
-    node = value.producer()
-    if not (_is(node, "Concat") and len(node.inputs) == 2):
-        return None
-    seen, queue = set(), [node.inputs[1]]
-    while queue and len(seen) < 12:
-        v = queue.pop(0)
-        if (c := const_array(v)) is not None and c.dtype.kind == "f" and c.size > 1:
-            return np.array(c, np.float32)
-        n = v.producer()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        queue += list(n.inputs[:1]) if n.op_type in _SHAPED else [i for i in n.inputs if i is not None]
-    raise NotRead(f"{node.inputs[1].name}: a column after the scores (a sink) whose logits are not a constant")
-
-
-def _scale_and_softcap(chain: list[tuple[str, float]]) -> tuple[float, float | None]:
-    """The scale and softcap of the scalings between q.k and the Softmax (from the Softmax back): c * tanh(s / c) is
-    the factor next to the tanh on each side, the rest multiplies into the scale."""
-    softcap = None
-    at = next((i for i, (kind, _) in enumerate(chain) if kind == "tanh"), None)
-    if at is not None and 0 < at < len(chain) - 1 and chain[at - 1][0] == chain[at + 1][0] == "scale":
-        softcap = chain[at - 1][1]
-        if not np.isclose(softcap * chain[at + 1][1], 1.0, rtol=1e-5):
-            raise NotRead(f"a tanh between {chain[at + 1][1]:g} and {softcap:g}: not a softcap c * tanh(s / c)")
-        chain = chain[: at - 1] + chain[at + 2 :]
-    elif at is not None:
-        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c)")
-    scale = 1.0
-    for _, factor in chain:
-        scale *= factor
-    return scale, softcap
-
-
-# the steps between q.k and a Softmax: scalings, caps, masks, layouts, a sink's column
-_SCORE_STEPS = ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add", "Sub", "Where", "Concat", "Clip", "Max",
-                "Min", "Neg", "Identity", "Expand", "Squeeze", "Unsqueeze")
-
-
-def _reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
-    """Whether `value` comes from a MatMul of two computed operands (q.k) within a few scaling, masking and layout
-    steps: the scores' side of an Add, or a Softmax that is attention's."""
-    frontier = [value]
-    for _ in range(depth):
-        nxt = []
-        for v in frontier:
-            node = v.producer()
-            if node is None or node.domain not in ("", "ai.onnx"):
-                continue
-            if node.op_type == "MatMul" and const_array(node.inputs[1]) is None and const_array(node.inputs[0]) is None:
-                return True
-            if node.op_type in _SCORE_STEPS:
-                nxt += [i for i in node.inputs if i is not None and const_array(i) is None]
-        frontier = nxt
-    return False
-
-
 def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
     layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
     core reads them, each mask tensor named for the audit to read by running it."""
     facts: dict[str, Any] = {}
-    qk, masks, scale, softcap = _scores_and_masks(node.inputs[0])
-    sinks = _sink_logits(node.inputs[0])
-    probs = node.outputs[0]
-    while (users := [u for u, _ in probs.uses() if u.op_type != "IsNaN"]) and len(users) == 1 and (
-        users[0].op_type in ("Reshape", "Slice", "Cast", "Dropout", "Identity")
-        or (users[0].op_type == "Where" and probs in users[0].inputs[1:] and any(
-            const_array(i) is not None for i in users[0].inputs[1:]))
-    ):  # the layout, a sink's column dropped, a guard setting a row of NaN (no key visible) to 0
-        probs = users[0].outputs[0]
-    pv = next((u for u in users if _is(u, "MatMul") and u.inputs[0] is probs), None)
+    chain = score_chain(node)
+    if chain.constant_bias:
+        raise NotRead("a constant added to the scores (a folded mask or a position bias): not read in this version")
+    if chain.qk is None:
+        maker = chain.end.producer()
+        raise NotRead(f"{chain.end.name}: the Softmax's scores are not traced back to MatMul(q, k^T) "
+                      f"(made by {maker.op_type if maker is not None else 'a graph input'})")  # fmt: skip
+    qk, pv = chain.qk, chain.pv
+    masks = [(tensor.name, how) for _, tensor, how in chain.masks]
+    scale, softcap = scale_and_softcap(chain.scalings)
+    sinks = sink_logits(node.inputs[0])
     if pv is None:
         raise NotRead(f"{node.outputs[0].name}: the probabilities are not multiplied by values")
     block = Block(index, node.name or node.op_type, "decomposed", facts=facts)
     weights: dict[str, np.ndarray] = {}
     paths = {}
     for role, value in (("q", qk.inputs[0]), ("k", qk.inputs[1]), ("v", pv.inputs[1])):
-        projection, paths[role] = _find_projection(value)
-        proj = _projection(projection)
+        found, paths[role] = find_projection(value)
+        proj = projection(found)
         if proj is None:
-            raise NotRead(f"{role} {projection.name}: not read as a projection")
+            raise NotRead(f"{role} {found.name}: not read as a projection")
         w, b = proj
         weights[f"{role}_proj.weight"] = w.T
         weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
     for role in "qkv":
         block.stages[role] = (paths[role].projection.name, None)
-    hd = _head_dim(qk.inputs[0])
+    hd = head_dim(qk.inputs[0])
     if hd is None:
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
     facts.update(n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale, softcap=softcap)
     qk_norm = _qk_norm(paths, weights, facts)
-    proj_node = _projection_node(paths["q"].projection)
-    if any(_projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
+    proj_node = projection_node(paths["q"].projection)
+    if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
     _hidden_state(block, proj_node)
     block.outputs["y"] = _output_projection(pv.outputs[0], weights, block).name
@@ -822,7 +510,7 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
         if core is None:
             continue
         name = node.name or node.op_type
-        if core == "decomposed" and not _reaches_matmul(node.inputs[0], depth=16):
+        if core == "decomposed" and not reaches_matmul(node.inputs[0], depth=16):
             if others is not None:
                 others.append(f"node {name}: a Softmax whose input comes from no MatMul of two computed operands "
                               "(q.k): not read as attention")  # fmt: skip
@@ -872,4 +560,4 @@ def block_nodes(model: ir.Model) -> list[str]:
     refuses is still listed here (iter_blocks names it as unread and numbers the blocks after it one lower)."""
     return [node.name or node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
             if (core := _core_of_node(node, "")) in _BLOCK_READERS
-            and (core != "decomposed" or _reaches_matmul(node.inputs[0], depth=16))]  # fmt: skip
+            and (core != "decomposed" or reaches_matmul(node.inputs[0], depth=16))]  # fmt: skip

@@ -25,7 +25,15 @@ import onnx_ir as ir
 from attnx.errors import UsageError
 from attnx.export.passes._base import const_array
 from attnx.export.passes._masks import NotReadable, classify_hidden
-from attnx.export.passes.quantize import dequantize_node
+from attnx.export.passes.walk import (
+    NotRead,
+    is_op,
+    past_cache,
+    projection,
+    scale_and_softcap,
+    score_chain,
+    strip_layout,
+)
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN, lowering_from_nodes
 from attnx.model.cores import core_from_nodes
@@ -35,10 +43,6 @@ __all__ = ["CORE_READERS", "CoreReading", "core_of", "lowering_of", "qk_weights"
            "v_weights"]
 
 _STD = ("", "ai.onnx")
-
-
-def _is(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = _STD) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in domain
 
 
 def _node_triples(model: ir.Model) -> list[tuple[str, str, str | None]]:
@@ -61,96 +65,11 @@ def core_of(model: ir.Model) -> str:
     return core_from_nodes(_node_triples(model))
 
 
-def _strip_layout(value: ir.Value) -> ir.Value:
-    """Back through the Reshapes and Transposes that split a projection into heads."""
-    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Transpose") and node.domain in _STD:
-        value = node.inputs[0]
-    return value
-
-
-def _projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """(W [in, out], bias or None) for value = [Add(] MatMul(x, W) [, b)], or a column slice
-    of a packed MatMul through Split."""
-    bias = None
-    node = value.producer()
-    if _is(node, "Add"):
-        for i in (0, 1):
-            b = const_array(node.inputs[1 - i])
-            if b is not None and b.ndim == 1:
-                bias, value, node = b, node.inputs[i], node.inputs[i].producer()
-                break
-        else:
-            return None
-    if _is(node, "Split"):
-        index = list(node.outputs).index(value)
-        sizes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
-        packed = _projection(node.inputs[0])
-        if sizes is None or packed is None:
-            return None
-        start = int(np.sum(sizes[:index]))
-        w, b = packed
-        cols = slice(start, start + int(sizes[index]))
-        return w[:, cols], (b[cols] if b is not None else bias)
-    if _is(node, "Slice") and (cols := last_axis_slice(node)) is not None:  # a packed MatMul's columns
-        packed = _projection(node.inputs[0])
-        if packed is None:
-            return None
-        w, b = packed
-        return w[:, cols], (b[cols] if b is not None else bias)
-    if _is(node, "Mul"):  # int8's row rescale: DynamicQuantizeMatMul(x / r, ...) * r
-        inner = next((i.producer() for i in node.inputs if i is not None and i.producer() is not None
-                      and i.producer().op_type == "DynamicQuantizeMatMul"), None)  # fmt: skip
-        node = inner if inner is not None else node
-    if node is not None and node.domain == MS_DOMAIN and node.op_type in ("DynamicQuantizeMatMul", "MatMulNBits"):
-        w = dequantize_node(node)  # a quantized projection: the weights it computes with
-        return (w, bias) if w is not None else None
-    if not _is(node, "MatMul"):
-        return None
-    w = const_array(node.inputs[1])
-    return (w, bias) if w is not None and w.ndim == 2 else None
-
-
-def last_axis_slice(node: ir.Node) -> slice | None:
-    """The columns a Slice takes on its input's last axis (constant starts, ends and axes, step 1), or None."""
-    starts, ends = (const_array(node.inputs[i]) if len(node.inputs) > i else None for i in (1, 2))
-    axes = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-    steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-    rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
-    if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 or axes.size != 1:
-        return None
-    if (steps is not None and int(steps.ravel()[0]) != 1) or int(axes.ravel()[0]) not in (-1, (rank or 0) - 1):
-        return None
-    start, end = int(starts.ravel()[0]), int(ends.ravel()[0])
-    return slice(start, end) if 0 <= start < end else None
-
-
-def _past_cache(value: ir.Value) -> ir.Value:
-    """Through a step model's Concat onto the cache (present = Concat(past, new)): the new values."""
-    node = value.producer()
-    return node.inputs[-1] if _is(node, "Concat") and len(node.inputs) == 2 else value
-
-
-def _scores_operand(value: ir.Value) -> ir.Value:
-    """From a Softmax input back to q k^T: through the mask's Where and the scaling."""
-    while (node := value.producer()) is not None and node.domain in _STD:
-        if node.op_type == "Where":
-            value = node.inputs[2]
-        elif node.op_type in ("Mul", "Div"):
-            value = node.inputs[0] if const_array(node.inputs[0]) is None else node.inputs[1]
-        elif node.op_type in ("Reshape", "Tanh"):  # a grouped layout's reshape, a softcap's tanh
-            value = node.inputs[0]
-        elif node.op_type == "Concat" and len(node.inputs) == 2:  # a sink's column after the scores
-            value = node.inputs[0]
-        else:
-            break
-    return value
-
-
 def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
     """((Wq, bq), (Wk, bk)) of the first attention core found."""
     for node in model.graph:
-        if _is(node, "MultiHeadAttention", (MS_DOMAIN,)):
-            q, k = _projection(node.inputs[0]), _projection(node.inputs[1])
+        if is_op(node, "MultiHeadAttention", (MS_DOMAIN,)):
+            q, k = projection(node.inputs[0]), projection(node.inputs[1])
             if q is None or k is None:
                 return None
             bias = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
@@ -158,18 +77,18 @@ def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
                 dq = q[0].shape[1]
                 q, k = (q[0], bias[:dq]), (k[0], bias[dq : 2 * dq])
             return q, k
-        if _is(node, "Attention", (MS_DOMAIN,)):
+        if is_op(node, "Attention", (MS_DOMAIN,)):
             packed = _packed_attention(node)
             return (packed[0], packed[1]) if packed is not None else None
-        if _is(node, "Attention"):
-            q, k = _projection(_strip_layout(node.inputs[0])), _projection(_strip_layout(node.inputs[1]))
+        if is_op(node, "Attention"):
+            q, k = projection(strip_layout(node.inputs[0])), projection(strip_layout(node.inputs[1]))
             return (q, k) if q is not None and k is not None else None
-        if _is(node, "Softmax"):
-            scores = _scores_operand(node.inputs[0]).producer()
-            if not _is(scores, "MatMul"):
+        if is_op(node, "Softmax"):
+            scores = score_chain(node).qk
+            if scores is None:
                 return None
-            q = _projection(_strip_layout(scores.inputs[0]))
-            k = _projection(_strip_layout(_past_cache(_strip_layout(scores.inputs[1]))))
+            q = projection(strip_layout(scores.inputs[0]))
+            k = projection(strip_layout(past_cache(strip_layout(scores.inputs[1]))))
             return (q, k) if q is not None and k is not None else None
     return None
 
@@ -205,24 +124,19 @@ def v_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
     for a quantized form's error model (the attention output it quantizes); None when not found."""
     found = None
     for node in model.graph:
-        if _is(node, "MultiHeadAttention", (MS_DOMAIN,)) and len(node.inputs) > 2:
-            found = _projection(node.inputs[2])
+        if is_op(node, "MultiHeadAttention", (MS_DOMAIN,)) and len(node.inputs) > 2:
+            found = projection(node.inputs[2])
             bias = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
             if found is not None and bias is not None:  # the op's packed bias: [Dq | Dk | Dv]
                 found = (found[0], bias[bias.shape[0] - found[0].shape[1] :])
-        elif _is(node, "Attention", (MS_DOMAIN,)):
+        elif is_op(node, "Attention", (MS_DOMAIN,)):
             packed = _packed_attention(node)
             found = packed[2] if packed is not None else None
-        elif _is(node, "Attention") and len(node.inputs) > 2:
-            found = _projection(_strip_layout(node.inputs[2]))
-        elif _is(node, "Softmax"):
-            probs = node.outputs[0]
-            while (users := [use for use, _ in probs.uses()]) and len(users) == 1 and (
-                _is(users[0], "Reshape") or _is(users[0], "Slice")
-            ):  # a grouped layout's reshape, a sink's column dropped
-                probs = users[0].outputs[0]
-            uses = [use for use in users if _is(use, "MatMul")]
-            found = _projection(_strip_layout(_past_cache(uses[0].inputs[1]))) if uses else None
+        elif is_op(node, "Attention") and len(node.inputs) > 2:
+            found = projection(strip_layout(node.inputs[2]))
+        elif is_op(node, "Softmax"):
+            pv = score_chain(node).pv
+            found = projection(strip_layout(past_cache(pv.inputs[1]))) if pv is not None else None
         if found is not None:
             w, b = found
             return {"v_proj.weight": np.asarray(w, np.float32).T,
@@ -293,39 +207,21 @@ def _read_attention23(node: ir.Node) -> dict[str, Any]:
 
 
 def _read_decomposed(node: ir.Node) -> dict[str, Any]:
-    """From the Softmax back to q.k: the scale, a softcap (Div, Tanh, Mul), a mask's Where, a sink's
-    column (Concat of a constant before the Softmax)."""
-    facts: dict[str, Any] = {"sinks": False}
-    value = node.inputs[0]
-    p = value.producer()
-    if p is not None and p.op_type == "Concat" and len(p.inputs) == 2:
-        facts["sinks"] = True
-        value = p.inputs[0]
-    consts: list[tuple[str, float]] = []
-    while (p := value.producer()) is not None and p.domain in _STD and p.op_type in ("Where", "Mul", "Div", "Tanh",
-                                                                                    "Reshape", "Add"):  # fmt: skip
-        if p.op_type == "Where":
-            facts.update(_read_mask(p.inputs[0], value))
-            value = p.inputs[2]
-            continue
-        if p.op_type in ("Tanh", "Reshape"):
-            value = p.inputs[0]
-            if p.op_type == "Tanh":
-                facts["softcap_tanh"] = True
-            continue
-        const = next((i for i in p.inputs if i is not None and const_array(i) is not None), None)
-        if const is None:
-            break
-        array = const_array(const)
-        if array.size == 1:
-            consts.append((p.op_type, float(array.ravel()[0])))
-        value = next(i for i in p.inputs if i is not const)
-    if facts.pop("softcap_tanh", False) and len(consts) >= 2:  # c * tanh(s / c): the Mul and the Div share c
-        facts["softcap"] = consts[0][1]
-        consts = consts[2:]
-    if consts:
-        op, s = consts[-1]
-        facts["scale"] = s if op == "Mul" else 1.0 / s
+    """From the Softmax back to q.k (the one walk, score_chain): the scale, a softcap c * tanh(s / c), the masks of
+    a Where(hidden, lowest, scores), a sink's column (a Concat before the Softmax)."""
+    chain = score_chain(node)
+    facts: dict[str, Any] = {"sinks": chain.sink is not None}
+    for where, hidden, how in chain.masks:
+        if how == "where-masked":
+            facts.update(_read_mask(hidden, where.outputs[0]))
+    try:
+        scale, softcap = scale_and_softcap(chain.scalings)
+    except NotRead:  # a tanh that is no softcap: the scale and softcap not stated
+        return facts
+    if softcap is not None:
+        facts["softcap"] = softcap
+    if any(entry[0] == "scale" for entry in chain.scalings):
+        facts["scale"] = scale
     return facts
 
 

@@ -30,6 +30,7 @@ import onnx
 import onnx_ir as ir
 
 from attnx.export.passes._base import AttnxPass, const_array, fresh_name
+from attnx.export.passes.walk import score_chain, strip_layout
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, MS_DOMAIN
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
@@ -174,17 +175,11 @@ def stages_json(layouts: dict[str, str], outputs: list[str]) -> str:
 _CACHE_ROLES = {"present_key": "k", "present_value": "v"}  # a step model's cache outputs
 
 
-def _strip_layout(value: ir.Value) -> ir.Value:
-    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Transpose") and node.domain in _STD:
-        value = node.inputs[0]
-    return value
-
-
 def _matmul_of(value: ir.Value | None) -> ir.Node | None:
     """The projection MatMul behind a core input: through head-split layout ops and a bias Add."""
     if value is None:
         return None
-    value = _strip_layout(value)
+    value = strip_layout(value)
     node = value.producer()
     if node is not None and node.op_type == "Add" and node.domain in _STD:
         for operand in node.inputs:
@@ -226,7 +221,7 @@ def _roles(model: ir.Model) -> dict[int, str]:
     def mark(value: ir.Value | None, role: str) -> None:
         node = _matmul_of(value)
         if node is not None:
-            roles[id(node)] = "qkv" if _strip_layout(value).producer().op_type == "Split" else role
+            roles[id(node)] = "qkv" if strip_layout(value).producer().op_type == "Split" else role
         elif value is not None and (behind := _projection_behind(value)) is not None:
             # a modern-LLM graph: q and k reach the core through their norms and rotation
             roles[id(behind[0])] = "qkv" if behind[1] else role
@@ -246,26 +241,12 @@ def _roles(model: ir.Model) -> dict[int, str]:
             # the decomposed step model: present = Concat(past, the new tokens' heads)
             mark(node.inputs[-1], _CACHE_ROLES[node.outputs[0].name])
         elif node.op_type == "Softmax" and node.domain in _STD:
-            scores = node.inputs[0]
-            # back through the mask, the scale, a softcap (Tanh) and a sink's column (Concat: the scores first)
-            while (p := scores.producer()) is not None and p.op_type in ("Where", "Mul", "Div", "Add", "Reshape", "Tanh",
-                                                                         "Concat"):  # fmt: skip
-                scores = (
-                    p.inputs[2]
-                    if p.op_type == "Where"
-                    else next((i for i in p.inputs if i is not None and const_array(i) is None), p.inputs[0])
-                )
-            p = scores.producer()
-            if p is not None and p.op_type == "MatMul":
-                mark(p.inputs[0], "q")
-                mark(p.inputs[1], "k")
-            probs = node.outputs[0]
-            users = [use for use, _ in probs.uses()]
-            if len(users) == 1 and users[0].op_type == "Slice":  # sinks: the sink's column dropped first
-                users = [use for use, _ in users[0].outputs[0].uses()]
-            for use in users:
-                if use.op_type == "MatMul":
-                    mark(use.inputs[1], "v")
+            chain = score_chain(node)  # back to q.k through the masks, scalings and a sink; on to p.v
+            if chain.qk is not None:
+                mark(chain.qk.inputs[0], "q")
+                mark(chain.qk.inputs[1], "k")
+            if chain.pv is not None:
+                mark(chain.pv.inputs[1], "v")
     return roles
 
 

@@ -1,0 +1,451 @@
+"""The one walker of attention in a graph, whoever wrote it: from an attention node or a Softmax back to q, k and v
+and the projections they come from. Every reader (attnx.export._read, the block readers of attnx.export.cores) and
+pass (NameStages) reads a core through it:
+
+    score_chain(softmax)     the Softmax's chain: q.k, the scalings, the masks, a sink, the probabilities, p.v
+    walk(value)              a fused op's input back to its projection: the cache's Concat, a RotaryEmbedding, a norm
+    find_projection(value)   the same for a decomposed core, breadth first (a rotation's arithmetic, an RMS norm's)
+    projection(value)        the weights [in, out] and bias of a projection's output (a packed one's columns)
+
+What is not followed raises NotRead, saying what and where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export.passes._base import const_array
+from attnx.export.passes.quantize import dequantize_node
+from attnx.model.contract import MS_DOMAIN
+
+__all__ = ["NotRead", "Path", "ScoreChain", "find_projection", "head_dim", "is_op", "last_axis_slice", "past_cache",
+           "projection", "projection_node", "reaches_matmul", "rms_norm", "scale_and_softcap", "score_chain",
+           "sink_logits", "strip_layout", "walk"]
+
+STD = ("", "ai.onnx")
+
+
+class NotRead(Exception):
+    """A structure a reader does not follow; the message says what and where."""
+
+
+def is_op(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = STD) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in domain
+
+
+def strip_layout(value: ir.Value) -> ir.Value:
+    """Back through the Reshapes and Transposes that split a projection into heads."""
+    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Transpose") and node.domain in STD:
+        value = node.inputs[0]
+    return value
+
+
+def past_cache(value: ir.Value) -> ir.Value:
+    """Through a step model's Concat onto the cache (present = Concat(past, new)): the new values."""
+    node = value.producer()
+    return node.inputs[-1] if is_op(node, "Concat") and len(node.inputs) == 2 else value
+
+
+def last_axis_slice(node: ir.Node) -> slice | None:
+    """The columns a Slice takes on its input's last axis (constant starts, ends and axes, step 1), or None."""
+    starts, ends = (const_array(node.inputs[i]) if len(node.inputs) > i else None for i in (1, 2))
+    axes = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
+    if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 or axes.size != 1:
+        return None
+    if (steps is not None and int(steps.ravel()[0]) != 1) or int(axes.ravel()[0]) not in (-1, (rank or 0) - 1):
+        return None
+    start, end = int(starts.ravel()[0]), int(ends.ravel()[0])
+    return slice(start, end) if 0 <= start < end else None
+
+
+def projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(W [in, out], bias or None) for value = [Add(] MatMul(x, W) [, b)], or a column slice
+    of a packed MatMul through Split."""
+    bias = None
+    node = value.producer()
+    if is_op(node, "Add"):
+        for i in (0, 1):
+            b = const_array(node.inputs[1 - i])
+            if b is not None and b.ndim == 1:
+                bias, value, node = b, node.inputs[i], node.inputs[i].producer()
+                break
+        else:
+            return None
+    if is_op(node, "Split"):
+        index = list(node.outputs).index(value)
+        sizes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        packed = projection(node.inputs[0])
+        if sizes is None or packed is None:
+            return None
+        start = int(np.sum(sizes[:index]))
+        w, b = packed
+        cols = slice(start, start + int(sizes[index]))
+        return w[:, cols], (b[cols] if b is not None else bias)
+    if is_op(node, "Slice") and (cols := last_axis_slice(node)) is not None:  # a packed MatMul's columns
+        packed = projection(node.inputs[0])
+        if packed is None:
+            return None
+        w, b = packed
+        return w[:, cols], (b[cols] if b is not None else bias)
+    if is_op(node, "Mul"):  # int8's row rescale: DynamicQuantizeMatMul(x / r, ...) * r
+        inner = next((i.producer() for i in node.inputs if i is not None and i.producer() is not None
+                      and i.producer().op_type == "DynamicQuantizeMatMul"), None)  # fmt: skip
+        node = inner if inner is not None else node
+    if node is not None and node.domain == MS_DOMAIN and node.op_type in ("DynamicQuantizeMatMul", "MatMulNBits"):
+        w = dequantize_node(node)  # a quantized projection: the weights it computes with
+        return (w, bias) if w is not None else None
+    if not is_op(node, "MatMul"):
+        return None
+    w = const_array(node.inputs[1])
+    return (w, bias) if w is not None and w.ndim == 2 else None
+
+
+def projection_node(value: ir.Value) -> ir.Node:
+    """The MatMul (or MatMulNBits) of a projection's output, through a bias Add and a Split."""
+    node = value.producer()
+    if is_op(node, "Add"):
+        node = next((i.producer() for i in node.inputs if i is not None and const_array(i) is None), None)
+    if is_op(node, "Split") or (is_op(node, "Slice") and last_axis_slice(node) is not None):
+        return projection_node(node.inputs[0])
+    if is_op(node, "MatMul") or is_op(node, "MatMulNBits", (MS_DOMAIN,)):
+        return node
+    raise NotRead(f"{value.name}: not a projection (MatMul, MatMulNBits, with a bias Add or a Split), "
+                  f"made by {node.op_type if node is not None else 'a graph input'}")  # fmt: skip
+
+
+# what lies between a core's query/key/value input and its projection: the heads' layout, a GQA group's
+# repeat (Expand, Tile), casts, a RotaryEmbedding, a per-head norm, the cache's Concat(past, new)
+PASS_OPS = ("Reshape", "Transpose", "Expand", "Unsqueeze", "Squeeze", "Cast", "Identity", "Tile")
+
+
+@dataclasses.dataclass
+class Path:
+    projection: ir.Value  # the projection's output (with its bias)
+    rotary: Any = None  # the RotaryEmbedding node; for a decomposed rotary, its {"Cos": table, "Sin": table}
+    norm: tuple[np.ndarray, float] | None = None
+    past: ir.Value | None = None  # the graph input the cache Concat appends to
+    present: ir.Value | None = None  # that Concat's output
+    scale: float = 1.0  # constant scalings met (a decomposed core's sqrt(scale) on q and on k)
+
+
+def walk(value: ir.Value) -> Path:
+    """Back from a core's input to its projection, noting the rotary, norm and cache met on the way."""
+    path = Path(value)
+    while (node := value.producer()) is not None:
+        if is_op(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
+                and node.inputs[0].is_graph_input():  # fmt: skip
+            path.past, path.present, value = node.inputs[0], node.outputs[0], node.inputs[1]
+        elif node.op_type == "RotaryEmbedding" and node.domain in (MS_DOMAIN, "", "ai.onnx"):
+            path.rotary, value = node, node.inputs[0]
+        elif node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization") and node.domain in (
+            MS_DOMAIN, "", "ai.onnx"
+        ):  # fmt: skip
+            weight = const_array(node.inputs[1])
+            if weight is None:
+                raise NotRead(f"node {node.name}: a norm whose weight is not a constant")
+            path.norm, value = (weight, node.attributes.get_float("epsilon", 1e-5)), node.inputs[0]
+        elif node.op_type in PASS_OPS and node.domain in ("", "ai.onnx"):
+            value = node.inputs[0]
+        else:
+            break
+    path.projection = value
+    return path
+
+
+# The decomposed core: MatMul(q, k^T), scale, masks, Softmax, MatMul(p, v), as attnx and torch.onnx write it --------
+PROJECTION_OPS = (("MatMul", ("", "ai.onnx")), ("MatMulNBits", (MS_DOMAIN,)))
+
+
+def is_projection(node: ir.Node) -> bool:
+    return any(is_op(node, op, domain) for op, domain in PROJECTION_OPS) and (
+        const_array(node.inputs[1]) is not None or node.op_type == "MatMulNBits"
+    )
+
+
+def feeds_from(value: ir.Value, ops: tuple[str, ...], depth: int = 4) -> ir.Node | None:
+    """The node of one of `ops` that `value` comes from within a few layout steps (Unsqueeze, Cast, Reshape,
+    Expand, Transpose, Squeeze), or None."""
+    for _ in range(depth + 1):
+        node = value.producer()
+        if node is None:
+            return None
+        if node.op_type in ops:
+            return node
+        if node.op_type not in ("Unsqueeze", "Cast", "Reshape", "Expand", "Transpose", "Squeeze"):
+            return None
+        value = node.inputs[0]
+    return None
+
+
+def rms_norm(node: ir.Node) -> tuple[np.ndarray, float] | None:
+    """(weight, eps) of a decomposed RMS norm ending at `node`: Mul(x * rsqrt(mean(x^2) + eps), weight), the weight
+    a constant vector; None when the Mul is not one."""
+    weight = next((c for i in node.inputs if (c := const_array(i)) is not None and c.ndim == 1 and c.size > 1), None)
+    if weight is None:
+        return None
+    seen, queue, eps, mean = set(), [i for i in node.inputs if const_array(i) is None], None, False
+    while queue and len(seen) < 12:
+        n = queue.pop(0).producer()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op_type == "ReduceMean":
+            mean = True
+        elif n.op_type == "Add" and (c := next((const_array(i) for i in n.inputs if const_array(i) is not None), None)) is not None \
+                and c.size == 1:  # fmt: skip
+            eps = float(c.ravel()[0])
+        if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Pow", "Cast"):
+            queue += [i for i in n.inputs if i is not None and const_array(i) is None]
+    return (weight, eps if eps is not None else 1e-6) if mean else None
+
+
+# the operators whose inputs past the first are a shape, axes, indices or sizes
+SHAPED_OPS = ("Reshape", "Expand", "Tile", "Slice", "Unsqueeze", "Squeeze", "Pad", "Gather", "ConstantOfShape", "Range")
+
+
+def find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, Path]:
+    """The nearest projection (a MatMul of constant weights) above `value`, breadth first, with its bias Add, and what
+    lies between: the cache's Concat(past, new), the rotary's Cos/Sin (their Mul by a constant, the attention factor,
+    kept), a decomposed RMS norm, and constant scalings (the square root of the scale that transformers' sdpa puts on
+    q and on k): for any arrangement of the rotation's Slice/Neg/Mul/Add/Concat. Nothing above a projection is read."""
+    path = Path(value)
+    path.scale = 1.0
+    found = None
+    seen, queue = set(), [value]
+    while queue and len(seen) < limit:
+        v = queue.pop(0)
+        node = v.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if is_op(node, "Slice") and last_axis_slice(node) is not None and projection(node.outputs[0]) is not None:
+            found = found or node.outputs[0]  # a packed projection's columns (q | k | v in one MatMul)
+            continue
+        if is_projection(node):
+            if found is None:
+                out = node.outputs[0]
+                adds = [u for u, _ in out.uses() if is_op(u, "Add") and any(
+                    (c := const_array(i)) is not None and c.ndim == 1 for i in u.inputs)]  # fmt: skip
+                found = adds[0].outputs[0] if adds else out
+            continue  # the hidden state and the layers before: not this block's
+        if is_op(node, "Concat") and len(node.inputs) == 2 and node.inputs[0] is not None \
+                and node.inputs[0].is_graph_input() and path.past is None:  # fmt: skip
+            path.past, path.present = node.inputs[0], node.outputs[0]
+            queue.append(node.inputs[1])
+            continue
+        if node.op_type in ("Cos", "Sin") and node.domain in ("", "ai.onnx"):
+            table = node.outputs[0]
+            users = [u for u, _ in table.uses()]
+            if len(users) == 1 and is_op(users[0], "Mul") and any(const_array(i) is not None for i in users[0].inputs):
+                table = users[0].outputs[0]  # the attention factor
+            path.rotary = path.rotary or {}
+            path.rotary[node.op_type] = table
+            continue  # the table's own inputs (position_ids, inv_freq) hold no projection
+        if node.op_type in ("Shape", "Size"):
+            continue  # a size, not values: the shape arithmetic above it is not the block's
+        if node.op_type in ("Mul", "Div") and node.domain in ("", "ai.onnx"):
+            consts = [c for i in node.inputs if (c := const_array(i)) is not None]
+            computed = [i for i in node.inputs if i is not None and const_array(i) is None]
+            divisor = node.op_type == "Mul" or const_array(node.inputs[1]) is not None
+            if consts and consts[0].size == 1 and consts[0].dtype.kind == "f" and len(computed) == 1 and divisor:
+                if feeds_from(computed[0], ("Cos", "Sin")) is None:  # not a table's attention factor
+                    c = float(consts[0].ravel()[0])
+                    path.scale *= c if node.op_type == "Mul" else 1.0 / c
+            elif node.op_type == "Mul" and consts and path.norm is None and (norm := rms_norm(node)) is not None:
+                path.norm = norm
+                queue += rms_input(node)
+                continue
+        data = node.inputs[:1] if node.op_type in SHAPED_OPS else node.inputs  # not the shape, axes or indices
+        queue += [i for i in data if i is not None and const_array(i) is None]
+    if found is None:
+        raise NotRead(f"{value.name}: no projection (a MatMul of constant weights) found above it")
+    path.projection = found
+    return found, path
+
+
+def rms_input(node: ir.Node) -> list[ir.Value]:
+    """The value a decomposed RMS norm normalizes (the input of its Pow or of its first Mul), to walk on from."""
+    seen, queue = set(), [i for i in node.inputs if const_array(i) is None]
+    while queue and len(seen) < 12:
+        v = queue.pop(0)
+        n = v.producer()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op_type == "Pow":
+            return [n.inputs[0]]
+        if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Cast"):
+            queue += [i for i in n.inputs if i is not None and const_array(i) is None]
+    return [i for i in node.inputs if const_array(i) is None]
+
+
+def head_dim(value: ir.Value) -> int | None:
+    """A query's head size: its last static dimension, else the last entry of a constant 4-or-more-axis Reshape
+    above it (the split into heads)."""
+    if value.shape is not None and len(value.shape) >= 3 and isinstance(value.shape[-1], int):
+        return value.shape[-1]
+    seen, queue = set(), [value]
+    while queue and len(seen) < 32:
+        node = queue.pop(0).producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if is_op(node, "Reshape"):
+            shape = const_array(node.inputs[1])
+            maker = node.inputs[1].producer()
+            if shape is None and is_op(maker, "Concat") and len(maker.inputs) >= 3:  # a shape of computed dims
+                shape = const_array(maker.inputs[-1])
+                shape = shape if shape is not None and shape.size == 1 else None
+            elif shape is not None and shape.size < 4:
+                shape = None
+            if shape is not None and shape.ravel()[-1] > 0:
+                return int(shape.ravel()[-1])
+        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
+    return None
+
+
+def sink_logits(value: ir.Value) -> np.ndarray | None:
+    """A head sink's logits: the constant behind a column concatenated after the scores before the Softmax (through
+    its Expand/Reshape/Cast to the scores' shape), or None without one."""
+    node = value.producer()
+    if not (is_op(node, "Concat") and len(node.inputs) == 2):
+        return None
+    seen, queue = set(), [node.inputs[1]]
+    while queue and len(seen) < 12:
+        v = queue.pop(0)
+        if (c := const_array(v)) is not None and c.dtype.kind == "f" and c.size > 1:
+            return np.array(c, np.float32)
+        n = v.producer()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        queue += list(n.inputs[:1]) if n.op_type in SHAPED_OPS else [i for i in n.inputs if i is not None]
+    raise NotRead(f"{node.inputs[1].name}: a column after the scores (a sink) whose logits are not a constant")
+
+
+def scale_and_softcap(chain: list[tuple[Any, ...]]) -> tuple[float, float | None]:
+    """The scale and softcap of the scalings between q.k and the Softmax (from the Softmax back): c * tanh(s / c) is
+    the factor next to the tanh on each side, the rest multiplies into the scale."""
+    softcap = None
+    at = next((i for i, entry in enumerate(chain) if entry[0] == "tanh"), None)
+    if at is not None and 0 < at < len(chain) - 1 and chain[at - 1][0] == chain[at + 1][0] == "scale":
+        softcap = chain[at - 1][1]
+        if not np.isclose(softcap * chain[at + 1][1], 1.0, rtol=1e-5):
+            raise NotRead(f"a tanh between {chain[at + 1][1]:g} and {softcap:g}: not a softcap c * tanh(s / c)")
+        chain = chain[: at - 1] + chain[at + 2 :]
+    elif at is not None:
+        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c)")
+    scale = 1.0
+    for entry in chain:
+        scale *= entry[1]
+    return scale, softcap
+
+
+# the steps between q.k and a Softmax: scalings, caps, masks, layouts, a sink's column
+SCORE_STEPS = ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Add", "Sub", "Where", "Concat", "Clip", "Max",
+                "Min", "Neg", "Identity", "Expand", "Squeeze", "Unsqueeze")
+
+
+def reaches_matmul(value: ir.Value, depth: int = 6) -> bool:
+    """Whether `value` comes from a MatMul of two computed operands (q.k) within a few scaling, masking and layout
+    steps: the scores' side of an Add, or a Softmax that is attention's."""
+    frontier = [value]
+    for _ in range(depth):
+        nxt = []
+        for v in frontier:
+            node = v.producer()
+            if node is None or node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type == "MatMul" and const_array(node.inputs[1]) is None and const_array(node.inputs[0]) is None:
+                return True
+            if node.op_type in SCORE_STEPS:
+                nxt += [i for i in node.inputs if i is not None and const_array(i) is None]
+        frontier = nxt
+    return False
+
+@dataclasses.dataclass
+class ScoreChain:
+    """What lies between a Softmax and attention's two MatMuls, walked once (score_chain): from the Softmax back to
+    q.k through the scalings (the scale, a softcap's c * tanh(s / c)), the masks, a sink's column, layouts and casts;
+    and forward to the MatMul with the values through a sink's column dropped, casts and a guard zeroing a row of
+    NaN. What each reader and pass reads of the core is read from this one walk."""
+
+    softmax: ir.Node
+    qk: ir.Node | None = None  # MatMul(q, k^T); None where the walk stops before one (at `end`)
+    end: ir.Value | None = None  # the value the walk back stopped at, where it found no q.k
+    steps: list[ir.Node] = dataclasses.field(default_factory=list)  # from the Softmax back to qk, in that order
+    # ("scale", factor, node, its constant) or ("tanh", 0.0, node, None), from the Softmax back
+    scalings: list[tuple[str, float, ir.Node, ir.Value | None]] = dataclasses.field(default_factory=list)
+    masks: list[tuple[ir.Node, ir.Value, str]] = dataclasses.field(default_factory=list)  # (node, tensor, how)
+    constant_bias: bool = False  # a constant other than zero added to the scores (a folded mask or a position bias)
+    sink: ir.Node | None = None  # the Concat joining a sink's column after the scores
+    probs: ir.Value | None = None  # the probabilities the values are weighted by
+    pv: ir.Node | None = None  # MatMul(p, v)
+
+
+def _scalar(node: ir.Node) -> tuple[float, ir.Value] | None:
+    const = next((i for i in node.inputs if i is not None and const_array(i) is not None), None)
+    if const is None or const_array(const).size != 1:
+        return None
+    return float(const_array(const).ravel()[0]), const
+
+
+def score_chain(softmax: ir.Node) -> ScoreChain:
+    """The chain around a Softmax (ScoreChain). A mask is how it hides: "where-masked" (Where(hide, lowest,
+    scores)), "where-kept" (Where(keep, scores, lowest)) or "additive" (a computed tensor added to the scores, on
+    the side that does not reach q.k)."""
+    chain = ScoreChain(softmax)
+    value = softmax.inputs[0]
+    while (node := value.producer()) is not None and node.domain in STD:
+        if node.op_type == "MatMul":
+            chain.qk = node
+            break
+        chain.steps.append(node)
+        if node.op_type in ("Mul", "Div") and (scalar := _scalar(node)) is not None:
+            factor, const = scalar
+            chain.scalings.append(("scale", factor if node.op_type == "Mul" else 1.0 / factor, node, const))
+        elif node.op_type == "Tanh":
+            chain.scalings.append(("tanh", 0.0, node, None))
+        if node.op_type == "Where":
+            first, second = node.inputs[1], node.inputs[2]
+            if const_array(first) is not None:  # Where(hide, lowest, scores)
+                chain.masks.append((node, node.inputs[0], "where-masked"))
+                value = second
+            else:  # Where(keep, scores, lowest)
+                chain.masks.append((node, node.inputs[0], "where-kept"))
+                value = first
+        elif node.op_type == "Add":
+            a, bb = node.inputs[0], node.inputs[1]
+            constant = const_array(bb) if const_array(bb) is not None else const_array(a)
+            if constant is not None:  # a constant added to the scores
+                chain.constant_bias |= bool(np.any(constant))
+                value = a if const_array(bb) is not None else bb
+                continue
+            scores_side = a if reaches_matmul(a) else bb
+            chain.masks.append((node, bb if scores_side is a else a, "additive"))
+            value = scores_side
+        elif node.op_type in ("Mul", "Div", "Reshape", "Tanh", "Cast", "Transpose", "Identity"):
+            value = next(i for i in node.inputs if i is not None and const_array(i) is None)
+        elif node.op_type == "Concat" and len(node.inputs) == 2:  # a sink's column after the scores
+            chain.sink = node
+            value = node.inputs[0]
+        else:
+            break
+    if chain.qk is None:
+        chain.end = value
+    probs = softmax.outputs[0]
+    while (users := [u for u, _ in probs.uses() if u.op_type != "IsNaN"]) and len(users) == 1 and (
+        users[0].op_type in ("Reshape", "Slice", "Cast", "Dropout", "Identity")
+        or (users[0].op_type == "Where" and probs in users[0].inputs[1:] and any(
+            const_array(i) is not None for i in users[0].inputs[1:]))
+    ):  # the layout, a sink's column dropped, a guard setting a row of NaN (no key visible) to 0
+        probs = users[0].outputs[0]
+    chain.probs = probs
+    chain.pv = next((u for u in users if is_op(u, "MatMul") and u.inputs[0] is probs), None)
+    return chain
