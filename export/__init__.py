@@ -9,7 +9,6 @@ run a model are attnx.workflows).
 from __future__ import annotations
 
 from attnx.export._emit import (
-    CORE_EMITTERS,
     build_decomposed_model,
     build_model,
     build_step_model,
@@ -20,7 +19,6 @@ from attnx.export._emit import (
 )
 from attnx.export._export import export_onnx, name_contract_dims, quiet, release_rewriter_state, save_model
 from attnx.export._read import (
-    CORE_READERS,
     CoreReading,
     core_of,
     lowering_of,
@@ -29,10 +27,10 @@ from attnx.export._read import (
     read_weights,
     v_weights,
 )
+from attnx.export.cores import GRAPH_CORES
 
 __all__ = [
-    "CORE_EMITTERS",
-    "CORE_READERS",
+    "GRAPH_CORES",
     "CoreReading",
     "build_decomposed_model",
     "build_model",

@@ -1,7 +1,7 @@
 """Reading a graph back: the core it holds, what each core's node says of the config, and its weights.
 
-The other half of each core's entry (attnx.model.cores): its emitter writes a node (attnx.export._emit),
-its reader (CORE_READERS) reads back what that node implies of the config: heads, scale, the masks and
+The other half of each core's entry (attnx.model.cores): its module in attnx.export.cores writes a node
+(emit) and reads back (read) what that node implies of the config: heads, scale, the masks and
 terms the node itself carries. read_cores() reads every core of a graph; read_weights() reads the
 weights of a graph attnx wrote back into the weights file's contract (by the names every attnx graph
 gives them: docs/reference/onnx-graph.md, "Names"), which is how `attnx optimize` writes another lowering of a model file.
@@ -16,21 +16,18 @@ score (attnx.model.tolerance.problem_size).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
+from attnx.export.cores import GRAPH_CORES, core_of_node
 from attnx.export.passes._base import const_array
-from attnx.export.passes._masks import NotReadable, classify_hidden
 from attnx.export.passes.walk import (
-    NotRead,
     is_op,
     past_cache,
     projection,
-    scale_and_softcap,
     score_chain,
     strip_layout,
 )
@@ -39,7 +36,7 @@ from attnx.model.contract import MS_DOMAIN, lowering_from_nodes
 from attnx.model.cores import core_from_nodes
 from attnx.model.weights import weight_shapes
 
-__all__ = ["CORE_READERS", "CoreReading", "core_of", "lowering_of", "qk_weights", "read_cores", "read_weights",
+__all__ = ["CoreReading", "core_of", "lowering_of", "qk_weights", "read_cores", "read_weights",
            "v_weights"]
 
 _STD = ("", "ai.onnx")
@@ -155,103 +152,9 @@ class CoreReading:
     facts: dict[str, Any]
 
 
-def _present(node: ir.Node, index: int) -> bool:
-    return len(node.inputs) > index and node.inputs[index] is not None
-
-
-def _float_attr(node: ir.Node, name: str) -> float | None:
-    attr = node.attributes.get(name)
-    return float(attr.value) if attr is not None else None
-
-
-def _int_attr(node: ir.Node, name: str, default: int | None = None) -> int | None:
-    attr = node.attributes.get(name)
-    return int(attr.value) if attr is not None else default
-
-
-def _read_gqa(node: ir.Node) -> dict[str, Any]:
-    facts: dict[str, Any] = {"n_heads": _int_attr(node, "num_heads"), "n_kv_heads": _int_attr(node, "kv_num_heads"),
-                             "scale": _float_attr(node, "scale") or None, "causal": bool(_int_attr(node, "causal", 1)),
-                             "softcap": _float_attr(node, "softcap") or None,
-                             "sliding_window": (w if (w := _int_attr(node, "local_window_size", -1)) > 0 else None),
-                             "sinks": _present(node, 11), "kv_cache": _present(node, 3)}  # fmt: skip
-    if _int_attr(node, "do_rotary", 0):
-        facts["rope_interleaved"] = bool(_int_attr(node, "rotary_interleaved", 0))
-    return facts
-
-
-def _read_mha(node: ir.Node) -> dict[str, Any]:
-    return {"n_heads": _int_attr(node, "num_heads"), "scale": _float_attr(node, "scale") or None,
-            "causal": bool(_int_attr(node, "unidirectional", 0)), "key_padding_mask": _present(node, 4),
-            "kv_cache": _present(node, 6)}  # fmt: skip
-
-
-def _read_grouped_mha(node: ir.Node) -> dict[str, Any]:
-    # the op's heads are the key/value heads; the query heads of a group are its rows
-    return {"n_kv_heads": _int_attr(node, "num_heads"), "scale": _float_attr(node, "scale") or None,
-            "kv_cache": _present(node, 6)}
-
-
-def _read_ms_attention(node: ir.Node) -> dict[str, Any]:
-    return {"n_heads": _int_attr(node, "num_heads"), "scale": _float_attr(node, "scale") or None,
-            "causal": bool(_int_attr(node, "unidirectional", 0)), "key_padding_mask": _present(node, 3)}  # fmt: skip
-
-
-def _read_attention23(node: ir.Node) -> dict[str, Any]:
-    facts = {"n_heads": _int_attr(node, "q_num_heads"), "n_kv_heads": _int_attr(node, "kv_num_heads"),
-             "scale": _float_attr(node, "scale") or None, "softcap": _float_attr(node, "softcap") or None,
-             "kv_cache": _present(node, 4)}  # fmt: skip
-    if _int_attr(node, "is_causal", 0):  # the causal mask alone (a mask input is a grid, read with its masks)
-        facts["causal"] = True
-    return facts
-
-
-def _read_decomposed(node: ir.Node) -> dict[str, Any]:
-    """From the Softmax back to q.k (the one walk, score_chain): the scale, a softcap c * tanh(s / c), the masks of
-    a Where(hidden, lowest, scores), a sink's column (a Concat before the Softmax)."""
-    chain = score_chain(node)
-    facts: dict[str, Any] = {"sinks": chain.sink is not None}
-    for where, hidden, how in chain.masks:
-        if how == "where-masked":
-            facts.update(_read_mask(hidden, where.outputs[0]))
-    try:
-        scale, softcap = scale_and_softcap(chain.scalings)
-    except NotRead:  # a tanh that is no softcap: the scale and softcap not stated
-        return facts
-    if softcap is not None:
-        facts["softcap"] = softcap
-    if any(entry[0] == "scale" for entry in chain.scalings):
-        facts["scale"] = scale
-    return facts
-
-
-def _read_mask(hidden: ir.Value, scores: ir.Value) -> dict[str, Any]:
-    """The masks a decomposed core's Where(hidden, lowest, scores) applies (attnx.export.passes._masks:
-    the causal grid and the key padding input, never guessed at), or why they are not read."""
-    shape = scores.shape
-    q_len, kv_len = (shape[-2], shape[-1]) if shape is not None and len(shape) == 4 else (None, None)
-    try:
-        mask = classify_hidden(hidden, q_len, kv_len)
-    except NotReadable as e:
-        return {"mask": f"not read: {e}"}
-    return {"causal": mask.causal, "key_padding_mask": mask.key_padding is not None}
-
-
-# {core: its reader}: the node a reader is given is the one core_from_nodes found it by (Core.op_type).
-CORE_READERS: dict[str, Callable[[ir.Node], dict[str, Any]]] = {
-    "decomposed": _read_decomposed,
-    "attention23": _read_attention23,
-    "mha": _read_mha,
-    "mha-packed": _read_mha,
-    "ms-attention": _read_ms_attention,
-    "gqa": _read_gqa,
-    "grouped-mha": _read_grouped_mha,
-}
-
-
 def read_cores(model: ir.Model) -> list[CoreReading]:
     """Every attention core of the graph (an If's branches included), in graph order, with what its
-    node states (CORE_READERS); the auto core's If is read as its two branches' cores. The graph's
+    node states (its GRAPH_CORES entry's read); the auto core's If is read as its two branches' cores. The graph's
     values are typed first where they are not (onnx's shape inference: a mask is read by its type)."""
     if any(v.type is None for node in model.graph for v in node.outputs):
         from onnx_ir.passes.common import ShapeInferencePass
@@ -260,30 +163,10 @@ def read_cores(model: ir.Model) -> list[CoreReading]:
     core = core_of(model)
     out = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        name = _core_of_node(node, core)
+        name = core_of_node(node, core)
         if name is not None:
-            out.append(CoreReading(name, node.name or node.op_type, CORE_READERS[name](node)))
+            out.append(CoreReading(name, node.name or node.op_type, GRAPH_CORES[name].read(node)))
     return out
-
-
-def _core_of_node(node: ir.Node, graph_core: str) -> str | None:
-    """The registry's core a node is, given the core the graph holds (a MultiHeadAttention is mha,
-    mha-packed, or the grouped core of a buffer form)."""
-    if node.domain in _STD and node.op_type == "Softmax":
-        return "decomposed"
-    if node.domain in _STD and node.op_type == "Attention":
-        return "attention23"
-    if node.domain != MS_DOMAIN:
-        return None
-    if node.op_type == "GroupQueryAttention":
-        return "gqa"
-    if node.op_type == "Attention":
-        return "ms-attention"
-    if node.op_type == "MultiHeadAttention":
-        if _present(node, 8):  # past_sequence_length: a cache written in place, the grouped buffer core
-            return "grouped-mha"
-        return "mha-packed" if graph_core == "mha-packed" else "mha"
-    return None
 
 
 # The weights of a graph attnx wrote, back in the weights file's contract ------------------------------

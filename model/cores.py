@@ -3,10 +3,10 @@
 A core is the operator (or the few standard ops) that computes softmax(scale * q.k + mask) v in a
 graph. Each entry says what it is in the graph (op, domain, opset), the forms it is built in (FORMS),
 its dtypes, the terms of the formula it expresses (attnx.model.terms) and how, and the limits of its
-kernel beyond the terms (measured refusals of ONNX Runtime). Its emitter (how attnx writes it) and its
-reader (what a node of it implies: config and weights) register themselves by the core's name in
-attnx.export (CORE_EMITTERS, CORE_READERS), as transformers' attention kernels register in
-ALL_ATTENTION_FUNCTIONS.
+kernel beyond the terms (measured refusals of ONNX Runtime). Its graph half (how attnx writes it, how a
+node of it and the block around it are read back, whoever wrote the graph) registers itself by the core's
+name in attnx.export.cores (GRAPH_CORES: one module a core), as transformers' attention kernels register
+in ALL_ATTENTION_FUNCTIONS.
 
     why_not(core, config, dtype, form)  every reason the core cannot compute the config, [] when it can
     core_for(lowering, config, ...)     the core a lowering (--attention) writes for a config, or one

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from attnx.errors import UsageError
-from attnx.export import CORE_EMITTERS, CORE_READERS, build_model, core_of, qk_weights, read_cores, read_weights
+from attnx.export import GRAPH_CORES, build_model, core_of, qk_weights, read_cores, read_weights
 from attnx.export import v_weights as read_v_weights
 from attnx.model import AttentionConfig, reference_attention
 from attnx.model.contract import LOWERINGS, describe
@@ -50,8 +50,9 @@ def _agrees_with_reference(model: onnx.ModelProto, config: AttentionConfig, weig
 
 
 def test_every_core_has_its_emitter_and_reader():
-    assert set(CORE_EMITTERS) == set(CORES)
-    assert set(CORE_READERS) == set(CORES) - {"auto"}  # the If is read as its two branches' cores
+    assert set(GRAPH_CORES) == set(CORES) and all(entry.emit for entry in GRAPH_CORES.values())
+    # the If is read as its two branches' cores
+    assert {n for n, entry in GRAPH_CORES.items() if entry.read is not None} == set(CORES) - {"auto"}
 
 
 @pytest.mark.parametrize(("name", "lowering"), CASES, ids=[f"{n}-{lw}" for n, lw in CASES])

@@ -170,7 +170,7 @@ def test_each_planted_fault_fails(tmp_path, lowering):
         if wrap == "shift" and form == "buffer":
             # Its positions are token indices: a table one row off moves every position, which leaves
             # y as it was (rope sees differences) and the cache of rotated keys wrong.
-            import attnx.export._emit as step_module
+            import attnx.export.cores.gqa as step_module
 
             table = step_module.rope_table
             step_module.rope_table = lambda c, n, table=table: tuple(t[1:] for t in table(c, n + 1))

@@ -1,0 +1,251 @@
+"""A block read from a graph (Block: its core node, the config and weights read from it, the graph's tensors at its
+boundary), and the pieces the block readers of the cores share: the output projection after a core, the q/k norms,
+the cache and the rotary met on q's, k's and v's paths (attnx.export.passes.walk), the hidden state, the copy of
+what was read."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export.passes._base import const_array
+from attnx.export.passes.walk import NotRead, Path, is_op, projection, projection_node, walk
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import MS_DOMAIN
+from attnx.model.rope import Rope
+from attnx.model.rope_fit import rope_of_table
+from attnx.model.terms import QKNorm
+
+__all__ = ["Block", "dtype_of", "hidden_state", "keep", "output_projection", "path_cache", "path_stages", "qk_norm_of",
+           "quantization", "read_separate", "rotary_of", "rotary_tables"]
+
+
+@dataclasses.dataclass
+class Block:
+    """One attention block of a graph: its core node, the config and weights read from it, the graph's
+    tensors at its boundary (role -> value name), and what the reading found on the way."""
+
+    index: int
+    node: str
+    core: str
+    config: AttentionConfig | None = None
+    weights: dict[str, np.ndarray] | None = None
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # x, seqlens_k, total_sequence_length, past_*
+    outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # y, present_key, present_value
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # as the node states them (local_window_size, ...)
+    quantization: dict[str, Any] | None = None  # MatMulNBits: bits, block_size, accuracy_level
+    unread: str | None = None  # why the block was not read into a config
+    dtype: str = "fp32"  # what the block computes in: its hidden state's type
+    mask: str | None = None  # the tensor of the core's mask input (an additive bias or a key padding mask), if any
+    weight_dtype: str = "float32"  # how the graph stores the projections' weights (numpy's name)
+    y_bias: np.ndarray | None = None  # the output projection's bias where a fused op after the block adds it
+    padding: str = "left"  # how a padded batch is fed: "left" (transformers'), "right" (seqlens_k, a mask_index)
+    masks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (tensor, how it masks), decomposed cores
+    # the formula's stages (attnx.model.stages) the graph holds as tensors: stage -> (tensor, its columns or None)
+    stages: dict[str, tuple[str, tuple[int, int] | None]] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "node": self.node, "core": self.core,
+                "config": self.config.to_dict() if self.config is not None else None, "inputs": self.inputs,
+                "outputs": self.outputs, "facts": _jsonable(self.facts), "quantization": self.quantization,
+                "unread": self.unread, "dtype": self.dtype, "mask": self.mask}  # fmt: skip
+
+
+def _jsonable(facts: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)) for k, v in facts.items()}
+
+
+def quantization(node: ir.Node) -> dict[str, Any] | None:
+    if not is_op(node, "MatMulNBits", (MS_DOMAIN,)):
+        return None
+    a = node.attributes
+    zero_points = len(node.inputs) > 3 and node.inputs[3] is not None
+    return {"op": "MatMulNBits", "bits": a.get_int("bits", 4), "block_size": a.get_int("block_size", 32),
+            "accuracy_level": a.get_int("accuracy_level", 0), "zero_points": zero_points}  # fmt: skip
+
+
+def output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Block) -> ir.Value:
+    """The MatMul (with its bias Add) reading a core's output, through the Reshape/Transpose that merge the
+    heads: its weights into `weights` (out_proj.*); returns the block's output value."""
+    value = out
+    while (users := [u for u, _ in value.uses()]) and len(users) == 1 and users[0].domain in ("", "ai.onnx") and (
+        users[0].op_type in ("Reshape", "Transpose")
+        or (users[0].op_type == "Where" and users[0].inputs[1] is value and const_array(users[0].inputs[2]) is not None)
+    ):  # the heads merged; a row no key may see set to a constant
+        value = users[0].outputs[0]
+    o_node = next((u for u in users if is_op(u, "MatMul") or is_op(u, "MatMulNBits", (MS_DOMAIN,))), None)
+    if o_node is None:
+        raise NotRead(f"{out.name}: no output projection reads it (used by {', '.join(u.op_type for u in users)})")
+    y = o_node.outputs[0]
+    o_proj = projection(y)
+    adds = [u for u, _ in y.uses() if is_op(u, "Add") and any(const_array(i) is not None for i in u.inputs)]
+    if adds:
+        o_proj = projection(adds[0].outputs[0])
+        y = adds[0].outputs[0]
+    if o_proj is None:
+        raise NotRead(f"{o_node.name}: the output projection's weights are not constants")
+    skip = [u for u, _ in y.uses() if is_op(u, "SkipLayerNormalization", (MS_DOMAIN,)) and len(u.inputs) > 4]
+    if not adds and skip and (bias := const_array(skip[0].inputs[4])) is not None:
+        o_proj = (o_proj[0], bias)  # ONNX Runtime's optimizer moves the bias into the SkipLayerNormalization after
+        block.y_bias = np.array(bias, np.float32)
+    block.stages.update(z=(o_node.inputs[0].name, None), y=(y.name, None))
+    weights["out_proj.weight"] = o_proj[0].T
+    weights["out_proj.bias"] = o_proj[1] if o_proj[1] is not None else np.zeros(o_proj[0].shape[1])
+    return y
+
+
+_DTYPES = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
+
+
+def dtype_of(value: ir.Value) -> str:
+    """The tolerance table's name of a hidden state's type (fp32 where the graph does not say)."""
+    return _DTYPES.get(value.dtype, "fp32") if value.dtype is not None else "fp32"
+
+
+def path_stages(block: Block, paths: dict[str, Path], biased_apart: bool = False) -> None:
+    """The projection (q, k, v) and rotation (q_rope, k_rope) stages met on the paths to a core; not the projections
+    when the core adds their bias itself (biased_apart)."""
+    for role, path in paths.items():
+        if not biased_apart:
+            block.stages[role] = (path.projection.name, None)
+        if isinstance(path.rotary, ir.Node):
+            block.stages[f"{role}_rope"] = (path.rotary.outputs[0].name, None)
+
+
+def qk_norm_of(paths: dict[str, Path], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
+    """The per-head RMS norms met on q's and k's paths (their weights into `weights`), or None; one alone is not read."""
+    q, k = paths["q"].norm, paths["k"].norm
+    if q is None and k is None:
+        return None
+    if q is None or k is None:
+        raise NotRead(f"a norm on {'q' if q is not None else 'k'} alone")
+    (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = q, k
+    facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
+    return QKNorm(eps=float(q_eps))
+
+
+def path_cache(block: Block, paths: dict[str, Path]) -> None:
+    """The cache met on k's and v's paths (present = Concat(past, new)) as the block's past/present; one alone is not
+    read."""
+    for role, kv in (("key", "k"), ("value", "v")):
+        if (paths[kv].past is None) != (paths["k"].past is None):
+            raise NotRead("a cache on the key or the value alone")
+        if paths[kv].past is not None:
+            block.inputs[f"past_{role}"], block.outputs[f"present_{role}"] = paths[kv].past.name, paths[kv].present.name
+
+
+def hidden_state(block: Block, proj_node: ir.Node) -> None:
+    """The block's input (the q projection's), its dtype, and the projection's quantization."""
+    block.quantization = quantization(proj_node)
+    block.inputs["x"] = proj_node.inputs[0].name
+    block.dtype = dtype_of(proj_node.inputs[0])
+
+
+def keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray], keep_weights: bool) -> Block:
+    """The block with its config and weights: copies, never views of the graph's memory-mapped tensors (iter_blocks
+    releases them after each block); without keep_weights none is copied, so none of their pages is read. A rope
+    that no theta fits is said (Block.unread)."""
+    block.config = config
+    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
+    block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
+    if config.rope is None and "rope" in block.facts:
+        block.unread = f"rope {block.facts['rope']}"
+    return block
+
+
+def rotary_tables(node: ir.Node) -> tuple[ir.Value, ir.Value, bool, str | None]:
+    """(cos, sin, interleaved, position input's name) of a RotaryEmbedding node: com.microsoft's (x, position_ids,
+    cos, sin) or ONNX's (x, cos, sin, position_ids); cos/sin constant caches, or tensors the graph computes."""
+    ms = node.domain == MS_DOMAIN
+    cos, sin = (node.inputs[2], node.inputs[3]) if ms else (node.inputs[1], node.inputs[2])
+    positions = node.inputs[1] if ms else (node.inputs[3] if len(node.inputs) > 3 else None)
+    interleaved = bool(node.attributes.get_int("interleaved", 0))
+    return cos, sin, interleaved, positions.name if positions is not None and positions.is_graph_input() else None
+
+
+def rotary_of(paths: dict[str, Path], facts: dict[str, Any], block: Block) -> Rope | None:
+    """The rope of the RotaryEmbedding nodes met on q's and k's way (one table for both), or None; tables the graph
+    computes are named in facts["rope_tensors"] for the audit to read by running them."""
+    rope = None
+    if (paths["q"].rotary is None) != (paths["k"].rotary is None):
+        raise NotRead(f"a RotaryEmbedding on {'q' if paths['q'].rotary is not None else 'k'} alone")
+    if paths["q"].rotary is not None:
+        cos_v, sin_v, interleaved, positions = rotary_tables(paths["q"].rotary)
+        k_cos_v, k_sin_v, k_interleaved, _ = rotary_tables(paths["k"].rotary)
+        cos, sin, k_cos, k_sin = (const_array(v) for v in (cos_v, sin_v, k_cos_v, k_sin_v))
+        computed = any(a is None for a in (cos, sin, k_cos, k_sin))
+        same = (cos_v is k_cos_v and sin_v is k_sin_v) or (not computed and np.array_equal(cos, k_cos)
+                                                           and np.array_equal(sin, k_sin))  # fmt: skip
+        if (not same and not computed) or interleaved != k_interleaved:
+            raise NotRead("q and k rotated by different tables")
+        facts["rotary_interleaved"] = interleaved
+        if computed:  # tables the graph computes (from position_ids): the audit reads them by running them
+            facts["rope_tensors"] = (cos_v.name, sin_v.name)
+            if not same:  # computed apart for q and k: the audit holds k's to q's
+                facts["k_rope_tensors"] = (k_cos_v.name, k_sin_v.name)
+        else:
+            rope, rope_facts = rope_of_table(cos, sin, interleaved)
+            facts.update(rope_facts)
+            facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
+        if positions is not None:
+            block.inputs["position_ids"] = positions
+    return rope
+
+
+def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
+                   mask: ir.Value | None, keep_weights: bool, packed_bias: ir.Value | None = None,
+                   own_cache: tuple[ir.Value, ...] | None = None) -> Block:  # fmt: skip
+    """A core taking query, key and value apart: each walked back to its projection through a RotaryEmbedding, a
+    per-head norm, the cache's Concat(past, new) and the repeat of a GQA group; the mask tensor is named for the
+    audit, which reads its terms by running it."""
+    block = Block(index, node.name or node.op_type, core, facts=facts)
+    weights: dict[str, np.ndarray] = {}
+    paths = {}
+    for role, value in zip("qkv", qkv):
+        path = paths[role] = walk(value)
+        proj = projection(path.projection)
+        if proj is None:
+            maker = path.projection.producer()
+            raise NotRead(f"{role} {value.name}: made by {maker.op_type if maker is not None else 'a graph input'} "
+                          f"({path.projection.name}), not read as a projection")  # fmt: skip
+        w, b = proj
+        weights[f"{role}_proj.weight"] = w.T
+        weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
+    packed_bias = const_array(packed_bias)
+    path_stages(block, paths, biased_apart=packed_bias is not None)
+    if packed_bias is not None:  # the op's [Dq | Dk | Dv] bias, added after the projections
+        ends = np.cumsum([0] + [weights[f"{r}_proj.weight"].shape[0] for r in "qkv"])
+        for role, a, e in zip("qkv", ends[:-1], ends[1:]):
+            weights[f"{role}_proj.bias"] = weights[f"{role}_proj.bias"] + packed_bias[a:e]
+    n_heads = facts["n_heads"]
+    if n_heads is None:  # a 4D query [batch, heads, tokens, head_dim]: the op's attributes do not say
+        shape = qkv[0].shape
+        if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+            raise NotRead(f"query {qkv[0].name}: its heads are neither an attribute nor a static dimension")
+        n_heads = facts["n_heads"] = shape[1]
+    hd = weights["q_proj.weight"].shape[0] // n_heads
+    n_kv = weights["k_proj.weight"].shape[0] // hd
+    facts["n_kv_heads"] = n_kv
+    proj_node = projection_node(paths["q"].projection)
+    hidden_state(block, proj_node)
+    qk_norm = qk_norm_of(paths, weights, facts)
+    block.outputs["y"] = output_projection(node.outputs[0], weights, block).name
+    if own_cache is not None:
+        if paths["k"].past is not None:
+            raise NotRead("a cache both in the op and before it")
+        past_k, past_v, present_k, present_v = own_cache
+        block.inputs.update(past_key=past_k.name, past_value=past_v.name)
+        block.outputs.update(present_key=present_k.name, present_value=present_v.name)
+    path_cache(block, paths)
+    rope = rotary_of(paths, facts, block)
+    block.mask = mask.name if mask is not None else None
+    config = AttentionConfig(
+        d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
+        causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
+        qk_norm=qk_norm, softcap=facts.get("softcap"),
+    )  # fmt: skip
+    return keep(block, config, weights, keep_weights)

@@ -1,0 +1,139 @@
+"""What a core's emitter writes into and reads from (Emit: the graph, the config and its weights, the form, the
+core), and the pieces cores share: the projections, q and k scored (their norms and rotation), the cache's heads,
+the rows a query sees, a fully hidden row set to 0."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from onnx import TensorProto
+
+from attnx.export._graph import Graph, heads, linear
+from attnx.export._llm import norm_and_rotate
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import MS_DOMAIN
+from attnx.model.cores import Core
+
+__all__ = ["Emit", "Emitter", "LOWEST", "cache_heads", "packed_projection"]
+
+_F = TensorProto.FLOAT
+LOWEST = float(np.finfo(np.float32).min)
+
+
+@dataclasses.dataclass
+class Emit:
+    """What an emitter writes into and reads from: the graph, the config and its weights, the form, the
+    core, and the opsets and metadata the model will carry. Its helpers are the pieces cores share."""
+
+    g: Graph
+    c: AttentionConfig
+    weights: Mapping[str, np.ndarray]
+    form: str  # "full", "growing" or "buffer"
+    core: Core
+    attention: str  # the lowering the graph is recorded as (ATTENTION_KEY)
+    half: bool = False  # the graph will be float16: the lowest value a contrib op fills hidden scores with
+    rope_positions: int | None = None
+    readable: bool = True  # every node named (named()); False: the stages alone
+    domains: dict[str, int] = dataclasses.field(default_factory=dict)
+    metadata: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def step(self) -> bool:
+        return self.form != "full"
+
+    @property
+    def kpm(self) -> str | None:
+        return "key_padding_mask" if self.c.key_padding_mask else None
+
+    @property
+    def keys_from(self) -> str:
+        """The graph input keys and values are projected from: memory (cross), else x."""
+        return "memory" if self.c.cross else "x"
+
+    @property
+    def fill(self) -> float:
+        """The value a contrib op gives a hidden score (mask_filter_value): the graph dtype's lowest."""
+        return float(np.finfo(np.float16 if self.half else np.float32).min)
+
+    def ms(self) -> None:
+        self.domains[MS_DOMAIN] = 1
+
+    def zero(self) -> str:
+        return self.g.const("zero_f", np.asarray(0, np.float32))
+
+    def lowest(self) -> str:
+        return self.g.const("lowest", np.asarray(LOWEST, np.float32))
+
+    def projections(self) -> tuple[str, str, str]:
+        """q [B, S, H*hd], k [B, L, Hkv*hd], v [B, L, Hkv*vhd], biases included, named as the stages."""
+        c, g = self.c, self.g
+        q = linear(g, "x", self.weights, "q_proj", c.bias, out=g.stage("q"))
+        k = linear(g, self.keys_from, self.weights, "k_proj", c.bias, out=g.stage("k"))
+        v = linear(g, self.keys_from, self.weights, "v_proj", c.bias, out=g.stage("v"))
+        return q, k, v
+
+    def unbiased_projections(self) -> tuple[str, str, str, str | None]:
+        """q, k, v without their biases, and the biases packed [Dq | Dk | Dv] for an op's bias input (None
+        without biases): a fused op adds them inside its kernel."""
+        c, g = self.c, self.g
+        # without biases the MatMuls' outputs are the stages q, k, v themselves
+        q, k, v = (linear(g, src, self.weights, f"{n}_proj", False, out=None if c.bias else g.stage(n))
+                   for n, src in (("q", "x"), ("k", self.keys_from), ("v", self.keys_from)))  # fmt: skip
+        if not c.bias:
+            return q, k, v, None
+        packed = np.concatenate([np.asarray(self.weights[f"{n}_proj.bias"], np.float32) for n in "qkv"])
+        return q, k, v, g.const("qkv_proj.bias", packed)
+
+    def packed(self, name: str = "qkv_proj") -> dict[str, np.ndarray]:
+        """The q, k and v weights (and biases) packed along the output: [Dq + Dk + Dv, d_model]."""
+        out = {f"{name}.weight": np.concatenate([np.asarray(self.weights[f"{n}_proj.weight"], np.float32)
+                                                for n in "qkv"])}  # fmt: skip
+        if self.c.bias:
+            out[f"{name}.bias"] = np.concatenate([np.asarray(self.weights[f"{n}_proj.bias"], np.float32) for n in "qkv"])
+        return out
+
+    def scored(self, q: str, k: str, style: str) -> tuple[str, str]:
+        """q and k after their norms and rotation (the terms of place "qk"), in `style`'s operators
+        (attnx.export._llm.norm_and_rotate: decomposed, onnx, ort-fused)."""
+        if self.c.qk_norm is None and self.c.rope is None:
+            return q, k
+        return norm_and_rotate(self.g, self.c, self.weights, q, k, style)
+
+    def visible_rows(self, keep: str) -> str:
+        """bool [B, S|1, 1]: whether query i of batch b sees some key, from keep int32 [B, L] (1 keeps):
+        any key (padding alone) or any key j <= i (causal, S == L), without the [B, S, L] grid."""
+        g = self.g
+        if self.c.causal:
+            seen = g.op("CumSum", keep, g.const("one_i32", np.asarray(1, np.int32)))  # [B, S]: keys j <= i kept
+        else:
+            seen = g.op("ReduceMax", keep, g.ints("axes_1", [1]), keepdims=1)  # [B, 1]
+        return g.op("Unsqueeze", g.op("Cast", seen, to=TensorProto.BOOL), g.ints("axes_2", [2]))
+
+    def zero_hidden(self, z: str, visible: str, squeeze: bool = True) -> str:
+        """z with the rows of fully hidden queries set to 0 (the formula's rule, docs/concepts/formula.md),
+        named as the stage z. visible: bool [B|1, 1, S, 1] (visibility) or [B, S|1, 1] (squeeze=False)."""
+        g = self.g
+        row = g.op("Squeeze", visible, g.ints("axes_1b", [1])) if squeeze else visible
+        return g.op("Where", row, z, self.zero(), name=g.stage("z"))
+
+
+Emitter = Callable[[Emit], str]
+
+
+def cache_heads(e: Emit, k: str, v: str) -> tuple[str, str]:
+    """The keys and values every query is scored against, per head [B, Hkv, T, d]: the cache's and this
+    call's (present_key/present_value, growing), or this call's alone (full)."""
+    c, g = e.c, e.g
+    kh, vh = heads(g, k, c.n_kv_heads, c.head_dim, "k"), heads(g, v, c.n_kv_heads, c.v_head_dim, "v")
+    if not e.step:
+        return kh, vh
+    return (g.op("Concat", "past_key", kh, axis=2, name="present_key"),
+            g.op("Concat", "past_value", vh, axis=2, name="present_value"))  # fmt: skip
+
+
+def packed_projection(e: Emit) -> str:
+    """The buffer form's q/k/v projection: one MatMul [d_model, (H + 2 Hkv) * head_dim] that its op splits
+    itself, one GEMV reading every projection weight instead of three (at batch 1 a step is a weight read)."""
+    return linear(e.g, "x", e.packed(), "qkv_proj", e.c.bias)

@@ -1,0 +1,166 @@
+"""The decomposed core: MatMul, Softmax, MatMul, in standard ops (attnx, torch.onnx and Optimum write it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export._llm import alibi_bias, visibility
+from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache, qk_norm_of
+from attnx.export.cores._emit import Emit, cache_heads
+from attnx.export.cores._registry import CoreGraph, register
+from attnx.export.passes._masks import NotReadable, classify_hidden
+from attnx.export.passes.walk import (
+    NotRead,
+    find_projection,
+    head_dim,
+    projection,
+    projection_node,
+    scale_and_softcap,
+    score_chain,
+    sink_logits,
+)
+from attnx.model.config import AttentionConfig
+
+
+def _decomposed(e: Emit) -> str:
+    """MatMul, Softmax, MatMul. Grouped heads without a copy of the keys: the query heads of a group
+    stacked along the query axis ([B, Hkv, G*S, hd]) multiply their one key head. softcap as
+    Div/Tanh/Mul, the masks as a Where over a boolean grid (token index), sinks as one more logit column
+    dropped after the softmax."""
+    c, g = e.c, e.g
+    H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
+    q, k, v = e.projections()
+    q, k = e.scored(q, k, "decomposed")
+    present_k, present_v = cache_heads(e, k, v)
+    hidden, visible = visibility(g, c, e.kpm, e.step)
+    # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]
+    q5 = g.op("Transpose", g.op("Reshape", q, g.ints("q_shape", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
+    qg = g.op("Reshape", q5, g.ints("qg_shape", [0, 0, -1, hd]))
+    scores = g.op("MatMul", qg, g.op("Transpose", present_k, perm=[0, 1, 3, 2]))  # [B, Hkv, G*S, T]
+    scores = g.op("Mul", scores, g.const("scale", np.asarray(c.softmax_scale, np.float32)))
+    if c.softcap is not None:  # c * tanh(s / c), after the scale, before the masks
+        cap = g.const("softcap", np.asarray(c.softcap, np.float32))
+        scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
+    if c.alibi:  # slope_h * (j - i), after the softcap, before the masks
+        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
+        scores = g.op("Add", scores, alibi_bias(g, c, e.step), name=g.stage("scores", "b h t s"))
+    else:
+        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]), name=g.stage("scores", "b h t s"))  # [B, H, S, T]
+    if hidden is not None:
+        scores = g.op("Where", hidden, e.lowest(), scores)
+    if c.sinks:
+        # One more logit per head, [B, H, S, 1], joins the softmax and is dropped after it (no value).
+        sink_shape = g.op("Concat", g.op("Shape", scores, start=0, end=3), g.ints("one1", [1]), axis=0)
+        sink = g.op("Expand", g.const("sinks", np.asarray(e.weights["sinks"], np.float32).reshape(1, H, 1, 1)),
+                    sink_shape)  # fmt: skip
+        p = g.op("Softmax", g.op("Concat", scores, sink, axis=-1), axis=-1)
+        p = g.op("Slice", p, g.ints("zero1", [0]), g.ints("minus1", [-1]), g.ints("axes_m1", [-1]),
+                 name=g.stage("probs", "b h t s"))  # fmt: skip
+    else:
+        p = g.op("Softmax", scores, axis=-1, name=g.stage("probs", "b h t s"))
+    p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
+    z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
+    if visible is not None:
+        z = g.op("Where", visible, z, e.zero())  # all-hidden rows: 0
+    return g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), g.ints("z_shape", [0, 0, H * vhd]), name=g.stage("z"))
+
+
+def _read_decomposed(node: ir.Node) -> dict[str, Any]:
+    """From the Softmax back to q.k (the one walk, score_chain): the scale, a softcap c * tanh(s / c), the masks of
+    a Where(hidden, lowest, scores), a sink's column (a Concat before the Softmax)."""
+    chain = score_chain(node)
+    facts: dict[str, Any] = {"sinks": chain.sink is not None}
+    for where, hidden, how in chain.masks:
+        if how == "where-masked":
+            facts.update(_read_mask(hidden, where.outputs[0]))
+    try:
+        scale, softcap = scale_and_softcap(chain.scalings)
+    except NotRead:  # a tanh that is no softcap: the scale and softcap not stated
+        return facts
+    if softcap is not None:
+        facts["softcap"] = softcap
+    if any(entry[0] == "scale" for entry in chain.scalings):
+        facts["scale"] = scale
+    return facts
+
+
+def _read_mask(hidden: ir.Value, scores: ir.Value) -> dict[str, Any]:
+    """The masks a decomposed core's Where(hidden, lowest, scores) applies (attnx.export.passes._masks:
+    the causal grid and the key padding input, never guessed at), or why they are not read."""
+    shape = scores.shape
+    q_len, kv_len = (shape[-2], shape[-1]) if shape is not None and len(shape) == 4 else (None, None)
+    try:
+        mask = classify_hidden(hidden, q_len, kv_len)
+    except NotReadable as e:
+        return {"mask": f"not read: {e}"}
+    return {"causal": mask.causal, "key_padding_mask": mask.key_padding is not None}
+
+
+def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
+    """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
+    layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
+    core reads them, each mask tensor named for the audit to read by running it."""
+    facts: dict[str, Any] = {}
+    chain = score_chain(node)
+    if chain.constant_bias:
+        raise NotRead("a constant added to the scores (a folded mask or a position bias): not read in this version")
+    if chain.qk is None:
+        maker = chain.end.producer()
+        raise NotRead(f"{chain.end.name}: the Softmax's scores are not traced back to MatMul(q, k^T) "
+                      f"(made by {maker.op_type if maker is not None else 'a graph input'})")  # fmt: skip
+    qk, pv = chain.qk, chain.pv
+    masks = [(tensor.name, how) for _, tensor, how in chain.masks]
+    scale, softcap = scale_and_softcap(chain.scalings)
+    sinks = sink_logits(node.inputs[0])
+    if pv is None:
+        raise NotRead(f"{node.outputs[0].name}: the probabilities are not multiplied by values")
+    block = Block(index, node.name or node.op_type, "decomposed", facts=facts)
+    weights: dict[str, np.ndarray] = {}
+    paths = {}
+    for role, value in (("q", qk.inputs[0]), ("k", qk.inputs[1]), ("v", pv.inputs[1])):
+        found, paths[role] = find_projection(value)
+        proj = projection(found)
+        if proj is None:
+            raise NotRead(f"{role} {found.name}: not read as a projection")
+        w, b = proj
+        weights[f"{role}_proj.weight"] = w.T
+        weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
+    for role in "qkv":
+        block.stages[role] = (paths[role].projection.name, None)
+    hd = head_dim(qk.inputs[0])
+    if hd is None:
+        raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
+    n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
+    facts.update(n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale, softcap=softcap)
+    qk_norm = qk_norm_of(paths, weights, facts)
+    proj_node = projection_node(paths["q"].projection)
+    if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
+        raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
+    hidden_state(block, proj_node)
+    block.outputs["y"] = output_projection(pv.outputs[0], weights, block).name
+    path_cache(block, paths)
+    if (paths["q"].rotary is None) != (paths["k"].rotary is None):
+        raise NotRead(f"a rotary on {'q' if paths['q'].rotary is not None else 'k'} alone")
+    if paths["q"].rotary is not None:
+        tables = paths["q"].rotary
+        if set(tables) != {"Cos", "Sin"}:
+            raise NotRead("a rotary with a cos or a sin table alone")
+        facts["rotary_interleaved"] = False  # rotate_half's (i, i + dim/2) pairs, as transformers and attnx write it
+        facts["rope_tensors"] = (tables["Cos"].name, tables["Sin"].name)
+    block.masks = masks
+    block.mask = masks[0][0] if masks else None
+    config = AttentionConfig(
+        d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
+        causal=False, scale=facts["scale"], softcap=softcap, qk_norm=qk_norm, sinks=sinks is not None,
+    )  # fmt: skip
+    if sinks is not None:
+        if sinks.size != n_heads:
+            raise NotRead(f"a sink column of {sinks.size} logits for {n_heads} heads")
+        weights["sinks"] = sinks.reshape(n_heads)
+    return keep(block, config, weights, keep_weights)
+
+
+register(CoreGraph("decomposed", _decomposed, _read_decomposed, _read_decomposed_block))

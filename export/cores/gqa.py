@@ -1,0 +1,200 @@
+"""com.microsoft.GroupQueryAttention: the full-sequence and growing forms, and the buffer form on one shared cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnx import TensorProto
+
+from attnx.errors import UsageError
+from attnx.export._llm import alibi_bias, norm_and_rotate, rope_table, visibility
+from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_stages, qk_norm_of, rotary_of
+from attnx.export.cores._emit import Emit, packed_projection
+from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
+from attnx.export.passes._base import const_array
+from attnx.export.passes.walk import NotRead, Path, projection, projection_node, strip_layout, walk
+from attnx.model.config import AttentionConfig
+from attnx.model.contract import DEFAULT_ROPE_POSITIONS, MS_DOMAIN, ROPE_POSITIONS_KEY
+from attnx.model.rope_fit import rope_of_table
+
+
+def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
+    """GroupQueryAttention's attributes for `c`: heads, scale, and the modern-LLM terms it runs itself.
+    local_window_size W is attnx's window: the op shows key j to query p iff p - W < j <= p (measured
+    against both conventions: measurements/facts.md)."""
+    attrs: dict[str, object] = {"num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale}
+    if not c.causal:
+        attrs["causal"] = 0
+    if c.sliding_window is not None:
+        attrs["local_window_size"] = c.sliding_window
+    if c.softcap is not None:
+        attrs["softcap"] = c.softcap
+    return attrs
+
+
+def _gqa(e: Emit) -> str:
+    """com.microsoft.GroupQueryAttention: kv_num_heads, softcap, local_window_size and head_sink as its
+    own; q/k norms and rope as their own nodes (the op's rotation, do_rotary, reads only position_ids[0, 0]
+    of a prompt for every row (measured on a left-padded batch: measurements/facts.md), so it cannot take Hugging
+    Face's per-row positions). seqlens_k says every row is as long as the cache: left padding is an
+    additive attention_bias (the op adds it after its softcap: measured), so the op's token index is
+    attnx's, and so is its window. The buffer form: _gqa_buffer."""
+    if e.form == "buffer":
+        return _gqa_buffer(e)
+    c, g = e.c, e.g
+    e.ms()
+    q, k, v = e.projections()
+    q, k = e.scored(q, k, "ort-fused")
+    seq = g.op("Shape", "x", start=1, end=2)  # [1]
+    batch = g.op("Shape", "x", start=0, end=1)
+    total = g.op("Add", g.op("Shape", "past_key", start=2, end=3), seq) if e.step else seq  # [1] int64
+    total32 = g.op("Cast", g.op("Squeeze", total, g.ints("axis0", [0])), to=TensorProto.INT32)
+    seqlens = g.op("Expand", g.op("Sub", g.op("Cast", total, to=TensorProto.INT32),
+                                  g.const("one_i32_1", np.asarray([1], np.int32))), batch)  # fmt: skip
+    inputs = [q, k, v, "past_key" if e.step else "", "past_value" if e.step else "", seqlens, total32, "", "", "", "", ""]
+    if e.kpm:  # an additive bias [B, 1, S, T], lowest where the key is padding
+        bias = g.op("Where", g.op("Unsqueeze", e.kpm, g.ints("axes_12", [1, 2])), e.lowest(), e.zero())
+        inputs[10] = g.op("Expand", bias, g.op("Concat", batch, g.ints("one1", [1]), seq, total, axis=0))
+    if c.alibi:  # slope_h * (j - i) [1, H, S, T] in the same bias (the op adds it after its softcap)
+        alibi = alibi_bias(g, c, e.step)
+        inputs[10] = g.op("Add", inputs[10], alibi) if inputs[10] else alibi
+    if c.sinks:  # head_sink: a logit per head in the softmax's denominator (measured: exp(sink))
+        inputs[11] = g.const("sinks", np.asarray(e.weights["sinks"], np.float32))
+    while inputs[-1] == "":
+        inputs.pop()
+    z = g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **_gqa_attrs(c))[0]
+    gqa = g.nodes[-1]
+    if e.step:
+        gqa.output[1:] = ["present_key", "present_value"]
+    if e.kpm:
+        return e.zero_hidden(z, visibility(g, c, e.kpm, e.step)[1])
+    gqa.output[0] = g.stage("z")
+    return "z"
+
+
+def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
+    """z of the buffer form by GroupQueryAttention on the shared cache (seqlens_k: it writes the new
+    keys/values at their positions, in place), rotating q and k itself (do_rotary) from a table of
+    `rope_positions` rows (recorded in the metadata), each token at its token index: the buffer form has
+    no padding, so that is its position. A position past the table is the op's error, never a number."""
+    c, g = e.c, e.g
+    e.ms()
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    qkv = qkv or packed_projection(e)
+    qkv_inputs = [qkv, "", ""]
+    if c.qk_norm is not None:  # the norms need q and k apart: split the packed projection
+        g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
+        g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
+        q, k = norm_and_rotate(g, dataclasses.replace(c, rope=None), e.weights, q, k, "ort-fused")  # the op rotates
+        qkv_inputs = [q, k, v]
+    inputs = [*qkv_inputs, "past_key", "past_value", "seqlens_k", "total_sequence_length", "", "", "", "", ""]
+    attrs = _gqa_attrs(c)
+    if c.rope is not None:
+        positions = DEFAULT_ROPE_POSITIONS if e.rope_positions is None else e.rope_positions
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            raise UsageError(f"rope_positions must be a positive integer, got {positions!r}")
+        cos, sin = rope_table(c, positions)
+        inputs[7], inputs[8] = g.const("rope_cos_cache", cos), g.const("rope_sin_cache", sin)
+        attrs.update(do_rotary=1, rotary_interleaved=int(c.rope.interleaved))
+        if (ROPE_POSITIONS_KEY, str(positions)) not in e.metadata:
+            e.metadata.append((ROPE_POSITIONS_KEY, str(positions)))
+    if c.sinks:
+        inputs[11] = g.const("sinks", np.asarray(e.weights["sinks"], np.float32))
+    while inputs[-1] == "":
+        inputs.pop()
+    g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **attrs)
+    g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
+    return z
+
+
+def _read_gqa(node: ir.Node) -> dict[str, Any]:
+    facts: dict[str, Any] = {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
+                             "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
+                             "softcap": float_attr(node, "softcap") or None,
+                             "sliding_window": (w if (w := int_attr(node, "local_window_size", -1)) > 0 else None),
+                             "sinks": present(node, 11), "kv_cache": present(node, 3)}  # fmt: skip
+    if int_attr(node, "do_rotary", 0):
+        facts["rope_interleaved"] = bool(int_attr(node, "rotary_interleaved", 0))
+    return facts
+
+
+def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
+    facts = _read_gqa(node)
+    block = Block(index, node.name or node.op_type, "gqa", facts=facts)
+    n_heads, n_kv = facts["n_heads"], facts["n_kv_heads"]
+    inputs = list(node.inputs) + [None] * (12 - len(node.inputs))
+    weights: dict[str, np.ndarray] = {}
+    paths: dict[str, Path] = {}
+    qk_norm = None
+    if inputs[1] is None:  # packed: query holds q | k | v
+        proj = projection(inputs[0])
+        if proj is None:
+            raise NotRead(f"query {inputs[0].name}: not read as a packed qkv projection")
+        w, b = proj
+        hd = w.shape[1] // (n_heads + 2 * n_kv)
+        parts = np.cumsum([0, n_heads * hd, n_kv * hd, n_kv * hd])
+        proj_node = projection_node(inputs[0])
+        for role, a, e in zip("qkv", parts[:-1], parts[1:]):
+            block.stages[role] = (strip_layout(inputs[0]).name, (int(a), int(e)))
+            weights[f"{role}_proj.weight"] = w[:, a:e].T
+            weights[f"{role}_proj.bias"] = b[a:e] if b is not None else np.zeros(e - a)
+    else:
+        for role, value in zip("qkv", inputs[:3]):
+            path = paths[role] = walk(value)
+            proj = projection(path.projection)
+            if proj is None:
+                maker = path.projection.producer()
+                raise NotRead(f"{'query key value'.split()['qkv'.index(role)]} {value.name}: made by "
+                              f"{maker.op_type if maker is not None else 'a graph input'} ({path.projection.name}), "
+                              "not read as a projection")  # fmt: skip
+            w, b = proj
+            weights[f"{role}_proj.weight"] = w.T
+            weights[f"{role}_proj.bias"] = b if b is not None else np.zeros(w.shape[1])
+        hd = weights["q_proj.weight"].shape[0] // n_heads
+        path_stages(block, paths)
+        proj_node = projection_node(paths["q"].projection)
+        qk_norm = qk_norm_of(paths, weights, facts)
+    hidden_state(block, proj_node)
+    block.outputs = {"y": output_projection(node.outputs[0], weights, block).name, "present_key": node.outputs[1].name,
+                     "present_value": node.outputs[2].name}  # fmt: skip
+    for role, i in (("past_key", 3), ("past_value", 4), ("seqlens_k", 5), ("total_sequence_length", 6)):
+        if inputs[i] is not None:
+            block.inputs[role] = inputs[i].name
+    if inputs[10] is not None:  # an attention bias (a key padding mask, as attnx writes it): read by the audit
+        block.mask = inputs[10].name
+    rope = None
+    if facts.pop("rope_interleaved", None) is not None:
+        cos, sin = const_array(inputs[7]), const_array(inputs[8])
+        facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
+        if cos is None or sin is None:  # caches the graph computes (the builder's longrope: an If on the length)
+            if inputs[7] is None or inputs[8] is None:
+                raise NotRead("do_rotary without cos/sin caches")
+            facts["rope_tensors"] = (inputs[7].name, inputs[8].name)
+        else:
+            rope, rope_facts = rope_of_table(cos, sin, facts["rotary_interleaved"])
+            facts.update(rope_facts)
+            facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
+    elif paths:  # a RotaryEmbedding of its own before the core (as attnx writes it)
+        rope = rotary_of(paths, facts, block)
+    sinks = None
+    if facts.get("sinks"):
+        sinks = const_array(inputs[11])
+        if sinks is None:
+            raise NotRead("head_sink is not a constant")
+        weights["sinks"] = sinks
+    facts["local_window_size"] = node.attributes.get_int("local_window_size", -1)
+    facts["sliding_window_cache"] = node.attributes.get_int("sliding_window_cache", 0)
+    config = AttentionConfig(
+        d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv,
+        bias=True, causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
+        sliding_window=facts.get("sliding_window"), softcap=facts.get("softcap"), qk_norm=qk_norm,
+        sinks=sinks is not None,
+    )  # fmt: skip
+    return keep(block, config, weights, keep_weights)
+
+
+register(CoreGraph("gqa", _gqa, _read_gqa, _read_gqa_block))
