@@ -176,12 +176,12 @@ def test_the_table_declares_every_family_the_readme_lists():
 def test_read_projection_reads_one_tensor_alone_as_the_import_gives_it(family, monkeypatch):
     """A rotary decoder's projection read by itself (Phi-3's q, k, v: their rows of its fused q|k|v), equal to the
     import's, and of it only the rows asked for; a BERT checkpoint's through the import of its layer."""
-    from attnx.model import importers
+    from attnx.model import checkpoint, importers
 
     folder = os.path.join(os.path.dirname(__file__), "..", "fixtures", "genai", family, "checkpoint")
     read: list[str] = []
-    real = importers._read
-    monkeypatch.setattr(importers, "_read", lambda path, name, *a: (read.append(name), real(path, name, *a))[1])
+    real = checkpoint.read_tensor
+    monkeypatch.setattr(checkpoint, "read_tensor", lambda path, name, *a: (read.append(name), real(path, name, *a))[1])
     weights = import_weights(folder, layer=1).weights
     for role, name in importers.PROJECTIONS.items():
         read.clear()
