@@ -53,7 +53,7 @@ from attnx.model.contract import (
     provider_of_backend,
 )
 from attnx.model.importers import checkpoint_files
-from attnx.runtimes.package import check_external_data, member_path, read_manifest
+from attnx.runtimes._manifest import check_external_data, member_path, read_manifest
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS
 
 __all__ = ["BENCH_SLOT", "JOBS", "CaseSpec", "JobAxes", "MatrixPlan", "Source", "load_plan"]

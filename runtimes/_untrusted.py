@@ -33,7 +33,7 @@ from typing import Any
 
 from attnx.errors import ModelFileError, UsageError
 from attnx.model.resources import GB, ResourceError, available_memory_bytes
-from attnx.runtimes.package import check_external_data
+from attnx.runtimes._manifest import check_external_data
 
 __all__ = ["KNOWN_DOMAINS", "check_model_file", "check_cut_fits", "tensor_bytes"]
 
