@@ -22,14 +22,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
-
-import numpy as np
 
 from attnx._io import not_a_file
 from attnx.errors import ConfigError, ModelFileError, UsageError
-from attnx.model._onnx_proto import EXTERNAL, read_model
+from attnx.model._onnx_proto import read_model
 from attnx.model.config import AttentionConfig, TensorSpec
 from attnx.model.cores import (
     AUTO,
@@ -41,6 +39,23 @@ from attnx.model.cores import (
     core_for,
     core_from_nodes,
 )
+from attnx.model.dtypes import (
+    BF16_RUNTIMES,
+    DTYPES,
+    MODEL_DTYPES,
+    QUANTIZATIONS,
+    QUANTIZED_DTYPES,
+    DType,
+    Quantization,
+    check_choice,
+    check_model_dtype,
+    dtype_name,
+    dtype_of_onnx,
+    dtype_of_ort,
+    float_dtype,
+    numpy_dtype,
+)
+from attnx.model.onnx_tensors import all_nodes, external_locations, external_tensors, initializer_bytes
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
 __all__ = [
@@ -144,94 +159,6 @@ DECODE_KEY = "attnx.decode"  # the step model's form (DECODE_FORMS), on models w
 QUANT_KEY = "attnx.quantization"  # a quantized form's scheme, bits, block size, projections (JSON)
 
 
-def check_choice(what: str, value: Any, known: Iterable[str]) -> Any:
-    """`value` when it is one of `known`, else one UsageError naming it and the choices."""
-    known = list(known)
-    if value not in known:
-        raise UsageError(f"unknown {what} {value!r} (known: {', '.join(known)})")
-    return value
-
-
-# Dtypes -------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class DType:
-    """One dtype and its spelling in each library. `name` is attnx's (fp32, fp16, ...)."""
-
-    name: str
-    numpy: str | None  # None: numpy has no such type (bfloat16)
-    torch: str  # the torch attribute: torch.float32, ...
-    onnx: int  # onnx.TensorProto.DataType (onnx-ir's ir.DataType has the same values)
-    ort: str  # ONNX Runtime's type string in get_inputs()
-
-
-DTYPES: dict[str, DType] = {
-    d.name: d
-    for d in (
-        DType("fp32", "float32", "float32", 1, "tensor(float)"),
-        DType("fp16", "float16", "float16", 10, "tensor(float16)"),
-        DType("bf16", None, "bfloat16", 16, "tensor(bfloat16)"),
-        DType("fp64", "float64", "float64", 11, "tensor(double)"),
-        DType("bool", "bool", "bool", 9, "tensor(bool)"),
-        DType("int32", "int32", "int32", 6, "tensor(int32)"),
-        DType("int64", "int64", "int64", 7, "tensor(int64)"),
-        DType("int8", "int8", "int8", 3, "tensor(int8)"),
-        DType("uint8", "uint8", "uint8", 2, "tensor(uint8)"),
-        DType("int4", None, "int4", 22, "tensor(int4)"),  # no numpy or torch int4 type
-    )
-}
-
-
-# Quantized forms (issue 12) ------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Quantization:
-    """A precision form whose four projections are quantized and whose inputs, outputs and
-    attention core stay float32 (attnx.export.passes.quantize writes it; its error model is in
-    attnx.model.tolerance)."""
-
-    name: str  # int8, int4
-    op: str  # the ONNX Runtime operator each projection becomes
-    bits: int
-    weights: str  # how the weights are quantized
-    activations: str  # how the projection's input is quantized at run time ("none": weight-only)
-
-
-QUANTIZATIONS: dict[str, Quantization] = {
-    q.name: q
-    for q in (
-        # DynamicQuantizeMatMul (MLAS u8s8 GEMM): the fastest of the int8 candidates measured
-        # (measurements/quantized_forms).
-        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric 7-bit per output channel (int8 storage)",
-                     "dynamic uint8 per row (each row divided by its max |x|, then per tensor)"),
-        Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
-                     "int8 per block of K (accuracy_level 4)"),
-    )
-}  # fmt: skip
-QUANTIZED_DTYPES = tuple(QUANTIZATIONS)
-# The dtypes a model is written in (--dtype of export, optimize, build, parity, bench): float32, float16
-# (the whole graph, a step model's cache too), or quantized projections around a float32 core. Which
-# core takes which is the registry's (attnx.model.cores).
-MODEL_DTYPES = ("fp32", "fp16", *QUANTIZED_DTYPES)
-# bf16 is no graph of attnx's: ONNX Runtime's CPU provider has no fast bfloat16 MatMul (its bf16
-# kernels are reference loops), so bf16 is a runtime precision set on the fp32 graph.
-BF16_RUNTIMES = "OpenVINO with inference precision bf16 on the fp32 graph (backend openvino), or torch in bf16"
-
-
-def float_dtype(dtype: str) -> str:
-    """The float dtype a model of `dtype` takes and computes its attention core in: fp32 for the
-    quantized forms (their inputs, outputs and core stay float), the dtype itself otherwise."""
-    return "fp32" if dtype in QUANTIZATIONS else dtype
-
-
-def check_model_dtype(dtype: str, what: str = "--dtype") -> str:
-    """`dtype` when a model may be written in it; bf16 is refused saying where it runs."""
-    if dtype == "bf16":
-        raise UsageError(
-            f"{what} bf16: no attnx graph computes in bfloat16 (ONNX Runtime's CPU provider has no fast bf16 "
-            f"MatMul); bf16 is a runtime precision of the fp32 model: {BF16_RUNTIMES}"
-        )
-    return check_choice(what, dtype, MODEL_DTYPES)
-
-
 def quantization_of(metadata: Mapping[str, str]) -> dict[str, Any] | None:
     """The quantization a model's metadata records (QUANT_KEY), or None for a float model."""
     import json
@@ -246,43 +173,6 @@ def quantization_of(metadata: Mapping[str, str]) -> dict[str, Any] | None:
     if not isinstance(value, dict) or value.get("dtype") not in QUANTIZATIONS:
         raise ModelFileError(f"the model's {QUANT_KEY!r} metadata names no known quantized dtype")
     return value
-
-
-_BY_NUMPY = {np.dtype(d.numpy): d.name for d in DTYPES.values() if d.numpy}
-_BY_TORCH = {f"torch.{d.torch}": d.name for d in DTYPES.values()}
-_BY_ONNX = {d.onnx: d.name for d in DTYPES.values()}
-_BY_ORT = {d.ort: d.name for d in DTYPES.values()}
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype of an attnx dtype name (UsageError for one numpy has not: bf16)."""
-    d = DTYPES.get(name)
-    if d is None or d.numpy is None:
-        raise UsageError(f"dtype {name!r} has no numpy type")
-    return np.dtype(d.numpy)
-
-
-def dtype_name(value: Any) -> str:
-    """attnx's name (fp32, fp16, bool, ...) of a numpy or torch dtype, or of the dtype of a
-    numpy array or a torch tensor; an unknown dtype keeps its own spelling."""
-    dtype = value if isinstance(value, np.dtype) else getattr(value, "dtype", None)
-    if dtype is None and type(value).__module__ == "torch":
-        dtype = value  # a torch.dtype itself (never str(value): that formats a whole array)
-    if dtype is None:
-        return type(value).__name__
-    if isinstance(dtype, np.dtype):
-        return _BY_NUMPY.get(dtype, str(dtype))
-    return _BY_TORCH.get(str(dtype), str(dtype).replace("torch.", ""))  # a torch dtype
-
-
-def dtype_of_onnx(elem_type: int) -> str:
-    """attnx's name of an ONNX element type (TensorProto or onnx-ir DataType value)."""
-    return _BY_ONNX.get(int(elem_type), f"onnx type {int(elem_type)}")
-
-
-def dtype_of_ort(type_string: str) -> str:
-    """attnx's name of an ONNX Runtime type string ("tensor(float)" -> "fp32")."""
-    return _BY_ORT.get(type_string, type_string)
 
 
 # Providers and backends ---------------------------------------------------------------------------
@@ -511,6 +401,21 @@ def require_model_file(path: str) -> str:
     return path
 
 
+def external_data_locations(model_path: str | os.PathLike[str]) -> list[str]:
+    """The `location` of every tensor stored outside the model file, read from the model's
+    protobuf alone (no data file is opened): initializers, sparse ones, node attributes,
+    subgraphs, functions and training info."""
+    path = os.fspath(model_path)
+    return external_locations(_load_proto(path), path)
+
+
+def external_data_tensors(model_path: str | os.PathLike[str]) -> list[Any]:
+    """Every TensorProto stored outside the model file (external_data_locations' walk), each with its
+    location, offset and length entries; ModelFileError for one with no location."""
+    path = os.fspath(model_path)
+    return external_tensors(_load_proto(path), path)
+
+
 def _load_proto(path: str) -> Any:
     from google.protobuf.message import DecodeError
 
@@ -572,8 +477,8 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         metadata=metadata,
         operators=op_counts(nodes),
         initializers=len(proto.graph.initializer),
-        initializer_bytes=_initializer_bytes(proto),
-        external_data=tuple(_external_locations(proto, path)),
+        initializer_bytes=initializer_bytes(proto),
+        external_data=tuple(external_locations(proto, path)),
         file_bytes=os.path.getsize(path),
         decode=metadata.get(DECODE_KEY),
         quantization=_quantization_or_none(metadata),
@@ -652,100 +557,6 @@ def _quant_summary(q: Mapping[str, Any]) -> dict[str, Any]:
         for role, p in dict(q.get("projections") or {}).items()
     }
     return out
-
-
-def _initializer_bytes(proto: Any) -> int:
-    total = 0
-    for tensor in proto.graph.initializer:
-        total += int(np.prod(tensor.dims, dtype=np.int64)) * _itemsize(tensor.data_type)
-    return total
-
-
-def _itemsize(elem_type: int) -> int:
-    """Bytes per element of an ONNX element type, as numpy holds it: from DTYPES, or for a type
-    numpy has not (bf16, int4, float8, ...) from onnx's own table (it imports ml_dtypes, whose types
-    those are: only for such a tensor, which attnx never writes)."""
-    d = DTYPES.get(_BY_ONNX.get(elem_type, ""))
-    if d is not None and d.numpy is not None:
-        return np.dtype(d.numpy).itemsize
-    from onnx import helper
-
-    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize
-
-
-def external_data_locations(model_path: str | os.PathLike[str]) -> list[str]:
-    """The `location` of every tensor stored outside the model file, read from the model's
-    protobuf alone (no data file is opened): initializers, sparse ones, node attributes,
-    subgraphs, functions and training info."""
-    path = os.fspath(model_path)
-    return _external_locations(_load_proto(path), path)
-
-
-def external_data_tensors(model_path: str | os.PathLike[str]) -> list[Any]:
-    """Every TensorProto stored outside the model file (external_data_locations' walk), each with its
-    location, offset and length entries; ModelFileError for one with no location."""
-    path = os.fspath(model_path)
-    return _external_tensors(_load_proto(path), path)
-
-
-def _external_tensors(proto: Any, path: str) -> list[Any]:
-    tensors = list(_tensors(proto.graph))
-    for function in proto.functions:
-        tensors += list(_node_tensors(function.node))
-    for info in proto.training_info:
-        tensors += list(_tensors(info.initialization)) + list(_tensors(info.algorithm))
-    out = []
-    for t in tensors:
-        entries = {e.key: e.value for e in t.external_data}
-        if t.data_location == EXTERNAL or entries:
-            if "location" not in entries:
-                raise ModelFileError(f"tensor {t.name!r} of {os.path.basename(path)!r} is external but has no location")
-            out.append(t)
-    return out
-
-
-def _external_locations(proto: Any, path: str) -> list[str]:
-    locations: list[str] = []
-    for t in _external_tensors(proto, path):
-        location = next(e.value for e in t.external_data if e.key == "location")
-        if location not in locations:
-            locations.append(location)
-    return locations
-
-
-def all_nodes(graph: Any) -> Iterator[Any]:
-    """Every NodeProto of an onnx graph, its nodes' subgraphs (If branches, Loop and Scan bodies)
-    included, each after the node that holds it."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                yield from all_nodes(sub)
-
-
-def _tensors(graph: Any) -> Iterator[Any]:
-    """Every TensorProto of a graph, its nodes' attributes and subgraphs included."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    yield from _node_tensors(graph.node)
-
-
-def _node_tensors(nodes: Any) -> Iterator[Any]:
-    for node in nodes:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
-            for tensor in sparse:
-                yield tensor.values
-                yield tensor.indices
-            if attr.HasField("g"):
-                yield from _tensors(attr.g)
-            for g in attr.graphs:
-                yield from _tensors(g)
 
 
 # Runtimes beside ONNX Runtime, and the precisions a runtime makes itself ------------------------
