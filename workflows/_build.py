@@ -22,13 +22,11 @@ import json
 import logging
 import os
 import shutil
-import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from attnx import __version__
 from attnx._io import Staging, check_output_parent, output_lock
 from attnx.errors import CheckFailed, UsageError
 from attnx.export import release_rewriter_state
@@ -38,37 +36,45 @@ from attnx.model.contract import (
     BUILD_ATTENTION,
     EXPORT_ATTENTIONS,
     PROVIDERS,
-    QUANTIZATIONS,
     REFERENCE,
     check_choice,
     check_model_dtype,
-    describe,
-    float_dtype,
     get_provider,
     provider_of_backend,
-    quantization_of,
     runs_onnx_model,
 )
 from attnx.model.cores import export_core
-from attnx.model.inputs import make_inputs
 from attnx.model.resources import check_memory, estimate_export
-from attnx.model.tolerance import problem_size
 from attnx.model.weights import check_weights, init_weights, load_weights, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import Comparison
-from attnx.runtimes.decode import decode_sequence, empty_cache, make_decode_inputs, run_decode_parity
+from attnx.runtimes.decode import run_decode_parity
 from attnx.runtimes.package import (
     FORMAT,
-    FORMAT_VERSION,
     MANIFEST,
     MANIFEST_SUM,
     VerifyReport,
-    file_sha256,
     verify_package,
 )
-from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityCase, ParityReport, run_parity
+from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
 from attnx.workflows._export import export_model
+from attnx.workflows._package_files import (
+    MODEL_FILE,
+    PARITY_JSON,
+    PARITY_MD,
+    RecordingRunner,
+    ReplayRunner,
+    localised_text,
+    manifest_of,
+    order_cases,
+    parity_markdown,
+    shapes_text,
+    write_golden,
+    write_golden_decode,
+    write_json,
+    write_npz,
+)
 
 __all__ = [
     "DEFAULT_ATTENTION",
@@ -88,12 +94,6 @@ DEFAULT_ATTENTION = BUILD_ATTENTION  # the contract's, with its reason
 DEFAULT_PROVIDERS = tuple(PROVIDERS)
 # Above this many bytes of float32 weights, the build checks at smaller shapes (see check_plan).
 LARGE_MODEL_BYTES = 1024**3
-MODEL_FILE = "model.onnx"
-PARITY_JSON = "parity.json"
-PARITY_MD = "parity.md"
-GOLDEN_SEED = 1000  # golden inputs are drawn apart from parity's (seeds 0, 1, ...)
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckPlan:
     """The shapes (batch, seq, mem_seq) a build checks its model at."""
@@ -142,24 +142,6 @@ class BuildReport:
     export_lines: list[str] = dataclasses.field(default_factory=list)
 
 
-# Files -----------------------------------------------------------------------------------
-def write_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray]) -> None:
-    """An .npz that np.load reads, written byte-for-byte reproducibly: numpy's own savez
-    stamps each member with the current time. No pickles (allow_pickle=False)."""
-    with open(path, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as zf:
-        for name, array in arrays.items():
-            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            with zf.open(info, "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
-
-
-def _write_json(path: str, data: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True, allow_nan=False)
-        f.write("\n")
-
-
 class _SpilledWeights(Mapping[str, np.ndarray]):
     """Weights saved to .npy scratch files and memory-mapped on each access: the pages are
     mapped only while a caller holds the array, so the second half of the build can read
@@ -183,57 +165,6 @@ class _SpilledWeights(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self.paths)
-
-
-def _feeds_key(feeds: Mapping[str, np.ndarray]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(feeds):
-        array = np.ascontiguousarray(feeds[name])
-        digest.update(f"{name}:{array.dtype.str}:{list(array.shape)};".encode())
-        digest.update(memoryview(array).cast("B"))
-    return digest.hexdigest()
-
-
-class _RecordingRunner(Runner):
-    """The reference backend, its outputs kept by the digest of the inputs they came from."""
-
-    def __init__(self, inner: Runner, record: dict[str, np.ndarray]) -> None:
-        super().__init__(inner.source)
-        self.name = inner.name
-        self.inner = inner
-        self.record = record
-
-    def load_impl(self) -> None:
-        self.inner.load()
-        self.inputs, self.outputs = self.inner.inputs, self.inner.outputs
-
-    def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = self.inner.run(feeds)
-        self.record[_feeds_key(feeds)] = out["y"]
-        return out
-
-    def close_impl(self) -> None:
-        self.inner.close()
-
-
-class _ReplayRunner(Runner):
-    """The reference backend's recorded outputs, given back for the same inputs."""
-
-    def __init__(self, source: ModelSource, record: Mapping[str, np.ndarray]) -> None:
-        super().__init__(source)
-        self.name = REFERENCE
-        self.record = record
-
-    def load_impl(self) -> None:
-        self.inputs = self.source.config.inputs(self.source.dtype)
-        self.outputs = [dataclasses.replace(s, dtype="fp64") for s in self.source.config.outputs()]
-
-    def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        key = _feeds_key(feeds)
-        if key not in self.record:
-            shapes = {k: list(v.shape) for k, v in feeds.items()}
-            raise CheckFailed(f"internal: no reference output was recorded for inputs {shapes}")
-        return {"y": self.record[key]}
 
 
 # The build ---------------------------------------------------------------------------------
@@ -377,13 +308,13 @@ def _build_into(
         progress=progress, **(quant or {}),
     )  # fmt: skip
     release_rewriter_state()  # the lowering passes' rewrite rules may hold the graph, and so the weights
-    progress(f"torch module at the validation shapes {_shapes_text(plan.validation_shapes)}")
+    progress(f"torch module at the validation shapes {shapes_text(plan.validation_shapes)}")
     expected = torch_expected(config, weights, dtype, plan.validation_shapes)
     record: dict[str, np.ndarray] = {}
 
     def recording_factory(name: str, source: ModelSource, **options: Any) -> Runner:
         runner = create_runner(name, source, **options)  # options: a localisation's session options
-        return _RecordingRunner(runner, record) if name == REFERENCE else runner
+        return RecordingRunner(runner, record) if name == REFERENCE else runner
 
     source = ModelSource(config, weights, None, dtype)
     # Torch backends first, while the weights are in memory; each ONNX Runtime backend after.
@@ -394,8 +325,8 @@ def _build_into(
     progress(f"parity: {', '.join(first)} against the reference")
     parity_args = dict(batches=plan.parity_batches, seqs=plan.parity_seqs, mem_seqs=plan.parity_mem_seqs)
     cases = run_parity(source, first, runner_factory=recording_factory, progress=progress, **parity_args).cases
-    progress(f"golden cases {_shapes_text(plan.golden_shapes)} (reference backend, float64)")
-    golden = _write_golden(tmp, config, weights, dtype, plan.golden_shapes)
+    progress(f"golden cases {shapes_text(plan.golden_shapes)} (reference backend, float64)")
+    golden = write_golden(tmp, config, weights, dtype, plan.golden_shapes)
     progress("spilling the weights to scratch files: onnxruntime loads the model next")
     spilled = _SpilledWeights(scratch, weights)
     del weights, source
@@ -409,7 +340,7 @@ def _build_into(
     replay_source = ModelSource(config, spilled, model_path, dtype)
 
     def replay_factory(name: str, source: ModelSource, **options: Any) -> Runner:
-        return _ReplayRunner(source, record) if name == REFERENCE else create_runner(name, source, **options)
+        return ReplayRunner(source, record) if name == REFERENCE else create_runner(name, source, **options)
 
     for backend in ort_backends:  # one call each: two sessions never coexist
         progress(f"parity: {backend} against the reference")
@@ -418,13 +349,13 @@ def _build_into(
         ).cases
     del replay_source, spilled
     shutil.rmtree(scratch)
-    parity = ParityReport(_order_cases(cases))
+    parity = ParityReport(order_cases(cases))
     if not parity.passed:
         failed = [c for c in parity.cases if c.status == "fail"]
         raise CheckFailed(
             f"parity failed in {len(failed)} case(s), no package written: "
             + "; ".join(f"{c.backend} batch={c.batch} seq={c.seq}: {c.reason}" for c in failed[:5])
-            + _localised(failed)
+            + localised_text(failed)
         )
 
     # The package's files, then its own verify. -------------------------------------------
@@ -433,193 +364,10 @@ def _build_into(
     )
 
 
-def _shapes_text(shapes: Sequence[tuple[int, int, int]]) -> str:
-    return ", ".join(f"{b}x{s}" for b, s, _ in shapes)
-
-
-def _order_cases(cases: list[ParityCase]) -> list[ParityCase]:
-    """Cases by shape (in the order they first ran), then by backend as parity lists them."""
-    shape_order: dict[tuple[int, int, int | None], int] = {}
-    for c in cases:
-        shape_order.setdefault((c.batch, c.seq, c.mem_seq), len(shape_order))
-    rank = {b: i for i, b in enumerate(BACKENDS)}
-    return sorted(cases, key=lambda c: (shape_order[(c.batch, c.seq, c.mem_seq)], rank.get(c.backend, len(rank))))
-
-
-def _write_golden(
-    tmp: str,
-    config: AttentionConfig,
-    weights: Mapping[str, np.ndarray],
-    dtype: str,
-    shapes: Sequence[tuple[int, int, int]],
-) -> list[dict[str, Any]]:
-    """Golden inputs (in the model's input dtype) and the reference backend's outputs.
-
-    The outputs stay float64: they are the formula's values for these inputs, so verify
-    compares a deployment's output with them exactly as parity compares a backend with the
-    reference. Rounding them to the model dtype would add half an ulp of error to the golden
-    file itself (for fp16 a sizable part of the tolerance)."""
-    entries = []
-    quantized = dtype in QUANTIZATIONS  # its inputs are float32; its error model needs the activations
-    dtype = float_dtype(dtype)
-    with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
-        for i, (batch, seq, mem_seq) in enumerate(shapes):
-            mem = mem_seq if config.cross else None
-            feeds = make_inputs(config, batch, seq, mem, dtype=dtype, seed=GOLDEN_SEED + i)
-            y = reference.run(feeds)["y"]
-            name = f"golden-{i}.npz"
-            write_npz(os.path.join(tmp, name), {**feeds, "y": y})
-            entries.append({
-                "file": name,
-                "batch": batch,
-                "seq": seq,
-                "mem_seq": mem,
-                "seed": GOLDEN_SEED + i,
-                "inputs": list(feeds),
-                "outputs": ["y"],
-                "output_dtype": "fp64",
-                "backend": REFERENCE,
-                # The tolerance rule needs the largest attention score, which needs the
-                # weights: computed here, where they are.
-                "problem_size": problem_size(config, weights, feeds, activations=quantized).to_dict(),
-            })  # fmt: skip
-    return entries
-
-
-def _versions() -> dict[str, str]:
-    import onnx
-    import onnx_ir
-    import onnxruntime
-    import onnxscript
-    import torch
-
-    return {
-        "attnx": __version__,
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "onnxscript": onnxscript.__version__,
-        "onnx_ir": onnx_ir.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "numpy": np.__version__,
-    }
-
-
-def _manifest(
-    tmp: str,
-    config: AttentionConfig,
-    dtype: str,
-    attention: str,
-    model_files: list[str],
-    providers: list[str],
-    parity: ParityReport,
-    golden: list[dict[str, Any]],
-    weights_info: dict[str, Any],
-    progress: Callable[[str], None],
-) -> dict[str, Any]:
-    info = describe(os.path.join(tmp, MODEL_FILE))
-    data_files = [os.path.basename(f) for f in model_files if os.path.basename(f) != MODEL_FILE]
-    verified, not_verified = [], {}
-    for provider in providers:
-        ort_cases = [c for c in parity.cases if c.backend == PROVIDERS[provider].backend]
-        if ort_cases and all(c.status == "pass" for c in ort_cases):
-            verified.append(provider)
-        else:
-            skipped = [c.reason for c in ort_cases if c.status == "skipped"]
-            not_verified[provider] = skipped[0] if skipped else "not run"
-    files = {}
-    for name in sorted(os.listdir(tmp)):
-        if name in (MANIFEST, MANIFEST_SUM):
-            continue
-        path = os.path.join(tmp, name)
-        files[name] = {"size": os.path.getsize(path), "sha256": file_sha256(path, progress, name)}
-    summary = parity.summary()
-    max_abs = {}
-    for c in parity.cases:
-        if c.max_abs is not None:
-            max_abs[c.backend] = max(max_abs.get(c.backend, 0.0), c.max_abs)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "config": config.to_dict(),
-        "dtype": dtype,
-        **({"quantization": quantization_of(info.metadata)} if dtype in QUANTIZATIONS else {}),
-        "attention": attention,
-        "inputs": [spec.to_dict() for spec in info.inputs],
-        "outputs": [spec.to_dict() for spec in info.outputs],
-        "models": [
-            {
-                "file": MODEL_FILE,
-                "external_data": data_files,
-                # One model serves every provider while the lowering does not depend on it.
-                "providers": providers,
-                "lowering": info.lowering,
-                "ir_version": info.ir_version,
-                "opsets": info.opsets,
-                **({"decode": info.decode} if info.decode is not None else {}),  # a step model's form
-            }
-        ],
-        "files": files,
-        "golden": golden,
-        "weights": weights_info,
-        "parity": {
-            "passed": parity.passed,
-            "report": PARITY_JSON,
-            "summary": PARITY_MD,
-            "cases": summary,
-            "max_abs": max_abs,
-        },
-        "providers": providers,
-        "verified_on": verified,
-        "not_verified": not_verified,
-        "versions": _versions(),
-    }
-
-
-def _localised(failed: list[ParityCase]) -> str:
-    """Where the first localised failing case diverges (attnx.runtimes.localise), as the end of a message."""
-    found = next((c for c in failed if c.localisation and c.localisation.get("line")), None)
-    return f" ({found.backend}: {found.localisation['line']})" if found else ""
-
-
-def parity_markdown(parity: ParityReport, config: AttentionConfig, dtype: str) -> str:
-    """A short human-readable parity summary: one row per backend."""
-    lines = [
-        f"# Parity: {'PASSED' if parity.passed else 'FAILED'}",
-        "",
-        f"Config: `{config.to_json()}`, dtype {dtype}. Every backend against the numpy reference (float64);",
-        "`reference` is the reference itself against torch in float64.",
-        "",
-        "| backend | vs | cases | pass | fail | skipped | max abs error | worst atol needed / allowed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for backend, counts in parity.summary().items():
-        cases = [c for c in parity.cases if c.backend == backend]
-        ran = [c for c in cases if c.max_abs is not None]
-        max_abs = f"{max(c.max_abs for c in ran):.3g}" if ran else "-"
-        ratio = max(((c.needed_atol or 0.0) / c.atol for c in ran if c.atol), default=None)
-        lines.append(
-            f"| {backend} | {cases[0].reference} | {len(cases)} | {counts['pass']} | {counts['fail']} | "
-            f"{counts['skipped']} | {max_abs} | {'-' if ratio is None else f'{ratio:.3f}'} |"
-        )
-    shapes = sorted({(c.batch, c.seq, c.mem_seq) for c in parity.cases})
-    lines += ["", "Shapes (batch x seq" + (" x mem_seq" if config.cross else "") + "): "
-              + ", ".join("x".join(str(v) for v in s if v is not None) for s in shapes)]  # fmt: skip
-    reasons = {c.backend: c.reason for c in parity.cases if c.status == "skipped"}
-    for backend, reason in reasons.items():
-        lines.append(f"- skipped {backend}: {reason}")
-    for c in parity.cases:
-        if c.status == "fail":
-            lines.append(f"- FAIL {c.backend} batch={c.batch} seq={c.seq}: {c.reason}")
-    return "\n".join(lines) + "\n"
-
-
 # Step models (config kv_cache) -----------------------------------------------------------------
 # The decode parity of a step-model build, and its golden decode sequence (a prefill, then steps).
 STEP_PARITY = {"prefills": (0, 1, 37), "steps": 64, "batch": 3}
 STEP_PARITY_LARGE = {"prefills": (0, 8), "steps": 4, "batch": 1}
-STEP_GOLDEN = {"prefill": 5, "steps": 4, "batch": 2}
-
-
 def _build_step_into(
     tmp: str,
     config: AttentionConfig,
@@ -665,53 +413,15 @@ def _build_step_into(
         raise CheckFailed(
             f"decode parity failed in {len(failed)} case(s), no package written: "
             + "; ".join(f"{c.backend} prefill={c.prefill}: {c.reason}" for c in failed[:5])
-            + _localised(failed)
+            + localised_text(failed)
         )
     progress("golden decode sequence (reference backend, float64)")
-    golden = [_write_golden_decode(tmp, config, weights, dtype, buffer=decode_form == "buffer")]
+    golden = [write_golden_decode(tmp, config, weights, dtype, buffer=decode_form == "buffer")]
     del weights, source
     gc.collect()
     return _write_and_verify(
         tmp, config, dtype, attention, exported, providers, parity, golden, weights_info, [], progress
     )
-
-
-def _write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str, np.ndarray],
-                         dtype: str, buffer: bool = False) -> dict[str, Any]:  # fmt: skip
-    """golden-decode-0.npz: the tokens (and their key padding mask) of a prefill then single-token
-    steps, with the reference's float64 full forward over them: y at every position and the
-    final cache. attnx verify replays the sequence (runner.prefill, runner.step; the buffer form's
-    BufferDecoder) and compares. buffer: no padding (make_decode_inputs' buffer rows)."""
-    prefill, steps, batch = STEP_GOLDEN["prefill"], STEP_GOLDEN["steps"], STEP_GOLDEN["batch"]
-    quantized = dtype in QUANTIZATIONS  # its inputs are float32; its error model needs the activations
-    dtype = float_dtype(dtype)
-    feeds = make_decode_inputs(config, batch, prefill + steps, dtype, seed=GOLDEN_SEED, buffer=buffer)
-    pk, pv = empty_cache(config, batch, dtype)
-    full = {**feeds, "past_key": pk, "past_value": pv}
-    with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
-        if config.rope is None:
-            expected = reference.run(full)
-        else:
-            # With rope the reference decodes the same sequence as verify replays it: each call's
-            # positions (position_ids, recorded in the golden file) choose longrope's factors for that
-            # call, so keys cached before a switch keep their rotation (transformers' rule).
-            y, (k, v) = decode_sequence(reference, feeds, prefill, config)
-            expected = {"y": y, "present_key": k, "present_value": v}
-    name = "golden-decode-0.npz"
-    write_npz(os.path.join(tmp, name), {**feeds, **expected})
-    return {
-        "file": name,
-        "batch": batch,
-        "seq": prefill + steps,
-        "mem_seq": None,
-        "seed": GOLDEN_SEED,
-        "decode": {"prefill": prefill, "steps": steps},
-        "inputs": list(feeds),
-        "outputs": ["y", "present_key", "present_value"],
-        "output_dtype": "fp64",
-        "backend": REFERENCE,
-        "problem_size": problem_size(config, weights, full, activations=quantized).to_dict(),
-    }
 
 
 def _write_and_verify(
@@ -733,10 +443,10 @@ def _write_and_verify(
     parity.write_json(os.path.join(tmp, PARITY_JSON))
     with open(os.path.join(tmp, PARITY_MD), "w", encoding="utf-8") as f:
         f.write(parity_markdown(parity, config, dtype))
-    manifest = _manifest(
+    manifest = manifest_of(
         tmp, config, dtype, attention, exported.files, providers, parity, golden, weights_info, progress
     )
-    _write_json(os.path.join(tmp, MANIFEST), manifest)
+    write_json(os.path.join(tmp, MANIFEST), manifest)
     with open(os.path.join(tmp, MANIFEST), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     with open(os.path.join(tmp, MANIFEST_SUM), "w", encoding="ascii") as f:

@@ -24,7 +24,7 @@ from attnx.model.weights import init_weights
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import decode_sequence, empty_cache, run_decode_parity
 from attnx.runtimes.package import verify_package
-from attnx.workflows import _build, build_package, write_npz
+from attnx.workflows import _build, _package_files, build_package, write_npz
 from tests.conftest import LLM_CONFIGS, weights_for
 
 STEP = dataclasses.replace(LLM_CONFIGS["llm"], kv_cache=True)  # every term: rope (yarn), window, softcap, norms, sinks
@@ -136,7 +136,7 @@ def test_longrope_switching_mid_decode_is_what_parity_and_the_golden_decode_expe
     report = run_decode_parity(ModelSource(config, weights), ["reference", "torch"], prefills=(0, 5), steps=4,
                                batch=2)  # fmt: skip
     assert report.passed and len(report.cases) == 4, report.summary()
-    entry = _build._write_golden_decode(str(tmp_path), config, weights, "fp32")
+    entry = _package_files.write_golden_decode(str(tmp_path), config, weights, "fp32")
     with np.load(tmp_path / entry["file"]) as npz:
         golden = {k: npz[k] for k in npz.files}
     feeds = {k: golden[k] for k in entry["inputs"]}
