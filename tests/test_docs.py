@@ -78,6 +78,7 @@ def test_every_block_runs_or_is_marked(page):
             assert number in marked, f"{page}:{number}: a mark with no fence on the next line"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)])
 def test_page_blocks_run_as_written(page, tmp_path):
     """The page's runnable blocks in order, in one empty folder, as a reader pastes them: python in a fresh

@@ -28,6 +28,9 @@ from attnx.runtimes import compare_arrays
 from attnx.workflows import build_package
 from tests.conftest import CONFIGS
 
+# the slow tier: the install in a fresh virtual environment
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPORT_SIDE = ("torch", "onnx_ir", "onnxscript", "safetensors")
 

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
     README = f.read()
@@ -31,6 +33,7 @@ def test_each_main_use_reaches_its_page():
             assert os.path.exists(os.path.join(ROOT, target)), target
 
 
+@pytest.mark.slow
 def test_the_main_command_runs_twice(tmp_path):
     """The README's main job, as written after the install step, twice in one folder: the second
     run replaces the package the first one built (an existing pkg is not an error with --force)."""

@@ -13,6 +13,9 @@ import pytest
 
 from attnx.cli import main
 
+# the slow tier: benchmark runs
+pytestmark = pytest.mark.slow
+
 RECORD_FIELDS = {
     "backend", "attention", "dtype", "batch", "seq", "mem_seq", "median_ms", "p10_ms", "p90_ms",
     "first_ms", "tokens_per_s", "gflops", "roofline", "peak_mem_mb",

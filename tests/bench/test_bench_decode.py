@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from attnx.bench import step_bytes
 from attnx.cli import main
 from attnx.model import AttentionConfig, preset
 from attnx.runtimes.base import backend_unavailable_reason
+
+# the slow tier: benchmark runs
+pytestmark = pytest.mark.slow
 
 
 def test_step_bytes_counts_weights_cache_and_new_token():

@@ -13,6 +13,9 @@ from attnx.bench._plan import BenchCase, BenchReport
 from attnx.cli import main
 from attnx.commands.bench import frontier_lines
 
+# the slow tier: benchmark runs
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):

@@ -22,6 +22,9 @@ from attnx.model import preset
 from attnx.model.resources import estimate_case
 from tests.conftest import CONFIGS
 
+# the slow tier: benchmark runs
+pytestmark = pytest.mark.slow
+
 FAST = {"repeat": 2, "warmup": 1, "threads": 1}
 
 

@@ -11,6 +11,9 @@ import pytest
 from attnx.bench import gpu_check
 from attnx.runtimes.base import backend_unavailable_reason
 
+# the slow tier: the whole GPU check on the CPU backends
+pytestmark = pytest.mark.slow
+
 
 def test_defaults_are_the_gpu_backends_and_the_issue_matrix():
     args = gpu_check.parse_args(["--out", "d"])

@@ -146,6 +146,7 @@ def test_inspect_describes_the_model(tiny_model, capsys):
     assert info["operators"] == count_ops(ir.load(str(tiny_model))) and info["nodes"] == sum(info["operators"].values())
 
 
+@pytest.mark.slow
 def test_export_output_is_clean(tmp_path, no_trace_cache):
     """The dynamo exporter's chatter stays out of the CLI's stdout."""
     r = attnx("export", "--preset", "tiny", "--out", str(tmp_path / "m.onnx"), "--no-validate")

@@ -278,6 +278,7 @@ def test_quantized_projections_of_a_rope_and_qk_norm_layer(tmp_path, dtype):
         assert [c.status for c in wrong.cases] == ["fail"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_quantized_projections_of_a_window_softcap_and_sinks_layer(tmp_path, dtype):
     """Every modern-LLM term under int8/int4 (the quantized error model holds through a window, softcap

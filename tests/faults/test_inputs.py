@@ -25,6 +25,9 @@ from tests.faults.conftest import (
     snapshot,
 )
 
+# the slow tier: bad input to every command, each as a process
+pytestmark = pytest.mark.slow
+
 # A bench run small enough to finish in seconds when its arguments happen to be valid.
 QUICK_BENCH = ["--backends", "ort-cpu", "--attention", "decomposed", "--seq", "4", "--repeat", "1", "--warmup", "0",
                "--threads", "1"]  # fmt: skip

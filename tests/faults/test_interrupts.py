@@ -15,6 +15,9 @@ from attnx._io import output_lock
 from attnx.runtimes.package import verify_package
 from tests.faults.conftest import PROFILE, SENTINEL, Outcome, assert_contract, leftovers, run_process, snapshot
 
+# the slow tier: commands killed and stopped as processes
+pytestmark = pytest.mark.slow
+
 EXPORT = ["export", "--preset", "tiny", "--attention", "ort-fused", "--out", "m.onnx"]
 BUILD = ["build", "--preset", "tiny", "--provider", "cpu", "--out", "pkg"]
 

@@ -46,6 +46,9 @@ from attnx.model import describe
 from attnx.runtimes.package import verify_package
 from tests.faults.conftest import PROFILE, leftovers, snapshot
 
+# the signal storm and its traps: real processes signalled at chosen and random moments (the fast tier leaves them)
+pytestmark = pytest.mark.slow
+
 TRAPS = os.path.dirname(os.path.abspath(__file__))
 # The trap's bootstrap: the traps first, then attnx's main as the console script runs it.
 TRAP_MAIN = (

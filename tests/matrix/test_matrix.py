@@ -33,6 +33,9 @@ from attnx.matrix._ray import feasible, placement
 from attnx.matrix._report import MatrixReport, host_key
 from tests.matrix._cluster import RayCluster
 
+# the slow tier: the matrix: case processes, a process pool, a Ray cluster
+pytestmark = pytest.mark.slow
+
 PLAN = {
     "presets": ["tiny"],
     "packages": ["pkg"],

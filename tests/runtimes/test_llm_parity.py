@@ -38,6 +38,7 @@ def test_llm_parity_on_every_backend(exported, name, offset):
         assert all(c.max_abs < 0.1 * c.atol for c in ort), [(c.max_abs, c.atol) for c in ort]
 
 
+@pytest.mark.slow
 def test_a_graph_with_a_planted_window_fault_fails(tmp_path):
     """A graph whose window is one token wider than the config's: parity against the config fails."""
     config = LLM_CONFIGS["llm"]

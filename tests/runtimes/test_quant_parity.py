@@ -115,6 +115,7 @@ ZERO_POINT_SHOWS = {"q": ("peaked",), "v": ("flat", "peaked"), "out": ("flat",)}
 # which the softmax removes; what is left is a random walk 3.5x k's rounding noise, within the noise.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(FAULT_MODELS))
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_the_bound_fails_real_faults(quantized, tmp_path, dtype, model):

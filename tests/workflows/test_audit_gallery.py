@@ -14,6 +14,9 @@ import pytest
 from attnx.workflows.audit import audit_model
 from tests.workflows import _gallery
 
+# the slow tier: the 222-fault gallery (test_audit.py's planted faults stay in the fast tier)
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GENAI = FIXTURES / "genai"
 EXPORTED = FIXTURES / "exported"

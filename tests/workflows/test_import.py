@@ -56,6 +56,7 @@ CASES = [("bert", "self", None), ("roberta", "self", None), ("vit", "self", None
          ("t5", "cross", None)]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "attention", "stack"), CASES, ids=[f"{a}-{s or 'd'}-{k}" for a, k, s in CASES])
 def test_every_family_imports_exports_and_agrees_with_its_source(checkpoints, tmp_path, arch, attention, stack):
     report = import_model(checkpoints[arch], tmp_path / "out", layer=1, attention=attention, stack=stack, check=True,

@@ -142,6 +142,7 @@ def test_an_import_checked_against_its_source_writes_the_folder(decoders, tmp_pa
     _expected("gemma3_text", config, weights, decoders["gemma3_text"])
 
 
+@pytest.mark.slow
 def test_the_cli_imports_gpt_oss_with_its_check_then_builds_and_verifies_its_package(decoders, tmp_path, capsys,
                                                                                     monkeypatch):
     """attnx import --check --kv-cache, then attnx build of the imported step model (decomposed; its decode
