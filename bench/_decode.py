@@ -404,7 +404,7 @@ class _TorchPeer:
         c, m = self.c, self.m
         if c.sliding_window is not None:
             k_all, v_all = k_all[:, :, -c.sliding_window :], v_all[:, :, -c.sliding_window :]
-        if c.softcap is None and not c.sinks:
+        if not {"softcap", "sinks"} & set(c.terms):  # eager attention for these (the peers' rule)
             z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale,
                                                enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip
         else:  # transformers' repeat_kv, then eager attention: the module's decomposed core

@@ -13,17 +13,20 @@ A weight a term adds (its declaration's tensors) that one side lacks with the te
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
+from attnx.export.passes.walk import NotRead
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_frequencies
 from attnx.model.rope_fit import rope_table_error
 from attnx.model.terms import TERMS
 
-__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "compare_terms", "said_by_terms"]
+__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "compare_terms", "emit_scores", "read_attributes",
+           "read_scores", "said_by_terms", "stated_terms", "term_attributes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +44,29 @@ Compare = Callable[[AttentionConfig, dict[str, Any], AttentionConfig, Context], 
 
 
 @dataclasses.dataclass(frozen=True)
+class OpAttribute:
+    """A term an operator states as an attribute: its name, its value for a config (None: not written), and the
+    config's value its value states (None: the term absent)."""
+
+    name: str
+    write: Callable[[AttentionConfig], Any]
+    read: Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphTerm:
     """The graph side of one term (the module doc)."""
 
     name: str
     compare: Compare
+    attributes: Mapping[str, OpAttribute] = dataclasses.field(default_factory=dict)  # {core: its attribute}
+    # from the scalings between q.k and a Softmax (ScoreChain.scalings, from the Softmax back): the term's value and
+    # the scalings left; None where the term is not among them
+    recognise: Callable[[list[tuple[Any, ...]]], tuple[Any, list[tuple[Any, ...]]]] | None = None
+    # the decomposed core's operators for the term on the scores (a graph, the config, the scores) -> the scores
+    emit_scores: Callable[[Any, AttentionConfig, str], str] | None = None
+    # the config keys the graph's reading states for the term (facts -> config), for a term read from a node
+    stated: tuple[str, ...] = ()
 
 
 def _presence(name: str, graph: bool, source: bool, ctx: Context) -> list[str]:
@@ -98,6 +119,32 @@ def _softcap(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx:
     return [ctx.said(f"softcap {g.softcap}", str(c.softcap))]
 
 
+def _recognise_softcap(scalings: list[tuple[Any, ...]]) -> tuple[float | None, list[tuple[Any, ...]]]:
+    """c * tanh(s / c): the factor on each side of the tanh, one the other's inverse; the scalings without them."""
+    at = next((i for i, entry in enumerate(scalings) if entry[0] == "tanh"), None)
+    if at is None:
+        return None, scalings
+    if not (0 < at < len(scalings) - 1 and scalings[at - 1][0] == scalings[at + 1][0] == "scale"):
+        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c)")
+    cap = scalings[at - 1][1]
+    if not np.isclose(cap * scalings[at + 1][1], 1.0, rtol=1e-5):
+        raise NotRead(f"a tanh between {scalings[at + 1][1]:g} and {cap:g}: not a softcap c * tanh(s / c)")
+    return cap, scalings[: at - 1] + scalings[at + 2 :]
+
+
+def _emit_softcap(g: Any, c: AttentionConfig, scores: str) -> str:
+    """c * tanh(s / c) as Div, Tanh, Mul, after the scale, before the masks."""
+    cap = g.const("softcap", np.asarray(c.softcap, np.float32))
+    return g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
+
+
+_SOFTCAP = OpAttribute("softcap", lambda c: c.softcap, lambda value: value or None)
+# local_window_size W is attnx's window: GroupQueryAttention shows key j to query p iff p - W < j <= p (measured
+# against both conventions: measurements/facts.md); -1 is none
+_WINDOW = OpAttribute("local_window_size", lambda c: c.sliding_window,
+                      lambda value: value if value is not None and value > 0 else None)  # fmt: skip
+
+
 def _alibi(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
     return _presence("the ALiBi bias", g.alibi, c.alibi, ctx)
 
@@ -130,10 +177,11 @@ GRAPH_TERMS: dict[str, GraphTerm] = {
         GraphTerm("grouped_heads", _grouped_heads),
         GraphTerm("qk_norm", _qk_norm),
         GraphTerm("rope", _rope),
-        GraphTerm("softcap", _softcap),
+        GraphTerm("softcap", _softcap, {"attention23": _SOFTCAP, "gqa": _SOFTCAP}, _recognise_softcap, _emit_softcap,
+                  ("softcap",)),
         GraphTerm("alibi", _alibi),
         GraphTerm("causal", _causal),
-        GraphTerm("sliding_window", _sliding_window),
+        GraphTerm("sliding_window", _sliding_window, {"gqa": _WINDOW}, stated=("sliding_window",)),
         GraphTerm("sinks", _sinks),
     )
 }
@@ -154,6 +202,61 @@ def compare_terms(graph: AttentionConfig, facts: dict[str, Any], source: Attenti
         if name in GRAPH_TERMS:
             found += GRAPH_TERMS[name].compare(graph, facts, source, ctx)
     return found
+
+
+def term_attributes(config: AttentionConfig, core: str) -> dict[str, Any]:
+    """The attributes `core`'s operator states `config`'s terms by (an OpAttribute of the term's entry), in the
+    formula's order; a term the config does not use writes none."""
+    out: dict[str, Any] = {}
+    for name, term in GRAPH_TERMS.items():
+        attribute = term.attributes.get(core)
+        if attribute is not None and TERMS[name].uses(config):
+            out[attribute.name] = attribute.write(config)
+    return out
+
+
+def read_attributes(node: ir.Node, core: str) -> dict[str, Any]:
+    """{config key: value} of the terms a node of `core` states by its attributes (None: the term absent)."""
+    out: dict[str, Any] = {}
+    for name, term in GRAPH_TERMS.items():
+        attribute = term.attributes.get(core)
+        if attribute is not None:
+            found = node.attributes.get(attribute.name)
+            (key,) = TERMS[name].keys
+            out[key] = attribute.read(found.value if found is not None else None)
+    return out
+
+
+def read_scores(scalings: list[tuple[Any, ...]]) -> tuple[float, dict[str, Any]]:
+    """(the scale, {config key: value} of the terms recognised) of the scalings between q.k and a Softmax
+    (ScoreChain.scalings, from the Softmax back): each term's recognise() takes its own, the rest multiply into the
+    scale. NotRead for a scaling no term explains (a tanh that is no softcap)."""
+    stated: dict[str, Any] = {}
+    for name, term in GRAPH_TERMS.items():
+        if term.recognise is not None:
+            value, scalings = term.recognise(scalings)
+            (key,) = TERMS[name].keys
+            stated[key] = value
+    scale = 1.0
+    for entry in scalings:
+        if entry[0] != "scale":
+            raise NotRead(f"a {entry[0]} in the scores that no term of the formula is")
+        scale *= entry[1]
+    return scale, stated
+
+
+def emit_scores(g: Any, config: AttentionConfig, scores: str) -> str:
+    """The scores after each term of the decomposed core that acts on them by an emit_scores (a softcap), in the
+    formula's order."""
+    for name, term in GRAPH_TERMS.items():
+        if term.emit_scores is not None and TERMS[name].uses(config):
+            scores = term.emit_scores(g, config, scores)
+    return scores
+
+
+def stated_terms(facts: dict[str, Any]) -> dict[str, Any]:
+    """The config keys a reading stated for the terms read from a node (each entry's `stated`), as config values."""
+    return {key: facts.get(key) for term in GRAPH_TERMS.values() for key in term.stated}
 
 
 def said_by_terms(graph: AttentionConfig, source: AttentionConfig) -> frozenset[str]:

@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, is_op, projection, projection_node, walk
+from attnx.export.terms import stated_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope
@@ -246,6 +247,6 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
         causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        qk_norm=qk_norm, softcap=facts.get("softcap"),
+        qk_norm=qk_norm, **stated_terms(facts),
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)

@@ -11,6 +11,7 @@ from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes.walk import NotRead
+from attnx.export.terms import read_attributes, term_attributes
 from attnx.model.terms import TERMS
 
 
@@ -18,16 +19,15 @@ def _attention23(e: Emit) -> str:
     """The opset-23 Attention op, q/k/v as [B, S, heads*d] (q_num_heads, kv_num_heads), the masks as its
     boolean attn_mask over token index (its causal flag aligns top-left: not a cache's rule, so it is
     used for the causal mask alone of a full sequence, where queries and keys are the same tokens, and
-    no [S, T] grid is built), softcap as its attribute (after the scale, before the mask: measured), a
+    no [S, T] grid is built), its terms' attributes (attnx.export.terms: the softcap, after the scale, before the mask: measured), a
     cache as past_key/past_value."""
     c, g = e.c, e.g
     q, k, v = e.projections()
     q, k = e.scored(q, k, "onnx")
     masks = {t for t in c.terms if TERMS[t].place == "mask"}
     if not e.step and masks == {"causal"} and not c.alibi:
-        attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale, "is_causal": 1}
-        if c.softcap is not None:
-            attrs["softcap"] = c.softcap
+        attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale, "is_causal": 1,
+                 **term_attributes(c, "attention23")}  # fmt: skip
         g.op("Attention", q, k, v, name=g.stage("z"), **attrs)  # causal alone hides no row: nothing to zero
         return "z"
     hidden, visible = visibility(g, c, e.kpm, e.step)
@@ -35,9 +35,8 @@ def _attention23(e: Emit) -> str:
     if c.alibi:  # an additive float mask instead: slope_h * (j - i), hidden keys at the lowest value
         bias = alibi_bias(g, c, e.step)  # [1, H, S, T]
         attend = bias if hidden is None else g.op("Where", hidden, e.lowest(), bias)
-    attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale}
-    if c.softcap is not None:
-        attrs["softcap"] = c.softcap
+    attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale,
+             **term_attributes(c, "attention23")}  # fmt: skip
     if e.step:
         z = g.op("Attention", q, k, v, attend, "past_key", "past_value", outputs=3, **attrs)[0]
         g.nodes[-1].output[1:] = ["present_key", "present_value"]
@@ -51,7 +50,7 @@ def _attention23(e: Emit) -> str:
 
 def _read_attention23(node: ir.Node) -> dict[str, Any]:
     facts = {"n_heads": int_attr(node, "q_num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
-             "scale": float_attr(node, "scale") or None, "softcap": float_attr(node, "softcap") or None,
+             "scale": float_attr(node, "scale") or None, **read_attributes(node, "attention23"),
              "kv_cache": present(node, 4)}  # fmt: skip
     if int_attr(node, "is_causal", 0):  # the causal mask alone (a mask input is a grid, read with its masks)
         facts["causal"] = True

@@ -18,10 +18,10 @@ from attnx.export.passes.walk import (
     head_dim,
     projection,
     projection_node,
-    scale_and_softcap,
     score_chain,
     sink_logits,
 )
+from attnx.export.terms import emit_scores, read_scores
 from attnx.model.config import AttentionConfig
 
 
@@ -41,9 +41,7 @@ def _decomposed(e: Emit) -> str:
     qg = g.op("Reshape", q5, g.ints("qg_shape", [0, 0, -1, hd]))
     scores = g.op("MatMul", qg, g.op("Transpose", present_k, perm=[0, 1, 3, 2]))  # [B, Hkv, G*S, T]
     scores = g.op("Mul", scores, g.const("scale", np.asarray(c.softmax_scale, np.float32)))
-    if c.softcap is not None:  # c * tanh(s / c), after the scale, before the masks
-        cap = g.const("softcap", np.asarray(c.softcap, np.float32))
-        scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
+    scores = emit_scores(g, c, scores)  # the terms on the scores after the scale, before the masks (a softcap)
     if c.alibi:  # slope_h * (j - i), after the softcap, before the masks
         scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
         scores = g.op("Add", scores, alibi_bias(g, c, e.step), name=g.stage("scores", "b h t s"))
@@ -77,11 +75,10 @@ def _read_decomposed(node: ir.Node) -> dict[str, Any]:
         if how == "where-masked":
             facts.update(_read_mask(hidden, where.outputs[0]))
     try:
-        scale, softcap = scale_and_softcap(chain.scalings)
-    except NotRead:  # a tanh that is no softcap: the scale and softcap not stated
+        scale, stated = read_scores(chain.scalings)
+    except NotRead:  # a scaling no term explains: the scale and those terms not stated
         return facts
-    if softcap is not None:
-        facts["softcap"] = softcap
+    facts.update({key: value for key, value in stated.items() if value is not None})
     if any(entry[0] == "scale" for entry in chain.scalings):
         facts["scale"] = scale
     return facts
@@ -113,7 +110,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
                       f"(made by {maker.op_type if maker is not None else 'a graph input'})")  # fmt: skip
     qk, pv = chain.qk, chain.pv
     masks = [(tensor.name, how) for _, tensor, how in chain.masks]
-    scale, softcap = scale_and_softcap(chain.scalings)
+    scale, stated = read_scores(chain.scalings)
     sinks = sink_logits(node.inputs[0])
     if pv is None:
         raise NotRead(f"{node.outputs[0].name}: the probabilities are not multiplied by values")
@@ -134,7 +131,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     if hd is None:
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
-    facts.update(n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale, softcap=softcap)
+    facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
     qk_norm = qk_norm_of(paths, weights, facts)
     proj_node = projection_node(paths["q"].projection)
     if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
@@ -154,7 +151,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     block.mask = masks[0][0] if masks else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=False, scale=facts["scale"], softcap=softcap, qk_norm=qk_norm, sinks=sinks is not None,
+        causal=False, scale=facts["scale"], qk_norm=qk_norm, sinks=sinks is not None, **stated,
     )  # fmt: skip
     if sinks is not None:
         if sinks.size != n_heads:

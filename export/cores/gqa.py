@@ -17,23 +17,19 @@ from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, projection, projection_node, strip_layout, walk
+from attnx.export.terms import read_attributes, stated_terms, term_attributes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, MS_DOMAIN, ROPE_POSITIONS_KEY
 from attnx.model.rope_fit import rope_of_table
 
 
 def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
-    """GroupQueryAttention's attributes for `c`: heads, scale, and the modern-LLM terms it runs itself.
-    local_window_size W is attnx's window: the op shows key j to query p iff p - W < j <= p (measured
-    against both conventions: measurements/facts.md)."""
+    """GroupQueryAttention's attributes for `c`: heads, scale, and the modern-LLM terms it runs itself (their
+    entries' attributes: the window as local_window_size, the softcap)."""
     attrs: dict[str, object] = {"num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale}
     if not c.causal:
         attrs["causal"] = 0
-    if c.sliding_window is not None:
-        attrs["local_window_size"] = c.sliding_window
-    if c.softcap is not None:
-        attrs["softcap"] = c.softcap
-    return attrs
+    return {**attrs, **term_attributes(c, "gqa")}  # the terms it states by attributes (attnx.export.terms)
 
 
 def _gqa(e: Emit) -> str:
@@ -114,9 +110,8 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
 def _read_gqa(node: ir.Node) -> dict[str, Any]:
     facts: dict[str, Any] = {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
                              "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
-                             "softcap": float_attr(node, "softcap") or None,
-                             "sliding_window": (w if (w := int_attr(node, "local_window_size", -1)) > 0 else None),
-                             "sinks": present(node, 11), "kv_cache": present(node, 3)}  # fmt: skip
+                             **read_attributes(node, "gqa"), "sinks": present(node, 11),
+                             "kv_cache": present(node, 3)}  # fmt: skip
     if int_attr(node, "do_rotary", 0):
         facts["rope_interleaved"] = bool(int_attr(node, "rotary_interleaved", 0))
     return facts
@@ -191,7 +186,7 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv,
         bias=True, causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        sliding_window=facts.get("sliding_window"), softcap=facts.get("softcap"), qk_norm=qk_norm,
+        **stated_terms(facts), qk_norm=qk_norm,
         sinks=sinks is not None,
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)

@@ -362,14 +362,14 @@ def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Val
     qk = value.producer()
     if not _is(qk, "MatMul") or any(const_array(i) is not None for i in qk.inputs):
         return
-    expected = (["Mul", "Div"] if c.softcap is not None else []) + ["Mul"]  # from the scores back: cap * tanh(s / cap)
+    expected = (["Mul", "Div"] if "softcap" in c.terms else []) + ["Mul"]  # from the scores back: cap * tanh(s / cap)
     if [op for op, _ in consts] != expected or not _layout_heads(scores, c.n_heads):
         return
     stage("scores", scores, "b h t s")
     stage("probs", probs, "b h t s")
     # A constant is named for its term only when that term alone reads it (the exporter shares equal
     # constants: a softcap of 2 is also the norm's exponent).
-    if c.softcap is not None and consts[0][1] is consts[1][1] and len(_users(consts[0][1])) == 2:
+    if "softcap" in c.terms and consts[0][1] is consts[1][1] and len(_users(consts[0][1])) == 2:
         names[consts[0][1]] = "softcap"
     if len(_users(consts[-1][1])) == 1:
         names[consts[-1][1]] = "scale"

@@ -23,7 +23,7 @@ from attnx.export.passes.quantize import dequantize_node
 from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["NotRead", "Path", "ScoreChain", "find_projection", "head_dim", "is_op", "last_axis_slice", "past_cache",
-           "projection", "projection_node", "reaches_matmul", "rms_norm", "scale_and_softcap", "score_chain",
+           "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
            "sink_logits", "strip_layout", "walk"]
 
 STD = ("", "ai.onnx")
@@ -327,24 +327,6 @@ def sink_logits(value: ir.Value) -> np.ndarray | None:
         seen.add(id(n))
         queue += list(n.inputs[:1]) if n.op_type in SHAPED_OPS else [i for i in n.inputs if i is not None]
     raise NotRead(f"{node.inputs[1].name}: a column after the scores (a sink) whose logits are not a constant")
-
-
-def scale_and_softcap(chain: list[tuple[Any, ...]]) -> tuple[float, float | None]:
-    """The scale and softcap of the scalings between q.k and the Softmax (from the Softmax back): c * tanh(s / c) is
-    the factor next to the tanh on each side, the rest multiplies into the scale."""
-    softcap = None
-    at = next((i for i, entry in enumerate(chain) if entry[0] == "tanh"), None)
-    if at is not None and 0 < at < len(chain) - 1 and chain[at - 1][0] == chain[at + 1][0] == "scale":
-        softcap = chain[at - 1][1]
-        if not np.isclose(softcap * chain[at + 1][1], 1.0, rtol=1e-5):
-            raise NotRead(f"a tanh between {chain[at + 1][1]:g} and {softcap:g}: not a softcap c * tanh(s / c)")
-        chain = chain[: at - 1] + chain[at + 2 :]
-    elif at is not None:
-        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c)")
-    scale = 1.0
-    for entry in chain:
-        scale *= entry[1]
-    return scale, softcap
 
 
 # the steps between q.k and a Softmax: scalings, caps, masks, layouts, a sink's column
