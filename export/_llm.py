@@ -25,73 +25,13 @@ import numpy as np
 from onnx import TensorProto
 
 from attnx.export._graph import Graph
-from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import rope_frequencies
 
-__all__ = ["alibi_bias", "visibility", "norm_and_rotate", "rope_table"]
+__all__ = ["norm_and_rotate", "rope_table"]
 
 _F = TensorProto.FLOAT
-
-
-def visibility(g: Graph, c: AttentionConfig, kpm: str | None, step: bool,
-               span: tuple[str, str] | None = None) -> tuple[str | None, str | None]:  # fmt: skip
-    """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1]), over token index: key j
-    hidden from query i (at index past_seq + i in the step model, i otherwise) when j is after it
-    (causal), outside the window (j <= i - W) or padded (key_padding_mask). (None, None) when
-    nothing is hidden (a full-sequence model without causal mask or padding). span: the step's
-    (past_seq, T) as int64 scalars where past_key's length is not past_seq (the buffer form: its
-    capacity)."""
-    zero = g.const("zero_i64", np.asarray(0, np.int64))
-    one = g.const("one_i64", np.asarray(1, np.int64))
-    past, total = span if span is not None else _span(g, step)
-    hidden = None
-    if c.causal:
-        qpos = g.op("Range", past, total, one)  # [S]: token indices of this call's queries
-        kpos = g.op("Range", zero, total, one)  # [T]: token indices of every key
-        krow, qcol = g.op("Unsqueeze", kpos, g.ints("axes_0", [0])), g.op("Unsqueeze", qpos, g.ints("axes_1", [1]))
-        hidden = g.op("Greater", krow, qcol)  # [S, T]: key j after query i
-        if c.sliding_window is not None:  # outside the window: j <= i - W
-            start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
-            hidden = g.op("Or", hidden, g.op("LessOrEqual", krow, start))
-        hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
-    if kpm is not None:
-        padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
-        if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
-            rows = g.op("Concat", g.ints("one_one", [1, 1]), g.op("Shape", "x", start=1, end=2), g.ints("one1", [1]),
-                        axis=0)  # fmt: skip
-            hidden = g.op("Expand", padded, rows)
-        else:
-            hidden = g.op("Or", hidden, padded)  # [B, 1, S, T]
-    if hidden is None:
-        return None, None
-    seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),
-                keepdims=1)  # fmt: skip
-    return hidden, g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S|1, 1]: some key visible to the query
-
-
-def _span(g: Graph, step: bool) -> tuple[str, str]:
-    """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the
-    call's length without a cache)."""
-    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
-    if not step:
-        return g.const("zero_i64", np.asarray(0, np.int64)), seq
-    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
-    return past, g.op("Add", past, seq)
-
-
-def alibi_bias(g: Graph, c: AttentionConfig, step: bool) -> str:
-    """ALiBi's slope_h * (j - i) over token index (query i at past_seq + i, key j at j), [1, H, S, T]
-    float32: the slopes of attnx.model.alibi, the distance exact in float32 (below 2^24)."""
-    past, total = _span(g, step)
-    one = g.const("one_i64", np.asarray(1, np.int64))
-    qpos = g.op("Unsqueeze", g.op("Range", past, total, one), g.ints("axes_1", [1]))  # [S, 1]
-    kpos = g.op("Unsqueeze", g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one),
-                g.ints("axes_0", [0]))  # [1, T]  # fmt: skip
-    distance = g.op("Cast", g.op("Sub", kpos, qpos), to=_F)  # [S, T]: j - i
-    slopes = g.const("alibi_slopes", alibi_slopes(c.n_heads).astype(np.float32).reshape(1, -1, 1, 1))
-    return g.op("Mul", slopes, g.op("Unsqueeze", distance, g.ints("axes_01", [0, 1])))  # [1, H, S, T]
 
 
 def norm_and_rotate(

@@ -18,15 +18,19 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnx import TensorProto
 
-from attnx.export.passes.walk import NotRead
+from attnx.export.passes._base import const_array
+from attnx.export.passes.walk import NotRead, sink_logits
+from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_frequencies
 from attnx.model.rope_fit import rope_table_error
 from attnx.model.terms import TERMS
 
-__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "compare_terms", "emit_scores", "read_attributes",
-           "read_scores", "said_by_terms", "stated_terms", "term_attributes"]
+__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "adds_bias", "compare_terms",
+           "emit_scores", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax",
+           "said_by_terms", "score_bias", "span", "stated_terms", "term_attributes", "term_inputs", "visibility"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,17 @@ class OpAttribute:
 
 
 @dataclasses.dataclass(frozen=True)
+class OpInput:
+    """A term an operator takes as an input: its slot, the value written for a config (write(g, config, weights)
+    -> a tensor name), and what a graph's value at that slot (None: the slot empty) states: read(value) -> (the
+    config's value, the weights it holds). NotRead where a value is there but cannot be read."""
+
+    slot: int
+    write: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray]], str]
+    read: Callable[[Any], tuple[Any, dict[str, np.ndarray]]]
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphTerm:
     """The graph side of one term (the module doc)."""
 
@@ -67,6 +82,18 @@ class GraphTerm:
     emit_scores: Callable[[Any, AttentionConfig, str], str] | None = None
     # the config keys the graph's reading states for the term (facts -> config), for a term read from a node
     stated: tuple[str, ...] = ()
+    # a term of place "mask": the keys it hides, bool [S, T], from this call's queries' token indices qcol [S, 1]
+    # and every key's krow [1, T] (int64): hides(g, config, qcol, krow)
+    hides: Callable[[Any, AttentionConfig, str, str], str] | None = None
+    # a term added to the scores after the score terms, before the masks: bias(g, config, qcol, krow) -> float32
+    # [1, H, S, T]; a core without a place for it on its scores takes it in its additive mask input
+    bias: Callable[[Any, AttentionConfig, str, str], str] | None = None
+    # a term of place "softmax": one more logit per query beside the scores, joining the decomposed core's softmax
+    # and dropped after it: column(g, config, weights, scores [B, H, S, T]) -> [B, H, S, 1]; and its reading from
+    # the Concat before a Softmax (the column's value) -> (the config's value, the weights it holds)
+    column: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray], str], str] | None = None
+    read_column: Callable[[Any], tuple[Any, dict[str, np.ndarray]]] | None = None
+    inputs: Mapping[str, OpInput] = dataclasses.field(default_factory=dict)  # {core: its input}
 
 
 def _presence(name: str, graph: bool, source: bool, ctx: Context) -> list[str]:
@@ -171,6 +198,47 @@ def _sinks(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: C
     return _presence("sinks", g.sinks, c.sinks, ctx)
 
 
+def _hides_later(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
+    return g.op("Greater", krow, qcol)  # key j after query i
+
+
+def _hides_outside(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
+    start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
+    return g.op("LessOrEqual", krow, start)  # j <= i - W
+
+
+def _alibi_bias(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
+    """slope_h * (j - i) over token index, [1, H, S, T] float32: the slopes of attnx.model.alibi, the distance exact
+    in float32 (below 2^24)."""
+    distance = g.op("Cast", g.op("Sub", krow, qcol), to=TensorProto.FLOAT)  # [S, T]: j - i
+    slopes = g.const("alibi_slopes", alibi_slopes(c.n_heads).astype(np.float32).reshape(1, -1, 1, 1))
+    return g.op("Mul", slopes, g.op("Unsqueeze", distance, g.ints("axes_01", [0, 1])))
+
+
+def _sink_column(g: Any, c: AttentionConfig, weights: Mapping[str, np.ndarray], scores: str) -> str:
+    """The sink logit of each head, [B, H, S, 1] beside the scores."""
+    shape = g.op("Concat", g.op("Shape", scores, start=0, end=3), g.ints("one1", [1]), axis=0)
+    logits = np.asarray(weights["sinks"], np.float32).reshape(1, c.n_heads, 1, 1)
+    return g.op("Expand", g.const("sinks", logits), shape)
+
+
+def _read_sink_column(value: Any) -> tuple[bool, dict[str, np.ndarray]]:
+    return True, {"sinks": sink_logits(value).ravel()}
+
+
+def _write_head_sink(g: Any, c: AttentionConfig, weights: Mapping[str, np.ndarray]) -> str:
+    return g.const("sinks", np.asarray(weights["sinks"], np.float32))  # a logit per head (measured: exp(sink))
+
+
+def _read_head_sink(value: Any) -> tuple[bool, dict[str, np.ndarray]]:
+    if value is None:
+        return False, {}
+    logits = const_array(value)
+    if logits is None:
+        raise NotRead("head_sink is not a constant")
+    return True, {"sinks": np.array(logits)}
+
+
 GRAPH_TERMS: dict[str, GraphTerm] = {
     t.name: t
     for t in (
@@ -179,10 +247,12 @@ GRAPH_TERMS: dict[str, GraphTerm] = {
         GraphTerm("rope", _rope),
         GraphTerm("softcap", _softcap, {"attention23": _SOFTCAP, "gqa": _SOFTCAP}, _recognise_softcap, _emit_softcap,
                   ("softcap",)),
-        GraphTerm("alibi", _alibi),
-        GraphTerm("causal", _causal),
-        GraphTerm("sliding_window", _sliding_window, {"gqa": _WINDOW}, stated=("sliding_window",)),
-        GraphTerm("sinks", _sinks),
+        GraphTerm("alibi", _alibi, bias=_alibi_bias),
+        GraphTerm("causal", _causal, hides=_hides_later),
+        GraphTerm("sliding_window", _sliding_window, {"gqa": _WINDOW}, stated=("sliding_window",),
+                  hides=_hides_outside),
+        GraphTerm("sinks", _sinks, column=_sink_column, read_column=_read_sink_column,
+                  inputs={"gqa": OpInput(11, _write_head_sink, _read_head_sink)}),
     )
 }
 # the terms not compared here, and why: cross (the audit reads self-attention), kv_cache and key_padding_mask (the
@@ -268,3 +338,130 @@ def said_by_terms(graph: AttentionConfig, source: AttentionConfig) -> frozenset[
         if term.uses(graph) != term.uses(source):
             out |= set(term.tensors(graph if term.uses(graph) else source))
     return frozenset(out)
+
+
+def _used(config: AttentionConfig, hook: str) -> list[GraphTerm]:
+    """The entries of the terms `config` uses that have `hook`, in the formula's order."""
+    return [t for name, t in GRAPH_TERMS.items() if getattr(t, hook) is not None and TERMS[name].uses(config)]
+
+
+def span(g: Any, step: bool) -> tuple[str, str]:
+    """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the call's length
+    without a cache)."""
+    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+    if not step:
+        return g.const("zero_i64", np.asarray(0, np.int64)), seq
+    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
+    return past, g.op("Add", past, seq)
+
+
+def _token_indices(g: Any, past: str, total: str) -> tuple[str, str]:
+    """(qcol [S, 1], krow [1, T]) int64: the token indices of this call's queries (past_seq + i) and of every key."""
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    qpos = g.op("Range", past, total, one)  # [S]
+    kpos = g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one)  # [T]
+    return g.op("Unsqueeze", qpos, g.ints("axes_1", [1])), g.op("Unsqueeze", kpos, g.ints("axes_0", [0]))
+
+
+def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
+               span_: tuple[str, str] | None = None) -> tuple[str | None, str | None]:  # fmt: skip
+    """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1]), over token index: key j hidden from query i
+    (at index past_seq + i in the step model, i otherwise) by any mask term the config uses (each entry's hides:
+    after it, outside the window) or padded (key_padding_mask). (None, None) when nothing is hidden (a
+    full-sequence model without mask or padding). span_: the step's (past_seq, T) as int64 scalars where
+    past_key's length is not past_seq (the buffer form: its capacity)."""
+    hidden = None
+    hiding = _used(c, "hides")
+    if hiding:
+        qcol, krow = _token_indices(g, *(span_ if span_ is not None else span(g, step)))
+        for term in hiding:
+            part = term.hides(g, c, qcol, krow)
+            hidden = part if hidden is None else g.op("Or", hidden, part)  # [S, T]
+        hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
+    if kpm is not None:
+        padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
+        if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
+            rows = g.op("Concat", g.ints("one_one", [1, 1]), g.op("Shape", "x", start=1, end=2), g.ints("one1", [1]),
+                        axis=0)  # fmt: skip
+            hidden = g.op("Expand", padded, rows)
+        else:
+            hidden = g.op("Or", hidden, padded)  # [B, 1, S, T]
+    if hidden is None:
+        return None, None
+    seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),
+                keepdims=1)  # fmt: skip
+    return hidden, g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S|1, 1]: some key visible to the query
+
+
+def adds_bias(config: AttentionConfig) -> bool:
+    """Whether a term of `config` adds a bias to the scores (score_bias)."""
+    return bool(_used(config, "bias"))
+
+
+def score_bias(g: Any, config: AttentionConfig, step: bool) -> str | None:
+    """The sum of the biases the config's terms add to the scores (each entry's bias: ALiBi's slope_h * (j - i)),
+    [1, H, S, T] float32, or None without one."""
+    terms = _used(config, "bias")
+    if not terms:
+        return None
+    qcol, krow = _token_indices(g, *span(g, step))
+    total = None
+    for term in terms:
+        part = term.bias(g, config, qcol, krow)
+        total = part if total is None else g.op("Add", total, part)
+    return total
+
+
+def emit_softmax(g: Any, config: AttentionConfig, weights: Mapping[str, np.ndarray], scores: str,
+                 name: str) -> str:  # fmt: skip
+    """The decomposed core's softmax over the last axis of scores [B, H, S, T], with each softmax term's column
+    (a sink's logit) joined before it and dropped after; its output named `name`."""
+    columns = [term.column(g, config, weights, scores) for term in _used(config, "column")]
+    if not columns:
+        return g.op("Softmax", scores, axis=-1, name=name)
+    p = g.op("Softmax", g.op("Concat", scores, *columns, axis=-1), axis=-1)
+    return g.op("Slice", p, g.ints("zero1", [0]), g.ints(f"minus{len(columns)}", [-len(columns)]),
+                g.ints("axes_m1", [-1]), name=name)  # fmt: skip
+
+
+def read_softmax(softmax: Any, n_heads: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """({config key: value}, weights) of the softmax terms read from the column joined before a Softmax (a Concat
+    of the scores and one more column), each term absent without one."""
+    stated: dict[str, Any] = {}
+    weights: dict[str, np.ndarray] = {}
+    node = softmax.inputs[0].producer()
+    joined = node is not None and node.op_type == "Concat" and len(node.inputs) == 2
+    for name, term in GRAPH_TERMS.items():
+        if term.read_column is None:
+            continue
+        (key,) = TERMS[name].keys
+        stated[key], found = term.read_column(softmax.inputs[0]) if joined else (False, {})
+        for value in found.values():
+            if n_heads is not None and value.size != n_heads:
+                raise NotRead(f"a column of {value.size} logits ({name}) for {n_heads} heads")
+        weights.update(found)
+    return stated, weights
+
+
+def term_inputs(g: Any, config: AttentionConfig, weights: Mapping[str, np.ndarray], core: str) -> dict[int, str]:
+    """{slot: tensor} of the inputs `core`'s operator takes `config`'s terms by (an OpInput of the term's entry)."""
+    out: dict[int, str] = {}
+    for name, term in GRAPH_TERMS.items():
+        entry = term.inputs.get(core)
+        if entry is not None and TERMS[name].uses(config):
+            out[entry.slot] = entry.write(g, config, weights)
+    return out
+
+
+def read_inputs(node: ir.Node, core: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """({config key: value}, weights) of the terms a node of `core` takes by its inputs (OpInput)."""
+    stated: dict[str, Any] = {}
+    weights: dict[str, np.ndarray] = {}
+    for name, term in GRAPH_TERMS.items():
+        entry = term.inputs.get(core)
+        if entry is not None:
+            value = node.inputs[entry.slot] if len(node.inputs) > entry.slot else None
+            (key,) = TERMS[name].keys
+            stated[key], found = entry.read(value)
+            weights.update(found)
+    return stated, weights

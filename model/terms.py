@@ -7,7 +7,9 @@ attention"). Each entry says:
     place       where it acts, in the formula's order (PLACES)
     uses()      whether a config uses it
     tensors()   the weights it adds beside the projections, and how seeded weights draw them
-    tolerance   what it adds to the tolerance table (attnx.model.tolerance), in words
+    tolerance   what it adds to the tolerance table (attnx.model.tolerance), in words; score_bound(): what it
+                adds to the largest absolute score, by which the table scales the scores' bound
+    table()     the constants its formula is built from, where a check compares them with a source's
     fault       the wrong form of the term the tests plant, to show a check finds it
 
 Its functions live with the formula they belong to, one mapping per array library, keyed by the
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from attnx.errors import ConfigError
+from attnx.model.alibi import alibi_slopes
 from attnx.model.rope import parse_rope
 
 if TYPE_CHECKING:
@@ -104,6 +107,9 @@ class Term:
     # {name: (shape, (low, high) of its seeded draw)} of the tensors it adds to the weights file
     tensors: Callable[[Config], Mapping[str, tuple[tuple[int, ...], tuple[float, float]]]] = lambda c: {}
     tolerance: str = "none"
+    # what the term adds to the largest absolute score of `keys` keys scored (the tolerance's S), or None
+    score_bound: Callable[[Config, int], float] | None = None
+    table: Callable[[Config], np.ndarray] | None = None  # the constants its formula is built from
     fault: Callable[[Config, Weights], tuple[Config, Weights]] | None = None
     fault_summary: str = ""
     modern: bool = False  # one of the modern-LLM terms (docs/concepts/formula.md, "Modern LLM attention")
@@ -253,6 +259,8 @@ TERMS: dict[str, Term] = {
              "head h adds slope_h * (j - i) over token index (attnx.model.alibi's slopes: BLOOM, MPT)",
              lambda c: c.alibi, _validate_alibi,
              tolerance="S (the largest absolute score) includes the largest slope times distance",
+             score_bound=lambda c, keys: float(alibi_slopes(c.n_heads).max()) * (keys - 1),  # |j - i| < keys
+             table=lambda c: alibi_slopes(c.n_heads),
              fault=_drop_alibi, fault_summary="the bias dropped", modern=True),
         Term("causal", ("causal",), "mask", "key j hidden from query i when j > i (token index)",
              lambda c: c.causal, lambda c, set_: _check_bool("causal", c.causal),

@@ -53,12 +53,12 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import UsageError
-from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import OPENVINO
 from attnx.model.reference import reference_attention, scored_qk
 from attnx.model.rope import rope_frequencies, rope_pairs
 from attnx.model.stages import get_stage
+from attnx.model.terms import TERMS
 
 __all__ = [
     "Tolerance",
@@ -242,8 +242,9 @@ def problem_size(
     for n in range(N):  # one head at a time bounds the memory at B*T*S
         kn = k[:, n // config.group_size]  # query head n reads key/value head n // group_size
         score_max = max(score_max, float(np.abs(q[:, n] @ kn).max()) * config.softmax_scale)
-    if config.alibi:  # the scores carry ALiBi's slope_n * (j - i) too: |j - i| < S, the keys scored
-        score_max += float(alibi_slopes(N).max()) * (S - 1)
+    for term in TERMS.values():  # what a score term adds to them (ALiBi's slope_n * (j - i))
+        if term.score_bound is not None and term.uses(config):
+            score_max += term.score_bound(config, S)
     size = ProblemSize(reduction_length(config, S), score_max, rope_position=rope_position, rope_qk=rope_qk)
     if not activations:
         return size

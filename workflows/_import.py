@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import CheckFailed, UsageError
-from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import REFERENCE
 from attnx.model.cores import core_for
@@ -48,6 +47,7 @@ from attnx.model.importers import (
 from attnx.model.inputs import make_inputs
 from attnx.model.reference import reference_attention
 from attnx.model.rope import rope_frequencies
+from attnx.model.terms import TERMS
 from attnx.model.tolerance import ProblemSize, problem_size, rotated_cache_size, tolerance_for
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.compare import Comparison, compare_arrays
@@ -301,12 +301,12 @@ def _rope_table_check(config: AttentionConfig, theirs: dict[str, np.ndarray]) ->
 
 
 def _alibi_slopes_check(config: AttentionConfig, family: str, theirs: np.ndarray) -> Comparison:
-    """attnx's ALiBi slopes (attnx.model.alibi) against the ones the transformers model builds its bias
+    """attnx's ALiBi slopes (the term's table: attnx.model.alibi) against the ones the transformers model builds its bias
     from (_hugging_face_alibi): the check's distances (to 8) move a late head's small slope by too little
     to show a wrong one. The tolerance is the fp32 rule at K = 1 (transformers computes them in float32;
     BLOOM's powers of a float32 base and MPT's slopes pass it for 1 to 256 heads, measured)."""
     return compare_arrays(f"alibi slopes vs transformers' ({family}, {config.n_heads} heads)", theirs,
-                          alibi_slopes(config.n_heads), tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
+                          TERMS["alibi"].table(config), tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
 
 
 def _hugging_face_alibi(model: Any, family: str) -> np.ndarray:

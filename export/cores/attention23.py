@@ -6,12 +6,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from attnx.export._llm import alibi_bias, visibility
 from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes.walk import NotRead
-from attnx.export.terms import read_attributes, term_attributes
+from attnx.export.terms import adds_bias, read_attributes, score_bias, term_attributes, visibility
 from attnx.model.terms import TERMS
 
 
@@ -25,15 +24,15 @@ def _attention23(e: Emit) -> str:
     q, k, v = e.projections()
     q, k = e.scored(q, k, "onnx")
     masks = {t for t in c.terms if TERMS[t].place == "mask"}
-    if not e.step and masks == {"causal"} and not c.alibi:
+    if not e.step and masks == {"causal"} and not adds_bias(c):
         attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale, "is_causal": 1,
                  **term_attributes(c, "attention23")}  # fmt: skip
         g.op("Attention", q, k, v, name=g.stage("z"), **attrs)  # causal alone hides no row: nothing to zero
         return "z"
     hidden, visible = visibility(g, c, e.kpm, e.step)
     attend = g.op("Not", hidden) if hidden is not None else ""  # [B|1, 1, S, T]: True takes part
-    if c.alibi:  # an additive float mask instead: slope_h * (j - i), hidden keys at the lowest value
-        bias = alibi_bias(g, c, e.step)  # [1, H, S, T]
+    bias = score_bias(g, c, e.step)  # [1, H, S, T]: the terms' bias (ALiBi's slope_h * (j - i))
+    if bias is not None:  # an additive float mask instead, hidden keys at the lowest value
         attend = bias if hidden is None else g.op("Where", hidden, e.lowest(), bias)
     attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale,
              **term_attributes(c, "attention23")}  # fmt: skip

@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._llm import alibi_bias, visibility
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache, qk_norm_of
 from attnx.export.cores._emit import Emit, cache_heads
 from attnx.export.cores._registry import CoreGraph, register
@@ -19,17 +18,16 @@ from attnx.export.passes.walk import (
     projection,
     projection_node,
     score_chain,
-    sink_logits,
 )
-from attnx.export.terms import emit_scores, read_scores
+from attnx.export.terms import emit_scores, emit_softmax, read_scores, read_softmax, score_bias, visibility
 from attnx.model.config import AttentionConfig
 
 
 def _decomposed(e: Emit) -> str:
     """MatMul, Softmax, MatMul. Grouped heads without a copy of the keys: the query heads of a group
     stacked along the query axis ([B, Hkv, G*S, hd]) multiply their one key head. softcap as
-    Div/Tanh/Mul, the masks as a Where over a boolean grid (token index), sinks as one more logit column
-    dropped after the softmax."""
+    Div/Tanh/Mul, ALiBi's bias added, the masks as a Where over a boolean grid (token index), a sink as one more
+    logit column dropped after the softmax (each term's entry in attnx.export.terms)."""
     c, g = e.c, e.g
     H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
     q, k, v = e.projections()
@@ -42,23 +40,14 @@ def _decomposed(e: Emit) -> str:
     scores = g.op("MatMul", qg, g.op("Transpose", present_k, perm=[0, 1, 3, 2]))  # [B, Hkv, G*S, T]
     scores = g.op("Mul", scores, g.const("scale", np.asarray(c.softmax_scale, np.float32)))
     scores = emit_scores(g, c, scores)  # the terms on the scores after the scale, before the masks (a softcap)
-    if c.alibi:  # slope_h * (j - i), after the softcap, before the masks
-        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]))  # [B, H, S, T]
-        scores = g.op("Add", scores, alibi_bias(g, c, e.step), name=g.stage("scores", "b h t s"))
-    else:
-        scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]), name=g.stage("scores", "b h t s"))  # [B, H, S, T]
+    bias = score_bias(g, c, e.step)  # the terms' bias (ALiBi's slope_h * (j - i)), after the softcap
+    scores = g.op("Reshape", scores, g.ints("bhst", [0, H, -1, 0]),
+                  name=None if bias else g.stage("scores", "b h t s"))  # [B, H, S, T]  # fmt: skip
+    if bias is not None:
+        scores = g.op("Add", scores, bias, name=g.stage("scores", "b h t s"))
     if hidden is not None:
         scores = g.op("Where", hidden, e.lowest(), scores)
-    if c.sinks:
-        # One more logit per head, [B, H, S, 1], joins the softmax and is dropped after it (no value).
-        sink_shape = g.op("Concat", g.op("Shape", scores, start=0, end=3), g.ints("one1", [1]), axis=0)
-        sink = g.op("Expand", g.const("sinks", np.asarray(e.weights["sinks"], np.float32).reshape(1, H, 1, 1)),
-                    sink_shape)  # fmt: skip
-        p = g.op("Softmax", g.op("Concat", scores, sink, axis=-1), axis=-1)
-        p = g.op("Slice", p, g.ints("zero1", [0]), g.ints("minus1", [-1]), g.ints("axes_m1", [-1]),
-                 name=g.stage("probs", "b h t s"))  # fmt: skip
-    else:
-        p = g.op("Softmax", scores, axis=-1, name=g.stage("probs", "b h t s"))
+    p = emit_softmax(g, c, e.weights, scores, g.stage("probs", "b h t s"))  # with a sink's column, dropped after
     p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
     z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
     if visible is not None:
@@ -70,7 +59,10 @@ def _read_decomposed(node: ir.Node) -> dict[str, Any]:
     """From the Softmax back to q.k (the one walk, score_chain): the scale, a softcap c * tanh(s / c), the masks of
     a Where(hidden, lowest, scores), a sink's column (a Concat before the Softmax)."""
     chain = score_chain(node)
-    facts: dict[str, Any] = {"sinks": chain.sink is not None}
+    try:
+        facts: dict[str, Any] = dict(read_softmax(node)[0])  # a sink's column
+    except NotRead:  # a column whose logits are not read: those terms not stated
+        facts = {}
     for where, hidden, how in chain.masks:
         if how == "where-masked":
             facts.update(_read_mask(hidden, where.outputs[0]))
@@ -111,7 +103,6 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     qk, pv = chain.qk, chain.pv
     masks = [(tensor.name, how) for _, tensor, how in chain.masks]
     scale, stated = read_scores(chain.scalings)
-    sinks = sink_logits(node.inputs[0])
     if pv is None:
         raise NotRead(f"{node.outputs[0].name}: the probabilities are not multiplied by values")
     block = Block(index, node.name or node.op_type, "decomposed", facts=facts)
@@ -131,6 +122,8 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     if hd is None:
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
+    softmax_terms, term_weights = read_softmax(node, n_heads)  # a sink's column before the Softmax
+    weights.update(term_weights)
     facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
     qk_norm = qk_norm_of(paths, weights, facts)
     proj_node = projection_node(paths["q"].projection)
@@ -151,12 +144,8 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     block.mask = masks[0][0] if masks else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=False, scale=facts["scale"], qk_norm=qk_norm, sinks=sinks is not None, **stated,
+        causal=False, scale=facts["scale"], qk_norm=qk_norm, **stated, **softmax_terms,
     )  # fmt: skip
-    if sinks is not None:
-        if sinks.size != n_heads:
-            raise NotRead(f"a sink column of {sinks.size} logits for {n_heads} heads")
-        weights["sinks"] = sinks.reshape(n_heads)
     return keep(block, config, weights, keep_weights)
 
 

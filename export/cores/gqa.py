@@ -11,13 +11,21 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from attnx.errors import UsageError
-from attnx.export._llm import alibi_bias, norm_and_rotate, rope_table, visibility
+from attnx.export._llm import norm_and_rotate, rope_table
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_stages, qk_norm_of, rotary_of
 from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, projection, projection_node, strip_layout, walk
-from attnx.export.terms import read_attributes, stated_terms, term_attributes
+from attnx.export.terms import (
+    read_attributes,
+    read_inputs,
+    score_bias,
+    stated_terms,
+    term_attributes,
+    term_inputs,
+    visibility,
+)
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, MS_DOMAIN, ROPE_POSITIONS_KEY
 from attnx.model.rope_fit import rope_of_table
@@ -55,11 +63,11 @@ def _gqa(e: Emit) -> str:
     if e.kpm:  # an additive bias [B, 1, S, T], lowest where the key is padding
         bias = g.op("Where", g.op("Unsqueeze", e.kpm, g.ints("axes_12", [1, 2])), e.lowest(), e.zero())
         inputs[10] = g.op("Expand", bias, g.op("Concat", batch, g.ints("one1", [1]), seq, total, axis=0))
-    if c.alibi:  # slope_h * (j - i) [1, H, S, T] in the same bias (the op adds it after its softcap)
-        alibi = alibi_bias(g, c, e.step)
-        inputs[10] = g.op("Add", inputs[10], alibi) if inputs[10] else alibi
-    if c.sinks:  # head_sink: a logit per head in the softmax's denominator (measured: exp(sink))
-        inputs[11] = g.const("sinks", np.asarray(e.weights["sinks"], np.float32))
+    bias = score_bias(g, c, e.step)  # the terms' bias [1, H, S, T] in the same input (added after its softcap)
+    if bias is not None:
+        inputs[10] = g.op("Add", inputs[10], bias) if inputs[10] else bias
+    for slot, value in term_inputs(g, c, e.weights, "gqa").items():  # the terms it takes as inputs (head_sink)
+        inputs[slot] = value
     while inputs[-1] == "":
         inputs.pop()
     z = g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **_gqa_attrs(c))[0]
@@ -98,8 +106,8 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
         attrs.update(do_rotary=1, rotary_interleaved=int(c.rope.interleaved))
         if (ROPE_POSITIONS_KEY, str(positions)) not in e.metadata:
             e.metadata.append((ROPE_POSITIONS_KEY, str(positions)))
-    if c.sinks:
-        inputs[11] = g.const("sinks", np.asarray(e.weights["sinks"], np.float32))
+    for slot, value in term_inputs(g, c, e.weights, "gqa").items():
+        inputs[slot] = value
     while inputs[-1] == "":
         inputs.pop()
     g.op("GroupQueryAttention", *inputs, outputs=3, domain=MS_DOMAIN, **attrs)
@@ -110,7 +118,7 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
 def _read_gqa(node: ir.Node) -> dict[str, Any]:
     facts: dict[str, Any] = {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
                              "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
-                             **read_attributes(node, "gqa"), "sinks": present(node, 11),
+                             **read_attributes(node, "gqa"), **read_inputs(node, "gqa")[0],
                              "kv_cache": present(node, 3)}  # fmt: skip
     if int_attr(node, "do_rotary", 0):
         facts["rope_interleaved"] = bool(int_attr(node, "rotary_interleaved", 0))
@@ -175,19 +183,14 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
             facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
     elif paths:  # a RotaryEmbedding of its own before the core (as attnx writes it)
         rope = rotary_of(paths, facts, block)
-    sinks = None
-    if facts.get("sinks"):
-        sinks = const_array(inputs[11])
-        if sinks is None:
-            raise NotRead("head_sink is not a constant")
-        weights["sinks"] = sinks
+    stated, term_weights = read_inputs(node, "gqa")  # the terms it takes as inputs (head_sink)
+    weights.update(term_weights)
     facts["local_window_size"] = node.attributes.get_int("local_window_size", -1)
     facts["sliding_window_cache"] = node.attributes.get_int("sliding_window_cache", 0)
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv,
         bias=True, causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        **stated_terms(facts), qk_norm=qk_norm,
-        sinks=sinks is not None,
+        **stated_terms(facts), **stated, qk_norm=qk_norm,
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
 

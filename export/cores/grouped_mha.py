@@ -8,9 +8,10 @@ import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto
 
-from attnx.export._llm import norm_and_rotate, visibility
+from attnx.export._llm import norm_and_rotate
 from attnx.export.cores._emit import LOWEST, Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
+from attnx.export.terms import visibility
 from attnx.model.contract import MS_DOMAIN
 
 
@@ -40,7 +41,7 @@ def _grouped_mha(e: Emit, qkv: str | None = None) -> str:
         q, k = norm_and_rotate(g, c, e.weights, q, k, "ort-fused")
     rows = g.op("Transpose", g.op("Reshape", q, g.ints("q_groups", [0, 0, Hkv, G, hd])), perm=[0, 1, 3, 2, 4])
     rows = g.op("Reshape", rows, g.ints("q_rows", [0, -1, Hkv * hd]))  # [B, S*G, Hkv*hd]
-    hidden, _ = visibility(g, c, None, True, span=(past, total))  # [1, 1, S, total]: a step model is causal
+    hidden, _ = visibility(g, c, None, True, span_=(past, total))  # [1, 1, S, total]: a step model is causal
     hidden = g.op("Expand", g.op("Unsqueeze", hidden, g.ints("axis3", [3])), g.ints("group_rows", [1, 1, 1, G, 1]))
     hidden = g.op("Reshape", hidden, g.op("Concat", g.ints("rows_shape", [1, 1, -1]), g.op("Unsqueeze", total, axis0),
                                           axis=0))  # [1, 1, S*G, total]: row s*G + j as token s  # fmt: skip

@@ -8,11 +8,11 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from attnx.export._graph import linear
-from attnx.export._llm import alibi_bias, visibility
 from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes.walk import NotRead
+from attnx.export.terms import score_bias, visibility
 from attnx.model.contract import MS_DOMAIN
 
 
@@ -27,7 +27,7 @@ def _mha(e: Emit) -> str:
     if c.causal:
         attrs["unidirectional"] = 1
     keep = g.op("Cast", g.op("Not", e.kpm), to=TensorProto.INT32) if e.kpm else ""  # [B, L], 1 keeps
-    bias = alibi_bias(g, c, e.step) if c.alibi else ""  # attention_bias [1, H, S, T]: ALiBi
+    bias = score_bias(g, c, e.step) or ""  # attention_bias [1, H, S, T]: the terms' bias (ALiBi)
     if e.step:
         q, k, v = e.projections()
         z = g.op("MultiHeadAttention", q, k, v, "", keep, bias, "past_key", "past_value", outputs=3, domain=MS_DOMAIN,
@@ -62,7 +62,7 @@ def _mha_packed(e: Emit) -> str:
         attrs["unidirectional"] = 1
     keep = g.op("Cast", g.op("Not", e.kpm), to=TensorProto.INT32) if e.kpm else ""
     bias = g.const("qkv_proj.bias", packed["qkv_proj.bias"]) if c.bias else ""
-    inputs = [q, k, v, bias, keep, alibi_bias(g, c, False) if c.alibi else ""]
+    inputs = [q, k, v, bias, keep, score_bias(g, c, False) or ""]
     while inputs[-1] == "":
         inputs.pop()
     z = g.op("MultiHeadAttention", *inputs, domain=MS_DOMAIN, **attrs)

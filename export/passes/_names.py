@@ -4,7 +4,7 @@
                     where the graph holds the stage's value; metadata STAGES_KEY = {stage: layout}
     weights         their safetensors names; stored transposed for MatMul ([in, out]): `<name>.T`
                     (q_proj.weight.T, the packed qkv_proj.weight.T, qkv_proj.bias)
-    constants       what they are (scale, softcap, sinks, mask_fill) or `<stage>/<Op>.<input>`: the stage
+    constants       what they are (scale, softcap, the sink logits, mask_fill) or `<stage>/<Op>.<input>`: the stage
                     they lead to, the operator and the operator's own name for that input (q/Reshape.shape)
     nodes           `<stage>/<Op>` for the node producing a stage, `<role>_proj/<Op>` for a projection's
                     MatMul, else `<next stage downstream>/<Op>`, a counter after the first (scores/Mul_2)
@@ -322,22 +322,23 @@ def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tup
 
 def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Value, str]) -> None:
     """scores, probs and the per-head q/k after their norm or rotation, from the decomposed core."""
-    # probs: the softmax, or (sinks) the Slice that drops the sink's column; read by the MatMul with v
+    # probs: the softmax, or (a column joined before it: a sink) the Slice that drops the column; read by the
+    # MatMul with v
     probs = softmax.outputs[0]
     users = _users(probs)
-    if c.sinks and len(users) == 1 and _is(users[0], "Slice"):
-        probs = users[0].outputs[0]
-        users = _users(probs)
-    elif c.sinks:
-        return
-    if not (len(users) == 1 and _is(users[0], "MatMul")):
-        return
-    # scores: the softmax's input, before the sink's column joins and before the mask's Where
     scores = softmax.inputs[0]
     node = scores.producer()
-    if c.sinks:
-        if not _is(node, "Concat") or len(node.inputs) != 2:
+    joined = _is(node, "Concat") and len(node.inputs) == 2
+    if joined:
+        if not (len(users) == 1 and _is(users[0], "Slice")):
             return
+        probs = users[0].outputs[0]
+        users = _users(probs)
+    if not (len(users) == 1 and _is(users[0], "MatMul")):
+        return
+    # scores: the softmax's input, before a column joins and before the mask's Where; the column's logits are
+    # named as the weight they are (the sink's)
+    if joined:
         expand = node.inputs[1].producer()
         if _is(expand, "Expand") and const_array(expand.inputs[0]) is not None:
             names[expand.inputs[0]] = "sinks"

@@ -99,7 +99,7 @@ def _split_mpt_per_head(r):
 
 
 # fault -> (family, how it is planted); the slopes' fault (bias max 4, MPT's alibi_bias_max ignored by
-# transformers) is planted in attnx's slopes, which the reference and the slopes check read.
+# transformers) is planted in attnx's slopes, which the reference and the term's table (the slopes check) read.
 FAULTS = {
     "bloom alibi dropped": ("bloom-6", _no_alibi),
     "bloom rows read as q|k|v blocks": ("bloom-6", _split_bloom_as_blocks),
@@ -114,7 +114,7 @@ def test_a_planted_fault_fails_the_check(decoders, fault, monkeypatch):
     name, plant = FAULTS[fault]
     result = import_weights(decoders[name], layer=1)
     if plant == "bias max 4":  # 2^(-4k/n): every slope's exponent halved
-        for module in ("attnx.model.reference", "attnx.workflows._import"):
+        for module in ("attnx.model.reference", "attnx.model.terms"):  # the reference and the term's table
             monkeypatch.setattr(f"{module}.alibi_slopes", lambda n: np.sqrt(alibi_slopes(n)))
     else:
         plant(result)
