@@ -49,6 +49,7 @@ from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import BUFFER_CORES, DEFAULT_BUFFER_CORE, QUANTIZED_DTYPES
 from attnx.model.cores import core_for
+from attnx.model.terms import reach_of
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
 
@@ -147,7 +148,8 @@ def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int
     c = config
     cache_row = c.n_kv_heads * (c.head_dim + c.v_head_dim) * itemsize * batch
     weights = c.n_params * itemsize if dtype == "fp32" else weight_bytes(c, dtype, block_size)
-    seen = past + 1 if c.sliding_window is None else min(past + 1, c.sliding_window)  # a window reads its W keys
+    reach = reach_of(c)  # a window reads its W keys
+    seen = past + 1 if reach is None else min(past + 1, reach)
     return weights + cache_row * seen + cache_row + 2 * batch * c.d_model * itemsize
 
 
@@ -402,8 +404,8 @@ class _TorchPeer:
         import torch.nn.functional as F
 
         c, m = self.c, self.m
-        if c.sliding_window is not None:
-            k_all, v_all = k_all[:, :, -c.sliding_window :], v_all[:, :, -c.sliding_window :]
+        if (reach := reach_of(c)) is not None:  # a window: the keys within its reach
+            k_all, v_all = k_all[:, :, -reach:], v_all[:, :, -reach:]
         if not {"softcap", "sinks"} & set(c.terms):  # eager attention for these (the peers' rule)
             z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale,
                                                enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip

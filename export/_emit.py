@@ -41,6 +41,7 @@ from attnx.export._graph import Graph, linear, named
 from attnx.export.cores import GRAPH_CORES, Emit
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.export.passes.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeProjections
+from attnx.export.terms import fused_opset
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
     ATTENTION_KEY,
@@ -64,8 +65,8 @@ def graph_opset(config: AttentionConfig, attention: str, form: str | None = None
     Runtime's SimplifiedLayerNormalization is no ONNX op: the checker refuses it), else DEFAULT_OPSET."""
     core = core_for(attention, config, dtype, form, buffer_core)
     needed = max(DEFAULT_OPSET, core.opset if not core.domain else DEFAULT_OPSET)
-    if config.qk_norm is not None and core.name != "decomposed":
-        needed = max(needed, 23)
+    if core.name != "decomposed" and (terms := fused_opset(config)) is not None:  # the terms' operators' own
+        needed = max(needed, terms)
     return needed
 
 

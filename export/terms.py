@@ -20,16 +20,18 @@ import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto
 
+from attnx.errors import ConfigError
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, sink_logits
 from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
+from attnx.model.reference import hidden_grid
 from attnx.model.rope import rope_frequencies
 from attnx.model.rope_fit import rope_table_error
-from attnx.model.terms import TERMS
+from attnx.model.terms import TERMS, QKNorm
 
 __all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "adds_bias", "compare_terms",
-           "emit_scores", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax",
+           "emit_scores", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax", "read_paths", "fused_opset", "read_mask_grid",
            "said_by_terms", "score_bias", "span", "stated_terms", "term_attributes", "term_inputs", "visibility"]
 
 
@@ -94,6 +96,14 @@ class GraphTerm:
     column: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray], str], str] | None = None
     read_column: Callable[[Any], tuple[Any, dict[str, np.ndarray]]] | None = None
     inputs: Mapping[str, OpInput] = dataclasses.field(default_factory=dict)  # {core: its input}
+    # a mask term read from the grid a graph's mask computes for a prompt (allowed [tokens, tokens], True: query i
+    # sees key j): fit_grid(allowed) -> (the config's value, how the mask is said, None without the term)
+    fit_grid: Callable[[np.ndarray], tuple[Any, str | None]] | None = None
+    # a term read from what the walk met on q's and k's paths (attnx.export.passes.walk.Path): read_paths(paths,
+    # weights, facts) -> the config's value (None: absent), its weights into `weights`
+    read_paths: Callable[[Mapping[str, Any], dict[str, np.ndarray], dict[str, Any]], Any] | None = None
+    # the default-domain opset its operators need beside a fused core (the decomposed core writes it in older ops)
+    opset: int | None = None
 
 
 def _presence(name: str, graph: bool, source: bool, ctx: Context) -> list[str]:
@@ -109,6 +119,18 @@ def _grouped_heads(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig
 
 def _qk_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
     return _presence("q/k norm", g.qk_norm is not None, c.qk_norm is not None, ctx)
+
+
+def _read_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
+    """The per-head RMS norms met on q's and k's paths (their weights into `weights`), or None; one alone is not read."""
+    q, k = paths["q"].norm, paths["k"].norm
+    if q is None and k is None:
+        return None
+    if q is None or k is None:
+        raise NotRead(f"a norm on {'q' if q is not None else 'k'} alone")
+    (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = q, k
+    facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
+    return QKNorm(eps=float(q_eps))
 
 
 def _rope(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
@@ -207,6 +229,17 @@ def _hides_outside(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
     return g.op("LessOrEqual", krow, start)  # j <= i - W
 
 
+def _fit_causal(allowed: np.ndarray) -> tuple[bool, str | None]:
+    grid = np.arange(allowed.shape[0])
+    causal = bool(allowed.any(axis=1).all() and not (allowed & (grid[None, :] > grid[:, None])).any())
+    return causal, "causal" if causal else None
+
+
+def _fit_window(allowed: np.ndarray) -> tuple[int | None, str | None]:
+    width = int(allowed[-1].sum())  # the keys the last query sees
+    return (width, f"window {width}") if width < allowed.shape[0] else (None, None)
+
+
 def _alibi_bias(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
     """slope_h * (j - i) over token index, [1, H, S, T] float32: the slopes of attnx.model.alibi, the distance exact
     in float32 (below 2^24)."""
@@ -243,14 +276,14 @@ GRAPH_TERMS: dict[str, GraphTerm] = {
     t.name: t
     for t in (
         GraphTerm("grouped_heads", _grouped_heads),
-        GraphTerm("qk_norm", _qk_norm),
+        GraphTerm("qk_norm", _qk_norm, read_paths=_read_norms, opset=23),  # RMSNormalization-23
         GraphTerm("rope", _rope),
         GraphTerm("softcap", _softcap, {"attention23": _SOFTCAP, "gqa": _SOFTCAP}, _recognise_softcap, _emit_softcap,
                   ("softcap",)),
         GraphTerm("alibi", _alibi, bias=_alibi_bias),
-        GraphTerm("causal", _causal, hides=_hides_later),
+        GraphTerm("causal", _causal, hides=_hides_later, fit_grid=_fit_causal),
         GraphTerm("sliding_window", _sliding_window, {"gqa": _WINDOW}, stated=("sliding_window",),
-                  hides=_hides_outside),
+                  hides=_hides_outside, fit_grid=_fit_window),
         GraphTerm("sinks", _sinks, column=_sink_column, read_column=_read_sink_column,
                   inputs={"gqa": OpInput(11, _write_head_sink, _read_head_sink)}),
     )
@@ -322,6 +355,23 @@ def emit_scores(g: Any, config: AttentionConfig, scores: str) -> str:
         if term.emit_scores is not None and TERMS[name].uses(config):
             scores = term.emit_scores(g, config, scores)
     return scores
+
+
+def read_paths(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> dict[str, Any]:
+    """{config key: value} of the terms read from q's and k's paths (each entry's read_paths: the norms), their
+    weights into `weights`; each absent without paths (a packed projection the core splits itself)."""
+    out: dict[str, Any] = {}
+    for name, term in GRAPH_TERMS.items():
+        if term.read_paths is not None:
+            (key,) = TERMS[name].keys
+            out[key] = term.read_paths(paths, weights, facts) if paths else None
+    return out
+
+
+def fused_opset(config: AttentionConfig) -> int | None:
+    """The default-domain opset the config's terms need beside a fused core (each entry's opset), or None."""
+    needs = [t.opset for t in _used(config, "opset")]
+    return max(needs) if needs else None
 
 
 def stated_terms(facts: dict[str, Any]) -> dict[str, Any]:
@@ -465,3 +515,27 @@ def read_inputs(node: ir.Node, core: str) -> tuple[dict[str, Any], dict[str, np.
             stated[key], found = entry.read(value)
             weights.update(found)
     return stated, weights
+
+
+def read_mask_grid(allowed: np.ndarray, config: AttentionConfig) -> tuple[AttentionConfig, str]:
+    """(`config` with the mask terms whose union hides what `allowed` [tokens, tokens] hides, how the mask is said)
+    for the grid a graph's mask computes for a prompt (True: query i sees key j, token indices): each term fitted
+    by its entry (fit_grid), the whole held to the formula's own masks (attnx.model.reference.hidden_grid). A term
+    the config (what the node states) has and the grid shows not is kept: the op applies it itself. ValueError
+    where the formula's mask terms give no such grid."""
+    fitted: dict[str, Any] = {}
+    said: list[str] = []
+    for name, term in GRAPH_TERMS.items():
+        if term.fit_grid is not None:
+            (key,) = TERMS[name].keys
+            fitted[key], words = term.fit_grid(allowed)
+            said += [words] if words else []
+    names = ", ".join(n for n, t in GRAPH_TERMS.items() if t.fit_grid is not None)
+    try:  # the grid's own terms alone (the step's cache and the padding are not the prompt's grid)
+        grid_config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False, **fitted)
+    except ConfigError:
+        grid_config = None
+    if grid_config is None or not np.array_equal(~hidden_grid(grid_config, allowed.shape[0]), allowed):
+        raise ValueError(f"it is no union of the formula's masks ({names})")
+    merged = {key: value or getattr(config, key) for key, value in fitted.items()}
+    return dataclasses.replace(config, **merged), ", ".join(said) or "none"

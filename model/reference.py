@@ -24,7 +24,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_cos_sin, rope_pairs
 from attnx.model.terms import TERMS
 
-__all__ = ["REFERENCE_TERMS", "reference_attention", "scored_qk"]
+__all__ = ["REFERENCE_TERMS", "hidden_grid", "reference_attention", "scored_qk"]
 
 
 # The terms' functions. Each takes the config and the weights, then what its place acts on:
@@ -103,6 +103,17 @@ _QK_STAGES = {"qk_norm": "norm", "rope": "rope"}
 
 def _terms(c: AttentionConfig, place: str) -> list[str]:
     return [t for t in c.terms if TERMS[t].place == place]
+
+
+def hidden_grid(c: AttentionConfig, tokens: int) -> np.ndarray:
+    """bool [tokens, tokens]: key j hidden from query i of a prompt of `tokens` tokens without padding, by the
+    union of the config's mask terms (token indices)."""
+    keys, padding = np.arange(tokens), np.zeros(tokens, bool)
+    hidden = np.zeros((tokens, tokens), bool)
+    for i in range(tokens):
+        for term in _terms(c, "mask"):
+            hidden[i] |= REFERENCE_TERMS[term](c, i, keys, padding)
+    return hidden
 
 
 def _linear(c: AttentionConfig, weights: Mapping[str, np.ndarray], inp: np.ndarray, name: str) -> np.ndarray:

@@ -38,6 +38,7 @@ import numpy as np
 
 from attnx.errors import ModelFileError
 from attnx.model.config import AttentionConfig
+from attnx.model.terms import TERMS
 
 __all__ = [
     "Stage",
@@ -70,12 +71,9 @@ def _always(config: AttentionConfig, step: bool) -> bool:
     return True
 
 
-def _qk_norm(config: AttentionConfig, step: bool) -> bool:
-    return config.qk_norm is not None
-
-
-def _rope(config: AttentionConfig, step: bool) -> bool:
-    return config.rope is not None
+def _term(name: str) -> Callable[[AttentionConfig, bool], bool]:
+    """A stage of a term's output: there when the config uses the term (attnx.model.terms)."""
+    return lambda config, step: TERMS[name].uses(config)
 
 
 def _step(config: AttentionConfig, step: bool) -> bool:
@@ -86,10 +84,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("q", "q = x Wq (+ bq)", "b t (h d)", _always, "projection", ("q",)),
     Stage("k", "k = m Wk (+ bk)", "b t (h d)", _always, "projection", ("k",)),
     Stage("v", "v = m Wv (+ bv)", "b t (h d)", _always, "projection", ("v",)),
-    Stage("q_norm", "q after its per-head RMS norm", "b t (h d)", _qk_norm, "projection", ("q",)),
-    Stage("k_norm", "k after its per-head RMS norm", "b t (h d)", _qk_norm, "projection", ("k",)),
-    Stage("q_rope", "q rotated by position", "b t (h d)", _rope, "rotated", ("q",)),
-    Stage("k_rope", "k rotated by position", "b t (h d)", _rope, "rotated", ("k",)),
+    Stage("q_norm", "q after its per-head RMS norm", "b t (h d)", _term("qk_norm"), "projection", ("q",)),
+    Stage("k_norm", "k after its per-head RMS norm", "b t (h d)", _term("qk_norm"), "projection", ("k",)),
+    Stage("q_rope", "q rotated by position", "b t (h d)", _term("rope"), "rotated", ("q",)),
+    Stage("k_rope", "k rotated by position", "b t (h d)", _term("rope"), "rotated", ("k",)),
     Stage("scores", "scale * q.k (soft-capped), before the masks", "b h t s", _always, "scores", ("q", "k")),
     Stage("probs", "softmax over the visible keys", "b h t s", _always, "probs", ("q", "k")),
     Stage("z", "the heads' outputs, concatenated", "b t (h d)", _always, "attention", ("q", "k", "v")),

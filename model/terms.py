@@ -7,6 +7,8 @@ attention"). Each entry says:
     place       where it acts, in the formula's order (PLACES)
     uses()      whether a config uses it
     tensors()   the weights it adds beside the projections, and how seeded weights draw them
+    reach()     a mask's reach: a query sees no key more than reach - 1 tokens before it (a window's W): what
+                a step reads of its cache, how far a probe of a computed mask must run
     tolerance   what it adds to the tolerance table (attnx.model.tolerance), in words; score_bound(): what it
                 adds to the largest absolute score, by which the table scales the scores' bound
     table()     the constants its formula is built from, where a check compares them with a source's
@@ -38,7 +40,8 @@ from attnx.model.rope import parse_rope
 if TYPE_CHECKING:
     from attnx.model.config import AttentionConfig
 
-__all__ = ["PLACES", "QKNorm", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number"]
+__all__ = ["PLACES", "QKNorm", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number",
+           "reach_of", "terms_at"]
 
 # Where a term acts, in the formula's order:
 #   heads     how the projections are laid out (grouped key/value heads, a second sequence)
@@ -106,6 +109,7 @@ class Term:
     validate: Callable[[Config, Callable[[str, Any], None]], None] = lambda c, set_: None
     # {name: (shape, (low, high) of its seeded draw)} of the tensors it adds to the weights file
     tensors: Callable[[Config], Mapping[str, tuple[tuple[int, ...], tuple[float, float]]]] = lambda c: {}
+    reach: Callable[[Config], int] | None = None
     tolerance: str = "none"
     # what the term adds to the largest absolute score of `keys` keys scored (the tolerance's S), or None
     score_bound: Callable[[Config, int], float] | None = None
@@ -266,7 +270,7 @@ TERMS: dict[str, Term] = {
              lambda c: c.causal, lambda c, set_: _check_bool("causal", c.causal),
              fault=_no_causal_mask, fault_summary="the causal mask dropped"),
         Term("sliding_window", ("sliding_window",), "mask", "key j hidden from query i when j <= i - W",
-             lambda c: c.sliding_window is not None, _validate_window,
+             lambda c: c.sliding_window is not None, _validate_window, reach=lambda c: c.sliding_window,
              fault=_window_off_by_one, fault_summary="the window one key wider (W + 1)", modern=True),
         Term("key_padding_mask", ("key_padding_mask",), "mask", "keys marked True in key_padding_mask hidden",
              lambda c: c.key_padding_mask, lambda c, set_: _check_bool("key_padding_mask", c.key_padding_mask)),
@@ -293,3 +297,15 @@ def term_tensors(config: AttentionConfig) -> dict[str, tuple[tuple[int, ...], tu
         if t.uses(config):
             out.update(t.tensors(config))
     return out
+
+
+def reach_of(config: AttentionConfig) -> int | None:
+    """The nearest reach of the config's mask terms (Term.reach: a query sees no key more than reach - 1 tokens
+    before it), None where every query may see every earlier key."""
+    reaches = [t.reach(config) for t in TERMS.values() if t.reach is not None and t.uses(config)]
+    return min(reaches) if reaches else None
+
+
+def terms_at(config: AttentionConfig, place: str) -> tuple[str, ...]:
+    """The terms `config` uses that act at `place` (PLACES), in the formula's order."""
+    return tuple(name for name, t in TERMS.items() if t.place == place and t.uses(config))

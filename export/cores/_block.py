@@ -14,14 +14,13 @@ import onnx_ir as ir
 
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, is_op, projection, projection_node, walk
-from attnx.export.terms import stated_terms
+from attnx.export.terms import read_paths, stated_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope
 from attnx.model.rope_fit import rope_of_table
-from attnx.model.terms import QKNorm
 
-__all__ = ["Block", "dtype_of", "hidden_state", "keep", "output_projection", "path_cache", "path_stages", "qk_norm_of",
+__all__ = ["Block", "dtype_of", "hidden_state", "keep", "output_projection", "path_cache", "path_stages",
            "quantization", "read_separate", "rotary_of", "rotary_tables"]
 
 
@@ -115,18 +114,6 @@ def path_stages(block: Block, paths: dict[str, Path], biased_apart: bool = False
             block.stages[role] = (path.projection.name, None)
         if isinstance(path.rotary, ir.Node):
             block.stages[f"{role}_rope"] = (path.rotary.outputs[0].name, None)
-
-
-def qk_norm_of(paths: dict[str, Path], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
-    """The per-head RMS norms met on q's and k's paths (their weights into `weights`), or None; one alone is not read."""
-    q, k = paths["q"].norm, paths["k"].norm
-    if q is None and k is None:
-        return None
-    if q is None or k is None:
-        raise NotRead(f"a norm on {'q' if q is not None else 'k'} alone")
-    (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = q, k
-    facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
-    return QKNorm(eps=float(q_eps))
 
 
 def path_cache(block: Block, paths: dict[str, Path]) -> None:
@@ -233,7 +220,7 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
     facts["n_kv_heads"] = n_kv
     proj_node = projection_node(paths["q"].projection)
     hidden_state(block, proj_node)
-    qk_norm = qk_norm_of(paths, weights, facts)
+    path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
     block.outputs["y"] = output_projection(node.outputs[0], weights, block).name
     if own_cache is not None:
         if paths["k"].past is not None:
@@ -247,6 +234,6 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
         causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        qk_norm=qk_norm, **stated_terms(facts),
+        **path_terms, **stated_terms(facts),
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)

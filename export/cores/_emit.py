@@ -15,6 +15,7 @@ from attnx.export._llm import norm_and_rotate
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.cores import Core
+from attnx.model.terms import terms_at
 
 __all__ = ["Emit", "Emitter", "LOWEST", "cache_heads", "packed_projection"]
 
@@ -97,7 +98,7 @@ class Emit:
     def scored(self, q: str, k: str, style: str) -> tuple[str, str]:
         """q and k after their norms and rotation (the terms of place "qk"), in `style`'s operators
         (attnx.export._llm.norm_and_rotate: decomposed, onnx, ort-fused)."""
-        if self.c.qk_norm is None and self.c.rope is None:
+        if not terms_at(self.c, "qk"):
             return q, k
         return norm_and_rotate(self.g, self.c, self.weights, q, k, style)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache, qk_norm_of
+from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
 from attnx.export.cores._emit import Emit, cache_heads
 from attnx.export.cores._registry import CoreGraph, register
 from attnx.export.passes._masks import NotReadable, classify_hidden
@@ -19,7 +19,15 @@ from attnx.export.passes.walk import (
     projection_node,
     score_chain,
 )
-from attnx.export.terms import emit_scores, emit_softmax, read_scores, read_softmax, score_bias, visibility
+from attnx.export.terms import (
+    emit_scores,
+    emit_softmax,
+    read_paths,
+    read_scores,
+    read_softmax,
+    score_bias,
+    visibility,
+)
 from attnx.model.config import AttentionConfig
 
 
@@ -125,7 +133,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     softmax_terms, term_weights = read_softmax(node, n_heads)  # a sink's column before the Softmax
     weights.update(term_weights)
     facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
-    qk_norm = qk_norm_of(paths, weights, facts)
+    path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
     proj_node = projection_node(paths["q"].projection)
     if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
@@ -144,7 +152,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     block.mask = masks[0][0] if masks else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=False, scale=facts["scale"], qk_norm=qk_norm, **stated, **softmax_terms,
+        causal=False, scale=facts["scale"], **path_terms, **stated, **softmax_terms,
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
 

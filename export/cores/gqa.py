@@ -12,7 +12,7 @@ from onnx import TensorProto
 
 from attnx.errors import UsageError
 from attnx.export._llm import norm_and_rotate, rope_table
-from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_stages, qk_norm_of, rotary_of
+from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_stages, rotary_of
 from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes._base import const_array
@@ -20,6 +20,7 @@ from attnx.export.passes.walk import NotRead, Path, projection, projection_node,
 from attnx.export.terms import (
     read_attributes,
     read_inputs,
+    read_paths,
     score_bias,
     stated_terms,
     term_attributes,
@@ -29,6 +30,7 @@ from attnx.export.terms import (
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, MS_DOMAIN, ROPE_POSITIONS_KEY
 from attnx.model.rope_fit import rope_of_table
+from attnx.model.terms import terms_at
 
 
 def _gqa_attrs(c: AttentionConfig) -> dict[str, object]:
@@ -90,7 +92,8 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     qkv = qkv or packed_projection(e)
     qkv_inputs = [qkv, "", ""]
-    if c.qk_norm is not None:  # the norms need q and k apart: split the packed projection
+    if set(terms_at(c, "qk")) - {"rope"}:  # a term on q and k besides the op's own rotation (do_rotary), the
+        # norms: they need q and k apart, so the packed projection is split
         g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
         g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
         q, k = norm_and_rotate(g, dataclasses.replace(c, rope=None), e.weights, q, k, "ort-fused")  # the op rotates
@@ -132,7 +135,6 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     inputs = list(node.inputs) + [None] * (12 - len(node.inputs))
     weights: dict[str, np.ndarray] = {}
     paths: dict[str, Path] = {}
-    qk_norm = None
     if inputs[1] is None:  # packed: query holds q | k | v
         proj = projection(inputs[0])
         if proj is None:
@@ -160,7 +162,6 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
         hd = weights["q_proj.weight"].shape[0] // n_heads
         path_stages(block, paths)
         proj_node = projection_node(paths["q"].projection)
-        qk_norm = qk_norm_of(paths, weights, facts)
     hidden_state(block, proj_node)
     block.outputs = {"y": output_projection(node.outputs[0], weights, block).name, "present_key": node.outputs[1].name,
                      "present_value": node.outputs[2].name}  # fmt: skip
@@ -187,10 +188,12 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     weights.update(term_weights)
     facts["local_window_size"] = node.attributes.get_int("local_window_size", -1)
     facts["sliding_window_cache"] = node.attributes.get_int("sliding_window_cache", 0)
+    # a window kept in a ring buffer: the past the op takes holds the window's keys, whatever the step
+    facts["cache_capacity"] = max(facts["local_window_size"], 0) if facts["sliding_window_cache"] else 0
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv,
         bias=True, causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        **stated_terms(facts), **stated, qk_norm=qk_norm,
+        **stated_terms(facts), **stated, **read_paths(paths, weights, facts),
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
 

@@ -13,6 +13,7 @@ from attnx.export.cores._emit import LOWEST, Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.terms import visibility
 from attnx.model.contract import MS_DOMAIN
+from attnx.model.terms import terms_at
 
 
 def _grouped_mha(e: Emit, qkv: str | None = None) -> str:
@@ -33,7 +34,7 @@ def _grouped_mha(e: Emit, qkv: str | None = None) -> str:
     seq = g.op("Squeeze", g.op("Slice", shape, g.ints("d1", [1]), g.ints("d2", [2])), axis0)
     total = g.op("Cast", "total_sequence_length", to=TensorProto.INT64)
     past = g.op("Sub", total, seq)  # positions filled before this call
-    if c.qk_norm is not None or c.rope is not None:
+    if terms_at(c, "qk"):  # their positions, for the terms on q and k
         tokens = g.op("Range", past, total, g.const("one_i64", np.asarray(1, np.int64)))  # [S]: their positions
         batch = g.op("Slice", shape, g.ints("d0", [0]), g.ints("d1", [1]))
         g.op("Expand", g.op("Unsqueeze", tokens, axis0), g.op("Concat", batch, g.op("Unsqueeze", seq, axis0), axis=0),

@@ -33,7 +33,7 @@ from attnx.export.passes._base import AttnxPass, const_array, fresh_name
 from attnx.export.passes.walk import score_chain, strip_layout
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, MS_DOMAIN
-from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
+from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts, stages_of
 from attnx.model.weights import weight_shapes
 
 __all__ = ["NameStages", "name_graph", "find_stages", "fresh_name", "stages_json"]
@@ -302,7 +302,8 @@ def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tup
             names[node.inputs[1]] = "qkv_proj.weight.T"
             if len(node.inputs) > 2 and node.inputs[2] is not None:
                 names[node.inputs[2]] = "qkv_proj.bias"
-    if c.qk_norm is not None and c.rope is not None:  # the norm's output, held per head [B, T, heads, hd]
+    held = {s.name for s in stages_of(c)}
+    if {"q_norm", "q_rope"} <= held:  # a norm's output before the rotation, held per head [B, T, heads, hd]
         for label, heads in (("q", c.n_heads), ("k", c.n_kv_heads)):
             weight = f"{label}_norm.weight"
             muls = [n for n in graph if _is(n, "Mul") and any(i is not None and i.name == weight for i in n.inputs)]
@@ -374,8 +375,9 @@ def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Val
         names[consts[0][1]] = "softcap"
     if len(_users(consts[-1][1])) == 1:
         names[consts[-1][1]] = "scale"
-    # q and k per head [B, heads, T, d] as scored: after the rotation (rope) or the norm (qk_norm)
-    term = "rope" if c.rope is not None else "norm" if c.qk_norm is not None else None
+    # q and k per head [B, heads, T, d] as scored: after the rotation (q_rope) or the norm (q_norm)
+    held = {s.name for s in stages_of(c)}
+    term = "rope" if "q_rope" in held else "norm" if "q_norm" in held else None
     if term is None:
         return
     for label, operand, heads in (("q", qk.inputs[0], c.n_heads), ("k", qk.inputs[1], c.n_kv_heads)):

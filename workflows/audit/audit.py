@@ -72,7 +72,7 @@ def audit_model(
     for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__, report.others):
         seen += 1
         if block.config is not None:
-            capacity = block.config.sliding_window if block.facts.get("sliding_window_cache") else 0
+            capacity = block.facts.get("cache_capacity", 0)
             for role in ("past_key", "past_value"):
                 if role in block.inputs:
                     caches[block.inputs[role]] = (block.config.n_kv_heads, capacity, block.config.head_dim)
@@ -103,7 +103,7 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     findings, not_checked, checks = [], [], []
     layer = None
     if source is not None:
-        block.facts["window_hint"], block.facts["rope_hint"] = source.window, source.rope_original
+        block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
     if block.config is not None:
         try:
             read_computed_terms(graph, block)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from attnx.export.terms import read_mask_grid
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
 from attnx.model.rope_fit import half_table, rope_of_table
@@ -243,14 +244,13 @@ def read_computed_terms(graph: AuditGraph, block: Any) -> None:
 
 
 def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
-    """The block's config with the terms of the mask the graph computes for its core (causal, a window), run for a
-    full prompt past any window."""
-    # past the widest window the graph or the source states (a wider one reads as none): GQA's local_window_size,
-    # the checkpoint's sliding_window
-    hint = max(block.facts.get("local_window_size", -1), block.facts.get("window_hint") or 0)
+    """The block's config with the mask terms of the mask the graph computes for its core (each term's fit_grid:
+    causal, a window), run for a full prompt past any mask's reach."""
+    # past the farthest reach the graph or the source states (a window wider than the prompt reads as none): GQA's
+    # local_window_size, the checkpoint's sliding_window
+    hint = max(block.facts.get("local_window_size", -1), block.facts.get("reach_hint") or 0)
     tokens = probe_tokens(graph, max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX)))
     masks = block.masks or [(block.mask, "additive" if block.core != "attention23" else "kept")]
-    grid = np.arange(tokens)
     allowed = np.ones((tokens, tokens), bool)
     for (name, how), mask in zip(masks, evaluate(graph, block, [m for m, _ in masks], tokens)):
         # a float mask is added to the scores (a large negative hides); a boolean one keeps where True (ONNX's
@@ -263,19 +263,8 @@ def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
         if kept.shape != (tokens, tokens):
             raise NotFed(f"{name} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
         allowed &= kept
-    causal = grid[None, :] <= grid[:, None]
-    if allowed.all():
-        terms: dict[str, Any] = {"causal": False}
-    elif not (allowed & ~causal).any() and allowed[grid, grid].all():
-        width = int(allowed[-1].sum())  # the keys the last query sees
-        if not np.array_equal(allowed, causal & (grid[None, :] > grid[:, None] - width)):
-            raise NotFed("it is neither causal nor a causal window")
-        terms = {"causal": True, "sliding_window": width if width < tokens else None}
-    else:
-        raise NotFed("it is neither causal nor a causal window")
-    block.facts["mask"] = ("causal" if terms["causal"] else "none") + (
-        f", window {terms['sliding_window']}" if terms.get("sliding_window") else "")  # fmt: skip
-    # with what the op itself states (GroupQueryAttention's causal and local_window_size, Attention's is_causal)
-    terms["causal"] = terms["causal"] or block.config.causal
-    terms["sliding_window"] = terms.get("sliding_window") or block.config.sliding_window
-    return dataclasses.replace(block.config, **terms)
+    try:  # with what the op itself states (GroupQueryAttention's causal and local_window_size, Attention's is_causal)
+        config, block.facts["mask"] = read_mask_grid(allowed, block.config)
+    except ValueError as e:
+        raise NotFed(str(e)) from None
+    return config

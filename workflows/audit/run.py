@@ -205,7 +205,7 @@ def empty_cache(block: Any, batch: int) -> np.ndarray:
     """A block's past before its first token: no position, or a window's worth where the window is kept in a ring
     buffer (GroupQueryAttention's sliding_window_cache, whose past has the window's capacity)."""
     config = block.config
-    capacity = config.sliding_window if block.facts.get("sliding_window_cache") else 0
+    capacity = block.facts.get("cache_capacity", 0)
     return np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, config_from_metadata
 from attnx.model.importers import PROJECTIONS, import_weights, projection_shape, read_checkpoint_config, read_projection
+from attnx.model.terms import reach_of
 from attnx.workflows.audit.report import AuditReport
 
 __all__ = ["CheckpointLayers", "StatedConfig", "pairing_findings", "stated_config"]
@@ -31,7 +32,7 @@ class CheckpointLayers:
 
     def __init__(self, folder: str) -> None:
         hf = read_checkpoint_config(folder)
-        self.window = int(hf.get("sliding_window") or 0)  # how far a computed mask is read (read_mask_terms)
+        self.reach = int(hf.get("sliding_window") or 0)  # how far a computed mask is read (read_mask_terms)
         self.rope_original = original_length(hf)  # where a computed rotary table is read (read_computed_terms)
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         self.folder = folder
@@ -105,7 +106,7 @@ class StatedConfig:
 
     def __init__(self, config: AttentionConfig, weights: dict[str, np.ndarray]) -> None:
         self.config, self.weights = config, weights
-        self.window = config.sliding_window or 0
+        self.reach = reach_of(config) or 0
         scaling = config.rope.scaling.to_dict() if config.rope is not None and config.rope.scaling else {}
         self.rope_original = int(scaling.get("original_max_position_embeddings") or 0)
 
