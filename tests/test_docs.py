@@ -302,3 +302,38 @@ def test_no_page_renders_a_shape_s_star_as_emphasis_or_a_bare_backtick(site):
 def test_no_table_of_the_site_is_wider_than_its_column(site):
     wide = {p: cols for p, h in _rendered(site).items() if (cols := [c for c in table_columns(h) if c > MAX_COLUMNS])}
     assert wide == {}
+
+
+# The prose: a paragraph is one point ---------------------------------------------------------------------------------
+# Words a paragraph (or one item of a list) may have on the pages a reader reads (issue 38: how-to pages start with
+# the task and an example, the details under headings); measurements/ are records, each a report of one run.
+MAX_PARAGRAPH_WORDS = 150
+LIST_ITEM = re.compile(r"\n(?=(?:[-*]|\d+\.) )")
+
+
+def long_paragraphs(text: str, limit: int = MAX_PARAGRAPH_WORDS) -> list[tuple[int, str]]:
+    """(words, opening) of each paragraph or list item of a page's markdown over `limit` words: fenced blocks,
+    tables, headings and HTML comments left out."""
+    text = FENCE.sub("", text)
+    found = []
+    for block in re.split(r"\n\s*\n", text):
+        block = block.strip()
+        if not block or block[0] in "|#" or block.startswith("<!--"):
+            continue
+        for item in LIST_ITEM.split(block):
+            if (words := len(item.split())) > limit:
+                found.append((words, " ".join(item.split()[:8])))
+    return found
+
+
+def test_the_paragraph_check_fails_on_its_fault():
+    long = " ".join(["word"] * (MAX_PARAGRAPH_WORDS + 1))
+    assert long_paragraphs(f"# A page\n\n{long}\n\n```text\n{long}\n```\n") == [(MAX_PARAGRAPH_WORDS + 1, "word " * 7 + "word")]
+    assert long_paragraphs(f"- {long[:600]}\n- {long[:600]}\n") == []  # two short items of one list
+    assert long_paragraphs(f"| {long} |\n") == []
+
+
+def test_no_paragraph_of_the_docs_is_over_150_words():
+    prose = [p for p in PAGES if not p.startswith(os.path.join("docs", "measurements"))]
+    assert len(prose) > 20
+    assert {p: found for p in prose if (found := long_paragraphs(read(p)))} == {}
