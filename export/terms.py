@@ -474,18 +474,16 @@ def emit_softmax(g: Any, config: AttentionConfig, weights: Mapping[str, np.ndarr
                 g.ints("axes_m1", [-1]), name=name)  # fmt: skip
 
 
-def read_softmax(softmax: Any, n_heads: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """({config key: value}, weights) of the softmax terms read from the column joined before a Softmax (a Concat
-    of the scores and one more column), each term absent without one."""
+def read_softmax(chain: Any, n_heads: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """({config key: value}, weights) of the softmax terms read from the column the walk found joined to the scores
+    before the Softmax (ScoreChain.sink: a Concat of the scores and one more column), each absent without one."""
     stated: dict[str, Any] = {}
     weights: dict[str, np.ndarray] = {}
-    node = softmax.inputs[0].producer()
-    joined = node is not None and node.op_type == "Concat" and len(node.inputs) == 2
     for name, term in GRAPH_TERMS.items():
         if term.read_column is None:
             continue
         (key,) = TERMS[name].keys
-        stated[key], found = term.read_column(softmax.inputs[0]) if joined else (False, {})
+        stated[key], found = term.read_column(chain.sink.outputs[0]) if chain.sink is not None else (False, {})
         for value in found.values():
             if n_heads is not None and value.size != n_heads:
                 raise NotRead(f"a column of {value.size} logits ({name}) for {n_heads} heads")

@@ -68,7 +68,7 @@ def _read_decomposed(node: ir.Node) -> dict[str, Any]:
     a Where(hidden, lowest, scores), a sink's column (a Concat before the Softmax)."""
     chain = score_chain(node)
     try:
-        facts: dict[str, Any] = dict(read_softmax(node)[0])  # a sink's column
+        facts: dict[str, Any] = dict(read_softmax(chain)[0])  # a sink's column
     except NotRead:  # a column whose logits are not read: those terms not stated
         facts = {}
     for where, hidden, how in chain.masks:
@@ -130,7 +130,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     if hd is None:
         raise NotRead(f"{qk.inputs[0].name}: the head size is neither a static dimension nor a constant Reshape")
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
-    softmax_terms, term_weights = read_softmax(node, n_heads)  # a sink's column before the Softmax
+    softmax_terms, term_weights = read_softmax(chain, n_heads)  # a sink's column before the Softmax
     weights.update(term_weights)
     facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
     path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
