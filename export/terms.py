@@ -31,7 +31,7 @@ from attnx.model.rope_fit import rope_table_error
 from attnx.model.terms import TERMS, QKNorm
 
 __all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "adds_bias", "compare_terms",
-           "emit_scores", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax", "read_paths", "fused_opset", "read_mask_grid",
+           "emit_qk", "emit_scores", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax", "read_paths", "fused_opset", "read_mask_grid",
            "said_by_terms", "score_bias", "span", "stated_terms", "term_attributes", "term_inputs", "visibility"]
 
 
@@ -84,9 +84,10 @@ class GraphTerm:
     emit_scores: Callable[[Any, AttentionConfig, str], str] | None = None
     # the config keys the graph's reading states for the term (facts -> config), for a term read from a node
     stated: tuple[str, ...] = ()
-    # a term of place "mask": the keys it hides, bool [S, T], from this call's queries' token indices qcol [S, 1]
-    # and every key's krow [1, T] (int64): hides(g, config, qcol, krow)
-    hides: Callable[[Any, AttentionConfig, str, str], str] | None = None
+    # a term of place "mask": the keys it hides, bool [B|1, 1, S, T], from this call's queries' token indices
+    # qcol [1, 1, S, 1] and every key's krow [1, 1, 1, T] (int64), and the padding mask (None without):
+    # hides(g, config, qcol, krow, kpm)
+    hides: Callable[[Any, AttentionConfig, str, str, str | None], str] | None = None
     # a term added to the scores after the score terms, before the masks: bias(g, config, qcol, krow) -> float32
     # [1, H, S, T]; a core without a place for it on its scores takes it in its additive mask input
     bias: Callable[[Any, AttentionConfig, str, str], str] | None = None
@@ -104,6 +105,9 @@ class GraphTerm:
     read_paths: Callable[[Mapping[str, Any], dict[str, np.ndarray], dict[str, Any]], Any] | None = None
     # the default-domain opset its operators need beside a fused core (the decomposed core writes it in older ops)
     opset: int | None = None
+    # a term of place "qk" written in standard ops whatever the core (after the norms and rotation written per
+    # style: attnx.export._llm): emit_qk(g, config, q, k, step) -> (q, k), each [B, S, heads * head_dim]
+    emit_qk: Callable[[Any, AttentionConfig, str, str, bool], tuple[str, str]] | None = None
 
 
 def _presence(name: str, graph: bool, source: bool, ctx: Context) -> list[str]:
@@ -220,11 +224,11 @@ def _sinks(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: C
     return _presence("sinks", g.sinks, c.sinks, ctx)
 
 
-def _hides_later(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
+def _hides_later(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
     return g.op("Greater", krow, qcol)  # key j after query i
 
 
-def _hides_outside(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
+def _hides_outside(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
     start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
     return g.op("LessOrEqual", krow, start)  # j <= i - W
 
@@ -272,18 +276,109 @@ def _read_head_sink(value: Any) -> tuple[bool, dict[str, np.ndarray]]:
     return True, {"sinks": np.array(logits)}
 
 
+def _l2_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+    if (g.qk_l2_norm is None) != (c.qk_l2_norm is None):
+        return _presence("the q/k norm after rope", g.qk_l2_norm is not None, c.qk_l2_norm is not None, ctx)
+    if g.qk_l2_norm is not None and not np.isclose(g.qk_l2_norm, c.qk_l2_norm, rtol=1e-3):
+        return [ctx.said(f"q/k norm after rope eps {g.qk_l2_norm:g}", f"{c.qk_l2_norm:g}")]
+    return []
+
+
+def _per_head(g: Any, u: str, heads: int, hd: int, f: Callable[[str], str], name: str) -> str:
+    """f over each head of u [B, S, heads * hd] ([B, S, heads, hd] inside), back to [B, S, heads * hd]."""
+    u4 = g.op("Reshape", u, g.ints(f"{name}_4d", [0, 0, heads, hd]))
+    return g.op("Reshape", f(u4), g.ints(f"{name}_3d", [0, 0, heads * hd]))
+
+
+def _emit_l2_norm(g: Any, c: AttentionConfig, q: str, k: str, step: bool) -> tuple[str, str]:
+    """x / sqrt(mean(x^2) + eps) over each head's head_dim: ReduceMean, Add, Sqrt, Div (any opset)."""
+    eps = g.const("qk_l2_norm_eps", np.asarray(c.qk_l2_norm, np.float32))
+
+    def norm(u4: str) -> str:
+        mean_sq = g.op("ReduceMean", g.op("Mul", u4, u4), g.ints("axes_last", [-1]), keepdims=1)
+        return g.op("Div", u4, g.op("Sqrt", g.op("Add", mean_sq, eps)))
+
+    return (_per_head(g, q, c.n_heads, c.head_dim, norm, "q_l2"),
+            _per_head(g, k, c.n_kv_heads, c.head_dim, norm, "k_l2"))  # fmt: skip
+
+
+def _temperature(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+    ours, theirs = g.attn_temperature, c.attn_temperature
+    if (ours is None) != (theirs is None):
+        return _presence("the attention temperature", ours is not None, theirs is not None, ctx)
+    if ours is not None and not (np.isclose(ours.floor_scale, theirs.floor_scale, rtol=1e-6)
+                                 and np.isclose(ours.attn_scale, theirs.attn_scale, rtol=1e-4)):  # fmt: skip
+        return [ctx.said(f"temperature floor_scale {ours.floor_scale:g}, attn_scale {ours.attn_scale:g}",
+                         f"{theirs.floor_scale:g}, {theirs.attn_scale:g}")]  # fmt: skip
+    return []
+
+
+def _emit_temperature(g: Any, c: AttentionConfig, q: str, k: str, step: bool) -> tuple[str, str]:
+    """q [B, S, D] times log1p(floor((i + 1) / floor_scale)) * attn_scale + 1 of its token index i ([S, 1]:
+    past_seq + s in a step), in float32 (Log of 1 + an integer-valued float)."""
+    past, total = span(g, step)
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    tokens = g.op("Cast", g.op("Range", past, total, one), to=TensorProto.FLOAT)  # [S]
+    t = c.attn_temperature
+    f32 = {name: g.const(f"temperature_{name}", np.asarray(value, np.float32))
+           for name, value in (("one", 1.0), ("floor", t.floor_scale), ("scale", t.attn_scale))}  # fmt: skip
+    steps = g.op("Floor", g.op("Div", g.op("Add", tokens, f32["one"]), f32["floor"]))
+    factor = g.op("Add", g.op("Mul", g.op("Log", g.op("Add", steps, f32["one"])), f32["scale"]), f32["one"])
+    return g.op("Mul", q, g.op("Unsqueeze", factor, g.ints("axes_1", [1]))), k  # [B, S, D] * [S, 1]
+
+
+def _chunk(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+    if g.attention_chunk == c.attention_chunk:
+        return []
+    graph = f"chunks of {g.attention_chunk}" if g.attention_chunk else "no chunks"
+    source = f"attention_chunk {c.attention_chunk}" if c.attention_chunk else "no chunks"
+    return [f"{ctx.where}: {graph} in the graph (its mask: {facts.get('mask', 'not read')}), {source} in "
+            f"{ctx.source}"]  # fmt: skip
+
+
+def _hides_other_chunk(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
+    """(i - start) // C != (j - start) // C, start the row's leading padded keys ([B, 1, 1, 1]; 0 without
+    padding). Div truncates: it differs from the floor only where i or j is before start, keys the padding hides
+    and queries that see none (a chunked mask is causal)."""
+    size = g.const("chunk_i64", np.asarray(c.attention_chunk, np.int64))
+    if kpm is not None:
+        kept = g.op("CumSum", g.op("Cast", g.op("Not", kpm), to=TensorProto.INT64), g.const("one_i64_axis",
+                                                                                           np.asarray(1, np.int64)))
+        leading = g.op("Cast", g.op("Equal", kept, g.const("zero_i64", np.asarray(0, np.int64))), to=TensorProto.INT64)
+        start = g.op("Reshape", g.op("ReduceSum", leading, g.ints("axes_1", [1]), keepdims=1),
+                     g.ints("b111", [-1, 1, 1, 1]))  # fmt: skip
+        qcol, krow = g.op("Sub", qcol, start), g.op("Sub", krow, start)  # [B, 1, S, 1], [B, 1, 1, T]
+    return g.op("Not", g.op("Equal", g.op("Div", qcol, size), g.op("Div", krow, size)))
+
+
+def _fit_chunk(allowed: np.ndarray) -> tuple[int | None, str | None]:
+    """C where every query i sees exactly the keys of its chunk up to itself, [i - i % C, i], and some query a
+    chunk starts at sees no earlier key; None otherwise."""
+    tokens = allowed.shape[0]
+    starts = [i for i in range(1, tokens) if allowed[i, i] and not allowed[i, i - 1]]
+    if not starts:
+        return None, None
+    size = starts[0]
+    grid = np.arange(tokens)
+    chunked = (grid[None, :] <= grid[:, None]) & (grid[None, :] // size == grid[:, None] // size)
+    return (size, f"chunks of {size}") if np.array_equal(allowed, chunked) else (None, None)
+
+
 GRAPH_TERMS: dict[str, GraphTerm] = {
     t.name: t
     for t in (
         GraphTerm("grouped_heads", _grouped_heads),
         GraphTerm("qk_norm", _qk_norm, read_paths=_read_norms, opset=23),  # RMSNormalization-23
         GraphTerm("rope", _rope),
+        GraphTerm("qk_l2_norm", _l2_norm, emit_qk=_emit_l2_norm),
+        GraphTerm("attn_temperature", _temperature, emit_qk=_emit_temperature),
         GraphTerm("softcap", _softcap, {"attention23": _SOFTCAP, "gqa": _SOFTCAP}, _recognise_softcap, _emit_softcap,
                   ("softcap",)),
         GraphTerm("alibi", _alibi, bias=_alibi_bias),
         GraphTerm("causal", _causal, hides=_hides_later, fit_grid=_fit_causal),
         GraphTerm("sliding_window", _sliding_window, {"gqa": _WINDOW}, stated=("sliding_window",),
                   hides=_hides_outside, fit_grid=_fit_window),
+        GraphTerm("attention_chunk", _chunk, hides=_hides_other_chunk, fit_grid=_fit_chunk),
         GraphTerm("sinks", _sinks, column=_sink_column, read_column=_read_sink_column,
                   inputs={"gqa": OpInput(11, _write_head_sink, _read_head_sink)}),
     )
@@ -348,6 +443,15 @@ def read_scores(scalings: list[tuple[Any, ...]]) -> tuple[float, dict[str, Any]]
     return scale, stated
 
 
+def emit_qk(g: Any, config: AttentionConfig, q: str, k: str, step: bool) -> tuple[str, str]:
+    """q and k [B, S, heads * head_dim] after each term of place "qk" written in standard ops (emit_qk: the norm
+    after rope, the temperature), in the formula's order; the norms and the rotation before them are each style's
+    own (attnx.export._llm)."""
+    for term in _used(config, "emit_qk"):
+        q, k = term.emit_qk(g, config, q, k, step)
+    return q, k
+
+
 def emit_scores(g: Any, config: AttentionConfig, scores: str) -> str:
     """The scores after each term of the decomposed core that acts on them by an emit_scores (a softcap), in the
     formula's order."""
@@ -405,11 +509,15 @@ def span(g: Any, step: bool) -> tuple[str, str]:
     return past, g.op("Add", past, seq)
 
 
-def _token_indices(g: Any, past: str, total: str) -> tuple[str, str]:
-    """(qcol [S, 1], krow [1, T]) int64: the token indices of this call's queries (past_seq + i) and of every key."""
+def _token_indices(g: Any, past: str, total: str, rank: int = 2) -> tuple[str, str]:
+    """(qcol [S, 1], krow [1, T]) int64: the token indices of this call's queries (past_seq + i) and of every key;
+    rank 4: [1, 1, S, 1] and [1, 1, 1, T]."""
     one = g.const("one_i64", np.asarray(1, np.int64))
     qpos = g.op("Range", past, total, one)  # [S]
     kpos = g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one)  # [T]
+    if rank == 4:
+        return g.op("Unsqueeze", qpos, g.ints("axes_013", [0, 1, 3])), g.op("Unsqueeze", kpos, g.ints("axes_012",
+                                                                                                        [0, 1, 2]))
     return g.op("Unsqueeze", qpos, g.ints("axes_1", [1])), g.op("Unsqueeze", kpos, g.ints("axes_0", [0]))
 
 
@@ -423,11 +531,10 @@ def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
     hidden = None
     hiding = _used(c, "hides")
     if hiding:
-        qcol, krow = _token_indices(g, *(span_ if span_ is not None else span(g, step)))
+        qcol, krow = _token_indices(g, *(span_ if span_ is not None else span(g, step)), rank=4)
         for term in hiding:
-            part = term.hides(g, c, qcol, krow)
-            hidden = part if hidden is None else g.op("Or", hidden, part)  # [S, T]
-        hidden = g.op("Unsqueeze", hidden, g.ints("axes_01", [0, 1]))  # [1, 1, S, T]
+            part = term.hides(g, c, qcol, krow, kpm)  # [B|1, 1, S, T]
+            hidden = part if hidden is None else g.op("Or", hidden, part)
     if kpm is not None:
         padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
         if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)

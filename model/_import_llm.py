@@ -18,6 +18,7 @@ from attnx.model.families import (
     _MPT_ATTN_DEFAULTS,
     _MPT_REFUSED,
     ALIBI_FAMILIES,
+    CHUNKED,
     FULL,
     ROTARY_FAMILIES,
     SLIDING,
@@ -118,11 +119,32 @@ def _layer_types(hf: Mapping[str, Any], family: RotaryFamily, n_layers: int) -> 
         if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
             raise UsageError(f"config.json 'layer_types' must be a list of names, got {given!r}")
         return [_LAYER_TYPE_NAMES.get(t, t) for t in given]
+    if family.pattern == "llama4":  # Llama4TextConfig: the rotating layers chunked, when it has a chunk size
+        return [CHUNKED if rotates and hf.get("attention_chunk_size") is not None else FULL
+                for rotates in _rope_layers(hf, family, n_layers)]  # fmt: skip
     if family.pattern == "qwen":
         window = hf["sliding_window"] if hf.get("use_sliding_window") else None
         return [SLIDING if window is not None and i >= hf["max_window_layers"] else FULL for i in range(n_layers)]
     period = hf["sliding_window_pattern"] if family.pattern == "gemma3" else 2
     return [SLIDING if (i + 1) % period else FULL for i in range(n_layers)]
+
+
+def _rope_layers(hf: Mapping[str, Any], family: RotaryFamily, n_layers: int) -> list[bool]:
+    """Whether each layer rotates: every one, or as the family's rope_layers key says (Llama 4's no_rope_layers,
+    1 where the layer rotates; empty or absent: Llama4TextConfig's default, every interval-th layer without)."""
+    if family.rope_layers is None:
+        return [True] * n_layers
+    given = hf.get(family.rope_layers)
+    if not given:
+        interval = hf["no_rope_layer_interval"]
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise UsageError(f"config.json 'no_rope_layer_interval' must be a positive integer, got {interval!r}")
+        return [(i + 1) % interval != 0 for i in range(n_layers)]
+    if not isinstance(given, list) or any(v not in (0, 1) or isinstance(v, float) for v in given) or \
+            len(given) < n_layers:  # fmt: skip
+        raise UsageError(f"config.json {family.rope_layers!r} must list 0 or 1 for each of the {n_layers} layers, "
+                         f"got {given!r}")  # fmt: skip
+    return [bool(v) for v in given[:n_layers]]
 
 
 def _hf_rope_parameters(hf: Mapping[str, Any], family: RotaryFamily, layer_type: str) -> dict[str, Any]:
@@ -215,7 +237,7 @@ def _rope_config(hf: Mapping[str, Any], family: RotaryFamily, model_type: str, l
             scaling["beta_fast"] = params.get("beta_fast") or 32.0
             scaling["beta_slow"] = params.get("beta_slow") or 1.0
             scaling["truncate"] = params.get("truncate", True)
-    rope = {"theta": params["rope_theta"], "dim": dim, "interleaved": False, "scaling": scaling}
+    rope = {"theta": params["rope_theta"], "dim": dim, "interleaved": family.interleaved, "scaling": scaling}
     return rope, f"rope: rope_type {kind}, theta {params['rope_theta']}, {dim} of {head_dim} dims rotated"
 
 
@@ -259,9 +281,9 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
     if len(layer_types) != n_layers:
         raise UsageError(f"config.json 'layer_types' has {len(layer_types)} entries for {n_layers} layers")
     layer_type = layer_types[layer]
-    if layer_type not in (FULL, SLIDING):
+    if layer_type not in (FULL, SLIDING, CHUNKED):
         raise UsageError(f"{model_type} layer {layer} is of type {layer_type!r}, which attnx's formula does not "
-                         f"include (it has {FULL} and {SLIDING}): not imported")  # fmt: skip
+                         f"include (it has {FULL}, {SLIDING} and {CHUNKED}): not imported")  # fmt: skip
     notes = []
     window = None
     if family.windows == "all":
@@ -273,8 +295,24 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
     if window is not None:
         window = number("sliding_window", window)
         notes.append(f"layer {layer} ({layer_type}): sliding window {window}")
-    rope, rope_note = _rope_config(hf, family, model_type, layer_type, head_dim)
-    notes.append(f"layer {layer} ({layer_type}): {rope_note}" if family.windows == "layer_types" else rope_note)
+    chunk = None
+    if layer_type == CHUNKED:
+        chunk = number("attention_chunk_size")
+        notes.append(f"layer {layer} ({layer_type}): chunks of {chunk} tokens, counted from each row's first token")
+    rotates = _rope_layers(hf, family, n_layers)[layer]
+    rope = l2_norm = temperature = None
+    if rotates:
+        rope, rope_note = _rope_config(hf, family, model_type, layer_type, head_dim)
+        notes.append(f"layer {layer} ({layer_type}): {rope_note}" if family.windows == "layer_types" else rope_note)
+        if family.l2_norm_key is not None and hf.get(family.l2_norm_key):
+            l2_norm = hf["rms_norm_eps"]
+            notes.append(f"layer {layer}: q and k normed after the rotation, no weights (eps {l2_norm})")
+    else:
+        notes.append(f"layer {layer}: no rotation ({family.rope_layers}[{layer}] is 0)")
+        if family.temperature and hf.get("attn_temperature_tuning"):
+            temperature = {"floor_scale": hf["floor_scale"], "attn_scale": hf["attn_scale"]}
+            notes.append(f"layer {layer}: q scaled by log1p(floor((i + 1) / {hf['floor_scale']})) * {hf['attn_scale']}"
+                         " + 1 at token index i")  # fmt: skip
 
     ckpt = Checkpoint(folder)
     names = family.names(layer)
@@ -337,6 +375,7 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
             d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             bias=bool(biased), causal=True, key_padding_mask=True if key_padding_mask is None else key_padding_mask,
             scale=scale, rope=rope, sliding_window=window, softcap=softcap, qk_norm=qk_norm, sinks=family.sinks,
+            qk_l2_norm=l2_norm, attn_temperature=temperature, attention_chunk=chunk,
         )  # fmt: skip
     except UsageError as e:
         raise WeightsError(f"{folder!r}: layer {layer} does not fit attnx's config: {e}") from None

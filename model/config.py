@@ -10,7 +10,7 @@ from typing import Any
 
 from attnx.errors import ConfigError
 from attnx.model.rope import Rope
-from attnx.model.terms import LLM_TERMS, TERMS, QKNorm, check_int, check_number, terms_of
+from attnx.model.terms import LLM_TERMS, TERMS, QKNorm, Temperature, check_int, check_number, terms_of
 
 __all__ = ["AttentionConfig", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
 
@@ -63,6 +63,11 @@ class AttentionConfig:
     # ALiBi (attnx.model.alibi): head h adds slope_h * (j - i) to the scores over token index, after
     # the scale and softcap, before the masks (BLOOM, MPT).
     alibi: bool = False
+    # Llama 4 (attnx.model.terms): a weightless RMS norm of q and k after rope (its eps), q scaled by a temperature of
+    # its token index (NoPE layers), and keys seen only within a query's chunk of attention_chunk tokens.
+    qk_l2_norm: float | None = None
+    attn_temperature: Temperature | None = None
+    attention_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
@@ -183,7 +188,7 @@ class AttentionConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value.to_dict() if isinstance(value, (Rope, QKNorm)) else value
+            out[f.name] = value.to_dict() if isinstance(value, (Rope, QKNorm, Temperature)) else value
         return out
 
     def to_json(self) -> str:

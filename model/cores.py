@@ -136,6 +136,8 @@ _MASKS = {
     "key_padding_mask": Takes("the padding mask"),
 }
 _BOOL_GRID = "a boolean grid over token index (Where)"
+_PLAIN_NORM = "ReduceMean, Add, Sqrt, Div after the rotation"
+_TEMPERATURE = "a Mul of q by its token index's factor (Range, Floor, Log)"
 
 CORES: dict[str, Core] = {
     c.name: c
@@ -147,11 +149,14 @@ CORES: dict[str, Core] = {
                 "cross": Takes("k and v projected from memory", ("full",)),
                 "qk_norm": Takes("ReduceMean, Sqrt, Div, Mul"),
                 "rope": Takes("Slice, Mul, Concat over cos/sin of position_ids"),
+                "qk_l2_norm": Takes(_PLAIN_NORM),
+                "attn_temperature": Takes(_TEMPERATURE),
                 "kv_cache": Takes("Concat onto past_key/past_value", ("growing",)),
                 "softcap": Takes("Div, Tanh, Mul"),
                 "alibi": Takes("an Add of slope_h * (j - i) (Range, Sub, Mul)"),
                 "causal": Takes(_BOOL_GRID),
                 "sliding_window": Takes(_BOOL_GRID),
+                "attention_chunk": Takes(_BOOL_GRID),
                 "key_padding_mask": Takes(_BOOL_GRID),
                 "sinks": Takes("a logit column joined before the Softmax, dropped after it"),
             },
@@ -164,11 +169,14 @@ CORES: dict[str, Core] = {
                 "cross": Takes("k and v projected from memory", ("full",)),
                 "qk_norm": Takes("RMSNormalization-23 nodes"),
                 "rope": Takes("RotaryEmbedding-23 nodes fed cos/sin of position_ids"),
+                "qk_l2_norm": Takes(_PLAIN_NORM),
+                "attn_temperature": Takes(_TEMPERATURE),
                 "kv_cache": Takes("past_key/past_value inputs", ("growing",)),
                 "softcap": Takes("its softcap attribute"),
                 "alibi": Takes("an additive float attn_mask"),
                 "causal": Takes("a boolean attn_mask over token index"),
                 "sliding_window": Takes("a boolean attn_mask over token index"),
+                "attention_chunk": Takes("a boolean attn_mask over token index"),
                 "key_padding_mask": Takes("a boolean attn_mask over token index"),
             },
             summary="the standard operator",
@@ -211,6 +219,8 @@ CORES: dict[str, Core] = {
                 "qk_norm": Takes("RMSNormalization-23 nodes (the op's q_norm_weight runs on CUDA only)"),
                 "rope": Takes("com.microsoft.RotaryEmbedding nodes at each token's position; in the buffer form the "
                               "op itself (do_rotary, cos/sin tables)"),
+                "qk_l2_norm": Takes(_PLAIN_NORM, ("full", "growing")),
+                "attn_temperature": Takes(_TEMPERATURE, ("full", "growing")),
                 "kv_cache": Takes("past/present (growing); one buffer written in place (buffer)", ("growing", "buffer")),
                 "softcap": Takes("its softcap attribute"),
                 "alibi": Takes("attention_bias (added after its softcap)", ("full", "growing")),

@@ -13,7 +13,7 @@ import numpy as np
 
 from attnx.model.config import AttentionConfig
 
-__all__ = ["ALIBI_FAMILIES", "ARCHITECTURES", "AlibiFamily", "FULL", "ImportResult", "KNOWN_ARCHITECTURES", "Layout",
+__all__ = ["ALIBI_FAMILIES", "ARCHITECTURES", "AlibiFamily", "CHUNKED", "FULL", "ImportResult", "KNOWN_ARCHITECTURES", "Layout",
            "NOT_EXPRESSIBLE", "ROTARY_FAMILIES", "RotaryFamily", "SLIDING"]
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class ImportResult:
 # checkpoint omits, and the rope keys come in two spellings, the older rope_theta + rope_scaling and
 # the newer rope_parameters (nested by layer type for Gemma 3). Every default is resolved here and
 # written as a number.
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
 _LAYER_TYPE_NAMES = {"attention": FULL}  # transformers' remap of legacy layer type names
@@ -149,11 +149,18 @@ class RotaryFamily:
     qk_norm: str | None = None  # "w": RMSNorm weights as stored (Qwen3); "1+w": Gemma's (1 + w), folded
     sinks: bool = False  # a learned sink logit per head (gpt-oss)
     windows: str = "none"  # "all": sliding_window on every layer; "layer_types": the layer's type decides
-    pattern: str = "alternating"  # layer_types when the config gives none: "alternating", "qwen", "gemma3"
+    pattern: str = "alternating"  # layer_types when the config gives none: "alternating", "qwen", "gemma3", "llama4"
     scale_key: str | None = None  # the config key whose ^-1/2 is the scale (Gemma); None: head_dim^-1/2
     softcap_key: str | None = None  # the config key of the scores' softcap (Gemma)
     rope_reader: str = "standard"  # transformers' convert_rope_params_to_dict: "standard", "gemma3", "phi3"
     partial_rotary: bool = False  # whether its attention rotates only the first dims (Phi-3 slices q and k)
+    interleaved: bool = False  # pairs (2i, 2i + 1): Llama 4's rotation as a complex product of adjacent dims
+    # Llama 4: the config key listing, per layer, 1 where it rotates and 0 where it has no position (NoPE), and its
+    # class's default interval (every n-th layer NoPE); on rotating layers a weightless q/k norm after the rotation
+    # when `l2_norm_key` is true, on NoPE layers the attention temperature (attn_temperature_tuning)
+    rope_layers: str | None = None
+    l2_norm_key: str | None = None
+    temperature: bool = False
 
     def names(self, layer: int) -> dict[str, str]:
         base = f"layers.{layer}.self_attn"
@@ -197,6 +204,14 @@ ROTARY_FAMILIES: dict[str, RotaryFamily] = {
     "phi3": RotaryFamily({**_COMMON, "hidden_size": 3072, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
                           "max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
                          bias="none", fused_qkv=True, windows="all", rope_reader="phi3", partial_rotary=True),
+    # models/llama4: Llama4TextConfig (the text model of a Llama 4 checkpoint, model_type llama4_text)
+    "llama4_text": RotaryFamily({**_COMMON, "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8,
+                                 "head_dim": 128, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+                                 "rope_theta": 500000.0, "use_qk_norm": True, "no_rope_layers": None,
+                                 "no_rope_layer_interval": 4, "attention_chunk_size": 8192,
+                                 "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1},
+                                windows="layer_types", pattern="llama4", interleaved=True,
+                                rope_layers="no_rope_layers", l2_norm_key="use_qk_norm", temperature=True),
     "gpt_oss": RotaryFamily({**_COMMON, "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
                              "head_dim": 64, "max_position_embeddings": 131072, "attention_bias": True,
                              "sliding_window": 128, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,

@@ -4,7 +4,7 @@ modern LLM terms (docs/concepts/formula.md, "Modern LLM attention"): qk_norm, ro
 The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
 function in TORCH_TERMS, in the formula's order (the numpy reference's are REFERENCE_TERMS):
 
-    qk       (module, q [B, T, N, hd], k [B, S, Nkv, hd], position_ids) -> (q, k)
+    qk       (module, q [B, T, N, hd], k [B, S, Nkv, hd], position_ids, query token indices [T]) -> (q, k)
     scores   (module, scores [B, N, T, S], query token indices [T], key token indices [S]) -> scores
     mask     (module, query token indices [T], key token indices [S], key_padding_mask [B, S] | None)
              -> hidden bool, broadcastable to [B, N, T, S]
@@ -112,19 +112,20 @@ class MultiHeadAttention(nn.Module):
         record("q", q), record("k", k)
         if c.rope is not None and position_ids is None:
             raise UsageError("this model takes position_ids (config rope)")
-        for term in self._terms["qk"]:  # qk_norm, rope
-            q, k = TORCH_TERMS[term](self, q, k, position_ids)
-            record(f"q_{_QK_STAGES[term]}", q), record(f"k_{_QK_STAGES[term]}", k)
+        past = past_key.shape[2] if c.kv_cache and past_key is not None else 0
+        tokens = torch.arange(T, device=x.device) + past  # the queries' token indices
+        for term in self._terms["qk"]:  # qk_norm, rope, ...
+            q, k = TORCH_TERMS[term](self, q, k, position_ids, tokens)
+            if term in _QK_STAGES:
+                record(f"q_{_QK_STAGES[term]}", q), record(f"k_{_QK_STAGES[term]}", k)
         q = q.transpose(1, 2)  # (B, N, T, hd)
         k = k.transpose(1, 2)  # (B, Nkv, S, hd)
         v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim)
         record("v", v)
         v = v.transpose(1, 2)  # (B, Nkv, S, vhd)
-        past = 0
         if c.kv_cache:
             if past_key is None or past_value is None:
                 raise UsageError("this step model takes past_key and past_value (past_seq 0 for a prefill)")
-            past = past_key.shape[2]
             k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (B, Nkv, P+S, hd): every position so far
             v = torch.cat([past_value.to(v.dtype), v], dim=2)
         present_k, present_v = k, v
@@ -243,7 +244,7 @@ class MultiHeadAttention(nn.Module):
         if hidden is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         c = self.config
-        if c.causal and not c.key_padding_mask and not c.kv_cache and c.sliding_window is None:
+        if self._terms["mask"] == ["causal"] and not c.kv_cache:
             # (is_causal aligns the mask top-left: right only without a cache, where T == S.)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         # The mask is expanded to (B, 1, T, S): ONNX Runtime's Attention op does not
@@ -269,13 +270,34 @@ class MultiHeadAttention(nn.Module):
 
 
 # The terms' functions (the module doc), by the registry's names --------------------------------------
-def _qk_norm(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None):
+def _qk_norm(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
+             tokens: torch.Tensor):  # fmt: skip
     return m.q_norm(q), m.k_norm(k)  # over head_dim, each head alike
 
 
-def _rope(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+def _rope(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor):
     cos, sin = m._rope_cos_sin(positions, q.dtype)  # (B, T, 1, dim/2)
     return m._rotate(q, cos, sin), m._rotate(k, cos, sin)
+
+
+def _l2_norm(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
+             tokens: torch.Tensor):  # fmt: skip
+    """x / sqrt(mean(x^2) + eps) over head_dim, no weights, in float32 at least (as transformers' L2Norm)."""
+
+    def norm(u: torch.Tensor) -> torch.Tensor:
+        h = u if u.dtype == torch.float64 else u.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.config.qk_l2_norm)).to(u.dtype)
+
+    return norm(q), norm(k)
+
+
+def _temperature(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
+                 tokens: torch.Tensor):  # fmt: skip
+    """q (B, T, N, hd) times its token index's factor, computed in float32 at least."""
+    t = m.config.attn_temperature
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    factor = torch.log1p(torch.floor((tokens.to(dtype) + 1.0) / t.floor_scale)) * t.attn_scale + 1.0  # (T,)
+    return (q.to(dtype) * factor[None, :, None, None]).to(q.dtype), k
 
 
 def _softcap(m: MultiHeadAttention, scores: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -299,6 +321,18 @@ def _window(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.
     return (j[None, :] <= i[:, None] - m.config.sliding_window)[None, None]  # outside p - W < j
 
 
+def _chunk(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
+    """(B|1, 1, T, S): key j in another chunk than query i, chunks counted from each row's first unpadded key."""
+    size = m.config.attention_chunk
+    if kpm is None:
+        start = torch.zeros(1, 1, dtype=i.dtype, device=i.device)
+    else:  # the leading padded keys of each row: those before its first kept one
+        start = ((~kpm.to(torch.bool)).to(i.dtype).cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1)
+    qc = torch.div(i[None, :] - start, size, rounding_mode="floor")  # (B|1, T)
+    kc = torch.div(j[None, :] - start, size, rounding_mode="floor")  # (B|1, S)
+    return (qc[:, :, None] != kc[:, None, :])[:, None]
+
+
 def _key_padding(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor) -> torch.Tensor:
     return kpm.to(torch.bool)[:, None, None, :]  # (B, 1, 1, S): True hides
 
@@ -311,10 +345,13 @@ def _sinks(m: MultiHeadAttention, scores: torch.Tensor) -> torch.Tensor:
 TORCH_TERMS: dict[str, Callable[..., Any]] = {
     "qk_norm": _qk_norm,
     "rope": _rope,
+    "qk_l2_norm": _l2_norm,
+    "attn_temperature": _temperature,
     "softcap": _softcap,
     "alibi": _alibi,
     "causal": _causal,
     "sliding_window": _window,
+    "attention_chunk": _chunk,
     "key_padding_mask": _key_padding,
     "sinks": _sinks,
 }

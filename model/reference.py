@@ -28,7 +28,8 @@ __all__ = ["REFERENCE_TERMS", "hidden_grid", "reference_attention", "scored_qk"]
 
 
 # The terms' functions. Each takes the config and the weights, then what its place acts on:
-#   qk:      q [batch, t, n_heads, hd], k [batch, s, n_kv_heads, hd], position_ids [batch, t] -> (q, k)
+#   qk:      q [batch, t, n_heads, hd], k [batch, s, n_kv_heads, hd], position_ids [batch, t], the queries'
+#            token indices [t] -> (q, k)
 #   scores:  s [keys] of one query, the query's token index, the keys' token indices, its head -> s
 #   mask:    the query's token index, every key's token index [keys], its batch's key_padding_mask row
 #            (or None) -> hidden bool [keys]
@@ -36,17 +37,35 @@ __all__ = ["REFERENCE_TERMS", "hidden_grid", "reference_attention", "scored_qk"]
 QK = tuple[np.ndarray, np.ndarray]
 
 
-def _qk_norm(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any) -> QK:
+def _rms(u: np.ndarray, eps: float) -> np.ndarray:
+    """u over the root of its mean square (+ eps) along head_dim."""
+    return u / np.sqrt(np.mean(u**2, axis=-1, keepdims=True) + u.dtype.type(eps))
+
+
+def _qk_norm(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any,
+             tokens: np.ndarray) -> QK:  # fmt: skip
     """RMSNorm of each head over head_dim, times the weights q_norm.weight / k_norm.weight."""
 
     def norm(u: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        eps = u.dtype.type(c.qk_norm.eps)
-        return u / np.sqrt(np.mean(u**2, axis=-1, keepdims=True) + eps) * np.asarray(weight, dtype=u.dtype)
+        return _rms(u, c.qk_norm.eps) * np.asarray(weight, dtype=u.dtype)
 
     return norm(q, w["q_norm.weight"]), norm(k, w["k_norm.weight"])
 
 
-def _rope(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any) -> QK:
+def _l2_norm(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any,
+             tokens: np.ndarray) -> QK:  # fmt: skip
+    """The same root mean square, after rope and without weights."""
+    return _rms(q, c.qk_l2_norm), _rms(k, c.qk_l2_norm)
+
+
+def _temperature(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any,
+                 tokens: np.ndarray) -> QK:  # fmt: skip
+    """q at token index i times its factor; k as it was."""
+    return q * c.attn_temperature.factors(tokens).astype(q.dtype)[None, :, None, None], k
+
+
+def _rope(c: AttentionConfig, w: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray, positions: Any,
+          tokens: np.ndarray) -> QK:  # fmt: skip
     """Pair i of each head at position p turned by p * inv_freq_i (the rope table), times attention_factor."""
     cos, sin = (t.astype(q.dtype)[:, :, None] for t in rope_cos_sin(c.rope, np.asarray(positions)))  # (b, t, 1, dim/2)
     a, b = rope_pairs(c.rope)  # pair i is (a[i], b[i]) of each head
@@ -79,6 +98,14 @@ def _window(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarra
     return keys <= query - c.sliding_window  # only p - W < j is seen
 
 
+def _chunk(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarray | None) -> np.ndarray:
+    """Another chunk than the query's, chunks of C counted from the row's first unpadded key (transformers counts
+    the leading padding alone)."""
+    kept = np.zeros(0, bool) if padding is None else ~np.asarray(padding, bool)
+    start = int(np.argmax(kept)) if kept.any() else len(kept)  # the leading padded keys (0 without padding)
+    return (keys - start) // c.attention_chunk != (query - start) // c.attention_chunk
+
+
 def _key_padding(c: AttentionConfig, query: int, keys: np.ndarray, padding: np.ndarray | None) -> np.ndarray:
     return np.asarray(padding, dtype=bool)  # True hides
 
@@ -90,10 +117,13 @@ def _sinks(c: AttentionConfig, w: Mapping[str, np.ndarray], head: int) -> list[f
 REFERENCE_TERMS: dict[str, Callable[..., Any]] = {
     "qk_norm": _qk_norm,
     "rope": _rope,
+    "qk_l2_norm": _l2_norm,
+    "attn_temperature": _temperature,
     "softcap": _softcap,
     "alibi": _alibi,
     "causal": _causal,
     "sliding_window": _window,
+    "attention_chunk": _chunk,
     "key_padding_mask": _key_padding,
     "sinks": _sinks,
 }
@@ -134,10 +164,11 @@ def scored_qk(
     position_ids: np.ndarray | None = None,
     dtype: Any = np.float64,
     stages: dict[str, np.ndarray] | None = None,
+    past: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q [batch, t, n_heads, hd] and k [batch, s, n_kv_heads, hd] as the formula scores them: the
-    projections, then the q/k terms (qk_norm, rope) in order, in `dtype`. stages: filled with q, k and
-    the q/k terms' stages, [batch, t, heads * hd]."""
+    projections, then the q/k terms (qk_norm, rope, ...) in order, in `dtype`; the queries at token indices
+    past.. (a step's after its cache). stages: filled with q, k and the q/k terms' stages, [batch, t, heads * hd]."""
     c = config
     if c.rope is not None and position_ids is None:
         raise ValueError("a config with rope takes position_ids [batch, seq]")
@@ -148,9 +179,10 @@ def scored_qk(
         stages.update(q=q, k=k)
     q = q.reshape(*q.shape[:2], c.n_heads, c.head_dim)
     k = k.reshape(*k.shape[:2], c.n_kv_heads, c.head_dim)
+    tokens = np.arange(past, past + q.shape[1])
     for term in _terms(c, "qk"):
-        q, k = REFERENCE_TERMS[term](c, weights, q, k, position_ids)
-        if stages is not None:
+        q, k = REFERENCE_TERMS[term](c, weights, q, k, position_ids, tokens)
+        if stages is not None and term in _QK_STAGES:
             stages[f"q_{_QK_STAGES[term]}"] = q.reshape(*q.shape[:2], -1).copy()
             stages[f"k_{_QK_STAGES[term]}"] = k.reshape(*k.shape[:2], -1).copy()
     return q, k
@@ -184,13 +216,12 @@ def reference_attention(
     x = np.asarray(x, dtype=dtype)
     m = np.asarray(memory, dtype=dtype) if c.cross else x
     batch, t, _ = x.shape
-    q, k = scored_qk(c, weights, x, memory, position_ids, dtype, stages)  # (b, t, N, hd), (b, s, Nkv, hd)
+    past = past_key.shape[2] if c.kv_cache else 0
+    q, k = scored_qk(c, weights, x, memory, position_ids, dtype, stages, past)  # (b, t, N, hd), (b, s, Nkv, hd)
     v = _linear(c, weights, m, "v_proj").reshape(batch, -1, c.n_kv_heads, c.v_head_dim)  # (b, s, Nkv, vhd)
     if stages is not None:
         stages["v"] = v.reshape(batch, -1, c.kv_v_dim)
-    past = 0
     if c.kv_cache:  # the cache: [batch, Nkv, past, hd], laid out as the projections [batch, past, Nkv, hd]
-        past = past_key.shape[2]
         k = np.concatenate([np.asarray(past_key, dtype=dtype).transpose(0, 2, 1, 3), k], axis=1)
         v = np.concatenate([np.asarray(past_value, dtype=dtype).transpose(0, 2, 1, 3), v], axis=1)
     s = k.shape[1]

@@ -40,7 +40,7 @@ from attnx.model.rope import parse_rope
 if TYPE_CHECKING:
     from attnx.model.config import AttentionConfig
 
-__all__ = ["PLACES", "QKNorm", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number",
+__all__ = ["PLACES", "QKNorm", "Temperature", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number",
            "reach_of", "terms_at"]
 
 # Where a term acts, in the formula's order:
@@ -91,6 +91,23 @@ class QKNorm:
 
     def to_dict(self) -> dict[str, Any]:
         return {"eps": self.eps}
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+    """The config's `attn_temperature`: the query at token index i (its slot, padding included) scaled by
+    log1p(floor((i + 1) / floor_scale)) * attn_scale + 1 before it is scored (Llama 4's attention temperature
+    tuning on its NoPE layers, arXiv:2501.19399)."""
+
+    floor_scale: float
+    attn_scale: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"floor_scale": self.floor_scale, "attn_scale": self.attn_scale}
+
+    def factors(self, tokens: np.ndarray) -> np.ndarray:
+        """The factor of each query token index, float64 (the one definition every form follows)."""
+        return np.log1p(np.floor((np.asarray(tokens, np.float64) + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
 
 
 Config = Any  # an AttentionConfig (config.py imports this module: the type is named in TYPE_CHECKING only)
@@ -177,6 +194,37 @@ def _validate_qk_norm(c: Config, set_: Callable[[str, Any], None]) -> None:
         raise ConfigError("config key 'qk_norm' is for self-attention ('cross': false)")
 
 
+def _validate_l2_norm(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.qk_l2_norm is None:
+        return
+    set_("qk_l2_norm", check_number("qk_l2_norm", c.qk_l2_norm))
+    if c.cross:
+        raise ConfigError("config key 'qk_l2_norm' is for self-attention ('cross': false)")
+
+
+def _validate_temperature(c: Config, set_: Callable[[str, Any], None]) -> None:
+    value = c.attn_temperature
+    if value is None:
+        return
+    data = value.to_dict() if isinstance(value, Temperature) else value
+    if not isinstance(data, dict) or set(data) != {"floor_scale", "attn_scale"}:
+        raise ConfigError("config key 'attn_temperature' must be null or an object "
+                          f"{{\"floor_scale\": number, \"attn_scale\": number}}, got {value!r}")  # fmt: skip
+    set_("attn_temperature", Temperature(check_number("attn_temperature.floor_scale", data["floor_scale"]),
+                                         check_number("attn_temperature.attn_scale", data["attn_scale"])))  # fmt: skip
+    if c.cross:
+        raise ConfigError("config key 'attn_temperature' is for self-attention ('cross': false)")
+
+
+def _validate_chunk(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.attention_chunk is None:
+        return
+    check_int("attention_chunk", c.attention_chunk)
+    if not c.causal:
+        raise ConfigError("config key 'attention_chunk' needs 'causal': true (a query sees the keys of its own chunk "
+                          "up to itself)")  # fmt: skip
+
+
 def _validate_window(c: Config, set_: Callable[[str, Any], None]) -> None:
     if c.sliding_window is None:
         return
@@ -220,6 +268,20 @@ def _swap_qk_norms(c: Config, w: Weights) -> tuple[Config, Weights]:
     return c, out
 
 
+def _drop_l2_norm(c: Config, w: Weights) -> tuple[Config, Weights]:
+    # (the norm before the rotation would be no fault: a rotation of every pair keeps each head's mean square)
+    return _replace(c, qk_l2_norm=None), w
+
+
+def _double_temperature(c: Config, w: Weights) -> tuple[Config, Weights]:
+    t = c.attn_temperature
+    return _replace(c, attn_temperature=Temperature(t.floor_scale, 2 * t.attn_scale)), w
+
+
+def _chunk_off_by_one(c: Config, w: Weights) -> tuple[Config, Weights]:
+    return _replace(c, attention_chunk=c.attention_chunk + 1), w
+
+
 def _drop_alibi(c: Config, w: Weights) -> tuple[Config, Weights]:
     return _replace(c, alibi=False), w
 
@@ -253,6 +315,16 @@ TERMS: dict[str, Term] = {
              tolerance="4 eps32 P B rms(ref): the float32 angle's rounding at position P (tolerance, 'Rotary positions')",
              fault=_flip_rope_layout, fault_summary="the pair layout flipped (interleaved <-> half-split)",
              modern=True),
+        Term("qk_l2_norm", ("qk_l2_norm",), "qk",
+             "each head's q and k divided by sqrt(mean(x^2) + eps) after rope, no weights (Llama 4's L2Norm)",
+             lambda c: c.qk_l2_norm is not None, _validate_l2_norm,
+             tolerance="none: a norm drops the error's radial part",
+             fault=_drop_l2_norm, fault_summary="the norm dropped", modern=True),
+        Term("attn_temperature", ("attn_temperature",), "qk",
+             "q at token index i times log1p(floor((i + 1) / floor_scale)) * attn_scale + 1 (Llama 4's NoPE layers)",
+             lambda c: c.attn_temperature is not None, _validate_temperature,
+             tolerance="S (the largest absolute score) is taken from q as scaled",
+             fault=_double_temperature, fault_summary="attn_scale doubled", modern=True),
         Term("kv_cache", ("kv_cache",), "cache", "the step model: past keys/values joined before the scores",
              lambda c: c.kv_cache, _validate_cache),
         Term("softcap", ("softcap",), "scores", "s -> c tanh(s / c), after the scale, before the masks",
@@ -272,6 +344,11 @@ TERMS: dict[str, Term] = {
         Term("sliding_window", ("sliding_window",), "mask", "key j hidden from query i when j <= i - W",
              lambda c: c.sliding_window is not None, _validate_window, reach=lambda c: c.sliding_window,
              fault=_window_off_by_one, fault_summary="the window one key wider (W + 1)", modern=True),
+        Term("attention_chunk", ("attention_chunk",), "mask",
+             "key j hidden from query i unless both are in the same chunk of C tokens, counted from the row's first "
+             "unpadded key (Llama 4's chunked layers)",
+             lambda c: c.attention_chunk is not None, _validate_chunk, reach=lambda c: c.attention_chunk,
+             fault=_chunk_off_by_one, fault_summary="the chunk one key longer (C + 1)", modern=True),
         Term("key_padding_mask", ("key_padding_mask",), "mask", "keys marked True in key_padding_mask hidden",
              lambda c: c.key_padding_mask, lambda c, set_: _check_bool("key_padding_mask", c.key_padding_mask)),
         Term("sinks", ("sinks",), "softmax", "one more logit per query head in the softmax (tensor sinks), no value",

@@ -212,7 +212,8 @@ def problem_size(
     activations, also what a quantized form's error model reads (ProblemSize.activations)."""
     # q and k as the formula scores them, in float32: the reference's own (its projections and q/k terms)
     positions = feeds.get("position_ids")
-    q, k = scored_qk(config, weights, feeds["x"], feeds.get("memory"), positions, dtype=np.float32)
+    past = np.shape(feeds["past_key"])[2] if feeds.get("past_key") is not None else 0
+    q, k = scored_qk(config, weights, feeds["x"], feeds.get("memory"), positions, dtype=np.float32, past=past)
     N = config.n_heads  # q (B, T, N, hd), k (B, S, Nkv, hd)
     rope_position, weights_w = 0.0, None
     if config.rope is not None:

@@ -104,6 +104,17 @@ LLM_CONFIGS: dict[str, AttentionConfig] = {
         rope={"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
     ),
+    # Llama 4's two kinds of layer (transformers' Llama4TextAttention): chunked with rope on interleaved pairs and the
+    # weightless q/k norm after it, and NoPE with the attention temperature; chunks of 3 and a floor_scale of 2 show
+    # in a few tokens, and so does the chunks' start under left padding (key_padding_mask)
+    "llama4": AttentionConfig(
+        d_model=64, n_heads=4, n_kv_heads=2, causal=True, bias=False, key_padding_mask=True, attention_chunk=3,
+        qk_l2_norm=1e-5, rope={"theta": 500000.0, "interleaved": True},
+    ),
+    "llama4-nope": AttentionConfig(
+        d_model=64, n_heads=4, n_kv_heads=2, causal=True, bias=False, key_padding_mask=True,
+        attn_temperature={"floor_scale": 2.0, "attn_scale": 0.5},
+    ),
 }  # fmt: skip
 # The same terms in the shapes ONNX Runtime's GroupQueryAttention takes (head_dim a multiple of 8;
 # the buffer form's rotation a cos/sin width that is a multiple of 8): the onnx and ort-fused

@@ -12,6 +12,7 @@ from onnx import TensorProto
 
 from attnx.export._graph import Graph, heads, linear
 from attnx.export._llm import norm_and_rotate
+from attnx.export.terms import emit_qk
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.cores import Core
@@ -96,11 +97,12 @@ class Emit:
         return out
 
     def scored(self, q: str, k: str, style: str) -> tuple[str, str]:
-        """q and k after their norms and rotation (the terms of place "qk"), in `style`'s operators
-        (attnx.export._llm.norm_and_rotate: decomposed, onnx, ort-fused)."""
-        if not terms_at(self.c, "qk"):
-            return q, k
-        return norm_and_rotate(self.g, self.c, self.weights, q, k, style)
+        """q and k after the terms of place "qk": the norms and rotation in `style`'s operators
+        (attnx.export._llm.norm_and_rotate: decomposed, onnx, ort-fused), then the terms written in standard ops
+        whatever the style (attnx.export.terms.emit_qk: the norm after rope, the temperature)."""
+        if set(terms_at(self.c, "qk")) & {"qk_norm", "rope"}:
+            q, k = norm_and_rotate(self.g, self.c, self.weights, q, k, style)
+        return emit_qk(self.g, self.c, q, k, self.step)  # the terms after them, in standard ops
 
     def visible_rows(self, keep: str) -> str:
         """bool [B, S|1, 1]: whether query i of batch b sees some key, from keep int32 [B, L] (1 keeps):

@@ -18,6 +18,11 @@ from attnx.model.weights import init_weights
 FULL = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, rope={"theta": 10000.0}, sliding_window=4,
                        softcap=30.0, qk_norm={"eps": 1e-6}, sinks=True)  # fmt: skip
 ALIBI = AttentionConfig(d_model=64, n_heads=4, causal=True, alibi=True)
+# Llama 4's terms, on its chunked rope layer and its NoPE layer
+LLAMA4 = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, rope={"theta": 5e5, "interleaved": True},
+                         attention_chunk=4, qk_l2_norm=1e-5)  # fmt: skip
+NOPE = AttentionConfig(d_model=64, n_heads=4, causal=True, attn_temperature={"floor_scale": 8.0, "attn_scale": 0.1})
+SOURCES = {"alibi": ALIBI, "attention_chunk": LLAMA4, "qk_l2_norm": LLAMA4, "attn_temperature": NOPE}
 
 
 def _facts(config: AttentionConfig) -> dict:
@@ -33,13 +38,13 @@ def _facts(config: AttentionConfig) -> dict:
 CTX = Context("layer 3", "the checkpoint")
 
 
-@pytest.mark.parametrize("source", [FULL, ALIBI], ids=["rope-terms", "alibi"])
+@pytest.mark.parametrize("source", [FULL, ALIBI, LLAMA4, NOPE], ids=["rope-terms", "alibi", "llama4", "nope"])
 def test_a_graph_that_states_its_source_s_formula_has_no_finding(source):
     assert compare_terms(source, _facts(source), source, CTX) == []
 
 
 def _faulted(name: str) -> tuple[AttentionConfig, AttentionConfig]:
-    source = ALIBI if name == "alibi" else FULL
+    source = SOURCES.get(name, FULL)
     return source, TERMS[name].fault(source, init_weights(source, seed=0))[0]
 
 
@@ -48,7 +53,8 @@ CONFIG_FAULTS = [n for n in GRAPH_TERMS if TERMS[n].fault is not None and _fault
 
 
 def test_the_faults_compared_here_are_every_config_fault():
-    assert set(CONFIG_FAULTS) == {"rope", "softcap", "alibi", "causal", "sliding_window", "sinks"}
+    assert set(CONFIG_FAULTS) == {"rope", "qk_l2_norm", "attn_temperature", "softcap", "alibi", "causal",
+                                  "sliding_window", "attention_chunk", "sinks"}
 
 
 @pytest.mark.parametrize("name", CONFIG_FAULTS)

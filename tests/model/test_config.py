@@ -22,7 +22,8 @@ def test_json_round_trip_keeps_every_key():
     data = json.loads(c.to_json())
     assert set(data) == {"d_model", "n_heads", "head_dim", "v_head_dim", "kv_dim", "bias", "causal", "cross",
                          "key_padding_mask", "scale", "n_kv_heads", "kv_cache",
-                         "rope", "sliding_window", "softcap", "qk_norm", "sinks", "alibi"}  # fmt: skip
+                         "rope", "sliding_window", "softcap", "qk_norm", "sinks", "alibi", "qk_l2_norm",
+                         "attn_temperature", "attention_chunk"}  # fmt: skip
     assert AttentionConfig.from_json(c.to_json()) == c
 
 

@@ -95,7 +95,7 @@ def test_rotation_matches_transformers(name, interleaved):
         # the angles are float32 in transformers: |d theta| <= eps32 * position * inv_freq (tolerance table)
         bound = 4 * EPS32 * (positions.max() * rope_frequencies(config.rope)[0].max() + 4) * np.abs(q).max()
         heads = q.transpose(0, 2, 1, 3)  # (B, T, H, hd): per head, as the reference's q/k terms take it
-        ref, _ = REFERENCE_TERMS["rope"](config, {}, heads, heads, positions)
+        ref, _ = REFERENCE_TERMS["rope"](config, {}, heads, heads, positions, np.arange(T))
         np.testing.assert_allclose(ref.transpose(0, 2, 1, 3), want, rtol=0, atol=bound)
         cos, sin = module._rope_cos_sin(torch.from_numpy(positions), torch.float64)
         turned = module._rotate(torch.from_numpy(q).transpose(1, 2), cos, sin).transpose(1, 2).numpy()
@@ -127,7 +127,7 @@ def test_qk_norm_matches_qwen3_rmsnorm():
     with torch.no_grad():
         want = norm(torch.from_numpy(u).view(2, 5, 4, 16)).reshape(2, 5, 64).numpy()
     heads = u.astype(np.float64).reshape(2, 5, 4, 16)
-    got, _ = REFERENCE_TERMS["qk_norm"](config, {"q_norm.weight": weight, "k_norm.weight": weight}, heads, heads, None)
+    got, _ = REFERENCE_TERMS["qk_norm"](config, {"q_norm.weight": weight, "k_norm.weight": weight}, heads, heads, None, np.arange(heads.shape[1]))
     got = got.reshape(2, 5, 64)
     np.testing.assert_allclose(got, want, rtol=0, atol=16 * EPS32 * np.abs(want).max())
 

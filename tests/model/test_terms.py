@@ -23,6 +23,9 @@ from tests.conftest import LLM_CONFIGS
 STRUCTURAL = {"grouped_heads", "cross", "kv_cache"}
 # grouped heads, q/k norms, rope, softcap, ALiBi, causal, window, padding, sinks
 ALL_TERMS = dataclasses.replace(LLM_CONFIGS["llm"], alibi=True)
+# Llama 4's terms on its two kinds of layer: chunked rope with the norm after it, NoPE with the temperature
+TERM_CONFIGS = {"qk_l2_norm": LLM_CONFIGS["llama4"], "attention_chunk": LLM_CONFIGS["llama4"],
+                "attn_temperature": LLM_CONFIGS["llama4-nope"]}  # fmt: skip
 
 
 def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():
@@ -56,7 +59,7 @@ def test_each_planted_fault_is_told_from_the_formula(name):
 
     from attnx.model import build_module
 
-    config = ALL_TERMS
+    config = TERM_CONFIGS.get(name, ALL_TERMS)
     weights = init_weights(config, 3)
     assert TERMS[name].uses(config)
     feeds = make_inputs(config, 2, 12, seed=5)
@@ -64,9 +67,9 @@ def test_each_planted_fault_is_told_from_the_formula(name):
     size, tol = problem_size(config, weights, feeds), tolerance_for("fp32")
     with torch.no_grad():
         module = build_module(config, weights)
-        right = module(*(torch.from_numpy(feeds[k]) for k in ("x",)),
-                       key_padding_mask=torch.from_numpy(feeds["key_padding_mask"]),
-                       position_ids=torch.from_numpy(feeds["position_ids"])).numpy()  # fmt: skip
+        right = module(torch.from_numpy(feeds["x"]), key_padding_mask=torch.from_numpy(feeds["key_padding_mask"]),
+                       **({"position_ids": torch.from_numpy(feeds["position_ids"])} if "position_ids" in feeds
+                          else {})).numpy()  # fmt: skip
     assert compare_arrays("y", right, ref, tol, size)
     wrong_config, wrong_weights = TERMS[name].fault(config, weights)
     args = {k: v for k, v in feeds.items() if k in {s.name for s in wrong_config.inputs()}}
