@@ -20,14 +20,17 @@ computed in float32 from position_ids, as transformers does (the tolerance's rop
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto
 
 from attnx.export._graph import Graph
+from attnx.export.terms import GRAPH_TERMS
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import rope_frequencies
+from attnx.model.terms import terms_at
 
 __all__ = ["norm_and_rotate", "rope_table"]
 
@@ -37,19 +40,20 @@ _F = TensorProto.FLOAT
 def norm_and_rotate(
     g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str, lowering: str
 ) -> tuple[str, str]:
-    """q [B, S, H*hd] and k [B, S, Hkv*hd] after qk_norm and rope, in `lowering`'s operators."""
+    """q [B, S, H*hd] and k [B, S, Hkv*hd] after the norms before rope (each term's emit_styled: attnx.export.terms)
+    and rope, in `lowering`'s operators."""
     if lowering == "decomposed":
         return _decomposed(g, c, weights, q, k)
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    if c.qk_norm is not None:
 
-        def norm(u: str, heads: int, name: str) -> str:
-            u4 = g.op("Reshape", u, g.ints(f"{name}_4d", [0, 0, heads, hd]))  # [B, S, heads, hd]
-            w = g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32))
-            normed = g.op("RMSNormalization", u4, w, axis=-1, epsilon=c.qk_norm.eps)  # opset 23
-            return g.op("Reshape", normed, g.ints(f"{name}_3d", [0, 0, heads * hd]), name=g.stage(name))
+    def norm(emit: Any, u: str, heads: int, which: str) -> str:
+        u4 = g.op("Reshape", u, g.ints(f"{which}_norm_4d", [0, 0, heads, hd]))  # [B, S, heads, hd]
+        normed = emit(g, c, weights, u4, which, lowering, None)
+        return g.op("Reshape", normed, g.ints(f"{which}_norm_3d", [0, 0, heads * hd]), name=g.stage(f"{which}_norm"))
 
-        q, k = norm(q, H, "q_norm"), norm(k, Hkv, "k_norm")
+    for name in _styled(c):
+        emit = GRAPH_TERMS[name].emit_styled
+        q, k = norm(emit, q, H, "q"), norm(emit, k, Hkv, "k")
     if c.rope is not None:
         cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
         attrs = {"rotary_embedding_dim": c.rope.dim, "interleaved": int(c.rope.interleaved)}
@@ -72,6 +76,11 @@ def norm_and_rotate(
     return q, k
 
 
+def _styled(c: AttentionConfig) -> list[str]:
+    """The config's terms of place "qk" before rope that each style writes in its own operators (emit_styled)."""
+    return [name for name in terms_at(c, "qk") if GRAPH_TERMS[name].emit_styled is not None]
+
+
 def rope_table(c: AttentionConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
     """GroupQueryAttention's cos_cache/sin_cache (do_rotary): [positions, dim/2] float32, row p the
     cos/sin of p * inv_freq times attention_factor (the angle in float32, as every form)."""
@@ -82,22 +91,16 @@ def rope_table(c: AttentionConfig, positions: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _decomposed(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str) -> tuple[str, str]:
-    """qk_norm as RMSNorm over each head's head_dim and rope as pair i turned by
+    """The norms before rope (emit_styled, decomposed) over each head's head_dim and rope as pair i turned by
     position_ids * inv_freq_i, in standard arithmetic ops."""
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     q4 = g.op("Reshape", q, g.ints("q4_shape", [0, 0, H, hd]))  # [B, S, H, hd]
     k4 = g.op("Reshape", k, g.ints("k4_shape", [0, 0, Hkv, hd]))  # [B, S, Hkv, hd]
-    if c.qk_norm is not None:
-        eps = g.const("qk_norm_eps", np.asarray(c.qk_norm.eps, np.float32))
-
-        def rms_norm(u: str, name: str) -> str:
-            mean_sq = g.op("ReduceMean", g.op("Mul", u, u), g.ints("axes_last", [-1]), keepdims=1)
-            normed = g.op("Div", u, g.op("Sqrt", g.op("Add", mean_sq, eps)))
-            # with rope the norm's output is held per head only: named there, [B, S, heads, hd]
-            return g.op("Mul", normed, g.const(f"{name}.weight", np.asarray(weights[f"{name}.weight"], np.float32)),
-                        name=g.stage(name, "b t h d") if c.rope is not None else None)  # fmt: skip
-
-        q4, k4 = rms_norm(q4, "q_norm"), rms_norm(k4, "k_norm")
+    for name in _styled(c):
+        # with rope the norm's output is held per head only: named there, [B, S, heads, hd]
+        q4, k4 = (GRAPH_TERMS[name].emit_styled(g, c, weights, u4, which, "decomposed",
+                                                g.stage(f"{which}_norm", "b t h d") if c.rope is not None else None)
+                  for u4, which in ((q4, "q"), (k4, "k")))  # fmt: skip
     if c.rope is not None:
         cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
         q4, k4 = _rotate(g, c, q4, cos, sin), _rotate(g, c, k4, cos, sin)

@@ -7,7 +7,8 @@ one entry here and its declaration there, never a branch in the audit.
     compare(graph, facts, source, ctx) -> [finding]     graph, source: AttentionConfig; facts: what the reader noted
 
 A weight a term adds (its declaration's tensors) that one side lacks with the term is said by the term's own finding
-(said_by_terms), not again by the weights' comparison.
+(said_by_terms), not again by the weights' comparison. The mask terms' functions (hides, fit_grid, compare) and the
+token indices they are computed over live in attnx.export._mask_terms.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from attnx.errors import ConfigError
+from attnx.export._mask_terms import (
+    compare_causal,
+    compare_chunk,
+    compare_window,
+    fit_causal,
+    fit_chunk,
+    fit_window,
+    hides_later,
+    hides_other_chunk,
+    hides_outside,
+    span,
+    token_indices,
+)
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, sink_logits
 from attnx.model.alibi import alibi_slopes
@@ -31,7 +45,7 @@ from attnx.model.rope_fit import rope_table_error
 from attnx.model.terms import TERMS, QKNorm
 
 __all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "adds_bias", "compare_terms",
-           "emit_qk", "emit_scores", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax", "read_paths", "fused_opset", "read_mask_grid",
+           "emit_qk", "emit_scores", "hidden_by", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax", "read_paths", "fused_opset", "read_mask_grid",
            "said_by_terms", "score_bias", "span", "stated_terms", "term_attributes", "term_inputs", "visibility"]
 
 
@@ -105,6 +119,9 @@ class GraphTerm:
     read_paths: Callable[[Mapping[str, Any], dict[str, np.ndarray], dict[str, Any]], Any] | None = None
     # the default-domain opset its operators need beside a fused core (the decomposed core writes it in older ops)
     opset: int | None = None
+    # a term of place "qk" before rope that each style writes in its own operators (attnx.export._llm), one head-split
+    # tensor at a time: emit_styled(g, config, weights, u [B, S, heads, hd], "q" or "k", style, output name or None)
+    emit_styled: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray], str, str, str, str | None], str] | None = None
     # a term of place "qk" written in standard ops whatever the core (after the norms and rotation written per
     # style: attnx.export._llm): emit_qk(g, config, q, k, step) -> (q, k), each [B, S, heads * head_dim]
     emit_qk: Callable[[Any, AttentionConfig, str, str, bool], tuple[str, str]] | None = None
@@ -123,6 +140,18 @@ def _grouped_heads(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig
 
 def _qk_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
     return _presence("q/k norm", g.qk_norm is not None, c.qk_norm is not None, ctx)
+
+
+def _emit_qk_norm(g: Any, c: AttentionConfig, weights: Mapping[str, np.ndarray], u4: str, which: str, style: str,
+                  name: str | None) -> str:  # fmt: skip
+    """RMSNorm of each head times {which}_norm.weight: ReduceMean, Sqrt, Div, Mul (decomposed), else
+    RMSNormalization-23 (GroupQueryAttention's q_norm_weight runs on CUDA only: measurements/facts.md)."""
+    w = g.const(f"{which}_norm.weight", np.asarray(weights[f"{which}_norm.weight"], np.float32))
+    if style != "decomposed":
+        return g.op("RMSNormalization", u4, w, axis=-1, epsilon=c.qk_norm.eps, name=name)  # opset 23
+    eps = g.const("qk_norm_eps", np.asarray(c.qk_norm.eps, np.float32))
+    mean_sq = g.op("ReduceMean", g.op("Mul", u4, u4), g.ints("axes_last", [-1]), keepdims=1)
+    return g.op("Mul", g.op("Div", u4, g.op("Sqrt", g.op("Add", mean_sq, eps))), w, name=name)
 
 
 def _read_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
@@ -202,46 +231,8 @@ def _alibi(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: C
     return _presence("the ALiBi bias", g.alibi, c.alibi, ctx)
 
 
-def _causal(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
-    if g.causal == c.causal:
-        return []
-    mask = f" ({facts['mask']})" if "mask" in facts else ""
-    return [ctx.said(f"{'a causal mask' if g.causal else 'no causal mask'}{mask}", "causal" if c.causal else "not causal")]
-
-
-def _sliding_window(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
-    if g.sliding_window == c.sliding_window:
-        return []
-    how = (f"local_window_size {facts['local_window_size']}" if "local_window_size" in facts
-           else f"its mask: {facts.get('mask', 'not read')}")  # fmt: skip
-    graph = f"window {g.sliding_window}" if g.sliding_window else "no window"
-    source = f"sliding_window {c.sliding_window}" if c.sliding_window else "no window"
-    why = f": every query past {c.sliding_window} sees keys it must not" if c.sliding_window and not g.sliding_window else ""
-    return [f"{ctx.where}: {graph} in the graph ({how}), {source} in {ctx.source}{why}"]
-
-
 def _sinks(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
     return _presence("sinks", g.sinks, c.sinks, ctx)
-
-
-def _hides_later(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
-    return g.op("Greater", krow, qcol)  # key j after query i
-
-
-def _hides_outside(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
-    start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
-    return g.op("LessOrEqual", krow, start)  # j <= i - W
-
-
-def _fit_causal(allowed: np.ndarray) -> tuple[bool, str | None]:
-    grid = np.arange(allowed.shape[0])
-    causal = bool(allowed.any(axis=1).all() and not (allowed & (grid[None, :] > grid[:, None])).any())
-    return causal, "causal" if causal else None
-
-
-def _fit_window(allowed: np.ndarray) -> tuple[int | None, str | None]:
-    width = int(allowed[-1].sum())  # the keys the last query sees
-    return (width, f"window {width}") if width < allowed.shape[0] else (None, None)
 
 
 def _alibi_bias(g: Any, c: AttentionConfig, qcol: str, krow: str) -> str:
@@ -327,58 +318,21 @@ def _emit_temperature(g: Any, c: AttentionConfig, q: str, k: str, step: bool) ->
     return g.op("Mul", q, g.op("Unsqueeze", factor, g.ints("axes_1", [1]))), k  # [B, S, D] * [S, 1]
 
 
-def _chunk(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
-    if g.attention_chunk == c.attention_chunk:
-        return []
-    graph = f"chunks of {g.attention_chunk}" if g.attention_chunk else "no chunks"
-    source = f"attention_chunk {c.attention_chunk}" if c.attention_chunk else "no chunks"
-    return [f"{ctx.where}: {graph} in the graph (its mask: {facts.get('mask', 'not read')}), {source} in "
-            f"{ctx.source}"]  # fmt: skip
-
-
-def _hides_other_chunk(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
-    """(i - start) // C != (j - start) // C, start the row's leading padded keys ([B, 1, 1, 1]; 0 without
-    padding). Div truncates: it differs from the floor only where i or j is before start, keys the padding hides
-    and queries that see none (a chunked mask is causal)."""
-    size = g.const("chunk_i64", np.asarray(c.attention_chunk, np.int64))
-    if kpm is not None:
-        kept = g.op("CumSum", g.op("Cast", g.op("Not", kpm), to=TensorProto.INT64), g.const("one_i64_axis",
-                                                                                           np.asarray(1, np.int64)))
-        leading = g.op("Cast", g.op("Equal", kept, g.const("zero_i64", np.asarray(0, np.int64))), to=TensorProto.INT64)
-        start = g.op("Reshape", g.op("ReduceSum", leading, g.ints("axes_1", [1]), keepdims=1),
-                     g.ints("b111", [-1, 1, 1, 1]))  # fmt: skip
-        qcol, krow = g.op("Sub", qcol, start), g.op("Sub", krow, start)  # [B, 1, S, 1], [B, 1, 1, T]
-    return g.op("Not", g.op("Equal", g.op("Div", qcol, size), g.op("Div", krow, size)))
-
-
-def _fit_chunk(allowed: np.ndarray) -> tuple[int | None, str | None]:
-    """C where every query i sees exactly the keys of its chunk up to itself, [i - i % C, i], and some query a
-    chunk starts at sees no earlier key; None otherwise."""
-    tokens = allowed.shape[0]
-    starts = [i for i in range(1, tokens) if allowed[i, i] and not allowed[i, i - 1]]
-    if not starts:
-        return None, None
-    size = starts[0]
-    grid = np.arange(tokens)
-    chunked = (grid[None, :] <= grid[:, None]) & (grid[None, :] // size == grid[:, None] // size)
-    return (size, f"chunks of {size}") if np.array_equal(allowed, chunked) else (None, None)
-
-
 GRAPH_TERMS: dict[str, GraphTerm] = {
     t.name: t
     for t in (
         GraphTerm("grouped_heads", _grouped_heads),
-        GraphTerm("qk_norm", _qk_norm, read_paths=_read_norms, opset=23),  # RMSNormalization-23
+        GraphTerm("qk_norm", _qk_norm, read_paths=_read_norms, opset=23, emit_styled=_emit_qk_norm),  # RMSNorm-23
         GraphTerm("rope", _rope),
         GraphTerm("qk_l2_norm", _l2_norm, emit_qk=_emit_l2_norm),
         GraphTerm("attn_temperature", _temperature, emit_qk=_emit_temperature),
         GraphTerm("softcap", _softcap, {"attention23": _SOFTCAP, "gqa": _SOFTCAP}, _recognise_softcap, _emit_softcap,
                   ("softcap",)),
         GraphTerm("alibi", _alibi, bias=_alibi_bias),
-        GraphTerm("causal", _causal, hides=_hides_later, fit_grid=_fit_causal),
-        GraphTerm("sliding_window", _sliding_window, {"gqa": _WINDOW}, stated=("sliding_window",),
-                  hides=_hides_outside, fit_grid=_fit_window),
-        GraphTerm("attention_chunk", _chunk, hides=_hides_other_chunk, fit_grid=_fit_chunk),
+        GraphTerm("causal", compare_causal, hides=hides_later, fit_grid=fit_causal),
+        GraphTerm("sliding_window", compare_window, {"gqa": _WINDOW}, stated=("sliding_window",),
+                  hides=hides_outside, fit_grid=fit_window),
+        GraphTerm("attention_chunk", compare_chunk, hides=hides_other_chunk, fit_grid=fit_chunk),
         GraphTerm("sinks", _sinks, column=_sink_column, read_column=_read_sink_column,
                   inputs={"gqa": OpInput(11, _write_head_sink, _read_head_sink)}),
     )
@@ -499,26 +453,17 @@ def _used(config: AttentionConfig, hook: str) -> list[GraphTerm]:
     return [t for name, t in GRAPH_TERMS.items() if getattr(t, hook) is not None and TERMS[name].uses(config)]
 
 
-def span(g: Any, step: bool) -> tuple[str, str]:
-    """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the call's length
-    without a cache)."""
-    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
-    if not step:
-        return g.const("zero_i64", np.asarray(0, np.int64)), seq
-    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
-    return past, g.op("Add", past, seq)
-
-
-def _token_indices(g: Any, past: str, total: str, rank: int = 2) -> tuple[str, str]:
-    """(qcol [S, 1], krow [1, T]) int64: the token indices of this call's queries (past_seq + i) and of every key;
-    rank 4: [1, 1, S, 1] and [1, 1, 1, T]."""
-    one = g.const("one_i64", np.asarray(1, np.int64))
-    qpos = g.op("Range", past, total, one)  # [S]
-    kpos = g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one)  # [T]
-    if rank == 4:
-        return g.op("Unsqueeze", qpos, g.ints("axes_013", [0, 1, 3])), g.op("Unsqueeze", kpos, g.ints("axes_012",
-                                                                                                        [0, 1, 2]))
-    return g.op("Unsqueeze", qpos, g.ints("axes_1", [1])), g.op("Unsqueeze", kpos, g.ints("axes_0", [0]))
+def hidden_by(g: Any, c: AttentionConfig, names: list[str], kpm: str | None, step: bool,
+              span_: tuple[str, str] | None = None) -> str | None:  # fmt: skip
+    """bool [B|1, 1, S, T]: key j hidden from query i by any of the named mask terms (each entry's hides, over token
+    index; the padding mask only where a term counts from it), or None without one."""
+    hidden = None
+    if names:
+        qcol, krow = token_indices(g, *(span_ if span_ is not None else span(g, step)), rank=4)
+        for name in names:
+            part = GRAPH_TERMS[name].hides(g, c, qcol, krow, kpm)  # [B|1, 1, S, T]
+            hidden = part if hidden is None else g.op("Or", hidden, part)
+    return hidden
 
 
 def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
@@ -528,13 +473,8 @@ def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
     after it, outside the window) or padded (key_padding_mask). (None, None) when nothing is hidden (a
     full-sequence model without mask or padding). span_: the step's (past_seq, T) as int64 scalars where
     past_key's length is not past_seq (the buffer form: its capacity)."""
-    hidden = None
-    hiding = _used(c, "hides")
-    if hiding:
-        qcol, krow = _token_indices(g, *(span_ if span_ is not None else span(g, step)), rank=4)
-        for term in hiding:
-            part = term.hides(g, c, qcol, krow, kpm)  # [B|1, 1, S, T]
-            hidden = part if hidden is None else g.op("Or", hidden, part)
+    hidden = hidden_by(g, c, [name for name in GRAPH_TERMS if GRAPH_TERMS[name].hides is not None
+                               and TERMS[name].uses(c)], kpm, step, span_)  # fmt: skip
     if kpm is not None:
         padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
         if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
@@ -561,7 +501,7 @@ def score_bias(g: Any, config: AttentionConfig, step: bool) -> str | None:
     terms = _used(config, "bias")
     if not terms:
         return None
-    qcol, krow = _token_indices(g, *span(g, step))
+    qcol, krow = token_indices(g, *span(g, step))
     total = None
     for term in terms:
         part = term.bias(g, config, qcol, krow)

@@ -226,6 +226,7 @@ CORES: dict[str, Core] = {
                 "alibi": Takes("attention_bias (added after its softcap)", ("full", "growing")),
                 "causal": Takes("the op's causal attention"),
                 "sliding_window": Takes("local_window_size (key j seen by query p iff p - W < j <= p)"),
+                "attention_chunk": Takes("an additive attention_bias", ("full", "growing")),
                 "key_padding_mask": Takes("an additive attention_bias", ("full", "growing")),
                 "sinks": Takes("head_sink"),
             },

@@ -18,6 +18,8 @@ from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, presen
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, projection, projection_node, strip_layout, walk
 from attnx.export.terms import (
+    GRAPH_TERMS,
+    hidden_by,
     read_attributes,
     read_inputs,
     read_paths,
@@ -62,8 +64,16 @@ def _gqa(e: Emit) -> str:
     seqlens = g.op("Expand", g.op("Sub", g.op("Cast", total, to=TensorProto.INT32),
                                   g.const("one_i32_1", np.asarray([1], np.int32))), batch)  # fmt: skip
     inputs = [q, k, v, "past_key" if e.step else "", "past_value" if e.step else "", seqlens, total32, "", "", "", "", ""]
-    if e.kpm:  # an additive bias [B, 1, S, T], lowest where the key is padding
-        bias = g.op("Where", g.op("Unsqueeze", e.kpm, g.ints("axes_12", [1, 2])), e.lowest(), e.zero())
+    # an additive bias [B, 1, S, T], lowest where a key is padding or hidden by a mask term the op has no attribute
+    # for (chunks: each entry's hides)
+    grid = [t for t in terms_at(c, "mask") if t in GRAPH_TERMS and GRAPH_TERMS[t].hides is not None and t != "causal"
+            and "gqa" not in GRAPH_TERMS[t].attributes]  # fmt: skip
+    hidden = hidden_by(g, c, grid, e.kpm, e.step)  # [B|1, 1, S, T]
+    if e.kpm:
+        padded = g.op("Unsqueeze", e.kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
+        hidden = padded if hidden is None else g.op("Or", hidden, padded)
+    if hidden is not None:
+        bias = g.op("Where", hidden, e.lowest(), e.zero())
         inputs[10] = g.op("Expand", bias, g.op("Concat", batch, g.ints("one1", [1]), seq, total, axis=0))
     bias = score_bias(g, c, e.step)  # the terms' bias [1, H, S, T] in the same input (added after its softcap)
     if bias is not None:

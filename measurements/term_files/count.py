@@ -14,7 +14,7 @@ import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRODUCT = ("attnx", "model", "export", "runtimes", "workflows", "bench", "matrix")
-TERMS = ("softcap", "sinks", "qk_norm", "sliding_window", "alibi")
+TERMS = ("softcap", "sinks", "qk_norm", "sliding_window", "alibi", "qk_l2_norm", "attn_temperature", "attention_chunk")
 
 
 def product_files() -> list[str]:

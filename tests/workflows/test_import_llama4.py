@@ -65,8 +65,8 @@ def test_each_kind_of_layer_imports_as_its_terms(llama4):
 
 @pytest.mark.parametrize("layer", [CHUNKED, NOPE], ids=["chunked", "nope"])
 def test_every_lowering_agrees_with_transformers_full_sequence_and_step_by_step(llama4, layer):
-    """The source layer against the float64 reference, then each lowering's full-sequence graph and step model:
-    every one that builds holds; one that cannot is skipped naming the term it lacks."""
+    """The source layer against the float64 reference, then each lowering's full-sequence graph and step model
+    (GroupQueryAttention takes the chunks as an additive attention_bias): every one holds."""
     result = import_weights(llama4, layer=layer)
     skipped: list[str] = []
     checks = check_against_source(result, llama4, ("decomposed", "onnx", "ort-fused"), skipped=skipped)
@@ -74,11 +74,7 @@ def test_every_lowering_agrees_with_transformers_full_sequence_and_step_by_step(
     names = [c.name for c in checks]
     assert any(n.startswith("source layer") and "prefill + steps" in n for n in names)
     built = {n.split(" ")[1] for n in names if n.startswith("attnx ")}
-    if layer == CHUNKED:  # GroupQueryAttention's mask is causal, a window or a padding bias: no chunks
-        assert built == {"decomposed", "onnx"}
-        assert len(skipped) == 2 and all("does not express attention_chunk" in s for s in skipped), skipped
-    else:
-        assert built == {"decomposed", "onnx", "ort-fused"} and not skipped
+    assert built == {"decomposed", "onnx", "ort-fused"} and not skipped, skipped
 
 
 def _plant(config_change):
@@ -133,3 +129,18 @@ def test_the_cli_imports_the_nope_layer_with_its_check_and_step_model(llama4, tm
     assert "q scaled by log1p(floor((i + 1) / 2)) * 0.5 + 1" in text
     config = load_config(out / "config.json")
     assert config.kv_cache and config.attn_temperature is not None and config.rope is None
+
+
+def test_the_buffer_form_refuses_each_llama4_term_by_name(llama4):
+    """The buffer form's cores rotate and mask inside the op from the buffer's own token count: a term written
+    around it (the norm after rope, the temperature, the chunks) is refused naming the term."""
+    import dataclasses
+
+    from attnx.model.cores import core_for
+
+    for layer, terms in ((CHUNKED, ("qk_l2_norm", "attention_chunk")), (NOPE, ("attn_temperature",))):
+        step = dataclasses.replace(import_weights(llama4, layer=layer).config, kv_cache=True, key_padding_mask=False)
+        for buffer_core in ("gqa", "grouped-mha"):
+            with pytest.raises(UsageError) as refused:
+                core_for("ort-fused", step, form="buffer", buffer_core=buffer_core)
+            assert all(term in str(refused.value) for term in terms), str(refused.value)
