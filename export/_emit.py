@@ -82,14 +82,16 @@ def build_model(
     rope_positions: int | None = None,
     block_size: int | None = None,
     accuracy_level: int | None = None,
+    int8_bits: int | str = "auto",
     keep_io_fp32: bool = False,
     readable: bool = True,
 ) -> onnx.ModelProto:
     """The graph of `config` with `weights` in the lowering `attention` (its core: the registry's
     core_for, refused with every reason before anything is written), in `form` (None: the config's own,
     full or growing; "buffer": the buffer form, with `buffer_core`) and `dtype` (fp16: the whole graph,
-    with_dtype; int8/int4: its projections quantized). opset: the default domain's (None: what the core
-    needs, graph_opset; below it is refused). rope_positions: the rows of the buffer form's cos/sin table.
+    with_dtype; int8/int4: its projections quantized, int8's weights in `int8_bits`: attnx.model.int8).
+    opset: the default domain's (None: what the core needs, graph_opset; below it is refused).
+    rope_positions: the rows of the buffer form's cos/sin table.
     keep_io_fp32: an fp16 graph with float32 inputs and outputs, cast at the boundary (not for a step
     model: its cache would be a cast, not the buffer it is written into). readable=False names the stages
     alone (a graph no person reads: localisation's look inside)."""
@@ -107,7 +109,7 @@ def build_model(
     z = GRAPH_CORES[core.name].emit(e)
     linear(e.g, z, weights, "out_proj", c.bias, out="y")
     model = _frame(e)
-    return with_dtype(model, dtype, block_size, accuracy_level, keep_io_fp32)
+    return with_dtype(model, dtype, block_size, accuracy_level, keep_io_fp32, int8_bits)
 
 
 def _frame(e: Emit) -> onnx.ModelProto:
@@ -133,15 +135,15 @@ def _frame(e: Emit) -> onnx.ModelProto:
     return named(model, e.g, e.readable)
 
 
-def with_dtype(model: onnx.ModelProto, dtype: str, block_size: int | None = None,
-               accuracy_level: int | None = None, keep_io_fp32: bool = False) -> onnx.ModelProto:  # fmt: skip
+def with_dtype(model: onnx.ModelProto, dtype: str, block_size: int | None = None, accuracy_level: int | None = None,
+               keep_io_fp32: bool = False, int8_bits: int | str = "auto") -> onnx.ModelProto:  # fmt: skip
     """A float32 graph written here in `dtype`: fp32 as it is, fp16 by half_precision (a step model's
     cache too), int8/int4 by quantize_model."""
     if dtype == "fp32":
         return model
     if dtype == "fp16":
         return half_precision(model, keep_io_fp32)[0]
-    return quantize_model(model, dtype, block_size, accuracy_level)
+    return quantize_model(model, dtype, block_size, accuracy_level, int8_bits)
 
 
 def half_precision(model: onnx.ModelProto, keep_io_fp32: bool = False) -> tuple[onnx.ModelProto, list[str]]:
@@ -158,13 +160,14 @@ def half_precision(model: onnx.ModelProto, keep_io_fp32: bool = False) -> tuple[
 
 
 def quantize_model(model: onnx.ModelProto, dtype: str, block_size: int | None = None,
-                   accuracy_level: int | None = None) -> onnx.ModelProto:  # fmt: skip
+                   accuracy_level: int | None = None, int8_bits: int | str = "auto") -> onnx.ModelProto:  # fmt: skip
     """The float32 graph `model` with its projections (q, k, v and out, or the packed q/k/v and out)
     quantized to `dtype` by QuantizeProjections; a projection the pass does not find is an error."""
     qpass = QuantizeProjections(
         dtype,
         DEFAULT_BLOCK_SIZE if block_size is None else block_size,
         DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level,
+        int8_bits,
     )
     irm = ir.from_proto(model)
     qpass(irm)
@@ -182,19 +185,19 @@ def quantize_model(model: onnx.ModelProto, dtype: str, block_size: int | None = 
 def build_step_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str = "decomposed",
                      form: str = "growing", dtype: str = "fp32", block_size: int | None = None,
                      accuracy_level: int | None = None, rope_positions: int | None = None,
-                     buffer_core: str | None = None) -> onnx.ModelProto:  # fmt: skip
+                     buffer_core: str | None = None, int8_bits: int | str = "auto") -> onnx.ModelProto:  # fmt: skip
     """The step model of `config` (kv_cache true) in `form` (growing, buffer): build_model."""
     if not config.kv_cache:
         raise UsageError("the step model is for configs with 'kv_cache': true")
     return build_model(config, weights, attention, form, dtype, buffer_core=buffer_core, rope_positions=rope_positions,
-                       block_size=block_size, accuracy_level=accuracy_level)  # fmt: skip
+                       block_size=block_size, accuracy_level=accuracy_level, int8_bits=int8_bits)  # fmt: skip
 
 
 def build_decomposed_model(config: AttentionConfig, weights: Mapping[str, np.ndarray], dtype: str = "fp32",
                            block_size: int | None = None, accuracy_level: int | None = None,
-                           readable: bool = True) -> onnx.ModelProto:  # fmt: skip
+                           readable: bool = True, int8_bits: int | str = "auto") -> onnx.ModelProto:  # fmt: skip
     """The decomposed form of `config` written here, without torch (a step model's growing form for a
     kv_cache config): what localisation runs to look inside a fused operator (attnx.runtimes.localise);
     the full-sequence form `attnx export` writes is the torch module's export (attnx.export.export_onnx)."""
     return build_model(config, weights, "decomposed", None, dtype, block_size=block_size,
-                       accuracy_level=accuracy_level, readable=readable)  # fmt: skip
+                       accuracy_level=accuracy_level, int8_bits=int8_bits, readable=readable)  # fmt: skip

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
+# The width of the int8 models a plan exports (attnx.model.int8): 7, safe on every host a plan runs on.
+MATRIX_INT8_BITS = 7
+
 
 @dataclasses.dataclass
 class WorkItem:
@@ -134,8 +137,11 @@ def _export(plan: MatrixPlan, source: Source, lowering: str, dtype: str, models_
     models_dir, reused while its key file says it is the same export."""
     base = os.path.join(models_dir, f"{_slug(source.label)}-{lowering}-{dtype}")
     path, key_path = base + ".onnx", base + ".key.json"
+    # int8 at 7 bits, never the exporting host's auto: a plan's models run on every host of the cluster, and
+    # 8-bit weights run only on a CPU with VNNI (attnx.model.int8)
+    quant = {"int8_bits": MATRIX_INT8_BITS} if dtype == "int8" else {}
     key = {"config": source.config.to_dict(), "lowering": lowering, "dtype": dtype, "seed": plan.seed,
-           "attnx": _attnx_version()}  # fmt: skip
+           "attnx": _attnx_version(), **quant}  # fmt: skip
     with contextlib.suppress(OSError, ValueError), open(key_path, encoding="utf-8") as f:
         if json.load(f) == key and os.path.isfile(path):
             return [p for p in (path, path + ".data") if os.path.isfile(p)]
@@ -143,7 +149,7 @@ def _export(plan: MatrixPlan, source: Source, lowering: str, dtype: str, models_
     from attnx.workflows import export_model
 
     progress(f"exporting {source.label} with the {lowering} lowering ({dtype})")
-    export_model(source.config, path, None, seed=plan.seed, attention=lowering, dtype=dtype, validate=False)
+    export_model(source.config, path, None, seed=plan.seed, attention=lowering, dtype=dtype, validate=False, **quant)
     write_json_atomic(key_path, key)
     return [p for p in (path, path + ".data") if os.path.isfile(p)]
 

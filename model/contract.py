@@ -119,6 +119,7 @@ __all__ = [
     "ROPE_POSITIONS_KEY",
     # Reduced precision (issue 12)
     "QUANT_KEY",
+    "INT8_BITS_KEY",
     "Quantization",
     "QUANTIZATIONS",
     "QUANTIZED_DTYPES",
@@ -157,6 +158,7 @@ IO_DTYPE_KEY = "attnx.io_dtype"  # the dtype of the float inputs and output
 ORT_OPTIMIZED_KEY = "attnx.ort_optimized"  # ONNX Runtime offline optimization: provider, level, version
 DECODE_KEY = "attnx.decode"  # the step model's form (DECODE_FORMS), on models with config kv_cache
 QUANT_KEY = "attnx.quantization"  # a quantized form's scheme, bits, block size, projections (JSON)
+INT8_BITS_KEY = "attnx.int8_weight_bits"  # int8's weight width, 7 or 8 (none: 7; attnx.model.int8)
 
 
 def quantization_of(metadata: Mapping[str, str]) -> dict[str, Any] | None:

@@ -73,7 +73,7 @@ QUANTIZATIONS: dict[str, Quantization] = {
     for q in (
         # DynamicQuantizeMatMul (MLAS u8s8 GEMM): the fastest of the int8 candidates measured
         # (measurements/quantized_forms).
-        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric 7-bit per output channel (int8 storage)",
+        Quantization("int8", f"{MS_DOMAIN}.DynamicQuantizeMatMul", 8, "symmetric 7- or 8-bit per output channel (int8 storage)",
                      "dynamic uint8 per row (each row divided by its max |x|, then per tensor)"),
         Quantization("int4", f"{MS_DOMAIN}.MatMulNBits", 4, "asymmetric 4-bit per block of K (zero points)",
                      "int8 per block of K (accuracy_level 4)"),

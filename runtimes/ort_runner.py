@@ -34,6 +34,7 @@ from attnx.model.contract import (
     dtype_of_ort,
     require_model_file,
 )
+from attnx.model.int8 import int8_host_refusal
 from attnx.runtimes._iobinding import (
     _ELEMENT_TYPES,
     DeviceOutputs,
@@ -136,7 +137,14 @@ class OrtRunner(Runner):
                 f"backend {self.name!r} has no {self.source.dtype} form: ONNX Runtime runs the graph in its own "
                 f"dtype, and attnx writes no {self.source.dtype} graph ({self.source.dtype} runs: torch, openvino)"
             )
-        self.session = self.create_session(require_model_file(self.source.model_path))
+        path = require_model_file(self.source.model_path)
+        self.session = self.create_session(path)
+        # The one check of a model's int8 width against this host, for every run of a model file (verify, load,
+        # run, parity): 8-bit weights are computed wrong by MLAS's u8s8 GEMM on a CPU without VNNI.
+        refusal = int8_host_refusal(self.session.get_modelmeta().custom_metadata_map, path)
+        if refusal is not None:
+            del self.session
+            raise ModelFileError(refusal)
         self.check_providers()
         self.inputs = ort_tensor_specs(self.session.get_inputs())
         self.outputs = ort_tensor_specs(self.session.get_outputs())

@@ -131,6 +131,21 @@ LLM_FUSED_CONFIGS: dict[str, AttentionConfig] = {
 }  # fmt: skip
 
 
+@pytest.fixture
+def cpu_host(monkeypatch, tmp_path):
+    """cpu_host(vnni) makes this process see a host with or without VNNI: attnx.model.int8 reads a cpuinfo
+    written here (an AVX-512 Xeon's flags, or an AVX2-only EPYC's), as it would /proc/cpuinfo."""
+    import attnx.model.int8 as int8
+
+    def host(vnni: bool) -> None:
+        flags = "fpu sse avx avx2 fma" + (" avx512f avx512_vnni amx_int8" if vnni else "")
+        path = tmp_path / f"cpuinfo-{'vnni' if vnni else 'avx2'}"
+        path.write_text(f"processor\t: 0\nmodel name\t: test host\nflags\t\t: {flags}\n\n")
+        monkeypatch.setattr(int8, "CPUINFO", str(path))
+
+    return host
+
+
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """exported(name, attention="decomposed", dtype="fp32") -> path of a checked export, cached."""

@@ -44,6 +44,7 @@ from attnx.model.contract import (
     runs_onnx_model,
 )
 from attnx.model.cores import export_core
+from attnx.model.int8 import int8_weight_bits
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_weights, init_weights, load_weights, weights_sha256
 from attnx.runtimes.base import ModelSource, Runner, create_runner
@@ -235,6 +236,7 @@ def build_package(
     accuracy_level: int = 4,
     decode_form: str = "growing",
     buffer_core: str = "gqa",
+    int8_bits: int | str = "auto",
 ) -> BuildReport:
     """Export, check and package `config` into the folder `out`.
 
@@ -245,10 +247,13 @@ def build_package(
     an earlier package holding nothing but its manifest's files, or an empty folder. The
     package is assembled in a staging folder beside `out` (attnx._io.Staging): an interrupted
     or killed build leaves nothing under `out`, and the next build removes what it left.
+    int8_bits: an int8 model's weight width, 7, 8 or auto (8 on a host with VNNI, else 7: a package of
+    8-bit weights is refused on a host without VNNI; attnx.model.int8).
     """
     out = os.path.abspath(os.fspath(out))
     providers = list(dict.fromkeys(providers))
     _check_args(attention, dtype, providers)
+    int8_weight_bits(dtype, int8_bits)  # an explicit width for another dtype is refused before any work
     # What the lowering's core cannot express in this form and dtype: refused by name before any work
     # (attnx.model.cores, the registry every check reads).
     export_core(config, attention, dtype, decode_form, buffer_core)
@@ -259,7 +264,7 @@ def build_package(
     check_memory(estimate_export(config, shapes, what="build", reference=True), max_mem_gb)
     # The lock first: a second build of the same folder is refused now, not after its work.
     with output_lock(out), Staging(out, folder=True) as stage:
-        quant = {"block_size": block_size, "accuracy_level": accuracy_level}
+        quant = {"block_size": block_size, "accuracy_level": accuracy_level, "int8_bits": int8_bits}
         if config.kv_cache:
             report = _build_step_into(stage.dir, config, weights, seed, attention, dtype, providers, plan, progress,
                                       decode_form, buffer_core, quant)  # fmt: skip
@@ -295,7 +300,7 @@ def _build_into(
     providers: list[str],
     plan: CheckPlan,
     progress: Callable[[str], None],
-    quant: Mapping[str, int] | None = None,
+    quant: Mapping[str, int | str] | None = None,
 ) -> BuildReport:
     model_path = os.path.join(tmp, MODEL_FILE)
     scratch = os.path.join(tmp, ".scratch")
@@ -380,7 +385,7 @@ def _build_step_into(
     progress: Callable[[str], None],
     decode_form: str = "growing",
     buffer_core: str = "gqa",
-    quant: Mapping[str, int] | None = None,
+    quant: Mapping[str, int | str] | None = None,
 ) -> BuildReport:
     """The package of a step model: the model, its step-by-step parity on every backend here
     (prefill then single-token steps against the reference's full forward), a golden decode

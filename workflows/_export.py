@@ -34,6 +34,7 @@ from attnx.model.contract import (
     describe,
 )
 from attnx.model.cores import core_for, export_core
+from attnx.model.int8 import INT8_BITS_KEY, int8_bits_of, int8_bits_text, int8_weight_bits
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
 from attnx.runtimes.base import ModelSource
@@ -76,6 +77,7 @@ def export_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     buffer_core: str = "gqa",
+    int8_bits: int | str = "auto",
 ) -> ExportReport:
     """Export `config` to `out`, check the written file (onnx checker, contract dims, loads in
     onnxruntime, and with validate agrees with torch at shapes the export never saw), and only
@@ -91,9 +93,13 @@ def export_model(
 
     check=False skips the file check (and validate): for a caller that checks the file
     itself after releasing the weights, as `attnx build` does.
+
+    int8_bits: the width of an int8 model's weights, 7, 8 or auto (8 on a host with VNNI, else 7:
+    attnx.model.int8); with another dtype only auto.
     """
     check_choice("--attention", attention, EXPORT_ATTENTIONS)
     check_model_dtype(dtype)
+    int8_weight_bits(dtype, int8_bits)  # an explicit width for another dtype is refused before any work
     # what the lowering's core cannot express in this form and dtype: refused by name, before any work
     export_core(config, attention, dtype, decode_form, buffer_core)
     if config.kv_cache:
@@ -101,7 +107,7 @@ def export_model(
                                   check=check, validate=validate, progress=progress, form=decode_form,
                                   max_mem_gb=max_mem_gb, block_size=block_size,
                                   accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32,
-                                  buffer_core=buffer_core)  # fmt: skip
+                                  buffer_core=buffer_core, int8_bits=int8_bits)  # fmt: skip
     # The decomposed form is the torch module's export (traced from PyTorch); every other lowering is
     # written from the registry (build_model), and auto measures those candidates that compute the config.
     traced = attention == "decomposed"
@@ -121,11 +127,12 @@ def export_model(
             if dtype != "fp32":
                 progress(f"converting to {dtype}")
                 result = convert_precision(model, dtype, keep_io_fp32, block_size=block_size,
-                                           accuracy_level=accuracy_level)  # fmt: skip
+                                           accuracy_level=accuracy_level, int8_bits=int8_bits)  # fmt: skip
                 model, pass_lines = result.model, ["lowering: decomposed (traced)", *result.report.lines()]
         else:
             result = lower(config, weights, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, opset=opset,
-                           progress=progress, block_size=block_size, accuracy_level=accuracy_level)  # fmt: skip
+                           progress=progress, block_size=block_size, accuracy_level=accuracy_level,
+                           int8_bits=int8_bits)  # fmt: skip
             model, pass_lines = ir.from_proto(result.model), result.lines()
             del result
         opset_used = model.opset_imports.get("", 0)
@@ -176,6 +183,7 @@ def _export_step_model(
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     keep_io_fp32: bool = False,
     buffer_core: str = "gqa",
+    int8_bits: int | str = "auto",
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),
     checked like every export and validated step by step against the reference. dtype int8/int4
@@ -195,7 +203,8 @@ def _export_step_model(
         weights = _resolve_weights(config, weights, seed, dtype, progress)
         progress(f"building the step model ({attention}, {form} form, {dtype})")
         model = ir.from_proto(build_step_model(config, weights, attention, form, dtype, block_size, accuracy_level,
-                                               buffer_core=buffer_core))  # fmt: skip
+                                               buffer_core=buffer_core, int8_bits=int8_bits))  # fmt: skip
+        bits = model.metadata_props.get(INT8_BITS_KEY)
         core = core_for(attention, config, dtype, form, buffer_core)
         opset_used = model.opset_imports.get("", 0)
         save_model(model, stage.path())
@@ -219,7 +228,8 @@ def _export_step_model(
     if dtype == "fp16":
         lines.append("precision: fp16 (ConvertToFloat16: inputs, outputs and the cache float16)")
     elif dtype != "fp32":
-        lines.append(f"precision: {dtype} projections (QuantizeProjections)")
+        lines.append(f"precision: {dtype} projections (QuantizeProjections)"
+                     + (f", {int8_bits_text(int(bits), int8_bits)}" if bits else ""))  # fmt: skip
     return ExportReport(os.fspath(out), files, attention, dtype, opset_used, validation, lines)
 
 
@@ -255,6 +265,8 @@ def write_decomposed_form(source: ModelSource, directory: str) -> onnx.ModelProt
     quant = info.quantization or {}
     options = {k: quant[k] for k in ("block_size", "accuracy_level") if quant.get(k) is not None}
     dtype = quant.get("dtype", info.dtype)
+    if dtype == "int8":  # the model's own width (a model written before the key: 7)
+        options["int8_bits"] = int8_bits_of(info.metadata)
     if dtype != "fp16":
         return build_decomposed_model(source.config, source.weights, dtype, readable=False, **options)
     model = build_decomposed_model(source.config, source.weights, readable=False)

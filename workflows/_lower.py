@@ -21,9 +21,10 @@ from attnx.errors import UsageError
 from attnx.export import build_model, core_of, half_precision
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import AUTO, AUTO_KEY, LOWERINGS, get_provider
+from attnx.model.contract import AUTO, AUTO_KEY, INT8_BITS_KEY, LOWERINGS, get_provider
 from attnx.model.cores import CORES, why_not
 from attnx.model.inputs import make_inputs
+from attnx.model.int8 import int8_bits_text
 from attnx.model.resources import check_memory, estimate_case
 from attnx.runtimes import ModelSource, create_runner
 from attnx.workflows._checks import compare_models
@@ -89,11 +90,12 @@ def lower(
     progress: Callable[[str], None] = lambda msg: None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    int8_bits: int | str = "auto",
 ) -> LoweringResult:
     """The full-sequence graph of `config` with `weights` in `attention` (auto: each candidate measured
     on `provider`, the fastest that passes parity written), its metadata saying what it holds."""
-    options = {"block_size": block_size, "accuracy_level": accuracy_level, "keep_io_fp32": keep_io_fp32,
-               "opset": opset}  # fmt: skip
+    options = {"block_size": block_size, "accuracy_level": accuracy_level, "int8_bits": int8_bits,
+               "keep_io_fp32": keep_io_fp32, "opset": opset}  # fmt: skip
     auto = None
     if attention == AUTO:
         auto = choose_lowering(config, weights, dtype=dtype, provider=provider, shape=auto_shape, progress=progress,
@@ -110,7 +112,8 @@ def lower(
 
 def _build(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str, dtype: str, *,
            keep_io_fp32: bool = False, opset: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-           accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> tuple[onnx.ModelProto, list[str]]:  # fmt: skip
+           accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+           int8_bits: int | str = "auto") -> tuple[onnx.ModelProto, list[str]]:  # fmt: skip
     """build_model, and one line each for the core written and the precision."""
     import onnx_ir as ir
 
@@ -121,9 +124,11 @@ def _build(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention
         notes.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in fp16_notes))
     else:
         model = build_model(config, weights, attention, "full", dtype, opset=opset, block_size=block_size,
-                            accuracy_level=accuracy_level, keep_io_fp32=keep_io_fp32)  # fmt: skip
+                            accuracy_level=accuracy_level, int8_bits=int8_bits, keep_io_fp32=keep_io_fp32)  # fmt: skip
         if dtype != "fp32":
-            notes.append(f"precision: {dtype} projections (QuantizeProjections)")
+            bits = {p.key: p.value for p in model.metadata_props}.get(INT8_BITS_KEY)
+            notes.append(f"precision: {dtype} projections (QuantizeProjections)"
+                         + (f", {int8_bits_text(int(bits), int8_bits)}" if bits else ""))  # fmt: skip
     core = CORES[core_of(ir.from_proto(model))]
     terms = ", ".join(config.terms) or "the plain formula"
     notes.insert(0, f"core {core.name}: {core.label}, written from the registry ({terms})")
@@ -144,6 +149,7 @@ def choose_lowering(
     progress: Callable[[str], None] = lambda msg: None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    int8_bits: int | str = "auto",
 ) -> AutoChoice:
     """Write every candidate lowering whose core computes the config (why_not), check its parity against
     the decomposed form on `provider`, time those that pass at `shape`, and return the fastest.
@@ -153,8 +159,8 @@ def choose_lowering(
     backend = get_provider(provider, "--provider").backend
     # each candidate is timed at `shape`; the decomposed form may hold the whole score matrix there
     check_memory(estimate_case(config, backend, "decomposed", *shape, dtype))
-    options = {"block_size": block_size, "accuracy_level": accuracy_level, "keep_io_fp32": keep_io_fp32,
-               "opset": opset}  # fmt: skip
+    options = {"block_size": block_size, "accuracy_level": accuracy_level, "int8_bits": int8_bits,
+               "keep_io_fp32": keep_io_fp32, "opset": opset}  # fmt: skip
     times: dict[str, float | None] = {}
     status: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="attnx-auto-") as tmp:

@@ -23,6 +23,7 @@ from attnx.errors import CheckFailed, ModelFileError, UsageError
 from attnx.export import read_weights, save_model
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.contract import QUANTIZATIONS, check_model_dtype, describe, get_provider
+from attnx.model.int8 import int8_weight_bits
 from attnx.runtimes import create_runner
 from attnx.runtimes.base import ModelSource
 from attnx.runtimes.compare import Comparison
@@ -65,11 +66,13 @@ def optimize_file(
     progress: Callable[[str], None] = lambda msg: None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    int8_bits: int | str = "auto",
 ) -> OptimizeResult:
     """Lower IN, check OUT against IN on `provider` at `shapes`, write OUT only if it passes.
 
-    dtype None keeps IN's dtype. A failed check raises CheckFailed (exit 1), or with
-    raise_on_failure=False returns a result whose `files` is empty."""
+    dtype None keeps IN's dtype; int8_bits: an int8 model's weight width (7, 8, auto: attnx.model.int8). A
+    failed check raises CheckFailed (exit 1), or with raise_on_failure=False returns a result whose `files`
+    is empty."""
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     backend = get_provider(provider, "--provider").backend
     check_output_file(out_path, "--out")
@@ -87,6 +90,7 @@ def optimize_file(
     if info.dtype == "fp16" and dtype == "fp32":
         raise UsageError(f"{in_path!r} is a float16 model: it cannot be optimized back to fp32")
     check_model_dtype(dtype)
+    int8_weight_bits(dtype, int8_bits)  # an explicit width for another dtype is refused before any work
     if info.dtype in QUANTIZATIONS:
         raise UsageError(f"{in_path!r} is an {info.dtype} model: optimize the float32 model it was quantized from")
     if provider != "cpu":
@@ -104,6 +108,7 @@ def optimize_file(
     result = lower(
         config, weights, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider,
         auto_shape=auto_shape, progress=progress, block_size=block_size, accuracy_level=accuracy_level,
+        int8_bits=int8_bits,
     )  # fmt: skip
     with output_lock(out_path), Staging(out_path) as stage:
         staged = stage.path()

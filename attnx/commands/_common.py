@@ -12,6 +12,7 @@ from typing import Any
 
 from attnx.errors import ConfigError, UsageError
 from attnx.model import PRESETS, AttentionConfig, init_weights, load_config, load_weights, preset
+from attnx.model.int8 import INT8_BITS_CHOICES, INT8_BITS_FLAG
 from attnx.runtimes.localise import set_decomposed_writer
 
 __all__ = [
@@ -214,8 +215,13 @@ def str_list(text: str) -> list[str]:
 # Reduced precision (issue 12) ------------------------------------------------------------------
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
     """--block-size and --accuracy-level: int4's MatMulNBits parameters (attnx.export.passes.quantize;
-    the values are listed here, not imported: the CLI starts without onnx-ir)."""
+    the values are listed here, not imported: the CLI starts without onnx-ir); --int8-bits: int8's
+    weight width (attnx.model.int8)."""
     parser.add_argument("--block-size", type=int, choices=(16, 32, 64, 128, 256), default=32,
                         help="with --dtype int4: weights per quantization block along K (default 32)")  # fmt: skip
     parser.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
                         help="with --dtype int4: 4 multiplies in int8 (default), 0 or 1 in float32")  # fmt: skip
+    parser.add_argument(INT8_BITS_FLAG, choices=INT8_BITS_CHOICES, default="auto",
+                        help="with --dtype int8: the weights' width; 7 runs right on every CPU, 8 is more accurate "
+                        "and runs only on a CPU with VNNI (AVX-512 VNNI, AVX-VNNI or AMX), where ONNX Runtime's "
+                        "int8 GEMM does not saturate; auto (default): 8 on such a CPU, else 7")  # fmt: skip

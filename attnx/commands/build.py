@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         block_size=args.block_size,
         accuracy_level=args.accuracy_level,
+        int8_bits=args.int8_bits,
         decode_form=args.decode_form,
         buffer_core=args.buffer_core,
     )

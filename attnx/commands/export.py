@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         buffer_core=args.buffer_core,
         block_size=args.block_size,
         accuracy_level=args.accuracy_level,
+        int8_bits=args.int8_bits,
     )
     for line in report.passes:
         print(line)

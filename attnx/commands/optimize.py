@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     auto_shape = flows.AUTO_SHAPE if args.auto_seq is None else (flows.AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
     result = flows.optimize_file(
         args.model, args.out, attention=args.attention, dtype=args.dtype, keep_io_fp32=args.keep_io_fp32,
-        block_size=args.block_size, accuracy_level=args.accuracy_level,
+        block_size=args.block_size, accuracy_level=args.accuracy_level, int8_bits=args.int8_bits,
         provider=args.provider, auto_shape=auto_shape, raise_on_failure=False, progress=progress,
     )  # fmt: skip
     lowering = result.lowering

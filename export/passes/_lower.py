@@ -32,17 +32,19 @@ def precision_passes(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    int8_bits: int | str = "auto",
 ) -> list[ir.passes.PassBase]:
     """The passes that put a torch-exported float32 graph in `dtype`, in order: the fp16 conversion
     (keep_io_fp32: float32 inputs and outputs, cast at the boundary), the names, the projections'
-    quantization for int8 and int4 (block_size and accuracy_level: int4's MatMulNBits)."""
+    quantization for int8 and int4 (block_size and accuracy_level: int4's MatMulNBits; int8_bits: int8's
+    weight width, attnx.model.int8)."""
     check_model_dtype(dtype, "dtype")
     passes: list[ir.passes.PassBase] = []
     if dtype == "fp16":
         passes.append(ConvertToFloat16(keep_io_fp32=keep_io_fp32))
     passes.append(NameStages())
     if dtype in QUANTIZATIONS:
-        passes += [QuantizeProjections(dtype, block_size, accuracy_level), RemoveUnusedNodesPass()]
+        passes += [QuantizeProjections(dtype, block_size, accuracy_level, int8_bits), RemoveUnusedNodesPass()]
     return passes
 
 
@@ -53,9 +55,10 @@ class PrecisionResult:
 
 
 def convert_precision(model: ir.Model, dtype: str, keep_io_fp32: bool = False, *,
-                      block_size: int = DEFAULT_BLOCK_SIZE,
-                      accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> PrecisionResult:  # fmt: skip
+                      block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                      int8_bits: int | str = "auto") -> PrecisionResult:  # fmt: skip
     """Run precision_passes on `model` in place."""
-    passes = precision_passes(dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level)
+    passes = precision_passes(dtype, keep_io_fp32, block_size=block_size, accuracy_level=accuracy_level,
+                              int8_bits=int8_bits)  # fmt: skip
     model, report = run_pipeline(model, passes)
     return PrecisionResult(model, report)

@@ -6,9 +6,10 @@ activations and are left alone, as are the inputs, the output and the core (floa
 projection becomes one ONNX Runtime contrib node (com.microsoft, with its opset import):
 
 - int8: DynamicQuantizeMatMul(x / r, W_q int8 [K, N], scale [N], zero_point int8 [N]) * r: weights
-  symmetric per output channel in 7 bits (scale_n = max_k |W_kn| / 63, INT8_WEIGHT_MAX: no int16
-  overflow in the u8s8 kernel of a CPU without VNNI), zero point 0, stored so a runtime
-  reads it); the input quantized at run time to uint8 per row (token): r = max(max_k |x_k|, FLT_MIN)
+  symmetric per output channel in 7 or 8 bits (scale_n = max_k |W_kn| / 63 or / 127, INT8_WEIGHT_MAX;
+  7 bits: no int16 overflow in the u8s8 kernel of a CPU without VNNI, attnx.model.int8), zero point 0
+  (stored so a runtime reads it), the width in the metadata (INT8_BITS_KEY); the input quantized at
+  run time to uint8 per row (token): r = max(max_k |x_k|, FLT_MIN)
   of each row (ReduceMax over the last axis, shared by the projections that read the same input),
   so every row of x / r spans [-1, 1] and the op's per-tensor quantization gives each row a step of
   2 r / 255; the product is scaled back by r (MLAS's u8s8 GEMM, VNNI).
@@ -45,7 +46,8 @@ import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export.passes._base import const_array, fresh_name
-from attnx.model.contract import DTYPE_KEY, IO_DTYPE_KEY, MS_DOMAIN, QUANT_KEY, QUANTIZATIONS
+from attnx.model.contract import DTYPE_KEY, INT8_BITS_KEY, IO_DTYPE_KEY, MS_DOMAIN, QUANT_KEY, QUANTIZATIONS
+from attnx.model.int8 import INT8_BITS, INT8_WEIGHT_MAX, int8_bits_text, int8_weight_bits
 
 __all__ = [
     "BLOCK_SIZES",
@@ -65,20 +67,17 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 _STD = ("", "ai.onnx")
 
 
-# The int8 weights' range, [-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX]: 7 bits in int8 storage. MLAS's u8s8
-# GEMM on a CPU without VNNI (AVX2 only) multiplies with vpmaddubsw, which adds two u8 * s8 products in
-# a saturating int16: 255 * 127 * 2 overflows it, 255 * 63 * 2 = 32130 does not (ONNX Runtime's
-# quantizer calls this reduce_range). A model is built on one machine and run on another, so every
-# int8 model is written so (measurements/int8_range: the error with 8 bits on such a CPU).
-INT8_WEIGHT_MAX = 63
-
-
-def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """W [K, N] float -> (q int8 [K, N] in [-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX], scale float32 [N],
-    zero_point int8 [N]), symmetric per output column: W ~ (q - zero_point) * scale."""
-    scale = np.abs(w).max(axis=0).astype(np.float32) / np.float32(INT8_WEIGHT_MAX)  # [N]
+def quantize_int8(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """W [K, N] float -> (q int8 [K, N] in [-m, m], scale float32 [N], zero_point int8 [N]), symmetric per
+    output column: W ~ (q - zero_point) * scale, each weight within scale/2. bits 7 (m 63: the u8s8 kernel of
+    a CPU without VNNI adds two u8 * s8 products in an int16 that 8 bits overflow) or 8 (m 127: a host with
+    VNNI); INT8_WEIGHT_MAX, attnx.model.int8 (measurements/int8_range: the error of each on each CPU)."""
+    if bits not in INT8_BITS:
+        raise UsageError(f"int8 weights are 7 or 8 bits, not {bits!r}")
+    qmax = INT8_WEIGHT_MAX[bits]
+    scale = np.abs(w).max(axis=0).astype(np.float32) / np.float32(qmax)  # [N]
     scale[scale == 0] = 1.0  # an all-zero column: any scale represents it exactly
-    q = np.clip(np.rint(w / scale), -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).astype(np.int8)
+    q = np.clip(np.rint(w / scale), -qmax, qmax).astype(np.int8)
     return q, scale, np.zeros(w.shape[1], np.int8)
 
 
@@ -167,11 +166,14 @@ class QuantizeProjections(ir.passes.InPlacePass):
     """Replace every projection MatMul (constant 2-D weight) by its quantized contrib node and
     record the quantization in the model's metadata (the contract's QUANT_KEY, DTYPE_KEY)."""
 
-    def __init__(self, dtype: str, block_size: int = DEFAULT_BLOCK_SIZE,
-                 accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> None:  # fmt: skip
+    def __init__(self, dtype: str, block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                 int8_bits: int | str = "auto") -> None:  # fmt: skip
         super().__init__()
         if dtype not in QUANTIZATIONS:
             raise UsageError(f"no quantized form {dtype!r} (known: {', '.join(QUANTIZATIONS)})")
+        # int8's weight width: 7 or 8, auto this host's (attnx.model.int8); None for int4
+        self.int8_bits = int8_weight_bits(dtype, int8_bits)
+        self.int8_asked = int8_bits
         if block_size not in BLOCK_SIZES:
             raise UsageError(f"--block-size {block_size!r} must be one of {', '.join(map(str, BLOCK_SIZES))}")
         if accuracy_level not in ACCURACY_LEVELS:
@@ -209,11 +211,12 @@ class QuantizeProjections(ir.passes.InPlacePass):
         if MS_DOMAIN not in model.opset_imports:
             model.opset_imports[MS_DOMAIN] = 1
         q = QUANTIZATIONS[self.dtype]
+        weights = q.weights if self.int8_bits is None else f"symmetric {self.int8_bits}-bit per output channel (int8 storage)"
         record: dict[str, Any] = {
             "dtype": self.dtype,
             "op": q.op,
             "bits": q.bits,
-            "weights": q.weights,
+            "weights": weights,
             "per_channel": self.dtype == "int8",
             "block_size": self.block_size if self.dtype == "int4" else None,
             "accuracy_level": self.accuracy_level if self.dtype == "int4" else None,
@@ -221,6 +224,9 @@ class QuantizeProjections(ir.passes.InPlacePass):
             "projections": projections,
         }
         model.metadata_props[QUANT_KEY] = json.dumps(record, sort_keys=True)
+        if self.int8_bits is not None:
+            model.metadata_props[INT8_BITS_KEY] = str(self.int8_bits)
+            self.notes.append(f"int8: {int8_bits_text(self.int8_bits, self.int8_asked)}")
         model.metadata_props[DTYPE_KEY] = self.dtype
         model.metadata_props[IO_DTYPE_KEY] = "fp32"
         return ir.passes.PassResult(model, True)
@@ -263,7 +269,7 @@ class QuantizeProjections(ir.passes.InPlacePass):
         x = node.inputs[0]
         if self.dtype == "int8":
             x, row_scale = self._row_scaled(model, node, x, role)
-            q, scale, zp = quantize_int8(w)
+            q, scale, zp = quantize_int8(w, self.int8_bits)
             step_sq = float(np.mean(scale.astype(np.float64) ** 2))  # every weight of column n has step scale_n
             tensors = [ir.tensor(q, name=f"{base}.quant"), ir.tensor(scale, name=f"{base}.scale"),
                        ir.tensor(zp, name=f"{base}.zero_point")]  # fmt: skip

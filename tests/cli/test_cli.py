@@ -173,3 +173,29 @@ def test_run_takes_the_positions_of_a_model_with_rope(exported, tmp_path, capsys
     ref = reference_attention(config, weights, feeds["x"], position_ids=feeds["position_ids"])
     cmp = compare_arrays("y", np.load(tmp_path / "y.npy"), ref, tolerance_for("fp32"), problem_size(config, weights, feeds))
     assert cmp, cmp
+
+
+@pytest.mark.parametrize("command", ["export", "build", "optimize"])
+def test_int8_bits_with_another_dtype_exits_2_naming_the_flag(command, tiny_model, tmp_path, capsys):
+    """--int8-bits is int8's weight width: an explicit 7 or 8 with another dtype is bad usage (auto, the
+    default, goes with every dtype); nothing is written."""
+    model = ["--preset", "tiny"] if command != "optimize" else [str(tiny_model)]  # optimize: the model's fp32
+    dtype = ["--dtype", "int4"] if command == "build" else []
+    out = tmp_path / ("pkg" if command == "build" else "m.onnx")
+    assert main([command, *model, *dtype, "--int8-bits", "7", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("[")]
+    want = f"--int8-bits 7 is for --dtype int8 (the int8 weights' width), not --dtype {'int4' if dtype else 'fp32'}"
+    assert len(err) == 1 and err[0].startswith(f"attnx {command}: error: ") and want in err[0], err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as e:  # argparse's choices: auto, 7, 8
+        main([command, *model, "--dtype", "int8", "--int8-bits", "6", "--out", str(out)])
+    assert e.value.code == 2 and "--int8-bits: invalid choice: '6'" in capsys.readouterr().err
+
+
+def test_export_writes_the_int8_width_asked(tmp_path, capsys):
+    out = tmp_path / "m.onnx"
+    args = ["export", "--preset", "tiny", "--attention", "ort-fused", "--dtype", "int8", "--out", str(out)]
+    assert main([*args, "--int8-bits", "7", "--no-validate"]) == 0
+    assert "precision: int8 projections (QuantizeProjections), 7-bit weights" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["metadata"]["attnx.int8_weight_bits"] == "7"
