@@ -7,6 +7,7 @@ for the exporter's graphs (attnx.export.passes._names.name_graph, the one scheme
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -17,7 +18,7 @@ from attnx.export.passes._names import name_graph, stages_json
 from attnx.model.contract import all_nodes
 from attnx.model.stages import STAGES_KEY
 
-__all__ = ["Graph", "heads", "linear", "named"]
+__all__ = ["Graph", "heads", "linear", "named", "span", "token_indices"]
 
 
 class Graph:
@@ -110,3 +111,25 @@ def _rename_subgraph_inputs(graph: onnx.GraphProto, renamed: Mapping[str, str]) 
     for node in all_nodes(graph):
         if id(node) not in main:
             node.input[:] = [renamed.get(i, i) for i in node.input]
+
+
+def span(g: Any, step: bool) -> tuple[str, str]:
+    """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the call's length
+    without a cache)."""
+    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+    if not step:
+        return g.const("zero_i64", np.asarray(0, np.int64)), seq
+    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
+    return past, g.op("Add", past, seq)
+
+
+def token_indices(g: Any, past: str, total: str, rank: int = 2) -> tuple[str, str]:
+    """(qcol [S, 1], krow [1, T]) int64: the token indices of this call's queries (past_seq + i) and of every key;
+    rank 4: [1, 1, S, 1] and [1, 1, 1, T]."""
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    qpos = g.op("Range", past, total, one)  # [S]
+    kpos = g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one)  # [T]
+    if rank == 4:
+        return g.op("Unsqueeze", qpos, g.ints("axes_013", [0, 1, 3])), g.op("Unsqueeze", kpos, g.ints("axes_012",
+                                                                                                        [0, 1, 2]))
+    return g.op("Unsqueeze", qpos, g.ints("axes_1", [1])), g.op("Unsqueeze", kpos, g.ints("axes_0", [0]))

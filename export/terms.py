@@ -7,8 +7,8 @@ one entry here and its declaration there, never a branch in the audit.
     compare(graph, facts, source, ctx) -> [finding]     graph, source: AttentionConfig; facts: what the reader noted
 
 A weight a term adds (its declaration's tensors) that one side lacks with the term is said by the term's own finding
-(said_by_terms), not again by the weights' comparison. The mask terms' functions (hides, fit_grid, compare) and the
-token indices they are computed over live in attnx.export._mask_terms.
+(said_by_terms), not again by the weights' comparison. What a core calls to hide keys and bias scores by these entries
+(visibility, score_bias) is attnx.export.visibility.
 """
 
 from __future__ import annotations
@@ -21,32 +21,18 @@ import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto
 
-from attnx.errors import ConfigError
-from attnx.export._mask_terms import (
-    compare_causal,
-    compare_chunk,
-    compare_window,
-    fit_causal,
-    fit_chunk,
-    fit_window,
-    hides_later,
-    hides_other_chunk,
-    hides_outside,
-    span,
-    token_indices,
-)
+from attnx.export._graph import span
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, sink_logits
 from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
-from attnx.model.reference import hidden_grid
 from attnx.model.rope import rope_frequencies
 from attnx.model.rope_fit import rope_table_error
 from attnx.model.terms import TERMS, QKNorm
 
-__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "adds_bias", "compare_terms",
-           "emit_qk", "emit_scores", "hidden_by", "emit_softmax", "read_attributes", "read_inputs", "read_scores", "read_softmax", "read_paths", "fused_opset", "read_mask_grid",
-           "said_by_terms", "score_bias", "span", "stated_terms", "term_attributes", "term_inputs", "visibility"]
+__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "compare_terms", "emit_qk", "emit_scores",
+           "emit_softmax", "fused_opset", "read_attributes", "read_inputs", "read_paths", "read_scores", "read_softmax",
+           "said_by_terms", "stated_terms", "term_attributes", "term_inputs", "used_terms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +304,86 @@ def _emit_temperature(g: Any, c: AttentionConfig, q: str, k: str, step: bool) ->
     return g.op("Mul", q, g.op("Unsqueeze", factor, g.ints("axes_1", [1]))), k  # [B, S, D] * [S, 1]
 
 
+def compare_causal(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+    if g.causal == c.causal:
+        return []
+    mask = f" ({facts['mask']})" if "mask" in facts else ""
+    return [ctx.said(f"{'a causal mask' if g.causal else 'no causal mask'}{mask}", "causal" if c.causal else "not causal")]
+
+
+def compare_window(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+    if g.sliding_window == c.sliding_window:
+        return []
+    how = (f"local_window_size {facts['local_window_size']}" if "local_window_size" in facts
+           else f"its mask: {facts.get('mask', 'not read')}")  # fmt: skip
+    graph = f"window {g.sliding_window}" if g.sliding_window else "no window"
+    source = f"sliding_window {c.sliding_window}" if c.sliding_window else "no window"
+    why = f": every query past {c.sliding_window} sees keys it must not" if c.sliding_window and not g.sliding_window else ""
+    return [f"{ctx.where}: {graph} in the graph ({how}), {source} in {ctx.source}{why}"]
+
+
+def hides_later(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
+    return g.op("Greater", krow, qcol)  # key j after query i
+
+
+def hides_outside(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
+    start = g.op("Sub", qcol, g.const("window_i64", np.asarray(c.sliding_window, np.int64)))
+    return g.op("LessOrEqual", krow, start)  # j <= i - W
+
+
+def fit_causal(allowed: np.ndarray) -> tuple[bool, str | None]:
+    grid = np.arange(allowed.shape[0])
+    causal = bool(allowed.any(axis=1).all() and not (allowed & (grid[None, :] > grid[:, None])).any())
+    return causal, "causal" if causal else None
+
+
+def fit_window(allowed: np.ndarray) -> tuple[int | None, str | None]:
+    """W where query i sees min(i + 1, W) keys (the last query sees fewer than every key), None otherwise (a chunked
+    grid's rows start anew at each chunk)."""
+    tokens = allowed.shape[0]
+    width = int(allowed[-1].sum())  # the keys the last query sees
+    if width >= tokens or not np.array_equal(allowed.sum(axis=1), np.minimum(np.arange(tokens) + 1, width)):
+        return None, None
+    return width, f"window {width}"
+
+
+def compare_chunk(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+    if g.attention_chunk == c.attention_chunk:
+        return []
+    graph = f"chunks of {g.attention_chunk}" if g.attention_chunk else "no chunks"
+    source = f"attention_chunk {c.attention_chunk}" if c.attention_chunk else "no chunks"
+    return [f"{ctx.where}: {graph} in the graph (its mask: {facts.get('mask', 'not read')}), {source} in "
+            f"{ctx.source}"]  # fmt: skip
+
+
+def hides_other_chunk(g: Any, c: AttentionConfig, qcol: str, krow: str, kpm: str | None) -> str:
+    """(i - start) // C != (j - start) // C, start the row's leading padded keys ([B, 1, 1, 1]; 0 without
+    padding). Div truncates: it differs from the floor only where i or j is before start, keys the padding hides
+    and queries that see none (a chunked mask is causal)."""
+    size = g.const("chunk_i64", np.asarray(c.attention_chunk, np.int64))
+    if kpm is not None:
+        kept = g.op("CumSum", g.op("Cast", g.op("Not", kpm), to=TensorProto.INT64), g.const("one_i64_axis",
+                                                                                           np.asarray(1, np.int64)))
+        leading = g.op("Cast", g.op("Equal", kept, g.const("zero_i64", np.asarray(0, np.int64))), to=TensorProto.INT64)
+        start = g.op("Reshape", g.op("ReduceSum", leading, g.ints("axes_1", [1]), keepdims=1),
+                     g.ints("b111", [-1, 1, 1, 1]))  # fmt: skip
+        qcol, krow = g.op("Sub", qcol, start), g.op("Sub", krow, start)  # [B, 1, S, 1], [B, 1, 1, T]
+    return g.op("Not", g.op("Equal", g.op("Div", qcol, size), g.op("Div", krow, size)))
+
+
+def fit_chunk(allowed: np.ndarray) -> tuple[int | None, str | None]:
+    """C where every query i sees exactly the keys of its chunk up to itself, [i - i % C, i], and some query a
+    chunk starts at sees no earlier key; None otherwise."""
+    tokens = allowed.shape[0]
+    starts = [i for i in range(1, tokens) if allowed[i, i] and not allowed[i, i - 1]]
+    if not starts:
+        return None, None
+    size = starts[0]
+    grid = np.arange(tokens)
+    chunked = (grid[None, :] <= grid[:, None]) & (grid[None, :] // size == grid[:, None] // size)
+    return (size, f"chunks of {size}") if np.array_equal(allowed, chunked) else (None, None)
+
+
 GRAPH_TERMS: dict[str, GraphTerm] = {
     t.name: t
     for t in (
@@ -401,7 +467,7 @@ def emit_qk(g: Any, config: AttentionConfig, q: str, k: str, step: bool) -> tupl
     """q and k [B, S, heads * head_dim] after each term of place "qk" written in standard ops (emit_qk: the norm
     after rope, the temperature), in the formula's order; the norms and the rotation before them are each style's
     own (attnx.export._llm)."""
-    for term in _used(config, "emit_qk"):
+    for term in used_terms(config, "emit_qk"):
         q, k = term.emit_qk(g, config, q, k, step)
     return q, k
 
@@ -428,7 +494,7 @@ def read_paths(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: 
 
 def fused_opset(config: AttentionConfig) -> int | None:
     """The default-domain opset the config's terms need beside a fused core (each entry's opset), or None."""
-    needs = [t.opset for t in _used(config, "opset")]
+    needs = [t.opset for t in used_terms(config, "opset")]
     return max(needs) if needs else None
 
 
@@ -448,72 +514,16 @@ def said_by_terms(graph: AttentionConfig, source: AttentionConfig) -> frozenset[
     return frozenset(out)
 
 
-def _used(config: AttentionConfig, hook: str) -> list[GraphTerm]:
+def used_terms(config: AttentionConfig, hook: str) -> list[GraphTerm]:
     """The entries of the terms `config` uses that have `hook`, in the formula's order."""
     return [t for name, t in GRAPH_TERMS.items() if getattr(t, hook) is not None and TERMS[name].uses(config)]
-
-
-def hidden_by(g: Any, c: AttentionConfig, names: list[str], kpm: str | None, step: bool,
-              span_: tuple[str, str] | None = None) -> str | None:  # fmt: skip
-    """bool [B|1, 1, S, T]: key j hidden from query i by any of the named mask terms (each entry's hides, over token
-    index; the padding mask only where a term counts from it), or None without one."""
-    hidden = None
-    if names:
-        qcol, krow = token_indices(g, *(span_ if span_ is not None else span(g, step)), rank=4)
-        for name in names:
-            part = GRAPH_TERMS[name].hides(g, c, qcol, krow, kpm)  # [B|1, 1, S, T]
-            hidden = part if hidden is None else g.op("Or", hidden, part)
-    return hidden
-
-
-def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
-               span_: tuple[str, str] | None = None) -> tuple[str | None, str | None]:  # fmt: skip
-    """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1]), over token index: key j hidden from query i
-    (at index past_seq + i in the step model, i otherwise) by any mask term the config uses (each entry's hides:
-    after it, outside the window) or padded (key_padding_mask). (None, None) when nothing is hidden (a
-    full-sequence model without mask or padding). span_: the step's (past_seq, T) as int64 scalars where
-    past_key's length is not past_seq (the buffer form: its capacity)."""
-    hidden = hidden_by(g, c, [name for name in GRAPH_TERMS if GRAPH_TERMS[name].hides is not None
-                               and TERMS[name].uses(c)], kpm, step, span_)  # fmt: skip
-    if kpm is not None:
-        padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
-        if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
-            rows = g.op("Concat", g.ints("one_one", [1, 1]), g.op("Shape", "x", start=1, end=2), g.ints("one1", [1]),
-                        axis=0)  # fmt: skip
-            hidden = g.op("Expand", padded, rows)
-        else:
-            hidden = g.op("Or", hidden, padded)  # [B, 1, S, T]
-    if hidden is None:
-        return None, None
-    seen = g.op("ReduceMax", g.op("Cast", g.op("Not", hidden), to=TensorProto.INT32), g.ints("axes_last", [-1]),
-                keepdims=1)  # fmt: skip
-    return hidden, g.op("Cast", seen, to=TensorProto.BOOL)  # [B|1, 1, S|1, 1]: some key visible to the query
-
-
-def adds_bias(config: AttentionConfig) -> bool:
-    """Whether a term of `config` adds a bias to the scores (score_bias)."""
-    return bool(_used(config, "bias"))
-
-
-def score_bias(g: Any, config: AttentionConfig, step: bool) -> str | None:
-    """The sum of the biases the config's terms add to the scores (each entry's bias: ALiBi's slope_h * (j - i)),
-    [1, H, S, T] float32, or None without one."""
-    terms = _used(config, "bias")
-    if not terms:
-        return None
-    qcol, krow = token_indices(g, *span(g, step))
-    total = None
-    for term in terms:
-        part = term.bias(g, config, qcol, krow)
-        total = part if total is None else g.op("Add", total, part)
-    return total
 
 
 def emit_softmax(g: Any, config: AttentionConfig, weights: Mapping[str, np.ndarray], scores: str,
                  name: str) -> str:  # fmt: skip
     """The decomposed core's softmax over the last axis of scores [B, H, S, T], with each softmax term's column
     (a sink's logit) joined before it and dropped after; its output named `name`."""
-    columns = [term.column(g, config, weights, scores) for term in _used(config, "column")]
+    columns = [term.column(g, config, weights, scores) for term in used_terms(config, "column")]
     if not columns:
         return g.op("Softmax", scores, axis=-1, name=name)
     p = g.op("Softmax", g.op("Concat", scores, *columns, axis=-1), axis=-1)
@@ -561,26 +571,3 @@ def read_inputs(node: ir.Node, core: str) -> tuple[dict[str, Any], dict[str, np.
             weights.update(found)
     return stated, weights
 
-
-def read_mask_grid(allowed: np.ndarray, config: AttentionConfig) -> tuple[AttentionConfig, str]:
-    """(`config` with the mask terms whose union hides what `allowed` [tokens, tokens] hides, how the mask is said)
-    for the grid a graph's mask computes for a prompt (True: query i sees key j, token indices): each term fitted
-    by its entry (fit_grid), the whole held to the formula's own masks (attnx.model.reference.hidden_grid). A term
-    the config (what the node states) has and the grid shows not is kept: the op applies it itself. ValueError
-    where the formula's mask terms give no such grid."""
-    fitted: dict[str, Any] = {}
-    said: list[str] = []
-    for name, term in GRAPH_TERMS.items():
-        if term.fit_grid is not None:
-            (key,) = TERMS[name].keys
-            fitted[key], words = term.fit_grid(allowed)
-            said += [words] if words else []
-    names = ", ".join(n for n, t in GRAPH_TERMS.items() if t.fit_grid is not None)
-    try:  # the grid's own terms alone (the step's cache and the padding are not the prompt's grid)
-        grid_config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False, **fitted)
-    except ConfigError:
-        grid_config = None
-    if grid_config is None or not np.array_equal(~hidden_grid(grid_config, allowed.shape[0]), allowed):
-        raise ValueError(f"it is no union of the formula's masks ({names})")
-    merged = {key: value or getattr(config, key) for key, value in fitted.items()}
-    return dataclasses.replace(config, **merged), ", ".join(said) or "none"

@@ -10,7 +10,8 @@ from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes.walk import NotRead
-from attnx.export.terms import adds_bias, read_attributes, score_bias, term_attributes, visibility
+from attnx.export.terms import read_attributes, term_attributes
+from attnx.export.visibility import adds_bias, score_bias, visibility
 from attnx.model.terms import TERMS
 
 

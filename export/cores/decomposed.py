@@ -19,15 +19,8 @@ from attnx.export.passes.walk import (
     projection_node,
     score_chain,
 )
-from attnx.export.terms import (
-    emit_scores,
-    emit_softmax,
-    read_paths,
-    read_scores,
-    read_softmax,
-    score_bias,
-    visibility,
-)
+from attnx.export.terms import emit_scores, emit_softmax, read_paths, read_scores, read_softmax
+from attnx.export.visibility import score_bias, visibility
 from attnx.model.config import AttentionConfig
 
 

@@ -19,16 +19,14 @@ from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, projection, projection_node, strip_layout, walk
 from attnx.export.terms import (
     GRAPH_TERMS,
-    hidden_by,
     read_attributes,
     read_inputs,
     read_paths,
-    score_bias,
     stated_terms,
     term_attributes,
     term_inputs,
-    visibility,
 )
+from attnx.export.visibility import hidden_by, score_bias, visibility
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, MS_DOMAIN, ROPE_POSITIONS_KEY
 from attnx.model.rope_fit import rope_of_table

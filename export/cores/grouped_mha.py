@@ -11,7 +11,7 @@ from onnx import TensorProto
 from attnx.export._llm import norm_and_rotate
 from attnx.export.cores._emit import LOWEST, Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
-from attnx.export.terms import visibility
+from attnx.export.visibility import visibility
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.terms import terms_at
 

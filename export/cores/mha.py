@@ -12,7 +12,7 @@ from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes.walk import NotRead
-from attnx.export.terms import score_bias, visibility
+from attnx.export.visibility import score_bias, visibility
 from attnx.model.contract import MS_DOMAIN
 
 

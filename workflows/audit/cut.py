@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export.terms import read_mask_grid
+from attnx.export.visibility import read_mask_grid
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
 from attnx.model.rope_fit import half_table, rope_of_table
