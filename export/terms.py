@@ -28,7 +28,7 @@ from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_frequencies
 from attnx.model.rope_fit import rope_table_error
-from attnx.model.terms import TERMS, QKNorm
+from attnx.model.terms import TERMS, QKNorm, Temperature
 
 __all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "compare_terms", "emit_qk", "emit_scores",
            "emit_softmax", "fused_opset", "read_attributes", "read_inputs", "read_paths", "read_scores", "read_softmax",
@@ -108,6 +108,9 @@ class GraphTerm:
     # a term of place "qk" before rope that each style writes in its own operators (attnx.export._llm), one head-split
     # tensor at a time: emit_styled(g, config, weights, u [B, S, heads, hd], "q" or "k", style, output name or None)
     emit_styled: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray], str, str, str, str | None], str] | None = None
+    # a term the graph computes per token index, its values read by running the graph for a prompt (the audit) and
+    # fitted: fit_values(values [tokens]) -> (the config's value or None, how it is said or why not)
+    fit_values: Callable[[np.ndarray], tuple[Any, str]] | None = None
     # a term of place "qk" written in standard ops whatever the core (after the norms and rotation written per
     # style: attnx.export._llm): emit_qk(g, config, q, k, step) -> (q, k), each [B, S, heads * head_dim]
     emit_qk: Callable[[Any, AttentionConfig, str, str, bool], tuple[str, str]] | None = None
@@ -261,6 +264,15 @@ def _l2_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx:
     return []
 
 
+def _read_l2_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> float | None:
+    """The eps of the norms without weights met on q's and k's paths (Path.plain_norm), or None; one alone is not
+    read."""
+    q, k = paths["q"].plain_norm, paths["k"].plain_norm
+    if (q is None) != (k is None):
+        raise NotRead(f"a norm without weights on {'q' if q is not None else 'k'} alone")
+    return q
+
+
 def _per_head(g: Any, u: str, heads: int, hd: int, f: Callable[[str], str], name: str) -> str:
     """f over each head of u [B, S, heads * hd] ([B, S, heads, hd] inside), back to [B, S, heads * hd]."""
     u4 = g.op("Reshape", u, g.ints(f"{name}_4d", [0, 0, heads, hd]))
@@ -288,6 +300,35 @@ def _temperature(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, 
         return [ctx.said(f"temperature floor_scale {ours.floor_scale:g}, attn_scale {ours.attn_scale:g}",
                          f"{theirs.floor_scale:g}, {theirs.attn_scale:g}")]  # fmt: skip
     return []
+
+
+def _read_temperature(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> None:
+    """A factor the graph computes per position on q (Path.factor): named for the audit to run (facts["computed"]),
+    its value fitted after (fit_values); None until then."""
+    if paths["k"].factor is not None:
+        raise NotRead("a factor computed per position on k: not a temperature")
+    if paths["q"].factor is not None:
+        facts.setdefault("computed", {})["attn_temperature"] = paths["q"].factor.name
+    return None
+
+
+def _fit_temperature(factors: np.ndarray) -> tuple[Temperature | None, str]:
+    """The temperature whose factors, log1p(floor((i + 1) / F)) * A + 1 for token indices i = 0.., are `factors`
+    [tokens]: F the first index + 1 where a factor is not 1, A from it; checked at every index. (None, why) where no
+    temperature gives them, or where every factor is 1 (F beyond the prompt)."""
+    tokens = np.arange(factors.shape[0])
+    moved = np.flatnonzero(factors != 1.0)
+    if moved.size == 0:
+        return None, f"every factor 1 over {factors.shape[0]} tokens"
+    floor_scale = float(moved[0] + 1)
+    attn_scale = float((factors[moved[0]] - 1.0) / np.log(2.0))
+    if not attn_scale > 0:
+        return None, f"a factor {factors[moved[0]]:g} at token {moved[0]}: not a temperature"
+    fitted = Temperature(floor_scale, attn_scale)
+    error = np.abs(fitted.factors(tokens) - factors).max()
+    if error > 4 * np.finfo(np.float32).eps * np.abs(factors).max():
+        return None, f"no floor_scale and attn_scale give the factors (off by {error:.3g})"
+    return fitted, f"floor_scale {floor_scale:g}, attn_scale {attn_scale:.6g}"
 
 
 def _emit_temperature(g: Any, c: AttentionConfig, q: str, k: str, step: bool) -> tuple[str, str]:
@@ -390,8 +431,9 @@ GRAPH_TERMS: dict[str, GraphTerm] = {
         GraphTerm("grouped_heads", _grouped_heads),
         GraphTerm("qk_norm", _qk_norm, read_paths=_read_norms, opset=23, emit_styled=_emit_qk_norm),  # RMSNorm-23
         GraphTerm("rope", _rope),
-        GraphTerm("qk_l2_norm", _l2_norm, emit_qk=_emit_l2_norm),
-        GraphTerm("attn_temperature", _temperature, emit_qk=_emit_temperature),
+        GraphTerm("qk_l2_norm", _l2_norm, emit_qk=_emit_l2_norm, read_paths=_read_l2_norms),
+        GraphTerm("attn_temperature", _temperature, emit_qk=_emit_temperature, read_paths=_read_temperature,
+                  fit_values=_fit_temperature),
         GraphTerm("softcap", _softcap, {"attention23": _SOFTCAP, "gqa": _SOFTCAP}, _recognise_softcap, _emit_softcap,
                   ("softcap",)),
         GraphTerm("alibi", _alibi, bias=_alibi_bias),

@@ -139,7 +139,8 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         tables = paths["q"].rotary
         if set(tables) != {"Cos", "Sin"}:
             raise NotRead("a rotary with a cos or a sin table alone")
-        facts["rotary_interleaved"] = False  # rotate_half's (i, i + dim/2) pairs, as transformers and attnx write it
+        # rotate_half's (i, i + dim/2) pairs, or (2i, 2i + 1) read apart (Llama 4's complex product, attnx's Slice)
+        facts["rotary_interleaved"] = paths["q"].interleaved
         facts["rope_tensors"] = (tables["Cos"].name, tables["Sin"].name)
     block.masks = masks
     block.mask = masks[0][0] if masks else None

@@ -23,7 +23,7 @@ from attnx.export.passes.quantize import dequantize_node
 from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["NotRead", "Path", "ScoreChain", "find_projection", "head_dim", "is_op", "last_axis_slice", "past_cache",
-           "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
+           "computed_from", "plain_norm", "position_factor", "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
            "sink_logits", "strip_layout", "walk"]
 
 STD = ("", "ai.onnx")
@@ -132,6 +132,9 @@ class Path:
     past: ir.Value | None = None  # the graph input the cache Concat appends to
     present: ir.Value | None = None  # that Concat's output
     scale: float = 1.0  # constant scalings met (a decomposed core's sqrt(scale) on q and on k)
+    plain_norm: float | None = None  # the eps of a norm without weights met (x / sqrt(mean(x^2) + eps): Llama 4's)
+    factor: ir.Value | None = None  # a factor the graph computes per position, not from the hidden state (a Log in it)
+    interleaved: bool = False  # the rotation reads pairs (2i, 2i + 1): a Gather of 0/1 or a Slice of step 2, last axis
 
 
 def walk(value: ir.Value) -> Path:
@@ -249,12 +252,25 @@ def find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, Path]:
             continue  # the table's own inputs (position_ids, inv_freq) hold no projection
         if node.op_type in ("Shape", "Size"):
             continue  # a size, not values: the shape arithmetic above it is not the block's
+        if _pairs_interleaved(node):
+            path.interleaved = True
         if node.op_type in ("Mul", "Div") and node.domain in ("", "ai.onnx"):
             consts = [c for i in node.inputs if (c := const_array(i)) is not None]
             computed = [i for i in node.inputs if i is not None and const_array(i) is None]
+            if not consts and len(computed) == 2 and path.plain_norm is None and (norm := plain_norm(node)):
+                path.plain_norm = norm[0]
+                queue.append(norm[1])
+                continue
+            if node.op_type == "Mul" and not consts and len(computed) == 2 and path.factor is None:
+                factor = next((i for i in computed if position_factor(i)), None)
+                if factor is not None:
+                    path.factor = factor
+                    queue += [i for i in computed if i is not factor]
+                    continue
             divisor = node.op_type == "Mul" or const_array(node.inputs[1]) is not None
             if consts and consts[0].size == 1 and consts[0].dtype.kind == "f" and len(computed) == 1 and divisor:
-                if feeds_from(computed[0], ("Cos", "Sin")) is None:  # not a table's attention factor
+                # not a table's attention factor, nor the arithmetic of a table (Llama 4's complex product)
+                if feeds_from(computed[0], ("Cos", "Sin")) is None and not computed_from(computed[0], ("Cos", "Sin")):
                     c = float(consts[0].ravel()[0])
                     path.scale *= c if node.op_type == "Mul" else 1.0 / c
             elif node.op_type == "Mul" and consts and path.norm is None and (norm := rms_norm(node)) is not None:
@@ -267,6 +283,70 @@ def find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, Path]:
         raise NotRead(f"{value.name}: no projection (a MatMul of constant weights) found above it")
     path.projection = found
     return found, path
+
+
+def plain_norm(node: ir.Node) -> tuple[float, ir.Value] | None:
+    """(eps, x) of x * 1 / sqrt(mean(x^2) + eps) (a Mul by a Reciprocal of the Sqrt, or a Div by the Sqrt) with no
+    weights, or None."""
+    pairs = [(node.inputs[0], node.inputs[1])] if node.op_type == "Div" else \
+        [(node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])]  # fmt: skip
+    for x, denominator in pairs:
+        n, inverted, eps = denominator.producer(), node.op_type == "Div", None
+        while n is not None and n.op_type in ("Reciprocal", "Sqrt", "Add", "Cast") and n.domain in STD:
+            inverted ^= n.op_type == "Reciprocal"
+            if n.op_type == "Add":
+                c = next((const_array(i) for i in n.inputs if const_array(i) is not None), None)
+                if c is None or c.size != 1:
+                    break
+                eps = float(c.ravel()[0])
+                n = next(i for i in n.inputs if const_array(i) is None).producer()
+            else:
+                n = n.inputs[0].producer()
+        if not (inverted and eps is not None and is_op(n, "ReduceMean")):
+            continue
+        square = n.inputs[0].producer()
+        if is_op(square, "Pow") and square.inputs[0] is x and (c := const_array(square.inputs[1])) is not None \
+                and float(c.ravel()[0]) == 2.0:  # fmt: skip
+            return eps, x
+        if is_op(square, "Mul") and square.inputs[0] is x and square.inputs[1] is x:
+            return eps, x
+    return None
+
+
+def computed_from(value: ir.Value, ops: tuple[str, ...], limit: int = 24) -> bool:
+    """Whether `value` is computed from positions alone through one of `ops` (a rotary table's Cos or Sin, a
+    temperature's Log): one of them above it within `limit` nodes and no projection (no hidden state)."""
+    seen, queue, met = set(), [value], False
+    while queue and len(seen) < limit:
+        node = queue.pop(0).producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type in ("MatMul", "MatMulNBits", "Gemm"):
+            return False
+        met |= node.op_type in ops
+        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
+    return met
+
+
+def position_factor(value: ir.Value) -> bool:
+    """Whether `value` is a factor computed per position, as a temperature is (a Log above it, no hidden state)."""
+    return computed_from(value, ("Log",))
+
+
+def _pairs_interleaved(node: ir.Node) -> bool:
+    """A rotation's read of pairs (2i, 2i + 1): a Gather of index 0 or 1 on the last axis, or a Slice of step 2 on it."""
+    if is_op(node, "Gather") and (index := const_array(node.inputs[1])) is not None and index.size == 1 \
+            and int(index.ravel()[0]) in (0, 1):  # fmt: skip
+        axis, shape = node.attributes.get_int("axis", 0), node.inputs[0].shape
+        return shape is not None and len(shape) >= 4 and axis in (-1, len(shape) - 1)  # [B, S, heads, .., 2]
+    if is_op(node, "Slice") and len(node.inputs) > 4 and (steps := const_array(node.inputs[4])) is not None:
+        axes = const_array(node.inputs[3]) if node.inputs[3] is not None else None
+        shape = node.inputs[0].shape
+        last = axes is not None and axes.size == 1 and (int(axes.ravel()[0]) == -1 or (
+            shape is not None and int(axes.ravel()[0]) == len(shape) - 1))  # fmt: skip
+        return last and steps.size == 1 and int(steps.ravel()[0]) == 2
+    return False
 
 
 def rms_input(node: ir.Node) -> list[ir.Value]:

@@ -152,8 +152,9 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
     block_size = block.quantization["block_size"] if level == 4 else None
 
-    def reference(**call: np.ndarray) -> np.ndarray:
-        return reference_of(config, weights, call, block_size)
+    def reference(**call: np.ndarray) -> np.ndarray:  # a padded row's call hides its padding (key_padding_mask)
+        held = dataclasses.replace(config, key_padding_mask=True) if "key_padding_mask" in call else config
+        return reference_of(held, weights, call, block_size)
 
     ref = reference(**feeds)
     size = problem_size(config, weights, feeds)

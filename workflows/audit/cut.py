@@ -11,10 +11,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from attnx.export.terms import GRAPH_TERMS
 from attnx.export.visibility import read_mask_grid
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
 from attnx.model.rope_fit import half_table, rope_of_table
+from attnx.model.terms import TERMS
 from attnx.runtimes._untrusted import check_cut_fits
 from attnx.workflows.audit.shapes import AUDIT_SHAPE, Shapes
 
@@ -241,6 +243,25 @@ def read_computed_terms(graph: AuditGraph, block: Any) -> None:
             block.config = read_mask_terms(graph, block)
         except NotFed as e:
             block.unread = f"its mask {block.mask} not read: {e}"
+    for name, tensor in block.facts.pop("computed", {}).items():  # each term's values per token (a temperature)
+        tokens = probe_tokens(graph, max(AUDIT_SHAPE["rope_positions"], min(block.facts.get("reach_hint") or 0,
+                                                                            ROPE_PROBE_MAX)))  # fmt: skip
+        try:
+            (values,) = evaluate(graph, block, [tensor], tokens)
+        except NotFed as e:
+            block.unread = f"its {name} ({tensor}) not read: {e}"
+            continue
+        # [.., tokens, ..]: the first axis of the prompt's length, the first entry of every other
+        axis = next((i for i, n in enumerate(values.shape) if n == tokens), None)
+        if axis is None:
+            block.unread = f"its {name} ({tensor}) is {list(values.shape)}: no axis of the prompt's {tokens} tokens"
+            continue
+        value, said = GRAPH_TERMS[name].fit_values(np.moveaxis(values, axis, 0).reshape(tokens, -1)[:, 0])
+        block.facts[name] = said
+        if value is None:
+            block.unread = f"its {name} ({tensor}) not read: {said}"
+            continue
+        block.config = dataclasses.replace(block.config, **{TERMS[name].keys[0]: value})
 
 
 def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:

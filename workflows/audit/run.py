@@ -231,16 +231,23 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
         # the last row `padding` tokens shorter, the others whole; each row at its own tokens' positions (the short
         # row's padding left out of both sides)
         fill = np.zeros((1, tokens - short, ref.shape[-1]))
-        last = np.concatenate([reference(**{k: v[-1:, :short] for k, v in feeds.items()}), fill], axis=1)
-        expected = np.concatenate([ref[:-1], last])
         lengths = np.array([tokens] * (batch - 1) + [short])
         if right:  # right padding: each row's length in seqlens_k (GroupQueryAttention's rule) or its mask
+            row = reference(**{k: v[-1:, :short] for k, v in feeds.items()})
             y = run(x, 0, (empty, empty), lengths=lengths)[0]
             mine = y[-1:, :short]
         else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
-            shifted = np.concatenate([np.zeros_like(x[-1:, : tokens - short]), x[-1:, :short]], axis=1)
+            pad = tokens - short
+            shifted = np.concatenate([np.zeros_like(x[-1:, :pad]), x[-1:, :short]], axis=1)
+            # the reference of the padded row itself, its padding hidden: a term of the token index (a temperature)
+            # sees the row's slots as the model does; position_ids count from its first token, as transformers'
+            call = {"x": shifted, "key_padding_mask": np.arange(tokens)[None, :] < pad}
+            if "position_ids" in feeds:
+                call["position_ids"] = np.maximum(np.arange(tokens) - pad, 0)[None, :].astype(np.int64)
+            row = reference(**call)[:, pad:]
             y = run(np.concatenate([x[:-1], shifted]), 0, (empty, empty), left=tokens - lengths)[0]
-            mine = y[-1:, tokens - short :]
+            mine = y[-1:, pad:]
+        expected = np.concatenate([ref[:-1], np.concatenate([row, fill], axis=1)])
         if y.shape != ref.shape:  # an output of another shape: the comparison says so
             return y, expected
         return np.concatenate([y[:-1], np.concatenate([mine, fill], axis=1)]), expected

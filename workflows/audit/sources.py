@@ -32,7 +32,10 @@ class CheckpointLayers:
 
     def __init__(self, folder: str) -> None:
         hf = read_checkpoint_config(folder)
-        self.reach = int(hf.get("sliding_window") or 0)  # how far a computed mask is read (read_mask_terms)
+        # how far a computed term is read (read_mask_terms, read_computed_terms): a window, a chunk, the length over
+        # which a temperature's factor first moves (twice its floor_scale: Llama 4's)
+        self.reach = max(int(hf.get("sliding_window") or 0), int(hf.get("attention_chunk_size") or 0),
+                         2 * int(hf.get("floor_scale") or 0) + 2 if hf.get("attn_temperature_tuning") else 0)  # fmt: skip
         self.rope_original = original_length(hf)  # where a computed rotary table is read (read_computed_terms)
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         self.folder = folder
