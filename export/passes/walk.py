@@ -313,17 +313,18 @@ def plain_norm(node: ir.Node) -> tuple[float, ir.Value] | None:
     return None
 
 
-def computed_from(value: ir.Value, ops: tuple[str, ...], limit: int = 24) -> bool:
+def computed_from(value: ir.Value, ops: tuple[str, ...], limit: int = 48) -> bool:
     """Whether `value` is computed from positions alone through one of `ops` (a rotary table's Cos or Sin, a
-    temperature's Log): one of them above it within `limit` nodes and no projection (no hidden state)."""
+    temperature's Log): one of them above it and no projection (no hidden state) in all of its at most `limit` nodes
+    (more: not known, so not)."""
     seen, queue, met = set(), [value], False
-    while queue and len(seen) < limit:
+    while queue:
         node = queue.pop(0).producer()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
-        if node.op_type in ("MatMul", "MatMulNBits", "Gemm"):
+        if len(seen) == limit or node.op_type in ("MatMul", "MatMulNBits", "Gemm"):
             return False
+        seen.add(id(node))
         met |= node.op_type in ops
         queue += [i for i in node.inputs if i is not None and const_array(i) is None]
     return met
