@@ -341,24 +341,34 @@ for _lw in LOWERINGS.values():
             LOWERING_OF_CORE.setdefault(_core, _lw.name)
 
 
+# The order a graph's nodes are asked for each core (core_from_nodes): a core whose graph also holds another core's
+# op is asked first (auto's If holds GroupQueryAttention and MultiHeadAttention; mha-packed is a MultiHeadAttention
+# fed by a Split). grouped-mha's buffer graphs are read as mha's (the same op and lowering); decomposed is the rest.
+_FOUND_ORDER = ("ms-attention", "auto", "gqa", "mha-packed", "mha", "attention23")
+
+
+def _found(core: Core, ops: set[tuple[str, str]], feeds: list[str | None]) -> bool:
+    """Whether nodes holding `ops` (and MultiHeadAttention's first inputs made by `feeds`) are `core`'s graph: its
+    entry's op in its domain, and for auto and mha-packed what tells them from gqa and mha."""
+    domain = "" if core.op_type == "If" else core.domain  # auto: an If (the default domain) around its branches
+    if (domain, core.op_type) not in ops:
+        return False
+    if core.name == "auto":
+        return (MS_DOMAIN, "GroupQueryAttention") in ops and (MS_DOMAIN, "MultiHeadAttention") in ops
+    if core.name == "mha-packed":
+        return all(p == "Split" for p in feeds)
+    return True
+
+
 def core_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
     """The core a graph holds, read from its nodes (an If's branches included), each given as (domain,
-    op_type, the op_type of the node producing its first input, or None): com.microsoft Attention,
-    GroupQueryAttention (with a MultiHeadAttention beside it under an If: the auto core),
-    MultiHeadAttention (every one fed by a Split of one packed projection: mha-packed), the opset-23
-    Attention, else decomposed. What describe() and the graph passes name a graph's lowering by."""
+    op_type, the op_type of the node producing its first input, or None): the first of _FOUND_ORDER whose entry's op
+    and domain the nodes hold (_found), else decomposed. What describe() and the graph passes name a graph's
+    lowering by."""
     nodes = [(d if d not in ("", "ai.onnx") else "", t, p) for d, t, p in nodes]
     ops = {(d, t) for d, t, _ in nodes}
-    if (MS_DOMAIN, "Attention") in ops:
-        return "ms-attention"
-    if (MS_DOMAIN, "GroupQueryAttention") in ops:
-        return "auto" if ("", "If") in ops and (MS_DOMAIN, "MultiHeadAttention") in ops else "gqa"
     feeds = [p for d, t, p in nodes if (d, t) == (MS_DOMAIN, "MultiHeadAttention")]
-    if feeds:
-        return "mha-packed" if all(p == "Split" for p in feeds) else "mha"
-    if ("", "Attention") in ops:
-        return "attention23"
-    return "decomposed"
+    return next((name for name in _FOUND_ORDER if _found(CORES[name], ops, feeds)), "decomposed")
 
 
 def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: str | None = None,

@@ -142,3 +142,19 @@ def test_the_backends_that_run_model_files_run_the_quantized_forms_and_torch_say
     assert quantized_form_unavailable("torch", "fp32") is None  # not a quantized form
     reason = quantized_form_unavailable("torch", "int4")
     assert "runs no ONNX graph" in reason and "MatMulNBits" in reason
+
+
+@pytest.mark.parametrize(("nodes", "core"), [
+    ([("com.microsoft", "Attention", "Add")], "ms-attention"),
+    ([("", "If", None), ("com.microsoft", "GroupQueryAttention", "MatMul"),
+      ("com.microsoft", "MultiHeadAttention", "MatMul")], "auto"),
+    ([("com.microsoft", "GroupQueryAttention", "MatMul")], "gqa"),
+    ([("com.microsoft", "MultiHeadAttention", "Split")], "mha-packed"),
+    ([("com.microsoft", "MultiHeadAttention", "Split"), ("com.microsoft", "MultiHeadAttention", "Add")], "mha"),
+    ([("ai.onnx", "Attention", "Reshape")], "attention23"),
+    ([("", "MatMul", None), ("", "Softmax", "Add")], "decomposed"),
+])  # fmt: skip
+def test_a_graph_s_core_is_found_by_its_entry_s_op_and_domain(nodes, core):
+    from attnx.model.cores import core_from_nodes
+
+    assert core_from_nodes(nodes) == core
