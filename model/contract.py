@@ -436,10 +436,15 @@ def _specs(values: Any) -> tuple[TensorSpec, ...]:
         TensorSpec(
             v.name,
             dtype_of_onnx(v.type.tensor_type.elem_type),
-            tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim),
+            tuple(_dim(d) for d in v.type.tensor_type.shape.dim),
         )
         for v in values
     )
+
+
+def _dim(d: Any) -> int | str:
+    """A dim's name, else its size, else "?" (a dim shape inference left unknown: neither is set)."""
+    return d.dim_param or (d.dim_value if d.HasField("dim_value") else "?")
 
 
 def describe(path: str | os.PathLike[str]) -> ModelInfo:

@@ -89,13 +89,21 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 class Runner:
-    """Base of every backend. Subclasses set `name` and implement the *_impl hooks."""
+    """Base of every backend. Subclasses set `name` and implement the *_impl hooks.
+
+    contract: whether the model follows attnx's ONNX contract (DESIGN section 4: dims named batch, seq,
+    past_seq, total_seq, ...): a model attnx wrote says so in its metadata (attnx.config), and a
+    backend that reads a model file sets it from there at load; the torch and reference runners build
+    attnx's own model. A model another tool wrote (the audit's cut of one) names its dims as its
+    exporter did: its feeds are held to its declared names, ranks, dtypes and fixed dims alone, and
+    the runtime judges the rest (check_feeds)."""
 
     name: str = "runner"
 
     def __init__(self, source: ModelSource) -> None:
         self.source = source
         self.is_loaded = False
+        self.contract = True
         self.inputs: list[TensorSpec] = []
         self.outputs: list[TensorSpec] = []
 
@@ -236,8 +244,9 @@ class Runner:
         return None
 
     def check_feeds(self, feeds: Mapping[str, Any]) -> None:
-        """Raise one InputError naming the first bad feed: name, rank, dtype, fixed dims,
-        and symbolic dims that must agree between inputs (batch, and the key length)."""
+        """Raise one InputError naming the first bad feed: name, rank, dtype, fixed dims; and, in a
+        model that follows attnx's contract (self.contract), symbolic dims that must agree between
+        inputs (batch, and the key length) and no empty axis but the past's."""
         expected = {spec.name: spec for spec in self.inputs}
         for name in feeds:
             if name not in expected:
@@ -248,7 +257,8 @@ class Runner:
                 raise InputError(f"missing input {spec.name!r} (this model takes: {', '.join(expected)})")
             value = feeds[spec.name]
             shape = tuple(value.shape)
-            if len(shape) != len(spec.shape):
+            # ONNX Runtime lists an input of unknown rank as [] (a cut of another tool's model has them)
+            if len(shape) != len(spec.shape) and (self.contract or spec.shape):
                 raise InputError(
                     f"input {spec.name!r} has rank {len(shape)} (shape {list(shape)}), expected rank "
                     f"{len(spec.shape)} {_shape_str(spec.shape)}"
@@ -260,6 +270,8 @@ class Runner:
                 if isinstance(dim, int):
                     if size != dim:
                         raise InputError(self.fixed_dims_mismatch({spec.name: value}))
+                    continue
+                if not self.contract:  # its dims' names are its exporter's (the class doc)
                     continue
                 if size == 0 and dim != "past_seq":  # an empty cache is the prefill
                     raise InputError(f"input {spec.name!r} has an empty axis {axis} ({dim})")
