@@ -23,6 +23,7 @@ from attnx.workflows.audit.cut import (
     AuditGraph,
     compute_in_cut,
     cut_block,
+    cut_file,
     graph_inputs_needed,
     read_computed_terms,
 )
@@ -167,22 +168,25 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
         return audit
     needs = graph_inputs_needed(graph.model, block, [block.outputs["y"]])
     ran = False
-    for backend in backends:
-        try:
-            run = _run.runner_for(backend, cut)
-        except Exception as e:  # noqa: BLE001 - each runtime's own error types: a backend asked for cannot read it
-            findings.append(f"block {block.index}: {backend} cannot load {block.node}: {first_line(e)}")
-            continue
-        if isinstance(run, str):  # unavailable on this machine: a skip, as in parity
-            if f"{backend}: {run}" not in skipped:
-                skipped.append(f"{backend}: {run}")
-            continue
-        ran = True
-        failed = len(audit.findings)
-        _run.run_checks(functools.partial(_run.run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
-                    size, audit, shapes)  # fmt: skip
-        if len(audit.findings) > failed and not audit.localised:
-            audit.localised = _run.localise_block(graph, block, backend, needs, config, weights, feeds, size)
+    with cut_file(cut) as path:
+        del cut  # on disk now: the block's weights once in memory, in the runtime's own copy
+        for backend in backends:
+            try:
+                runner = _run.runner_for(backend, path)
+            except Exception as e:  # noqa: BLE001 - each runtime's own error types: a backend asked for cannot read it
+                findings.append(f"block {block.index}: {backend} cannot load {block.node}: {first_line(e)}")
+                continue
+            if isinstance(runner, str):  # unavailable on this machine: a skip, as in parity
+                if f"{backend}: {runner}" not in skipped:
+                    skipped.append(f"{backend}: {runner}")
+                continue
+            ran = True
+            failed = len(audit.findings)
+            with runner:
+                _run.run_checks(functools.partial(_run.run_block, runner, block, needs), backend, block, needs, feeds,
+                                ref, reference, size, audit, shapes)  # fmt: skip
+            if len(audit.findings) > failed and not audit.localised:
+                audit.localised = _run.localise_block(graph, block, backend, needs, config, weights, feeds, size)
     if not ran and not audit.findings:
         not_checked.append(f"block {block.index}: not run: no backend asked for ({', '.join(backends)}) runs here")
     return audit
