@@ -89,7 +89,8 @@ __all__ = [
     "get_provider",
     "provider_of_backend",
     "backend_device",
-    "BACKENDS",
+    "AUDIT_BACKENDS",
+    "BACKEND_NAMES",
     "REFERENCE",
     "LOWERINGS",
     "AUTO",
@@ -194,9 +195,12 @@ PROVIDERS: dict[str, Provider] = {
     )
 }
 
-# Every backend attnx has, in the order reports list them (runners: attnx.runtimes).
+# The name of every backend attnx has, in the order reports list them (each name's runner class: the registry
+# attnx.runtimes.RUNNERS).
 REFERENCE = "reference"  # the numpy float64 formula every backend is compared with
-BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda", "openvino")
+BACKEND_NAMES = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda", "openvino")
+# The backends `attnx audit` runs a cut block on (those that run a model file: runs_onnx_model), in its order.
+AUDIT_BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
 
 
 def get_provider(name: str, what: str = "provider") -> Provider:

@@ -26,7 +26,7 @@ __all__ = [
     "create_runner",
     "backend_names",
     "backend_unavailable_reason",
-    "BACKENDS",
+    "RUNNERS",
     "DecodeState",
     "THREADS_ENV",
     "runtime_threads",
@@ -294,37 +294,38 @@ def _shape_str(shape: tuple[int | str, ...]) -> str:
 
 
 # Registry ----------------------------------------------------------------------------
-BACKENDS: dict[str, Callable[[ModelSource], Runner]] = {}
+# Each backend's runner class by its name (the names: attnx.model.contract.BACKEND_NAMES).
+RUNNERS: dict[str, Callable[[ModelSource], Runner]] = {}
 
 
 def register_backend(name: str) -> Callable[[type[Runner]], type[Runner]]:
     def wrap(cls: type[Runner]) -> type[Runner]:
         cls.name = name
-        BACKENDS[name] = cls
+        RUNNERS[name] = cls
         return cls
 
     return wrap
 
 
 def backend_names() -> list[str]:
-    return list(BACKENDS)
+    return list(RUNNERS)
 
 
 def backend_unavailable_reason(name: str) -> str | None:
     """Why the registered backend `name` cannot run here, or None when it can (see
     Runner.unavailable_reason)."""
-    if name not in BACKENDS:
-        raise UsageError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name].unavailable_reason()
+    if name not in RUNNERS:
+        raise UsageError(f"unknown backend {name!r} (known: {', '.join(RUNNERS)})")
+    return RUNNERS[name].unavailable_reason()
 
 
 def create_runner(name: str, source: ModelSource, **options: Any) -> Runner:
     """A runner for a registered backend (not yet loaded), with the backend's own keyword
     options (threads, session_options for ort-*; attention for torch*). load() raises
     ProviderUnavailable with the reason where the backend cannot run here."""
-    if name not in BACKENDS:
-        raise UsageError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name](source, **options)
+    if name not in RUNNERS:
+        raise UsageError(f"unknown backend {name!r} (known: {', '.join(RUNNERS)})")
+    return RUNNERS[name](source, **options)
 
 
 def require_source(runner: Runner, *, config: bool = False, weights: bool = False, model_path: bool = False) -> None:

@@ -26,7 +26,7 @@ from attnx.commands._common import (
 )
 from attnx.errors import UsageError
 from attnx.model.contract import (
-    BACKENDS,
+    BACKEND_NAMES,
     MODEL_DTYPES,
     RUNTIME_DTYPES,
     check_choice,
@@ -41,7 +41,6 @@ from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_pa
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 
 HELP = COMMANDS["parity"].help
-DEFAULT_BACKENDS = ",".join(BACKENDS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the ONNX model for ort-* and openvino (default: export one now); it describes itself: its "
                    "config, dtype, lowering and decode form are read from it, and a flag that contradicts them is an "
                    "error")  # fmt: skip
-    p.add_argument("--backends", type=str_list, default=str_list(DEFAULT_BACKENDS), help=f"default {DEFAULT_BACKENDS}")
+    p.add_argument("--backends", type=str_list, default=list(BACKEND_NAMES), help=f"default {','.join(BACKEND_NAMES)}")
     p.add_argument("--require", type=str_list, default=[], help="backends that must be available (else exit 2)")
     p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES),
                    help=f"batch sizes, comma-separated (default {','.join(map(str, DEFAULT_BATCHES))})")  # fmt: skip

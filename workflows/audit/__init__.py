@@ -20,10 +20,10 @@ checks, its localisation; the whole model's decoding), report (the verdicts), au
 
 from __future__ import annotations
 
+from attnx.model.contract import AUDIT_BACKENDS
 from attnx.workflows.audit.audit import audit_model
 from attnx.workflows.audit.report import AuditReport, BlockAudit
-from attnx.workflows.audit.run import BACKENDS
 from attnx.workflows.audit.shapes import AUDIT_SHAPE
 from attnx.workflows.audit.sources import CheckpointLayers
 
-__all__ = ["AUDIT_SHAPE", "BACKENDS", "AuditReport", "BlockAudit", "CheckpointLayers", "audit_model"]
+__all__ = ["AUDIT_BACKENDS", "AUDIT_SHAPE", "AuditReport", "BlockAudit", "CheckpointLayers", "audit_model"]

@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
+from attnx.model.contract import AUDIT_BACKENDS
 from attnx.model.tolerance import problem_size
 from attnx.runtimes._untrusted import check_model_file
 from attnx.workflows.audit import run as _run
@@ -28,7 +29,7 @@ from attnx.workflows.audit.cut import (
     read_computed_terms,
 )
 from attnx.workflows.audit.report import AuditReport, BlockAudit
-from attnx.workflows.audit.run import BACKENDS, first_line
+from attnx.workflows.audit.run import first_line
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers, StatedConfig, pairing_findings, stated_config
 
@@ -48,8 +49,8 @@ def audit_model(
     run (a gap, AuditReport.gaps) fails the audit; without it, the gap is named and the verdict is what was run."""
     say = progress or (lambda _m: None)
     for name in backends:
-        if name not in BACKENDS:
-            raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
+        if name not in AUDIT_BACKENDS:
+            raise UsageError(f"backend {name!r}: the audit runs on {', '.join(AUDIT_BACKENDS)}")
     check_model_file(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
     from onnx.utils import Extractor

@@ -24,7 +24,7 @@ from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, NotFed, cut_block, 
 from attnx.workflows.audit.report import AuditReport, BlockAudit
 from attnx.workflows.audit.shapes import Shapes
 
-__all__ = ["BACKENDS", "decode_whole", "first_line", "localise_block", "run_block", "run_checks", "runner_for"]
+__all__ = ["decode_whole", "first_line", "localise_block", "run_block", "run_checks", "runner_for"]
 
 
 def run_block(runner: Runner, block: Any, needs: Sequence[str], x: np.ndarray, past_len: int,
@@ -57,9 +57,6 @@ def run_block(runner: Runner, block: Any, needs: Sequence[str], x: np.ndarray, p
     if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
         outputs[0] = outputs[0] + block.y_bias
     return outputs
-
-
-BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
 
 
 def localise_block(graph: AuditGraph, block: Any, backend: str, needs: Sequence[str],
