@@ -36,7 +36,7 @@ from attnx.model.contract import (
 )
 from attnx.model.resources import check_memory, estimate_parity
 from attnx.runtimes import ModelSource, backend_names, create_runner
-from attnx.runtimes._untrusted import check_model_file
+from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_parity
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         given = step_config(given, model_flag(args))
     if args.model:  # the model describes itself; a flag that contradicts it is one error
         # one rule for every backend, before any reads the file; the runtime holds every tensor at once
-        check_model_file(args.model, whole_model=True, max_mem_gb=args.max_mem_gb)
+        check_untrusted_model(args.model, whole_model=True, max_mem_gb=args.max_mem_gb)
         form = model_form(args.model, config=given, dtype=args.dtype, lowering=args.attention,
                           flags={"config": "--preset" if args.preset else "--config"})  # fmt: skip
         config, dtype = form.config, form.dtype

@@ -11,7 +11,7 @@ source's layer (or, without one, of the layer read from the graph) under the tol
 localised to its first stage (_localise). A MatMulNBits graph is held against the model as it computes: its
 dequantized weights, and at accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks). The whole model's
 decoding is run once (_decode_whole). The model is untrusted input: it is checked before anything parses it
-(attnx.runtimes._untrusted.check_model_file: external data inside its folder, sizes, cycles, domains).
+(attnx.runtimes._untrusted.check_untrusted_model: external data inside its folder, sizes, cycles, domains).
 
 The pieces: shapes (what the model's dims allow), sources (what a block is held to), compare (its terms against
 its source's), cut (a block out of its model, and what the graph computes for it), run (a block on a backend, its

@@ -16,7 +16,7 @@ from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
 from attnx.model.contract import AUDIT_BACKENDS
 from attnx.model.tolerance import problem_size
-from attnx.runtimes._untrusted import check_model_file
+from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.workflows.audit import run as _run
 from attnx.workflows.audit.compare import compare_terms, reference_of
 from attnx.workflows.audit.cut import (
@@ -51,7 +51,7 @@ def audit_model(
     for name in backends:
         if name not in AUDIT_BACKENDS:
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(AUDIT_BACKENDS)}")
-    check_model_file(model_path)  # untrusted input: refused before anything parses it for real
+    check_untrusted_model(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
     from onnx.utils import Extractor
 
