@@ -25,7 +25,7 @@ from attnx.bench._decode import (
     weight_bytes,
 )
 from attnx.bench._plan import (
-    DEFAULT_BACKENDS,
+    BENCH_BACKENDS,
     DEFAULT_SEQS,
     ORT_LOWERINGS,
     SCHEMA,
@@ -54,7 +54,7 @@ __all__ = [
     "plot_report",
     "check_plot_path",
     "PLOT_FORMATS",
-    "DEFAULT_BACKENDS",
+    "BENCH_BACKENDS",
     "DEFAULT_SEQS",
     "TORCH_LOWERINGS",
     "ORT_LOWERINGS",

@@ -14,7 +14,7 @@ from attnx._io import write_json_atomic
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
-    BACKENDS,
+    BACKEND_NAMES,
     BENCH_ORT_LOWERINGS,
     EXPORT_ATTENTIONS,
     MODEL_DTYPES,
@@ -33,7 +33,7 @@ __all__ = [
     "GemmResult",
     "BenchReport",
     "compare_lowerings",
-    "DEFAULT_BACKENDS",
+    "BENCH_BACKENDS",
     "DEFAULT_SEQS",
     "TORCH_LOWERINGS",
     "ORT_LOWERINGS",
@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 SCHEMA = "attnx.bench/1"
-DEFAULT_BACKENDS = tuple(b for b in BACKENDS if b != REFERENCE)
+# The backends a bench measures unless told (--backends): every backend but the reference.
+BENCH_BACKENDS = tuple(b for b in BACKEND_NAMES if b != REFERENCE)
 DEFAULT_SEQS = (128, 512, 2048)
 # The attention axis per backend. torch runs the module's core; ORT runs an exported lowering.
 # "auto" is left out of the default: it is one of the others, picked by measure.
@@ -57,7 +58,7 @@ class BenchPlan:
     are read from the file)."""
 
     config: AttentionConfig
-    backends: Sequence[str] = DEFAULT_BACKENDS
+    backends: Sequence[str] = BENCH_BACKENDS
     attentions: Sequence[str] | None = None
     batches: Sequence[int] = (1,)
     seqs: Sequence[int] = DEFAULT_SEQS
@@ -78,7 +79,7 @@ class BenchPlan:
 
     def validate(self) -> None:
         for name in self.backends:
-            check_choice("--backends value", name, DEFAULT_BACKENDS)
+            check_choice("--backends value", name, BENCH_BACKENDS)
         if not self.backends:
             raise UsageError("--backends is empty")
         valid = sorted(set(TORCH_LOWERINGS) | set(EXPORT_ATTENTIONS))

@@ -39,7 +39,7 @@ from attnx.errors import ProviderUnavailable
 from attnx.model import AttentionConfig, init_weights, load_weights
 from attnx.model.contract import DTYPES, IR_VERSION, OPENVINO, backend_device, host_dtype, numpy_dtype, runs_onnx_model
 from attnx.model.inputs import make_inputs
-from attnx.runtimes import BACKENDS, ModelSource
+from attnx.runtimes import RUNNERS, ModelSource
 from attnx.runtimes.torch_runner import torch_cuda_unavailable_reason
 
 __all__ = ["run_spec", "main", "rss_mb", "run_worker", "time_stats", "write_gemm_model", "time_calls"]
@@ -88,7 +88,7 @@ def _import_runtime(backend: str) -> None:
     before any model is loaded."""
     try:
         if backend == OPENVINO:
-            reason = BACKENDS[OPENVINO].unavailable_reason()  # names the extra that installs it
+            reason = RUNNERS[OPENVINO].unavailable_reason()  # names the extra that installs it
             if reason is not None:
                 raise ProviderUnavailable(reason)
             import openvino  # noqa: F401
@@ -117,7 +117,7 @@ def _ort_call(spec: dict[str, Any], config: Any, feeds: dict[str, Any], result: 
     is run_on_device (IOBinding, outputs left on the GPU; ORT synchronises its stream at the
     end of the run), with the inputs already on the GPU where torch can put them there."""
     source = ModelSource(config=config, model_path=spec["model_path"], dtype=spec["dtype"])
-    runner = BACKENDS[spec["backend"]](source, threads=spec["threads"])
+    runner = RUNNERS[spec["backend"]](source, threads=spec["threads"])
     _load(runner, result)
     if backend_device(spec["backend"]) != "cuda":
         result["timed"] = "Runner.run: numpy in, numpy out"
@@ -157,7 +157,7 @@ def _case(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Callable[[], An
     weights = (
         load_weights(spec["weights_path"], config) if spec.get("weights_path") else init_weights(config, spec["seed"])
     )
-    runner = BACKENDS[backend](ModelSource(config, weights, None, spec["dtype"]), core=spec["attention"])
+    runner = RUNNERS[backend](ModelSource(config, weights, None, spec["dtype"]), core=spec["attention"])
     _load(runner, result)
     if backend_device(backend) != "cuda":
         result["timed"] = "Runner.run: numpy in, numpy out (views of torch tensors on the CPU)"

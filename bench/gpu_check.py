@@ -66,12 +66,13 @@ from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_buffer_pa
 from attnx.runtimes.parity import run_parity
 from attnx.workflows import export_model
 
-__all__ = ["SCHEMA", "DEFAULT_BACKENDS", "DEFAULT_PRESETS", "DEFAULT_SEQS", "parse_args", "main"]
+__all__ = ["SCHEMA", "GPU_CHECK_BACKENDS", "DEFAULT_PRESETS", "DEFAULT_SEQS", "parse_args", "main"]
 
 logger = logging.getLogger("attnx.bench.gpu_check")  # its own name when run with -m as well
 
 SCHEMA = "attnx.gpu_check/2"
-DEFAULT_BACKENDS = (PROVIDERS["cuda"].backend, PROVIDERS["cuda"].torch_backend)
+# The backends gpu_check measures unless told (--backends).
+GPU_CHECK_BACKENDS = (PROVIDERS["cuda"].backend, PROVIDERS["cuda"].torch_backend)
 # Any backend that runs on a device can be checked (ort-cpu and torch run the same matrix on CPU).
 DEVICE_BACKENDS = tuple(b for p in PROVIDERS.values() for b in (p.backend, p.torch_backend))
 DEFAULT_PRESETS = ("large", "gpt3")
@@ -107,7 +108,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m attnx.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the results (created if missing)")
-    p.add_argument("--backends", type=_names, default=DEFAULT_BACKENDS, help=f"default {','.join(DEFAULT_BACKENDS)}")
+    p.add_argument("--backends", type=_names, default=GPU_CHECK_BACKENDS, help=f"default {','.join(GPU_CHECK_BACKENDS)}")
     p.add_argument("--presets", type=_names, default=DEFAULT_PRESETS, help="benchmark presets (default large,gpt3)")
     p.add_argument("--seqs", type=_positive_ints, default=None, help="benchmark sequence lengths (default 512..16384)")
     p.add_argument("--quick", action="store_true", help=f"benchmark seq {','.join(map(str, QUICK_SEQS))} only")

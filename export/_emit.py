@@ -198,6 +198,7 @@ def build_decomposed_model(config: AttentionConfig, weights: Mapping[str, np.nda
                            readable: bool = True, int8_bits: int | str = "auto") -> onnx.ModelProto:  # fmt: skip
     """The decomposed form of `config` written here, without torch (a step model's growing form for a
     kv_cache config): what localisation runs to look inside a fused operator (attnx.runtimes.localise);
-    the full-sequence form `attnx export` writes is the torch module's export (attnx.export.export_onnx)."""
+    the full-sequence form `attnx export` writes is the torch module's export (attnx.export.export_onnx),
+    the same graph (tests/export/test_decomposed_builders.py; why both: docs/concepts/lowerings.md)."""
     return build_model(config, weights, "decomposed", None, dtype, block_size=block_size,
                        accuracy_level=accuracy_level, int8_bits=int8_bits, readable=readable)  # fmt: skip

@@ -103,7 +103,9 @@ def export_onnx(
 ) -> ir.Model:
     """Export the attnx module for `config` to an onnx-ir Model with dynamic batch/seq: the
     decomposed full-sequence form, traced from PyTorch (the other lowerings and forms are written
-    from the registry: attnx.export.build_model).
+    from the registry: attnx.export.build_model). The decomposed core's emitter writes the same
+    graph (build_decomposed_model: same I/O, stages and outputs, tested); why both stay:
+    docs/concepts/lowerings.md, "Two builders of the decomposed graph".
 
     A process that exports the same model again (the same config, weights, lowering and opset)
     gets a fresh copy of the first trace (TRACES), and so does the next process where

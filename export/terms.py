@@ -303,12 +303,12 @@ def _temperature(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, 
 
 
 def _read_temperature(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> None:
-    """A factor the graph computes per position on q (Path.factor): named for the audit to run (facts["computed"]),
+    """A factor the graph computes per position on q (Path.factor): named for the audit to run (facts["computed_terms"]),
     its value fitted after (fit_values); None until then."""
     if paths["k"].factor is not None:
         raise NotRead("a factor computed per position on k: not a temperature")
     if paths["q"].factor is not None:
-        facts.setdefault("computed", {})["attn_temperature"] = paths["q"].factor.name
+        facts.setdefault("computed_terms", {})["attn_temperature"] = paths["q"].factor.name
     return None
 
 

@@ -42,7 +42,8 @@ from typing import Any
 from attnx.errors import ConfigError, UsageError
 from attnx.model.config import AttentionConfig, load_config, preset
 from attnx.model.contract import (
-    BACKENDS,
+    AUDIT_BACKENDS,
+    BACKEND_NAMES,
     BENCH_ORT_LOWERINGS,
     LOWERINGS,
     MODEL_DTYPES,
@@ -59,9 +60,6 @@ from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQ
 __all__ = ["BENCH_SLOT", "JOBS", "CaseSpec", "JobAxes", "MatrixPlan", "Source", "load_plan"]
 
 JOBS = ("parity", "verify", "bench", "audit")
-# The backends an audit case runs on (attnx.workflows.audit.BACKENDS, which imports onnx-ir: checked equal in
-# tests/matrix/test_matrix.py)
-AUDIT_BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
 # The Ray resource a node declares once to take timed work: a bench case holds it while it runs,
 # so that at most one timed case runs on a node at a time.
 BENCH_SLOT = "attnx_bench_slot"
@@ -291,7 +289,7 @@ def _axes(data: Mapping[str, Any], base: Mapping[str, Any], where: str) -> dict[
         if key in data:
             out[key] = _number(data, key, None, 0 if key == "warmup" else 1, where, integer=True)
     for name in out["backends"]:
-        check_choice(f"backend in plan {where}'backends':", name, BACKENDS)
+        check_choice(f"backend in plan {where}'backends':", name, BACKEND_NAMES)
     exportable = [lw.name for lw in LOWERINGS.values() if lw.export]
     for name in out["lowerings"]:
         check_choice(f"lowering in plan {where}'lowerings':", name, [*exportable, *TORCH_CORES])
@@ -308,7 +306,7 @@ def _requirements(data: Mapping[str, Any]) -> dict[str, dict[str, float]]:
         raise UsageError(f"plan 'requirements' must map a backend to Ray resources, got {req!r}")
     out = {}
     for backend, resources in req.items():
-        check_choice("backend in plan 'requirements':", backend, BACKENDS)
+        check_choice("backend in plan 'requirements':", backend, BACKEND_NAMES)
         if not isinstance(resources, dict) or not resources:
             raise UsageError(
                 f'plan requirements[{backend!r}] must be a non-empty object of Ray resources, e.g. {{"GPU": 1}}'

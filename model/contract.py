@@ -89,7 +89,8 @@ __all__ = [
     "get_provider",
     "provider_of_backend",
     "backend_device",
-    "BACKENDS",
+    "AUDIT_BACKENDS",
+    "BACKEND_NAMES",
     "REFERENCE",
     "LOWERINGS",
     "AUTO",
@@ -196,9 +197,12 @@ PROVIDERS: dict[str, Provider] = {
     )
 }
 
-# Every backend attnx has, in the order reports list them (runners: attnx.runtimes).
+# The name of every backend attnx has, in the order reports list them (each name's runner class: the registry
+# attnx.runtimes.RUNNERS).
 REFERENCE = "reference"  # the numpy float64 formula every backend is compared with
-BACKENDS = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda", "openvino")
+BACKEND_NAMES = (REFERENCE, "torch", "ort-cpu", "ort-cuda", "torch-cuda", "openvino")
+# The backends `attnx audit` runs a cut block on (those that run a model file: runs_onnx_model), in its order.
+AUDIT_BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
 
 
 def get_provider(name: str, what: str = "provider") -> Provider:
@@ -438,10 +442,15 @@ def _specs(values: Any) -> tuple[TensorSpec, ...]:
         TensorSpec(
             v.name,
             dtype_of_onnx(v.type.tensor_type.elem_type),
-            tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim),
+            tuple(_dim(d) for d in v.type.tensor_type.shape.dim),
         )
         for v in values
     )
+
+
+def _dim(d: Any) -> int | str:
+    """A dim's name, else its size, else "?" (a dim shape inference left unknown: neither is set)."""
+    return d.dim_param or (d.dim_value if d.HasField("dim_value") else "?")
 
 
 def describe(path: str | os.PathLike[str]) -> ModelInfo:

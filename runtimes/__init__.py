@@ -9,11 +9,11 @@ the runtime, and the runtime is imported when a runner loads.
 from __future__ import annotations
 
 from attnx.runtimes import openvino_runner, ort_runner, reference_runner, torch_runner  # noqa: F401  (registers backends)
-from attnx.runtimes.base import BACKENDS, ModelSource, Runner, backend_names, create_runner, register_backend
+from attnx.runtimes.base import RUNNERS, ModelSource, Runner, backend_names, create_runner, register_backend
 from attnx.runtimes.compare import Comparison, case_label, compare_arrays, failed_run
 
 __all__ = [
-    "BACKENDS",
+    "RUNNERS",
     "Comparison",
     "ModelSource",
     "Runner",

@@ -16,7 +16,7 @@ from attnx.errors import InputError, UsageError
 from attnx.model.config import TensorSpec
 from attnx.model.contract import DTYPES, dtype_name
 
-__all__ = ["DeviceOutputs", "IoBinder", "resolve_shape"]
+__all__ = ["DeviceOutputs", "IoBinder", "contiguous", "resolve_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,14 @@ def _is_torch_tensor(value: Any) -> bool:
 
 def _host_array(value: Any) -> np.ndarray:
     if _is_torch_tensor(value):
-        return np.ascontiguousarray(value.detach().cpu().numpy())
-    return np.ascontiguousarray(value)
+        value = value.detach().cpu().numpy()
+    return contiguous(value)
+
+
+def contiguous(value: Any) -> np.ndarray:
+    """`value` as a C-contiguous numpy array of its own rank (np.ascontiguousarray makes a scalar [1])."""
+    array = np.asarray(value)
+    return array if array.ndim == 0 else np.ascontiguousarray(array)
 
 
 # IOBinding ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A model file attnx did not make, checked as untrusted input before anything parses it for real.
 
-`check_model_file` reads the model's protobuf without its external data (onnx.load with
+`check_untrusted_model` reads the model's protobuf without its external data (onnx.load with
 load_external_data=False: the data files are stat'ed, never read) and refuses (UsageError, exit 2)
 with one line naming the tensor, node or path:
 
@@ -35,7 +35,7 @@ from attnx.errors import ModelFileError, UsageError
 from attnx.model.resources import GB, ResourceError, available_memory_bytes
 from attnx.runtimes._manifest import check_external_data
 
-__all__ = ["KNOWN_DOMAINS", "check_model_file", "check_cut_fits", "tensor_bytes"]
+__all__ = ["KNOWN_DOMAINS", "check_untrusted_model", "check_cut_fits", "tensor_bytes"]
 
 # The operator domains a backend attnx runs knows ('ai.onnx' is the default domain's other name).
 KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")
@@ -48,7 +48,7 @@ _PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4, "INT2": 2, "UINT2": 2, "
 _PER_ENTRY = {"INT4": 2, "UINT4": 2, "FLOAT4E2M1": 2, "INT2": 4, "UINT2": 4}
 
 
-def check_model_file(model_path: str, *, whole_model: bool = False, max_mem_gb: float | None = None) -> None:
+def check_untrusted_model(model_path: str, *, whole_model: bool = False, max_mem_gb: float | None = None) -> None:
     """Refuse (UsageError, exit 2) a model file that is unsafe or unsound to parse and run (the module's
     list), reading its protobuf only. whole_model: the caller's runtime holds every tensor at once (attnx
     parity), so their sum must fit too; max_mem_gb: the memory allowed instead of the memory available."""

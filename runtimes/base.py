@@ -26,7 +26,7 @@ __all__ = [
     "create_runner",
     "backend_names",
     "backend_unavailable_reason",
-    "BACKENDS",
+    "RUNNERS",
     "DecodeState",
     "THREADS_ENV",
     "runtime_threads",
@@ -89,13 +89,21 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 class Runner:
-    """Base of every backend. Subclasses set `name` and implement the *_impl hooks."""
+    """Base of every backend. Subclasses set `name` and implement the *_impl hooks.
+
+    contract: whether the model follows attnx's ONNX contract (DESIGN section 4: dims named batch, seq,
+    past_seq, total_seq, ...): a model attnx wrote says so in its metadata (attnx.config), and a
+    backend that reads a model file sets it from there at load; the torch and reference runners build
+    attnx's own model. A model another tool wrote (the audit's cut of one) names its dims as its
+    exporter did: its feeds are held to its declared names, ranks, dtypes and fixed dims alone, and
+    the runtime judges the rest (check_feeds)."""
 
     name: str = "runner"
 
     def __init__(self, source: ModelSource) -> None:
         self.source = source
         self.is_loaded = False
+        self.contract = True
         self.inputs: list[TensorSpec] = []
         self.outputs: list[TensorSpec] = []
 
@@ -236,8 +244,9 @@ class Runner:
         return None
 
     def check_feeds(self, feeds: Mapping[str, Any]) -> None:
-        """Raise one InputError naming the first bad feed: name, rank, dtype, fixed dims,
-        and symbolic dims that must agree between inputs (batch, and the key length)."""
+        """Raise one InputError naming the first bad feed: name, rank, dtype, fixed dims; and, in a
+        model that follows attnx's contract (self.contract), symbolic dims that must agree between
+        inputs (batch, and the key length) and no empty axis but the past's."""
         expected = {spec.name: spec for spec in self.inputs}
         for name in feeds:
             if name not in expected:
@@ -248,7 +257,8 @@ class Runner:
                 raise InputError(f"missing input {spec.name!r} (this model takes: {', '.join(expected)})")
             value = feeds[spec.name]
             shape = tuple(value.shape)
-            if len(shape) != len(spec.shape):
+            # ONNX Runtime lists an input of unknown rank as [] (a cut of another tool's model has them)
+            if len(shape) != len(spec.shape) and (self.contract or spec.shape):
                 raise InputError(
                     f"input {spec.name!r} has rank {len(shape)} (shape {list(shape)}), expected rank "
                     f"{len(spec.shape)} {_shape_str(spec.shape)}"
@@ -260,6 +270,8 @@ class Runner:
                 if isinstance(dim, int):
                     if size != dim:
                         raise InputError(self.fixed_dims_mismatch({spec.name: value}))
+                    continue
+                if not self.contract:  # its dims' names are its exporter's (the class doc)
                     continue
                 if size == 0 and dim != "past_seq":  # an empty cache is the prefill
                     raise InputError(f"input {spec.name!r} has an empty axis {axis} ({dim})")
@@ -282,37 +294,38 @@ def _shape_str(shape: tuple[int | str, ...]) -> str:
 
 
 # Registry ----------------------------------------------------------------------------
-BACKENDS: dict[str, Callable[[ModelSource], Runner]] = {}
+# Each backend's runner class by its name (the names: attnx.model.contract.BACKEND_NAMES).
+RUNNERS: dict[str, Callable[[ModelSource], Runner]] = {}
 
 
 def register_backend(name: str) -> Callable[[type[Runner]], type[Runner]]:
     def wrap(cls: type[Runner]) -> type[Runner]:
         cls.name = name
-        BACKENDS[name] = cls
+        RUNNERS[name] = cls
         return cls
 
     return wrap
 
 
 def backend_names() -> list[str]:
-    return list(BACKENDS)
+    return list(RUNNERS)
 
 
 def backend_unavailable_reason(name: str) -> str | None:
     """Why the registered backend `name` cannot run here, or None when it can (see
     Runner.unavailable_reason)."""
-    if name not in BACKENDS:
-        raise UsageError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name].unavailable_reason()
+    if name not in RUNNERS:
+        raise UsageError(f"unknown backend {name!r} (known: {', '.join(RUNNERS)})")
+    return RUNNERS[name].unavailable_reason()
 
 
 def create_runner(name: str, source: ModelSource, **options: Any) -> Runner:
     """A runner for a registered backend (not yet loaded), with the backend's own keyword
     options (threads, session_options for ort-*; attention for torch*). load() raises
     ProviderUnavailable with the reason where the backend cannot run here."""
-    if name not in BACKENDS:
-        raise UsageError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name](source, **options)
+    if name not in RUNNERS:
+        raise UsageError(f"unknown backend {name!r} (known: {', '.join(RUNNERS)})")
+    return RUNNERS[name](source, **options)
 
 
 def require_source(runner: Runner, *, config: bool = False, weights: bool = False, model_path: bool = False) -> None:

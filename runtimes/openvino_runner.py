@@ -62,7 +62,8 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
-from attnx.model.contract import MS_DOMAIN, OPENVINO, QUANTIZATIONS, describe, float_dtype, host_dtype
+from attnx.model.contract import CONFIG_KEY, MS_DOMAIN, OPENVINO, QUANTIZATIONS, describe, float_dtype, host_dtype
+from attnx.runtimes._iobinding import contiguous
 from attnx.runtimes.base import Runner, register_backend, require_source, runtime_threads
 
 __all__ = ["OPENVINO_INPUT_GROUP", "OPENVINO_PRECISIONS", "OpenvinoRunner", "compile_config", "openvino_unavailable_reason"]
@@ -179,7 +180,7 @@ class OpenvinoRunner(Runner):
             raise ProviderUnavailable(
                 f"backend {OPENVINO!r} cannot run the {info.lowering} lowering: OpenVINO {ov.__version__} cannot "
                 f"read {os.path.basename(path)!r}: {_reason(e)}"
-            ) from None
+            ) from e  # the runtime's own, chained
         config = compile_config(self.requested, self.threads, shape_cache=self.shape_cache)
         try:
             self.compiled = core.compile_model(model, DEVICE, config)
@@ -187,13 +188,14 @@ class OpenvinoRunner(Runner):
             raise ProviderUnavailable(
                 f"backend {OPENVINO!r} cannot compile the {info.lowering} lowering of {os.path.basename(path)!r} "
                 f"in {self.requested}: {_reason(e)}"
-            ) from None
+            ) from e
         self.precision = self.check_compiled()
         if self.source.dtype in QUANTIZATIONS:
             self.precision += f", inputs int8 in groups of {OPENVINO_INPUT_GROUP}"
         self.request = self.compiled.create_infer_request()
         self.ov_version = ov.__version__
         self.lowering = info.lowering
+        self.contract = CONFIG_KEY in info.metadata  # Runner's doc
         # Host arrays: float inputs and output in the graph's own dtype (fp32 for a bf16 run).
         self.inputs = [s.__class__(s.name, host_dtype(s.dtype), s.shape) for s in info.inputs]
         self.outputs = [s.__class__(s.name, host_dtype(s.dtype), s.shape) for s in info.outputs]
@@ -234,7 +236,7 @@ class OpenvinoRunner(Runner):
     def run_impl(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         # share_outputs=False (the default): the results are copies, not views of the request's
         # buffers that the next run overwrites.
-        results = self.request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        results = self.request.infer({k: contiguous(v) for k, v in feeds.items()})
         return {name: np.asarray(results[port]) for name, port in self._ports.items()}
 
     def close_impl(self) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.config import TensorSpec
 from attnx.model.contract import (
+    CONFIG_KEY,
     IR_VERSION,
     PROVIDERS,
     RUNTIME_DTYPES,
@@ -88,9 +89,9 @@ def import_onnxruntime(backend: str) -> Any:
 
 
 def ort_tensor_specs(args: list[Any]) -> list[TensorSpec]:
-    """TensorSpecs from a session's get_inputs()/get_outputs()."""
+    """TensorSpecs from a session's get_inputs()/get_outputs() (a dim without a name: "?")."""
     return [
-        TensorSpec(a.name, dtype_of_ort(a.type), tuple(d if isinstance(d, int) else str(d) for d in a.shape))
+        TensorSpec(a.name, dtype_of_ort(a.type), tuple(d if isinstance(d, int) else str(d or "?") for d in a.shape))
         for a in args
     ]
 
@@ -125,7 +126,9 @@ class OrtRunner(Runner):
     def make_session_options(self) -> Any:
         ort = import_onnxruntime(self.name)
         opts = self.session_options or ort.SessionOptions()
-        opts.log_severity_level = 3  # errors only: the CLI's output stays clean
+        # errors only (the CLI's output stays clean), or quieter where the caller's options say so (the audit,
+        # which reports each error the runtime raises, logs none)
+        opts.log_severity_level = max(opts.log_severity_level, 3)
         if self.threads:
             opts.intra_op_num_threads = self.threads
         return opts
@@ -146,6 +149,7 @@ class OrtRunner(Runner):
             del self.session
             raise ModelFileError(refusal)
         self.check_providers()
+        self.contract = CONFIG_KEY in self.session.get_modelmeta().custom_metadata_map  # Runner's doc
         self.inputs = ort_tensor_specs(self.session.get_inputs())
         self.outputs = ort_tensor_specs(self.session.get_outputs())
         self.output_names = [o.name for o in self.outputs]
@@ -154,8 +158,8 @@ class OrtRunner(Runner):
         ort = import_onnxruntime(self.name)
         try:
             return ort.InferenceSession(path, self.make_session_options(), providers=self.provider_list())
-        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph/... types
-            raise ModelFileError(f"onnxruntime cannot load {path!r}: {_first_line(e)}") from None
+        except Exception as e:
+            raise ModelFileError(f"onnxruntime cannot load {path!r}: {_first_line(e)}") from e  # the runtime's own, chained
 
     def check_providers(self) -> None:
         got = self.session.get_providers()
@@ -281,7 +285,7 @@ class OrtCudaRunner(OrtRunner):
                     + (f" ({logged})" if logged and logged not in text else "")
                     + hint
                 ) from None
-            raise ModelFileError(f"onnxruntime cannot load {path!r}: {text}") from None
+            raise ModelFileError(f"onnxruntime cannot load {path!r}: {text}") from error
         return session
 
     def _preload_dlls(self, ort: Any) -> None:
@@ -385,7 +389,11 @@ class OrtCudaRunner(OrtRunner):
         return self.binder.run(self.output_names, out)
 
     def _dims(self, feeds: Mapping[str, Any]) -> dict[str, int]:
+        """The sizes of the inputs' symbolic dims, by name: what an output's buffer is shaped from. Empty for a model
+        outside attnx's contract (its dims' names are its exporter's): ORT allocates its outputs."""
         dims: dict[str, int] = {}
+        if not self.contract:
+            return dims
         for spec in self.inputs:
             for dim, size in zip(spec.shape, feeds[spec.name].shape):
                 if isinstance(dim, str):

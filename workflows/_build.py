@@ -32,7 +32,7 @@ from attnx.errors import CheckFailed, UsageError
 from attnx.export import release_rewriter_state
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import (
-    BACKENDS,
+    BACKEND_NAMES,
     BUILD_ATTENTION,
     EXPORT_ATTENTIONS,
     PROVIDERS,
@@ -326,7 +326,7 @@ def _build_into(
     ort_backends = [p.backend for p in PROVIDERS.values()]
     first = [REFERENCE] if plan.check_reference else []
     # (openvino, a model-file backend of its own, is not part of a build: `attnx parity --backends openvino`)
-    first += [b for b in BACKENDS if b != REFERENCE and b not in ort_backends and not runs_onnx_model(b)]
+    first += [b for b in BACKEND_NAMES if b != REFERENCE and b not in ort_backends and not runs_onnx_model(b)]
     progress(f"parity: {', '.join(first)} against the reference")
     parity_args = dict(batches=plan.parity_batches, seqs=plan.parity_seqs, mem_seqs=plan.parity_mem_seqs)
     cases = run_parity(source, first, runner_factory=recording_factory, progress=progress, **parity_args).cases
@@ -406,7 +406,7 @@ def _build_step_into(
     check_model_file(model_path, config)
     step_parity = STEP_PARITY if 4 * config.n_params <= LARGE_MODEL_BYTES else STEP_PARITY_LARGE
     source = ModelSource(config, weights, model_path, dtype)
-    backends = [b for b in BACKENDS if plan.check_reference or b != REFERENCE]
+    backends = [b for b in BACKEND_NAMES if plan.check_reference or b != REFERENCE]
     if decode_form == "buffer":  # IOBinding on one cache: ONNX Runtime's backends (and the reference's formula)
         backends = [b for b in backends if b == REFERENCE or provider_of_backend(b) is not None]
     parity = ParityReport([])

@@ -18,7 +18,15 @@ import numpy as np
 from attnx import __version__
 from attnx.errors import CheckFailed
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import BACKENDS, PROVIDERS, QUANTIZATIONS, REFERENCE, describe, float_dtype, quantization_of
+from attnx.model.contract import (
+    BACKEND_NAMES,
+    PROVIDERS,
+    QUANTIZATIONS,
+    REFERENCE,
+    describe,
+    float_dtype,
+    quantization_of,
+)
 from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size
 from attnx.runtimes.base import ModelSource, Runner, create_runner
@@ -123,7 +131,7 @@ def order_cases(cases: list[ParityCase]) -> list[ParityCase]:
     shape_order: dict[tuple[int, int, int | None], int] = {}
     for c in cases:
         shape_order.setdefault((c.batch, c.seq, c.mem_seq), len(shape_order))
-    rank = {b: i for i, b in enumerate(BACKENDS)}
+    rank = {b: i for i, b in enumerate(BACKEND_NAMES)}
     return sorted(cases, key=lambda c: (shape_order[(c.batch, c.seq, c.mem_seq)], rank.get(c.backend, len(rank))))
 
 

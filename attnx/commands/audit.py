@@ -11,6 +11,7 @@ from attnx._io import check_output_file, not_a_file, write_json_atomic
 from attnx.commands import COMMANDS
 from attnx.commands._common import str_list
 from attnx.errors import UsageError
+from attnx.model.contract import AUDIT_BACKENDS
 
 HELP = COMMANDS["audit"].help
 
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the Hugging Face checkpoint it was made from: each block is paired with its layer by the "
                         "weights' values and every term that differs is a finding")  # fmt: skip
     p.add_argument("--backends", type=str_list, default=["ort-cpu"], metavar="B,B",
-                   help="where each block runs: ort-cpu, openvino, ort-cuda (default ort-cpu); one asked for that "
+                   help=f"where each block runs: {', '.join(AUDIT_BACKENDS)} (default ort-cpu); one asked for that "
                         "cannot load or run a block is a finding, one unavailable on this machine a skip")  # fmt: skip
     p.add_argument("--layers", default=None, metavar="I,J,...", help="audit these blocks only (graph order, from 0)")
     p.add_argument("--strict", action="store_true",

@@ -13,8 +13,8 @@ from typing import IO, Any
 from attnx._io import check_output_file, not_a_file, write_json_atomic
 from attnx._text import format_table
 from attnx.bench import (
+    BENCH_BACKENDS,
     DECODE_DTYPES,
-    DEFAULT_BACKENDS,
     DEFAULT_SEQS,
     BenchPlan,
     check_plot_path,
@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
     p.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, help="seed of the generated weights (default 0)")
     p.add_argument(
-        "--backends", type=str_list, default=list(DEFAULT_BACKENDS), help=f"default {','.join(DEFAULT_BACKENDS)}"
+        "--backends", type=str_list, default=list(BENCH_BACKENDS), help=f"default {','.join(BENCH_BACKENDS)}"
     )
     p.add_argument(
         "--attention",

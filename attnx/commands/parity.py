@@ -26,7 +26,7 @@ from attnx.commands._common import (
 )
 from attnx.errors import UsageError
 from attnx.model.contract import (
-    BACKENDS,
+    BACKEND_NAMES,
     MODEL_DTYPES,
     RUNTIME_DTYPES,
     check_choice,
@@ -36,12 +36,11 @@ from attnx.model.contract import (
 )
 from attnx.model.resources import check_memory, estimate_parity
 from attnx.runtimes import ModelSource, backend_names, create_runner
-from attnx.runtimes._untrusted import check_model_file
+from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_decode_parity
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 
 HELP = COMMANDS["parity"].help
-DEFAULT_BACKENDS = ",".join(BACKENDS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the ONNX model for ort-* and openvino (default: export one now); it describes itself: its "
                    "config, dtype, lowering and decode form are read from it, and a flag that contradicts them is an "
                    "error")  # fmt: skip
-    p.add_argument("--backends", type=str_list, default=str_list(DEFAULT_BACKENDS), help=f"default {DEFAULT_BACKENDS}")
+    p.add_argument("--backends", type=str_list, default=list(BACKEND_NAMES), help=f"default {','.join(BACKEND_NAMES)}")
     p.add_argument("--require", type=str_list, default=[], help="backends that must be available (else exit 2)")
     p.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES),
                    help=f"batch sizes, comma-separated (default {','.join(map(str, DEFAULT_BATCHES))})")  # fmt: skip
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         given = step_config(given, model_flag(args))
     if args.model:  # the model describes itself; a flag that contradicts it is one error
         # one rule for every backend, before any reads the file; the runtime holds every tensor at once
-        check_model_file(args.model, whole_model=True, max_mem_gb=args.max_mem_gb)
+        check_untrusted_model(args.model, whole_model=True, max_mem_gb=args.max_mem_gb)
         form = model_form(args.model, config=given, dtype=args.dtype, lowering=args.attention,
                           flags={"config": "--preset" if args.preset else "--config"})  # fmt: skip
         config, dtype = form.config, form.dtype

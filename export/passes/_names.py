@@ -322,48 +322,50 @@ def find_stages(model: ir.Model, config: AttentionConfig) -> tuple[dict[str, tup
 
 
 def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Value, str]) -> None:
-    """scores, probs and the per-head q/k after their norm or rotation, from the decomposed core."""
-    # probs: the softmax, or (a column joined before it: a sink) the Slice that drops the column; read by the
-    # MatMul with v
+    """scores, probs and the per-head q/k after their norm or rotation, from the decomposed core as the one walker
+    reads it (score_chain): the torch module records scores where its mask's Where takes them (scale * q.k and the
+    score terms after it: a softcap's Div, Tanh and Mul, a bias added to the scores), probs where the MatMul with v
+    reads them. Any other step between q.k and the Softmax, and nothing is named."""
+    chain = score_chain(softmax)
+    qk = chain.qk
+    if qk is None or any(const_array(i) is not None for i in qk.inputs):
+        return
+    # probs: the softmax, or (a sink's column joined before it) the Slice that drops the column; read by p.v alone
     probs = softmax.outputs[0]
-    users = _users(probs)
-    scores = softmax.inputs[0]
-    node = scores.producer()
-    joined = _is(node, "Concat") and len(node.inputs) == 2
-    if joined:
+    if chain.sink is not None:
+        users = _users(probs)
         if not (len(users) == 1 and _is(users[0], "Slice")):
             return
         probs = users[0].outputs[0]
-        users = _users(probs)
-    if not (len(users) == 1 and _is(users[0], "MatMul")):
+    if chain.pv is None or chain.probs is not probs or len(_users(probs)) != 1:
         return
-    # scores: the softmax's input, before a column joins and before the mask's Where; the column's logits are
-    # named as the weight they are (the sink's)
-    if joined:
-        expand = node.inputs[1].producer()
+    steps = list(chain.steps)  # from the Softmax back to q.k
+    # scores: the softmax's input, before the sink's column joins and before the mask's Where; the column's logits
+    # are named as the weight they are (the sink's)
+    if chain.sink is not None:
+        if steps[0] is not chain.sink:
+            return
+        expand = chain.sink.inputs[1].producer()
         if _is(expand, "Expand") and const_array(expand.inputs[0]) is not None:
             names[expand.inputs[0]] = "sinks"
-        scores = node.inputs[0]
-        node = scores.producer()
-    if _is(node, "Where") and const_array(node.inputs[1]) is not None:
-        names[node.inputs[1]] = "mask_fill"
-        scores = node.inputs[2]
-    elif _is(node, "Where") or _is(node, "Add"):
-        return  # a mask NameStages does not know
-    # back from scores to q.k: the softcap's Mul, Tanh, Div and the scale's Mul
-    value, consts = scores, []
-    while (p := value.producer()) is not None and p.op_type in ("Mul", "Div", "Tanh") and p.domain in _STD:
-        if p.op_type == "Tanh":
-            value = p.inputs[0]
-            continue
-        const = next((i for i in p.inputs if i is not None and const_array(i) is not None), None)
-        if const is None:
+        steps = steps[1:]
+    if steps and _is(steps[0], "Where"):
+        if const_array(steps[0].inputs[1]) is None:
+            return  # a mask NameStages does not know (not the module's masked_fill)
+        names[steps[0].inputs[1]] = "mask_fill"
+        steps = steps[1:]
+    scores = steps[0].outputs[0] if steps else qk.outputs[0]
+    # back from scores to q.k: the scale's Mul, the softcap's Mul, Tanh and Div, a bias added (ALiBi's)
+    additive = {id(node) for node, _, how in chain.masks if how == "additive"}
+    consts = []
+    for node in steps:
+        if node.op_type in ("Mul", "Div"):
+            const = next((i for i in node.inputs if i is not None and const_array(i) is not None), None)
+            if const is None:
+                return
+            consts.append((node.op_type, const))
+        elif node.op_type != "Tanh" and id(node) not in additive:
             return
-        consts.append((p.op_type, const))
-        value = next(i for i in p.inputs if i is not const)
-    qk = value.producer()
-    if not _is(qk, "MatMul") or any(const_array(i) is not None for i in qk.inputs):
-        return
     expected = (["Mul", "Div"] if "softcap" in c.terms else []) + ["Mul"]  # from the scores back: cap * tanh(s / cap)
     if [op for op, _ in consts] != expected or not _layout_heads(scores, c.n_heads):
         return

@@ -56,7 +56,7 @@ LLM_FUSED_CONFIGS: dict[str, AttentionConfig] = {
     ),
 }  # fmt: skip
 
-BACKENDS = ["ort-cpu", "openvino", "torch"]
+RUN_BACKENDS = ["ort-cpu", "openvino", "torch"]
 STEP = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, key_padding_mask=True)
 STEP_LLM = dataclasses.replace(LLM_FUSED_CONFIGS["ort-fused"], kv_cache=True)
 
@@ -91,9 +91,9 @@ def main(out_path: str) -> None:
                 continue
             source = ModelSource(c, weights, path, dtype)
             if c.kv_cache:
-                report = run_decode_parity(source, BACKENDS, prefills=(0, 5), steps=4, localise="all")
+                report = run_decode_parity(source, RUN_BACKENDS, prefills=(0, 5), steps=4, localise="all")
             else:
-                report = run_parity(source, BACKENDS, batches=(1, 3), seqs=(1, 7, 33),
+                report = run_parity(source, RUN_BACKENDS, batches=(1, 3), seqs=(1, 7, 33),
                                     mem_seqs=(5,) if c.cross else None, localise="all")  # fmt: skip
             for case in report.cases:
                 loc = case.localisation or {}

@@ -66,7 +66,7 @@ def test_the_whole_check_on_the_cpu_backends(tmp_path, capsys):
 
 
 def test_without_the_gpu_backends_nothing_passes_and_each_says_why(tmp_path):
-    reasons = {b: backend_unavailable_reason(b) for b in gpu_check.DEFAULT_BACKENDS}
+    reasons = {b: backend_unavailable_reason(b) for b in gpu_check.GPU_CHECK_BACKENDS}
     if all(r is None for r in reasons.values()):
         pytest.skip("the GPU backends run here: this is the path of a machine without them")
     code = gpu_check.main(["--out", str(tmp_path), "--steps", "bench", "--presets", "tiny", "--seqs", "8",

@@ -25,7 +25,7 @@ from attnx.runtimes.parity import run_parity
 from attnx.workflows import export_model
 from tests.conftest import LLM_CONFIGS, LLM_FUSED_CONFIGS
 
-BACKENDS = ["ort-cpu", "openvino"]
+TESTED_BACKENDS = ["ort-cpu", "openvino"]
 LOWERINGS = ("onnx", "ort-fused")
 # The operators each lowering is written in (docs/concepts/formula.md, "Modern LLM attention").
 OPS = {
@@ -70,7 +70,7 @@ def test_full_sequence_lowering_parity_and_describe(model, lowering):
     info = describe(path)
     assert info.lowering == lowering and info.decode is None and info.config == config
     assert OPS[lowering] <= set(info.operators), info.operators
-    ran = _passed(run_parity(ModelSource(config, weights, path), BACKENDS, batches=(1, 3), seqs=(1, 7, 33)))
+    ran = _passed(run_parity(ModelSource(config, weights, path), TESTED_BACKENDS, batches=(1, 3), seqs=(1, 7, 33)))
     if lowering == "onnx" and backend_unavailable_reason("openvino") is None:
         assert "openvino" in ran  # RotaryEmbedding-23, RMSNormalization-23, Attention-23 with softcap
 
@@ -81,7 +81,7 @@ def test_step_model_lowering_decode_parity(model, lowering):
     info = describe(path)
     assert info.lowering == lowering and info.decode == "growing"
     assert OPS[lowering] <= set(info.operators), info.operators
-    report = run_decode_parity(ModelSource(config, weights, path), BACKENDS, prefills=(0, 5), steps=6, batch=3)
+    report = run_decode_parity(ModelSource(config, weights, path), TESTED_BACKENDS, prefills=(0, 5), steps=6, batch=3)
     ran = _passed(report)
     if lowering == "onnx" and backend_unavailable_reason("openvino") is None:
         assert "openvino" in ran
@@ -256,7 +256,7 @@ def test_quantized_projections_of_a_rope_and_qk_norm_layer(tmp_path, dtype):
     full = str(tmp_path / "full.onnx")
     export_model(config, full, weights, attention="onnx", dtype=dtype)
     assert set(describe(full).quantization["projections"]) == {"q", "k", "v", "out"}
-    _passed(run_parity(ModelSource(config, weights, full, dtype=dtype), BACKENDS, batches=(3,), seqs=(1, 9)))
+    _passed(run_parity(ModelSource(config, weights, full, dtype=dtype), TESTED_BACKENDS, batches=(3,), seqs=(1, 9)))
     step = dataclasses.replace(config, kv_cache=True)
     for form in ("growing", "buffer"):
         path = str(tmp_path / f"{form}.onnx")
@@ -292,7 +292,7 @@ def test_quantized_projections_of_a_window_softcap_and_sinks_layer(tmp_path, dty
     full = str(tmp_path / "full.onnx")
     export_model(config, full, weights, attention="decomposed", dtype=dtype)
     source = ModelSource(config, weights, full, dtype=dtype)
-    _passed(run_parity(source, BACKENDS, batches=(3,), seqs=(1, 9)))
+    _passed(run_parity(source, TESTED_BACKENDS, batches=(3,), seqs=(1, 9)))
     model = onnx.load(full)
     for name in ("softcap", "sinks"):
         wrong = onnx.ModelProto()

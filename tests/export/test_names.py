@@ -32,6 +32,7 @@ STEP_MHA = AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=
 STEP_INT = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True)
 BUFFER = LLM_FUSED_CONFIGS["buffer"]
 NOBIAS = AttentionConfig(d_model=32, n_heads=4, causal=True, bias=False)
+ALIBI = AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True, alibi=True)  # a bias on the scores
 CORE = {"scores", "probs"}
 PROJ = {"q", "k", "v"}
 # What each form holds, beyond y (and the cache of a step model). The decomposed forms of a config
@@ -53,6 +54,7 @@ FULL = [  # (label, config, lowering, dtype): the torch export (decomposed) or t
     ("nobias", NOBIAS, "ort-fused-packed", "fp32"),
     ("llm", LLM_CONFIGS["llm"], "decomposed", "fp32"),
     ("llama", LLM_CONFIGS["llama"], "decomposed", "fp32"),
+    ("alibi", ALIBI, "decomposed", "fp32"),
     ("llm-built", LLM_FUSED_CONFIGS["ort-fused"], "ort-fused", "fp32"),
     ("llm-built", LLM_FUSED_CONFIGS["onnx"], "onnx", "fp32"),
     ("tiny", preset("tiny"), "decomposed", "fp16"),

@@ -61,7 +61,9 @@ def test_dtype_name_reads_the_dtype_and_never_formats_the_value():
 
 def test_providers_backends_and_devices_agree_with_the_runtime_registry():
     registered = set(backend_names())
-    assert set(contract.BACKENDS) == registered
+    assert set(contract.BACKEND_NAMES) == registered
+    # the audit runs a cut block's file: on every backend that runs a model file, and on no other
+    assert set(contract.AUDIT_BACKENDS) == {b for b in contract.BACKEND_NAMES if contract.runs_onnx_model(b)}
     for p in PROVIDERS.values():
         assert {p.backend, p.torch_backend} <= registered
         assert provider_of_backend(p.backend) is p and provider_of_backend(p.torch_backend) is None

@@ -16,7 +16,7 @@ from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import make_decode_inputs, run_decode_parity
 from attnx.runtimes.parity import run_parity
 
-BACKENDS = ["reference", "torch", "ort-cpu", "ort-cuda", "torch-cuda"]
+TESTED_BACKENDS = ["reference", "torch", "ort-cpu", "ort-cuda", "torch-cuda"]
 
 
 def _step(heads: int, kv_heads: int, kpm: bool = True) -> AttentionConfig:
@@ -46,7 +46,7 @@ def test_decode_parity_every_backend(step_models, attention, heads, kv_heads):
     """P in {0, 1, 37}, 64 steps, batch 3 left-padded (row 2's first queries see no key)."""
     c = _step(heads, kv_heads)
     w = init_weights(c, 0)
-    backends = BACKENDS if attention == "decomposed" else ["ort-cpu", "ort-cuda"]
+    backends = TESTED_BACKENDS if attention == "decomposed" else ["ort-cpu", "ort-cuda"]
     report = run_decode_parity(ModelSource(c, w, step_models(c, attention)), backends, prefills=(0, 1, 37), steps=64,
                                batch=3)  # fmt: skip
     ran = {case.backend for case in report.cases if case.status == "pass"}

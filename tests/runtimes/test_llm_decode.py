@@ -16,7 +16,7 @@ from attnx.runtimes.decode import make_decode_inputs, run_decode_parity
 from attnx.workflows import export_model
 from tests.conftest import CONFIGS, LLM_CONFIGS, weights_for
 
-BACKENDS = ["reference", "torch", "ort-cpu", "openvino"]
+TESTED_BACKENDS = ["reference", "torch", "ort-cpu", "openvino"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def step_model(tmp_path_factory):
 @pytest.mark.parametrize(("name", "offset"), [("llm", 0), ("llama", 8192)])
 def test_llm_decode_parity_on_every_backend(step_model, name, offset):
     config, weights, path = step_model(name)
-    report = run_decode_parity(ModelSource(config, weights, path), BACKENDS, prefills=(0, 5), steps=6, batch=3,
+    report = run_decode_parity(ModelSource(config, weights, path), TESTED_BACKENDS, prefills=(0, 5), steps=6, batch=3,
                                position_offset=offset)  # fmt: skip
     failed = [c for c in report.cases if c.status == "fail"]
     assert report.passed and not failed, failed[0].reason if failed else report.summary()

@@ -15,7 +15,7 @@ from attnx.runtimes.base import backend_unavailable_reason
 from attnx.runtimes.parity import run_parity
 from tests.conftest import LLM_CONFIGS, weights_for
 
-BACKENDS = ["reference", "torch", "ort-cpu", "openvino"]
+TESTED_BACKENDS = ["reference", "torch", "ort-cpu", "openvino"]
 
 
 def _ran(report, backend: str) -> list:
@@ -26,7 +26,7 @@ def _ran(report, backend: str) -> list:
 def test_llm_parity_on_every_backend(exported, name, offset):
     config = LLM_CONFIGS[name]
     source = ModelSource(config, weights_for(name), exported(name))
-    report = run_parity(source, BACKENDS, batches=(1, 3), seqs=(1, 7, 33), position_offset=offset)
+    report = run_parity(source, TESTED_BACKENDS, batches=(1, 3), seqs=(1, 7, 33), position_offset=offset)
     failed = [c for c in report.cases if c.status == "fail"]
     assert report.passed and not failed, failed[0].reason if failed else report.summary()
     for backend in ("reference", "torch", "ort-cpu"):

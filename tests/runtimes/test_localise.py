@@ -25,7 +25,7 @@ from attnx.runtimes.localise import localise_case
 from attnx.runtimes.parity import run_parity
 from attnx.workflows import export_model
 
-BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(backend_unavailable_reason(b) is not None,
+TESTED_BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(backend_unavailable_reason(b) is not None,
                                                      reason=str(backend_unavailable_reason(b))))
             for b in ("ort-cpu", "openvino")]  # fmt: skip
 SELF = AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True)
@@ -108,7 +108,7 @@ def self_model(tmp_path_factory):
     return _export(tmp_path_factory.mktemp("self"), SELF)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TESTED_BACKENDS)
 @pytest.mark.parametrize("fault", GRAPH_FAULTS, ids=lambda f: f.__name__)
 def test_planted_fault_is_localised_to_its_stage(self_model, tmp_path, fault, backend):
     model = onnx.load(self_model)
@@ -126,7 +126,7 @@ def test_planted_fault_is_localised_to_its_stage(self_model, tmp_path, fault, ba
     assert stage in found.line() and "agree:" in found.line()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TESTED_BACKENDS)
 def test_mask_off_by_one_is_localised_to_probs(tmp_path, backend):
     # The graph's window is one key wider than the formula's: the scores agree, the probabilities not.
     wider = dataclasses.replace(WINDOW, sliding_window=WINDOW.sliding_window + 1)
@@ -176,7 +176,7 @@ def test_a_weight_fault_inside_a_fused_form_names_the_weight(tmp_path):
     assert "q_proj.weight, k_proj.weight" in found.cause and "weights differ" in found.line()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TESTED_BACKENDS)
 def test_quantized_scale_doubled_is_localised_to_q(tmp_path, backend):
     path = _export(tmp_path, SELF, dtype="int8")
     model = onnx.load(path)

@@ -231,7 +231,7 @@ def test_cli_parity_in_bf16_lists_what_each_backend_computed_in(tmp_path, capsys
 
 
 def test_the_contract_names_runtime_dtypes_and_model_file_backends():
-    assert contract.RUNTIME_DTYPES == ("bf16",) and contract.OPENVINO in contract.BACKENDS
+    assert contract.RUNTIME_DTYPES == ("bf16",) and contract.OPENVINO in contract.BACKEND_NAMES
     assert contract.graph_dtype("bf16") == "fp32" and contract.graph_dtype("fp16") == "fp16"
     assert contract.host_dtype("bf16") == "fp32" and contract.host_dtype("fp16") == "fp16"
-    assert [b for b in contract.BACKENDS if contract.runs_onnx_model(b)] == ["ort-cpu", "ort-cuda", "openvino"]
+    assert [b for b in contract.BACKEND_NAMES if contract.runs_onnx_model(b)] == ["ort-cpu", "ort-cuda", "openvino"]

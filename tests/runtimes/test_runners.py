@@ -84,3 +84,51 @@ def test_ort_runner_reads_metadata_from_the_model(exported):
             ("x", "fp32", ("batch", "seq", 32)),
             ("key_padding_mask", "bool", ("batch", "seq")),
         ]
+
+
+def _foreign_model(path, unranked):
+    """A model another tool wrote (no attnx.config): a cache input whose dim is not attnx's past_seq, a dim without
+    a name, an input of unknown rank (unranked; OpenVINO's CPU plugin compiles none), and one dim name on two inputs
+    that need not agree."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    past = helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, "past_sequence_length", 4])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, None, 4])
+    other = helper.make_tensor_value_info("other", TensorProto.FLOAT, ["past_sequence_length"])
+    scalar = helper.make_tensor_value_info("scalar", TensorProto.FLOAT, None if unranked else [])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, None, 4])
+    nodes = [helper.make_node("Concat", ["past", "x"], ["c"], axis=1),
+             helper.make_node("ReduceSum", ["other"], ["s"], keepdims=0),
+             helper.make_node("Add", ["s", "scalar"], ["t"]), helper.make_node("Add", ["c", "t"], ["y"])]  # fmt: skip
+    graph = helper.make_graph(nodes, "foreign", [past, x, other, scalar], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", ["ort-cpu", "openvino"])
+def test_a_model_another_tool_wrote_is_held_to_its_declared_inputs_alone(tmp_path, backend):
+    """Outside attnx's contract, a dim's name is its exporter's: an empty cache axis, a dim without a name and one
+    name fed two sizes are the runtime's to judge; names, dtypes and fixed dims are still checked."""
+    from attnx.runtimes.base import backend_unavailable_reason
+
+    if (reason := backend_unavailable_reason(backend)) is not None:
+        pytest.skip(reason)
+    feeds = {"past": np.zeros((2, 0, 4), np.float32), "x": np.ones((2, 3, 4), np.float32),
+             "other": np.ones(5, np.float32), "scalar": np.array(1.0, np.float32)}  # fmt: skip
+    with create_runner(backend, ModelSource(model_path=_foreign_model(tmp_path / "m.onnx", backend != "openvino"))) as r:
+        assert not r.contract
+        np.testing.assert_array_equal(r.run(feeds)["y"], np.full((2, 3, 4), 7.0, np.float32))
+        with pytest.raises(InputError, match="'x' has size 3 on axis 0, expected 2"):
+            r.run({**feeds, "x": np.ones((3, 3, 4), np.float32)})
+        with pytest.raises(InputError, match="'other' has dtype fp64, expected fp32"):
+            r.run({**feeds, "other": np.ones(5)})
+
+
+def test_a_runner_chains_the_runtime_s_own_error(tmp_path):
+    """The audit reports a load failure in the runtime's own words: the runner's error chains it."""
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(ModelFileError) as caught:
+        create_runner("ort-cpu", ModelSource(model_path=str(junk))).load()
+    assert caught.value.__cause__ is not None and "ONNXRuntimeError" in str(caught.value.__cause__)

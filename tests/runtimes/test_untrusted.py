@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from attnx.cli import main
 from attnx.errors import UsageError
 from attnx.runtimes import _untrusted
-from attnx.runtimes._untrusted import check_model_file
+from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.workflows.audit import audit_model
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "genai" / "llama" / "fp32"
@@ -240,7 +240,7 @@ def test_functions_that_call_each_other_are_refused():
         onnx.save(model, path)
         with pytest.raises(UsageError, match=r"function 'A': the functions call each other in a cycle through "
                                              r"'local.fn:A' -> 'local.fn:B' -> 'local.fn:A'"):  # fmt: skip
-            check_model_file(path)
+            check_untrusted_model(path)
 
 
 def test_a_cycle_inside_a_subgraph_is_refused(tmp_path):
@@ -256,7 +256,7 @@ def test_a_cycle_inside_a_subgraph_is_refused(tmp_path):
     path = str(tmp_path / "m.onnx")
     onnx.save(model, path)
     with pytest.raises(UsageError, match="node 'neg': the graph has a cycle of 2 node.s. through 'neg' -> 'abs' -> 'neg'"):
-        check_model_file(path)
+        check_untrusted_model(path)
 
 
 def test_a_long_chain_is_walked_without_recursion(tmp_path):
@@ -270,7 +270,7 @@ def test_a_long_chain_is_walked_without_recursion(tmp_path):
     onnx.save(model, path)
     with pytest.raises(UsageError, match=r"node 'n0': the graph has a cycle of 20000 node\(s\) through 'n0' -> 'n1' -> "
                                          r"'n2' -> 'n3' -> \.\.\. 19994 more \.\.\. -> 'n19998' -> 'n19999' -> 'n0': refused$"):
-        check_model_file(path)
+        check_untrusted_model(path)
 
 
 @pytest.mark.parametrize("key,value", [("offset", "-8"), ("length", "lots")])

@@ -11,7 +11,7 @@ source's layer (or, without one, of the layer read from the graph) under the tol
 localised to its first stage (_localise). A MatMulNBits graph is held against the model as it computes: its
 dequantized weights, and at accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks). The whole model's
 decoding is run once (_decode_whole). The model is untrusted input: it is checked before anything parses it
-(attnx.runtimes._untrusted.check_model_file: external data inside its folder, sizes, cycles, domains).
+(attnx.runtimes._untrusted.check_untrusted_model: external data inside its folder, sizes, cycles, domains).
 
 The pieces: shapes (what the model's dims allow), sources (what a block is held to), compare (its terms against
 its source's), cut (a block out of its model, and what the graph computes for it), run (a block on a backend, its
@@ -20,10 +20,10 @@ checks, its localisation; the whole model's decoding), report (the verdicts), au
 
 from __future__ import annotations
 
+from attnx.model.contract import AUDIT_BACKENDS
 from attnx.workflows.audit.audit import audit_model
 from attnx.workflows.audit.report import AuditReport, BlockAudit
-from attnx.workflows.audit.run import BACKENDS
 from attnx.workflows.audit.shapes import AUDIT_SHAPE
 from attnx.workflows.audit.sources import CheckpointLayers
 
-__all__ = ["AUDIT_SHAPE", "BACKENDS", "AuditReport", "BlockAudit", "CheckpointLayers", "audit_model"]
+__all__ = ["AUDIT_BACKENDS", "AUDIT_SHAPE", "AuditReport", "BlockAudit", "CheckpointLayers", "audit_model"]

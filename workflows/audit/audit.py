@@ -14,8 +14,9 @@ import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
+from attnx.model.contract import AUDIT_BACKENDS
 from attnx.model.tolerance import problem_size
-from attnx.runtimes._untrusted import check_model_file
+from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.workflows.audit import run as _run
 from attnx.workflows.audit.compare import compare_terms, reference_of
 from attnx.workflows.audit.cut import (
@@ -23,11 +24,12 @@ from attnx.workflows.audit.cut import (
     AuditGraph,
     compute_in_cut,
     cut_block,
+    cut_file,
     graph_inputs_needed,
     read_computed_terms,
 )
 from attnx.workflows.audit.report import AuditReport, BlockAudit
-from attnx.workflows.audit.run import BACKENDS, first_line
+from attnx.workflows.audit.run import first_line
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers, StatedConfig, pairing_findings, stated_config
 
@@ -47,9 +49,9 @@ def audit_model(
     run (a gap, AuditReport.gaps) fails the audit; without it, the gap is named and the verdict is what was run."""
     say = progress or (lambda _m: None)
     for name in backends:
-        if name not in BACKENDS:
-            raise UsageError(f"backend {name!r}: the audit runs on {', '.join(BACKENDS)}")
-    check_model_file(model_path)  # untrusted input: refused before anything parses it for real
+        if name not in AUDIT_BACKENDS:
+            raise UsageError(f"backend {name!r}: the audit runs on {', '.join(AUDIT_BACKENDS)}")
+    check_untrusted_model(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
     from onnx.utils import Extractor
 
@@ -168,22 +170,25 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
         return audit
     needs = graph_inputs_needed(graph.model, block, [block.outputs["y"]])
     ran = False
-    for backend in backends:
-        try:
-            run = _run.runner_for(backend, cut)
-        except Exception as e:  # noqa: BLE001 - each runtime's own error types: a backend asked for cannot read it
-            findings.append(f"block {block.index}: {backend} cannot load {block.node}: {first_line(e)}")
-            continue
-        if isinstance(run, str):  # unavailable on this machine: a skip, as in parity
-            if f"{backend}: {run}" not in skipped:
-                skipped.append(f"{backend}: {run}")
-            continue
-        ran = True
-        failed = len(audit.findings)
-        _run.run_checks(functools.partial(_run.run_block, run, block, needs), backend, block, needs, feeds, ref, reference,
-                    size, audit, shapes)  # fmt: skip
-        if len(audit.findings) > failed and not audit.localised:
-            audit.localised = _run.localise_block(graph, block, backend, needs, config, weights, feeds, size)
+    with cut_file(cut) as path:
+        del cut  # on disk now: the block's weights once in memory, in the runtime's own copy
+        for backend in backends:
+            try:
+                runner = _run.runner_for(backend, path)
+            except Exception as e:  # noqa: BLE001 - each runtime's own error types: a backend asked for cannot read it
+                findings.append(f"block {block.index}: {backend} cannot load {block.node}: {first_line(e)}")
+                continue
+            if isinstance(runner, str):  # unavailable on this machine: a skip, as in parity
+                if f"{backend}: {runner}" not in skipped:
+                    skipped.append(f"{backend}: {runner}")
+                continue
+            ran = True
+            failed = len(audit.findings)
+            with runner:
+                _run.run_checks(functools.partial(_run.run_block, runner, block, needs), backend, block, needs, feeds,
+                                ref, reference, size, audit, shapes)  # fmt: skip
+            if len(audit.findings) > failed and not audit.localised:
+                audit.localised = _run.localise_block(graph, block, backend, needs, config, weights, feeds, size)
     if not ran and not audit.findings:
         not_checked.append(f"block {block.index}: not run: no backend asked for ({', '.join(backends)}) runs here")
     return audit

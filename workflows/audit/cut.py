@@ -1,26 +1,33 @@
 """A block cut out of its model at its own tensors (AuditGraph, cut_block), with the graph inputs its mask, lengths
-and rotary are computed from; what the graph computes for a block (its rotary tables, its mask) read by running that
-subgraph (read_computed_terms); the feeds of those graph inputs as transformers makes them (graph_feeds)."""
+and rotary are computed from, written to a file (cut_file) and loaded on a backend of the runner registry
+(runner_for); what the graph computes for a block (its rotary tables, its mask) read by running that subgraph
+(read_computed_terms); the feeds of those graph inputs as transformers makes them (graph_feeds)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from attnx.errors import ProviderUnavailable
 from attnx.export.terms import GRAPH_TERMS
 from attnx.export.visibility import read_mask_grid
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import PROVIDERS
+from attnx.model.contract import PROVIDERS, provider_of_backend
 from attnx.model.rope_fit import half_table, rope_of_table
 from attnx.model.terms import TERMS
 from attnx.runtimes._untrusted import check_cut_fits
+from attnx.runtimes.base import ModelSource, Runner, backend_unavailable_reason, create_runner
 from attnx.workflows.audit.shapes import AUDIT_SHAPE, Shapes
 
-__all__ = ["AuditGraph", "NotFed", "cut_block", "evaluate", "graph_feeds", "graph_inputs_needed", "read_computed_terms"]
+__all__ = ["AuditGraph", "NotFed", "cut_block", "cut_file", "evaluate", "graph_feeds", "graph_inputs_needed",
+           "read_computed_terms", "runner_for"]
 
 # an additive mask's entry at or below this hides its key (-1e4: BERT's and ONNX Runtime's mask_filter_value; -inf,
 # finfo.min and -65504 in other exports); a visible key's entry is 0 (or a position bias, far above it)
@@ -153,6 +160,38 @@ def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = Non
     return cut.SerializeToString()
 
 
+@contextlib.contextmanager
+def cut_file(cut: bytes) -> Iterator[str]:
+    """A cut (cut_block) written to a file of its own, removed after: what every backend of the runner registry loads
+    a model from (ModelSource.model_path; OpenVINO reads ONNX from a file)."""
+    with tempfile.TemporaryDirectory(prefix="attnx-audit-") as folder:
+        path = os.path.join(folder, "block.onnx")
+        with open(path, "wb") as f:
+            f.write(cut)
+        yield path
+
+
+# ONNX Runtime's own error lines off: the audit reports each error the runtime raises (its first_line)
+QUIET_LOG = 4
+
+
+def runner_for(backend: str, path: str) -> Runner | str:
+    """The model at `path` (a cut block, or the whole model) loaded on `backend` through the runner registry
+    (attnx.runtimes.create_runner: a backend means there what it means in parity, its checks included), or why the
+    backend is unavailable on this machine (a str: a skip). A backend that is here but cannot read or compile the
+    model raises: a finding (the runner's error chains the runtime's own: first_line says that one)."""
+    reason = backend_unavailable_reason(backend)
+    if reason is not None:
+        return reason
+    options: dict[str, Any] = {}
+    if provider_of_backend(backend) is not None:  # an ONNX Runtime session
+        import onnxruntime as ort
+
+        options["session_options"] = ort.SessionOptions()
+        options["session_options"].log_severity_level = QUIET_LOG
+    return create_runner(backend, ModelSource(model_path=path), **options).load()
+
+
 class NotFed(Exception):
     """A graph input the block reads that the audit does not know how to feed."""
 
@@ -191,17 +230,19 @@ def evaluate(graph: AuditGraph, block: Any, names: Sequence[str], tokens: int) -
     """Tensors of the graph that the block's terms are computed from (its mask, its rotary tables), cut out with
     what they read and run once on ONNX Runtime's CPU for one prompt of `tokens` tokens at positions 0.. (in each row
     of a batch the model's dims fix)."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(cut_block(graph, block, outputs=names), providers=[PROVIDERS["cpu"].ort_name])
     dtype = NP_DTYPES.get(block.dtype, np.float32)
     batch = graph.shapes.batch if "batch" in graph.shapes.fixed else 1
-    names = [v.name for v in session.get_inputs()]
-    x = block.inputs.get("x")
-    feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in names else {}  # read for its shape
-    empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # every cache input: no past
-    feeds.update(graph_feeds([n for n in names if n != x], np.ones((batch, tokens), np.int64), 0, empty))
-    return [np.asarray(a) for a in session.run(None, feeds)]
+    with cut_file(cut_block(graph, block, outputs=names)) as path:
+        runner = runner_for(PROVIDERS["cpu"].backend, path)
+        if isinstance(runner, str):
+            raise ProviderUnavailable(runner)
+        with runner:
+            inputs = [s.name for s in runner.inputs]
+            x = block.inputs.get("x")
+            feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in inputs else {}  # its shape
+            empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # no past
+            feeds.update(graph_feeds([n for n in inputs if n != x], np.ones((batch, tokens), np.int64), 0, empty))
+            return [np.asarray(a) for a in runner.run(feeds).values()]
 
 
 def probe_tokens(graph: AuditGraph, wanted: int) -> int:
@@ -243,7 +284,7 @@ def read_computed_terms(graph: AuditGraph, block: Any) -> None:
             block.config = read_mask_terms(graph, block)
         except NotFed as e:
             block.unread = f"its mask {block.mask} not read: {e}"
-    for name, tensor in block.facts.pop("computed", {}).items():  # each term's values per token (a temperature)
+    for name, tensor in block.facts.pop("computed_terms", {}).items():  # each term's values per token (a temperature)
         tokens = probe_tokens(graph, max(AUDIT_SHAPE["rope_positions"], min(block.facts.get("reach_hint") or 0,
                                                                             ROPE_PROBE_MAX)))  # fmt: skip
         try:

@@ -6,33 +6,28 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from attnx.errors import AttnxError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS
 from attnx.model.resources import available_memory_bytes
 from attnx.model.stages import STAGES
 from attnx.model.tolerance import tolerance_for
-from attnx.runtimes.base import runtime_threads
+from attnx.runtimes.base import Runner
 from attnx.runtimes.compare import Comparison, compare_arrays
 from attnx.runtimes.localise import compare_stages, reference_stages
-from attnx.runtimes.openvino_runner import DEVICE, compile_config, openvino_unavailable_reason
-from attnx.runtimes.ort_runner import ort_cuda_unavailable_reason
-from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, NotFed, cut_block, graph_feeds
+from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, NotFed, cut_block, cut_file, graph_feeds, runner_for
 from attnx.workflows.audit.report import AuditReport, BlockAudit
 from attnx.workflows.audit.shapes import Shapes
 
-__all__ = ["BACKENDS", "decode_whole", "first_line", "localise_block", "run_block", "run_checks", "runner_for"]
+__all__ = ["decode_whole", "first_line", "localise_block", "run_block", "run_checks", "runner_for"]
 
 
-Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # feeds by the cut's input names -> y, presents
-
-
-def run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_len: int,
+def run_block(runner: Runner, block: Any, needs: Sequence[str], x: np.ndarray, past_len: int,
                past: tuple[np.ndarray, np.ndarray], lengths: np.ndarray | None = None,
                left: np.ndarray | None = None) -> list[np.ndarray]:  # fmt: skip
     """One call of the cut block on `x` after `past_len` cached tokens. GroupQueryAttention's convention: each
@@ -58,44 +53,10 @@ def run_block(run: Run, block: Any, needs: Sequence[str], x: np.ndarray, past_le
         mask[np.arange(total)[None, :] >= np.asarray(lengths)[:, None]] = 0
     other_cache = feeds.get(block.inputs.get("past_key"))  # another layer's cache input, read for its length
     feeds.update(graph_feeds(needs, mask, past_len, other_cache))
-    outputs = run(feeds)
+    outputs = list(runner.run(feeds).values())  # in the cut's order: y, presents (or the stages asked)
     if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
         outputs[0] = outputs[0] + block.y_bias
     return outputs
-
-
-BACKENDS = ("ort-cpu", "openvino", "ort-cuda")
-
-
-def runner_for(backend: str, cut: bytes) -> Run | str:
-    """The cut block loaded on `backend` (a Run), or why the backend is unavailable on this machine (a str: a
-    skip). A backend that is here but cannot read or compile the block raises: a finding."""
-    if backend == "openvino":
-        reason = openvino_unavailable_reason()
-        if reason is not None:
-            return reason
-        import openvino as ov
-
-        with tempfile.TemporaryDirectory(prefix="attnx-audit-") as folder:  # OpenVINO reads ONNX from a file
-            path = os.path.join(folder, "block.onnx")
-            with open(path, "wb") as f:
-                f.write(cut)
-            core = ov.Core()
-            compiled = core.compile_model(core.read_model(path), DEVICE, compile_config("fp32", runtime_threads()))
-        return lambda feeds: [np.asarray(v) for v in compiled(feeds).values()]
-    import onnxruntime as ort
-
-    provider = PROVIDERS["cuda" if backend == "ort-cuda" else "cpu"].ort_name
-    if backend == "ort-cuda" and (reason := ort_cuda_unavailable_reason()) is not None:
-        return reason
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # ORT's own error lines: the audit reports the error it raises
-    if (threads := runtime_threads()) is not None:  # ATTNX_THREADS, as every attnx session
-        options.intra_op_num_threads = threads
-    session = ort.InferenceSession(cut, options, providers=[provider])
-    if session.get_providers()[0] != provider:  # never a CUDA run that fell back to the CPU
-        raise RuntimeError(f"onnxruntime did not start {provider} (session providers: {session.get_providers()})")
-    return lambda feeds: session.run(None, feeds)
 
 
 def localise_block(graph: AuditGraph, block: Any, backend: str, needs: Sequence[str],
@@ -107,13 +68,15 @@ def localise_block(graph: AuditGraph, block: Any, backend: str, needs: Sequence[
         return f"block {block.index}: not localised: a quantized block's stages have no float reference"
     order = [s.name for s in STAGES if s.name in block.stages]
     names = list(dict.fromkeys(block.stages[s][0] for s in order))
+    x = feeds["x"]
     try:
-        run = runner_for(backend, cut_block(graph, block, outputs=names, boundary=True))
-        if isinstance(run, str):
-            return f"block {block.index}: not localised: {run}"
-        x = feeds["x"]
-        empty = empty_cache(block, x.shape[0])
-        values = dict(zip(names, run_block(run, block, needs, x, 0, (empty, empty))))
+        with cut_file(cut_block(graph, block, outputs=names, boundary=True)) as path:
+            runner = runner_for(backend, path)
+            if isinstance(runner, str):
+                return f"block {block.index}: not localised: {runner}"
+            with runner:
+                empty = empty_cache(block, x.shape[0])
+                values = dict(zip(names, run_block(runner, block, needs, x, 0, (empty, empty))))
     except Exception as e:  # noqa: BLE001 - the runtime's own error types
         return f"block {block.index}: not localised: the block with its stages exposed fails on {backend}: {first_line(e)}"
     found = {}
@@ -142,8 +105,6 @@ def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int
     """The whole model as exported, on ONNX Runtime's CPU: a prefill then single steps through its own cache (every
     present fed back as the next past), which fails in some exports though every block cut out alone runs (a
     buffer the runtime plans from the graph's dim labels). It only has to run: its numbers are the blocks'."""
-    import onnxruntime as ort
-
     model, shapes = graph.model, graph.shapes
     if not caches or "input_ids" not in {v.name for v in model.graph.inputs}:
         return  # nothing to decode, or a model that is its blocks (from a hidden state): each block says
@@ -164,20 +125,22 @@ def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int
         report.not_checked.append(f"the whole model's decoding: it reads {', '.join(other)}, which the audit does "
                                   "not feed")  # fmt: skip
         return
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    if (threads := runtime_threads()) is not None:
-        options.intra_op_num_threads = threads
     try:
-        session = ort.InferenceSession(model_path, options, providers=[PROVIDERS["cpu"].ort_name])
+        runner = runner_for(PROVIDERS["cpu"].backend, model_path)
     except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
         report.findings.append(f"the whole model as exported does not load on ort-cpu: {first_line(e)}")
         return
-    types = {v.name: v.type for v in session.get_inputs()}
-    np_of = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-    names = [o.name for o in session.get_outputs()]
+    if isinstance(runner, str):
+        return  # ort-cpu is not here: each block says so
+    with runner:
+        decode_steps(runner, caches, shapes, report)
+
+
+def decode_steps(runner: Runner, caches: dict[str, tuple[int, int, int]], shapes: Shapes, report: AuditReport) -> None:
+    """decode_whole's prefill and steps on the loaded whole model."""
+    types = {s.name: s.dtype for s in runner.inputs}
     batch, prefill, steps = shapes.batch, shapes.prefill, shapes.tokens - shapes.prefill
-    past = {name: np.zeros((batch, kv, capacity, hd), np_of.get(types.get(name, ""), np.float32))
+    past = {name: np.zeros((batch, kv, capacity, hd), NP_DTYPES.get(types.get(name, ""), np.float32))
             for name, (kv, capacity, hd) in caches.items()}  # fmt: skip
     presents = {name: "present" + name[len("past_key_values"):] if name.startswith("past_key_values") else None
                 for name in caches}  # fmt: skip
@@ -189,7 +152,7 @@ def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int
         feeds = {k: v for k, v in feeds.items() if k in types} | past
         what = f"the prefill of {prefill} tokens" if step == 0 else f"decoding step {step} (after {done} tokens)"
         try:
-            outputs = dict(zip(names, session.run(None, feeds)))
+            outputs = runner.run(feeds)
         except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
             report.findings.append(f"the whole model as exported fails at {what} on ort-cpu: {first_line(e)}")
             return
@@ -304,6 +267,8 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
 def first_line(e: BaseException) -> str:
     """A runtime's message in one line: ONNX Runtime's without its "[ONNXRuntimeError] : 2 : ... : " prefix, with
     the node it names ("node N (Op): ..."); OpenVINO's informative line (its first lines are source locations)."""
+    if isinstance(e, AttnxError) and e.__cause__ is not None:  # a runner's error: the runtime's own, which it chains
+        e = e.__cause__
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
