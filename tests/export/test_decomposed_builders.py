@@ -24,13 +24,16 @@ from tests.conftest import CONFIGS, LLM_CONFIGS
 # The configs test_names.py traces with the same weights (one trace each in a run, through the trace cache), and
 # between them every term: plain self-attention; causal, a key padding mask and a custom scale; cross-attention with
 # another v head size; grouped heads, rope (partial, interleaved, yarn), a window, a softcap, q/k norms and sinks;
-# ALiBi.
+# ALiBi; Llama 4's chunked rope layer (the norm after rope, chunks under left padding) and its NoPE layer (the
+# temperature).
 CASES = {
     "tiny": preset("tiny"),
     "causal_kpm": CONFIGS["causal_kpm"],
     "cross": CONFIGS["cross"],
     "llm": LLM_CONFIGS["llm"],
     "alibi": AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True, alibi=True),
+    "llama4": LLM_CONFIGS["llama4"],
+    "llama4-nope": LLM_CONFIGS["llama4-nope"],
 }
 SHAPES = ((1, 3, 4), (3, 9, 7))  # (batch, seq, mem_seq): neither the trace's example (2, 5, 6)
 
