@@ -49,7 +49,7 @@ from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import BUFFER_CORES, DEFAULT_BUFFER_CORE, QUANTIZED_DTYPES
 from attnx.model.cores import core_for
-from attnx.model.terms import reach_of
+from attnx.model.reference import hidden_keys
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
 
@@ -144,12 +144,12 @@ class DecodeBenchRow:
 def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int = 4, dtype: str = "fp32",
                block_size: int = DEFAULT_BLOCK_SIZE) -> int:  # fmt: skip
     """Bytes one step must move at least: weights (as stored in `dtype`: weight_bytes), the cache
-    read (past + 1 positions; with a sliding window W, the last W), the new keys/values written, x and y."""
+    read (the keys the new token sees of past + 1: with a sliding window W, the last W; in a chunk, its chunk's), the
+    new keys/values written, x and y."""
     c = config
     cache_row = c.n_kv_heads * (c.head_dim + c.v_head_dim) * itemsize * batch
     weights = c.n_params * itemsize if dtype == "fp32" else weight_bytes(c, dtype, block_size)
-    reach = reach_of(c)  # a window reads its W keys
-    seen = past + 1 if reach is None else min(past + 1, reach)
+    seen = int((~hidden_keys(c, past, past + 1)).sum())  # the keys its mask terms let it see (a window's W)
     return weights + cache_row * seen + cache_row + 2 * batch * c.d_model * itemsize
 
 
@@ -394,18 +394,19 @@ class _TorchPeer:
         q = m.q_proj(xt).view(1, 1, c.n_heads, c.head_dim)
         k = m.k_proj(xt).view(1, 1, c.n_kv_heads, c.head_dim)
         for term in m._terms["qk"]:  # qk_norm, rope
-            q, k = self.terms[term](m, q, k, self.position)
+            q, k = self.terms[term](m, q, k, self.position, self.position[0])
         v = m.v_proj(xt).view(1, 1, c.n_kv_heads, c.v_head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q, k_all, v_all):
-        """The new token's y over the cache; with a window the last W keys only (a query at p sees
-        p - W < j <= p: a sliding-window cache holds those)."""
+        """The new token's y over the cache, the keys its mask terms let it see only (a window's last W, as a
+        sliding-window cache holds them; a chunk's own)."""
         import torch.nn.functional as F
 
         c, m = self.c, self.m
-        if (reach := reach_of(c)) is not None:  # a window: the keys within its reach
-            k_all, v_all = k_all[:, :, -reach:], v_all[:, :, -reach:]
+        seen = ~hidden_keys(c, k_all.shape[2] - 1, k_all.shape[2])  # a window's last W keys, a chunk's own
+        if not seen.all():
+            k_all, v_all = k_all[:, :, seen], v_all[:, :, seen]
         if not {"softcap", "sinks"} & set(c.terms):  # eager attention for these (the peers' rule)
             z = F.scaled_dot_product_attention(q, k_all, v_all, scale=c.softmax_scale,
                                                enable_gqa=c.n_kv_heads != c.n_heads)  # fmt: skip

@@ -24,7 +24,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_cos_sin, rope_pairs
 from attnx.model.terms import TERMS
 
-__all__ = ["REFERENCE_TERMS", "hidden_grid", "reference_attention", "scored_qk"]
+__all__ = ["REFERENCE_TERMS", "hidden_grid", "hidden_keys", "reference_attention", "scored_qk"]
 
 
 # The terms' functions. Each takes the config and the weights, then what its place acts on:
@@ -135,15 +135,20 @@ def _terms(c: AttentionConfig, place: str) -> list[str]:
     return [t for t in c.terms if TERMS[t].place == place]
 
 
+def hidden_keys(c: AttentionConfig, query: int, keys: int) -> np.ndarray:
+    """bool [keys]: key j hidden from the query at token index `query` of a row without padding, by the union of
+    the config's mask terms (token indices)."""
+    index, padding = np.arange(keys), np.zeros(keys, bool)
+    hidden = np.zeros(keys, bool)
+    for term in _terms(c, "mask"):
+        hidden |= REFERENCE_TERMS[term](c, query, index, padding)
+    return hidden
+
+
 def hidden_grid(c: AttentionConfig, tokens: int) -> np.ndarray:
     """bool [tokens, tokens]: key j hidden from query i of a prompt of `tokens` tokens without padding, by the
     union of the config's mask terms (token indices)."""
-    keys, padding = np.arange(tokens), np.zeros(tokens, bool)
-    hidden = np.zeros((tokens, tokens), bool)
-    for i in range(tokens):
-        for term in _terms(c, "mask"):
-            hidden[i] |= REFERENCE_TERMS[term](c, i, keys, padding)
-    return hidden
+    return np.stack([hidden_keys(c, i, tokens) for i in range(tokens)]) if tokens else np.zeros((0, 0), bool)
 
 
 def _linear(c: AttentionConfig, weights: Mapping[str, np.ndarray], inp: np.ndarray, name: str) -> np.ndarray:

@@ -121,13 +121,17 @@ def test_torch_peers_compute_the_formula():
     for config in (base, dataclasses.replace(base, qk_norm={"eps": 1e-5}, rope={**base.rope.to_dict(), "dim": 8}),
                    dataclasses.replace(base, rope={**base.rope.to_dict(), "interleaved": True}),
                    dataclasses.replace(base, softcap=0.5, sliding_window=3),  # Gemma 2's terms: eager, last W keys
-                   dataclasses.replace(base, sinks=True, sliding_window=4)):  # gpt-oss's  # fmt: skip
+                   dataclasses.replace(base, sinks=True, sliding_window=4),  # gpt-oss's
+                   # Llama 4's: its chunk's keys alone (token 5 of chunks of 3 sees 3..5), the temperature at 5
+                   dataclasses.replace(LLM_CONFIGS["llama4"], kv_cache=True, key_padding_mask=False),
+                   dataclasses.replace(LLM_CONFIGS["llama4-nope"], kv_cache=True, key_padding_mask=False)):  # fmt: skip
         w = init_weights(config, 3)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((1, 6, config.d_model)).astype(np.float32)
         empty = np.zeros((1, config.n_kv_heads, 0, config.head_dim), np.float32)
         pos = np.arange(6, dtype=np.int64)[None]
-        y, k, v = reference_attention(config, w, x, past_key=empty, past_value=empty, position_ids=pos)
+        y, k, v = reference_attention(config, w, x, past_key=empty, past_value=empty,
+                                      **({"position_ids": pos} if config.rope is not None else {}))
         peer = _TorchPeer(config, {n: torch.from_numpy(np.asarray(a, np.float32)) for n, a in w.items()}, 5)
         with torch.inference_mode():
             q, kn, vn = peer.qkv(torch.from_numpy(x[:, 5:]))
