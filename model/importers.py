@@ -104,10 +104,13 @@ def _import(source: Any, layer: int, attention: str, stack: str | None, key_padd
         raise UsageError(f"model_type {model_type!r}: {NOT_EXPRESSIBLE[model_type]}: not imported")
     if model_type == "falcon" and hf.get("alibi"):
         raise UsageError(f"falcon with alibi: {_FALCON_ALIBI}: not imported")
-    if model_type == "gemma3":
-        raise UsageError("model_type 'gemma3' is Gemma 3's multimodal checkpoint (its text model's config under "
-                         "text_config, its layers beside a vision tower's): not in the table yet; a gemma3_text "
-                         "checkpoint (Gemma 3 1B, or the text model saved on its own) imports")  # fmt: skip
+    multimodal = {"gemma3": ("Gemma 3", "gemma3_text", "Gemma 3 1B, or the text model saved on its own"),
+                  "llama4": ("Llama 4", "llama4_text", "Llama4ForCausalLM's text model saved on its own")}
+    if model_type in multimodal:
+        name, text, how = multimodal[model_type]
+        raise UsageError(f"model_type {model_type!r} is {name}'s multimodal checkpoint (its text model's config "
+                         "under text_config, its layers beside a vision tower's): not in the table yet; a "
+                         f"{text} checkpoint ({how}) imports")  # fmt: skip
     if model_type in ROTARY_FAMILIES or model_type in ALIBI_FAMILIES:
         if attention != "self" or stack not in (None, "decoder"):
             raise UsageError(f"{model_type} is a decoder: it has decoder self-attention only")

@@ -144,3 +144,10 @@ def test_the_buffer_form_refuses_each_llama4_term_by_name(llama4):
             with pytest.raises(UsageError) as refused:
                 core_for("ort-fused", step, form="buffer", buffer_core=buffer_core)
             assert all(term in str(refused.value) for term in terms), str(refused.value)
+
+
+@pytest.mark.parametrize(("model_type", "text"), [("llama4", "llama4_text"), ("gemma3", "gemma3_text")])
+def test_a_multimodal_checkpoint_is_refused_naming_its_text_model(llama4, tmp_path, model_type, text):
+    folder = _edit(llama4, tmp_path, lambda d: d.update(model_type=model_type))
+    with pytest.raises(UsageError, match=f"multimodal checkpoint .*a {text} checkpoint"):
+        import_weights(folder, layer=0)
