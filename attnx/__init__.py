@@ -46,6 +46,7 @@ _EXPORTS = {
     "export_model": "attnx.workflows",
     "export_onnx": "attnx.export",
     "optimize_file": "attnx.workflows",
+    "optimize_model": "attnx.workflows",
     "build_package": "attnx.workflows",
     "import_model": "attnx.workflows",
     "audit_model": "attnx.workflows",

@@ -25,7 +25,8 @@ def _shape(text: str) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("optimize", help=HELP, description=HELP)
-    p.add_argument("model", metavar="IN.onnx", help="a model written by attnx export")
+    p.add_argument("model", metavar="IN.onnx", help="a model written by attnx export, or a whole model another tool "
+                   "exported (each attention block rewritten into a fused core, proven, the interface kept)")
     p.add_argument("--out", required=True, metavar="OUT.onnx", help="the ONNX file to write, once its parity check passes")
     p.add_argument(
         "--attention", choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
@@ -36,10 +37,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
     p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="where parity is checked and auto times")
     p.add_argument("--auto-seq", type=_shape, default=None, help="sequence length auto times at (default 512)")
+    p.add_argument("--checkpoint", default=None, metavar="HF_DIR",
+                   help="a whole model's Hugging Face checkpoint: each block written as its layer states it, each "
+                        "difference a named repair")  # fmt: skip
+    p.add_argument("--json", default=None, metavar="REPORT.json", help="a whole model's report as JSON")
     p.set_defaults(run=run)
 
 
+def _foreign(path: str) -> bool:
+    """Whether `path` is a model attnx did not write (no attnx.config in its metadata), read without its data."""
+    import onnx
+
+    from attnx.model.contract import CONFIG_KEY
+    from attnx.runtimes._untrusted import check_untrusted_model
+
+    check_untrusted_model(path)
+    return CONFIG_KEY not in {p.key for p in onnx.load(path, load_external_data=False).metadata_props}
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """A whole model another tool exported (attnx.workflows.optimize_model)."""
+    from attnx.errors import UsageError
+
+    given = [f for f, v in (("--attention", args.attention != "ort-fused"), ("--dtype", args.dtype),
+                            ("--provider", args.provider != "cpu"), ("--auto-seq", args.auto_seq)) if v]  # fmt: skip
+    if given:
+        raise UsageError(f"{given[0]} is for a model attnx wrote; a whole model is rewritten into the ort-fused "
+                         "lowering's cores and proven on the CPU in this version")  # fmt: skip
+    flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
+    report = flows.optimize_model(args.model, args.out, checkpoint=args.checkpoint, json_path=args.json,
+                                  progress=Progress())  # fmt: skip
+    print("\n".join(report.lines()))
+    return 0 if report.passed else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if _foreign(args.model):
+        return run_model(args)
+    if args.checkpoint is not None or args.json is not None:
+        from attnx.errors import UsageError
+
+        raise UsageError(f"{'--checkpoint' if args.checkpoint else '--json'} is for a whole model another tool "
+                         "exported; this one was written by attnx export")  # fmt: skip
     flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
     progress = Progress()
     auto_shape = flows.AUTO_SHAPE if args.auto_seq is None else (flows.AUTO_SHAPE[0], args.auto_seq, args.auto_seq)

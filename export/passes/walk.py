@@ -155,6 +155,17 @@ def walk(value: ir.Value) -> Path:
             path.norm, value = (weight, node.attributes.get_float("epsilon", 1e-5)), node.inputs[0]
         elif node.op_type in PASS_OPS and node.domain in ("", "ai.onnx"):
             value = node.inputs[0]
+        elif is_op(node, "Div") or is_op(node, "Mul"):  # a norm without weights, a factor per position (Llama 4's)
+            computed = [i for i in node.inputs if i is not None and const_array(i) is None]
+            if len(computed) != 2:
+                break
+            if path.plain_norm is None and (norm := plain_norm(node)) is not None:
+                path.plain_norm, value = norm
+            elif is_op(node, "Mul") and path.factor is None and (f := next(
+                    (i for i in computed if position_factor(i)), None)) is not None:  # fmt: skip
+                path.factor, value = f, next(i for i in computed if i is not f)
+            else:
+                break
         else:
             break
     path.projection = value
@@ -326,7 +337,8 @@ def computed_from(value: ir.Value, ops: tuple[str, ...], limit: int = 48) -> boo
             return False
         seen.add(id(node))
         met |= node.op_type in ops
-        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
+        if node.op_type not in ("Shape", "Size"):  # a size, not values: what it measures is not read
+            queue += [i for i in node.inputs if i is not None and const_array(i) is None]
     return met
 
 

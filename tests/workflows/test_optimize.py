@@ -98,7 +98,7 @@ def test_optimize_exits_2_on_a_file_that_is_not_an_onnx_model(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["notes.onnx"]
 
 
-def test_optimize_exits_2_on_an_onnx_model_attnx_did_not_write(tmp_path, capsys):
+def test_optimize_exits_2_on_a_model_attnx_did_not_write_with_no_attention(tmp_path, capsys):
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
@@ -107,7 +107,8 @@ def test_optimize_exits_2_on_an_onnx_model_attnx_did_not_write(tmp_path, capsys)
     path = tmp_path / "relu.onnx"
     onnx.save(helper.make_model(graph, ir_version=IR_VERSION), str(path))
     assert main(["optimize", str(path), "--out", str(tmp_path / "o.onnx")]) == 2
-    assert "has no 'attnx.config' metadata" in capsys.readouterr().err
+    assert "no attention block found (a model attnx did not write" in capsys.readouterr().err
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_optimize_exits_2_on_bad_output_paths(exported, tmp_path, capsys):

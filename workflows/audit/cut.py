@@ -325,6 +325,8 @@ def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
         if kept.shape != (tokens, tokens):
             raise NotFed(f"{name} is {list(mask.shape)}, not a [{tokens}, {tokens}] grid of a prompt")
         allowed &= kept
+    if block.config.causal:  # the op hides later keys itself (GroupQueryAttention's causal): its mask input need not
+        allowed &= np.tri(tokens, dtype=bool)
     try:  # with what the op itself states (GroupQueryAttention's causal and local_window_size, Attention's is_causal)
         config, block.facts["mask"] = read_mask_grid(allowed, block.config)
     except ValueError as e:
