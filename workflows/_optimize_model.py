@@ -35,15 +35,16 @@ from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import UsageError
 from attnx.export import build_model
 from attnx.export._blocks import iter_blocks
+from attnx.model.contract import CONFIG_KEY
 from attnx.model.cores import core_for
 from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.workflows.audit import audit_model
 from attnx.workflows.audit.compare import compare_terms
-from attnx.workflows.audit.cut import AuditGraph, read_computed_terms
+from attnx.workflows.audit.cut import AuditGraph, graph_feeds, read_computed_terms
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
 
-__all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model"]
+__all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model", "written_by_another_tool"]
 
 LOWERING = "ort-fused"
 
@@ -88,6 +89,15 @@ class ModelOptimizeReport:
         return {"model": self.model, "out": self.out, "checkpoint": self.checkpoint, "passed": self.passed,
                 "written": self.written, "blocks": [dataclasses.asdict(b) for b in self.blocks],
                 "proofs": self.proofs}  # fmt: skip
+
+
+def written_by_another_tool(path: str) -> bool:
+    """Whether the model at `path` carries no attnx.config (attnx did not write it), read without its data after the
+    untrusted-file checks."""
+    import onnx
+
+    check_untrusted_model(os.fspath(path))
+    return CONFIG_KEY not in {p.key for p in onnx.load(os.fspath(path), load_external_data=False).metadata_props}
 
 
 def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
@@ -268,8 +278,6 @@ def _same_model(report: ModelOptimizeReport, model_path: str, out_path: str) -> 
     left-padded batch, full sequence then prefill + single steps through each one's own cache, the same greedy
     tokens (logits' argmax at every unpadded position); the largest logits difference is said."""
     import onnxruntime as ort
-
-    from attnx.workflows.audit.cut import graph_feeds
 
     sessions = [ort.InferenceSession(p, providers=["CPUExecutionProvider"]) for p in (model_path, out_path)]
     io = [([(i.name, i.type, i.shape) for i in s.get_inputs()], [(o.name, o.type, o.shape) for o in s.get_outputs()])

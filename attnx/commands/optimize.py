@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from attnx._text import format_table
 from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, add_quant_args, workflows
+from attnx.errors import UsageError
 from attnx.model.contract import MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
 from attnx.model.cores import attention_help
 
@@ -44,27 +46,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _foreign(path: str) -> bool:
-    """Whether `path` is a model attnx did not write (no attnx.config in its metadata), read without its data."""
-    import onnx
-
-    from attnx.model.contract import CONFIG_KEY
-    from attnx.runtimes._untrusted import check_untrusted_model
-
-    check_untrusted_model(path)
-    return CONFIG_KEY not in {p.key for p in onnx.load(path, load_external_data=False).metadata_props}
-
-
-def run_model(args: argparse.Namespace) -> int:
+def run_model(args: argparse.Namespace, flows: Any) -> int:
     """A whole model another tool exported (attnx.workflows.optimize_model)."""
-    from attnx.errors import UsageError
-
     given = [f for f, v in (("--attention", args.attention != "ort-fused"), ("--dtype", args.dtype),
                             ("--provider", args.provider != "cpu"), ("--auto-seq", args.auto_seq)) if v]  # fmt: skip
     if given:
         raise UsageError(f"{given[0]} is for a model attnx wrote; a whole model is rewritten into the ort-fused "
                          "lowering's cores and proven on the CPU in this version")  # fmt: skip
-    flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
     report = flows.optimize_model(args.model, args.out, checkpoint=args.checkpoint, json_path=args.json,
                                   progress=Progress())  # fmt: skip
     print("\n".join(report.lines()))
@@ -72,14 +60,12 @@ def run_model(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if _foreign(args.model):
-        return run_model(args)
+    flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
+    if flows.written_by_another_tool(args.model):
+        return run_model(args, flows)
     if args.checkpoint is not None or args.json is not None:
-        from attnx.errors import UsageError
-
         raise UsageError(f"{'--checkpoint' if args.checkpoint else '--json'} is for a whole model another tool "
                          "exported; this one was written by attnx export")  # fmt: skip
-    flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
     progress = Progress()
     auto_shape = flows.AUTO_SHAPE if args.auto_seq is None else (flows.AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
     result = flows.optimize_file(
