@@ -15,6 +15,7 @@ import importlib.util
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def make(work: Path) -> tuple[Path, Path, Path]:
     if not export.exists():
         spec = importlib.util.spec_from_file_location("fixtures_make", ROOT / "tests/fixtures/exported/make.py")
         maker = importlib.util.module_from_spec(spec)
+        sys.modules["fixtures_make"] = maker  # its dataclasses look their module up
         spec.loader.exec_module(maker)
         maker.export_decoder(ckpt, "sdpa", None, export)
     if not out.exists():
