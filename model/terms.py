@@ -179,17 +179,25 @@ def _validate_rope(c: Config, set_: Callable[[str, Any], None]) -> None:
         raise ConfigError("config key 'rope' is for self-attention ('cross': false)")
 
 
+def _number_object(key: str, value: Any, cls: type) -> Any:
+    """`cls` (a frozen dataclass of numbers: QKNorm, Temperature) from a config object with exactly its fields, each
+    a finite positive number; one ConfigError naming the key (or key.field) otherwise."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    data = value.to_dict() if isinstance(value, cls) else value
+    if not isinstance(data, dict) or set(data) != set(names):
+        shape = ", ".join(f'"{n}": number' for n in names)
+        raise ConfigError(f"config key {key!r} must be null or an object {{{shape}}}, got {value!r}")
+    for n in names:
+        v = data[n]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"config key '{key}.{n}' must be a finite positive number, got {v!r}")
+    return cls(**{n: float(data[n]) for n in names})
+
+
 def _validate_qk_norm(c: Config, set_: Callable[[str, Any], None]) -> None:
-    norm = c.qk_norm
-    if norm is None:
+    if c.qk_norm is None:
         return
-    data = norm.to_dict() if isinstance(norm, QKNorm) else norm
-    if not isinstance(data, dict) or set(data) != {"eps"}:
-        raise ConfigError(f"config key 'qk_norm' must be null or an object {{\"eps\": number}}, got {norm!r}")
-    eps = data["eps"]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise ConfigError(f"config key 'qk_norm.eps' must be a finite positive number, got {eps!r}")
-    set_("qk_norm", QKNorm(float(eps)))
+    set_("qk_norm", _number_object("qk_norm", c.qk_norm, QKNorm))
     if c.cross:
         raise ConfigError("config key 'qk_norm' is for self-attention ('cross': false)")
 
@@ -203,15 +211,9 @@ def _validate_l2_norm(c: Config, set_: Callable[[str, Any], None]) -> None:
 
 
 def _validate_temperature(c: Config, set_: Callable[[str, Any], None]) -> None:
-    value = c.attn_temperature
-    if value is None:
+    if c.attn_temperature is None:
         return
-    data = value.to_dict() if isinstance(value, Temperature) else value
-    if not isinstance(data, dict) or set(data) != {"floor_scale", "attn_scale"}:
-        raise ConfigError("config key 'attn_temperature' must be null or an object "
-                          f"{{\"floor_scale\": number, \"attn_scale\": number}}, got {value!r}")  # fmt: skip
-    set_("attn_temperature", Temperature(check_number("attn_temperature.floor_scale", data["floor_scale"]),
-                                         check_number("attn_temperature.attn_scale", data["attn_scale"])))  # fmt: skip
+    set_("attn_temperature", _number_object("attn_temperature", c.attn_temperature, Temperature))
     if c.cross:
         raise ConfigError("config key 'attn_temperature' is for self-attention ('cross': false)")
 
