@@ -144,12 +144,13 @@ class OrtRunner(Runner):
         self.session = self.create_session(path)
         # The one check of a model's int8 width against this host, for every run of a model file (verify, load,
         # run, parity): 8-bit weights are computed wrong by MLAS's u8s8 GEMM on a CPU without VNNI.
-        refusal = int8_host_refusal(self.session.get_modelmeta().custom_metadata_map, path)
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        refusal = int8_host_refusal(metadata, path)
         if refusal is not None:
             del self.session
             raise ModelFileError(refusal)
         self.check_providers()
-        self.contract = CONFIG_KEY in self.session.get_modelmeta().custom_metadata_map  # Runner's doc
+        self.contract = CONFIG_KEY in metadata  # Runner's doc
         self.inputs = ort_tensor_specs(self.session.get_inputs())
         self.outputs = ort_tensor_specs(self.session.get_outputs())
         self.output_names = [o.name for o in self.outputs]

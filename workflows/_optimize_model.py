@@ -22,6 +22,7 @@ choice among cores by measured speed, the buffer form, external data written ten
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,12 +36,13 @@ from attnx._io import Staging, check_output_file, output_lock
 from attnx.errors import UsageError
 from attnx.export import build_model
 from attnx.export._blocks import iter_blocks
-from attnx.model.contract import CONFIG_KEY
+from attnx.model.contract import CONFIG_KEY, PROVIDERS
 from attnx.model.cores import core_for
 from attnx.runtimes._untrusted import check_untrusted_model
+from attnx.runtimes.base import Runner
 from attnx.workflows.audit import audit_model
 from attnx.workflows.audit.compare import compare_terms
-from attnx.workflows.audit.cut import AuditGraph, graph_feeds, read_computed_terms
+from attnx.workflows.audit.cut import AuditGraph, graph_feeds, read_computed_terms, runner_for
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
 
@@ -153,7 +155,8 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
 
 
 def _plan(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph) -> tuple | None:
-    """(block, config, weights, core) of a block to rewrite, or None with rewrite.kept saying why."""
+    """(block, config, weights) of a block to rewrite (rewrite.written: its core), or None with rewrite.kept saying
+    why."""
     # a table no theta fits (a scaled rope) is held to the checkpoint's rope (the audit's rule)
     if block.unread and not (source is not None and block.unread == f"rope {block.facts.get('rope')}"):
         rewrite.kept = f"not read: {block.unread}"
@@ -274,19 +277,28 @@ def _prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoi
 
 
 def _same_model(report: ModelOptimizeReport, model_path: str, out_path: str) -> bool:
-    """The written model against the input: the same inputs and outputs (names, dtypes, dims), and on a
-    left-padded batch, full sequence then prefill + single steps through each one's own cache, the same greedy
-    tokens (logits' argmax at every unpadded position); the largest logits difference is said."""
-    import onnxruntime as ort
+    """The written model against the input, each loaded through the runner registry on ort-cpu (cut.runner_for, as
+    the audit's whole-model decode): the same inputs and outputs (names, dtypes, dims), and on a left-padded batch,
+    full sequence then prefill + single steps through each one's own cache (present.* fed back as
+    past_key_values.*), the same greedy tokens (logits' argmax at every unpadded position); the largest logits
+    difference is said."""
+    with contextlib.ExitStack() as stack:
+        runners = []
+        for path in (model_path, out_path):
+            runner = runner_for(PROVIDERS["cpu"].backend, path)
+            if isinstance(runner, str):
+                report.proofs.append(f"FAIL: the whole model not run: {runner}")
+                return False
+            runners.append(stack.enter_context(runner))
+        if (runners[0].inputs, runners[0].outputs) != (runners[1].inputs, runners[1].outputs):
+            report.proofs.append("FAIL: the written model's inputs or outputs differ from the input's")
+            return False
+        return _same_tokens(report, *runners)
 
-    sessions = [ort.InferenceSession(p, providers=["CPUExecutionProvider"]) for p in (model_path, out_path)]
-    io = [([(i.name, i.type, i.shape) for i in s.get_inputs()], [(o.name, o.type, o.shape) for o in s.get_outputs()])
-          for s in sessions]  # fmt: skip
-    if io[0] != io[1]:
-        report.proofs.append("FAIL: the written model's inputs or outputs differ from the input's")
-        return False
-    inputs, outputs = io[0]
-    names = {n for n, _, _ in inputs}
+
+def _same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner) -> bool:
+    """_same_model's runs and comparison, on the two loaded models."""
+    names = {spec.name for spec in before.inputs}
     if "input_ids" not in names or "attention_mask" not in names:
         report.proofs.append("not checked: the whole model, fed input_ids and attention_mask only in this version")
         return True
@@ -294,29 +306,27 @@ def _same_model(report: ModelOptimizeReport, model_path: str, out_path: str) -> 
     mask = np.ones((batch, tokens), np.int64)
     mask[1, :3] = 0  # row 1 left-padded by 3
     ids = np.random.default_rng(0).integers(1, 100, (batch, tokens))
-    past_names = [n for n, _, _ in inputs if n.startswith("past")]
-    shapes = {n: s for n, _, s in inputs}
+    caches = {spec.name: spec.shape for spec in before.inputs if spec.name.startswith("past_key_values")}
+    empty = {n: np.zeros((batch, shape[1], 0, shape[3]), np.float32) for n, shape in caches.items()}
 
-    def call(session: Any, start: int, stop: int, past: dict[str, np.ndarray] | None) -> list[np.ndarray]:
-        empty = {n: np.zeros((batch, shapes[n][1], 0, shapes[n][3]), np.float32) for n in past_names}
-        feeds = {**graph_feeds([n for n in names if not n.startswith("past")], mask[:, :stop], start, None),
-                 **(past if past is not None else empty)}  # fmt: skip
+    def call(runner: Runner, start: int, stop: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {**graph_feeds([n for n in names if n not in caches], mask[:, :stop], start, None), **past}
         feeds["input_ids"] = ids[:, start:stop]
-        return session.run(None, {k: v for k, v in feeds.items() if k in names})
+        return runner.run({k: v for k, v in feeds.items() if k in names})
 
-    def run(session: Any) -> tuple[np.ndarray, np.ndarray]:
-        whole = call(session, 0, tokens, None)[0]
-        if not past_names:
+    def run(runner: Runner) -> tuple[np.ndarray, np.ndarray]:
+        logits = runner.outputs[0].name
+        whole = call(runner, 0, tokens, empty)[logits]
+        if not caches:
             return whole, whole
-        out = call(session, 0, prefill, None)
-        steps = [out[0]]
+        out = call(runner, 0, prefill, empty)
+        steps = [out[logits]]
         for t in range(prefill, tokens):
-            past = dict(zip(past_names, out[1 : 1 + len(past_names)]))
-            out = call(session, t, t + 1, past)
-            steps.append(out[0])
+            out = call(runner, t, t + 1, {n: out["present" + n[len("past_key_values"):]] for n in caches})
+            steps.append(out[logits])
         return whole, np.concatenate(steps, axis=1)
 
-    (a_whole, a_steps), (b_whole, b_steps) = (run(s) for s in sessions)
+    (a_whole, a_steps), (b_whole, b_steps) = run(before), run(after)
     keep = mask.astype(bool)
     ok = True
     for what, a, b in (("full sequence", a_whole, b_whole), ("prefill + steps", a_steps, b_steps)):
