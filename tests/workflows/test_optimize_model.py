@@ -43,6 +43,29 @@ def test_every_block_is_rewritten_into_a_fused_core_and_proven(export, checkpoin
     assert sum(line.startswith("pass: the whole model") for line in report.proofs) == 2
 
 
+def test_an_encoder_whose_output_bias_is_added_after_its_block(tmp_path):
+    """BERT as ONNX Runtime's optimizer fuses it: com.microsoft Attention reading each row's length (right padding),
+    its output projection's bias added by the SkipLayerNormalization after it. Rewritten into MultiHeadAttention, the
+    new block ends before that bias (added once), and the whole model runs a right-padded batch."""
+    bert = FIXTURES / "exported" / "ort-optimizer" / "bert"
+    report = optimize_model(str(bert / "model.onnx"), str(tmp_path / "out.onnx"), checkpoint=str(bert / "checkpoint"))
+    assert report.passed and [b.written for b in report.blocks] == ["mha", "mha"], report.lines()
+    assert any("full sequence of a right-padded batch: the same greedy tokens" in line for line in report.proofs)
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node]
+    assert ops.count("SkipLayerNormalization") == 4 and "Attention" not in ops
+
+
+def test_a_model_of_other_shapes_with_its_batch_fixed_at_one(tmp_path):
+    """The unseen set's llama (head_dim 32, 3 layers, a llama3 rope) exported with its batch fixed at 1: every
+    block rewritten, the whole model run on one row."""
+    unseen = FIXTURES / "unseen"
+    source = unseen / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20-b1" / "model.onnx"
+    report = optimize_model(str(source), str(tmp_path / "out.onnx"), checkpoint=str(unseen / "genai" / "llama" / "checkpoint"))
+    assert report.passed and [b.written for b in report.blocks] == ["gqa"] * 3, report.lines()
+    assert _io(tmp_path / "out.onnx") == _io(source)
+    assert sum("of one row (the model's batch is fixed at 1)" in line for line in report.proofs) == 2
+
+
 def test_without_a_checkpoint_a_block_not_read_is_kept_and_named(tmp_path, capsys):
     """Llama 4's rotating layers use a llama3-scaled rope that no theta fits: without its checkpoint the block is
     not read, so it is kept as it is and said; the NoPE layer is rewritten; through the CLI, with its JSON."""
