@@ -1,0 +1,108 @@
+"""`attnx optimize` of a whole model another tool exported (issue 40, its first slice): each attention block the
+audit reads (attnx.export._blocks, read and probed as `attnx audit` reads it) rewritten in place into the core the
+ort-fused lowering writes for its formula (attnx.model.cores.core_for: MultiHeadAttention, else
+GroupQueryAttention), the rest of the graph and its interface kept.
+
+    read     the block's config and weights (with a checkpoint: its paired layer's, each difference a repair)
+    write    the core's own model (attnx.export.build_model: the step model's growing form with the cache, else the
+             full form; a key_padding_mask), spliced in: its inputs bound to the host's tensors (the block's hidden
+             state, its cache inputs, Equal(attention_mask, 0), position_ids), its outputs replacing the block's
+             output and presents, its initializers and nodes named under attnx/layerN/; what the old block leaves
+             dead is removed (onnx-ir's RemoveUnusedNodesPass)
+    prove    the written model audited (each new block against the float64 reference: full sequence, a padded
+             batch, prefill + steps through its own cache, under the tolerance table; held to the checkpoint or to
+             what the old block computed), and the whole model against the original through its own I/O: the same
+             greedy tokens, its logits' largest difference said
+    publish  only when every proof holds (attnx._io.Staging), never over the input
+
+The steps live in this package's modules: plan (read, and what each block becomes), splice (write), prove, and
+report.
+
+A block is kept as it is, and named with the reason, where it is not read, where its projections are quantized or
+not float32 (kept in this version), or where no core of the lowering computes its formula. Not in this slice: the
+choice among cores by measured speed, the buffer form, external data written tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import onnx_ir as ir
+
+from attnx._io import Staging, check_output_file, output_lock
+from attnx.errors import UsageError
+from attnx.export._blocks import iter_blocks
+from attnx.model.contract import CONFIG_KEY
+from attnx.runtimes._untrusted import check_untrusted_model
+from attnx.workflows.audit.cut import AuditGraph, read_computed_terms
+from attnx.workflows.audit.shapes import model_shapes
+from attnx.workflows.audit.sources import CheckpointLayers
+from attnx.workflows.rewrite.plan import plan_block
+from attnx.workflows.rewrite.prove import prove
+from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport
+from attnx.workflows.rewrite.splice import splice_blocks
+
+__all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model", "written_by_another_tool"]
+
+
+def written_by_another_tool(path: str) -> bool:
+    """Whether the model at `path` carries no attnx.config (attnx did not write it), read without its data after the
+    untrusted-file checks."""
+    import onnx
+
+    check_untrusted_model(os.fspath(path))
+    return CONFIG_KEY not in {p.key for p in onnx.load(os.fspath(path), load_external_data=False).metadata_props}
+
+
+def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> ModelOptimizeReport:  # fmt: skip
+    """Rewrite every block of `model_path` that a core computes (the module doc), prove OUT, publish it."""
+    say = progress or (lambda _m: None)
+    model_path, out_path = os.fspath(model_path), os.fspath(out_path)
+    check_output_file(out_path, "--out")
+    if os.path.abspath(out_path) == os.path.abspath(model_path):
+        raise UsageError("--out must differ from the input model: the input is what the output is proven against")
+    check_untrusted_model(model_path, whole_model=True)
+    import onnx
+    from onnx.utils import Extractor
+
+    model = ir.load(model_path)
+    structure = onnx.load(model_path, load_external_data=False)
+    graph = AuditGraph(model, Extractor(onnx.shape_inference.infer_shapes(structure)),
+                       os.path.dirname(os.path.abspath(model_path)), model_shapes(model))  # fmt: skip
+    source = CheckpointLayers(checkpoint) if checkpoint is not None else None
+    report = ModelOptimizeReport(model_path, out_path, checkpoint, [], [])
+    unread: list[str] = []
+    plans = []
+    for block in iter_blocks(model, unread):
+        say(f"reading block {block.index}: {block.node}")
+        rewrite = BlockRewrite(block.index, block.node, block.core)
+        report.blocks.append(rewrite)
+        if block.config is None:
+            rewrite.kept = f"not read: {block.unread}"
+            continue
+        if source is not None:
+            block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
+        read_computed_terms(graph, block)
+        plan = plan_block(block, rewrite, source, graph)
+        if plan is not None:
+            plans.append(plan)
+    if not report.blocks and not unread:
+        raise UsageError(f"{model_path}: no attention block found (a model attnx did not write: no 'attnx.config' "
+                         "metadata): nothing to optimize")  # fmt: skip
+    report.proofs += [f"not read: {line}" for line in unread]
+    if plans:
+        splice_blocks(model, plans)
+    with output_lock(out_path), Staging(out_path) as stage:
+        say(f"writing {len(plans)} rewritten block(s) to a staging file")
+        ir.save(model, stage.path())
+        report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say)
+        if report.passed:
+            stage.publish()
+            report.written = True
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    return report

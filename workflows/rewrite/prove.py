@@ -1,0 +1,115 @@
+"""The written model's proofs: each new block audited against the float64 reference (and the checkpoint), and the
+whole model against the input through its own inputs and outputs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+
+from attnx.model.contract import PROVIDERS
+from attnx.runtimes.base import Runner
+from attnx.workflows.audit import audit_model
+from attnx.workflows.audit.cut import graph_feeds, runner_for
+from attnx.workflows.rewrite.report import ModelOptimizeReport
+
+__all__ = ["prove", "same_model", "same_tokens"]
+
+
+def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoint: str | None, plans: list[tuple],
+           say: Callable[[str], None]) -> bool:  # fmt: skip
+    """The written model's proofs (the module doc), each a line of the report; whether all hold."""
+    if not plans:
+        report.proofs.append("FAIL: no block rewritten: nothing to write")
+        return False
+    say("auditing the written model's blocks")
+    audit = audit_model(out_path, checkpoint=checkpoint)
+    read = {b.index: b for b in audit.blocks}
+    ok = True
+    for block, _, _ in plans:
+        b = read.get(block.index)
+        if b is None:
+            ok = False
+            report.proofs.append(f"FAIL: block {block.index} of the written model is not read back: "
+                                 + "; ".join(audit.unread))  # fmt: skip
+            continue
+        fine = b.passed and (checkpoint is None or not b.findings)
+        ok &= fine
+        report.proofs.append(f"{'pass' if fine else 'FAIL'}: block {b.index} ({b.core}) against the float64 reference"
+                             f"{' and the checkpoint' if checkpoint else ''}"
+                             + ("" if fine else ": " + "; ".join(b.findings + b.not_checked)))  # fmt: skip
+    say("running the written model against the input through its own inputs and outputs")
+    # padded as the model's blocks read a padded row: right for a mask_index or seqlens_k (BERT's fused Attention),
+    # else left (transformers' attention_mask)
+    right = any(block.padding == "right" for block, _, _ in plans)
+    ok &= same_model(report, model_path, out_path, right)
+    return ok
+
+
+def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, right: bool = False) -> bool:
+    """The written model against the input, each loaded through the runner registry on ort-cpu (cut.runner_for, as
+    the audit's whole-model decode): the same inputs and outputs (names, dtypes, dims), and on a left-padded batch,
+    full sequence then prefill + single steps through each one's own cache (present.* fed back as
+    past_key_values.*), the same greedy tokens (logits' argmax at every unpadded position); the largest logits
+    difference is said."""
+    with contextlib.ExitStack() as stack:
+        runners = []
+        for path in (model_path, out_path):
+            runner = runner_for(PROVIDERS["cpu"].backend, path)
+            if isinstance(runner, str):
+                report.proofs.append(f"FAIL: the whole model not run: {runner}")
+                return False
+            runners.append(stack.enter_context(runner))
+        if (runners[0].inputs, runners[0].outputs) != (runners[1].inputs, runners[1].outputs):
+            report.proofs.append("FAIL: the written model's inputs or outputs differ from the input's")
+            return False
+        return same_tokens(report, *runners, right)
+
+
+def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, right: bool) -> bool:
+    """_same_model's runs and comparison, on the two loaded models (one row where the model fixes its batch at 1)."""
+    names = {spec.name for spec in before.inputs}
+    if "input_ids" not in names or "attention_mask" not in names:
+        report.proofs.append("not checked: the whole model, fed input_ids and attention_mask only in this version")
+        return True
+    fixed = next(spec.shape[0] for spec in before.inputs if spec.name == "input_ids")
+    batch = fixed if isinstance(fixed, int) else 2  # the model's own batch where its dims fix it
+    tokens, prefill = 12, 8
+    mask = np.ones((batch, tokens), np.int64)
+    side = "right" if right else "left"
+    if batch > 1:  # the last row padded by 3, beside whole ones
+        mask[-1, slice(-3, None) if right else slice(0, 3)] = 0
+    rows = f"a {side}-padded batch" if batch > 1 else "one row (the model's batch is fixed at 1)"
+    ids = np.random.default_rng(0).integers(1, 100, (batch, tokens))
+    caches = {spec.name: spec.shape for spec in before.inputs if spec.name.startswith("past_key_values")}
+    empty = {n: np.zeros((batch, shape[1], 0, shape[3]), np.float32) for n, shape in caches.items()}
+
+    def call(runner: Runner, start: int, stop: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {**graph_feeds([n for n in names if n not in caches], mask[:, :stop], start, None), **past}
+        feeds["input_ids"] = ids[:, start:stop]
+        return runner.run({k: v for k, v in feeds.items() if k in names})
+
+    def run(runner: Runner) -> tuple[np.ndarray, np.ndarray]:
+        logits = runner.outputs[0].name
+        whole = call(runner, 0, tokens, empty)[logits]
+        if not caches:
+            return whole, whole
+        out = call(runner, 0, prefill, empty)
+        steps = [out[logits]]
+        for t in range(prefill, tokens):
+            out = call(runner, t, t + 1, {n: out["present" + n[len("past_key_values"):]] for n in caches})
+            steps.append(out[logits])
+        return whole, np.concatenate(steps, axis=1)
+
+    (a_whole, a_steps), (b_whole, b_steps) = run(before), run(after)
+    keep = mask.astype(bool)
+    ok = True
+    runs = [("full sequence", a_whole, b_whole)] + ([("prefill + steps", a_steps, b_steps)] if caches else [])
+    for what, a, b in runs:
+        same = bool(np.array_equal(a.argmax(-1)[keep], b.argmax(-1)[keep]))
+        ok &= same
+        report.proofs.append(f"{'pass' if same else 'FAIL'}: the whole model, {what} of {rows}: "
+                             f"{'the same' if same else 'other'} greedy tokens, logits at most "
+                             f"{float(np.abs(a - b)[keep].max()):.3g} apart")  # fmt: skip
+    return ok
