@@ -59,11 +59,11 @@ __all__ = ["build_model", "graph_opset", "half_precision", "quantize_model", "wi
 
 _F = TensorProto.FLOAT
 def graph_opset(config: AttentionConfig, attention: str, form: str | None = None, buffer_core: str | None = None,
-                dtype: str = "fp32") -> int:  # fmt: skip
+                dtype: str = "fp32", core: str | None = None) -> int:  # fmt: skip
     """The default-domain opset the graph of `config` in `attention` needs: its core's (23 for the
     opset-23 Attention), 23 for a q/k norm written as RMSNormalization-23 beside a contrib core (ONNX
     Runtime's SimplifiedLayerNormalization is no ONNX op: the checker refuses it), else DEFAULT_OPSET."""
-    core = core_for(attention, config, dtype, form, buffer_core)
+    core = core_for(attention, config, dtype, form, buffer_core, core=core)
     needed = max(DEFAULT_OPSET, core.opset if not core.domain else DEFAULT_OPSET)
     if core.name != "decomposed" and (terms := fused_opset(config)) is not None:  # the terms' operators' own
         needed = max(needed, terms)
@@ -78,6 +78,7 @@ def build_model(
     dtype: str = "fp32",
     *,
     buffer_core: str | None = None,
+    core: str | None = None,
     opset: int | None = None,
     rope_positions: int | None = None,
     block_size: int | None = None,
@@ -88,7 +89,8 @@ def build_model(
 ) -> onnx.ModelProto:
     """The graph of `config` with `weights` in the lowering `attention` (its core: the registry's
     core_for, refused with every reason before anything is written), in `form` (None: the config's own,
-    full or growing; "buffer": the buffer form, with `buffer_core`) and `dtype` (fp16: the whole graph,
+    full or growing; "buffer": the buffer form, with `buffer_core`; `core`: that one of the lowering's cores for the
+    form, as a measured choice names it) and `dtype` (fp16: the whole graph,
     with_dtype; int8/int4: its projections quantized, int8's weights in `int8_bits`: attnx.model.int8).
     opset: the default domain's (None: what the core needs, graph_opset; below it is refused).
     rope_positions: the rows of the buffer form's cos/sin table.
@@ -97,8 +99,8 @@ def build_model(
     alone (a graph no person reads: localisation's look inside)."""
     c = config
     form = form_of(c, form)
-    core = core_for(attention, c, dtype, form, buffer_core)
-    needed = graph_opset(c, attention, form, buffer_core, dtype)
+    core = core_for(attention, c, dtype, form, buffer_core, core=core)
+    needed = graph_opset(c, attention, form, buffer_core, dtype, core.name)
     if opset is not None and not needed <= opset <= MAX_OPSET:
         raise UsageError(f"--opset {opset} is outside what the {core.label} graph of this config is written at "
                          f"({needed} to {MAX_OPSET})")  # fmt: skip

@@ -127,6 +127,10 @@ def _gqa_table_rope(c: AttentionConfig) -> Iterable[str]:
                "table of width dim/2 that is a multiple of 8 only")  # fmt: skip
 
 
+def _grouped_mha_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    yield from _same_head_sizes(c, f"{MS_DOMAIN}.MultiHeadAttention with a cache")
+
+
 def _auto_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
     yield from _gqa_limits(c, dtype, form)
 
@@ -137,6 +141,7 @@ _MASKS = {
 }
 _BOOL_GRID = "a boolean grid over token index (Where)"
 _PLAIN_NORM = "ReduceMean, Add, Sqrt, Div after the rotation"
+_ROWS_BIAS = "an additive attention_bias over a token's rows"
 _TEMPERATURE = "a Mul of q by its token index's factor (Range, Floor, Log)"
 
 CORES: dict[str, Core] = {
@@ -234,16 +239,23 @@ CORES: dict[str, Core] = {
         ),
         Core(
             "grouped-mha", f"{MS_DOMAIN}.MultiHeadAttention, a group's query heads as rows", MS_DOMAIN,
-            "MultiHeadAttention", 1, ("buffer",), ("fp32", *_QUANTIZED),
+            "MultiHeadAttention", 1, ("growing", "buffer"), ("fp32", *_QUANTIZED),
             {
                 "grouped_heads": Takes("a group's query heads as rows of one key/value head (each read once a step)"),
                 "qk_norm": Takes("RMSNormalization-23 nodes"),
-                "rope": Takes("com.microsoft.RotaryEmbedding nodes at the token index"),
-                "kv_cache": Takes("one buffer written in place (past_sequence_length)", ("buffer",)),
-                "causal": Takes("an additive attention_bias over a token's rows"),
-                "sliding_window": Takes("an additive attention_bias over a token's rows"),
+                "rope": Takes("com.microsoft.RotaryEmbedding nodes at each token's position (growing), at the token "
+                              "index (buffer)"),
+                "qk_l2_norm": Takes(_PLAIN_NORM, ("growing",)),
+                "attn_temperature": Takes(_TEMPERATURE, ("growing",)),
+                "kv_cache": Takes("past/present (growing); one buffer written in place (past_sequence_length)",
+                                  ("growing", "buffer")),
+                "causal": Takes(_ROWS_BIAS),
+                "sliding_window": Takes(_ROWS_BIAS),
+                "attention_chunk": Takes(_ROWS_BIAS, ("growing",)),
+                "key_padding_mask": Takes(_ROWS_BIAS, ("growing",)),
             },
-            summary="the buffer form's faster one-token step on the CPU (a CPU form: no fp16)",
+            _grouped_mha_limits,
+            summary="a group's query heads as rows: each key/value head read once a step (a CPU form: no fp16)",
         ),
         Core(
             "auto", "If on the call's token count: grouped-mha for one token, gqa for more", MS_DOMAIN, "If", 1,
@@ -326,7 +338,8 @@ LOWERINGS: dict[str, Lowering] = {
         Lowering("decomposed", {"full": ("decomposed",), "growing": ("decomposed",)}, torch_core="decomposed",
                  bench=True),
         Lowering("onnx", {"full": ("attention23",), "growing": ("attention23",)}, bench=True),
-        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa"), "buffer": BUFFER_CORES},
+        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa", "grouped-mha"),
+                                "buffer": BUFFER_CORES},
                  auto=True, bench=True),
         Lowering("ort-fused-packed", {"full": ("mha-packed",)}, export=False, auto=True),
         Lowering("ort-attention", {"full": ("ms-attention",)}, export=False, auto=True),
@@ -372,10 +385,11 @@ def core_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
 
 
 def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: str | None = None,
-             buffer_core: str | None = None, what: str = "--attention") -> Core:  # fmt: skip
+             buffer_core: str | None = None, what: str = "--attention", core: str | None = None) -> Core:  # fmt: skip
     """The core `lowering` writes for `config` in `dtype` and `form` (None: the config's own): the first
-    of its cores that computes it (for the buffer form, `buffer_core`). One UsageError otherwise, with
-    every candidate's reasons and the lowerings that would compute it."""
+    of its cores that computes it (for the buffer form, `buffer_core`; `core`: that one of the lowering's cores for
+    the form, as a measured choice names it). One UsageError otherwise, with every candidate's reasons and the
+    lowerings that would compute it."""
     if lowering not in LOWERINGS:
         raise UsageError(f"unknown {what} {lowering!r} (known: {', '.join(LOWERINGS)})")
     form = form_of(config, form)
@@ -387,6 +401,11 @@ def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: 
         candidates = (core,)
     elif buffer_core not in (None, DEFAULT_BUFFER_CORE):
         raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
+    if core is not None:
+        if core not in candidates:
+            raise UsageError(f"{what} {lowering} writes no {core} core in the {form} form (it writes: "
+                             f"{', '.join(candidates) or 'none'})")  # fmt: skip
+        candidates = (core,)
     reasons: list[str] = []
     for name in candidates:
         why = why_not(name, config, dtype, form)

@@ -186,10 +186,12 @@ def rotary_of(paths: dict[str, Path], facts: dict[str, Any], block: Block) -> Ro
 
 def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
                    mask: ir.Value | None, keep_weights: bool, packed_bias: ir.Value | None = None,
-                   own_cache: tuple[ir.Value, ...] | None = None) -> Block:  # fmt: skip
+                   own_cache: tuple[ir.Value, ...] | None = None, grouped_rows: bool = False) -> Block:  # fmt: skip
     """A core taking query, key and value apart: each walked back to its projection through a RotaryEmbedding, a
     per-head norm, the cache's Concat(past, new) and the repeat of a GQA group; the mask tensor is named for the
-    audit, which reads its terms by running it."""
+    audit, which reads its terms by running it. grouped_rows: the op's heads are the key/value heads and a group's
+    query heads are rows of its query (the grouped core): the query's heads come from its projection's width, and
+    the mask has a row per query head of a group (facts["rows_per_token"])."""
     block = Block(index, node.name or node.op_type, core, facts=facts)
     weights: dict[str, np.ndarray] = {}
     paths = {}
@@ -210,6 +212,10 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
         for role, a, e in zip("qkv", ends[:-1], ends[1:]):
             weights[f"{role}_proj.bias"] = weights[f"{role}_proj.bias"] + packed_bias[a:e]
     n_heads = facts["n_heads"]
+    if grouped_rows:  # the op's heads are the key/value heads: each holds q's width / k's width query heads
+        group = weights["q_proj.weight"].shape[0] // weights["k_proj.weight"].shape[0]
+        n_heads = facts["n_heads"] = n_heads * group
+        facts["rows_per_token"] = group
     if n_heads is None:  # a 4D query [batch, heads, tokens, head_dim]: the op's attributes do not say
         shape = qkv[0].shape
         if shape is None or len(shape) != 4 or not isinstance(shape[1], int):

@@ -11,6 +11,7 @@ from attnx.export._graph import linear
 from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
+from attnx.export.cores.grouped_mha import as_rows
 from attnx.export.passes.walk import NotRead
 from attnx.export.visibility import score_bias, visibility
 from attnx.model.contract import MS_DOMAIN
@@ -84,14 +85,15 @@ def _read_mha_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     inputs = list(node.inputs) + [None] * (10 - len(node.inputs))
     if inputs[1] is None or inputs[2] is None:
         raise NotRead("a packed query/key/value MultiHeadAttention: not read in this version")
-    if inputs[6] is not None or inputs[7] is not None:
-        raise NotRead("the op's own past_key/past_value inputs: not read in this version")
+    if (inputs[6] is None) != (inputs[7] is None):
+        raise NotRead("the op's own past_key or past_value alone")
     mask = inputs[5] if inputs[5] is not None else inputs[4]  # an additive bias, else a key padding mask
+    cache = (inputs[6], inputs[7], node.outputs[1], node.outputs[2]) if inputs[6] is not None else None
     return read_separate(index, node, "mha", _read_mha(node), inputs[:3], mask, keep_weights,
-                          packed_bias=inputs[3])
+                          packed_bias=inputs[3], own_cache=cache)
 
 
 register(CoreGraph("mha", _mha, _read_mha, _read_mha_block,
-                   lambda node, graph_core: not present(node, 8) and graph_core != "mha-packed"))
+                   lambda node, graph_core: not as_rows(node) and graph_core != "mha-packed"))
 register(CoreGraph("mha-packed", _mha_packed, _read_mha, None,
-                   lambda node, graph_core: not present(node, 8) and graph_core == "mha-packed"))
+                   lambda node, graph_core: not as_rows(node) and graph_core == "mha-packed"))

@@ -320,6 +320,9 @@ def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
         kept = mask > MASKED if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
         while kept.ndim > 2:  # [batch, heads, queries, keys]: the first row's first head
             kept = kept[0]
+        rows = block.facts.get("rows_per_token", 1)  # the grouped core: a row per query head of a group
+        if kept.ndim == 2 and rows > 1 and kept.shape[0] == rows * tokens:
+            kept = kept[::rows]  # row s*G + j is token s
         if kept.ndim == 1 or kept.shape[0] == 1:  # a mask of the keys alone ([batch, keys], [.., 1, keys])
             kept = np.broadcast_to(kept.reshape(1, -1), (tokens, kept.shape[-1]))
         if kept.shape != (tokens, tokens):
