@@ -37,8 +37,8 @@ from attnx.workflows._export import ExportReport, export_model, write_decomposed
 from attnx.workflows._import import ImportReport, check_against_source, import_model
 from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
 from attnx.workflows._optimize import OptimizeResult, optimize_file
-from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model, written_by_another_tool
 from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
+from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model, written_by_another_tool
 
 set_decomposed_writer(write_decomposed_form)  # localisation's look inside a fused operator: the exporter's form
 

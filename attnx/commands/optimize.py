@@ -9,10 +9,12 @@ from attnx._text import format_table
 from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, add_quant_args, workflows
 from attnx.errors import UsageError
-from attnx.model.contract import MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
+from attnx.model.contract import LOWERINGS, MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
 from attnx.model.cores import attention_help
 
 HELP = COMMANDS["optimize"].help
+# what a whole model's blocks may be written as: measured (auto), or one core of the ort-fused lowering
+WHOLE_MODEL_CORES = ("auto", *dict.fromkeys(c for form in ("full", "growing") for c in LOWERINGS["ort-fused"].cores[form]))
 
 
 def _shape(text: str) -> int:
@@ -43,18 +45,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a whole model's Hugging Face checkpoint: each block written as its layer states it, each "
                         "difference a named repair")  # fmt: skip
     p.add_argument("--json", default=None, metavar="REPORT.json", help="a whole model's report as JSON")
+    p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
+                   help="a whole model: the core each block is written as (default auto: the fastest that computes "
+                        "the block, measured on --provider, or the block kept where the graph's own is faster); a "
+                        "core named is written wherever it computes the block")  # fmt: skip
     p.set_defaults(run=run)
 
 
 def run_model(args: argparse.Namespace, flows: Any) -> int:
     """A whole model another tool exported (attnx.workflows.optimize_model)."""
     given = [f for f, v in (("--attention", args.attention != "ort-fused"), ("--dtype", args.dtype),
-                            ("--provider", args.provider != "cpu"), ("--auto-seq", args.auto_seq)) if v]  # fmt: skip
+                            ("--auto-seq", args.auto_seq)) if v]  # fmt: skip
     if given:
         raise UsageError(f"{given[0]} is for a model attnx wrote; a whole model is rewritten into the ort-fused "
-                         "lowering's cores and proven on the CPU in this version")  # fmt: skip
+                         "lowering's cores (--core)")  # fmt: skip
     report = flows.optimize_model(args.model, args.out, checkpoint=args.checkpoint, json_path=args.json,
-                                  progress=Progress())  # fmt: skip
+                                  provider=args.provider, core=args.core or "auto", progress=Progress())  # fmt: skip
     print("\n".join(report.lines()))
     return 0 if report.passed else 1
 
@@ -63,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
     flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
     if flows.written_by_another_tool(args.model):
         return run_model(args, flows)
-    if args.checkpoint is not None or args.json is not None:
-        raise UsageError(f"{'--checkpoint' if args.checkpoint else '--json'} is for a whole model another tool "
-                         "exported; this one was written by attnx export")  # fmt: skip
+    whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--json", args.json), ("--core", args.core)) if v]
+    if whole:
+        raise UsageError(f"{whole[0]} is for a whole model another tool exported; this one was written by attnx "
+                         "export")  # fmt: skip
     progress = Progress()
     auto_shape = flows.AUTO_SHAPE if args.auto_seq is None else (flows.AUTO_SHAPE[0], args.auto_seq, args.auto_seq)
     result = flows.optimize_file(

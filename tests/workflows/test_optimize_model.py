@@ -13,6 +13,7 @@ import pytest
 
 from attnx.cli import main
 from attnx.workflows import optimize_model
+from attnx.workflows.rewrite.choose import Timing, pick
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DYNAMO = FIXTURES / "exported" / "torch-dynamo"
@@ -35,12 +36,19 @@ def test_every_block_is_rewritten_into_a_fused_core_and_proven(export, checkpoin
     out = tmp_path / "out.onnx"
     report = optimize_model(str(source), str(out), checkpoint=str(checkpoint))
     assert report.passed and report.written and out.exists(), report.lines()
-    assert [b.written for b in report.blocks] == ["gqa"] * len(report.blocks) and report.blocks
+    # each block in the fastest core that computes it, as measured: GroupQueryAttention, or MultiHeadAttention with a
+    # group's heads as rows (not for a softcap, which only GroupQueryAttention takes)
+    fused = {"gqa": "GroupQueryAttention", "grouped-mha": "MultiHeadAttention"}
+    assert report.blocks and all(b.written in fused and b.written == b.choice.core for b in report.blocks)
+    assert all(set(b.choice.times) <= set(fused) and b.choice.before.cost() is not None for b in report.blocks)
+    if "gemma2" in export:
+        assert {b.written for b in report.blocks} == {"gqa"}
     assert [b.layer for b in report.blocks] == list(range(len(report.blocks)))
     assert _io(out) == _io(source)  # whatever fed the model feeds its rewrite
     ops = {(n.domain, n.op_type) for n in onnx.load(str(out)).graph.node}
-    assert ("com.microsoft", "GroupQueryAttention") in ops and ("", "Softmax") not in ops
+    assert {("com.microsoft", fused[b.written]) for b in report.blocks} <= ops and ("", "Softmax") not in ops
     assert sum(line.startswith("pass: the whole model") for line in report.proofs) == 2
+    assert set(report.model_times) == {"before", "after"} and all(t.error is None for t in report.model_times.values())
 
 
 def test_an_encoder_whose_output_bias_is_added_after_its_block(tmp_path):
@@ -48,7 +56,8 @@ def test_an_encoder_whose_output_bias_is_added_after_its_block(tmp_path):
     its output projection's bias added by the SkipLayerNormalization after it. Rewritten into MultiHeadAttention, the
     new block ends before that bias (added once), and the whole model runs a right-padded batch."""
     bert = FIXTURES / "exported" / "ort-optimizer" / "bert"
-    report = optimize_model(str(bert / "model.onnx"), str(tmp_path / "out.onnx"), checkpoint=str(bert / "checkpoint"))
+    report = optimize_model(str(bert / "model.onnx"), str(tmp_path / "out.onnx"), checkpoint=str(bert / "checkpoint"),
+                            core="mha")  # fmt: skip
     assert report.passed and [b.written for b in report.blocks] == ["mha", "mha"], report.lines()
     assert any("full sequence of a right-padded batch: the same greedy tokens" in line for line in report.proofs)
     ops = [n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node]
@@ -60,8 +69,9 @@ def test_a_model_of_other_shapes_with_its_batch_fixed_at_one(tmp_path):
     block rewritten, the whole model run on one row."""
     unseen = FIXTURES / "unseen"
     source = unseen / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20-b1" / "model.onnx"
-    report = optimize_model(str(source), str(tmp_path / "out.onnx"), checkpoint=str(unseen / "genai" / "llama" / "checkpoint"))
-    assert report.passed and [b.written for b in report.blocks] == ["gqa"] * 3, report.lines()
+    report = optimize_model(str(source), str(tmp_path / "out.onnx"), checkpoint=str(unseen / "genai" / "llama" / "checkpoint"),
+                            core="grouped-mha")  # fmt: skip
+    assert report.passed and [b.written for b in report.blocks] == ["grouped-mha"] * 3, report.lines()
     assert _io(tmp_path / "out.onnx") == _io(source)
     assert sum("of one row (the model's batch is fixed at 1)" in line for line in report.proofs) == 2
 
@@ -71,13 +81,15 @@ def test_without_a_checkpoint_a_block_not_read_is_kept_and_named(tmp_path, capsy
     not read, so it is kept as it is and said; the NoPE layer is rewritten; through the CLI, with its JSON."""
     out, report_path = tmp_path / "out.onnx", tmp_path / "r.json"
     code = main(["optimize", str(DYNAMO / "llama4" / "eager-opset20" / "model.onnx"), "--out", str(out),
-                 "--json", str(report_path)])  # fmt: skip
+                 "--json", str(report_path), "--core", "gqa"])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
     report = json.loads(report_path.read_text())
     assert [b["written"] for b in report["blocks"]] == [None, None, None, "gqa"]
     assert all("a scaled rope" in b["kept"] for b in report["blocks"][:3])
     assert "block 3: decomposed -> gqa" in text and "optimize PASSED: 1 of 4 block(s) rewritten" in text
+    assert report["blocks"][3]["choice"]["core"] == "gqa" and report["blocks"][3]["choice"]["before"]["step_ms"] > 0
+    assert report["model_times"]["after"]["step_ms"] > 0 and "the whole model on cpu (prefill" in text
 
 
 def test_a_model_with_no_block_to_rewrite_writes_nothing(tmp_path, capsys):
@@ -89,6 +101,53 @@ def test_a_model_with_no_block_to_rewrite_writes_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "MatMulNBits 4-bit: kept in this version" in text and "nothing written" in text
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("export", "checkpoint"), [
+    ("llama4/eager-opset20", DYNAMO / "llama4" / "checkpoint"),  # chunks, the norm after rope, the temperature
+    ("qwen3/sdpa-opset23", FIXTURES / "genai" / "qwen3" / "checkpoint"),  # q/k norms
+])  # fmt: skip
+def test_the_grouped_core_is_written_and_read_back_in_every_block(export, checkpoint, tmp_path):
+    """--core grouped-mha: MultiHeadAttention with a group's query heads as rows over past/present (each key/value
+    head read once a step), its masks an additive bias over a token's rows; the audit reads it back (the proof of
+    each block) and the whole model keeps its tokens."""
+    out = tmp_path / "out.onnx"
+    report = optimize_model(str(DYNAMO / export / "model.onnx"), str(out), checkpoint=str(checkpoint), core="grouped-mha")
+    assert report.passed and {b.written for b in report.blocks} == {"grouped-mha"}, report.lines()
+    assert sum(line.startswith(f"pass: block {b.index} (grouped-mha)") for b in report.blocks
+               for line in report.proofs) == len(report.blocks)  # fmt: skip
+    nodes = [n for n in onnx.load(str(out)).graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(nodes) == len(report.blocks) and all(len(n.input) == 8 and n.input[6] for n in nodes)  # past/present
+
+
+def test_pick_writes_the_cheapest_core_and_keeps_a_faster_graph():
+    """The rule on given numbers (times are measured, so the rule is tested apart from them): a request is a prompt
+    and TIME_SHAPE's steps; the cheapest candidate is written, the graph's own block kept where it is cheaper, a
+    candidate that was not timed passed over."""
+    own = Timing(10.0, 1.0)  # 10 + 128 * 1.0 = 138 ms a request
+    core, why = pick(own, {"gqa": Timing(9.0, 0.5), "grouped-mha": Timing(12.0, 0.4)})
+    assert core == "grouped-mha" and "the fastest: 63.2 ms a request (the graph's own 138 ms); gqa 73" in why
+    core, why = pick(Timing(1.0, 0.1), {"gqa": Timing(9.0, 0.5)})
+    assert core is None and why.startswith("none is faster: the graph's own block costs 13.8 ms a request")
+    core, _ = pick(own, {"gqa": Timing(error="Gather: index out of range"), "grouped-mha": Timing(12.0, 0.4)})
+    assert core == "grouped-mha"
+    core, why = pick(own, {"gqa": Timing(error="boom")})
+    assert core is None and "gqa: boom" in why
+    assert pick(None, {"mha": Timing(3.0)}) == ("mha", "the fastest: 3 ms a request")  # no cache: the prompt alone
+
+
+def test_a_provider_that_is_not_here_is_refused_before_anything_is_read(tmp_path, capsys):
+    """--provider cuda on a machine whose CUDA provider does not start: one line, exit 2, nothing written (never the
+    CPU in its place)."""
+    from attnx.runtimes.base import backend_unavailable_reason
+
+    if backend_unavailable_reason("ort-cuda") is None:
+        pytest.skip("the CUDA provider starts here: nothing to refuse")
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(DYNAMO / "llama" / "sdpa-opset20" / "model.onnx"), "--out", str(out),
+                 "--provider", "cuda"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--provider cuda: backend 'ort-cuda' is unavailable" in err and not out.exists()
 
 
 def test_the_flags_of_an_attnx_model_are_refused_for_a_whole_model_and_the_other_way(tmp_path, capsys):

@@ -37,6 +37,8 @@ class CheckpointLayers:
         self.reach = max(int(hf.get("sliding_window") or 0), int(hf.get("attention_chunk_size") or 0),
                          2 * int(hf.get("floor_scale") or 0) + 2 if hf.get("attn_temperature_tuning") else 0)  # fmt: skip
         self.rope_original = original_length(hf)  # where a computed rotary table is read (read_computed_terms)
+        # the positions the model has (a table read past them is no time: attnx.workflows.rewrite.choose)
+        self.max_positions = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 0) or None
         n_layers = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
         self.folder = folder
         # layer -> attnx's weight name -> (the projection's shape, the rows sampled, their values)

@@ -25,21 +25,23 @@ choice among cores by measured speed, the buffer form, external data written ten
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 
 import onnx_ir as ir
 
-from attnx._io import Staging, check_output_file, output_lock
-from attnx.errors import UsageError
+from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
+from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export._blocks import iter_blocks
-from attnx.model.contract import CONFIG_KEY
+from attnx.model.contract import CONFIG_KEY, PROVIDERS
+from attnx.model.dtypes import check_choice
 from attnx.runtimes._untrusted import check_untrusted_model
+from attnx.runtimes.base import backend_unavailable_reason
 from attnx.workflows.audit.cut import AuditGraph, read_computed_terms
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
-from attnx.workflows.rewrite.plan import plan_block
+from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
+from attnx.workflows.rewrite.plan import LOWERING, plan_block
 from attnx.workflows.rewrite.prove import prove
 from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport
 from attnx.workflows.rewrite.splice import splice_blocks
@@ -57,9 +59,16 @@ def written_by_another_tool(path: str) -> bool:
 
 
 def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
+                   provider: str = "cpu", core: str = AUTO_CORE,
                    progress: Callable[[str], None] | None = None) -> ModelOptimizeReport:  # fmt: skip
-    """Rewrite every block of `model_path` that a core computes (the module doc), prove OUT, publish it."""
+    """Rewrite every block of `model_path` that a core computes into the fastest such core on `provider` (core
+    "auto", measured: attnx.workflows.rewrite.choose; or the core named, wherever it computes the block), prove OUT
+    on the provider, publish it (the module doc)."""
     say = progress or (lambda _m: None)
+    check_choice("--provider", provider, PROVIDERS)
+    unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place
+    if unavailable is not None:
+        raise ProviderUnavailable(f"--provider {provider}: {unavailable}")
     model_path, out_path = os.fspath(model_path), os.fspath(out_path)
     check_output_file(out_path, "--out")
     if os.path.abspath(out_path) == os.path.abspath(model_path):
@@ -73,9 +82,11 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
     graph = AuditGraph(model, Extractor(onnx.shape_inference.infer_shapes(structure)),
                        os.path.dirname(os.path.abspath(model_path)), model_shapes(model))  # fmt: skip
     source = CheckpointLayers(checkpoint) if checkpoint is not None else None
-    report = ModelOptimizeReport(model_path, out_path, checkpoint, [], [])
+    report = ModelOptimizeReport(model_path, out_path, checkpoint, [], [], provider=provider)
     unread: list[str] = []
     plans = []
+    measured: dict = {}  # blocks of one shape are timed once
+    limit = source.max_positions if source is not None else None
     for block in iter_blocks(model, unread):
         say(f"reading block {block.index}: {block.node}")
         rewrite = BlockRewrite(block.index, block.node, block.core)
@@ -87,8 +98,16 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
             block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
         read_computed_terms(graph, block)
         plan = plan_block(block, rewrite, source, graph)
-        if plan is not None:
-            plans.append(plan)
+        if plan is None:
+            continue
+        _, config, weights = plan
+        rewrite.choice = choose_core(block, config, weights, graph, provider, LOWERING, core=core, limit=limit,
+                                     memo=measured, say=say)  # fmt: skip
+        rewrite.written = rewrite.choice.core
+        if rewrite.written is None:
+            rewrite.kept = rewrite.choice.reason
+            continue
+        plans.append((*plan, rewrite.written))
     if not report.blocks and not unread:
         raise UsageError(f"{model_path}: no attention block found (a model attnx did not write: no 'attnx.config' "
                          "metadata): nothing to optimize")  # fmt: skip
@@ -98,11 +117,14 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
     with output_lock(out_path), Staging(out_path) as stage:
         say(f"writing {len(plans)} rewritten block(s) to a staging file")
         ir.save(model, stage.path())
-        report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say)
+        report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say, provider)
         if report.passed:
+            say(f"timing the whole model before and after on {provider}")
+            report.time_shape = time_shape(limit)
+            report.model_times = {"before": time_whole(model_path, provider, report.time_shape),
+                                  "after": time_whole(stage.path(), provider, report.time_shape)}  # fmt: skip
             stage.publish()
             report.written = True
     if json_path is not None:
-        with open(json_path, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
+        write_json_atomic(json_path, report.to_dict())
     return report

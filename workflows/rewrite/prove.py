@@ -18,16 +18,16 @@ __all__ = ["prove", "same_model", "same_tokens"]
 
 
 def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoint: str | None, plans: list[tuple],
-           say: Callable[[str], None]) -> bool:  # fmt: skip
+           say: Callable[[str], None], provider: str = "cpu") -> bool:  # fmt: skip
     """The written model's proofs (the module doc), each a line of the report; whether all hold."""
     if not plans:
         report.proofs.append("FAIL: no block rewritten: nothing to write")
         return False
     say("auditing the written model's blocks")
-    audit = audit_model(out_path, checkpoint=checkpoint)
+    audit = audit_model(out_path, checkpoint=checkpoint, backends=(PROVIDERS[provider].backend,))
     read = {b.index: b for b in audit.blocks}
     ok = True
-    for block, _, _ in plans:
+    for block, *_ in plans:
         b = read.get(block.index)
         if b is None:
             ok = False
@@ -42,12 +42,13 @@ def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoin
     say("running the written model against the input through its own inputs and outputs")
     # padded as the model's blocks read a padded row: right for a mask_index or seqlens_k (BERT's fused Attention),
     # else left (transformers' attention_mask)
-    right = any(block.padding == "right" for block, _, _ in plans)
-    ok &= same_model(report, model_path, out_path, right)
+    right = any(block.padding == "right" for block, *_ in plans)
+    ok &= same_model(report, model_path, out_path, right, provider)
     return ok
 
 
-def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, right: bool = False) -> bool:
+def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, right: bool = False,
+               provider: str = "cpu") -> bool:  # fmt: skip
     """The written model against the input, each loaded through the runner registry on ort-cpu (cut.runner_for, as
     the audit's whole-model decode): the same inputs and outputs (names, dtypes, dims), and on a left-padded batch,
     full sequence then prefill + single steps through each one's own cache (present.* fed back as
@@ -56,7 +57,7 @@ def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, righ
     with contextlib.ExitStack() as stack:
         runners = []
         for path in (model_path, out_path):
-            runner = runner_for(PROVIDERS["cpu"].backend, path)
+            runner = runner_for(PROVIDERS[provider].backend, path)
             if isinstance(runner, str):
                 report.proofs.append(f"FAIL: the whole model not run: {runner}")
                 return False

@@ -13,7 +13,7 @@ __all__ = ["splice_blocks"]
 
 
 def splice_blocks(model: ir.Model, plans: list[tuple]) -> None:
-    """Each planned block's core spliced into `model` in place of the block (the module doc), then what is dead
+    """Each planned block's core (block, config, weights, core) spliced into `model` in place of the block (the module doc), then what is dead
     removed."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -28,8 +28,8 @@ def splice_blocks(model: ir.Model, plans: list[tuple]) -> None:
         binds["key_padding_mask"] = kpm.outputs[0]
     if "position_ids" in values:
         binds["position_ids"] = values["position_ids"]
-    for block, config, weights in plans:
-        sub = ir.from_proto(build_model(config, weights, LOWERING, "growing" if config.kv_cache else "full"))
+    for block, config, weights, core in plans:
+        sub = ir.from_proto(build_model(config, weights, LOWERING, "growing" if config.kv_cache else "full", core=core))
         for domain, version in sub.opset_imports.items():
             model.opset_imports[domain] = max(model.opset_imports.get(domain, version), version)
         prefix = f"attnx/block{block.index}/"
