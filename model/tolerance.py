@@ -81,6 +81,8 @@ __all__ = [
     # Localisation (issue 23)
     "StageBound",
     "stage_tolerance",
+    # A whole model against its rewrite (issue 40)
+    "whole_model_tolerance",
 ]
 
 # The rope term (module doc): the angle is rounded in float32 whatever the dtype of the rest.
@@ -156,6 +158,20 @@ def tolerance_for(dtype: str, backend: str | None = None, quantization: Mapping 
             )
         return row.for_model(quantization)
     return row
+
+
+def whole_model_tolerance(dtype: str, rewritten: int) -> Tolerance:
+    """How far a whole model's outputs (its logits) may move when `rewritten` of its attention blocks are rewritten
+    into other cores (attnx optimize): the row of `dtype`, its ulps counted twice for each block rewritten, with the
+    rule's K the model's longest reduction and S 0 (ProblemSize(k)).
+
+    Each new block and the block it replaces are each held within the row's bound of the float64 formula (the
+    audit's check of every block), so the two differ by at most two such bounds at the block's output; the layers
+    after it add that difference to the residual stream, and the norms rescale it with the stream, so the differences
+    of the blocks rewritten add up at the logits rather than multiply. A wrong term (a window, a softcap, a scale, a
+    rope) moves the logits by a sizeable part of their RMS, thousands of times this bound."""
+    row = tolerance_for(dtype)
+    return Tolerance(row.dtype, row.eps, row.ulps * 2 * max(1, rewritten))
 
 
 def reduction_length(config: AttentionConfig, kv_len: int) -> int:

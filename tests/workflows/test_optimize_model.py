@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -156,3 +157,29 @@ def test_the_flags_of_an_attnx_model_are_refused_for_a_whole_model_and_the_other
     assert "--dtype is for a model attnx wrote" in capsys.readouterr().err
     assert main(["optimize", source, "--out", source]) == 2
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_the_whole_model_proof_fails_past_the_tolerance_tables_bound_and_names_where(tmp_path):
+    """The whole-model proof holds the logits to the tolerance table's whole-model row (whole_model_tolerance), not to
+    the greedy tokens alone: the lm_head's weights scaled by 1 + 1e-3 keep every greedy token yet move the logits past
+    the bound; the proof fails and names the first row and position past it."""
+    from numpy.testing import assert_array_less
+
+    from attnx.model.tolerance import whole_model_tolerance
+    from attnx.workflows.rewrite.prove import same_model
+    from attnx.workflows.rewrite.report import ModelOptimizeReport
+
+    source = DYNAMO / "llama" / "sdpa-opset20" / "model.onnx"
+    model = onnx.load(str(source))
+    head = next(n for n in reversed(model.graph.node) if n.op_type == "MatMul")
+    weight = next(t for t in model.graph.initializer if t.name == head.input[1])
+    scaled = onnx.numpy_helper.to_array(weight) * (1 + 1e-3)
+    weight.CopyFrom(onnx.numpy_helper.from_array(scaled.astype(np.float32), weight.name))
+    onnx.save(model, str(tmp_path / "scaled.onnx"))
+    report = ModelOptimizeReport(str(source), "", None, [], [])
+    assert same_model(report, str(source), str(source)), report.proofs  # itself: within the bound
+    report = ModelOptimizeReport(str(source), "", None, [], [])
+    assert not same_model(report, str(source), str(tmp_path / "scaled.onnx")), report.proofs
+    assert all(line.startswith("FAIL: the whole model") and "the same greedy tokens" in line
+               and "(first logits past the bound at row 0, position " in line for line in report.proofs)  # fmt: skip
+    assert_array_less(whole_model_tolerance("fp32", 1).ulps, whole_model_tolerance("fp32", 4).ulps)
