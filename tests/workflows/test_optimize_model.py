@@ -183,3 +183,26 @@ def test_the_whole_model_proof_fails_past_the_tolerance_tables_bound_and_names_w
     assert all(line.startswith("FAIL: the whole model") and "the same greedy tokens" in line
                and "(first logits past the bound at row 0, position " in line for line in report.proofs)  # fmt: skip
     assert_array_less(whole_model_tolerance("fp32", 1).ulps, whole_model_tolerance("fp32", 4).ulps)
+
+
+def test_a_model_with_external_data_is_written_with_its_own(tmp_path):
+    """A model whose tensors lie in model.onnx.data: OUT's tensors are written, one at a time, into OUT.onnx.data
+    beside it (its location relative), never pointing into the input's data file; OUT loads and is proven."""
+    import os
+    import stat
+
+    source = tmp_path / "in" / "model.onnx"
+    source.parent.mkdir()
+    onnx.save(onnx.load(str(DYNAMO / "llama" / "sdpa-opset20" / "model.onnx")), str(source), save_as_external_data=True,
+              location="model.onnx.data", size_threshold=1024)  # fmt: skip
+    out = tmp_path / "out" / "opt.onnx"
+    out.parent.mkdir()
+    report = optimize_model(str(source), str(out), checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))
+    assert report.passed and report.written, report.lines()
+    proto = onnx.load(str(out), load_external_data=False)
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"opt.onnx.data"} and sorted(os.listdir(out.parent)) == ["opt.onnx", "opt.onnx.data"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((out.parent / "opt.onnx.data").stat().st_mode) == 0o666 & ~umask
+    assert _io(out) == _io(source) and len(onnx.load(str(out)).graph.initializer) == len(proto.graph.initializer)
