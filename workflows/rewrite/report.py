@@ -6,9 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from attnx._text import format_table
 from attnx.workflows.rewrite.choose import CoreChoice, Timing
 
 __all__ = ["BlockRewrite", "ModelOptimizeReport"]
+
+
+def _moved(before: Timing | None, after: Timing | None, field: str) -> str:
+    """'old -> new' of one of two timings' fields, each '-' where not timed (with its error in the JSON)."""
+    values = [getattr(t, field) if t is not None and t.error is None else None for t in (before, after)]
+    return " -> ".join(_ms(v) for v in values)
 
 
 @dataclasses.dataclass
@@ -24,17 +31,37 @@ class BlockRewrite:
     repairs: list[str] = dataclasses.field(default_factory=list)
     choice: CoreChoice | None = None  # what was measured to choose its core (attnx.workflows.rewrite.choose)
 
-    def time_lines(self) -> list[str]:
-        """The block's times as the graph has it and in each core timed, ms: a prompt, a step, a request's cost."""
+    def row(self) -> list[Any]:
+        """Its row of the report's table: block, layer, the graph's core, what it is written as, and its prompt and
+        step times as the graph has it -> as written (ms)."""
         c = self.choice
-        if c is None or (c.before is None and not c.times):
-            return []
-        steps = c.shape["steps"]
-        cells = [("as the graph has it", c.before)] + list(c.times.items())
-        said = "; ".join(f"{name} {t.said()}" + (f" = {t.cost(steps):.4g} ms a request" if t.cost(steps) else "")
-                         for name, t in cells if t is not None)  # fmt: skip
-        return [f"  timed (prefill {c.shape['prefill']}, steps at past {c.shape['past']}, a request = prefill + "
-                f"{steps} steps): {said}", f"  chosen: {c.reason}"]  # fmt: skip
+        after = c.times.get(self.written) if c is not None and self.written else None
+        before = c.before if c is not None else None
+
+        def moved(field: str) -> str | None:
+            old, new = (getattr(t, field) if t is not None and t.error is None else None for t in (before, after))
+            if old is None and new is None:
+                return None
+            return f"{_ms(old)} -> {_ms(new)}" if self.written else _ms(old)
+
+        return [self.index, self.layer, self.core, self.written or "kept", moved("prefill_ms"), moved("step_ms")]
+
+    def notes(self) -> list[str]:
+        """What the table does not hold: why it was kept or chosen (each core's cost), its repairs."""
+        out = [f"block {self.index} kept: {self.kept}"] if self.written is None else []
+        c = self.choice
+        if c is not None and (c.before is not None or c.times):
+            steps = c.shape["steps"]
+            cells = [("the graph's", c.before)] + list(c.times.items())
+            said = ", ".join(f"{name} {t.cost(steps):.4g}" if t.cost(steps) is not None else f"{name} {t.said()}"
+                             for name, t in cells if t is not None)  # fmt: skip
+            head = c.reason.split(":")[0] if self.written is not None else "timed"
+            out.append(f"block {self.index}: {head}; a request (ms): {said}")
+        return out + [f"block {self.index} repair: {r}" for r in self.repairs]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 @dataclasses.dataclass
@@ -52,18 +79,28 @@ class ModelOptimizeReport:
     time_shape: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
+        """The report as printed: a table of the blocks, the notes of each (why kept or chosen, repairs), the proofs,
+        the whole model's times and the verdict."""
         out = []
-        for b in self.blocks:
-            layer = f" = layer {b.layer}" if b.layer is not None else ""
-            what = f"{b.core} -> {b.written}" if b.written else f"{b.core} kept: {b.kept}"
-            out.append(f"block {b.index}{layer}: {what}  [{b.node}]")
-            out += [f"  repair: {r}" for r in b.repairs]
-            out += b.time_lines()
+        if self.blocks:
+            shape = next((b.choice.shape for b in self.blocks if b.choice is not None), None)
+            prompt, step = ("prefill ms", "step ms") if shape is None else (
+                f"prefill {shape['prefill']} ms", f"step ms (past {shape['past']})")  # fmt: skip
+            table = format_table(["block", "layer", "graph's core", "written as", prompt, step],
+                                 [b.row() for b in self.blocks])  # fmt: skip
+            out += table.splitlines()
+            if shape is not None:
+                out.append(f"(times on {self.provider}, batch 1, the graph's block -> as written; a request: the "
+                           f"prompt and {shape['steps']} steps)")  # fmt: skip
+            for b in self.blocks:
+                out += b.notes()
         out += self.proofs
         if self.model_times:
             shape = self.time_shape
-            out.append(f"the whole model on {self.provider} (prefill {shape['prefill']}, a step at past {shape['past']}): "
-                       + "; ".join(f"{k} {t.said()}" for k, t in self.model_times.items()))  # fmt: skip
+            before, after = self.model_times.get("before"), self.model_times.get("after")
+            out.append(f"the whole model on {self.provider}: prefill {shape['prefill']} "
+                       f"{_moved(before, after, 'prefill_ms')} ms, a step at past {shape['past']} "
+                       f"{_moved(before, after, 'step_ms')} ms")  # fmt: skip
         verdict = "wrote " + self.out if self.written else "nothing written"
         out.append(f"optimize {'PASSED' if self.passed else 'FAILED'}: {sum(b.written is not None for b in self.blocks)}"
                    f" of {len(self.blocks)} block(s) rewritten; {verdict}")  # fmt: skip
