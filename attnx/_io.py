@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -311,6 +311,13 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, allow_nan=False, default=_json_default)
         f.write("\n")
+
+
+def write_lines_atomic(path: str | os.PathLike[str], lines: Sequence[str]) -> None:
+    """Text lines (each without its newline), atomically: the file holds all of them, or is as it was."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
 
 
 def _json_default(o: Any) -> Any:

@@ -46,7 +46,14 @@ class Check:
 FORMAT = "attnx-package"
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a whole model's package (MODEL_KIND); a layer's package is written at LAYER_FORMAT_VERSION
+
+
+LAYER_FORMAT_VERSION = 1
+
+
+# A whole model's package (attnx build --model): its model, golden generations, the optimization's report
+MODEL_KIND = "model"
 
 
 MANIFEST = "manifest.json"
@@ -187,6 +194,8 @@ def parse_manifest(data: bytes) -> dict[str, Any]:
         raise PackageError(
             f"the package has format version {version}, made by a newer attnx; this attnx reads up to {FORMAT_VERSION}"
         )
+    if m.get("kind") == MODEL_KIND:
+        return _parse_model_manifest(m)
     _require(isinstance(m.get("config"), dict), "config", "must be an object")
     try:
         AttentionConfig.from_dict(dict(m["config"]))
@@ -230,6 +239,47 @@ def parse_manifest(data: bytes) -> dict[str, Any]:
             f"golden[{i}].problem_size",
             "must be {'k': int, 'score_max': number}",
         )
+    return m
+
+
+def _parse_files_and_models(m: dict[str, Any]) -> None:
+    files = m.get("files")
+    _require(isinstance(files, dict) and files, "files", "must be a non-empty object")
+    for name, entry in files.items():
+        _require(isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
+                 and isinstance(entry.get("sha256"), str) and _HEX64.fullmatch(entry["sha256"]) is not None,
+                 f"files.{name}", "must be {'size': bytes, 'sha256': 64 hex digits}")  # fmt: skip
+    models = m.get("models")
+    _require(isinstance(models, list) and models, "models", "must be a non-empty list")
+    for i, model in enumerate(models):
+        _require(isinstance(model, dict) and isinstance(model.get("file"), str), f"models[{i}].file", "must be a name")
+        _require(model["file"] in files, f"models[{i}].file", "must be one of 'files'")
+        providers = model.get("providers")
+        _require(isinstance(providers, list) and providers, f"models[{i}].providers", "must be a non-empty list")
+        _require(isinstance(model.get("ir_version"), int), f"models[{i}].ir_version", "must be an integer")
+        _require(isinstance(model.get("opsets"), dict), f"models[{i}].opsets", "must be an object")
+        _require(isinstance(model.get("external_data", []), list), f"models[{i}].external_data", "must be a list")
+
+
+def _whole(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _parse_model_manifest(m: dict[str, Any]) -> dict[str, Any]:
+    """A whole model's manifest (MODEL_KIND): its files and models as a layer's, its golden generations, the bound
+    they are replayed under, and what generation needs (context, vocabulary, padding, batch)."""
+    _parse_files_and_models(m)
+    golden = m.get("generations")
+    _require(isinstance(golden, dict) and golden.get("file") in m["files"], "generations.file", "must be one of 'files'")
+    _require(_whole(golden.get("requests"), 1), "generations.requests", "must be a whole number of requests")
+    _require(_whole(golden.get("max_batch"), 1), "generations.max_batch", "must be a whole number, 1 or more")
+    tol = m.get("tolerance")
+    _require(isinstance(tol, dict) and tol.get("dtype") in MODEL_DTYPES and _whole(tol.get("blocks"), 1)
+             and _whole(tol.get("k"), 1), "tolerance",
+             "must be {'dtype': a model dtype, 'blocks': int, 'k': int}")  # fmt: skip
+    for key in ("context", "vocab"):
+        _require(m.get(key) is None or _whole(m.get(key), 1), key, "must be a whole number or null")
+    _require(m.get("padding") in ("left", "right"), "padding", "must be 'left' or 'right'")
     return m
 
 

@@ -40,8 +40,10 @@ from attnx.model.weights import init_weights, weight_shapes, weights_sha256
 from attnx.runtimes._manifest import (
     FORMAT,
     FORMAT_VERSION,
+    LAYER_FORMAT_VERSION,
     MANIFEST,
     MANIFEST_SUM,
+    MODEL_KIND,
     Check,
     check_model_data,
     check_names,
@@ -56,11 +58,14 @@ from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.decode import decode_sequence, localise_decode
 from attnx.runtimes.localise import file_weights, localisation_dict, localise_case
+from attnx.runtimes.model_package import load_model_package, open_model, replay_generations
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "LAYER_FORMAT_VERSION",
+    "MODEL_KIND",
     "MANIFEST",
     "MANIFEST_SUM",
     "Check",
@@ -366,6 +371,8 @@ def verify_package(
         return report  # nothing else can be trusted: the manifest holds every other hash
     manifest = parse_manifest(data)
     check_names(root, manifest)
+    if manifest.get("kind") == MODEL_KIND:
+        return _verify_model_package(root, manifest, provider, report, progress)
     model = _model_for(manifest, provider) if model_file is None else _model_named(manifest, model_file)
     progress("checking file sizes and sha256")
     report.checks += _check_files(root, manifest, progress)
@@ -403,15 +410,51 @@ def verify_package(
     return report
 
 
+def _verify_model_package(root: str, manifest: dict[str, Any], provider: str, report: VerifyReport,
+                          progress: Callable[[str], None]) -> VerifyReport:  # fmt: skip
+    """A whole model's package (attnx.runtimes.model_package): its files, its model on `provider`, its golden
+    generations replayed token by token."""
+    progress("checking file sizes and sha256")
+    report.checks += _check_files(root, manifest, progress)
+    extra = sorted(set(os.listdir(root)) - set(manifest["files"]) - {MANIFEST, MANIFEST_SUM})
+    if extra:
+        report.notes.append(f"files not in the manifest (not checked, not used): {', '.join(extra)}")
+    if not report.passed:
+        return report  # a damaged or altered file is never handed to onnxruntime
+    onnxruntime = import_onnxruntime(get_provider(provider).backend)
+    built_with = manifest.get("versions", {}).get("onnxruntime")
+    if built_with and built_with != onnxruntime.__version__:
+        report.notes.append(f"built with onnxruntime {built_with}, verifying with {onnxruntime.__version__}")
+    model = next((m for m in manifest["models"] if provider in m["providers"]), manifest["models"][0])
+    progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({provider})")
+    try:
+        runner = open_model(root, manifest, provider)
+    except ModelFileError as e:
+        report.checks.append(Check("onnxruntime", False, f"{onnxruntime.__version__} cannot load {model['file']} "
+                                   f"({_describe_versions(model)}): {e}"))  # fmt: skip
+        return report
+    with runner:
+        report.checks.append(Check("onnxruntime", True, f"{onnxruntime.__version__} loads {model['file']} "
+                                   f"({_describe_versions(model)}) on {runner.ort_provider}"))  # fmt: skip
+        report.checks += replay_generations(root, manifest, runner, progress)
+    return report
+
+
 # Load and describe -------------------------------------------------------------------------
-def load(directory: str | os.PathLike[str], provider: str = "cpu", check_files: bool = True) -> Runner:
-    """A loaded runner (a context manager) for the package's model on `provider`.
+def load(directory: str | os.PathLike[str], provider: str = "cpu", check_files: bool = True) -> Any:
+    """A loaded runner (a context manager) for the package's model on `provider`; for a whole model's package, a
+    GenerativeModel (attnx.runtimes.model_package: .generate(prompts, ...)).
 
     The names are always checked; with check_files (the default) every file's size and
     sha256 too, and the manifest's description of the model against the model's own:
     CheckFailed names a damaged file or a false description before onnxruntime sees it.
     """
     root, manifest = read_manifest(directory)
+    if manifest.get("kind") == MODEL_KIND:
+        failures = [c for c in _check_files(root, manifest, lambda msg: None) if not c] if check_files else []
+        if failures:
+            raise CheckFailed(f"{os.fspath(directory)}: " + "; ".join(f"{c.name}: {c.detail}" for c in failures))
+        return load_model_package(root, manifest, provider)
     model = _model_for(manifest, provider)
     if check_files:
         failures = [c for c in _check_files(root, manifest, lambda msg: None) if not c]
@@ -425,6 +468,13 @@ def load(directory: str | os.PathLike[str], provider: str = "cpu", check_files: 
 def describe_package(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """What the package is, from its manifest (hashes of the big files are not computed)."""
     _, m = read_manifest(directory)
+    if m.get("kind") == MODEL_KIND:
+        return {"path": os.fspath(directory), "format": f"{m['format']} {m['format_version']}", "kind": MODEL_KIND,
+                **{k: m.get(k) for k in ("source", "inputs", "outputs", "context", "vocab", "padding", "decode",
+                                         "verified_on", "versions")},
+                "models": [{k: model.get(k) for k in ("file", "providers", "ir_version", "opsets", "external_data")}
+                           for model in m["models"]],
+                "generations": m["generations"], "files": {n: e["size"] for n, e in m["files"].items()}}  # fmt: skip
     parity = m.get("parity", {})
     return {
         "path": os.fspath(directory),

@@ -22,6 +22,7 @@ from attnx.workflows._build import (
     parity_markdown,
     write_npz,
 )
+from attnx.workflows._build_model import ModelBuildReport, build_model_package
 from attnx.workflows._checks import (
     PARITY_SHAPES,
     VALIDATION_SHAPES,
@@ -43,6 +44,8 @@ from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model, written
 set_decomposed_writer(write_decomposed_form)  # localisation's look inside a fused operator: the exporter's form
 
 __all__ = [
+    "ModelBuildReport",
+    "build_model_package",
     "AUTO_CANDIDATES",
     "AUTO_SHAPE",
     "DEFAULT_ATTENTION",

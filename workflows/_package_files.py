@@ -31,7 +31,7 @@ from attnx.model.inputs import make_inputs
 from attnx.model.tolerance import problem_size
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.decode import decode_sequence, empty_cache, make_decode_inputs
-from attnx.runtimes.package import FORMAT, FORMAT_VERSION, MANIFEST, MANIFEST_SUM, file_sha256
+from attnx.runtimes.package import FORMAT, LAYER_FORMAT_VERSION, MANIFEST, MANIFEST_SUM, file_sha256
 from attnx.runtimes.parity import ParityCase, ParityReport
 
 __all__ = ["GOLDEN_SEED", "MODEL_FILE", "PARITY_JSON", "PARITY_MD", "RecordingRunner", "ReplayRunner", "manifest_of",
@@ -228,7 +228,7 @@ def manifest_of(
             max_abs[c.backend] = max(max_abs.get(c.backend, 0.0), c.max_abs)
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": LAYER_FORMAT_VERSION,
         "config": config.to_dict(),
         "dtype": dtype,
         **({"quantization": quantization_of(info.metadata)} if dtype in QUANTIZATIONS else {}),

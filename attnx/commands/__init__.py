@@ -31,6 +31,8 @@ COMMANDS: dict[str, Command] = {
     "build": Command("build", "export, check and package the model: a folder that verifies itself on the deployment machine"),
     "verify": Command("verify", "check a package here: file hashes, onnxruntime can load it, golden outputs within tolerance"),
     "run": Command("run", "run an ONNX model or a package on .npy inputs"),
+    "generate": Command("generate", "serve a whole model's package: token ids in (JSON lines), new token ids out, "
+                        "requests of any length batched together"),
     "inspect": Command("inspect", "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators",
                        runs_ort=False),
     "audit": Command("audit", "check every attention block of a whole exported model against the reference and its checkpoint"),

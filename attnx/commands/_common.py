@@ -64,12 +64,15 @@ def exporter_for_localisation(command: str) -> None:
     set_decomposed_writer(write)
 
 
-def add_model_args(parser: argparse.ArgumentParser, weights: bool = True, required: bool = True) -> None:
+def add_model_args(parser: argparse.ArgumentParser, weights: bool = True, required: bool = True,
+                   whole_model: str | None = None) -> None:  # fmt: skip
     """--preset or --config (one of them, when required; parity with --model reads the model's
-    config), and --weights and --seed."""
+    config), and --weights and --seed; whole_model: --model MODEL.onnx as a third choice, with that help."""
     group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("--preset", help=f"a preset: {', '.join(PRESETS)}")
     group.add_argument("--config", metavar="C.json", help="an AttentionConfig JSON file")
+    if whole_model is not None:
+        group.add_argument("--model", metavar="MODEL.onnx", help=whole_model)
     if weights:
         parser.add_argument("--weights", metavar="W.safetensors", help="weights (default: seeded, see --seed)")
         parser.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, help="seed of the generated weights (default 0)")

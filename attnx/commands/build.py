@@ -17,6 +17,8 @@ from attnx.commands._common import (
     str_list,
     workflows,
 )
+from attnx.commands.optimize import WHOLE_MODEL_CORES
+from attnx.errors import UsageError
 from attnx.model.contract import BUFFER_CORES, BUILD_ATTENTION, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 from attnx.model.cores import DEFAULT_BUFFER_CORE, attention_help, buffer_core_help
 
@@ -25,7 +27,8 @@ HELP = COMMANDS["build"].help
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help=HELP, description=HELP)
-    add_model_args(p)
+    add_model_args(p, whole_model="a whole model another tool exported: optimized and proven (attnx optimize), "
+                   "golden generations recorded, packaged for attnx verify and attnx generate")
     p.add_argument(
         "--attention",
         choices=EXPORT_ATTENTIONS,
@@ -42,9 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--provider",
         type=str_list,
-        default=list(PROVIDERS),
-        help=f"providers the package is for, comma-separated (default {','.join(PROVIDERS)}); "
-        "each is verified here when it can run here",
+        default=None,
+        help=f"providers the package is for, comma-separated (default {','.join(PROVIDERS)}; with --model one, "
+        "default cpu, where its cores are measured and it is verified); each is verified here when it can run here",
     )
     p.add_argument(
         "--force", action="store_true",
@@ -52,10 +55,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="the package folder to write (one there already: --force)")
+    p.add_argument("--checkpoint", default=None, metavar="HF_DIR",
+                   help="with --model: its Hugging Face checkpoint (each block written as its layer states it)")
+    p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
+                   help="with --model: the core each block is written as (default auto: measured, as attnx optimize)")
     p.set_defaults(run=run)
 
 
+def run_model(args: argparse.Namespace) -> int:
+    """--model: a whole model's package (attnx.workflows.build_model_package)."""
+    given = [f for f, v in (("--weights", args.weights), ("--attention", args.attention != BUILD_ATTENTION),
+                            ("--dtype", args.dtype != "fp32"), ("--decode", args.decode),
+                            ("--decode-form", args.decode_form != "growing"), ("--max-mem-gb", args.max_mem_gb),
+                            ("--buffer-core", args.buffer_core != DEFAULT_BUFFER_CORE)) if v]  # fmt: skip
+    if given:
+        raise UsageError(f"{given[0]} is for a layer's package (--preset, --config); a whole model (--model) is "
+                         "optimized as attnx optimize writes it (--core, --checkpoint)")  # fmt: skip
+    providers = args.provider or ["cpu"]
+    if len(providers) != 1:
+        raise UsageError(f"--provider {','.join(providers)}: a whole model's package is built for one provider, where "
+                         "its cores are measured and it is verified")  # fmt: skip
+    flows = workflows("build", needs=("onnx_ir", "onnxscript"))
+    report = flows.build_model_package(args.model, args.out, checkpoint=args.checkpoint, provider=providers[0],
+                                       core=args.core or "auto", force=args.force, progress=Progress())  # fmt: skip
+    print("\n".join(report.optimize.lines()))
+    m = report.manifest
+    rows = [(name, entry["size"], entry["sha256"][:16]) for name, entry in m["files"].items()]
+    print(format_table(["file", "bytes", "sha256"], rows))
+    rows = [(c.name, "pass" if c else "FAIL", c.detail) for c in report.verify.checks if c.name.startswith("generation")]
+    print(format_table(["golden generation", "status", "detail"], rows))
+    total = sum(e["size"] for e in m["files"].values())
+    print(f"wrote {os.path.abspath(args.out)}: {len(m['files']) + 2} files, {total / 1e6:.1f} MB; "
+          f"{m['generations']['requests']} golden generations of {m['generations']['steps']} tokens; verified on "
+          f"{', '.join(m['verified_on'])}")  # fmt: skip
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return run_model(args)
+    whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--core", args.core)) if v]
+    if whole:
+        raise UsageError(f"{whole[0]} is for a whole model's package (--model)")
     build_package = workflows("build").build_package
     config = load_step_config_arg(args)
     progress = Progress()
@@ -66,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         attention=args.attention,
         dtype=args.dtype,
-        providers=args.provider,
+        providers=args.provider or list(PROVIDERS),
         force=args.force,
         max_mem_gb=args.max_mem_gb,
         progress=progress,

@@ -108,6 +108,8 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         say(f"reading block {block.index}: {block.node}")
         rewrite = BlockRewrite(block.index, block.node, block.core)
         report.blocks.append(rewrite)
+        if block.padding == "right":  # how the model reads a padded batch, rewritten or not
+            report.padding = "right"
         if block.config is None:
             rewrite.kept = f"not read: {block.unread}"
             continue
@@ -118,6 +120,7 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         if plan is None:
             continue
         _, config, weights = plan
+        rewrite.config = config.to_dict()
         rewrite.choice = choose_core(block, config, weights, graph, provider, LOWERING, core=core, limit=limit,
                                      memo=measured, say=say)  # fmt: skip
         rewrite.written = rewrite.choice.core

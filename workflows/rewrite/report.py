@@ -30,6 +30,7 @@ class BlockRewrite:
     kept: str | None = None
     repairs: list[str] = dataclasses.field(default_factory=list)
     choice: CoreChoice | None = None  # what was measured to choose its core (attnx.workflows.rewrite.choose)
+    config: dict[str, Any] | None = None  # the config it is written from (the graph's, or its checkpoint layer's)
 
     def row(self) -> list[Any]:
         """Its row of the report's table: block, layer, the graph's core, what it is written as, and its prompt and
@@ -74,6 +75,7 @@ class ModelOptimizeReport:
     passed: bool = False
     written: bool = False
     provider: str = "cpu"
+    padding: str = "left"  # how the model's blocks read a padded batch: left (attention_mask), right (lengths)
     # the whole model's times, before (the input) and after (the output), through its own inputs and outputs
     model_times: dict[str, Timing] = dataclasses.field(default_factory=dict)
     time_shape: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -112,6 +114,6 @@ class ModelOptimizeReport:
             row = {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "choice"}
             blocks.append({**row, "choice": b.choice.to_dict() if b.choice is not None else None})
         return {"model": self.model, "out": self.out, "checkpoint": self.checkpoint, "passed": self.passed,
-                "written": self.written, "provider": self.provider, "blocks": blocks, "proofs": self.proofs,
+                "written": self.written, "provider": self.provider, "padding": self.padding, "blocks": blocks, "proofs": self.proofs,
                 "time_shape": self.time_shape,
                 "model_times": {k: dataclasses.asdict(t) for k, t in self.model_times.items()}}  # fmt: skip

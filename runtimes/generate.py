@@ -1,0 +1,346 @@
+"""Generation from a whole model through its own inputs and outputs: requests of any length served together, a
+row leaving the batch when it ends and a waiting request joining between steps (continuous batching).
+
+    ModelIO     what the model's own I/O is: input_ids, attention_mask, position_ids where it has them, its cache
+                (past_key_values.N.key/value in, present.N.key/value out), its logits
+    Request     one request's state: its prompt, its limits, its sampling's generator, its new tokens
+    Sampling    the logits processors, in transformers' order (temperature, top-k, top-p), then a draw from the
+                request's own seeded generator; greedy (argmax) without a temperature
+    Engine      schedule (admit waiting requests: each prompt prefilled alone, its cache joined to the batch's),
+                run one step for every row, update (each row's token, rows that end leave)
+
+The batch is left-aligned as transformers pads: a row's cache, mask and positions are its own prompt's, shifted right
+by the padding its batch needs, so its keys at padded slots are hidden by attention_mask and its positions count
+from its own first token. Its tokens therefore do not depend on which requests share its batch (the tests hold a
+batch's tokens to each request's alone). A model whose blocks read right padding (lengths from attention_mask:
+ONNX Runtime GenAI's GroupQueryAttention) is served one request at a time (Engine.max_batch 1).
+
+No torch here: this runs on the deployment machine with the runner registry's backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import InputError, UsageError
+from attnx.runtimes.base import Runner
+
+__all__ = ["Engine", "GenerateStats", "ModelIO", "Request", "Sampling", "check_prompts"]
+
+_CACHE_IN = "past_key_values"
+_CACHE_OUT = "present"
+_NP = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelIO:
+    """A whole model's own inputs and outputs, as generation feeds them (ModelIO.of)."""
+
+    logits: str
+    caches: tuple[tuple[str, str], ...]  # (past input, present output), in the model's order
+    cache_dims: tuple[tuple[int, int], ...]  # each cache's (heads, head_dim)
+    cache_dtype: Any
+    positions: bool  # the model takes position_ids
+    mask: bool  # the model takes attention_mask
+    vocab: int | None  # the logits' last dim, where the model fixes it
+    batch: int | None  # a batch the model's dims fix
+
+    @classmethod
+    def of(cls, runner: Runner) -> ModelIO:
+        """Read from a loaded runner's input and output specs; one UsageError for a model generation cannot feed."""
+        inputs = {s.name: s for s in runner.inputs}
+        outputs = {s.name: s for s in runner.outputs}
+        if "input_ids" not in inputs:
+            raise UsageError("the model takes no input_ids: attnx generate feeds token ids")
+        logits = "logits" if "logits" in outputs else runner.outputs[0].name
+        caches, dims = [], []
+        for name, spec in inputs.items():
+            if not name.startswith(_CACHE_IN):
+                continue
+            present = _CACHE_OUT + name[len(_CACHE_IN):]
+            if present not in outputs:
+                raise UsageError(f"the model's cache input {name} has no output {present}")
+            if len(spec.shape) != 4 or not all(isinstance(d, int) for d in (spec.shape[1], spec.shape[3])):
+                raise UsageError(f"the model's cache input {name} is {list(spec.shape)}: not [batch, heads, past, "
+                                 "head_dim] with its heads and head_dim fixed")  # fmt: skip
+            caches.append((name, present))
+            dims.append((int(spec.shape[1]), int(spec.shape[3])))
+        known = {"input_ids", "attention_mask", "position_ids"} | {p for p, _ in caches}
+        other = sorted(set(inputs) - known)
+        if other:
+            raise UsageError(f"the model takes {', '.join(other)}, which attnx generate does not feed (it feeds "
+                             "input_ids, attention_mask, position_ids and its cache)")  # fmt: skip
+        vocab = outputs[logits].shape[-1] if outputs[logits].shape else None
+        batch = inputs["input_ids"].shape[0] if inputs["input_ids"].shape else None
+        dtype = _NP.get(inputs[caches[0][0]].dtype, np.float32) if caches else np.float32
+        return cls(logits, tuple(caches), tuple(dims), dtype, "position_ids" in inputs, "attention_mask" in inputs,
+                   vocab if isinstance(vocab, int) else None, batch if isinstance(batch, int) else None)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is chosen from a row's logits: greedy (temperature 0, the default), else transformers' processors
+    in order (temperature, top-k, top-p) and one draw from the request's generator, seeded by (seed, its index) so
+    that a request draws the same tokens whatever shares its batch."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise UsageError(f"--temperature {self.temperature}: must be 0 (greedy) or more")
+        if self.top_k is not None and self.top_k < 1:
+            raise UsageError(f"--top-k {self.top_k}: must be 1 or more")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
+            raise UsageError("--top-k and --top-p choose among tokens to sample: give a --temperature above 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def processors(self) -> list[Callable[[np.ndarray], np.ndarray]]:
+        """The logits processors of a sampled choice, in the order they apply (float64 logits in and out)."""
+        out: list[Callable[[np.ndarray], np.ndarray]] = [lambda x: x / self.temperature]
+        if self.top_k is not None:
+            out.append(lambda x, k=self.top_k: top_k(x, k))
+        if self.top_p is not None:
+            out.append(lambda x, p=self.top_p: top_p(x, p))
+        return out
+
+    def choose(self, logits: np.ndarray, rng: np.random.Generator | None) -> int:
+        """The token of one row's logits [V]."""
+        if self.greedy:
+            return int(np.argmax(logits))
+        x = np.asarray(logits, np.float64)
+        for process in self.processors():
+            x = process(x)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        return int(np.searchsorted(np.cumsum(p), rng.random() * (1 - 1e-12), side="right").clip(0, len(p) - 1))
+
+
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """The k largest logits kept, the rest -inf (ties at the k-th all kept, as transformers' TopKLogitsWarper)."""
+    if k >= x.shape[-1]:
+        return x
+    kth = np.partition(x, -k)[-k]
+    return np.where(x < kth, -np.inf, x)
+
+
+def top_p(x: np.ndarray, p: float) -> np.ndarray:
+    """The smallest set of most likely tokens whose probabilities reach p kept, the rest -inf (transformers'
+    TopPLogitsWarper: the most likely token always kept)."""
+    order = np.argsort(-x, kind="stable")
+    probs = np.exp(x[order] - x[order[0]])
+    probs /= probs.sum()
+    keep = np.cumsum(probs) - probs < p  # a token is kept while the ones before it have not reached p
+    out = np.full_like(x, -np.inf)
+    out[order[keep]] = x[order[keep]]
+    return out
+
+
+@dataclasses.dataclass
+class Request:
+    """One request's state (ONNX Runtime GenAI's Request, vLLM's Sequence): apart from the engine that batches it."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos: frozenset[int] = frozenset()
+    rng: np.random.Generator | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None  # "eos", "length" (max_new_tokens), "context" (the model's positions)
+    forced: Sequence[int] | None = None  # replay: these tokens are fed, whatever the logits choose
+    logits: list[np.ndarray] | None = None  # recorded: the prompt's [L, V], then each step's [V]
+    first_token_s: float | None = None  # seconds from the engine's start to its first new token
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+@dataclasses.dataclass
+class GenerateStats:
+    """What a run did: requests, new tokens, prefills, steps, the largest batch, seconds."""
+
+    requests: int = 0
+    new_tokens: int = 0
+    prefills: int = 0
+    steps: int = 0
+    largest_batch: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Batch:
+    """The rows being decoded: their requests, the cache (one array per cache input, [B, heads, T, head_dim]), the
+    mask [B, T] (1: a key of the row's own), each row's next position."""
+
+    def __init__(self, io: ModelIO) -> None:
+        self.io = io
+        self.rows: list[Request] = []
+        self.caches: list[np.ndarray] = [np.zeros((0, h, 0, d), io.cache_dtype) for h, d in io.cache_dims]
+        self.mask = np.zeros((0, 0), np.int64)
+        self.positions = np.zeros(0, np.int64)
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def add(self, request: Request, caches: list[np.ndarray], length: int) -> None:
+        """A prefilled row joins: its cache [1, h, length, d] and the batch's left-padded to the longer of the two."""
+        total = max(self.length, length)
+        self.caches = [np.concatenate([_left_pad(c, total), _left_pad(new, total)], axis=0)
+                       for c, new in zip(self.caches, caches)]  # fmt: skip
+        own = np.concatenate([np.zeros((1, total - length), np.int64), np.ones((1, length), np.int64)], axis=1)
+        self.mask = np.concatenate([_left_pad(self.mask, total, axis=1), own], axis=0)
+        self.positions = np.append(self.positions, length)
+        self.rows.append(request)
+
+    def drop_done(self) -> None:
+        """Rows that ended leave; columns no row uses any more (padding of rows that left) are trimmed."""
+        keep = [i for i, r in enumerate(self.rows) if not r.done]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.mask, self.positions = self.mask[keep], self.positions[keep]
+        used = np.flatnonzero(self.mask.any(axis=0))
+        start = int(used[0]) if used.size else self.length
+        self.mask = self.mask[:, start:]
+        self.caches = [c[keep][:, :, start:] for c in self.caches]
+
+
+def _left_pad(a: np.ndarray, total: int, axis: int = 2) -> np.ndarray:
+    """`a` with zeros before it along `axis` to `total` entries."""
+    missing = total - a.shape[axis]
+    if missing <= 0:
+        return a
+    shape = list(a.shape)
+    shape[axis] = missing
+    return np.concatenate([np.zeros(shape, a.dtype), a], axis=axis)
+
+
+class Engine:
+    """Continuous batching over a loaded whole model (the module doc): at most `max_batch` rows at once; `context`
+    the model's positions (a row ends there); `record`: each request's logits kept (golden generations)."""
+
+    def __init__(self, runner: Runner, *, max_batch: int = 8, context: int | None = None, record: bool = False,
+                 right_padded: bool = False) -> None:  # fmt: skip
+        self.runner = runner
+        self.io = ModelIO.of(runner)
+        if max_batch < 1:
+            raise UsageError(f"--max-batch {max_batch}: must be 1 or more")
+        if not self.io.mask or right_padded:  # a batch of rows of other lengths needs left padding the model reads
+            max_batch = 1
+        if self.io.batch is not None:
+            max_batch = min(max_batch, self.io.batch)
+        self.max_batch = max_batch
+        self.context = context
+        self.record = record
+        self.stats = GenerateStats()
+
+    def _feeds(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+               caches: list[np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
+        feeds = {"input_ids": ids}
+        if self.io.mask:
+            feeds["attention_mask"] = mask
+        if self.io.positions:
+            feeds["position_ids"] = positions
+        feeds.update({past: c for (past, _), c in zip(self.io.caches, caches)})
+        return feeds
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        out = self.runner.run(feeds)
+        return out[self.io.logits], [out[present] for _, present in self.io.caches]
+
+    def _prefill(self, request: Request, start: float) -> list[np.ndarray]:
+        """The request's prompt run alone (batch 1): its first token chosen, its cache returned."""
+        n = len(request.prompt)
+        empty = [np.zeros((1, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
+        logits, caches = self._run(self._feeds(np.asarray([request.prompt], np.int64), np.ones((1, n), np.int64),
+                                               np.arange(n, dtype=np.int64)[None], empty))  # fmt: skip
+        self.stats.prefills += 1
+        if request.logits is not None:
+            request.logits.append(np.array(logits[0], np.float32))
+        self._take(request, logits[0, -1], n)
+        request.first_token_s = time.perf_counter() - start
+        return caches
+
+    def _take(self, request: Request, logits: np.ndarray, position: int) -> None:
+        """The request's next token from its logits [V] at `position` (the token's own), and whether it ends."""
+        token = request.forced[len(request.tokens)] if request.forced is not None else None
+        if token is None:
+            token = self.sampling.choose(logits, request.rng)
+        request.tokens.append(int(token))
+        self.stats.new_tokens += 1
+        if int(token) in request.eos:
+            request.finish = "eos"
+        elif len(request.tokens) >= request.max_new_tokens:
+            request.finish = "length"
+        elif self.context is not None and position + 1 >= self.context:
+            request.finish = "context"
+
+    def run(self, requests: Iterable[Request], sampling: Sampling = Sampling(),
+            on_finish: Callable[[Request], None] | None = None) -> GenerateStats:  # fmt: skip
+        """Serve every request (the module doc); on_finish(request) as each ends, in the order they end."""
+        self.sampling = sampling
+        waiting = list(requests)
+        self.stats = GenerateStats(requests=len(waiting))
+        batch = _Batch(self.io)
+        start = time.perf_counter()
+        waiting.reverse()  # popped from the end: the first request first
+        while waiting or batch.rows:
+            while waiting and len(batch.rows) < self.max_batch:  # schedule: waiting requests join between steps
+                request = waiting.pop()
+                if self.record:
+                    request.logits = []
+                caches = self._prefill(request, start)
+                if request.done:
+                    on_finish and on_finish(request)
+                    continue
+                batch.add(request, caches, len(request.prompt))
+            if not batch.rows:
+                continue
+            self.stats.largest_batch = max(self.stats.largest_batch, len(batch.rows))
+            ids = np.asarray([[r.tokens[-1]] for r in batch.rows], np.int64)  # run: one step for every row
+            mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), np.int64)], axis=1)
+            logits, batch.caches = self._run(self._feeds(ids, mask, batch.positions[:, None], batch.caches))
+            batch.mask = mask
+            self.stats.steps += 1
+            for i, request in enumerate(batch.rows):  # update: each row's token; rows that end leave
+                if request.logits is not None:
+                    request.logits.append(np.array(logits[i, -1], np.float32))
+                self._take(request, logits[i, -1], int(batch.positions[i]))
+                if request.done and on_finish is not None:
+                    on_finish(request)
+            batch.positions = batch.positions + 1
+            batch.drop_done()
+        self.stats.seconds = time.perf_counter() - start
+        return self.stats
+
+
+def check_prompts(prompts: Sequence[Any], vocab: int | None, context: int | None, what: str = "prompt") -> None:
+    """Each prompt a non-empty list of token ids inside the vocabulary and shorter than the context; one InputError
+    naming the first that is not (its line, counted from 1)."""
+    for i, prompt in enumerate(prompts, 1):
+        if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+            raise InputError(f"{what} {i}: not a non-empty JSON list of token ids (integers)")
+        bad = next((t for t in prompt if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise InputError(f"{what} {i}: token id {bad} is outside the vocabulary (0 to {vocab - 1})"
+                             if vocab is not None else f"{what} {i}: token id {bad} is negative")  # fmt: skip
+        if context is not None and len(prompt) >= context:
+            raise InputError(f"{what} {i}: {len(prompt)} tokens, the model's context is {context}: no room for a new "
+                             "token")  # fmt: skip

@@ -1,0 +1,191 @@
+"""A whole model's package, the deployment side (attnx build --model writes it): verify it here, load it, generate.
+
+    manifest.json        kind "model": files and their sha256, the model, the golden generations, the bound they are
+                         replayed under, the optimization's report, context, vocabulary, padding, the build machine
+    model.onnx           the optimized model (model.onnx.data beside it when it has external data)
+    generations.npz      golden generations: per request its prompt, its greedy tokens, the prompt's logits [L, V]
+                         and each later step's [V]
+    optimize.json        attnx optimize's report (blocks, cores, repairs, proofs, times)
+
+verify: the files (sizes, sha256), the model loaded on the provider asked (never another in its place), and every
+golden generation replayed token by token through the generation engine (attnx.runtimes.generate), its recorded
+tokens fed: each step's greedy token the golden one, each step's logits within the tolerance table's whole-model
+bound. Without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from attnx.errors import UsageError
+from attnx.model.contract import get_provider
+from attnx.model.tolerance import ProblemSize, whole_model_tolerance
+from attnx.runtimes._manifest import Check, check_model_data, member_path
+from attnx.runtimes.base import ModelSource, Runner, create_runner
+from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.generate import Engine, GenerateStats, Request, Sampling, check_prompts
+
+__all__ = ["GENERATIONS_FILE", "GenerativeModel", "golden_arrays", "load_model_package", "replay_generations"]
+
+GENERATIONS_FILE = "generations.npz"
+
+
+def golden_arrays(requests: Sequence[Request]) -> dict[str, np.ndarray]:
+    """The golden generations of recorded requests (Request.logits), as generations.npz holds them."""
+    out: dict[str, np.ndarray] = {}
+    for r in requests:
+        out[f"prompt_{r.index}"] = np.asarray(r.prompt, np.int64)
+        out[f"tokens_{r.index}"] = np.asarray(r.tokens, np.int64)
+        out[f"prompt_logits_{r.index}"] = np.asarray(r.logits[0], np.float32)
+        steps = r.logits[1:]
+        out[f"step_logits_{r.index}"] = (np.stack(steps).astype(np.float32) if steps
+                                         else np.zeros((0, r.logits[0].shape[-1]), np.float32))  # fmt: skip
+    return out
+
+
+def open_model(root: str, manifest: Mapping[str, Any], provider: str) -> Runner:
+    """The package's model loaded on `provider` through the runner registry (ProviderUnavailable where it cannot
+    start: never another provider in its place), its external data checked to lie in the package first."""
+    get_provider(provider)
+    model = next((m for m in manifest["models"] if provider in m["providers"]), None)
+    if model is None:
+        built = sorted({p for m in manifest["models"] for p in m["providers"]})
+        raise UsageError(f"this package has no model for provider {provider!r} (built for: {', '.join(built)})")
+    check_model_data(root, manifest, model["file"])
+    source = ModelSource(model_path=member_path(root, model["file"], "the model"))
+    return create_runner(get_provider(provider).backend, source).load()
+
+
+def engine_for(runner: Runner, manifest: Mapping[str, Any], max_batch: int | None = None,
+               record: bool = False) -> Engine:  # fmt: skip
+    """The generation engine over the package's loaded model, as the manifest says to feed it."""
+    batch = manifest["generations"]["max_batch"] if max_batch is None else max_batch
+    return Engine(runner, max_batch=batch, context=manifest.get("context"), record=record,
+                  right_padded=manifest["padding"] == "right")  # fmt: skip
+
+
+class _BadGolden(Exception):
+    """A golden generations file that cannot be used; the message says why."""
+
+
+def _load_golden(path: str, requests: int) -> list[dict[str, np.ndarray]]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except Exception as e:  # noqa: BLE001 - a damaged file of the package: one line
+        raise _BadGolden(f"not readable as .npz: {type(e).__name__}: {e}") from None
+    out = []
+    for i in range(requests):
+        keys = [f"{k}_{i}" for k in ("prompt", "tokens", "prompt_logits", "step_logits")]
+        missing = [k for k in keys if k not in arrays]
+        if missing:
+            raise _BadGolden(f"has no {', '.join(missing)}")
+        prompt, tokens, first, steps = (arrays[k] for k in keys)
+        if prompt.ndim != 1 or tokens.ndim != 1 or len(tokens) < 1 or first.shape[:1] != prompt.shape \
+                or steps.shape[0] != len(tokens) - 1:  # fmt: skip
+            raise _BadGolden(f"request {i}'s arrays do not go together (prompt {list(prompt.shape)}, tokens "
+                             f"{list(tokens.shape)}, logits {list(first.shape)} and {list(steps.shape)})")  # fmt: skip
+        out.append({"prompt": prompt, "tokens": tokens, "first": first, "steps": steps})
+    return out
+
+
+def replay_generations(root: str, manifest: Mapping[str, Any], runner: Runner,
+                       progress: Callable[[str], None] = lambda _m: None) -> list[Check]:  # fmt: skip
+    """Each golden generation replayed on `runner` (the module doc): one Check a request, failing at its first step
+    whose greedy token is not the golden one, or whose logits pass the bound."""
+    golden = manifest["generations"]
+    name = golden["file"]
+    try:
+        cases = _load_golden(member_path(root, name, "the golden generations"), golden["requests"])
+    except _BadGolden as e:
+        return [Check(name, False, str(e))]
+    tol_said = manifest["tolerance"]
+    tol = whole_model_tolerance(tol_said["dtype"], tol_said["blocks"])
+    size = ProblemSize(tol_said["k"])
+    requests = [Request(i, [int(t) for t in c["prompt"]], len(c["tokens"]), forced=[int(t) for t in c["tokens"]])
+                for i, c in enumerate(cases)]  # fmt: skip
+    progress(f"replaying {len(requests)} golden generations ({sum(len(c['tokens']) for c in cases)} tokens)")
+    engine = engine_for(runner, manifest, record=True)
+    engine.run(requests)
+    checks = []
+    for request, case in zip(requests, cases):
+        label = f"generation {request.index}"
+        said = f"a prompt of {len(request.prompt)} tokens, {len(request.tokens)} new"
+        # the golden token of step s is chosen from logits s: the prompt's last row, then each step's
+        recorded = [request.logits[0][-1], *request.logits[1:]]
+        failure = None
+        for step, (row, token) in enumerate(zip(recorded, case["tokens"])):
+            if int(np.argmax(row)) != int(token):
+                failure = f"step {step}: greedy token {int(np.argmax(row))}, the golden one {int(token)}"
+                break
+        got = np.concatenate([request.logits[0], *(x[None] for x in request.logits[1:])])  # [L + N - 1, V]
+        want = np.concatenate([case["first"], case["steps"]])
+        cmp = compare_arrays(label, got, want, tol, size)
+        if failure is None and not cmp:
+            row = int(np.flatnonzero((np.abs(got - want) > cmp.atol + cmp.rtol * np.abs(want)).any(-1))[0])
+            at = f"prompt position {row}" if row < len(request.prompt) else f"step {row - len(request.prompt) + 1}"
+            failure = f"{at}: logits past the bound ({cmp.detail()})"
+        checks.append(Check(label, failure is None, f"{said}: {failure}" if failure else f"{said}: the same greedy "
+                            f"tokens, logits {cmp.detail()}", cmp.stats()))  # fmt: skip
+    return checks
+
+
+@dataclasses.dataclass
+class GenerativeModel:
+    """A whole model's package, loaded (attnx.load of such a package): generate() serves prompts of any length
+    together (attnx.runtimes.generate); a context manager."""
+
+    directory: str
+    manifest: dict[str, Any]
+    runner: Runner
+    stats: GenerateStats | None = None
+
+    @property
+    def vocab(self) -> int | None:
+        return self.manifest.get("vocab")
+
+    @property
+    def context(self) -> int | None:
+        return self.manifest.get("context")
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0, eos: Sequence[int] = (),
+                 max_batch: int | None = None,
+                 on_finish: Callable[[Request], None] | None = None) -> list[list[int]]:  # fmt: skip
+        """The new tokens of each prompt, in the prompts' order: greedy by default, else sampled (temperature, top-k,
+        top-p) from each request's own generator seeded by (seed, its index); a row ends at an eos id, at
+        max_new_tokens, or at the model's context."""
+        prompts = [list(p) for p in prompts]
+        check_prompts(prompts, self.vocab, self.context)
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens {max_new_tokens}: must be 1 or more")
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        requests = [Request(i, p, max_new_tokens, frozenset(eos),
+                            None if sampling.greedy else np.random.default_rng([seed, i]))
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        engine = engine_for(self.runner, self.manifest, max_batch)
+        self.stats = engine.run(requests, sampling, on_finish)
+        return [r.tokens for r in requests]
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def __enter__(self) -> GenerativeModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_model_package(root: str, manifest: dict[str, Any], provider: str = "cpu") -> GenerativeModel:
+    """The package's model loaded on `provider`, ready to generate (its files were checked by the caller)."""
+    with contextlib.ExitStack() as stack:
+        runner = stack.enter_context(open_model(root, manifest, provider))
+        stack.pop_all()
+    return GenerativeModel(os.fspath(root), manifest, runner)

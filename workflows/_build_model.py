@@ -1,0 +1,194 @@
+"""`attnx build --model`: a whole model another tool exported, optimized and proven (attnx optimize), then golden
+generations recorded from it, packaged with its manifest into a folder that `attnx verify` re-checks on the
+deployment machine and `attnx generate` serves (attnx.runtimes.model_package holds the deployment side).
+
+    optimize     attnx.workflows.rewrite.optimize_model into the stage: a model it cannot prove is not packaged
+                 (CheckFailed, exit 1, its failing proofs said)
+    golden       prompts of different lengths (short ones, one past the widest window, one whose steps cross the
+                 rope's original length, where the model has them), run together through the generation engine
+                 with continuous batching (fewer rows than prompts: some join between steps), greedy: each prompt's
+                 logits and each step's logits and token
+    manifest     every file's size and sha256, the optimization's report, the decode form, the bound the golden
+                 generations are replayed under, context, vocabulary, padding, the machine it was verified on
+    verify       the stage verified as `attnx verify` would, then published whole (attnx._io.Staging)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+
+from attnx._io import Staging, output_lock, write_json_atomic
+from attnx.errors import CheckFailed
+from attnx.model.checkpoint import read_checkpoint_config
+from attnx.model.contract import PROVIDERS, external_data_locations
+from attnx.runtimes.generate import ModelIO, Request
+from attnx.runtimes.model_package import GENERATIONS_FILE, engine_for, golden_arrays, open_model
+from attnx.runtimes.package import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MANIFEST_SUM,
+    MODEL_KIND,
+    VerifyReport,
+    file_sha256,
+    verify_package,
+)
+from attnx.workflows._build import _check_target
+from attnx.workflows._package_files import versions, write_npz
+from attnx.workflows.audit.sources import original_length
+from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model
+from attnx.workflows.rewrite.choose import AUTO_CORE
+from attnx.workflows.rewrite.prove import longest_reduction
+
+__all__ = ["GOLDEN_LENGTHS", "GOLDEN_STEPS", "ModelBuildReport", "build_model_package", "golden_lengths"]
+
+MODEL_FILE = "model.onnx"
+REPORT_FILE = "optimize.json"
+GOLDEN_LENGTHS = (3, 11, 6, 17)  # short prompts, in an order that makes rows of other lengths share a batch
+GOLDEN_STEPS = 8  # greedy tokens recorded per prompt
+GOLDEN_BATCH = 3  # rows at once: fewer than the prompts, so that waiting prompts join between steps
+GOLDEN_SEED = 0
+
+
+@dataclasses.dataclass
+class ModelBuildReport:
+    directory: str
+    optimize: ModelOptimizeReport
+    manifest: dict[str, Any]
+    verify: VerifyReport
+
+
+def golden_lengths(window: int | None, original: int | None, context: int | None,
+                   steps: int = GOLDEN_STEPS) -> list[int]:  # fmt: skip
+    """The golden prompts' lengths: GOLDEN_LENGTHS, one past the widest window, one whose steps cross the rope's
+    original length (where the model has them), each leaving room for its steps within the context."""
+    lengths = list(GOLDEN_LENGTHS)
+    if window:
+        lengths.append(window + 2)
+    if original:
+        lengths.append(max(1, original - steps // 2))  # its steps cross the original length
+    room = context - steps if context is not None else None
+    return list(dict.fromkeys(n for n in lengths if room is None or n <= room)) or [1]
+
+
+def _model_facts(report: ModelOptimizeReport, checkpoint: str | None) -> tuple[int | None, int | None, int | None]:
+    """(the widest window, the rope's original length, the context) of the model: its checkpoint's config where
+    given, else what its blocks were written from."""
+    if checkpoint is not None:
+        hf = read_checkpoint_config(checkpoint)
+        context = hf.get("max_position_embeddings") or hf.get("n_positions")
+        return hf.get("sliding_window") or None, original_length(hf) or None, int(context) if context else None
+    configs = [b.config for b in report.blocks if b.config is not None]
+    window = max((c.get("sliding_window") or 0 for c in configs), default=0) or None
+    originals = [((c.get("rope") or {}).get("scaling") or {}).get("original_max_position_embeddings") for c in configs]
+    return window, max((o for o in originals if o), default=None), None
+
+
+def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpoint: str | None = None,
+                        provider: str = "cpu", core: str = AUTO_CORE, force: bool = False,
+                        progress: Callable[[str], None] = lambda _m: None) -> ModelBuildReport:  # fmt: skip
+    """The module doc: optimize `model_path`, record golden generations, package, verify, publish at `out`."""
+    out = os.path.abspath(os.fspath(out))
+    _check_target(out, force)
+    with output_lock(out), Staging(out, folder=True) as stage:
+        report = optimize_model(model_path, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
+                                core=core, progress=progress)  # fmt: skip
+        if not report.passed:
+            failed = [line for line in report.proofs if line.startswith("FAIL")]
+            raise CheckFailed(f"{model_path}: not packaged, attnx optimize did not prove it: "
+                              + ("; ".join(failed) or "no block rewritten"))  # fmt: skip
+        write_json_atomic(stage.path(REPORT_FILE), report.to_dict())
+        window, original, context = _model_facts(report, checkpoint)
+        progress("recording golden generations")
+        golden = _record_golden(stage.path(), provider, report, window, original, context)
+        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, context)
+        with open(stage.path(MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.write("\n")
+        with open(stage.path(MANIFEST_SUM), "w", encoding="ascii") as f:
+            f.write(f"{file_sha256(stage.path(MANIFEST))}  {MANIFEST}\n")
+        progress("verifying the package as attnx verify would")
+        verify = verify_package(stage.path(), provider, progress)
+        if not verify.passed:
+            raise CheckFailed(f"{out}: the package does not verify here: "
+                              + "; ".join(f"{c.name}: {c.detail}" for c in verify.failures()))  # fmt: skip
+        progress(f"moving the package into place: {out}")
+        stage.publish(replace_folder=lambda target: _check_target(target, force))
+    verify.directory = out
+    return ModelBuildReport(out, report, manifest, verify)
+
+
+def _record_golden(folder: str, provider: str, report: ModelOptimizeReport, window: int | None, original: int | None,
+                   context: int | None) -> dict[str, Any]:  # fmt: skip
+    """The golden generations (the module doc) written to GENERATIONS_FILE; what the manifest says of them."""
+    said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context}
+    with open_model(folder, {"models": [{"file": MODEL_FILE, "providers": [provider]}], "files": {MODEL_FILE: {},
+                    **{loc: {} for loc in external_data_locations(os.path.join(folder, MODEL_FILE))}}},
+                    provider) as runner:  # fmt: skip
+        io = ModelIO.of(runner)
+        vocab = io.vocab
+        rng = np.random.default_rng(GOLDEN_SEED)
+        lengths = golden_lengths(window, original, context)
+        high = min(vocab or 1000, 1000)
+        requests = [Request(i, [int(t) for t in rng.integers(1, high, n)], GOLDEN_STEPS)
+                    for i, n in enumerate(lengths)]  # fmt: skip
+        engine = engine_for(runner, said, record=True)
+        engine.run(requests)
+        inputs, outputs = [s.to_dict() for s in runner.inputs], [s.to_dict() for s in runner.outputs]
+    write_npz(os.path.join(folder, GENERATIONS_FILE), golden_arrays(requests))
+    return {"file": GENERATIONS_FILE, "requests": len(requests), "max_batch": GOLDEN_BATCH, "steps": GOLDEN_STEPS,
+            "lengths": lengths, "seed": GOLDEN_SEED, "vocab": vocab, "largest_batch": engine.max_batch,
+            "inputs": inputs, "outputs": outputs}  # fmt: skip
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    wanted = [f for f in flags if f.startswith(("avx512_vnni", "avx_vnni", "amx")) or f in ("avx2", "avx512f")]
+    return f"{name} ({', '.join(wanted)})" if wanted else name
+
+
+def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: str, report: ModelOptimizeReport,
+              golden: dict[str, Any], context: int | None) -> dict[str, Any]:  # fmt: skip
+    model = onnx.load(os.path.join(folder, MODEL_FILE), load_external_data=False)
+    names = [MODEL_FILE, *external_data_locations(os.path.join(folder, MODEL_FILE)), GENERATIONS_FILE, REPORT_FILE]
+    files = {n: {"size": os.path.getsize(os.path.join(folder, n)), "sha256": file_sha256(os.path.join(folder, n))}
+             for n in names}  # fmt: skip
+    logits = next(o for o in golden["outputs"] if o["name"] == "logits") if any(
+        o["name"] == "logits" for o in golden["outputs"]) else golden["outputs"][0]  # fmt: skip
+    cores = [b.written or f"kept {b.core}" for b in report.blocks]
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": MODEL_KIND,
+        "source": {"model": os.path.basename(model_path), "checkpoint": os.path.basename(os.path.abspath(checkpoint))
+                   if checkpoint else None},
+        "files": files,
+        "models": [{"file": MODEL_FILE, "providers": [provider], "ir_version": int(model.ir_version),
+                    "opsets": {(o.domain or "ai.onnx"): int(o.version) for o in model.opset_import},
+                    "external_data": list(external_data_locations(os.path.join(folder, MODEL_FILE)))}],
+        "inputs": golden["inputs"], "outputs": golden["outputs"],
+        "generations": {k: golden[k] for k in ("file", "requests", "max_batch", "steps", "lengths", "seed")},
+        # replayed under the whole-model row of the tolerance table: every block may run other kernels elsewhere
+        "tolerance": {"dtype": "fp16" if logits["dtype"] == "fp16" else "fp32", "blocks": max(1, len(report.blocks)),
+                      "k": longest_reduction(os.path.join(folder, MODEL_FILE))},
+        "context": context, "vocab": golden["vocab"], "padding": report.padding,
+        "decode": {"form": "growing: the model's own inputs and outputs (past_key_values in, present out)",
+                   "cores": cores, "max_batch": golden["largest_batch"]},
+        "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,
+                     "proofs": report.proofs},
+        "verified_on": [provider],
+        "machine": {"cpu": _cpu(), "provider": PROVIDERS[provider].ort_name},
+        "versions": versions(),
+    }
