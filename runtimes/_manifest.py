@@ -280,6 +280,7 @@ def _parse_model_manifest(m: dict[str, Any]) -> dict[str, Any]:
     for key in ("context", "vocab"):
         _require(m.get(key) is None or _whole(m.get(key), 1), key, "must be a whole number or null")
     _require(m.get("padding") in ("left", "right"), "padding", "must be 'left' or 'right'")
+    _require(m.get("one_row") is None or isinstance(m["one_row"], str), "one_row", "must be a reason or null")
     return m
 
 

@@ -66,6 +66,8 @@ def engine_for(runner: Runner, manifest: Mapping[str, Any], max_batch: int | Non
                record: bool = False) -> Engine:  # fmt: skip
     """The generation engine over the package's loaded model, as the manifest says to feed it."""
     batch = manifest["generations"]["max_batch"] if max_batch is None else max_batch
+    if manifest.get("one_row"):  # rows that would change each other's tokens: one at a time (the manifest says why)
+        batch = 1
     return Engine(runner, max_batch=batch, context=manifest.get("context"), record=record,
                   right_padded=manifest["padding"] == "right")  # fmt: skip
 

@@ -129,7 +129,8 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
 def _record_golden(folder: str, provider: str, report: ModelOptimizeReport, window: int | None, original: int | None,
                    context: int | None) -> dict[str, Any]:  # fmt: skip
     """The golden generations (the module doc) written to GENERATIONS_FILE; what the manifest says of them."""
-    said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context}
+    said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context,
+            "one_row": one_row(report)}
     with open_model(folder, {"models": [{"file": MODEL_FILE, "providers": [provider]}], "files": {MODEL_FILE: {},
                     **{loc: {} for loc in external_data_locations(os.path.join(folder, MODEL_FILE))}}},
                     provider) as runner:  # fmt: skip
@@ -147,6 +148,17 @@ def _record_golden(folder: str, provider: str, report: ModelOptimizeReport, wind
     return {"file": GENERATIONS_FILE, "requests": len(requests), "max_batch": GOLDEN_BATCH, "steps": GOLDEN_STEPS,
             "lengths": lengths, "seed": GOLDEN_SEED, "vocab": vocab, "largest_batch": engine.max_batch,
             "inputs": inputs, "outputs": outputs}  # fmt: skip
+
+
+def one_row(report: ModelOptimizeReport) -> str | None:
+    """Why the model's rows must run one at a time, or None: a longrope switches its factors for a whole call once
+    the call's largest position passes its original length (transformers' rule, the exported graph's too), so a row
+    past it would turn its batch-mates' keys with the long factors."""
+    ropes = [(b.config or {}).get("rope") or {} for b in report.blocks]
+    if any((rope.get("scaling") or {}).get("rope_type") == "longrope" for rope in ropes):
+        return ("longrope: the call's largest position switches the factors of every row, so rows of a batch would "
+                "change each other's tokens")
+    return None
 
 
 def _cpu() -> str:
@@ -183,7 +195,7 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         # replayed under the whole-model row of the tolerance table: every block may run other kernels elsewhere
         "tolerance": {"dtype": "fp16" if logits["dtype"] == "fp16" else "fp32", "blocks": max(1, len(report.blocks)),
                       "k": longest_reduction(os.path.join(folder, MODEL_FILE))},
-        "context": context, "vocab": golden["vocab"], "padding": report.padding,
+        "context": context, "vocab": golden["vocab"], "padding": report.padding, "one_row": one_row(report),
         "decode": {"form": "growing: the model's own inputs and outputs (past_key_values in, present out)",
                    "cores": cores, "max_batch": golden["largest_batch"]},
         "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,

@@ -1,0 +1,191 @@
+"""A whole model's package (attnx build --model) and what serves it: its golden generations verified here and after the
+folder moves, a tampered file named; attnx generate's tokens equal to transformers' greedy generate on the fixtures
+(windows, softcap, q/k norms, longrope), whether a prompt runs alone or beside prompts of other lengths; sampling
+seeded per prompt; bad prompts refused by line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnx.cli import main
+from attnx.runtimes.package import load, verify_package
+from attnx.workflows import build_model_package
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DYNAMO = FIXTURES / "exported" / "torch-dynamo"
+UNSEEN = FIXTURES / "unseen"
+# (export, checkpoint): the families and their terms, each a package built once for this file
+MODELS = {
+    "llama": (DYNAMO / "llama" / "sdpa-opset20", FIXTURES / "genai" / "llama" / "checkpoint"),
+    "gemma2": (DYNAMO / "gemma2" / "eager-opset20", FIXTURES / "genai" / "gemma2" / "checkpoint"),  # window 8, softcap
+    "qwen3": (DYNAMO / "qwen3" / "sdpa-opset23", FIXTURES / "genai" / "qwen3" / "checkpoint"),  # q/k norms
+    "mistral": (UNSEEN / "exported" / "torch-dynamo" / "mistral" / "sdpa-opset20",
+                UNSEEN / "genai" / "mistral" / "checkpoint"),  # window 5, head_dim 32
+    "phi3": (UNSEEN / "exported" / "torch-dynamo" / "phi3" / "eager-opset20",
+             UNSEEN / "genai" / "phi3" / "checkpoint"),  # longrope, original length 64
+}  # fmt: skip
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    built = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            export, checkpoint = MODELS[name]
+            out = tmp_path_factory.mktemp(name) / "pkg"
+            build_model_package(str(export / "model.onnx"), out, checkpoint=str(checkpoint))
+            built[name] = out
+        return built[name]
+
+    return get
+
+
+def _prompts(vocab: int, lengths=(5, 12, 3, 21, 9)) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [[int(t) for t in rng.integers(1, vocab, n)] for n in lengths]
+
+
+def _transformers_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[int]:
+    """transformers' greedy generate of one prompt (no padding), its new tokens; eos never ends it early."""
+    import torch
+
+    from tests.fixtures.fixturelib import load_eager
+
+    model = load_eager(checkpoint)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)  # fmt: skip
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "mistral"])
+def test_generate_gives_transformers_greedy_tokens_alone_and_mixed(name, packages):
+    """32 new tokens of prompts of 3 to 21 tokens (past gemma2's window of 8 and mistral's of 5): each prompt alone
+    (one row at a time), all of them together (rows of other lengths, joining between steps), and transformers'
+    greedy generate of each alone, the same tokens."""
+    with load(packages(name)) as model:
+        prompts = _prompts(model.vocab)
+        mixed = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
+        assert model.stats.largest_batch == 3
+        alone = model.generate(prompts, max_new_tokens=NEW, max_batch=1)
+    truth = [_transformers_greedy(MODELS[name][1], p, NEW) for p in prompts]
+    assert alone == truth
+    assert mixed == truth
+
+
+def test_longrope_across_its_original_length_follows_the_cache_not_generate(packages):
+    """Phi-3's longrope (original length 64): below it, transformers' generate and attnx's agree; a prompt whose
+    tokens cross it agrees with transformers' forward step by step through its cache (what the exported model
+    computes), while transformers' generate drops its cache and recomputes with the long factors there."""
+    import torch
+
+    from tests.fixtures.fixturelib import load_eager
+
+    checkpoint = MODELS["phi3"][1]
+    with load(packages("phi3")) as model:
+        short, crossing = _prompts(model.vocab, (9, 50))
+        ours = model.generate([short, crossing], max_new_tokens=24, max_batch=2)
+    assert ours[0] == _transformers_greedy(checkpoint, short, 24)  # 9 + 24 < 64
+    hf = load_eager(checkpoint)
+    tokens, past = list(crossing), None
+    with torch.no_grad():  # transformers' forward with its cache, one token a step
+        for _ in range(24):
+            ids = torch.tensor([tokens if past is None else tokens[-1:]])
+            out = hf(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+    assert ours[1] == tokens[len(crossing):]
+    assert ours[1] != _transformers_greedy(checkpoint, crossing, 24)  # generate's recompute, from position 65 on
+
+
+def test_the_package_verifies_here_and_after_it_moves_and_names_what_was_tampered(packages, tmp_path, capsys):
+    pkg = packages("llama")
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["kind"] == "model" and manifest["format_version"] == 2
+    assert set(manifest["files"]) == {"model.onnx", "generations.npz", "optimize.json"}
+    assert manifest["generations"]["requests"] == 4 and manifest["verified_on"] == ["cpu"]
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(pkg, moved)
+    assert main(["verify", str(moved)]) == 0
+    assert "verify PASSED (cpu)" in capsys.readouterr().out
+    data = bytearray((moved / "generations.npz").read_bytes())
+    data[-100] ^= 1  # one bit of the golden generations
+    (moved / "generations.npz").write_bytes(bytes(data))
+    assert main(["verify", str(moved)]) == 1
+    out = capsys.readouterr().out
+    assert "generations.npz: sha256" in out and "(altered)" in out
+
+
+def test_a_golden_token_that_the_model_does_not_give_is_named_by_request_and_step(packages, tmp_path):
+    """A package whose golden generations say another token (its hashes made to match, as a careless rebuild would):
+    verify fails naming the request, the step and both tokens."""
+    from attnx.runtimes.package import file_sha256
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(packages("llama"), pkg)
+    with np.load(pkg / "generations.npz") as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    golden = int(arrays["tokens_1"][3])
+    arrays["tokens_1"][3] = (golden + 1) % 256
+    np.savez(pkg / "generations.npz", **arrays)
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest["files"]["generations.npz"] = {"size": (pkg / "generations.npz").stat().st_size,
+                                            "sha256": file_sha256(str(pkg / "generations.npz"))}  # fmt: skip
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    (pkg / "manifest.sha256").write_text(f"{file_sha256(str(pkg / 'manifest.json'))}  manifest.json\n")
+    report = verify_package(pkg)
+    failed = report.failures()
+    assert [c.name for c in failed] == ["generation 1"]
+    assert failed[0].detail.endswith(f"step 3: greedy token {golden}, the golden one {(golden + 1) % 256}")
+
+
+def test_generate_through_the_cli_in_order_with_eos_and_seeded_sampling(packages, tmp_path, capsys):
+    pkg = packages("llama")
+    prompts = _prompts(256, (4, 15, 2, 9, 30, 6, 11))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", str(pkg), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out),
+                 "--max-new-tokens", "12", "--max-batch", "3"]) == 0  # fmt: skip
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    with load(pkg) as model:
+        assert lines == model.generate(prompts, max_new_tokens=12, max_batch=1)
+        eos = lines[0][4]  # a token the first prompt gives at step 4: it ends there, itself included
+        ended = model.generate(prompts[:1], max_new_tokens=12, eos=[eos])[0]
+        assert ended == lines[0][: lines[0].index(eos) + 1]
+        sampled = [model.generate(prompts, max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=5,
+                                  max_batch=b) for b in (1, 4)]  # fmt: skip
+        assert sampled[0] == sampled[1] and sampled[0] != lines  # its own draws, whatever shares its batch
+        other = model.generate(prompts, max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=6)
+        assert other != sampled[0]
+    assert f"wrote {out}: 7 lines" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("[1, 2, 3.5]", "--prompts line 2: not a non-empty JSON list of token ids"),
+    ("[]", "--prompts line 2: not a non-empty JSON list"),
+    ("[1, 999]", "--prompts line 2: token id 999 is outside the vocabulary (0 to 255)"),
+    ("{", "--prompts line 2: not JSON"),
+    (json.dumps(list(range(1, 129))), "--prompts line 2: 128 tokens, the model's context is 128"),
+])  # fmt: skip
+def test_a_bad_prompt_is_one_error_naming_its_line(packages, tmp_path, capsys, line, says):
+    (tmp_path / "p.jsonl").write_text("[5, 6]\n" + line + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", str(packages("llama")), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 2
+    assert says in capsys.readouterr().err and not out.exists()
+
+
+def test_generate_refuses_a_layers_package(tmp_path, capsys):
+    assert main(["build", "--preset", "tiny", "--out", str(tmp_path / "layer"), "--provider", "cpu"]) == 0
+    (tmp_path / "p.jsonl").write_text("[1, 2]\n")
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "layer"), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "o.jsonl")]) == 2  # fmt: skip
+    assert "holds one attention layer" in capsys.readouterr().err
