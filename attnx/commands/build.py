@@ -82,7 +82,7 @@ def run_model(args: argparse.Namespace) -> int:
     m = report.manifest
     rows = [(name, entry["size"], entry["sha256"][:16]) for name, entry in m["files"].items()]
     print(format_table(["file", "bytes", "sha256"], rows))
-    rows = [(c.name, "pass" if c else "FAIL", c.detail) for c in report.verify.checks if c.name.startswith("generation")]
+    rows = [(c.name, "pass" if c else "FAIL", c.detail) for c in report.verify.checks if c.name.startswith("generation ")]
     print(format_table(["golden generation", "status", "detail"], rows))
     total = sum(e["size"] for e in m["files"].values())
     print(f"wrote {os.path.abspath(args.out)}: {len(m['files']) + 2} files, {total / 1e6:.1f} MB; "
