@@ -101,6 +101,7 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
     with output_lock(out), Staging(out, folder=True) as stage:
         report = optimize_model(model_path, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
                                 core=core, progress=progress)  # fmt: skip
+        report.out = os.path.join(out, MODEL_FILE)  # where it will be, not the stage's name
         if not report.passed:
             failed = [line for line in report.proofs if line.startswith("FAIL")]
             raise CheckFailed(f"{model_path}: not packaged, attnx optimize did not prove it: "
