@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         finished[request.index] = list(request.tokens)
         tokens += len(request.tokens)
         now = time.perf_counter()
-        if now - last >= 5 or len(finished) == len(prompts):
+        if len(finished) == 1 or now - last >= 5 or len(finished) == len(prompts):
             last = now
             progress(f"{len(finished)}/{len(prompts)} prompts done, {tokens} new tokens, "
                      f"{tokens / max(now - start, 1e-9):.1f} tokens/s")  # fmt: skip
