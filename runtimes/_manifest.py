@@ -202,29 +202,8 @@ def parse_manifest(data: bytes) -> dict[str, Any]:
     except ConfigError as e:
         raise PackageError(f"{MANIFEST}: 'config' is invalid: {e}") from None
     _require(m.get("dtype") in MODEL_DTYPES, "dtype", f"must be one of {', '.join(MODEL_DTYPES)}")
-    files = m.get("files")
-    _require(isinstance(files, dict) and files, "files", "must be a non-empty object")
-    for name, entry in files.items():
-        _require(
-            isinstance(entry, dict)
-            and isinstance(entry.get("size"), int)
-            and entry["size"] >= 0
-            and isinstance(entry.get("sha256"), str)
-            and _HEX64.fullmatch(entry["sha256"]) is not None,
-            f"files.{name}",
-            "must be {'size': bytes, 'sha256': 64 hex digits}",
-        )
-    models = m.get("models")
-    _require(isinstance(models, list) and models, "models", "must be a non-empty list")
-    for i, model in enumerate(models):
-        _require(isinstance(model, dict) and isinstance(model.get("file"), str), f"models[{i}].file", "must be a name")
-        _require(model["file"] in files, f"models[{i}].file", "must be one of 'files'")
-        providers = model.get("providers")
-        _require(isinstance(providers, list) and providers, f"models[{i}].providers", "must be a non-empty list")
-        for key in ("ir_version",):
-            _require(isinstance(model.get(key), int), f"models[{i}].{key}", "must be an integer")
-        _require(isinstance(model.get("opsets"), dict), f"models[{i}].opsets", "must be an object")
-        _require(isinstance(model.get("external_data", []), list), f"models[{i}].external_data", "must be a list")
+    _parse_files_and_models(m)
+    files = m["files"]
     golden = m.get("golden")
     _require(isinstance(golden, list) and golden, "golden", "must be a non-empty list")
     for i, case in enumerate(golden):

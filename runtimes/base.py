@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import statistics
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = [
     "DecodeState",
     "THREADS_ENV",
     "runtime_threads",
+    "time_runner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -339,3 +342,14 @@ def require_source(runner: Runner, *, config: bool = False, weights: bool = Fals
 
 
 __all__ += ["require_source"]
+
+
+def time_runner(runner: Runner, feeds: Mapping[str, np.ndarray], repeat: int = 5) -> float:
+    """Median milliseconds of `repeat` runs of a loaded runner after one warm-up, timed around run only."""
+    runner.run(feeds)
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        runner.run(feeds)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)

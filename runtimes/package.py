@@ -374,21 +374,13 @@ def verify_package(
     if manifest.get("kind") == MODEL_KIND:
         return _verify_model_package(root, manifest, provider, report, progress)
     model = _model_for(manifest, provider) if model_file is None else _model_named(manifest, model_file)
-    progress("checking file sizes and sha256")
-    report.checks += _check_files(root, manifest, progress)
-    extra = sorted(set(os.listdir(root)) - set(manifest["files"]) - {MANIFEST, MANIFEST_SUM})
-    if extra:
-        report.notes.append(f"files not in the manifest (not checked, not used): {', '.join(extra)}")
-    if not report.passed:
+    if not _files_hold(root, manifest, report, progress):
         return report  # a damaged or altered file is never handed to onnxruntime
     report.checks.append(_check_description(root, manifest, model))
     if not report.passed:
         return report  # a manifest that misdescribes its model verifies nothing
 
-    onnxruntime = import_onnxruntime(backend)
-    built_with = manifest.get("versions", {}).get("onnxruntime")
-    if built_with and built_with != onnxruntime.__version__:
-        report.notes.append(f"built with onnxruntime {built_with}, verifying with {onnxruntime.__version__}")
+    onnxruntime = _runtime(manifest, backend, report)
     versions = _describe_versions(model)
     check_model_data(root, manifest, model["file"])  # before onnxruntime opens anything
     progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({backend})")
@@ -410,21 +402,33 @@ def verify_package(
     return report
 
 
-def _verify_model_package(root: str, manifest: dict[str, Any], provider: str, report: VerifyReport,
-                          progress: Callable[[str], None]) -> VerifyReport:  # fmt: skip
-    """A whole model's package (attnx.runtimes.model_package): its files, its model on `provider`, its golden
-    generations replayed token by token."""
+def _files_hold(root: str, manifest: Mapping[str, Any], report: VerifyReport, progress: Callable[[str], None]) -> bool:
+    """Every file's size and sha256 checked into `report` (files the manifest does not list noted); whether all
+    hold."""
     progress("checking file sizes and sha256")
     report.checks += _check_files(root, manifest, progress)
     extra = sorted(set(os.listdir(root)) - set(manifest["files"]) - {MANIFEST, MANIFEST_SUM})
     if extra:
         report.notes.append(f"files not in the manifest (not checked, not used): {', '.join(extra)}")
-    if not report.passed:
-        return report  # a damaged or altered file is never handed to onnxruntime
-    onnxruntime = import_onnxruntime(get_provider(provider).backend)
+    return report.passed
+
+
+def _runtime(manifest: Mapping[str, Any], backend: str, report: VerifyReport) -> Any:
+    """onnxruntime for `backend`, noting in `report` where it is not the version the package was built with."""
+    onnxruntime = import_onnxruntime(backend)
     built_with = manifest.get("versions", {}).get("onnxruntime")
     if built_with and built_with != onnxruntime.__version__:
         report.notes.append(f"built with onnxruntime {built_with}, verifying with {onnxruntime.__version__}")
+    return onnxruntime
+
+
+def _verify_model_package(root: str, manifest: dict[str, Any], provider: str, report: VerifyReport,
+                          progress: Callable[[str], None]) -> VerifyReport:  # fmt: skip
+    """A whole model's package (attnx.runtimes.model_package): its files, its model on `provider`, its golden
+    generations replayed token by token."""
+    if not _files_hold(root, manifest, report, progress):
+        return report  # a damaged or altered file is never handed to onnxruntime
+    onnxruntime = _runtime(manifest, get_provider(provider).backend, report)
     model = next((m for m in manifest["models"] if provider in m["providers"]), manifest["models"][0])
     progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({provider})")
     try:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -27,6 +25,7 @@ from attnx.model.inputs import make_inputs
 from attnx.model.int8 import int8_bits_text
 from attnx.model.resources import check_memory, estimate_case
 from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.base import time_runner
 from attnx.workflows._checks import compare_models
 
 __all__ = ["AUTO_CANDIDATES", "AUTO_SHAPE", "AutoChoice", "LoweringResult", "choose_lowering", "lower"]
@@ -198,15 +197,9 @@ def choose_lowering(
 def _median_ms(
     path: str, config: AttentionConfig, dtype: str, provider: str, shape: tuple[int, int, int], repeat: int
 ) -> float:
-    """Median milliseconds of `repeat` runs after two warm-up runs, timed around run only."""
+    """Median milliseconds of `repeat` runs after two warm-up runs, timed around run only (time_runner)."""
     batch, seq, mem_seq = shape
     with create_runner(get_provider(provider).backend, ModelSource(config, None, path, dtype)) as runner:
         feeds = make_inputs(config, batch, seq, mem_seq if config.cross else None, dtype=runner.inputs[0].dtype)
-        for _ in range(2):
-            runner.run(feeds)
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            runner.run(feeds)
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        runner.run(feeds)  # the first of two warm-up runs; time_runner makes the second
+        return time_runner(runner, feeds, repeat)

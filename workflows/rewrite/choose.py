@@ -21,9 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -34,7 +32,7 @@ from attnx.export import build_model
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import LOWERINGS, PROVIDERS
 from attnx.model.cores import why_not
-from attnx.runtimes.base import Runner
+from attnx.runtimes.base import Runner, time_runner
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, cut_block, cut_file, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
 
@@ -107,17 +105,6 @@ def pick(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_S
                       f"({best}) {timed[best]:.4g} ms")  # fmt: skip
     versus = f" (the graph's own {own:.4g} ms)" if own is not None else ""
     return best, f"the fastest: {timed[best]:.4g} ms a request{versus}" + (f"; {others}" if others else "")
-
-
-def time_runner(runner: Runner, feeds: Mapping[str, np.ndarray], repeat: int = REPEAT) -> float:
-    """Median milliseconds of `repeat` runs after one warm-up, timed around run only."""
-    runner.run(feeds)
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        runner.run(feeds)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def time_shape(limit: int | None) -> dict[str, int]:
