@@ -48,6 +48,7 @@ _EXPORTS = {
     "optimize_file": "attnx.workflows",
     "optimize_model": "attnx.workflows",
     "build_package": "attnx.workflows",
+    "build_model_package": "attnx.workflows",
     "import_model": "attnx.workflows",
     "audit_model": "attnx.workflows",
     "import_weights": "attnx.model.importers",

@@ -290,6 +290,8 @@ API_MORE = {
     "The registry": ["attnx.model.cores.why_not", "attnx.model.cores.core_for", "attnx.model.cores.update_markdown"],
     "Reading graphs": ["attnx.export.read_cores", "attnx.export.read_weights", "attnx.export.build_model"],
     "Decoding": ["attnx.runtimes.decode.BufferDecoder"],
+    "Serving a whole model": ["attnx.runtimes.model_package.GenerativeModel", "attnx.runtimes.generate.Engine",
+                              "attnx.runtimes.generate.Sampling"],
     "Comparison": ["attnx.runtimes.compare.compare_arrays"],
 }
 
