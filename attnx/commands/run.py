@@ -14,6 +14,7 @@ from attnx.commands import COMMANDS
 from attnx.errors import InputError, UsageError
 from attnx.model.contract import PROVIDERS, model_form
 from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.model_package import GenerativeModel
 from attnx.runtimes.package import load
 
 HELP = COMMANDS["run"].help
@@ -61,7 +62,12 @@ def load_npy(path: str, what: str) -> np.ndarray:
 def open_runner(path: str, provider: str):
     """A loaded runner for a model file or a package folder."""
     if os.path.isdir(path):
-        return load(path, provider=provider)
+        loaded = load(path, provider=provider)
+        if isinstance(loaded, GenerativeModel):
+            loaded.close()
+            raise UsageError(f"{path!r} is a whole model's package (attnx build --model): attnx run feeds one attention "
+                             "layer's .npy inputs; serve it with attnx generate")  # fmt: skip
+        return loaded
     if not os.path.isfile(path):
         raise UsageError(f"{path!r} is neither a model file nor a package folder")
     form = model_form(path)  # the model describes itself: its config and dtype

@@ -189,3 +189,13 @@ def test_generate_refuses_a_layers_package(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "layer"), "--prompts", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "o.jsonl")]) == 2  # fmt: skip
     assert "holds one attention layer" in capsys.readouterr().err
+
+
+def test_run_refuses_a_whole_models_package_and_inspect_describes_it(packages, tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.ones((1, 3, 64), np.float32))
+    pkg = packages("llama")
+    assert main(["run", str(pkg), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]) == 2
+    assert "a whole model's package (attnx build --model)" in capsys.readouterr().err
+    assert main(["inspect", str(pkg)]) == 0
+    out = capsys.readouterr().out
+    assert "kind: model" in out and '"lengths": [3, 11, 6, 17]' in out
