@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,10 +166,17 @@ def assets(tmp_path_factory):
     np.save(root / "pk.npy", rng.standard_normal((2, 1, 3, 8), dtype=np.float32))
     np.save(root / "pv.npy", rng.standard_normal((2, 1, 3, 8), dtype=np.float32))
     np.save(root / "x1.npy", rng.standard_normal((2, 1, 16), dtype=np.float32))
+    # a whole model another tool exported (torch.onnx's tiny llama), its package, and prompts for attnx generate
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    foreign = fixtures / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20" / "model.onnx"
+    assert main(["build", "--model", str(foreign), "--checkpoint", str(fixtures / "genai" / "llama" / "checkpoint"),
+                 "--core", "gqa", "--out", str(root / "mpkg")]) == 0  # fmt: skip
+    (root / "p.jsonl").write_text("[1, 2, 3]\n[40, 50]\n")
     return {
         "config": root / "c.json", "weights": root / "w.safetensors", "model": root / "m.onnx",
         "package": root / "pkg", "npy": root / "x.npy", "mask": root / "k.npy", "checkpoint": root / "ckpt",
         "step": root / "step.onnx", "past": root / "pk.npy", "past_value": root / "pv.npy", "x1": root / "x1.npy",
+        "foreign": foreign, "model_pkg": root / "mpkg", "prompts": root / "p.jsonl",
     }  # fmt: skip
 
 

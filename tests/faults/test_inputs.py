@@ -49,6 +49,9 @@ def complete(path: str) -> None:
             json.load(f)
     elif path.endswith(".npy"):
         assert np.load(path, allow_pickle=False).size
+    elif path.endswith(".jsonl"):  # generate's lines: one JSON list of token ids a prompt
+        with open(path, encoding="utf-8") as f:
+            assert all(isinstance(json.loads(line), list) for line in f)
     else:
         assert verify_package(path).passed
 
@@ -86,11 +89,17 @@ FILE_CASES = {
     "run --past-key": ("past", lambda p, a, w: ["run", a["step"], "--input", a["x1"], "--past-key", p, "--past-value",
                                                  a["past_value"], "--output", w / "y.npy"], ["y.npy"]),
     "inspect DIR|MODEL": ("model", lambda p, a, w: ["inspect", p, "--json"], []),
+    "build --model": ("foreign", lambda p, a, w: ["build", "--model", p, "--core", "gqa", "--out", w / "pkg"], ["pkg"]),
+    "generate PKG": ("model_pkg", lambda p, a, w: ["generate", p, "--prompts", a["prompts"], "--out", w / "o.jsonl"],
+                     ["o.jsonl"]),
+    "generate --prompts": ("prompts", lambda p, a, w: ["generate", a["model_pkg"], "--prompts", p, "--out",
+                                                        w / "o.jsonl"], ["o.jsonl"]),
     "import CHECKPOINT_DIR": ("checkpoint", lambda p, a, w: ["import", p, "--out", w / "imp"], ["imp"]),
 }  # fmt: skip
 # A valid file of another kind, for each kind (what a user passes by mistake).
 OTHER_KIND = {"config": "weights", "weights": "config", "model": "npy", "package": "model", "npy": "model",
-              "mask": "config", "checkpoint": "package", "past": "npy"}  # fmt: skip
+              "mask": "config", "checkpoint": "package", "past": "npy", "foreign": "model", "model_pkg": "package",
+              "prompts": "config"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", [k for k in FAULT_KINDS if k not in DRAWN_KINDS])
@@ -182,6 +191,14 @@ NUMERIC_CASES = {
     "optimize --auto-seq": (lambda v, a, w: ["optimize", a["model"], "--attention", "auto", "--auto-seq", v,
                                              "--out", w / "o.onnx"], ["o.onnx"]),
     "import --layer": (lambda v, a, w: ["import", a["checkpoint"], "--layer", v, "--out", w / "imp"], ["imp"]),
+    "generate --max-new-tokens": (lambda v, a, w: ["generate", a["model_pkg"], "--prompts", a["prompts"],
+                                                   "--max-new-tokens", v, "--out", w / "o.jsonl"], ["o.jsonl"]),
+    "generate --max-batch": (lambda v, a, w: ["generate", a["model_pkg"], "--prompts", a["prompts"], "--max-batch", v,
+                                              "--out", w / "o.jsonl"], ["o.jsonl"]),
+    "generate --temperature": (lambda v, a, w: ["generate", a["model_pkg"], "--prompts", a["prompts"],
+                                                "--temperature", v, "--out", w / "o.jsonl"], ["o.jsonl"]),
+    "generate --top-p": (lambda v, a, w: ["generate", a["model_pkg"], "--prompts", a["prompts"], "--temperature",
+                                          "1", "--top-p", v, "--out", w / "o.jsonl"], ["o.jsonl"]),
 }  # fmt: skip
 # Valid values that run the whole command: kept to the classes where that is cheap.
 SLOW_AND_VALID = {("build --seed", "zero"), ("build --seed", "huge"), ("export --max-mem-gb", "huge"),
