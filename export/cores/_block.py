@@ -13,7 +13,16 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes._base import const_array
-from attnx.export.passes.walk import NotRead, Path, is_op, projection, projection_node, walk
+from attnx.export.passes.walk import (
+    NotRead,
+    Path,
+    flat_gemm,
+    flattened_input,
+    is_op,
+    projection,
+    projection_node,
+    walk,
+)
 from attnx.export.terms import read_paths, stated_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
@@ -77,10 +86,13 @@ def output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Bloc
         or (users[0].op_type == "Where" and users[0].inputs[1] is value and const_array(users[0].inputs[2]) is not None)
     ):  # the heads merged; a row no key may see set to a constant
         value = users[0].outputs[0]
-    o_node = next((u for u in users if is_op(u, "MatMul") or is_op(u, "MatMulNBits", (MS_DOMAIN,))), None)
+    o_node = next((u for u in users if is_op(u, "MatMul") or is_op(u, "MatMulNBits", (MS_DOMAIN,))
+                   or flat_gemm(u) is not None), None)  # fmt: skip
     if o_node is None:
         raise NotRead(f"{out.name}: no output projection reads it (used by {', '.join(u.op_type for u in users)})")
     y = o_node.outputs[0]
+    if is_op(o_node, "Gemm") and len(shaped := [u for u, _ in y.uses()]) == 1 and is_op(shaped[0], "Reshape"):
+        y = shaped[0].outputs[0]  # torch's addmm: the tokens shaped back
     o_proj = projection(y)
     adds = [u for u, _ in y.uses() if is_op(u, "Add") and any(const_array(i) is not None for i in u.inputs)]
     if adds:
@@ -92,7 +104,7 @@ def output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Bloc
     if not adds and skip and (bias := const_array(skip[0].inputs[4])) is not None:
         o_proj = (o_proj[0], bias)  # ONNX Runtime's optimizer moves the bias into the SkipLayerNormalization after
         block.y_bias = np.array(bias, np.float32)
-    block.stages.update(z=(o_node.inputs[0].name, None), y=(y.name, None))
+    block.stages.update(z=(flattened_input(o_node).name, None), y=(y.name, None))
     weights["out_proj.weight"] = o_proj[0].T
     weights["out_proj.bias"] = o_proj[1] if o_proj[1] is not None else np.zeros(o_proj[0].shape[1])
     return y
@@ -129,8 +141,9 @@ def path_cache(block: Block, paths: dict[str, Path]) -> None:
 def hidden_state(block: Block, proj_node: ir.Node) -> None:
     """The block's input (the q projection's), its dtype, and the projection's quantization."""
     block.quantization = quantization(proj_node)
-    block.inputs["x"] = proj_node.inputs[0].name
-    block.dtype = dtype_of(proj_node.inputs[0])
+    x = flattened_input(proj_node)
+    block.inputs["x"] = x.name
+    block.dtype = dtype_of(x)
 
 
 def keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray], keep_weights: bool) -> Block:

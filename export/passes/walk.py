@@ -23,7 +23,7 @@ from attnx.export.passes.quantize import dequantize_node
 from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["NotRead", "Path", "ScoreChain", "find_projection", "head_dim", "is_op", "last_axis_slice", "past_cache",
-           "computed_from", "plain_norm", "position_factor", "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
+           "computed_from", "flat_gemm", "flattened_input", "plain_norm", "position_factor", "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
            "sink_logits", "strip_layout", "walk"]
 
 STD = ("", "ai.onnx")
@@ -64,11 +64,47 @@ def last_axis_slice(node: ir.Node) -> slice | None:
     return slice(start, end) if 0 <= start < end else None
 
 
+def flat_gemm(node: ir.Node | None) -> ir.Node | None:
+    """The Gemm of torch's addmm projection (GPT-2's Conv1D): x flattened to [tokens, in], Gemm(x, W, b), shaped
+    back: from the Reshape back (or the Gemm itself), the Gemm; None for anything else. Only the plain product
+    (alpha and beta 1, x not transposed) with constant weights."""
+    if is_op(node, "Reshape") and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    if not is_op(node, "Gemm"):
+        return None
+    a = node.attributes
+    if a.get_float("alpha", 1.0) != 1.0 or a.get_float("beta", 1.0) != 1.0 or a.get_int("transA", 0):
+        return None
+    return node if const_array(node.inputs[1]) is not None else None
+
+
+def _gemm_projection(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(W [in, out], bias or None) of a flat_gemm node: its B (transposed where transB), its C where a vector."""
+    w = const_array(node.inputs[1])
+    if w.ndim != 2:
+        return None
+    w = w.T if node.attributes.get_int("transB", 0) else w
+    bias = const_array(node.inputs[2]) if len(node.inputs) > 2 else None
+    if len(node.inputs) > 2 and node.inputs[2] is not None and (bias is None or bias.shape != (w.shape[1],)):
+        return None  # a C that is not the projection's bias vector
+    return w, bias
+
+
+def flattened_input(node: ir.Node) -> ir.Value:
+    """A projection node's input, before the flattening to [tokens, in] of torch's addmm (flat_gemm)."""
+    x = node.inputs[0]
+    if is_op(node, "Gemm") and is_op(x.producer(), "Reshape"):
+        return x.producer().inputs[0]
+    return x
+
+
 def projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """(W [in, out], bias or None) for value = [Add(] MatMul(x, W) [, b)], or a column slice
-    of a packed MatMul through Split."""
+    """(W [in, out], bias or None) for value = [Add(] MatMul(x, W) [, b)] (or torch's addmm, flat_gemm), or a column
+    slice of a packed one through Split or Slice."""
     bias = None
     node = value.producer()
+    if (gemm := flat_gemm(node)) is not None:
+        return _gemm_projection(gemm)
     if is_op(node, "Add"):
         for i in (0, 1):
             b = const_array(node.inputs[1 - i])
@@ -81,10 +117,18 @@ def projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
         index = list(node.outputs).index(value)
         sizes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
         packed = projection(node.inputs[0])
-        if sizes is None or packed is None:
+        if packed is None:
             return None
-        start = int(np.sum(sizes[:index]))
         w, b = packed
+        if sizes is None and (parts := node.attributes.get_int("num_outputs", 0)):  # opset 18's even split
+            chunk = -(-w.shape[1] // parts)  # ONNX: chunks of ceil(n / parts), the last one what is left
+            sizes = np.array([chunk] * (parts - 1) + [w.shape[1] - chunk * (parts - 1)])
+        if sizes is None:
+            return None
+        axis, rank = node.attributes.get_int("axis", 0), node.inputs[0].shape and len(node.inputs[0].shape)
+        if int(np.sum(sizes)) != w.shape[1] or (rank and axis not in (-1, rank - 1)):
+            return None  # not the packed projection's columns
+        start = int(np.sum(sizes[:index]))
         cols = slice(start, start + int(sizes[index]))
         return w[:, cols], (b[cols] if b is not None else bias)
     if is_op(node, "Slice") and (cols := last_axis_slice(node)) is not None:  # a packed MatMul's columns
@@ -109,13 +153,15 @@ def projection(value: ir.Value) -> tuple[np.ndarray, np.ndarray | None] | None:
 def projection_node(value: ir.Value) -> ir.Node:
     """The MatMul (or MatMulNBits) of a projection's output, through a bias Add and a Split."""
     node = value.producer()
+    if (gemm := flat_gemm(node)) is not None:
+        return gemm
     if is_op(node, "Add"):
         node = next((i.producer() for i in node.inputs if i is not None and const_array(i) is None), None)
     if is_op(node, "Split") or (is_op(node, "Slice") and last_axis_slice(node) is not None):
         return projection_node(node.inputs[0])
     if is_op(node, "MatMul") or is_op(node, "MatMulNBits", (MS_DOMAIN,)):
         return node
-    raise NotRead(f"{value.name}: not a projection (MatMul, MatMulNBits, with a bias Add or a Split), "
+    raise NotRead(f"{value.name}: not a projection (MatMul, MatMulNBits, Gemm, with a bias Add or a Split), "
                   f"made by {node.op_type if node is not None else 'a graph input'}")  # fmt: skip
 
 
@@ -240,6 +286,9 @@ def find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, Path]:
         seen.add(id(node))
         if is_op(node, "Slice") and last_axis_slice(node) is not None and projection(node.outputs[0]) is not None:
             found = found or node.outputs[0]  # a packed projection's columns (q | k | v in one MatMul)
+            continue
+        if is_op(node, "Split") and projection(v) is not None:
+            found = found or v  # a packed projection split into q | k | v (GPT-2's c_attn)
             continue
         if is_projection(node):
             if found is None:

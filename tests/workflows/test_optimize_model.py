@@ -76,6 +76,28 @@ def test_an_encoder_whose_output_bias_is_added_after_its_block(tmp_path):
     assert ops.count("SkipLayerNormalization") == 4 and "Attention" not in ops
 
 
+def test_gpt2_s_packed_addmm_projections_are_rewritten_and_still_agree_with_transformers(tmp_path):
+    """GPT-2 as torch.onnx exports it: q|k|v one Conv1D (torch's addmm: a Gemm on flattened tokens, shaped back, split
+    three ways), learned absolute positions before the first layer. Every block is rewritten into the fastest fused
+    core (measured), the interface kept, and the rewrite agrees with transformers: the full sequence, a batch of 2,
+    prefill + steps through its own cache, and a left-padded batch (fixturelib's checks, the fixtures' bound)."""
+    from tests.fixtures import fixturelib
+
+    home = DYNAMO / "gpt2"
+    source, out = home / "sdpa-opset20" / "model.onnx", tmp_path / "out.onnx"
+    report = optimize_model(str(source), str(out), checkpoint=str(home / "checkpoint"))
+    assert report.passed and report.written, report.lines()
+    assert [b.layer for b in report.blocks] == [0, 1] and all(b.written for b in report.blocks), report.lines()
+    assert not any(b.repairs for b in report.blocks) and _io(out) == _io(source)
+    assert "Softmax" not in {n.op_type for n in onnx.load(str(out)).graph.node}
+    model = fixturelib.load_eager(home / "checkpoint")
+    agreement = fixturelib.check_decoder(out, model, [1, 23, 57, 101, 7, 200, 33, 145, 99, 250, 12, 64], 8)
+    assert fixturelib.verdict("fp32", agreement), agreement
+    padded = fixturelib.check_left_padded(out, model, [1, 23, 57, 101, 7, 200, 33, 145, 99, 250, 12, 64], 8, 3)
+    assert not padded["errors"], padded
+    assert max(padded["full"], padded["prefill"], *padded["steps"]) <= fixturelib.TOLERANCE["fp32"], padded
+
+
 def test_a_model_of_other_shapes_with_its_batch_fixed_at_one(tmp_path):
     """The unseen set's llama (head_dim 32, 3 layers, a llama3 rope) exported with its batch fixed at 1: every
     block rewritten, the whole model run on one row."""

@@ -103,6 +103,8 @@ class ModelOptimizeReport:
             out.append(f"the whole model on {self.provider}: prefill {shape['prefill']} "
                        f"{_moved(before, after, 'prefill_ms')} ms, a step at past {shape['past']} "
                        f"{_moved(before, after, 'step_ms')} ms")  # fmt: skip
+            out += [f"the whole model {when} not timed at that shape: {t.error}"
+                    for when, t in (("before", before), ("after", after)) if t is not None and t.error is not None]
         verdict = "wrote " + self.out if self.written else "nothing written"
         out.append(f"optimize {'PASSED' if self.passed else 'FAILED'}: {sum(b.written is not None for b in self.blocks)}"
                    f" of {len(self.blocks)} block(s) rewritten; {verdict}")  # fmt: skip
