@@ -215,7 +215,7 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
     if memo is not None and key in memo:
         return memo[key]
     if not names:
-        pool = [c for c in (asked or written)]
+        pool = list(asked or written)
         why = [r for c in pool for r in why_not(c, config, plan.dtype, form)]
         if plan.cores is not None:
             why += [f"{c} does not read each row's length (seqlens_k), which this model's GroupQueryAttention takes"
