@@ -39,10 +39,11 @@ from attnx import __version__
 from attnx.errors import ExportError, UsageError
 from attnx.export._graph import Graph, linear, named
 from attnx.export.cores import GRAPH_CORES, Emit
+from attnx.export.cores._emit import BOUND
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.export.passes.quantize import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantizeProjections
 from attnx.export.terms import fused_opset
-from attnx.model.config import AttentionConfig
+from attnx.model.config import AttentionConfig, TensorSpec
 from attnx.model.contract import (
     ATTENTION_KEY,
     CONFIG_KEY,
@@ -86,6 +87,8 @@ def build_model(
     int8_bits: int | str = "auto",
     keep_io_fp32: bool = False,
     readable: bool = True,
+    bound: str = "x",
+    ring_cache: bool = False,
 ) -> onnx.ModelProto:
     """The graph of `config` with `weights` in the lowering `attention` (its core: the registry's
     core_for, refused with every reason before anything is written), in `form` (None: the config's own,
@@ -96,7 +99,14 @@ def build_model(
     rope_positions: the rows of the buffer form's cos/sin table.
     keep_io_fp32: an fp16 graph with float32 inputs and outputs, cast at the boundary (not for a step
     model: its cache would be a cast, not the buffer it is written into). readable=False names the stages
-    alone (a graph no person reads: localisation's look inside)."""
+    alone (a graph no person reads: localisation's look inside).
+    bound: the core alone, at projections made elsewhere (a whole model's own, kept as they are: attnx optimize):
+    "separate" takes q, k and v as inputs, "packed" one qkv [batch, seq, q_dim + kv_q_dim + kv_v_dim] (biases added),
+    and it gives the heads' output z [batch, seq, n_heads * v_head_dim] before the output projection; x stays an
+    input, read for its batch and sequence dims alone. ring_cache: GroupQueryAttention's past holds a window alone
+    (sliding_window_cache), as the cache it is bound to does."""
+    if bound not in BOUND:
+        raise UsageError(f"bound {bound!r}: one of {', '.join(BOUND)}")
     c = config
     form = form_of(c, form)
     core = core_for(attention, c, dtype, form, buffer_core, core=core)
@@ -107,9 +117,13 @@ def build_model(
     if keep_io_fp32 and form != "full":
         raise UsageError("--keep-io-fp32 is for a full-sequence model: a step model's cache is the buffer itself")
     e = Emit(Graph(), c, weights, form, core, attention, half=dtype == "fp16", rope_positions=rope_positions,
-             readable=readable, domains={"": opset or needed})  # fmt: skip
+             readable=readable, domains={"": opset or needed}, bound=bound, ring_cache=ring_cache)  # fmt: skip
     z = GRAPH_CORES[core.name].emit(e)
-    linear(e.g, z, weights, "out_proj", c.bias, out="y")
+    if bound != "x":  # the core alone: its output is z, before an output projection that is not ours
+        if z != "z":
+            e.g.op("Identity", z, name="z")
+    else:
+        linear(e.g, z, weights, "out_proj", c.bias, out="y")
     model = _frame(e)
     return with_dtype(model, dtype, block_size, accuracy_level, keep_io_fp32, int8_bits)
 
@@ -122,6 +136,11 @@ def _frame(e: Emit) -> onnx.ModelProto:
         specs_in, specs_out = buffer_form_specs(c)
     else:
         specs_in, specs_out = c.inputs(), c.outputs()
+    if e.bound != "x":  # the core alone (build_model's bound): q, k, v (or qkv) in after x, z out instead of y
+        widths = {"separate": [("q", c.q_dim), ("k", c.kv_q_dim), ("v", c.kv_v_dim)],
+                  "packed": [("qkv", c.q_dim + c.kv_q_dim + c.kv_v_dim)]}[e.bound]  # fmt: skip
+        specs_in = specs_in[:1] + [TensorSpec(n, "fp32", ("batch", "seq", w)) for n, w in widths] + specs_in[1:]
+        specs_out = [TensorSpec("z", "fp32", ("batch", "seq", c.n_heads * c.v_head_dim))] + specs_out[1:]
     inputs = [helper.make_tensor_value_info(s.name, elem[s.dtype], list(s.shape)) for s in specs_in]
     outputs = [helper.make_tensor_value_info(s.name, elem[s.dtype], list(s.shape)) for s in specs_out]
     name = {"full": "attnx", "growing": "attnx_step", "buffer": "attnx_step_buffer"}[e.form]

@@ -18,10 +18,12 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.cores import Core
 from attnx.model.terms import terms_at
 
-__all__ = ["Emit", "Emitter", "LOWEST", "cache_heads", "packed_projection"]
+__all__ = ["BOUND", "Emit", "Emitter", "LOWEST", "cache_heads", "packed_projection"]
 
 _F = TensorProto.FLOAT
 LOWEST = float(np.finfo(np.float32).min)
+# where a core's q, k and v come from (Emit.bound): projected from x, or bound at a model's own projections
+BOUND = ("x", "separate", "packed")
 
 
 @dataclasses.dataclass
@@ -38,6 +40,10 @@ class Emit:
     half: bool = False  # the graph will be float16: the lowest value a contrib op fills hidden scores with
     rope_positions: int | None = None
     readable: bool = True  # every node named (named()); False: the stages alone
+    # where q, k and v come from (BOUND): "x", projected here from the hidden state; "separate", the model's inputs
+    # q, k, v; "packed", its input qkv [B, S, (H + 2 Hkv) * hd] (a core spliced at a whole model's own projections)
+    bound: str = "x"
+    ring_cache: bool = False  # GroupQueryAttention's past keeps only a window (sliding_window_cache), as bound
     domains: dict[str, int] = dataclasses.field(default_factory=dict)
     metadata: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
@@ -69,8 +75,14 @@ class Emit:
         return self.g.const("lowest", np.asarray(LOWEST, np.float32))
 
     def projections(self) -> tuple[str, str, str]:
-        """q [B, S, H*hd], k [B, L, Hkv*hd], v [B, L, Hkv*vhd], biases included, named as the stages."""
+        """q [B, S, H*hd], k [B, L, Hkv*hd], v [B, L, Hkv*vhd], biases included, named as the stages; where they are
+        bound (Emit.bound), the model's own inputs (a packed one split)."""
         c, g = self.c, self.g
+        if self.bound == "separate":
+            return "q", "k", "v"
+        if self.bound == "packed":
+            return tuple(g.op("Split", "qkv", g.ints("qkv_split", [c.q_dim, c.kv_q_dim, c.kv_v_dim]), outputs=3,
+                              axis=-1))  # fmt: skip
         q = linear(g, "x", self.weights, "q_proj", c.bias, out=g.stage("q"))
         k = linear(g, self.keys_from, self.weights, "k_proj", c.bias, out=g.stage("k"))
         v = linear(g, self.keys_from, self.weights, "v_proj", c.bias, out=g.stage("v"))
@@ -80,6 +92,8 @@ class Emit:
         """q, k, v without their biases, and the biases packed [Dq | Dk | Dv] for an op's bias input (None
         without biases): a fused op adds them inside its kernel."""
         c, g = self.c, self.g
+        if self.bound != "x":  # bound at the model's own projections, their biases already added
+            return (*self.projections(), None)
         # without biases the MatMuls' outputs are the stages q, k, v themselves
         q, k, v = (linear(g, src, self.weights, f"{n}_proj", False, out=None if c.bias else g.stage(n))
                    for n, src in (("q", "x"), ("k", self.keys_from), ("v", self.keys_from)))  # fmt: skip
@@ -138,5 +152,10 @@ def cache_heads(e: Emit, k: str, v: str) -> tuple[str, str]:
 
 def packed_projection(e: Emit) -> str:
     """The buffer form's q/k/v projection: one MatMul [d_model, (H + 2 Hkv) * head_dim] that its op splits
-    itself, one GEMV reading every projection weight instead of three (at batch 1 a step is a weight read)."""
+    itself, one GEMV reading every projection weight instead of three (at batch 1 a step is a weight read); bound
+    (Emit.bound), the model's own packed input, or its q, k, v joined."""
+    if e.bound == "packed":
+        return "qkv"
+    if e.bound == "separate":
+        return e.g.op("Concat", "q", "k", "v", axis=-1)
     return linear(e.g, "x", e.packed(), "qkv_proj", e.c.bias)

@@ -98,12 +98,16 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
     c, g = e.c, e.g
     e.ms()
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    qkv = qkv or packed_projection(e)
-    qkv_inputs = [qkv, "", ""]
+    apart = qkv is None and e.bound == "separate"  # the model's own q, k, v: taken apart, as bound
+    qkv = qkv or (None if apart else packed_projection(e))
+    qkv_inputs = ["q", "k", "v"] if apart else [qkv, "", ""]
     if set(terms_at(c, "qk")) - {"rope"}:  # a term on q and k besides the op's own rotation (do_rotary), the
         # norms: they need q and k apart, so the packed projection is split
-        g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
-        g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
+        if apart:
+            q, k, v = qkv_inputs
+        else:
+            g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
+            g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
         q, k = norm_and_rotate(g, dataclasses.replace(c, rope=None), e.weights, q, k, "ort-fused")  # the op rotates
         qkv_inputs = [q, k, v]
     inputs = [*qkv_inputs, "past_key", "past_value", "seqlens_k", "total_sequence_length", "", "", "", "", ""]
@@ -117,6 +121,8 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
         attrs.update(do_rotary=1, rotary_interleaved=int(c.rope.interleaved))
         if (ROPE_POSITIONS_KEY, str(positions)) not in e.metadata:
             e.metadata.append((ROPE_POSITIONS_KEY, str(positions)))
+    if e.ring_cache:  # the past keeps the window alone (a ring buffer), as the cache it is bound to
+        attrs["sliding_window_cache"] = 1
     for slot, value in term_inputs(g, c, e.weights, "gqa").items():
         inputs[slot] = value
     while inputs[-1] == "":
@@ -182,6 +188,8 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     if facts.pop("rope_interleaved", None) is not None:
         cos, sin = const_array(inputs[7]), const_array(inputs[8])
         facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
+        if inputs[7] is not None and inputs[8] is not None:  # the op's own cos/sin caches (attnx optimize binds them)
+            facts["rope_caches"] = (inputs[7].name, inputs[8].name)
         if cos is None or sin is None:  # caches the graph computes (the builder's longrope: an If on the length)
             if inputs[7] is None or inputs[8] is None:
                 raise NotRead("do_rotary without cos/sin caches")

@@ -23,7 +23,8 @@ from attnx.export.passes.quantize import dequantize_node
 from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["NotRead", "Path", "ScoreChain", "find_projection", "head_dim", "is_op", "last_axis_slice", "past_cache",
-           "computed_from", "flat_gemm", "flattened_input", "plain_norm", "position_factor", "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
+           "computed_from", "flat_gemm", "flattened_input", "plain_norm", "position_factor", "positions_of",
+           "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
            "sink_logits", "strip_layout", "walk"]
 
 STD = ("", "ai.onnx")
@@ -389,6 +390,32 @@ def computed_from(value: ir.Value, ops: tuple[str, ...], limit: int = 48) -> boo
         if node.op_type not in ("Shape", "Size"):  # a size, not values: what it measures is not read
             queue += [i for i in node.inputs if i is not None and const_array(i) is None]
     return met
+
+
+# ops that carry a tensor's values through unchanged, only laid out again (their data input is the first)
+_LAYOUT_ONLY = ("Unsqueeze", "Squeeze", "Reshape", "Expand", "Identity", "Cast", "Flatten")
+
+
+def positions_of(value: ir.Value, limit: int = 48) -> ir.Value | None:
+    """The positions a rotary table the graph computes (`value`, its cos or sin) is computed from: the integer
+    tensor a Cast turns into the angle's factor, followed up through layout ops (_LAYOUT_ONLY) to where the
+    positions are made: a graph input (position_ids) or a Range (positions counted from the cache's length, as
+    Optimum's exports without a position_ids input count them). None where no such source lies within `limit`
+    nodes above it."""
+    seen, queue = set(), [value]
+    while queue and len(seen) < limit:
+        node = queue.pop(0).producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if is_op(node, "Cast"):
+            source = node.inputs[0]
+            while (maker := source.producer()) is not None and maker.op_type in _LAYOUT_ONLY and maker.domain in STD:
+                source = maker.inputs[0]
+            if (maker is None and source.is_graph_input()) or is_op(maker, "Range"):
+                return source
+        queue += [i for i in node.inputs if i is not None and const_array(i) is None]
+    return None
 
 
 def position_factor(value: ir.Value) -> bool:

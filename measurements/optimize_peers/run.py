@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SETS = ["exported/torch-dynamo/llama/*", "exported/torch-dynamo/qwen3/*", "exported/torch-dynamo/gemma2/*",
         "exported/torch-dynamo/llama4/*", "exported/optimum/*", "exported/ort-optimizer/bert",
-        "unseen/exported/torch-dynamo/*/*", "unseen/exported/optimum/*"]  # fmt: skip
+        "unseen/exported/torch-dynamo/*/*", "unseen/exported/optimum/*", "genai/*/*", "unseen/genai/*/*"]  # fmt: skip
 TOOLS = ("onnxscript", "ort-optimizer", "attnx")
 FUSED = {"com.microsoft.MultiHeadAttention", "com.microsoft.GroupQueryAttention", "com.microsoft.Attention",
          "ai.onnx.Attention"}  # fmt: skip
@@ -92,7 +92,8 @@ def run_onnxscript(src: Path, out: Path, ckpt: Path, encoder: bool) -> dict:
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     model, counts = optimize_for_ort(ir.load(str(src)))
-    ir.save(model, str(out))
+    external = (src.parent / (src.name + ".data")).exists()  # the builder's: its tensors beside it, copied
+    ir.save(model, str(out), external_data=out.name + ".data" if external else None)
     return {"fusions": {k: v for k, v in counts.items() if v}}
 
 
@@ -117,6 +118,7 @@ def run_attnx(src: Path, out: Path, ckpt: Path, encoder: bool) -> dict:
     report = optimize_model(str(src), str(out), checkpoint=str(ckpt))
     got = {"passed": report.passed, "blocks": [f"{b.core} -> {b.written or 'kept: ' + str(b.kept)}"
                                                for b in report.blocks],
+           "rewritten": sum(b.written is not None for b in report.blocks),
            "repairs": [r for b in report.blocks for r in b.repairs], "proofs": report.proofs}  # fmt: skip
     if not report.written:  # the verdict, and why each block was kept
         kept = "; ".join(f"block {b.index} kept: {b.kept}" for b in report.blocks if b.kept)
@@ -140,22 +142,40 @@ def load_error(path: Path) -> str | None:
     return None
 
 
+def caches_of(src: Path) -> dict[str, tuple[int, int, int]]:
+    """Each cache input's (kv heads, capacity, head_dim) as attnx reads its block: the GenAI builder names the head
+    size `kv_cache_dim` and keeps Gemma 2's window in a ring buffer (its past holds the window from the start)."""
+    import onnx_ir as ir
+
+    from attnx.export._blocks import iter_blocks
+
+    found = {}
+    for block in iter_blocks(ir.load(str(src)), [], lambda _i: False):
+        for role in ("past_key", "past_value"):
+            if block.config is not None and role in block.inputs:
+                found[block.inputs[role]] = (block.config.n_kv_heads, block.facts.get("cache_capacity", 0),
+                                             block.config.head_dim)  # fmt: skip
+    return found
+
+
 def same_as_input(src: Path, out: Path, encoder: bool) -> dict:
-    """attnx's whole-model proof of OUT against the input (right padding for BERT's fused Attention, as attnx's own
-    proof pads a model whose blocks read each row's length)."""
+    """attnx's whole-model proof of OUT against the input (right padding for BERT's fused Attention and the
+    builder's GroupQueryAttention, as attnx's own proof pads a model whose blocks read each row's length)."""
     from attnx.workflows.rewrite.prove import same_model
     from attnx.workflows.rewrite.report import ModelOptimizeReport
 
     report = ModelOptimizeReport(str(src), str(out), None, [], [])
+    right = encoder or "com.microsoft.GroupQueryAttention" in attention_ops(src)
+    dtype = "fp16" if "fp16" in src.parts else "fp32"
     try:
-        passed = same_model(report, str(src), str(out), right=encoder)
+        passed = same_model(report, str(src), str(out), right=right, dtype=dtype, caches=caches_of(src))
     except Exception as e:  # noqa: BLE001 (a runtime's error in a run is the finding)
         return {"passed": False, "proofs": [f"FAIL: {first_line(e)}"]}
     return {"passed": passed, "proofs": report.proofs}
 
 
 def largest(proofs: list[str]) -> float | None:
-    found = [float(m.group(1)) for p in proofs if (m := re.search(r"at most (\S+) apart", p))]
+    found = [float(m.group(1)) for p in proofs if (m := re.search(r"logits max_abs=([^ ,)]+)", p))]
     return max(found) if found else None
 
 
@@ -177,13 +197,16 @@ def against_reference(path: Path, ckpt: Path, reference: Path) -> dict:
         got = sess.run(["last_hidden_state"], feeds)[0]
         real = ref["attention_mask"].astype(bool)
         return {"right-padded batch": float(np.abs(got - ref["last_hidden_state"])[real].max())}
-    config = text_config(ckpt)
     caches = [n for n in ins if n.startswith("past_key_values")]
+    config = text_config(ckpt)
     kv = config.get("num_key_value_heads") or config["num_attention_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    read = {n: (kv, 0, hd) for n in caches} | caches_of(path)
+    half = {n for n in caches if ins[n].type == "tensor(float16)"}
 
     def empty(batch: int) -> dict[str, np.ndarray]:
-        return {n: np.zeros((batch, kv, 0, hd), np.float32) for n in caches}
+        return {n: np.zeros((batch, read[n][0], read[n][1], read[n][2]), np.float16 if n in half else np.float32)
+                for n in caches}  # fmt: skip
 
     def call(ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None, start: int, stop: int,
              past: dict[str, np.ndarray]) -> list[np.ndarray]:  # fmt: skip
@@ -191,7 +214,8 @@ def against_reference(path: Path, ckpt: Path, reference: Path) -> dict:
         feeds["input_ids"] = ids[:, start:stop]
         if positions is not None and "position_ids" in feeds:
             feeds["position_ids"] = positions[:, start:stop]
-        return sess.run(None, {**feeds, **past})
+        return [np.asarray(a, np.float32) if a.dtype == np.float16 and i == 0 else a
+                for i, a in enumerate(sess.run(None, {**feeds, **past}))]  # fmt: skip
 
     def runs(ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None, want: np.ndarray, what: str) -> dict:
         real = mask.astype(bool)
@@ -254,7 +278,9 @@ def main() -> int:
     rows = []
     for folder in fixture_dirs(args.fixtures):
         name = str(folder.relative_to(FIXTURES))
-        meta = json.loads((folder / "fixture.json").read_text())
+        meta = json.loads((folder / "fixture.json").read_text()) if (folder / "fixture.json").exists() else {
+            "checkpoint": "../checkpoint", "reference": "../reference.safetensors", "family": folder.parent.name,
+            "tool": "onnxruntime-genai builder"}  # the builder's: tests/fixtures/genai/README.md  # fmt: skip
         ckpt = (folder / meta["checkpoint"]).resolve()
         reference = (folder / meta["reference"]).resolve() if meta.get("reference") else None
         encoder = meta.get("family") == "bert"
@@ -306,14 +332,27 @@ def cores(got: dict) -> str:
     return text + (" (refused by ONNX Runtime)" if got["load error"] else "")
 
 
+def said_same(got: dict) -> str:
+    """Against the input: the same greedy tokens and the largest logits difference; repaired (attnx with the
+    checkpoint: another formula than the input's, by design); or not run (the input refuses the padded batch: the
+    builder's ring-buffer window)."""
+    same = got["same as input"]
+    largest_ = same.get("largest logits difference")
+    if largest_ is None:  # the runtime's own message, or the proof's
+        why = same["proofs"][0].removeprefix("FAIL: ").split("Status Message: ")[-1]
+        return f"not compared ({why.replace('the written model', 'the output')[:84]})"
+    if got.get("tool", {}).get("repairs"):
+        return f"repaired ({'same' if same['passed'] else 'other'} tokens than the input, {largest_:.2g})"
+    return f"{'same' if same['passed'] else 'OTHER'} tokens, {largest_:.2g}"
+
+
 def agreement(got: dict, tolerance: float) -> str:
     """A table cell: the same greedy tokens as the input and the largest logits difference; the largest difference
     from transformers."""
     if "error" in got or got["load error"]:
         return "-"
-    same = got["same as input"]
     ref = [v for v in got.get("against transformers", {}).values() if isinstance(v, float)]
-    text = f"{'same' if same['passed'] else 'OTHER'} tokens, {same['largest logits difference']:.2g}"
+    text = said_same(got)
     return text + (f"; {max(ref):.2g}" + ("" if max(ref) <= tolerance else " (over)") if ref else "")
 
 
@@ -321,7 +360,9 @@ def agreement(got: dict, tolerance: float) -> str:
 SOURCES = [("torch.onnx, opset 20: llama, qwen3, llama4, mistral, phi3", r"torch-dynamo/(llama|qwen3|llama4|mistral|phi3)/.*opset20"),
            ("torch.onnx, Gemma 2", r"torch-dynamo/gemma2/"), ("torch.onnx, opset 23's Attention", r"opset23"),
            ("Optimum: llama, qwen2", r"optimum/(llama|qwen2)"), ("Optimum: Gemma 2", r"optimum/gemma2"),
-           ("ONNX Runtime's optimizer: BERT", r"ort-optimizer/bert")]  # fmt: skip
+           ("ONNX Runtime's optimizer: BERT", r"ort-optimizer/bert"),
+           ("GenAI builder, fp32: llama, mistral, qwen2, qwen3, gemma2, phi3, gpt-oss", r"genai/[^/]+/fp32"),
+           ("GenAI builder, int4: llama, qwen3", r"genai/[^/]+/int4"), ("GenAI builder, fp16: llama", r"genai/[^/]+/fp16")]  # fmt: skip
 
 
 def by_source(result: dict) -> str:
@@ -340,17 +381,27 @@ def by_source(result: dict) -> str:
                        if k in FUSED and k not in f["input"]["ops"]]  # fmt: skip
             kinds = sorted({SHORT[k] for k, _ in written})
             new = sum(v for _, v in written)
+            if tool == "attnx":  # its own count: a block rewritten into its own kind (repaired) counts too
+                new = sum(f[tool].get("tool", {}).get("rewritten", 0) for f in rows if "error" not in f[tool])
+                kinds = sorted({SHORT[k] for f in rows if "error" not in f[tool] for k in f[tool]["ops"] if k in FUSED})
             if not done:
                 cells.append(f"not written ({len(rows)} of {len(rows)})")
                 continue
-            same = all(g["same as input"]["passed"] for g in done)
+            # repaired models compute the checkpoint's formula, not the input's: held to transformers instead
+            compared = [g for g in done if not g.get("tool", {}).get("repairs")
+                        and g["same as input"].get("largest logits difference") is not None]  # fmt: skip
+            same = all(g["same as input"]["passed"] for g in compared)
             ref = max((v for g in done for v in g.get("against transformers", {}).values() if isinstance(v, float)),
                       default=None)  # fmt: skip
-            cell = f"{new} of {blocks} rewritten" + (f" ({', '.join(kinds)})" if new else "")
-            cell += f"; {'same tokens' if same else 'OTHER tokens'}"
-            cell += f", {ref:.2g}" + ("" if ref <= tolerance else " (over)") if ref is not None else ""
-            if len(done) < len(rows):
-                cell += f"; {len(rows) - len(done)} not written"
+            repaired = sum(bool(g.get("tool", {}).get("repairs")) for g in done)
+            said = ([f"{'same tokens' if same else 'OTHER tokens'}"] if compared else []) + (
+                [f"{repaired} repaired"] if repaired else [])  # fmt: skip
+            if ref is not None:  # the largest difference from transformers, of every model written
+                said.append(f"{ref:.2g}" + ("" if ref <= tolerance else " (over)"))
+            rest = [f"{n} {what}" for n, what in ((len(done) - len(compared) - repaired, "not compared"),
+                                                 (len(rows) - len(done), "not written")) if n]  # fmt: skip
+            cell = "; ".join(part for part in [f"{new} of {blocks} rewritten" + (f" ({', '.join(kinds)})" if new else ""),
+                                               ", ".join(said), *rest] if part)  # fmt: skip
             cells.append(cell)
         lines.append(f"| {label} ({len(rows)}, {blocks}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -360,7 +411,7 @@ def tables(result: dict) -> str:
     """The README's tables (markdown): the attention nodes per model, then the agreement."""
     tolerance = result["tolerance against transformers"]
     name = {f["fixture"]: f["fixture"].replace("unseen/exported/", "unseen ").replace("exported/", "")
-            for f in result["fixtures"]}  # fmt: skip
+            .replace("unseen/genai/", "unseen genai/") for f in result["fixtures"]}  # fmt: skip
     lines = ["| fixture | input | onnxscript | ORT optimizer | attnx |", "|---|---|---|---|---|"]
     for f in result["fixtures"]:
         lines.append(f"| {name[f['fixture']]} | {cores(f['input'])} | " + " | ".join(cores(f[t]) for t in TOOLS) + " |")
@@ -380,11 +431,9 @@ def summary(got: dict, tolerance: float) -> str:
         return f"failed: {got['error']}"
     if got["load error"]:
         return f"{got['fused']} fused, {got['softmax left']} Softmax left; ONNX Runtime refuses it: {got['load error']}"
-    same = got["same as input"]
     ref = got.get("against transformers", {})
     worst = max((v for v in ref.values() if isinstance(v, float)), default=None)
-    return (f"{got['fused']} fused, {got['softmax left']} Softmax left; "
-            f"{'same tokens' if same['passed'] else 'DIFFERS from the input'} ({same['largest logits difference']}); "
+    return (f"{got['fused']} fused, {got['softmax left']} Softmax left; {said_same(got)}; "
             + (f"transformers {worst:.3g} ({'within' if worst <= tolerance else 'OVER'} {tolerance:g})"
                if worst is not None else ref.get("error", "no reference")))  # fmt: skip
 

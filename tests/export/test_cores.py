@@ -272,3 +272,45 @@ def test_the_torch_export_is_read_back_too(exported, name):
         assert reading.facts["causal"] and reading.facts["key_padding_mask"]
     else:
         assert reading.facts["sinks"] and reading.facts["softcap"] == pytest.approx(config.softcap)
+
+
+@pytest.mark.parametrize(("form", "core", "bound", "dtype"), [
+    ("growing", "gqa", "separate", "fp32"), ("growing", "grouped-mha", "packed", "fp32"),
+    ("growing", "gqa", "packed", "fp16"), ("buffer", "gqa", "packed", "fp32"), ("buffer", "gqa", "separate", "fp16"),
+])  # fmt: skip
+def test_a_core_bound_at_projections_made_elsewhere_gives_the_whole_blocks_z(form, core, bound, dtype):
+    """build_model's bound: the core alone, fed q, k and v (or the packed qkv) computed outside it, gives z, which
+    through the output projection is the whole block's y, and the same presents (attnx optimize splices it at a
+    whole model's own projections, MatMulNBits or fp16, kept as they are)."""
+    from attnx.model import init_weights
+    from attnx.model.rope import Rope
+
+    n_kv = 2
+    c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=n_kv, causal=True, kv_cache=True, bias=True,
+                        rope=Rope(theta=10000.0, dim=16), key_padding_mask=form == "growing")  # fmt: skip
+    w = init_weights(c, seed=2)
+    np_dtype = np.float16 if dtype == "fp16" else np.float32
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 64)).astype(np_dtype)
+    feeds = {"x": x, "past_key": np.zeros((2, n_kv, 5 if form == "buffer" else 0, 16), np_dtype)}
+    feeds["past_value"] = feeds["past_key"]
+    if form == "buffer":
+        feeds |= {"seqlens_k": np.full((2,), 4, np.int32), "total_sequence_length": np.array(5, np.int32)}
+    else:
+        feeds |= {"key_padding_mask": np.zeros((2, 5), bool), "position_ids": np.tile(np.arange(5), (2, 1))}
+    whole = ort.InferenceSession(build_model(c, w, "ort-fused", form, dtype, core=core, rope_positions=16)
+                                 .SerializeToString(), providers=["CPUExecutionProvider"])  # fmt: skip
+    y, *presents = whole.run(None, feeds)
+    projected = {n: x.astype(np.float64) @ np.asarray(w[f"{n}_proj.weight"], np.float64).T + w[f"{n}_proj.bias"]
+                 for n in "qkv"}  # fmt: skip
+    extra = {"qkv": np.concatenate([projected[n] for n in "qkv"], -1)} if bound == "packed" else projected
+    alone = ort.InferenceSession(build_model(c, w, "ort-fused", form, dtype, core=core, rope_positions=16, bound=bound)
+                                 .SerializeToString(), providers=["CPUExecutionProvider"])  # fmt: skip
+    assert [i.name for i in alone.get_inputs()][:1 + len(extra)] == ["x", *extra] and alone.get_outputs()[0].name == "z"
+    z, *bound_presents = alone.run(None, {**feeds, **{k: v.astype(np_dtype) for k, v in extra.items()}})
+    out = z.astype(np.float64) @ np.asarray(w["out_proj.weight"], np.float64).T + w["out_proj.bias"]
+    tol = tolerance_for(dtype)
+    size = problem_size(c, w, {"x": x.astype(np.float32), "position_ids": np.tile(np.arange(5), (2, 1))})
+    assert compare_arrays("y", out, y.astype(np.float64), tol, size)
+    assert all(compare_arrays("present", a.astype(np.float64), b.astype(np.float64), tol, size)
+               for a, b in zip(bound_presents, presents))  # fmt: skip

@@ -1,11 +1,14 @@
-"""attnx optimize of whole models other tools exported (issue 40's first slice, attnx.workflows.optimize_model): the
-committed fixtures' blocks rewritten into the ort-fused lowering's cores, spliced into the graph, the interface kept,
-proven (each new block against the float64 reference and its checkpoint, the whole model's greedy tokens through its
-own cache) before anything is written; a block no core takes, or one not read, kept and named."""
+"""attnx optimize of whole models other tools exported (issue 40, attnx.workflows.optimize_model): the committed
+fixtures' blocks rewritten into the ort-fused lowering's cores, spliced into the graph (the whole block, or the core
+alone at MatMulNBits or fp16 projections kept as they are), the interface kept, proven (each new block against the
+float64 reference and its checkpoint, the whole model's greedy tokens through its own cache) before anything is
+written; repaired from the checkpoint where it states other terms, the graph's own formula kept and said without it;
+a block no core takes, one not read, or one that would be rewritten into itself, kept and named."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 from attnx.cli import main
 from attnx.workflows import optimize_model
 from attnx.workflows.rewrite.choose import Timing, pick
+from tests.workflows import _gallery
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DYNAMO = FIXTURES / "exported" / "torch-dynamo"
@@ -129,14 +133,134 @@ def test_without_a_checkpoint_a_block_not_read_is_kept_and_named(tmp_path, capsy
 
 
 def test_a_model_with_no_block_to_rewrite_writes_nothing(tmp_path, capsys):
-    """The builder's int4 model: its projections are MatMulNBits, kept in this version; with nothing rewritten
-    nothing is written (exit 1), and the reason of each block is said."""
+    """The builder's int4 model: its GroupQueryAttention reads each row's length (seqlens_k) and may be fed one buffer
+    of the model's whole length, which no other core reads; rewritten into itself it would be the same block, so each
+    block is kept untimed, with its own formula said; with nothing rewritten nothing is written (exit 1)."""
     source = FIXTURES / "genai" / "llama" / "int4" / "model.onnx"
     out = tmp_path / "out.onnx"
     assert main(["optimize", str(source), "--out", str(out)]) == 1
     text = capsys.readouterr().out
-    assert "MatMulNBits 4-bit: kept in this version" in text and "nothing written" in text
+    assert text.count("the rewrite would be the block itself") == 2 and "nothing written" in text, text
+    assert "block 1 formula: the graph's own, 4 heads over 2; head_dim 16; scale 0.25; rope theta 10000 (no " in text
     assert not out.exists()
+
+
+def _logits(path, ids: np.ndarray) -> np.ndarray:
+    """A whole model's logits on one row of `ids` (the full sequence, no past), through ONNX Runtime's CPU."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    for spec in session.get_inputs():
+        if spec.name.startswith("past"):  # no past: the head size where the builder names it (kv_cache_dim)
+            size = spec.shape[3] if isinstance(spec.shape[3], int) else 16
+            feeds[spec.name] = np.zeros((1, spec.shape[1], 0, size), np.float16 if "16" in spec.type else np.float32)
+    names = {spec.name for spec in session.get_inputs()}
+    return session.run(None, {k: v for k, v in feeds.items() if k in names})[0].astype(np.float64)
+
+
+def _agrees_with_transformers(path, family_dir: Path, layers: int) -> tuple[bool, float]:
+    """Whether a whole model's logits are transformers' (the fixture's reference.safetensors) within the tolerance
+    table's whole-model row, and how far apart they are."""
+    from safetensors.numpy import load_file
+
+    from attnx.model.tolerance import ProblemSize, whole_model_tolerance
+    from attnx.runtimes.compare import compare_arrays
+    from attnx.workflows.rewrite.prove import longest_reduction
+
+    ref = load_file(str(family_dir / "reference.safetensors"))
+    got = _logits(path, ref["input_ids"])
+    c = compare_arrays("logits", got, ref["logits"].astype(np.float64), whole_model_tolerance("fp32", layers),
+                       ProblemSize(longest_reduction(str(path))))  # fmt: skip
+    return bool(c), float(np.abs(got - ref["logits"]).max())
+
+
+def test_the_builders_mistral_is_repaired_from_its_checkpoint_and_agrees_with_transformers(tmp_path):
+    """The GenAI builder drops Mistral's window (local_window_size -1: transformers 5 writes no layer_types). With the
+    checkpoint each GroupQueryAttention is rewritten with the checkpoint's window, its lengths (seqlens_k,
+    total_sequence_length), cache and cos/sin caches bound as the graph has them: the model then gives transformers'
+    logits, where the input is 1.65 off. Without it the graph's own formula (no window) is kept, and said."""
+    family = FIXTURES / "genai" / "mistral"
+    source, out = family / "fp32" / "model.onnx", tmp_path / "out.onnx"
+    report = optimize_model(str(source), str(out), checkpoint=str(family / "checkpoint"))
+    assert report.passed and [b.written for b in report.blocks] == ["gqa", "gqa"], report.lines()
+    assert all(b.repairs == [f"layer {b.layer}: no window in the graph (local_window_size -1), sliding_window 8 in "
+                             "the checkpoint: every query past 8 sees keys it must not"] for b in report.blocks)  # fmt: skip
+    assert _io(out) == _io(source) and report.padding == "right"
+    nodes = [n for n in onnx.load(str(out)).graph.node if n.op_type == "GroupQueryAttention"]
+    assert [onnx.helper.get_attribute_value(a) for n in nodes for a in n.attribute
+            if a.name == "local_window_size"] == [8, 8]  # fmt: skip
+    assert all(n.input[7:9] == ["cos_cache", "sin_cache"] for n in nodes)  # the graph's own tables, not copied
+    assert _agrees_with_transformers(out, family, 2)[0]
+    fine, far = _agrees_with_transformers(source, family, 2)
+    assert not fine and far > 1.0
+    kept = optimize_model(str(source), str(tmp_path / "kept.onnx"))
+    assert not kept.written and all("the rewrite would be the block itself" in b.kept for b in kept.blocks)
+    assert all("sliding_window" not in b.formula for b in kept.blocks), kept.lines()
+
+
+def test_quantized_projections_are_kept_and_the_core_alone_rewritten(tmp_path):
+    """torch.onnx's llama with its projections quantized by ONNX Runtime's MatMulNBits quantizer (4 bits, blocks of
+    16): each block's core is rewritten alone, bound at the projections' outputs, its z handed to the graph's own
+    output projection; every MatMulNBits is kept as it was, and the whole model keeps its tokens."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line a node
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(DYNAMO / "llama" / "sdpa-opset20" / "model.onnx")), block_size=16,
+                                     is_symmetric=True, accuracy_level=1)  # fmt: skip
+    quantizer.process()
+    source, out = tmp_path / "int4.onnx", tmp_path / "out.onnx"
+    onnx.save(quantizer.model.model, str(source))
+    report = optimize_model(str(source), str(out), checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))
+    assert report.passed and all(b.written for b in report.blocks), report.lines()
+    assert {b.splice for b in report.blocks} == {"the core alone, at the graph's projections"} and not any(
+        b.repairs for b in report.blocks)  # every int4 weight within its step of the checkpoint's
+    assert sum(line.startswith("pass: the whole model") for line in report.proofs) == 2
+
+    def nbits(path) -> list:  # each MatMulNBits' packed weights and scales, as bytes
+        graph = onnx.load(str(path)).graph
+        weights = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in graph.initializer}
+        return sorted((weights[n.input[1]], weights[n.input[2]]) for n in graph.node if n.op_type == "MatMulNBits")
+
+    assert nbits(out) == nbits(source) and "Softmax" not in {n.op_type for n in onnx.load(str(out)).graph.node}
+
+
+def test_the_builders_fp16_model_comes_out_decoding(tmp_path):
+    """The builder's fp16 CPU model (MultiHeadAttention on k and v repeated to every head, the cache concatenated)
+    fails at its first decoding step in ONNX Runtime. Its cores rewritten alone in fp16 (GroupQueryAttention over the
+    kv heads, bound at its fp16 projections and position_ids), the model decodes: the written model's steps are held
+    to the input's full sequence, which runs, and give its greedy tokens within fp16's bound."""
+    source, out = FIXTURES / "genai" / "llama" / "fp16" / "model.onnx", tmp_path / "out.onnx"
+    report = optimize_model(str(source), str(out))
+    assert report.passed and [b.written for b in report.blocks] == ["gqa", "gqa"], report.lines()
+    assert any(line.startswith("said: the input fails to decode through its own cache (node ") for line in report.proofs)
+    assert any(line.startswith("pass: the whole model, prefill + steps (held to the input's full sequence) of a "
+                               "left-padded batch: the same greedy tokens") for line in report.proofs)  # fmt: skip
+    assert _io(out) == _io(source)
+    graph = onnx.load(str(out)).graph
+    assert {n.op_type for n in graph.node} >= {"GroupQueryAttention", "Cast"} and not any(
+        "repeat_kv" in n.name for n in graph.node)  # fmt: skip
+
+
+def test_optimums_gemma2_is_rotated_at_the_positions_its_graph_counts(tmp_path):
+    """Optimum's Gemma 2 has no position_ids input: its graph counts positions from the cache's length (a Range).
+    Each new core rotates at that Range, expanded to every row. With the checkpoint the softcap Optimum drops is
+    repaired and the model gives transformers' logits (the input is 1.5e-4 off); without it the graph's own formula
+    (no softcap) is kept, said, and the whole model keeps the input's logits."""
+    family = FIXTURES / "genai" / "gemma2"
+    source = FIXTURES / "exported" / "optimum" / "gemma2" / "model.onnx"
+    out = tmp_path / "out.onnx"
+    report = optimize_model(str(source), str(out), checkpoint=str(family / "checkpoint"), core="gqa")
+    assert report.passed and [b.written for b in report.blocks] == ["gqa", "gqa"], report.lines()
+    assert [b.repairs for b in report.blocks] == [[f"layer {i}: softcap None in the graph, 50.0 in the checkpoint"]
+                                                  for i in (0, 1)]  # fmt: skip
+    graph = onnx.load(str(out)).graph
+    expand = [n for n in graph.node if n.op_type == "Expand" and n.input[0] == "/model/Range_output_0"]
+    assert len(expand) == 1 and "position_ids" not in {i.name for i in graph.input}
+    assert _agrees_with_transformers(out, family, 2)[0] and not _agrees_with_transformers(source, family, 2)[0]
+    kept = optimize_model(str(source), str(tmp_path / "kept.onnx"), core="gqa")
+    assert kept.passed and all(b.written == "gqa" and "softcap" not in b.formula for b in kept.blocks), kept.lines()
+    assert sum(line.startswith("pass: the whole model") for line in kept.proofs) == 2
 
 
 @pytest.mark.parametrize(("export", "checkpoint"), [
@@ -241,3 +365,45 @@ def test_a_model_with_external_data_is_written_with_its_own(tmp_path):
     os.umask(umask)
     assert stat.S_IMODE((out.parent / "opt.onnx.data").stat().st_mode) == 0o666 & ~umask
     assert _io(out) == _io(source) and len(onnx.load(str(out)).graph.initializer) == len(proto.graph.initializer)
+
+
+@pytest.mark.parametrize(("model", "checkpoint", "fault", "layer", "fixed"), [
+    # a decomposed core's scale: rewritten either way, as the graph states it or as the checkpoint does
+    ("exported/torch-dynamo/llama/sdpa-opset20", "genai/llama/checkpoint", "scale x1.2", 1, "scale 0.3 in the graph"),
+    # MatMulNBits kept: the core alone rewritten, with the checkpoint's scale
+    ("genai/llama/int4", "genai/llama/checkpoint", "scale x1.2", 0, "scale 0.3 in the graph"),
+    # the op's own rotation on the other pairs: the checkpoint's table written, not the graph's
+    ("genai/qwen2/fp32", "genai/qwen2/checkpoint", "rotary interleaved", 1, "rotary_interleaved 1 in the graph"),
+])  # fmt: skip
+def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_layer_with_it(
+        model, checkpoint, fault, layer, fixed, tmp_path):  # fmt: skip
+    """The audit's gallery plants a fault in one layer (tests/workflows/_gallery.py). Without --checkpoint the graph's
+    formula is what is written (or the block is kept where that would be the block itself), the fault included,
+    never fixed on a guess, and the block's formula is said. With it, that layer alone is repaired, the repair named
+    in its layer, and its new block is held to the checkpoint's layer."""
+    proto = onnx.load(str(FIXTURES / model / "model.onnx"))
+    said = _gallery.FAULTS[fault](proto, layer, _gallery.checkpoint_layers(str(FIXTURES / checkpoint)))
+    assert said is not None
+    source = tmp_path / "model.onnx"
+    onnx.save(proto, str(source))
+    core = "gqa" if "-opset" in model else "auto"  # a builder's block: measured, as a user runs it
+    faulty = optimize_model(str(source), str(tmp_path / "kept.onnx"), core=core)
+    if "-opset" in model:  # decomposed: rewritten into the graph's own formula, whose tokens the input's are
+        assert faulty.passed and faulty.blocks[layer].written == "gqa", faulty.lines()
+        assert sum(line.startswith("pass: the whole model") for line in faulty.proofs) == 2
+    else:  # GroupQueryAttention already: the same core, the same formula
+        assert not faulty.written and "the rewrite would be the block itself" in faulty.blocks[layer].kept
+    assert not any(b.repairs for b in faulty.blocks)
+    graph_said = {"scale x1.2": "scale 0.3;", "rotary interleaved": ", interleaved"}[fault]
+    assert graph_said in faulty.blocks[layer].formula and all(
+        graph_said not in b.formula for b in faulty.blocks if b.index != layer)  # fmt: skip
+    repaired = optimize_model(str(source), str(tmp_path / "out.onnx"), checkpoint=str(FIXTURES / checkpoint),
+                              core=core)  # fmt: skip
+    assert repaired.passed and repaired.blocks[layer].written == "gqa", repaired.lines()
+    assert [(b.layer, r.split(":")[0]) for b in repaired.blocks for r in b.repairs] == [(layer, f"layer {layer}")]
+    assert repaired.blocks[layer].repairs[0].startswith(f"layer {layer}: {fixed}")
+    assert f"block {layer} repair: layer {layer}: {fixed}" in "\n".join(repaired.lines())
+    assert any(line.startswith(f"pass: block {layer} (gqa) against the float64 reference and the checkpoint")
+               for line in repaired.proofs)  # fmt: skip
+    if "int4" in model:  # its projections kept as they were
+        assert "MatMulNBits" in {n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node}

@@ -12,33 +12,39 @@ from attnx.model.config import AttentionConfig
 from attnx.model.reference import reference_attention
 from attnx.model.tolerance import stored_bound
 
-__all__ = ["blocks_of", "compare_terms", "int8_blocks", "reference_of"]
+__all__ = ["blocks_of", "compare_terms", "compare_weights", "int8_blocks", "reference_of"]
 
 
 def compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int,
                   source: str = "the checkpoint") -> list[str]:  # fmt: skip
     """Every difference between the formula the graph states and the source layer's: each term's
     (attnx.export.terms, in the formula's order), then each weight's."""
-    g = block.config
+    found = graph_terms.compare_terms(block.config, block.facts, config, graph_terms.Context(f"layer {layer}", source))
+    return found + list(compare_weights(block, config, weights, layer, source).values())
+
+
+def compare_weights(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int,
+                    source: str = "the checkpoint") -> dict[str, str]:  # fmt: skip
+    """Each weight of the graph (dequantized where quantized) that differs from the source layer's, by name, with
+    its finding; a bias the source has not is zero there."""
     where = f"layer {layer}"
-    found = graph_terms.compare_terms(g, block.facts, config, graph_terms.Context(where, source))
-    said = graph_terms.said_by_terms(g, config)
-    # weights: the graph's (dequantized where quantized) against the source's; a bias the source has not is zero there
+    said = graph_terms.said_by_terms(block.config, config)
+    found: dict[str, str] = {}
     quantized = block.quantization is not None
     for name in sorted(set(block.weights) - set(weights)):
         if name.endswith(".bias") and np.any(block.weights[name]):
-            found.append(f"{where}: {name} in the graph (largest |value| {float(np.abs(block.weights[name]).max()):.3g}), "
-                         f"none in {source}")  # fmt: skip
+            found[name] = (f"{where}: {name} in the graph (largest |value| {float(np.abs(block.weights[name]).max()):.3g}), "
+                           f"none in {source}")  # fmt: skip
     for name, theirs in weights.items():
         ours = block.weights.get(name)
         if ours is None:
             if name in said:
                 continue  # said above, as the term
             if np.any(theirs):
-                found.append(f"{where}: {name} is in {source}, not in the graph")
+                found[name] = f"{where}: {name} is in {source}, not in the graph"
             continue
         if ours.shape != theirs.shape:
-            found.append(f"{where}: {name} shape {list(ours.shape)} in the graph, {list(theirs.shape)} in {source}")
+            found[name] = f"{where}: {name} shape {list(ours.shape)} in the graph, {list(theirs.shape)} in {source}"
             continue
         ref = np.asarray(theirs, np.float64)
         diff = np.abs(ours - ref)
@@ -50,12 +56,12 @@ def compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nda
             bad = diff > step * (1 + 1e-3) + 1e-12
             if bad.any():
                 r, k = np.argwhere(bad)[0]
-                found.append(f"{where}: {name} differs from {source}'s by more than its {bits}-bit step in "
-                             f"{int(bad.sum())} weight(s), first [{r}, {k}] (block {k // n})")  # fmt: skip
+                found[name] = (f"{where}: {name} differs from {source}'s by more than its {bits}-bit step in "
+                               f"{int(bad.sum())} weight(s), first [{r}, {k}] (block {k // n})")  # fmt: skip
             continue
         err = float(diff.max() / max(np.abs(ref).max(), 1e-30))
         if err > stored_bound(block.weight_dtype):  # the source's values stored in the graph's dtype
-            found.append(f"{where}: {name} differs from {source}'s by {err:.3g} of its largest value")
+            found[name] = f"{where}: {name} differs from {source}'s by {err:.3g} of its largest value"
     return found
 
 

@@ -131,10 +131,12 @@ class AuditGraph:
     shapes: Shapes
 
 
-def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = None, boundary: bool | None = None) -> bytes:
+def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = None, boundary: bool | None = None,
+              inputs: Sequence[str] = ()) -> bytes:  # fmt: skip
     """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its
     outputs read (onnx's Extractor over the whole graph, typed once), with only their own tensors' external data
-    read (the graph has none); `outputs`: others than the block's own (its mask, read by running it)."""
+    read (the graph has none); `outputs`: others than the block's own (its mask, read by running it); `inputs`:
+    tensors inside it cut at too (its projections' outputs, to run its core alone)."""
     import onnx
     from onnx.external_data_helper import load_external_data_for_model
 
@@ -142,7 +144,7 @@ def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = Non
     outs = list(outputs) if outputs is not None else [block.outputs[k] for k in ("y", "present_key", "present_value")
                                                         if k in block.outputs]  # fmt: skip
     within = outputs is None if boundary is None else boundary  # at the block's boundary, or from the graph's inputs
-    names = [block.inputs[k] for k in BOUNDARY if k in block.inputs] if within else []
+    names = [block.inputs[k] for k in BOUNDARY if k in block.inputs] + list(inputs) if within else []
     names += graph_inputs_needed(model, block, outs, within=within)
     int32 = {block.inputs.get(k) for k in ("seqlens_k", "total_sequence_length", "mask_index")} - {None}
     for name in names + outs:  # a value shape inference left untyped (the output of a contrib op): typed by its dtype
@@ -256,6 +258,7 @@ def read_computed_terms(graph: AuditGraph, block: Any) -> None:
     if "rope_tensors" in block.facts:
         positions = probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
         names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
+        block.facts["rope_computed_from"] = tuple(names[:2])  # the graph's own tables (attnx optimize binds them)
         # at the probe's length, and on each side of the source's original length, where a rope that switches on
         # the prompt's length (longrope's short and long factors) changes tables
         original = block.facts.get("rope_hint") or 0

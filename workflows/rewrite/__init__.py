@@ -1,26 +1,29 @@
-"""`attnx optimize` of a whole model another tool exported (issue 40, its first slice): each attention block the
-audit reads (attnx.export._blocks, read and probed as `attnx audit` reads it) rewritten in place into the core the
-ort-fused lowering writes for its formula (attnx.model.cores.core_for: MultiHeadAttention, else
-GroupQueryAttention), the rest of the graph and its interface kept.
+"""`attnx optimize` of a whole model another tool exported (issue 40): each attention block the audit reads
+(attnx.export._blocks, read and probed as `attnx audit` reads it) rewritten in place into the fastest core of the
+ort-fused lowering that computes its formula under its inputs, measured on the provider (choose), the rest of the
+graph and its interface kept.
 
-    read     the block's config and weights (with a checkpoint: its paired layer's, each difference a repair)
-    write    the core's own model (attnx.export.build_model: the step model's growing form with the cache, else the
-             full form; a key_padding_mask), spliced in: its inputs bound to the host's tensors (the block's hidden
-             state, its cache inputs, Equal(attention_mask, 0), position_ids), its outputs replacing the block's
-             output and presents, its initializers and nodes named under attnx/layerN/; what the old block leaves
-             dead is removed (onnx-ir's RemoveUnusedNodesPass)
+    read     the block's config and weights (with a checkpoint: its paired layer's, each difference a repair;
+             without one, the graph's own formula, said), and how it is bound into the graph (plan.Plan)
+    write    the core's own model (attnx.export.build_model) spliced in (splice): the whole block from its hidden
+             state where its projections are float32; the core alone, bound at the graph's own projections and
+             handing its z to the graph's output projection, where they are MatMulNBits or fp16 (kept as they are);
+             its inputs bound to the block's cache, GroupQueryAttention's lengths, Equal(attention_mask, 0), the
+             positions the graph rotates by (position_ids or its own Range), the op's own cos/sin caches; its
+             initializers and nodes named under attnx/blockN/; what the old block leaves dead is removed (onnx-ir's
+             RemoveUnusedNodesPass)
     prove    the written model audited (each new block against the float64 reference: full sequence, a padded
              batch, prefill + steps through its own cache, under the tolerance table; held to the checkpoint or to
-             what the old block computed), and the whole model against the original through its own I/O: the same
-             greedy tokens, its logits' largest difference said
+             what the old block computed; the whole model's decoding), and the whole model against the original
+             through its own I/O: the same greedy tokens, its logits within the table's whole-model bound
     publish  only when every proof holds (attnx._io.Staging), never over the input
 
-The steps live in this package's modules: plan (read, and what each block becomes), splice (write), prove, and
-report.
+The steps live in this package's modules: plan (read, and what each block becomes), choose (measured), splice
+(write), prove, and report.
 
-A block is kept as it is, and named with the reason, where it is not read, where its projections are quantized or
-not float32 (kept in this version), or where no core of the lowering computes its formula. Not in this slice: the
-choice among cores by measured speed, the buffer form, external data written tensor by tensor.
+A block is kept as it is, and named with the reason, where it is not read, where the rewrite would be the block
+itself (the builder's GroupQueryAttention with nothing to repair), where a weight its kept projections hold differs
+from the checkpoint's, or where no core of the lowering computes its formula under its inputs.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
 from attnx.workflows.rewrite.plan import LOWERING, plan_block
 from attnx.workflows.rewrite.prove import prove
-from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport
+from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, formula_said
 from attnx.workflows.rewrite.splice import splice_blocks
 
 __all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model", "written_by_another_tool"]
@@ -103,13 +106,18 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
     unread: list[str] = []
     plans = []
     measured: dict = {}  # blocks of one shape are timed once
+    caches: dict[str, tuple[int, int, int]] = {}  # each cache input: (kv heads, capacity, head_dim), as read
     limit = source.max_positions if source is not None else None
     for block in iter_blocks(model, unread):
         say(f"reading block {block.index}: {block.node}")
         rewrite = BlockRewrite(block.index, block.node, block.core)
         report.blocks.append(rewrite)
-        if block.padding == "right":  # how the model reads a padded batch, rewritten or not
+        if block.padding == "right" or "seqlens_k" in block.inputs:  # how the model reads a padded batch
             report.padding = "right"
+        for role in ("past_key", "past_value"):  # a window kept in a ring buffer: its past holds the window
+            if block.config is not None and role in block.inputs:
+                caches[block.inputs[role]] = (block.config.n_kv_heads, block.facts.get("cache_capacity", 0),
+                                              block.config.head_dim)  # fmt: skip
         if block.config is None:
             rewrite.kept = f"not read: {block.unread}"
             continue
@@ -119,15 +127,17 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         plan = plan_block(block, rewrite, source, graph)
         if plan is None:
             continue
-        _, config, weights = plan
-        rewrite.config = config.to_dict()
-        rewrite.choice = choose_core(block, config, weights, graph, provider, LOWERING, core=core, limit=limit,
-                                     memo=measured, say=say)  # fmt: skip
-        rewrite.written = rewrite.choice.core
+        rewrite.config = plan.config.to_dict()
+        if source is None:
+            rewrite.formula = formula_said(plan.config) + " (no --checkpoint: nothing to hold it to)"
+        rewrite.splice = "the core alone, at the graph's projections" if plan.bound != "x" else "the whole block"
+        rewrite.choice = choose_core(plan, graph, provider, LOWERING, core=core, limit=limit,
+                                     repaired=bool(rewrite.repairs), memo=measured, say=say)  # fmt: skip
+        plan.core = rewrite.written = rewrite.choice.core
         if rewrite.written is None:
             rewrite.kept = rewrite.choice.reason
             continue
-        plans.append((*plan, rewrite.written))
+        plans.append(plan)
     if not report.blocks and not unread:
         raise UsageError(f"{model_path}: no attention block found (a model attnx did not write: no 'attnx.config' "
                          "metadata): nothing to optimize")  # fmt: skip
@@ -137,12 +147,14 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
     with output_lock(out_path), Staging(out_path) as stage:
         say(f"writing {len(plans)} rewritten block(s) to a staging file")
         save_model(model, stage.path())
-        report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say, provider)
+        report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say, provider, caches)
         if report.passed:
             say(f"timing the whole model before and after on {provider}")
-            report.time_shape = time_shape(limit)
-            report.model_times = {"before": time_whole(model_path, provider, report.time_shape),
-                                  "after": time_whole(stage.path(), provider, report.time_shape)}  # fmt: skip
+            # the whole model's within every block's positions (a block's own rotary table may be shorter)
+            shapes = [b.choice.shape for b in report.blocks if b.choice is not None] or [time_shape(limit)]
+            report.time_shape = {k: min(s[k] for s in shapes) for k in shapes[0]}
+            report.model_times = {"before": time_whole(model_path, provider, report.time_shape, caches=caches),
+                                  "after": time_whole(stage.path(), provider, report.time_shape, caches=caches)}  # fmt: skip
             stage.publish()
             report.written = True
     if json_path is not None:

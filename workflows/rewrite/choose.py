@@ -85,21 +85,30 @@ class CoreChoice:
                 "times": {k: dataclasses.asdict(t) for k, t in self.times.items()}}  # fmt: skip
 
 
-def candidates(config: AttentionConfig, form: str, lowering: str) -> list[str]:
-    """The cores of `lowering` that compute `config` in `form` (fp32), in the registry's order."""
-    return [name for name in LOWERINGS[lowering].cores.get(form, ()) if not why_not(name, config, "fp32", form)]
+def candidates(config: AttentionConfig, form: str, lowering: str, dtype: str = "fp32",
+               within: tuple[str, ...] | None = None) -> list[str]:  # fmt: skip
+    """The cores of `lowering` that compute `config` in `form` and `dtype`, in the registry's order (`within`: of
+    those alone, the cores that compute it under the block's I/O)."""
+    return [name for name in LOWERINGS[lowering].cores.get(form, ())
+            if (within is None or name in within) and not why_not(name, config, dtype, form)]  # fmt: skip
 
 
-def pick(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_SHAPE["steps"]) -> tuple[str | None, str]:
+def pick(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_SHAPE["steps"],
+         own: bool = True) -> tuple[str | None, str]:  # fmt: skip
     """The rule (the module doc): the candidate of the lowest cost, unless the graph's own block costs less (then
-    None: kept); (core or None, the reason in words). Candidates not timed are passed over; none timed: kept."""
+    None: kept); (core or None, the reason in words). Candidates not timed are passed over; none timed: kept.
+    own=False: the graph's block computes another formula (a repaired one): timed for the report, never kept."""
     timed = {name: t.cost(steps) for name, t in times.items() if t.cost(steps) is not None}
     if not timed:
         errors = "; ".join(f"{n}: {t.error}" for n, t in times.items()) or "no core computes it"
         return None, f"no core was timed ({errors})"
     best = min(timed, key=timed.__getitem__)
     others = ", ".join(f"{n} {c:.4g}" for n, c in timed.items() if n != best)
-    own = before.cost(steps) if before is not None else None
+    own_cost = before.cost(steps) if before is not None else None
+    if not own and own_cost is not None:
+        return best, (f"the fastest that computes the repaired formula: {timed[best]:.4g} ms a request (the graph's "
+                      f"own {own_cost:.4g} ms computes another)" + (f"; {others}" if others else ""))  # fmt: skip
+    own = own_cost
     if own is not None and own <= timed[best]:
         return None, (f"none is faster: the graph's own block costs {own:.4g} ms a request, the fastest core "
                       f"({best}) {timed[best]:.4g} ms")  # fmt: skip
@@ -138,13 +147,22 @@ def _loaded(path: str, provider: str) -> Iterator[Runner]:
 def _block_feeds(runner: Runner, config: AttentionConfig, tokens: int, past: int | None, dtype: Any,
                  names: Mapping[str, str]) -> dict[str, np.ndarray]:  # fmt: skip
     """Feeds of one call of a block (batch 1, `tokens` tokens after `past` cached; None: no cache): its hidden state
-    and cache under their names in `names` (role -> input), every other input as transformers makes it."""
+    and cache under their names in `names` (role -> input), GroupQueryAttention's lengths (the row whole), every
+    other input as transformers makes it."""
     rng = np.random.default_rng(0)
-    cache = np.zeros((1, config.n_kv_heads, past or 0, config.head_dim), dtype)
-    feeds: dict[str, np.ndarray] = {names["x"]: rng.standard_normal((1, tokens, config.d_model)).astype(dtype)}
+    taken = {s.name for s in runner.inputs}
+    lengths = names.get("seqlens_k") in taken  # one buffer written in place: room for this call's tokens too
+    cache = np.zeros((1, config.n_kv_heads, (past or 0) + (tokens if lengths else 0), config.head_dim), dtype)
+    widths = {"x": config.d_model, "q": config.q_dim, "k": config.kv_q_dim, "v": config.kv_v_dim,
+              "qkv": config.q_dim + config.kv_q_dim + config.kv_v_dim}  # a core alone is fed its projections
+    feeds: dict[str, np.ndarray] = {names[role]: rng.standard_normal((1, tokens, width)).astype(dtype)
+                                    for role, width in widths.items() if names.get(role) in taken}  # fmt: skip
     for role in ("past_key", "past_value"):
-        if role in names:
+        if names.get(role) in taken:
             feeds[names[role]] = cache
+    if lengths:
+        feeds[names["seqlens_k"]] = np.array([(past or 0) + tokens - 1], np.int32)
+        feeds[names["total_sequence_length"]] = np.array((past or 0) + tokens, np.int32)
     rest = [s.name for s in runner.inputs if s.name not in feeds]
     feeds.update(graph_feeds(rest, np.ones((1, (past or 0) + tokens), np.int64), past or 0, cache))
     return feeds
@@ -165,46 +183,72 @@ def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], pro
     return Timing(prefill, step)
 
 
-_CORE_INPUTS = {"x": "x", "past_key": "past_key", "past_value": "past_value"}  # what attnx's block models call them
+# what attnx's block models call their inputs (build_model), by role
+_CORE_INPUTS = {role: role for role in ("x", "q", "k", "v", "qkv", "past_key", "past_value", "seqlens_k",
+                                        "total_sequence_length")}  # fmt: skip
 
 
-def choose_core(block: Any, config: AttentionConfig, weights: Mapping[str, np.ndarray], graph: AuditGraph,
-                provider: str, lowering: str, *, core: str = AUTO_CORE, limit: int | None = None,
-                repeat: int = REPEAT, memo: dict[str, CoreChoice] | None = None,
+def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, core: str = AUTO_CORE,
+                limit: int | None = None, repaired: bool = False, repeat: int = REPEAT,
+                memo: dict[str, CoreChoice] | None = None,
                 say: Callable[[str], None] = lambda _m: None) -> CoreChoice:  # fmt: skip
-    """The core `block` (read from `graph`) is written as, for `config` and `weights` (the module doc): with core
-    "auto" the fastest of every core of `lowering` that computes the config, or the graph's own block where it is
-    faster; a core named: that one wherever it computes the block, timed for the report. Blocks of one shape are
-    measured once (memo)."""
-    form = "growing" if config.kv_cache else "full"
+    """The core a planned block (attnx.workflows.rewrite.plan.Plan, read from `graph`) is written as (the module
+    doc): with core "auto" the fastest of every core of `lowering` that computes its config under its I/O
+    (Plan.cores), or the graph's own block where it is faster and computes the same formula (not `repaired`); a core
+    named: that one wherever it computes the block, timed for the report. Each is timed as it would be written
+    (Plan.bound): the whole block, against the graph's block as the audit cuts it; or the core alone, against the
+    graph's own cut at its projections' outputs and the output projection's input (the projections, kept, are the
+    same on both sides). The graph's own core alone, with nothing repaired, is kept untimed: the rewrite would be
+    the block itself. Blocks of one shape are measured once (memo)."""
+    block, config, form = plan.block, plan.config, plan.form
     written = LOWERINGS[lowering].cores.get(form, ())
     if core != AUTO_CORE and core not in written:
         raise UsageError(f"--core {core}: the {lowering} lowering writes no {core} core in the {form} form "
                          f"(it writes: {', '.join(written)})")  # fmt: skip
-    names = candidates(config, form, lowering) if core == AUTO_CORE else [core] * (not why_not(core, config, "fp32", form))
+    asked = [core] if core != AUTO_CORE else None
+    names = candidates(config, form, lowering, plan.dtype, plan.cores if asked is None else tuple(
+        c for c in asked if plan.cores is None or c in plan.cores))  # fmt: skip
     shape = time_shape(positions_limit(block, limit))
-    key = json.dumps([config.to_dict(), block.core, block.dtype, shape, names, core], sort_keys=True, default=str)
+    quant = block.quantization
+    key = json.dumps([config.to_dict(), block.core, block.dtype, form, plan.bound, quant, shape, names, core,
+                      repaired], sort_keys=True, default=str)  # fmt: skip
     if memo is not None and key in memo:
         return memo[key]
     if not names:
-        why = "; ".join(dict.fromkeys(r for c in (written if core == AUTO_CORE else [core])
-                                      for r in why_not(c, config, "fp32", form)))  # fmt: skip
-        return CoreChoice(None, f"no core of the {lowering} lowering computes it: {why}", shape)
+        pool = list(asked or written)
+        why = [r for c in pool for r in why_not(c, config, plan.dtype, form)]
+        if plan.cores is not None:
+            why += [f"{c} does not read each row's length (seqlens_k), which this model's GroupQueryAttention takes"
+                    for c in pool if c not in plan.cores]  # fmt: skip
+        return CoreChoice(None, f"no core of the {lowering} lowering computes it: {'; '.join(dict.fromkeys(why))}",
+                          shape)  # fmt: skip
+    if names == [block.core] and not repaired and asked is None:
+        return CoreChoice(None, f"its own core ({block.core}) is the one that computes it under its inputs: the "
+                                "rewrite would be the block itself", shape)  # fmt: skip
     choice = CoreChoice(None, "", shape)
     cached = config.kv_cache
+    dtype = NP_DTYPES.get(block.dtype, np.float32)
     with tempfile.TemporaryDirectory(prefix="attnx-optimize-") as folder:
         say(f"timing block {block.index} as the graph has it, on {provider}")
-        with cut_file(cut_block(graph, block)) as path:
-            choice.before = time_block(path, config, block.inputs, provider, shape, cached,
-                                       NP_DTYPES.get(block.dtype, np.float32), repeat)  # fmt: skip
+        if plan.bound == "x":
+            cut, roles = cut_block(graph, block), block.inputs
+        else:  # the core alone, as it would be written: the graph's own cut at its projections' outputs and z
+            at = {role: plan.binds[role] for role in ("q", "k", "v", "qkv") if role in plan.binds}
+            outs = [plan.binds["z"]] + [block.outputs[r] for r in ("present_key", "present_value") if r in block.outputs]
+            cut, roles = cut_block(graph, block, outs, boundary=True, inputs=list(at.values())), {**block.inputs, **at}
+        with cut_file(cut) as path:
+            choice.before = time_block(path, config, roles, provider, shape, cached, dtype, repeat)
         for name in names:
             say(f"timing the {name} core for block {block.index} on {provider}")
             path = os.path.join(folder, f"{name}.onnx")
+            model = build_model(config, plan.weights, lowering, form, plan.dtype, core=name, bound=plan.bound,
+                                ring_cache=plan.ring_cache,
+                                rope_positions=max(shape["prefill"], shape["past"] + 1))  # fmt: skip
             with open(path, "wb") as f:
-                f.write(build_model(config, weights, lowering, form, core=name).SerializeToString())
-            choice.times[name] = time_block(path, config, _CORE_INPUTS, provider, shape, cached, repeat=repeat)
+                f.write(model.SerializeToString())
+            choice.times[name] = time_block(path, config, _CORE_INPUTS, provider, shape, cached, dtype, repeat=repeat)
     if core == AUTO_CORE:
-        choice.core, choice.reason = pick(choice.before, choice.times, shape["steps"])
+        choice.core, choice.reason = pick(choice.before, choice.times, shape["steps"], own=not repaired)
     else:
         choice.core, choice.reason = core, f"asked (--core {core})"
     if memo is not None:
@@ -212,26 +256,29 @@ def choose_core(block: Any, config: AttentionConfig, weights: Mapping[str, np.nd
     return choice
 
 
-def time_whole(path: str, provider: str, shape: Mapping[str, int], repeat: int = REPEAT) -> Timing:
+def time_whole(path: str, provider: str, shape: Mapping[str, int], repeat: int = REPEAT,
+               caches: Mapping[str, tuple[int, int, int]] | None = None) -> Timing:  # fmt: skip
     """A whole model's prompt and step times through its own inputs and outputs (batch 1: input_ids, attention_mask,
-    position_ids where it has them, its cache past_key_values.* of `past` positions), as time_block times a block; a
-    run that fails is said."""
+    position_ids where it has them, its cache past_key_values.* of `past` positions: its heads and head size from its
+    dims, else as its block reads them, `caches`), as time_block times a block; a run that fails is said."""
     with _loaded(path, provider) as runner:
         specs = {s.name: s for s in runner.inputs}
-        caches = [n for n in specs if n.startswith("past_key_values")]
+        cached = [n for n in specs if n.startswith("past_key_values")]
 
         def feeds(tokens: int, past: int) -> dict[str, np.ndarray]:
-            out = graph_feeds([n for n in specs if n not in caches and n != "input_ids"],
+            out = graph_feeds([n for n in specs if n not in cached and n != "input_ids"],
                               np.ones((1, past + tokens), np.int64), past, None)  # fmt: skip
             out["input_ids"] = np.random.default_rng(0).integers(1, 32, (1, tokens))
-            for name in caches:
-                dims = specs[name].shape
-                out[name] = np.zeros((1, dims[1], past, dims[3]), NP_DTYPES.get(specs[name].dtype, np.float32))
+            for name in cached:
+                dims, read = specs[name].shape, (caches or {}).get(name, (None, 0, None))
+                heads, size = (d if isinstance(d, int) else r for d, r in ((dims[1], read[0]), (dims[3], read[2])))
+                length = read[1] or past  # a ring buffer holds its window whatever the step
+                out[name] = np.zeros((1, heads, length, size), NP_DTYPES.get(specs[name].dtype, np.float32))
             return out
 
         try:
             prefill = time_runner(runner, feeds(shape["prefill"], 0), repeat)
-            step = time_runner(runner, feeds(1, shape["past"]), repeat) if caches else None
+            step = time_runner(runner, feeds(1, shape["past"]), repeat) if cached else None
         except Exception as e:  # noqa: BLE001 - the model's own failure at this shape: said in the report
             return Timing(error=first_line(e))
     return Timing(prefill, step)

@@ -7,9 +7,10 @@ import dataclasses
 from typing import Any
 
 from attnx._text import format_table
+from attnx.model.terms import TERMS
 from attnx.workflows.rewrite.choose import CoreChoice, Timing
 
-__all__ = ["BlockRewrite", "ModelOptimizeReport"]
+__all__ = ["BlockRewrite", "ModelOptimizeReport", "formula_said"]
 
 
 def _moved(before: Timing | None, after: Timing | None, field: str) -> str:
@@ -20,7 +21,8 @@ def _moved(before: Timing | None, after: Timing | None, field: str) -> str:
 
 @dataclasses.dataclass
 class BlockRewrite:
-    """One block: its layer, its core before and after (None: kept, with the reason), the repairs made."""
+    """One block: its layer, its core before and after (None: kept, with the reason), the repairs made (each
+    difference from its checkpoint layer, the audit's finding; where the block is kept, not made)."""
 
     index: int
     node: str
@@ -31,6 +33,8 @@ class BlockRewrite:
     repairs: list[str] = dataclasses.field(default_factory=list)
     choice: CoreChoice | None = None  # what was measured to choose its core (attnx.workflows.rewrite.choose)
     config: dict[str, Any] | None = None  # the config it is written from (the graph's, or its checkpoint layer's)
+    splice: str | None = None  # what is written: the whole block, or the core alone at the graph's projections
+    formula: str | None = None  # without a checkpoint: the graph's own formula, as read, which it keeps
 
     def row(self) -> list[Any]:
         """Its row of the report's table: block, layer, the graph's core, what it is written as, and its prompt and
@@ -50,6 +54,8 @@ class BlockRewrite:
     def notes(self) -> list[str]:
         """What the table does not hold: why it was kept or chosen (each core's cost), its repairs."""
         out = [f"block {self.index} kept: {self.kept}"] if self.written is None else []
+        if self.formula is not None:  # no checkpoint: what it computes is the graph's, never fixed on a guess
+            out.append(f"block {self.index} formula: the graph's own, {self.formula}")
         c = self.choice
         if c is not None and (c.before is not None or c.times):
             steps = c.shape["steps"]
@@ -58,7 +64,28 @@ class BlockRewrite:
                              for name, t in cells if t is not None)  # fmt: skip
             head = c.reason.split(":")[0] if self.written is not None else "timed"
             out.append(f"block {self.index}: {head}; a request (ms): {said}")
-        return out + [f"block {self.index} repair: {r}" for r in self.repairs]
+        if self.written is None:  # kept: what the checkpoint states otherwise stays as the graph has it
+            return out + [f"block {self.index} not repaired: {r}" for r in self.repairs]
+        return out + [f"block {self.index} repair: {r}: written as the checkpoint states" for r in self.repairs]
+
+
+def formula_said(config: Any) -> str:
+    """A config's formula in one line: its heads, its scale and each term it uses with its values (a term it does
+    not use is not said: no softcap, no window)."""
+    said = [f"{config.n_heads} heads over {config.n_kv_heads}" if config.n_kv_heads != config.n_heads
+            else f"{config.n_heads} heads", f"head_dim {config.head_dim}", f"scale {config.softmax_scale:.4g}"]  # fmt: skip
+    for name in config.terms:
+        if name == "rope" and config.rope is not None:
+            r = config.rope
+            values = [f"theta {r.theta:g}" + (f", dim {r.dim}" if r.dim != config.head_dim else "")
+                      + (", interleaved" if r.interleaved else "") + (f", {r.rope_type}" if r.rope_type != "default" else "")]  # fmt: skip
+        elif name in ("grouped_heads", "causal", "kv_cache", "key_padding_mask"):
+            continue
+        else:
+            values = [getattr(config, key) for key in TERMS[name].keys]
+        out = ", ".join(str(v) for v in values if v is not None and v is not True)
+        said.append(f"{name} {out}" if out else name)
+    return "; ".join(said)
 
 
 def _ms(value: float | None) -> str:

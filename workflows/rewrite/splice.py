@@ -7,41 +7,54 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export import build_model
-from attnx.workflows.rewrite.plan import LOWERING
+from attnx.workflows.rewrite.plan import LOWERING, Plan
 
 __all__ = ["splice_blocks"]
 
+# the core model's tables that a plan may bind to the graph's own (GroupQueryAttention's cos/sin caches)
+_BOUND_TABLES = ("rope_cos_cache", "rope_sin_cache")
 
-def splice_blocks(model: ir.Model, plans: list[tuple]) -> None:
-    """Each planned block's core (block, config, weights, core) spliced into `model` in place of the block (the module doc), then what is dead
-    removed."""
+
+def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
+    """Each planned block's core (Plan, its core chosen) spliced into `model` in place of the block: the core's model
+    (attnx.export.build_model: the whole block, or the core alone at the graph's projections) with each input bound
+    to the graph's tensor the plan names (transformers' attention_mask as its padding mask, positions the graph
+    computes expanded to [batch, seq]), its output replacing the block's (y) or feeding the graph's output projection
+    (z), its presents the graph's outputs under their own names and dims; then what is dead removed."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     g = model.graph
     values = {v.name: v for node in g for v in node.outputs} | {v.name: v for v in g.inputs}
-    binds: dict[str, ir.Value] = {}
-    if "attention_mask" in values:  # attnx's key_padding_mask: True where transformers' mask is 0
-        zero = ir.Value(name="attnx/zero_i64", const_value=ir.tensor(np.asarray(0, np.int64)))
-        g.register_initializer(zero)
-        kpm = ir.node("Equal", [values["attention_mask"], zero], outputs=[ir.Value(name="attnx/key_padding_mask")])
-        g.append(kpm)
-        binds["key_padding_mask"] = kpm.outputs[0]
-    if "position_ids" in values:
-        binds["position_ids"] = values["position_ids"]
-    for block, config, weights, core in plans:
-        sub = ir.from_proto(build_model(config, weights, LOWERING, "growing" if config.kv_cache else "full", core=core))
+    values |= dict(g.initializers)
+    shared: dict[str, ir.Value] = {}  # what blocks share: the padding mask, positions expanded
+    for plan in plans:
+        block = plan.block
+        sub = ir.from_proto(build_model(plan.config, plan.weights, LOWERING, plan.form, plan.dtype, core=plan.core,
+                                        bound=plan.bound, ring_cache=plan.ring_cache,
+                                        rope_positions=plan.rope_positions))  # fmt: skip
         for domain, version in sub.opset_imports.items():
             model.opset_imports[domain] = max(model.opset_imports.get(domain, version), version)
         prefix = f"attnx/block{block.index}/"
-        bound = {**binds, "x": values[block.inputs["x"]]}
-        for role in ("past_key", "past_value"):
-            if role in block.inputs:
-                bound[role] = values[block.inputs[role]]
+        bound = {name: values[tensor] for name, tensor in plan.binds.items() if name not in ("z", "position_ids")}
         ours = {v.name: v for v in sub.graph.inputs}
+        if "key_padding_mask" in ours:  # attnx's key_padding_mask: True where transformers' mask is 0
+            zero = _const(g, "attnx/zero_i64", np.asarray(0, np.int64))
+            bound["key_padding_mask"] = _shared(g, shared, "attnx/key_padding_mask", "Equal",
+                                                [values["attention_mask"], zero])  # fmt: skip
+        if "position_ids" in plan.binds:
+            positions = bound["position_ids"] = values[plan.binds["position_ids"]]
+            if plan.positions_expand:  # the graph's own positions ([seq] or [1, seq]) for every row: [batch, seq]
+                x = values["input_ids"] if "input_ids" in values else values[plan.binds["x"]]  # [batch, seq, ...]
+                dims = _shared(g, shared, f"attnx/batch_seq/{x.name}", "Shape", [x], start=0, end=2)
+                bound["position_ids"] = _shared(g, shared, f"attnx/position_ids/{positions.name}/{x.name}", "Expand",
+                                                [positions, dims])  # fmt: skip
         initializers = list(sub.graph.initializers.values())
         for value in initializers:
             sub.graph.initializers.pop(value.name)
         for value in initializers:
+            if value.name in _BOUND_TABLES and value.name in bound:
+                ours[value.name] = value  # bound to the graph's own table: not copied
+                continue
             value.name = prefix + value.name
             g.register_initializer(value)
         nodes = list(sub.graph)
@@ -57,12 +70,15 @@ def splice_blocks(model: ir.Model, plans: list[tuple]) -> None:
             for value in node.outputs:
                 value.name = prefix + value.name
             g.append(node)
-        y = outputs["y"]
-        if block.y_bias is not None and y.producer() is not None and y.producer().op_type == "Add":
-            # the graph adds the output bias after the block (a SkipLayerNormalization): the block ends at the output
-            # projection's MatMul, before its bias Add (linear), which is then dead
-            y = y.producer().inputs[0]
-        values[block.outputs["y"]].replace_all_uses_with(y)
+        if plan.bound == "x":
+            y = outputs["y"]
+            if block.y_bias is not None and y.producer() is not None and y.producer().op_type == "Add":
+                # the graph adds the output bias after the block (a SkipLayerNormalization): the block ends at the
+                # output projection's MatMul, before its bias Add (linear), which is then dead
+                y = y.producer().inputs[0]
+            values[block.outputs["y"]].replace_all_uses_with(y)
+        else:  # the core alone: its z into the graph's own output projection
+            values[plan.binds["z"]].replace_all_uses_with(outputs["z"])
         for role in ("present_key", "present_value"):
             if role not in block.outputs:
                 continue
@@ -74,3 +90,19 @@ def splice_blocks(model: ir.Model, plans: list[tuple]) -> None:
             g.outputs[at] = outputs[role]
     RemoveUnusedNodesPass()(model)
     g.sort()  # the spliced nodes were appended: back into an order where each comes after what it reads
+
+
+def _const(g: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    if name not in g.initializers:
+        g.register_initializer(ir.Value(name=name, const_value=ir.tensor(array)))
+    return g.initializers[name]
+
+
+def _shared(g: ir.Graph, shared: dict[str, ir.Value], name: str, op_type: str, inputs: list[ir.Value],
+            **attributes: int) -> ir.Value:  # fmt: skip
+    """The output `name` of a node the blocks share (appended to the graph once)."""
+    if name not in shared:
+        node = ir.node(op_type, inputs, attributes, outputs=[ir.Value(name=name)])
+        g.append(node)
+        shared[name] = node.outputs[0]
+    return shared[name]
