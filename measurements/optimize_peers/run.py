@@ -17,7 +17,7 @@ through the cache, and Llama 4's left-padded batch; BERT's last hidden state of 
 raises, or writes a model ONNX Runtime refuses, is recorded with its one-line error. The input model is checked
 against the reference the same way (the "input" row).
 
-    python measurements/optimize_peers/run.py [--work DIR] [--json OUT] [FIXTURE ...]
+    python measurements/optimize_peers/run.py [--work DIR] [--json OUT] [--merge EARLIER.json] [FIXTURE ...]
 
 FIXTURE: a fixture folder relative to tests/fixtures (e.g. exported/torch-dynamo/llama/sdpa-opset20); all by default.
 """
@@ -45,7 +45,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SETS = ["exported/torch-dynamo/llama/*", "exported/torch-dynamo/qwen3/*", "exported/torch-dynamo/gemma2/*",
-        "exported/torch-dynamo/llama4/*", "exported/optimum/*", "exported/ort-optimizer/bert",
+        "exported/torch-dynamo/llama4/*", "exported/torch-dynamo/gpt2/*", "exported/optimum/*",
+        "exported/ort-optimizer/bert",
         "unseen/exported/torch-dynamo/*/*", "unseen/exported/optimum/*", "genai/*/*", "unseen/genai/*/*"]  # fmt: skip
 TOOLS = ("onnxscript", "ort-optimizer", "attnx")
 FUSED = {"com.microsoft.MultiHeadAttention", "com.microsoft.GroupQueryAttention", "com.microsoft.Attention",
@@ -82,9 +83,14 @@ def attention_ops(path: Path) -> dict[str, int]:
     return counts
 
 
+GPT2_KEYS = {"n_head": "num_attention_heads", "n_embd": "hidden_size", "n_layer": "num_hidden_layers"}
+
+
 def text_config(ckpt: Path) -> dict:
+    """The checkpoint's text config, GPT-2's own key names given the common ones too (its config's attribute_map)."""
     config = json.loads((ckpt / "config.json").read_text())
-    return config.get("text_config", config)
+    config = config.get("text_config", config)
+    return {**{common: config[own] for own, common in GPT2_KEYS.items() if own in config}, **config}
 
 
 def run_onnxscript(src: Path, out: Path, ckpt: Path, encoder: bool) -> dict:
@@ -267,6 +273,8 @@ def main() -> int:
     p.add_argument("fixtures", nargs="*", help="fixture folders relative to tests/fixtures (default: all)")
     p.add_argument("--work", default="/tmp/attnx-optimize-peers")
     p.add_argument("--json", default=None)
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="an earlier run's JSON: its fixtures kept, those run now replaced or added (in SETS' order)")
     args = p.parse_args()
     import onnxruntime as ort
 
@@ -313,6 +321,15 @@ def main() -> int:
               "versions": {"onnxruntime": ort.__version__, **{k: importlib.metadata.version(k) for k in
                            ("onnxscript", "onnx", "onnx-ir", "torch", "transformers")}},
               "tolerance against transformers": tolerance, "fixtures": rows}  # fmt: skip
+    if args.merge:  # an earlier run's fixtures kept, each with the run it came from
+        earlier = json.loads(Path(args.merge).read_text())
+        now = {r["fixture"]: r for r in rows}
+        order = [str(d.relative_to(FIXTURES)) for d in fixture_dirs([])]
+        kept = {r["fixture"]: {**r, "run": r.get("run") or {k: earlier[k] for k in ("cpu", "date", "command")}}
+                for r in earlier["fixtures"]}  # fmt: skip
+        merged = {**kept, **now}
+        result["fixtures"] = sorted(merged.values(), key=lambda r: order.index(r["fixture"]) if r["fixture"] in order
+                                    else len(order))  # fmt: skip
     print(tables(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -359,6 +376,7 @@ def agreement(got: dict, tolerance: float) -> str:
 # The docs' summary: the fixtures by the source and form of their attention (first match)
 SOURCES = [("torch.onnx, opset 20: llama, qwen3, llama4, mistral, phi3", r"torch-dynamo/(llama|qwen3|llama4|mistral|phi3)/.*opset20"),
            ("torch.onnx, Gemma 2", r"torch-dynamo/gemma2/"), ("torch.onnx, opset 23's Attention", r"opset23"),
+           ("torch.onnx, GPT-2", r"torch-dynamo/gpt2/"),
            ("Optimum: llama, qwen2", r"optimum/(llama|qwen2)"), ("Optimum: Gemma 2", r"optimum/gemma2"),
            ("ONNX Runtime's optimizer: BERT", r"ort-optimizer/bert"),
            ("GenAI builder, fp32: llama, mistral, qwen2, qwen3, gemma2, phi3, gpt-oss", r"genai/[^/]+/fp32"),
