@@ -2,8 +2,9 @@
 attnx.export.passes.buffer_form, its weights shared with it, and proven against it before anything is recorded from it.
 
     write    the optimized model's tensors moved into one data file (DATA_FILE), unless they are there already; the
-             buffer form written beside it (DECODE_FILE), its weights the same entries of the same file: the package
-             holds them once
+             buffer form written beside it (DECODE_FILE), then the serving passes over the rest of its graph
+             (attnx.export.passes.serve: RMS norms fused, sibling MatMuls packed), its weights the same entries of
+             the same file: the package holds them once
     prove    the same prompts (the golden ones: other lengths, joining between steps) through the generation engine
              on the model's own I/O, recorded, then fed through the buffer form: the same greedy tokens at every step,
              every logit within the tolerance table's whole-model bound of the model's own
@@ -22,6 +23,7 @@ from typing import Any
 import onnx_ir as ir
 
 from attnx.export.passes.buffer_form import BufferForm, NotBufferable
+from attnx.export.passes.serve import SERVE_PASSES
 from attnx.model.contract import PROVIDERS, external_data_locations
 from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
@@ -61,10 +63,12 @@ def write_buffer_form(folder: str, model_file: str) -> BufferFormResult:
         model = ir.load(path)  # the whole proto in memory: model.onnx can be written over
         ir.save(model, path, external_data=DATA_FILE)
     model = ir.load(path)  # its tensors the data file's entries, kept as they are by ir.save below
-    form = BufferForm()
-    form(model)
+    notes = []
+    for step in (BufferForm(), *(p() for p in SERVE_PASSES)):
+        step(model)
+        notes += step.notes
     ir.save(model, os.path.join(folder, DECODE_FILE))
-    return BufferFormResult(DECODE_FILE, notes=form.notes)
+    return BufferFormResult(DECODE_FILE, notes=notes)
 
 
 def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, said: Mapping[str, Any],

@@ -50,6 +50,11 @@ def _logits(request: Request) -> np.ndarray:
 
 
 def test_the_buffer_form_takes_each_rows_length_and_no_padding_mask(package):
+    """Its inputs and outputs; and the serving passes ran over the rest of its graph: the 5 RMS norms fused, each
+    block's q/k/v and each MLP's gate/up projections one MatMul (2 layers: 9 MatMuls where there were 15)."""
+    notes = json.loads((package / "manifest.json").read_text())["decode"]["notes"]
+    assert notes[-2:] == ["5 RMS norm(s) fused into SimplifiedLayerNormalization",
+                          "10 MatMuls packed into 4 (groups of [2, 3])"]  # fmt: skip
     with _runner(package / "decode.onnx") as runner:
         inputs = {s.name: s.shape for s in runner.inputs}
         outputs = {s.name: s.shape for s in runner.outputs}
