@@ -20,11 +20,12 @@ ONNX Runtime MatMuls [M, 1024] x [1024, 2816], M 32 to 512, 2 threads), and each
 embedding table, and every row's cache so far, read once) at the copy bandwidth measured in the run
 (attnx.bench.measure_bandwidth, the best) and its flops at the GEMM rate.
 
-    python measurements/generate_throughput/run.py [--work DIR] [--rounds 2] [--requests 1,8,32] [--fresh]
-        [--genai-python PY] [--json OUT]
+    python measurements/generate_throughput/run.py [--work DIR] [--rounds 2] [--requests 1,8,32] [--package PKG]
+        [--fresh] [--genai-python PY] [--json OUT]
 
 The checkpoint, the export and the GenAI builder's model are made by measurements/optimize_speed/run.py's make()
-(imported, as it is); --fresh rebuilds attnx's package from this checkout's code.
+(imported, as it is); attnx's package is built once (`attnx build` of the attnx this Python imports: run the
+script with the venv of the checkout to measure), --fresh rebuilds it.
 """
 
 from __future__ import annotations
@@ -235,8 +236,7 @@ def bounds(prompts: list[list[int]], new: int, costs: dict, bandwidth: float, ra
 
 
 # The run -----------------------------------------------------------------------------------------------------------------
-def build_package(work: Path, paths: dict, fresh: bool) -> Path:
-    package = work / "attnx-package"
+def build_package(work: Path, package: Path, paths: dict, fresh: bool) -> Path:
     if (package / "manifest.json").exists() and not fresh:
         return package
     export, ckpt = paths["torch.onnx dynamo export"], work / "checkpoint"
@@ -255,7 +255,8 @@ def main() -> int:
     p.add_argument("--requests", default="1,8,32")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--new", type=int, default=NEW, help=f"new tokens a request (default {NEW})")
-    p.add_argument("--fresh", action="store_true", help="rebuild attnx's package from this checkout")
+    p.add_argument("--package", default=None, help="attnx's package (default WORK/attnx-package)")
+    p.add_argument("--fresh", action="store_true", help="rebuild attnx's package with the attnx this Python imports")
     p.add_argument("--genai-python", default="/tmp/genai-venv/bin/python",
                    help="a Python with onnxruntime-genai 0.18 (its own venv)")
     p.add_argument("--json", default=None)
@@ -274,7 +275,7 @@ def main() -> int:
     speed = speed_script()
     work = Path(args.work)
     paths = speed.make(work, False, args.genai_python)
-    package = build_package(work, paths, args.fresh)
+    package = build_package(work, Path(args.package or work / "attnx-package"), paths, args.fresh)
     config = json.loads((work / "checkpoint" / "config.json").read_text())
     costs = model_costs(work / "checkpoint", config, speed.step_bytes)
     counts = [int(n) for n in args.requests.split(",")]
@@ -334,7 +335,7 @@ def main() -> int:
     for n in counts:
         row = result["tokens_per_s"][str(n)]
         print(f"{n:>8} " + " ".join(f"{row[s]:20.1f}" for s in systems) + f" {bound[str(n)]['tokens_per_s']:8.1f}")
-    if "attnx" in systems:
+    if "attnx" in systems and len(systems) > 1:
         peers = [s for s in systems if s != "attnx"]
         result["targets"] = {str(n): {
             "attnx >= the best peer": result["tokens_per_s"][str(n)]["attnx"]
