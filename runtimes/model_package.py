@@ -7,7 +7,8 @@
     decode.onnx          its buffer form (attnx.export.passes.buffer_form), where attnx could write it: the cache
                          written in place, each row its own length; the two read one weights file, model.onnx.data
     generations.npz      golden generations, recorded from the served form: per request its prompt, its greedy tokens,
-                         the prompt's logits [L, V] and each later step's [V]
+                         the prompt's logits (at every position [L, V], or at its last alone [1, V] where the served
+                         form computes no other: the manifest's generations.prompt_logits) and each later step's [V]
     optimize.json        attnx optimize's report (blocks, cores, repairs, proofs, times)
 
 The served form (served_model): the buffer form on ONNX Runtime's CPU provider where the package has one, else the
@@ -94,7 +95,8 @@ class _BadGolden(Exception):
     """A golden generations file that cannot be used; the message says why."""
 
 
-def _load_golden(path: str, requests: int) -> list[dict[str, np.ndarray]]:
+def _load_golden(path: str, requests: int, last: bool = False) -> list[dict[str, np.ndarray]]:
+    """The golden cases of generations.npz; `last`: each prompt's logits at its last position alone."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
@@ -107,7 +109,7 @@ def _load_golden(path: str, requests: int) -> list[dict[str, np.ndarray]]:
         if missing:
             raise _BadGolden(f"has no {', '.join(missing)}")
         prompt, tokens, first, steps = (arrays[k] for k in keys)
-        if prompt.ndim != 1 or tokens.ndim != 1 or len(tokens) < 1 or first.shape[:1] != prompt.shape \
+        if prompt.ndim != 1 or tokens.ndim != 1 or len(tokens) < 1 or first.shape[0] != (1 if last else len(prompt)) \
                 or steps.shape[0] != len(tokens) - 1:  # fmt: skip
             raise _BadGolden(f"request {i}'s arrays do not go together (prompt {list(prompt.shape)}, tokens "
                              f"{list(tokens.shape)}, logits {list(first.shape)} and {list(steps.shape)})")  # fmt: skip
@@ -122,7 +124,8 @@ def replay_generations(root: str, manifest: Mapping[str, Any], runner: Runner,
     golden = manifest["generations"]
     name = golden["file"]
     try:
-        cases = _load_golden(member_path(root, name, "the golden generations"), golden["requests"])
+        cases = _load_golden(member_path(root, name, "the golden generations"), golden["requests"],
+                             golden.get("prompt_logits") == "last")  # fmt: skip
     except _BadGolden as e:
         return [Check(name, False, str(e))]
     tol_said = manifest["tolerance"]
@@ -160,12 +163,15 @@ def replay_cases(runner: Runner, manifest: Mapping[str, Any], cases: Sequence[Ma
             if int(np.argmax(row)) != int(token):
                 failure = f"step {step}: greedy token {int(np.argmax(row))}, the golden one {int(token)}"
                 break
-        got = np.concatenate([request.logits[0], *(x[None] for x in request.logits[1:])])  # [L + N - 1, V]
-        want = np.concatenate([case["first"], case["steps"]])
+        # the prompt's logits at every position, or at its last alone where the model computes no other (the
+        # served form's LastLogits): the positions both have are compared
+        first = len(request.logits[0])
+        got = np.concatenate([request.logits[0], *(x[None] for x in request.logits[1:])])  # [P + N - 1, V]
+        want = np.concatenate([case["first"][-first:], case["steps"]])
         cmp = compare_arrays(name, got, want, tol, size)
         if failure is None and not cmp:
             row = int(np.flatnonzero((np.abs(got - want) > cmp.atol + cmp.rtol * np.abs(want)).any(-1))[0])
-            at = f"prompt position {row}" if row < len(request.prompt) else f"step {row - len(request.prompt) + 1}"
+            at = f"prompt position {len(request.prompt) - first + row}" if row < first else f"step {row - first + 1}"
             failure = f"{at}: logits past the bound ({cmp.detail()})"
         checks.append(Check(name, failure is None, f"{said}: {failure}" if failure else f"{said}: the same greedy "
                             f"tokens, logits {cmp.detail()}", cmp.stats()))  # fmt: skip

@@ -7,7 +7,8 @@ attnx.export.passes.buffer_form, its weights shared with it, and proven against 
              the same file: the package holds them once
     prove    the same prompts (the golden ones: other lengths, joining between steps) through the generation engine
              on the model's own I/O, recorded, then fed through the buffer form: the same greedy tokens at every step,
-             every logit within the tolerance table's whole-model bound of the model's own
+             every logit within the tolerance table's whole-model bound of the model's own (a prompt's at its last
+             position, where the buffer form computes no other)
 
 A model whose form does not fit (a cache read by a block attnx did not rewrite, a bias holding more than the padding:
 NotBufferable's reason) keeps its own I/O, the reason in the manifest.

@@ -11,7 +11,8 @@ deployment machine and `attnx generate` serves (attnx.runtimes.model_package hol
     golden       prompts of different lengths (short ones, one past the widest window, one whose steps cross the
                  rope's original length, where the model has them), run together through the generation engine
                  with continuous batching (fewer rows than prompts: some join between steps), greedy, on the form
-                 generate serves (the buffer form where written): each prompt's logits and each step's logits and token
+                 generate serves (the buffer form where written): each prompt's logits (at its last position alone
+                 where the form computes no other) and each step's logits and token
     manifest     every file's size and sha256, the optimization's report, each model's form, the decode form served
                  and its proof, the bound the golden generations are replayed under, context, vocabulary, padding,
                  the machine it was verified on
@@ -185,10 +186,13 @@ def _record_golden(folder: str, provider: str, said: dict[str, Any], lengths: li
         engine = engine_for(runner, said, record=True)
         engine.run(requests)
         inputs, outputs = [s.to_dict() for s in runner.inputs], [s.to_dict() for s in runner.outputs]
+        logits = next(s for s in runner.outputs if s.name == io.logits)
     write_npz(os.path.join(folder, GENERATIONS_FILE), golden_arrays(requests))
     return {"file": GENERATIONS_FILE, "requests": len(requests), "max_batch": GOLDEN_BATCH, "steps": GOLDEN_STEPS,
             "lengths": lengths, "seed": GOLDEN_SEED, "vocab": vocab, "largest_batch": engine.max_batch,
-            "model": model_file, "inputs": inputs, "outputs": outputs}  # fmt: skip
+            "model": model_file, "inputs": inputs, "outputs": outputs,
+            # the served form's LastLogits: a prompt's logits at its last position alone
+            "prompt_logits": "last" if len(logits.shape) == 3 and logits.shape[1] == 1 else "all"}  # fmt: skip
 
 
 def one_row(report: ModelOptimizeReport) -> str | None:
@@ -248,7 +252,8 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         "files": files,
         "models": models,
         "inputs": models[0]["inputs"], "outputs": models[0]["outputs"],
-        "generations": {k: golden[k] for k in ("file", "requests", "max_batch", "steps", "lengths", "seed", "model")},
+        "generations": {k: golden[k] for k in ("file", "requests", "max_batch", "steps", "lengths", "seed", "model",
+                                               "prompt_logits")},
         # replayed under the whole-model row of the tolerance table: every block may run other kernels elsewhere
         "tolerance": {"dtype": "fp16" if logits["dtype"] == "fp16" else "fp32", "blocks": max(1, len(report.blocks)),
                       "k": longest_reduction(os.path.join(folder, MODEL_FILE))},

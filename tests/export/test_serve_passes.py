@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from attnx.export.passes.serve import FuseRmsNorm, PackMatMuls
+from attnx.export.passes.serve import FuseRmsNorm, LastLogits, PackMatMuls
 from attnx.model.contract import IR_VERSION
 from attnx.model.tolerance import ProblemSize, tolerance_for
 from attnx.runtimes.compare import compare_arrays
@@ -74,3 +74,23 @@ def test_sibling_matmuls_are_one_over_their_weights_concatenated_then_split():
     for a, b in zip(after, before):
         assert compare_arrays("y", a, b, tolerance_for("fp32"), ProblemSize(D))
     assert len(ir.to_proto(model).graph.initializer) == 5  # the weights, once each, and the split's sizes
+
+
+def test_the_logits_of_the_last_position_alone_through_a_final_softcap():
+    """logits = tanh(x W / 30) * 30 (Gemma 2's final softcap): the head computed for the last position, the same
+    numbers there; logits another op makes are left, with a note."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Div", ["h", "c"], ["d"]),
+             helper.make_node("Tanh", ["d"], ["t"]), helper.make_node("Mul", ["t", "c"], ["logits"])]  # fmt: skip
+    weights = {"w": RNG.standard_normal((D, 8)).astype(np.float32), "c": np.asarray(30.0, np.float32)}
+    x = RNG.standard_normal((2, 5, D)).astype(np.float32)
+    before = _run(_model(nodes, weights, ("logits",)), x)[0]
+    model = _model(nodes, weights, ("logits",))
+    last = LastLogits()
+    assert last(model).modified and last.notes == ["logits: the last position's alone (the head computed for one "
+                                                   "position)"]  # fmt: skip
+    after = _run(model, x)[0]
+    assert after.shape == (2, 1, 8)
+    assert compare_arrays("logits", after, before[:, -1:], tolerance_for("fp32"), ProblemSize(D))
+    other = _model([helper.make_node("Softmax", ["x"], ["logits"], axis=-1)], {}, ("logits",))
+    last = LastLogits()
+    assert not last(other).modified and last.notes[0].startswith("logits: every position's")
