@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, UsageError
+from attnx.model.contract import ROPE_POSITIONS_KEY
 from attnx.runtimes.base import Runner
 
 __all__ = ["Engine", "GenerateStats", "ModelIO", "Request", "Sampling", "check_prompts"]
@@ -309,6 +310,10 @@ class _SharedCache:
             raise UsageError(f"the buffer form runs on ONNX Runtime (IOBinding), not on backend {engine.runner.name!r}")
         self.engine, self.io, self.capacity = engine, engine.io, capacity
         self.session = session
+        table = session.get_modelmeta().custom_metadata_map.get(ROPE_POSITIONS_KEY)
+        if table is not None and capacity > int(table):  # the op's rotation reads a table of so many rows
+            raise InputError(f"a request reaches position {capacity - 1}, past the model's rope table (positions 0 to "
+                             f"{int(table) - 1}): shorten its prompt or --max-new-tokens")  # fmt: skip
         self.buffers = [np.zeros((rows, h, capacity, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
         self.rows: list[Request] = []
         self.lengths = np.zeros(rows, np.int64)  # positions filled, per slot

@@ -2,9 +2,10 @@
 attnx.export.passes.buffer_form, its weights shared with it, and proven against it before anything is recorded from it.
 
     write    the optimized model's tensors moved into one data file (DATA_FILE), unless they are there already; the
-             buffer form written beside it (DECODE_FILE), then the serving passes over the rest of its graph
-             (attnx.export.passes.serve: RMS norms fused, sibling MatMuls packed), its weights the same entries of
-             the same file: the package holds them once
+             buffer form written beside it (DECODE_FILE, serve_passes: the cache in place, the rotation in the
+             core, then the rest of its graph for a step: RMS norms fused, sibling MatMuls packed, the packed
+             q/k/v fed to the core, the logits of the last position alone), its weights the same entries of the
+             same file: the package holds them once
     prove    the same prompts (the golden ones: other lengths, joining between steps) through the generation engine
              on the model's own I/O, recorded, then fed through the buffer form: the same greedy tokens at every step,
              every logit within the tolerance table's whole-model bound of the model's own (a prompt's at its last
@@ -23,16 +24,16 @@ from typing import Any
 
 import onnx_ir as ir
 
-from attnx.export.passes.buffer_form import BufferForm, NotBufferable
-from attnx.export.passes.serve import SERVE_PASSES
-from attnx.model.contract import PROVIDERS, external_data_locations
+from attnx.export.passes.buffer_form import BufferForm, NotBufferable, PackedQkv, RotateInCore
+from attnx.export.passes.serve import FuseRmsNorm, LastLogits, PackMatMuls
+from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, external_data_locations
 from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
 from attnx.runtimes.generate import Request
 from attnx.runtimes.model_package import BUFFER_PROVIDER, engine_for, recorded_cases, replay_cases
 from attnx.workflows.rewrite.prove import longest_reduction
 
-__all__ = ["DATA_FILE", "DECODE_FILE", "BufferFormResult", "prove_buffer_form", "write_buffer_form"]
+__all__ = ["DATA_FILE", "DECODE_FILE", "BufferFormResult", "prove_buffer_form", "serve_passes", "write_buffer_form"]
 
 DECODE_FILE = "decode.onnx"
 DATA_FILE = "model.onnx.data"
@@ -53,8 +54,15 @@ class BufferFormResult:
         return dataclasses.asdict(self)
 
 
-def write_buffer_form(folder: str, model_file: str) -> BufferFormResult:
-    """The buffer form of `folder`/`model_file` written as `folder`/DECODE_FILE (the module doc), or why not."""
+def serve_passes(positions: int) -> list[Any]:
+    """The passes that write the buffer form, in order (the pipeline as data): the cache in place, then the rest of
+    the graph for a step (attnx.export.passes.serve), the rotation in the core over a table of `positions` rows."""
+    return [BufferForm(), RotateInCore(positions), FuseRmsNorm(), PackMatMuls(), PackedQkv(), LastLogits()]
+
+
+def write_buffer_form(folder: str, model_file: str, positions: int = DEFAULT_ROPE_POSITIONS) -> BufferFormResult:
+    """The buffer form of `folder`/`model_file` written as `folder`/DECODE_FILE (the module doc), or why not;
+    `positions`: the most a row can reach (the model's context where known), the rows of its rope table."""
     path = os.path.join(folder, model_file)
     try:
         BufferForm()(ir.load(path))  # whether it fits, before any file is touched
@@ -65,7 +73,7 @@ def write_buffer_form(folder: str, model_file: str) -> BufferFormResult:
         ir.save(model, path, external_data=DATA_FILE)
     model = ir.load(path)  # its tensors the data file's entries, kept as they are by ir.save below
     notes = []
-    for step in (BufferForm(), *(p() for p in SERVE_PASSES)):
+    for step in serve_passes(positions):
         step(model)
         notes += step.notes
     ir.save(model, os.path.join(folder, DECODE_FILE))

@@ -33,7 +33,7 @@ import numpy as np
 from attnx._io import Staging, output_lock, write_json_atomic
 from attnx.errors import CheckFailed
 from attnx.model.checkpoint import read_checkpoint_config
-from attnx.model.contract import PROVIDERS, describe, external_data_locations
+from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, describe, external_data_locations
 from attnx.runtimes.generate import ModelIO, Request
 from attnx.runtimes.model_package import BUFFER_PROVIDER, GENERATIONS_FILE, engine_for, golden_arrays, open_model
 from attnx.runtimes.package import (
@@ -152,7 +152,7 @@ def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list
         return BufferFormResult(None, f"the buffer form is served on ONNX Runtime's {BUFFER_PROVIDER} provider only "
                                       "in this version")  # fmt: skip
     progress("writing the buffer form (the cache written in place, each row its own length)")
-    result = write_buffer_form(folder, MODEL_FILE)
+    result = write_buffer_form(folder, MODEL_FILE, said["context"] or DEFAULT_ROPE_POSITIONS)
     if result.file is None:
         progress(f"no buffer form: {result.reason}; generate serves the model's own inputs and outputs")
         return result

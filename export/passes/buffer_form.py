@@ -25,13 +25,14 @@ are rewritten: run the pass on a model loaded for it).
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes._base import AttnxPass, const_array
 from attnx.export.passes.walk import is_op
-from attnx.model.contract import DECODE_KEY, MS_DOMAIN
+from attnx.model.contract import DECODE_KEY, MS_DOMAIN, ROPE_POSITIONS_KEY
 
-__all__ = ["BufferForm", "NotBufferable", "CAPACITY_DIM", "MASK", "SEQLENS", "TOTAL"]
+__all__ = ["BufferForm", "NotBufferable", "PackedQkv", "RotateInCore", "CAPACITY_DIM", "MASK", "SEQLENS", "TOTAL"]
 
 SEQLENS, TOTAL, MASK = "seqlens_k", "total_sequence_length", "attention_mask"
 CAPACITY_DIM = "max_sequence_length"
@@ -140,3 +141,109 @@ class BufferForm(AttnxPass):
             g.inputs.remove(mask)
         model.metadata_props[DECODE_KEY] = "buffer"
         return ir.passes.PassResult(model, modified=True)
+
+
+def _rope_of(rotary: ir.Node) -> tuple[np.ndarray, float] | None:
+    """(inv_freq, attention_factor) of a com.microsoft.RotaryEmbedding as attnx writes it (attnx.export._llm: its cos
+    input Reshape(Mul(Cos(Mul(positions, inv_freq)), factor))), both constants; None for anything else (a longrope's
+    switch, a table the graph reads)."""
+    cos = rotary.inputs[2] if len(rotary.inputs) > 2 else None
+    reshape = cos.producer() if cos is not None else None
+    scaled = reshape.inputs[0].producer() if is_op(reshape, "Reshape") else None
+    if not is_op(scaled, "Mul"):
+        return None
+    cosine = next((v.producer() for v in scaled.inputs if is_op(v.producer(), "Cos")), None)
+    factor = next((const_array(v) for v in scaled.inputs if const_array(v) is not None), None)
+    angle = cosine.inputs[0].producer() if cosine is not None else None
+    inv_freq = next((const_array(v) for v in angle.inputs if const_array(v) is not None), None) \
+        if is_op(angle, "Mul") else None  # fmt: skip
+    if factor is None or factor.size != 1 or inv_freq is None:
+        return None
+    return np.asarray(inv_freq, np.float32).reshape(-1), float(factor)
+
+
+class RotateInCore(AttnxPass):
+    """After BufferForm: each GroupQueryAttention rotates q and k itself (do_rotary) from a cos/sin table of
+    `positions` rows, in place of the two RotaryEmbedding nodes and the cos/sin the graph computed each call from
+    position_ids. In the buffer form a row's positions are its token indices, which are the op's own (from
+    seqlens_k), so the rotation is the same up to the table's rounding (its angle in float32, as the graph's; its
+    cos and sin in float64). The table's rows are recorded (metadata attnx.rope_positions): a run that reaches past
+    them is refused before its first call. A core whose rotation is not attnx's with constant frequencies (a
+    longrope, whose factors switch with the call's largest position) keeps its nodes."""
+
+    def __init__(self, positions: int) -> None:
+        super().__init__()
+        self.positions = positions
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        tables: dict[bytes, tuple[ir.Value, ir.Value]] = {}  # one table for the cores of one rope
+        rotated = kept = 0
+        for core in list(model.graph):
+            if not is_op(core, "GroupQueryAttention", _MS) or not (core.name or "").startswith(_ATTNX):
+                continue
+            q, k = (core.inputs[i].producer() for i in (0, 1))
+            rotaries = [n for n in (q, k) if is_op(n, "RotaryEmbedding", _MS)]
+            if not rotaries:
+                continue
+            ropes = [_rope_of(n) for n in rotaries]
+            attrs = {(n.attributes.get_int("interleaved", 0), n.attributes.get_int("rotary_embedding_dim", 0))
+                     for n in rotaries}  # fmt: skip
+            head = core.inputs[3].shape[3] if core.inputs[3] is not None and core.inputs[3].shape is not None else None
+            if len(rotaries) != 2 or None in ropes or len(attrs) != 1 or not np.array_equal(ropes[0][0], ropes[1][0]) \
+                    or ropes[0][1] != ropes[1][1] or core.attributes.get_int("do_rotary", 0) \
+                    or ropes[0][0].size % 8 or not isinstance(head, int) or head % 16:  # fmt: skip
+                kept += 1  # the op's own rule: a table of a multiple of 8 columns, a head of a multiple of 16
+                continue
+            (inv_freq, factor), ((interleaved, _dim),) = ropes[0], attrs
+            key = inv_freq.tobytes() + np.float32(factor).tobytes()
+            if key not in tables:
+                angle = np.arange(self.positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+                arrays = ((np.cos(angle.astype(np.float64)) * factor).astype(np.float32),
+                          (np.sin(angle.astype(np.float64)) * factor).astype(np.float32))  # fmt: skip
+                tables[key] = tuple(ir.Value(name=f"attnx/rope{len(tables)}_{w}_cache", const_value=ir.tensor(a))
+                                    for w, a in zip(("cos", "sin"), arrays))  # fmt: skip
+                for value in tables[key]:
+                    model.graph.register_initializer(value)
+            for i, rotary in ((0, q), (1, k)):
+                core.replace_input_with(i, rotary.inputs[0])
+            core.resize_inputs(max(9, len(core.inputs)))  # cos_cache and sin_cache: its inputs 7 and 8
+            for i, value in ((7, tables[key][0]), (8, tables[key][1])):
+                core.replace_input_with(i, value)
+            core.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 1)
+            core.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", interleaved)
+            rotated += 1
+        if rotated:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+            RemoveUnusedNodesPass()(model)
+            model.metadata_props[ROPE_POSITIONS_KEY] = str(self.positions)
+            self.notes.append(f"{rotated} GroupQueryAttention(s) rotate q and k themselves (do_rotary, a table of "
+                              f"{self.positions} positions)" + (f"; {kept} keep their rotation nodes" if kept else ""))
+        return ir.passes.PassResult(model, modified=bool(rotated))
+
+
+class PackedQkv(AttnxPass):
+    """After the packing of sibling MatMuls (attnx.export.passes.serve.PackMatMuls): a GroupQueryAttention whose q,
+    k and v are the three outputs, in order, of a Split it alone reads takes the Split's input as its packed query
+    (key and value empty): the op splits it itself, with no copy."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        packed = 0
+        for core in list(model.graph):
+            if not is_op(core, "GroupQueryAttention", _MS) or len(core.inputs) < 3 or core.inputs[1] is None:
+                continue
+            split = core.inputs[0].producer()
+            if not is_op(split, "Split") or len(split.outputs) != 3 \
+                    or [core.inputs[i] for i in range(3)] != list(split.outputs) \
+                    or any(len(list(v.uses())) != 1 for v in split.outputs):  # fmt: skip
+                continue
+            core.replace_input_with(0, split.inputs[0])
+            core.replace_input_with(1, None)
+            core.replace_input_with(2, None)
+            packed += 1
+        if packed:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+            RemoveUnusedNodesPass()(model)
+            self.notes.append(f"{packed} GroupQueryAttention(s) take the packed q/k/v projection")
+        return ir.passes.PassResult(model, modified=bool(packed))

@@ -26,7 +26,7 @@ import onnx_ir as ir
 from attnx.export.passes._base import AttnxPass, const_array
 from attnx.export.passes.walk import is_op
 
-__all__ = ["FuseRmsNorm", "LastLogits", "PackMatMuls", "SERVE_PASSES", "LOGITS"]
+__all__ = ["FuseRmsNorm", "LastLogits", "PackMatMuls", "LOGITS"]
 
 LOGITS = "logits"
 # what may lie between the head's MatMul and the logits output: the same on every position (a final softcap)
@@ -169,4 +169,3 @@ class LastLogits(AttnxPass):
         return ir.passes.PassResult(model, modified=True)
 
 
-SERVE_PASSES = (FuseRmsNorm, PackMatMuls, LastLogits)  # after BufferForm, in this order

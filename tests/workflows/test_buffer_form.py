@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from attnx.errors import InputError
 from attnx.export.passes.buffer_form import BufferForm, NotBufferable
 from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
@@ -50,12 +51,15 @@ def _logits(request: Request) -> np.ndarray:
 
 
 def test_the_buffer_form_takes_each_rows_length_and_no_padding_mask(package):
-    """Its inputs and outputs; and the serving passes ran over the rest of its graph: the 5 RMS norms fused, each
-    block's q/k/v and each MLP's gate/up projections one MatMul (2 layers: 9 MatMuls where there were 15), the
-    logits of the last position alone (the golden generations record a prompt's there)."""
+    """Its inputs and outputs; and the serving passes: each core rotating q and k itself from a table of the
+    context's 128 positions, the 5 RMS norms fused, each block's q/k/v and each MLP's gate/up projections one MatMul
+    (2 layers: 9 MatMuls where there were 15), the packed q/k/v fed to the core, the logits of the last position
+    alone (the golden generations record a prompt's there)."""
     manifest = json.loads((package / "manifest.json").read_text())
-    assert manifest["decode"]["notes"][-3:] == [
+    assert manifest["decode"]["notes"][-5:] == [
+        "2 GroupQueryAttention(s) rotate q and k themselves (do_rotary, a table of 128 positions)",
         "5 RMS norm(s) fused into SimplifiedLayerNormalization", "10 MatMuls packed into 4 (groups of [2, 3])",
+        "2 GroupQueryAttention(s) take the packed q/k/v projection",
         "logits: the last position's alone (the head computed for one position)"]  # fmt: skip
     assert manifest["generations"]["prompt_logits"] == "last"
     with _runner(package / "decode.onnx") as runner:
@@ -153,3 +157,13 @@ def test_the_served_model_is_the_buffer_form_on_the_cpu_provider_only():
     assert served_model(manifest, "cuda")["file"] == "model.onnx"
     # a package written before the buffer form: its one model, whatever the provider
     assert served_model({"models": [{"file": "model.onnx", "providers": ["cpu"]}]}, "cpu")["file"] == "model.onnx"
+
+
+def test_a_request_past_the_rope_table_is_refused_before_its_first_call(package):
+    """The table holds the context's 128 positions: an engine told of no context, asked for 100 + 40 positions, says
+    so before anything runs."""
+    with _runner(package / "decode.onnx") as runner:
+        engine = Engine(runner, max_batch=2)
+        with pytest.raises(InputError, match=r"reaches position 139, past the model's rope table \(positions 0 to 127\)"):
+            engine.run([Request(0, _prompts((100,))[0], 40)])
+        assert engine.stats.prefills == 0
