@@ -3,6 +3,7 @@
 cache) and packaged by `attnx build --model EXPORT --checkpoint CKPT --out PKG`; 1, 8 and 32 requests whose prompt
 lengths are drawn in 64-512 (seeded), 128 new tokens each; new tokens per second and time to first token, against
 
+    attnx before       the same, by the checkout the change started from (--before-python: its venv; its own package)
     GenAI Engine       ONNX Runtime GenAI 0.18's Engine (requests of their own lengths, its scheduler), on its
                        builder's fp32 CPU model of the same checkpoint, in its own venv (--genai-python)
     GenAI Generator    the same model through its Generator: one static batch of prompts of one length (each the
@@ -21,7 +22,7 @@ embedding table, and every row's cache so far, read once) at the copy bandwidth 
 (attnx.bench.measure_bandwidth, the best) and its flops at the GEMM rate.
 
     python measurements/generate_throughput/run.py [--work DIR] [--rounds 2] [--requests 1,8,32] [--package PKG]
-        [--fresh] [--genai-python PY] [--json OUT]
+        [--fresh] [--before-python PY [--before-package PKG]] [--genai-python PY] [--json OUT]
 
 The checkpoint, the export and the GenAI builder's model are made by measurements/optimize_speed/run.py's make()
 (imported, as it is); attnx's package is built once (`attnx build` of the attnx this Python imports: run the
@@ -49,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 NEW = 128
 LENGTHS = (64, 512)  # prompt lengths drawn in [64, 512]
-SYSTEMS = ("attnx", "GenAI Engine", "GenAI Generator", "transformers static")
+SYSTEMS = ("attnx", "attnx before", "GenAI Engine", "GenAI Generator", "transformers static")
 THREADS = 2
 
 
@@ -110,7 +111,8 @@ def attnx_worker(spec: dict) -> dict:
         stats = model.stats
         return {"seconds": seconds, "first_token_s": first, "new_tokens": [len(t) for t in tokens],
                 "prefills": stats.prefills, "steps": stats.steps, "largest_batch": stats.largest_batch,
-                "decode_form": model.manifest.get("decode", {}).get("form")}  # fmt: skip
+                "decode_form": model.manifest.get("decode", {}).get("form"),
+                "engine": sys.modules["attnx.runtimes.generate"].__file__}  # fmt: skip
 
 
 def transformers_worker(spec: dict) -> dict:
@@ -154,10 +156,10 @@ def transformers_worker(spec: dict) -> dict:
             "torch": torch.__version__}  # fmt: skip
 
 
-WORKERS = {"attnx": attnx_worker, "transformers static": transformers_worker}
+WORKERS = {"attnx": attnx_worker, "attnx before": attnx_worker, "transformers static": transformers_worker}
 
 
-def run_worker(system: str, spec: dict, genai_python: str) -> dict:
+def run_worker(system: str, spec: dict, genai_python: str, before_python: str | None = None) -> dict:
     """One system's timed generation in a process of its own (the module doc); its JSON line, with the load average
     before and after."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -165,8 +167,9 @@ def run_worker(system: str, spec: dict, genai_python: str) -> dict:
     env = dict(os.environ, ATTNX_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS))
     if system.startswith("GenAI"):
         command = [genai_python, str(HERE / "genai_worker.py"), f.name]
-    else:
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", system, f.name]
+    else:  # attnx before: the same worker, in the venv of the checkout measured as the before
+        python = before_python if system == "attnx before" else sys.executable
+        command = [python, str(Path(__file__).resolve()), "--worker", system, f.name]
     load = os.getloadavg()[0]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     os.unlink(f.name)
@@ -257,6 +260,10 @@ def main() -> int:
     p.add_argument("--new", type=int, default=NEW, help=f"new tokens a request (default {NEW})")
     p.add_argument("--package", default=None, help="attnx's package (default WORK/attnx-package)")
     p.add_argument("--fresh", action="store_true", help="rebuild attnx's package with the attnx this Python imports")
+    p.add_argument("--before-python", default=None, help="the Python of the checkout measured as 'attnx before' (its "
+                   "venv); without it, that system is not run")
+    p.add_argument("--before-package", default=None, help="that checkout's package of the model (default "
+                   "WORK/attnx-package-before, built by it when missing)")
     p.add_argument("--genai-python", default="/tmp/genai-venv/bin/python",
                    help="a Python with onnxruntime-genai 0.18 (its own venv)")
     p.add_argument("--json", default=None)
@@ -279,7 +286,14 @@ def main() -> int:
     config = json.loads((work / "checkpoint" / "config.json").read_text())
     costs = model_costs(work / "checkpoint", config, speed.step_bytes)
     counts = [int(n) for n in args.requests.split(",")]
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    systems = [s for s in SYSTEMS if s in args.systems.split(",") and (s != "attnx before" or args.before_python)]
+    before_package = None
+    if "attnx before" in systems:
+        before_package = Path(args.before_package or work / "attnx-package-before")
+        if not (before_package / "manifest.json").exists():
+            subprocess.run([str(Path(args.before_python).parent / "attnx"), "build", "--model",
+                            str(paths["torch.onnx dynamo export"]), "--checkpoint", str(work / "checkpoint"), "--out",
+                            str(before_package), "--force"], check=True)  # fmt: skip
     runs: dict[str, dict[str, list[dict]]] = {str(n): {s: [] for s in systems} for n in counts}
     bandwidth: dict[str, float] = {}
     rates: dict[str, float] = {}
@@ -295,6 +309,8 @@ def main() -> int:
                 spec = {"new": args.new, "threads": THREADS, "prompts": prompts}
                 if system == "attnx":
                     spec["package"] = str(package)
+                elif system == "attnx before":
+                    spec["package"] = str(before_package)
                 elif system == "transformers static":
                     spec["checkpoint"] = str(work / "checkpoint")
                 else:
@@ -302,7 +318,7 @@ def main() -> int:
                     spec["mode"] = "engine" if system == "GenAI Engine" else "generator"
                     if spec["mode"] == "generator":
                         spec["prompts"] = equal_length(prompts)
-                result = run_worker(system, spec, args.genai_python)
+                result = run_worker(system, spec, args.genai_python, args.before_python)
                 runs[str(n)][system].append(result)
                 print(f"round {r + 1}, {n} requests, {system}: {result['tokens_per_s']:.1f} new tokens/s, first token "
                       f"{result['mean_first_token_s']:.2f} s on average (load {result['load_average']})", flush=True)
@@ -317,6 +333,12 @@ def main() -> int:
         "prompt_lengths": {str(n): [len(p) for p in prompts_for(n, config["vocab_size"])] for n in counts},
         "command": "python measurements/generate_throughput/run.py " + " ".join(sys.argv[1:]),
         "attnx_commit": attnx_commit(), "package": str(package),
+        "before": {"python": args.before_python, "package": str(before_package), "commit": subprocess.run(
+            [args.before_python, "-c", "import attnx, subprocess, pathlib; r = pathlib.Path(attnx.__file__).resolve()"
+             ".parents[1]; print(subprocess.run(['git', '-C', str(r), 'rev-parse', '--short', 'HEAD'], "
+             "capture_output=True, text=True).stdout.strip())"], capture_output=True, text=True, cwd="/").stdout.strip(),
+                   "decode_form": json.loads((before_package / "manifest.json").read_text()).get("decode")}
+        if before_package else None,
         "decode_form": json.loads((package / "manifest.json").read_text()).get("decode"),
         "versions": {"onnxruntime (attnx)": ort.__version__, **{k: importlib.metadata.version(k) for k in
                      ("torch", "transformers", "numpy")}, "python": platform.python_version()},
@@ -335,8 +357,8 @@ def main() -> int:
     for n in counts:
         row = result["tokens_per_s"][str(n)]
         print(f"{n:>8} " + " ".join(f"{row[s]:20.1f}" for s in systems) + f" {bound[str(n)]['tokens_per_s']:8.1f}")
-    if "attnx" in systems and len(systems) > 1:
-        peers = [s for s in systems if s != "attnx"]
+    peers = [s for s in systems if not s.startswith("attnx")]
+    if "attnx" in systems and peers:
         result["targets"] = {str(n): {
             "attnx >= the best peer": result["tokens_per_s"][str(n)]["attnx"]
             >= max(result["tokens_per_s"][str(n)][s] for s in peers),
