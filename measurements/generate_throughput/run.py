@@ -16,7 +16,8 @@ the four in turn. The table gives each system's best round. attnx runs with --ma
 requests decoded together, continuous batching as they end) and ATTNX_THREADS=2.
 
 The bounds of attnx's schedule (its prefills, one after the other, then 127 steps of every row): a prefill's flops
-(every position's projections, MLP and logits, and the causal attention) at the GEMM rate measured in the run (the best of
+(every position's projections and MLP, the causal attention, the head at the last position: what generation needs)
+at the GEMM rate measured in the run (the best of
 ONNX Runtime MatMuls [M, 1024] x [1024, 2816], M 32 to 512, 2 threads), and each step the larger of its bytes (the weights but the
 embedding table, and every row's cache so far, read once) at the copy bandwidth measured in the run
 (attnx.bench.measure_bandwidth, the best) and its flops at the GEMM rate.
@@ -213,10 +214,13 @@ def gemm_rates(threads: int = THREADS) -> dict[str, float]:
 
 
 def model_costs(ckpt: Path, config: dict, step_bytes) -> dict:
-    """The model's numbers the bounds read: weight bytes a step reads, cache bytes per position, flops per token of
-    the projections, MLP and logits (2 per weight of every matrix but the embedding table)."""
+    """The model's numbers the bounds read: weight bytes a step reads, cache bytes per position, flops per position of
+    the projections and MLP (2 per weight of every matrix but the embedding table and the head), the head's flops
+    (one position's: generation reads a prompt's last logits alone), the attention's per (query, key) pair."""
     weights, per_position = step_bytes(ckpt, config)
-    return {"weight_bytes": weights, "cache_bytes_per_position": per_position, "flops_per_token": 2 * weights // 4,
+    head = 2 * config["vocab_size"] * config["hidden_size"]
+    return {"weight_bytes": weights, "cache_bytes_per_position": per_position,
+            "flops_per_token": 2 * weights // 4 - head, "head_flops": head,
             "attention_flops_per_pair": 4 * config["num_attention_heads"] * config["head_dim"]
             * config["num_hidden_layers"]}  # fmt: skip
 
@@ -225,13 +229,14 @@ def bounds(prompts: list[list[int]], new: int, costs: dict, bandwidth: float, ra
     """attnx's schedule's bounds (the module doc): seconds of the prefills and the steps, the new tokens/s and mean
     time to first token they allow."""
     lengths = [len(p) for p in prompts]
-    prefill = [(costs["flops_per_token"] * n + costs["attention_flops_per_pair"] * n * (n + 1) / 2) / rate
-               for n in lengths]  # fmt: skip
+    prefill = [(costs["flops_per_token"] * n + costs["head_flops"] + costs["attention_flops_per_pair"] * n * (n + 1)
+                / 2) / rate for n in lengths]  # fmt: skip
     steps = 0.0
     for s in range(1, new):  # every row's token s (its first came from its prefill)
         pasts = [n + s for n in lengths]
         memory = (costs["weight_bytes"] + costs["cache_bytes_per_position"] * sum(pasts)) / bandwidth
-        compute = (costs["flops_per_token"] * len(pasts) + costs["attention_flops_per_pair"] * sum(pasts)) / rate
+        compute = ((costs["flops_per_token"] + costs["head_flops"]) * len(pasts)
+                   + costs["attention_flops_per_pair"] * sum(pasts)) / rate  # fmt: skip
         steps += max(memory, compute)
     total = sum(prefill) + steps
     return {"prefill_s": sum(prefill), "steps_s": steps, "tokens_per_s": new * len(prompts) / total,
