@@ -198,6 +198,7 @@ class GenerateStats:
     steps: int = 0
     largest_batch: int = 0
     seconds: float = 0.0
+    form: str = ""  # the model's form: "buffer" (the cache in place) or "growing" (the model's own I/O)
 
     @property
     def tokens_per_s(self) -> float:
@@ -454,7 +455,7 @@ class Engine:
         """Serve every request (the module doc); on_finish(request) as each ends, in the order they end."""
         self.sampling = sampling
         waiting = list(requests)
-        self.stats = GenerateStats(requests=len(waiting))
+        self.stats = GenerateStats(requests=len(waiting), form=self.io.form)
         cache = self._cache(waiting)
         start = time.perf_counter()
         waiting.reverse()  # popped from the end: the first request first
