@@ -22,6 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes.buffer_form import BufferForm, NotBufferable, PackedQkv, RotateInCore
@@ -84,8 +85,6 @@ def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, sa
                       lengths: Sequence[int], steps: int, vocab: int, blocks: int) -> None:  # fmt: skip
     """The buffer form against the model's own I/O (the module doc), on ONNX Runtime's CPU provider: result.proofs
     and result.passed. `said`: how the engine batches (max_batch, one_row, padding, context, as the manifest says)."""
-    import numpy as np
-
     paths = [os.path.join(folder, f) for f in (model_file, result.file)]
     tol = whole_model_tolerance("fp32", blocks)
     size = ProblemSize(longest_reduction(paths[0]))

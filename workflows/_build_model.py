@@ -124,7 +124,7 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
         said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context,
                 "one_row": one_row(report)}  # how the engine batches, as the manifest will say
         lengths = golden_lengths(window, original, context)
-        buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress)
+        buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress, model_path)
         progress("recording golden generations")
         golden = _record_golden(stage.path(), provider, said, lengths, buffer.file or MODEL_FILE)
         manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, context, buffer)
@@ -145,7 +145,7 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
 
 
 def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list[int], blocks: int,
-                 progress: Callable[[str], None]) -> BufferFormResult:  # fmt: skip
+                 progress: Callable[[str], None], model_path: str) -> BufferFormResult:  # fmt: skip
     """The buffer form written beside the optimized model and proven against it (attnx.workflows._buffer_form), on
     the provider it is served on; CheckFailed where its proof fails."""
     if provider != BUFFER_PROVIDER:
@@ -157,11 +157,12 @@ def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list
         progress(f"no buffer form: {result.reason}; generate serves the model's own inputs and outputs")
         return result
     progress("proving the buffer form against the model's own inputs and outputs")
-    with open_model(folder, _stage_manifest(folder, MODEL_FILE, provider), provider) as runner:
-        vocab = ModelIO.of(runner).vocab or 1000
+    logits = [s.shape for s in describe(os.path.join(folder, MODEL_FILE)).outputs if s.name == "logits"]
+    vocab = logits[0][-1] if logits and logits[0] and isinstance(logits[0][-1], int) else 1000
     prove_buffer_form(folder, MODEL_FILE, result, said, lengths, GOLDEN_STEPS, vocab, blocks)
     if not result.passed:
-        raise CheckFailed(f"{folder}: not packaged, its buffer form does not compute the model's own: "
+        raise CheckFailed(f"{model_path}: not packaged, its buffer form does not compute what its own inputs and "
+                          "outputs do: "
                           + "; ".join(line for line in result.proofs if line.startswith("FAIL")))  # fmt: skip
     return result
 
