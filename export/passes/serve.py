@@ -12,10 +12,12 @@ kernels a decode step, the weights kept where they are.
                   language-model head (logits [batch, 1, vocab]): a prompt's only logits generation reads, its head
                   (a tenth of a Llama-shaped prompt's flops) computed for one position instead of all
 
-Measured on a Llama-shaped model (hidden 1024, 4 layers, AMD EPYC, 2 threads, ONNX Runtime 1.31): a step of one row
-7.2 ms with both against 8.8 ms without (measurements/generate_throughput). The graph computes what it did up to
-rounding: the norm's mean and square root in another order (2.5e-6 on that model's logits), the MatMuls'
-columns unchanged; the buffer form's proof holds the result to the model's own I/O (attnx.workflows._buffer_form).
+Measured on a Llama-shaped model (hidden 1024, 4 layers, AMD EPYC, 2 threads, ONNX Runtime 1.31, a shared host): a
+one-row step 7.2 ms with the first two against 8.8 ms without, in one run; later runs put the fused norms' gain at
+0.6-0.7 ms and could not tell the packing from the host's noise (+-10%). LastLogits: a 300-token prompt 184 -> 172 ms.
+The graph computes what it did up to rounding: the norm's mean and square root in another order (2.5e-6 on that
+model's logits), the MatMuls' columns unchanged; the buffer form's proof holds the result to the model's own I/O
+(attnx.workflows._buffer_form).
 """
 
 from __future__ import annotations
