@@ -1,19 +1,29 @@
-"""Generation from a whole model through its own inputs and outputs: requests of any length served together, a
-row leaving the batch when it ends and a waiting request joining between steps (continuous batching).
+"""Generation from a whole model: requests of any length served together, a row leaving the batch when it ends and a
+waiting request joining between steps (continuous batching).
 
-    ModelIO     what the model's own I/O is: input_ids, attention_mask, position_ids where it has them, its cache
-                (past_key_values.N.key/value in, present.N.key/value out), its logits
+    ModelIO     what the model's I/O is: input_ids, attention_mask, position_ids where it has them, its cache
+                (past_key_values.N.key/value in, present.N.key/value out), its logits; its form: the buffer form
+                where it takes seqlens_k and total_sequence_length (attnx.export.passes.buffer_form), else growing
     Request     one request's state: its prompt, its limits, its sampling's generator, its new tokens
     Sampling    the logits processors, in transformers' order (temperature, top-k, top-p), then a draw from the
                 request's own seeded generator; greedy (argmax) without a temperature
-    Engine      schedule (admit waiting requests: each prompt prefilled alone, its cache joined to the batch's),
-                run one step for every row, update (each row's token, rows that end leave)
+    Engine      schedule (admit waiting requests: each prompt prefilled alone into the batch's cache), run one step
+                for every row, update (each row's token, rows that end leave)
 
-The batch is left-aligned as transformers pads: a row's cache, mask and positions are its own prompt's, shifted right
-by the padding its batch needs, so its keys at padded slots are hidden by attention_mask and its positions count
-from its own first token. Its tokens therefore do not depend on which requests share its batch (the tests hold a
-batch's tokens to each request's alone). A model whose blocks read right padding (lengths from attention_mask:
-ONNX Runtime GenAI's GroupQueryAttention) is served one request at a time (Engine.max_batch 1).
+The cache, by the model's form:
+
+    _SharedCache   the buffer form: one buffer a cache input, allocated once for the run ([max_batch, heads, the
+                   longest request, head_dim]) and bound through ONNX Runtime's IOBinding as both past and present;
+                   each row is a slot with its own length, its positions its token indices; a call writes only its new
+                   keys and values, in place
+    _GrowingCache  the model's own I/O: the batch left-aligned as transformers pads, a row's cache, mask and positions
+                   its own prompt's shifted right by the padding its batch needs (its keys at padded slots hidden by
+                   attention_mask, its positions counted from its own first token); each step copies the cache from
+                   past into present, and a row joining or leaving concatenates or trims it
+
+In both, a row's tokens do not depend on which requests share its batch (the tests hold a batch's tokens to each
+request's alone). A model of the growing form whose blocks read right padding (lengths from attention_mask: ONNX
+Runtime GenAI's GroupQueryAttention) is served one request at a time (Engine.max_batch 1).
 
 No torch here: this runs on the deployment machine with the runner registry's backends.
 """
@@ -28,12 +38,14 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, UsageError
+from attnx.model.contract import ROPE_POSITIONS_KEY
 from attnx.runtimes.base import Runner
 
 __all__ = ["Engine", "GenerateStats", "ModelIO", "Request", "Sampling", "check_prompts"]
 
 _CACHE_IN = "past_key_values"
 _CACHE_OUT = "present"
+_SEQLENS, _TOTAL = "seqlens_k", "total_sequence_length"  # the buffer form's (attnx.export.passes.buffer_form)
 _NP = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}
 
 
@@ -49,6 +61,7 @@ class ModelIO:
     mask: bool  # the model takes attention_mask
     vocab: int | None  # the logits' last dim, where the model fixes it
     batch: int | None  # a batch the model's dims fix
+    form: str = "growing"  # "buffer": the buffer form (seqlens_k and total_sequence_length in, the cache in place)
 
     @classmethod
     def of(cls, runner: Runner) -> ModelIO:
@@ -70,16 +83,23 @@ class ModelIO:
                                  "head_dim] with its heads and head_dim fixed")  # fmt: skip
             caches.append((name, present))
             dims.append((int(spec.shape[1]), int(spec.shape[3])))
+        form = "buffer" if _SEQLENS in inputs else "growing"
         known = {"input_ids", "attention_mask", "position_ids"} | {p for p, _ in caches}
+        if form == "buffer":
+            known |= {_SEQLENS, _TOTAL}
         other = sorted(set(inputs) - known)
         if other:
             raise UsageError(f"the model takes {', '.join(other)}, which attnx generate does not feed (it feeds "
-                             "input_ids, attention_mask, position_ids and its cache)")  # fmt: skip
+                             "input_ids, attention_mask, position_ids, its cache and, in the buffer form, seqlens_k "
+                             "and total_sequence_length)")  # fmt: skip
+        if form == "buffer" and not caches:
+            raise UsageError(f"the model takes {_SEQLENS} but no cache: not attnx's buffer form")
         vocab = outputs[logits].shape[-1] if outputs[logits].shape else None
         batch = inputs["input_ids"].shape[0] if inputs["input_ids"].shape else None
         dtype = _NP.get(inputs[caches[0][0]].dtype, np.float32) if caches else np.float32
         return cls(logits, tuple(caches), tuple(dims), dtype, "position_ids" in inputs, "attention_mask" in inputs,
-                   vocab if isinstance(vocab, int) else None, batch if isinstance(batch, int) else None)  # fmt: skip
+                   vocab if isinstance(vocab, int) else None, batch if isinstance(batch, int) else None,
+                   form)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,36 +198,64 @@ class GenerateStats:
     steps: int = 0
     largest_batch: int = 0
     seconds: float = 0.0
+    form: str = ""  # the model's form: "buffer" (the cache in place) or "growing" (the model's own I/O)
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-class _Batch:
-    """The rows being decoded: their requests, the cache (one array per cache input, [B, heads, T, head_dim]), the
-    mask [B, T] (1: a key of the row's own), each row's next position."""
+class _GrowingCache:
+    """The model's own I/O: the rows' cache as the model returns it (one array per cache input, [B, heads, T,
+    head_dim]), the mask [B, T] (1: a key of the row's own), each row's next position. A joining row's prompt runs
+    alone (batch 1); its cache and the batch's are left-padded to the longer of the two, and columns no row uses any
+    more are trimmed when rows leave: every step copies the whole cache (past in, present out)."""
 
-    def __init__(self, io: ModelIO) -> None:
-        self.io = io
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.io = engine, engine.io
         self.rows: list[Request] = []
-        self.caches: list[np.ndarray] = [np.zeros((0, h, 0, d), io.cache_dtype) for h, d in io.cache_dims]
+        self.caches: list[np.ndarray] = [np.zeros((0, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
         self.mask = np.zeros((0, 0), np.int64)
         self.positions = np.zeros(0, np.int64)
+        self._joining: list[np.ndarray] | None = None
 
     @property
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def add(self, request: Request, caches: list[np.ndarray], length: int) -> None:
-        """A prefilled row joins: its cache [1, h, length, d] and the batch's left-padded to the longer of the two."""
+    def prefill(self, request: Request) -> np.ndarray:
+        """The prompt's logits [L, V]; its cache kept for join()."""
+        n = len(request.prompt)
+        empty = [np.zeros((1, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
+        logits, self._joining = self._run(np.asarray([request.prompt], np.int64), np.ones((1, n), np.int64),
+                                          np.arange(n, dtype=np.int64)[None], empty)  # fmt: skip
+        return logits[0]
+
+    def join(self, request: Request) -> None:
+        """The row just prefilled joins: its cache [1, h, L, d] and the batch's left-padded to the longer of the two."""
+        length = len(request.prompt)
         total = max(self.length, length)
         self.caches = [np.concatenate([_left_pad(c, total), _left_pad(new, total)], axis=0)
-                       for c, new in zip(self.caches, caches)]  # fmt: skip
+                       for c, new in zip(self.caches, self._joining)]  # fmt: skip
         own = np.concatenate([np.zeros((1, total - length), np.int64), np.ones((1, length), np.int64)], axis=1)
         self.mask = np.concatenate([_left_pad(self.mask, total, axis=1), own], axis=0)
         self.positions = np.append(self.positions, length)
         self.rows.append(request)
+        self._joining = None
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """One token a row (tokens [B]): its logits [B, V]."""
+        mask = np.concatenate([self.mask, np.ones((len(self.rows), 1), np.int64)], axis=1)
+        logits, self.caches = self._run(tokens[:, None], mask, self.positions[:, None], self.caches)
+        self.mask = mask
+        return logits[:, -1]
+
+    def fed_positions(self) -> np.ndarray:
+        """Each row's position of the token the next step feeds."""
+        return self.positions
+
+    def advance(self) -> None:
+        self.positions = self.positions + 1
 
     def drop_done(self) -> None:
         """Rows that ended leave; columns no row uses any more (padding of rows that left) are trimmed."""
@@ -221,6 +269,17 @@ class _Batch:
         self.mask = self.mask[:, start:]
         self.caches = [c[keep][:, :, start:] for c in self.caches]
 
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+             caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+        feeds = {"input_ids": ids}
+        if self.io.mask:
+            feeds["attention_mask"] = mask
+        if self.io.positions:
+            feeds["position_ids"] = positions
+        feeds.update({past: c for (past, _), c in zip(self.io.caches, caches)})
+        out = self.engine.runner.run(feeds)
+        return out[self.io.logits], [out[present] for _, present in self.io.caches]
+
 
 def _left_pad(a: np.ndarray, total: int, axis: int = 2) -> np.ndarray:
     """`a` with zeros before it along `axis` to `total` entries."""
@@ -232,9 +291,126 @@ def _left_pad(a: np.ndarray, total: int, axis: int = 2) -> np.ndarray:
     return np.concatenate([np.zeros(shape, a.dtype), a], axis=axis)
 
 
+class _SharedCache:
+    """The buffer form (attnx.export.passes.buffer_form): one buffer a cache input, [max_batch, heads, capacity,
+    head_dim], allocated once for the run and bound through ONNX Runtime's IOBinding as both the past input and the
+    present output, so that a call writes only its new tokens' keys and values, in place. Row b of the batch is slot
+    b: its keys are its first lengths[b] positions, its new token lands at its own length (seqlens_k), its positions
+    are its token indices. A joining row's prompt runs alone into the next free slot (the slot's own [1, heads,
+    capacity, head_dim], bound by address); a row that leaves is replaced by the last row (its filled positions
+    copied), so the rows decoded are always slots 0..B-1, bound as one [B, ...] buffer. Nothing is concatenated, and
+    the cache is never copied through a step.
+
+    A step's binding is kept while the rows stay the same: its inputs (tokens, positions, lengths) and its logits
+    are arrays of the run bound by address and written in place, so a step rebinds nothing (rebinding every tensor
+    cost ~0.5 ms a step, 5% of a one-row step on the Llama-shaped model)."""
+
+    def __init__(self, engine: Engine, capacity: int, rows: int) -> None:
+        session = getattr(engine.runner, "session", None)
+        if session is None:  # never reached through a package: engine_for serves this form on ONNX Runtime's CPU
+            raise UsageError(f"the buffer form runs on ONNX Runtime (IOBinding), not on backend {engine.runner.name!r}")
+        self.engine, self.io, self.capacity = engine, engine.io, capacity
+        self.session = session
+        table = session.get_modelmeta().custom_metadata_map.get(ROPE_POSITIONS_KEY)
+        if table is not None and capacity > int(table):  # the op's rotation reads a table of so many rows
+            raise InputError(f"a request reaches position {capacity - 1}, past the model's rope table (positions 0 to "
+                             f"{int(table) - 1}): shorten its prompt or --max-new-tokens")  # fmt: skip
+        self.buffers = [np.zeros((rows, h, capacity, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
+        self.rows: list[Request] = []
+        self.lengths = np.zeros(rows, np.int64)  # positions filled, per slot
+        # a step's inputs and logits, bound by address: [:B] of each is the step of B rows
+        self.step_ids, self.step_positions = np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
+        self.step_seqlens, self.step_total = np.zeros(rows, np.int32), np.zeros((), np.int32)
+        self.step_logits = np.zeros((rows, 1, self.io.vocab), np.float32) if self.io.vocab else None
+        self._step: tuple[Any, int] | None = None  # (the binding, its rows)
+
+    def _binding(self, first: int, rows: int) -> Any:
+        """A binding of every cache input and its present to slots first..first+rows-1 of its buffer, by address."""
+        b = self.session.io_binding()
+        for (past, present), buffer in zip(self.io.caches, self.buffers):
+            view = buffer[first:first + rows]
+            for name, bind in ((past, b.bind_input), (present, b.bind_output)):
+                bind(name, "cpu", 0, buffer.dtype.type, view.shape, view.ctypes.data)
+        return b
+
+    def prefill(self, request: Request) -> np.ndarray:
+        """The prompt's logits [L, V] (or [1, V]: a model that computes the last position's alone), its keys and values
+        written into the next free slot (joined by join())."""
+        n, slot = len(request.prompt), len(self.rows)
+        b = self._binding(slot, 1)
+        b.bind_cpu_input("input_ids", np.asarray([request.prompt], np.int64))
+        if self.io.positions:
+            b.bind_cpu_input("position_ids", np.arange(n, dtype=np.int64)[None])
+        b.bind_cpu_input("seqlens_k", np.asarray([n - 1], np.int32))
+        b.bind_cpu_input("total_sequence_length", np.asarray(n, np.int32))
+        b.bind_output(self.io.logits, "cpu")
+        self.session.run_with_iobinding(b)
+        self.lengths[slot] = n
+        return b.get_outputs()[-1].numpy()[0]  # the logits: the output bound last
+
+    def join(self, request: Request) -> None:
+        self.rows.append(request)
+
+    def _step_binding(self, rows: int) -> Any:
+        """The binding of a step of `rows` rows (kept until the rows change)."""
+        if self._step is not None and self._step[1] == rows:
+            return self._step[0]
+        b = self._binding(0, rows)
+        inputs = [("input_ids", self.step_ids), ("seqlens_k", self.step_seqlens)]
+        inputs += [("position_ids", self.step_positions)] if self.io.positions else []
+        for name, array in inputs:
+            b.bind_input(name, "cpu", 0, array.dtype.type, array[:rows].shape, array.ctypes.data)
+        b.bind_input("total_sequence_length", "cpu", 0, np.int32, (), self.step_total.ctypes.data)
+        if self.step_logits is not None:
+            b.bind_output(self.io.logits, "cpu", 0, np.float32, self.step_logits[:rows].shape,
+                          self.step_logits.ctypes.data)  # fmt: skip
+        else:  # a vocabulary the model's dims do not fix: ONNX Runtime allocates the logits
+            b.bind_output(self.io.logits, "cpu")
+        self._step = (b, rows)
+        return b
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """One token a row (tokens [B], slots 0..B-1): its logits [B, V]."""
+        rows = len(self.rows)
+        lengths = self.lengths[:rows]
+        b = self._step_binding(rows)
+        self.step_ids[:rows, 0] = tokens
+        self.step_positions[:rows, 0] = lengths
+        self.step_seqlens[:rows] = lengths  # positions filled after the step, minus 1
+        self.step_total[...] = lengths.max() + 1
+        self.session.run_with_iobinding(b)
+        if self.step_logits is not None:
+            return self.step_logits[:rows, -1].copy()
+        return b.get_outputs()[-1].numpy()[:, -1]
+
+    def fed_positions(self) -> np.ndarray:
+        return self.lengths[: len(self.rows)]
+
+    def advance(self) -> None:
+        self.lengths[: len(self.rows)] += 1
+
+    def drop_done(self) -> None:
+        """Rows that ended leave: each one's slot taken by the last row still decoding (its filled positions copied)."""
+        slot = 0
+        while slot < len(self.rows):
+            if not self.rows[slot].done:
+                slot += 1
+                continue
+            last = len(self.rows) - 1
+            if slot != last:
+                n = int(self.lengths[last])
+                for buffer in self.buffers:
+                    buffer[slot, :, :n] = buffer[last, :, :n]
+                self.lengths[slot] = n
+                self.rows[slot] = self.rows[last]
+            self.rows.pop()
+
+
 class Engine:
     """Continuous batching over a loaded whole model (the module doc): at most `max_batch` rows at once; `context`
-    the model's positions (a row ends there); `record`: each request's logits kept (golden generations)."""
+    the model's positions (a row ends there); `record`: each request's logits kept (golden generations). The model's
+    form says how its cache is held: the buffer form (a seqlens_k input: _SharedCache), else its own I/O
+    (_GrowingCache)."""
 
     def __init__(self, runner: Runner, *, max_batch: int = 8, context: int | None = None, record: bool = False,
                  right_padded: bool = False) -> None:  # fmt: skip
@@ -242,8 +418,8 @@ class Engine:
         self.io = ModelIO.of(runner)
         if max_batch < 1:
             raise UsageError(f"--max-batch {max_batch}: must be 1 or more")
-        if not self.io.mask or right_padded:  # a batch of rows of other lengths needs left padding the model reads
-            max_batch = 1
+        if self.io.form == "growing" and (not self.io.mask or right_padded):
+            max_batch = 1  # a batch of rows of other lengths needs left padding the model reads
         if self.io.batch is not None:
             max_batch = min(max_batch, self.io.batch)
         self.max_batch = max_batch
@@ -251,32 +427,14 @@ class Engine:
         self.record = record
         self.stats = GenerateStats()
 
-    def _feeds(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
-               caches: list[np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
-        feeds = {"input_ids": ids}
-        if self.io.mask:
-            feeds["attention_mask"] = mask
-        if self.io.positions:
-            feeds["position_ids"] = positions
-        feeds.update({past: c for (past, _), c in zip(self.io.caches, caches)})
-        return feeds
-
-    def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        out = self.runner.run(feeds)
-        return out[self.io.logits], [out[present] for _, present in self.io.caches]
-
-    def _prefill(self, request: Request, start: float) -> list[np.ndarray]:
-        """The request's prompt run alone (batch 1): its first token chosen, its cache returned."""
-        n = len(request.prompt)
-        empty = [np.zeros((1, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
-        logits, caches = self._run(self._feeds(np.asarray([request.prompt], np.int64), np.ones((1, n), np.int64),
-                                               np.arange(n, dtype=np.int64)[None], empty))  # fmt: skip
-        self.stats.prefills += 1
-        if request.logits is not None:
-            request.logits.append(np.array(logits[0], np.float32))
-        self._take(request, logits[0, -1], n)
-        request.first_token_s = time.perf_counter() - start
-        return caches
+    def _cache(self, requests: Sequence[Request]) -> _GrowingCache | _SharedCache:
+        if self.io.form == "growing":
+            return _GrowingCache(self)
+        # the longest row: its prompt and every new token but the last (never fed), within the context
+        capacity = max((len(r.prompt) + r.max_new_tokens for r in requests), default=1)
+        if self.context is not None:
+            capacity = min(capacity, self.context)
+        return _SharedCache(self, capacity, min(self.max_batch, max(1, len(requests))))
 
     def _take(self, request: Request, logits: np.ndarray, position: int) -> None:
         """The request's next token from its logits [V] at `position` (the token's own), and whether it ends."""
@@ -297,36 +455,39 @@ class Engine:
         """Serve every request (the module doc); on_finish(request) as each ends, in the order they end."""
         self.sampling = sampling
         waiting = list(requests)
-        self.stats = GenerateStats(requests=len(waiting))
-        batch = _Batch(self.io)
+        self.stats = GenerateStats(requests=len(waiting), form=self.io.form)
+        cache = self._cache(waiting)
         start = time.perf_counter()
         waiting.reverse()  # popped from the end: the first request first
-        while waiting or batch.rows:
-            while waiting and len(batch.rows) < self.max_batch:  # schedule: waiting requests join between steps
+        while waiting or cache.rows:
+            while waiting and len(cache.rows) < self.max_batch:  # schedule: waiting requests join between steps
                 request = waiting.pop()
                 if self.record:
                     request.logits = []
-                caches = self._prefill(request, start)
+                logits = cache.prefill(request)  # the prompt alone (batch 1)
+                self.stats.prefills += 1
+                if request.logits is not None:
+                    request.logits.append(np.array(logits, np.float32))
+                self._take(request, logits[-1], len(request.prompt))
+                request.first_token_s = time.perf_counter() - start
                 if request.done:
                     on_finish and on_finish(request)
                     continue
-                batch.add(request, caches, len(request.prompt))
-            if not batch.rows:
+                cache.join(request)
+            if not cache.rows:
                 continue
-            self.stats.largest_batch = max(self.stats.largest_batch, len(batch.rows))
-            ids = np.asarray([[r.tokens[-1]] for r in batch.rows], np.int64)  # run: one step for every row
-            mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), np.int64)], axis=1)
-            logits, batch.caches = self._run(self._feeds(ids, mask, batch.positions[:, None], batch.caches))
-            batch.mask = mask
+            self.stats.largest_batch = max(self.stats.largest_batch, len(cache.rows))
+            tokens = np.asarray([r.tokens[-1] for r in cache.rows], np.int64)  # run: one step for every row
+            logits = cache.step(tokens)
             self.stats.steps += 1
-            for i, request in enumerate(batch.rows):  # update: each row's token; rows that end leave
+            for request, row, position in zip(cache.rows, logits, cache.fed_positions()):  # update: each row's token
                 if request.logits is not None:
-                    request.logits.append(np.array(logits[i, -1], np.float32))
-                self._take(request, logits[i, -1], int(batch.positions[i]))
+                    request.logits.append(np.array(row, np.float32))
+                self._take(request, row, int(position))
                 if request.done and on_finish is not None:
                     on_finish(request)
-            batch.positions = batch.positions + 1
-            batch.drop_done()
+            cache.advance()
+            cache.drop_done()  # rows that end leave
         self.stats.seconds = time.perf_counter() - start
         return self.stats
 

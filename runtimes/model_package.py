@@ -1,16 +1,21 @@
 """A whole model's package, the deployment side (attnx build --model writes it): verify it here, load it, generate.
 
-    manifest.json        kind "model": files and their sha256, the model, the golden generations, the bound they are
-                         replayed under, the optimization's report, context, vocabulary, padding, the build machine
-    model.onnx           the optimized model (model.onnx.data beside it when it has external data)
-    generations.npz      golden generations: per request its prompt, its greedy tokens, the prompt's logits [L, V]
-                         and each later step's [V]
+    manifest.json        kind "model": files and their sha256, the models and their forms, the decode form served and
+                         its proof, the golden generations, the bound they are replayed under, the optimization's
+                         report, context, vocabulary, padding, the build machine
+    model.onnx           the optimized model: its own inputs and outputs (the growing cache)
+    decode.onnx          its buffer form (attnx.export.passes.buffer_form), where attnx could write it: the cache
+                         written in place, each row its own length; the two read one weights file, model.onnx.data
+    generations.npz      golden generations, recorded from the served form: per request its prompt, its greedy tokens,
+                         the prompt's logits (at every position [L, V], or at its last alone [1, V] where the served
+                         form computes no other: the manifest's generations.prompt_logits) and each later step's [V]
     optimize.json        attnx optimize's report (blocks, cores, repairs, proofs, times)
 
-verify: the files (sizes, sha256), the model loaded on the provider asked (never another in its place), and every
-golden generation replayed token by token through the generation engine (attnx.runtimes.generate), its recorded
-tokens fed: each step's greedy token the golden one, each step's logits within the tolerance table's whole-model
-bound. Without torch.
+The served form (served_model): the buffer form on ONNX Runtime's CPU provider where the package has one, else the
+model's own I/O. verify: the files (sizes, sha256), the served model loaded on the provider asked (never another in
+its place), and every golden generation replayed token by token through the generation engine
+(attnx.runtimes.generate), its recorded tokens fed: each step's greedy token the golden one, each step's logits within
+the tolerance table's whole-model bound. Without torch.
 """
 
 from __future__ import annotations
@@ -25,15 +30,17 @@ import numpy as np
 
 from attnx.errors import UsageError
 from attnx.model.contract import get_provider
-from attnx.model.tolerance import ProblemSize, whole_model_tolerance
+from attnx.model.tolerance import ProblemSize, Tolerance, whole_model_tolerance
 from attnx.runtimes._manifest import Check, check_model_data, member_path
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.generate import Engine, GenerateStats, Request, Sampling, check_prompts
 
-__all__ = ["GENERATIONS_FILE", "GenerativeModel", "golden_arrays", "load_model_package", "replay_generations"]
+__all__ = ["BUFFER_PROVIDER", "GENERATIONS_FILE", "GenerativeModel", "golden_arrays", "load_model_package",
+           "recorded_cases", "replay_cases", "replay_generations", "served_model"]
 
 GENERATIONS_FILE = "generations.npz"
+BUFFER_PROVIDER = "cpu"  # the provider the buffer form is served on: its buffers are host memory, bound by address
 
 
 def golden_arrays(requests: Sequence[Request]) -> dict[str, np.ndarray]:
@@ -49,14 +56,26 @@ def golden_arrays(requests: Sequence[Request]) -> dict[str, np.ndarray]:
     return out
 
 
-def open_model(root: str, manifest: Mapping[str, Any], provider: str) -> Runner:
-    """The package's model loaded on `provider` through the runner registry (ProviderUnavailable where it cannot
-    start: never another provider in its place), its external data checked to lie in the package first."""
-    get_provider(provider)
-    model = next((m for m in manifest["models"] if provider in m["providers"]), None)
-    if model is None:
+def served_model(manifest: Mapping[str, Any], provider: str) -> Mapping[str, Any]:
+    """The manifest's entry of the model generation runs on `provider`: the buffer form where the package has one
+    and the provider is ONNX Runtime's CPU (its buffers are host memory, bound by address), else the model's own
+    I/O (UsageError where the package has no model for the provider)."""
+    models = [m for m in manifest["models"] if provider in m["providers"]]
+    if not models:
         built = sorted({p for m in manifest["models"] for p in m["providers"]})
         raise UsageError(f"this package has no model for provider {provider!r} (built for: {', '.join(built)})")
+    buffer = next((m for m in models if m.get("form") == "buffer"), None)
+    if buffer is not None and provider == BUFFER_PROVIDER:
+        return buffer
+    return next((m for m in models if m.get("form", "growing") == "growing"), models[0])
+
+
+def open_model(root: str, manifest: Mapping[str, Any], provider: str) -> Runner:
+    """The package's served model (served_model) loaded on `provider` through the runner registry
+    (ProviderUnavailable where it cannot start: never another provider in its place), its external data checked to
+    lie in the package first."""
+    get_provider(provider)
+    model = served_model(manifest, provider)
     check_model_data(root, manifest, model["file"])
     source = ModelSource(model_path=member_path(root, model["file"], "the model"))
     return create_runner(get_provider(provider).backend, source).load()
@@ -76,7 +95,8 @@ class _BadGolden(Exception):
     """A golden generations file that cannot be used; the message says why."""
 
 
-def _load_golden(path: str, requests: int) -> list[dict[str, np.ndarray]]:
+def _load_golden(path: str, requests: int, last: bool = False) -> list[dict[str, np.ndarray]]:
+    """The golden cases of generations.npz; `last`: each prompt's logits at its last position alone."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
@@ -89,7 +109,7 @@ def _load_golden(path: str, requests: int) -> list[dict[str, np.ndarray]]:
         if missing:
             raise _BadGolden(f"has no {', '.join(missing)}")
         prompt, tokens, first, steps = (arrays[k] for k in keys)
-        if prompt.ndim != 1 or tokens.ndim != 1 or len(tokens) < 1 or first.shape[:1] != prompt.shape \
+        if prompt.ndim != 1 or tokens.ndim != 1 or len(tokens) < 1 or first.shape[0] != (1 if last else len(prompt)) \
                 or steps.shape[0] != len(tokens) - 1:  # fmt: skip
             raise _BadGolden(f"request {i}'s arrays do not go together (prompt {list(prompt.shape)}, tokens "
                              f"{list(tokens.shape)}, logits {list(first.shape)} and {list(steps.shape)})")  # fmt: skip
@@ -104,20 +124,37 @@ def replay_generations(root: str, manifest: Mapping[str, Any], runner: Runner,
     golden = manifest["generations"]
     name = golden["file"]
     try:
-        cases = _load_golden(member_path(root, name, "the golden generations"), golden["requests"])
+        cases = _load_golden(member_path(root, name, "the golden generations"), golden["requests"],
+                             golden.get("prompt_logits") == "last")  # fmt: skip
     except _BadGolden as e:
         return [Check(name, False, str(e))]
     tol_said = manifest["tolerance"]
-    tol = whole_model_tolerance(tol_said["dtype"], tol_said["blocks"])
-    size = ProblemSize(tol_said["k"])
+    progress(f"replaying {len(cases)} golden generations ({sum(len(c['tokens']) for c in cases)} tokens)")
+    return replay_cases(runner, manifest, cases, whole_model_tolerance(tol_said["dtype"], tol_said["blocks"]),
+                        ProblemSize(tol_said["k"]))  # fmt: skip
+
+
+def recorded_cases(requests: Sequence[Request]) -> list[dict[str, np.ndarray]]:
+    """Recorded requests (Request.logits) as the cases replay_cases takes: prompt, tokens, the prompt's logits [L, V]
+    and each later step's [N - 1, V]."""
+    arrays = golden_arrays(requests)
+    return [{"prompt": arrays[f"prompt_{r.index}"], "tokens": arrays[f"tokens_{r.index}"],
+             "first": arrays[f"prompt_logits_{r.index}"], "steps": arrays[f"step_logits_{r.index}"]}
+            for r in requests]  # fmt: skip
+
+
+def replay_cases(runner: Runner, manifest: Mapping[str, Any], cases: Sequence[Mapping[str, np.ndarray]],
+                 tol: Tolerance, size: ProblemSize, label: str = "generation") -> list[Check]:  # fmt: skip
+    """Each case's tokens fed through the generation engine on `runner` (batched as the manifest says), its logits
+    recorded: one Check a case, failing at its first step whose greedy token is not the case's, or whose logits pass
+    the bound `tol` (compare_arrays) of the case's."""
     requests = [Request(i, [int(t) for t in c["prompt"]], len(c["tokens"]), forced=[int(t) for t in c["tokens"]])
                 for i, c in enumerate(cases)]  # fmt: skip
-    progress(f"replaying {len(requests)} golden generations ({sum(len(c['tokens']) for c in cases)} tokens)")
     engine = engine_for(runner, manifest, record=True)
     engine.run(requests)
     checks = []
     for request, case in zip(requests, cases):
-        label = f"generation {request.index}"
+        name = f"{label} {request.index}"
         said = f"a prompt of {len(request.prompt)} tokens, {len(request.tokens)} new"
         # the golden token of step s is chosen from logits s: the prompt's last row, then each step's
         recorded = [request.logits[0][-1], *request.logits[1:]]
@@ -126,14 +163,17 @@ def replay_generations(root: str, manifest: Mapping[str, Any], runner: Runner,
             if int(np.argmax(row)) != int(token):
                 failure = f"step {step}: greedy token {int(np.argmax(row))}, the golden one {int(token)}"
                 break
-        got = np.concatenate([request.logits[0], *(x[None] for x in request.logits[1:])])  # [L + N - 1, V]
-        want = np.concatenate([case["first"], case["steps"]])
-        cmp = compare_arrays(label, got, want, tol, size)
+        # the prompt's logits at every position, or at its last alone where the model computes no other (the
+        # served form's LastLogits): the positions both have are compared
+        first = len(request.logits[0])
+        got = np.concatenate([request.logits[0], *(x[None] for x in request.logits[1:])])  # [P + N - 1, V]
+        want = np.concatenate([case["first"][-first:], case["steps"]])
+        cmp = compare_arrays(name, got, want, tol, size)
         if failure is None and not cmp:
             row = int(np.flatnonzero((np.abs(got - want) > cmp.atol + cmp.rtol * np.abs(want)).any(-1))[0])
-            at = f"prompt position {row}" if row < len(request.prompt) else f"step {row - len(request.prompt) + 1}"
+            at = f"prompt position {len(request.prompt) - first + row}" if row < first else f"step {row - first + 1}"
             failure = f"{at}: logits past the bound ({cmp.detail()})"
-        checks.append(Check(label, failure is None, f"{said}: {failure}" if failure else f"{said}: the same greedy "
+        checks.append(Check(name, failure is None, f"{said}: {failure}" if failure else f"{said}: the same greedy "
                             f"tokens, logits {cmp.detail()}", cmp.stats()))  # fmt: skip
     return checks
 

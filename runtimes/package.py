@@ -58,7 +58,7 @@ from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.decode import decode_sequence, localise_decode
 from attnx.runtimes.localise import file_weights, localisation_dict, localise_case
-from attnx.runtimes.model_package import load_model_package, open_model, replay_generations
+from attnx.runtimes.model_package import load_model_package, open_model, replay_generations, served_model
 from attnx.runtimes.ort_runner import import_onnxruntime
 
 __all__ = [
@@ -429,7 +429,7 @@ def _verify_model_package(root: str, manifest: dict[str, Any], provider: str, re
     if not _files_hold(root, manifest, report, progress):
         return report  # a damaged or altered file is never handed to onnxruntime
     onnxruntime = _runtime(manifest, get_provider(provider).backend, report)
-    model = next((m for m in manifest["models"] if provider in m["providers"]), manifest["models"][0])
+    model = served_model(manifest, provider)
     progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({provider})")
     try:
         runner = open_model(root, manifest, provider)
@@ -476,8 +476,8 @@ def describe_package(directory: str | os.PathLike[str]) -> dict[str, Any]:
         return {"path": os.fspath(directory), "format": f"{m['format']} {m['format_version']}", "kind": MODEL_KIND,
                 **{k: m.get(k) for k in ("source", "inputs", "outputs", "context", "vocab", "padding", "decode",
                                          "verified_on", "versions")},
-                "models": [{k: model.get(k) for k in ("file", "providers", "ir_version", "opsets", "external_data")}
-                           for model in m["models"]],
+                "models": [{k: model.get(k) for k in ("file", "providers", "form", "ir_version", "opsets",
+                                                      "external_data")} for model in m["models"]],
                 "generations": m["generations"], "files": {n: e["size"] for n, e in m["files"].items()}}  # fmt: skip
     parity = m.get("parity", {})
     return {

@@ -3,13 +3,19 @@ generations recorded from it, packaged with its manifest into a folder that `att
 deployment machine and `attnx generate` serves (attnx.runtimes.model_package holds the deployment side).
 
     optimize     attnx.workflows.rewrite.optimize_model into the stage: a model it cannot prove is not packaged
-                 (CheckFailed, exit 1, its failing proofs said)
+                 (CheckFailed, exit 1, its failing proofs said); --core auto on the CPU writes SERVED_CORE wherever it
+                 computes a block, as the buffer form needs
+    buffer form  on the CPU provider, the optimized model's buffer form written beside it, their weights shared, and
+                 proven against it (attnx.workflows._buffer_form): a proof that fails is not packaged (CheckFailed);
+                 a model whose form does not fit keeps its own I/O, the reason in the manifest
     golden       prompts of different lengths (short ones, one past the widest window, one whose steps cross the
                  rope's original length, where the model has them), run together through the generation engine
-                 with continuous batching (fewer rows than prompts: some join between steps), greedy: each prompt's
-                 logits and each step's logits and token
-    manifest     every file's size and sha256, the optimization's report, the decode form, the bound the golden
-                 generations are replayed under, context, vocabulary, padding, the machine it was verified on
+                 with continuous batching (fewer rows than prompts: some join between steps), greedy, on the form
+                 generate serves (the buffer form where written): each prompt's logits (at its last position alone
+                 where the form computes no other) and each step's logits and token
+    manifest     every file's size and sha256, the optimization's report, each model's form, the decode form served
+                 and its proof, the bound the golden generations are replayed under, context, vocabulary, padding,
+                 the machine it was verified on
     verify       the stage verified as `attnx verify` would, then published whole (attnx._io.Staging)
 """
 
@@ -23,14 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import onnx
 
 from attnx._io import Staging, output_lock, write_json_atomic
 from attnx.errors import CheckFailed
 from attnx.model.checkpoint import read_checkpoint_config
-from attnx.model.contract import PROVIDERS, external_data_locations
+from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, describe, external_data_locations
 from attnx.runtimes.generate import ModelIO, Request
-from attnx.runtimes.model_package import GENERATIONS_FILE, engine_for, golden_arrays, open_model
+from attnx.runtimes.model_package import BUFFER_PROVIDER, GENERATIONS_FILE, engine_for, golden_arrays, open_model
 from attnx.runtimes.package import (
     FORMAT,
     FORMAT_VERSION,
@@ -41,6 +46,7 @@ from attnx.runtimes.package import (
     file_sha256,
     verify_package,
 )
+from attnx.workflows._buffer_form import BufferFormResult, prove_buffer_form, write_buffer_form
 from attnx.workflows._build import _check_target
 from attnx.workflows._package_files import versions, write_npz
 from attnx.workflows.audit.sources import original_length
@@ -56,6 +62,9 @@ GOLDEN_LENGTHS = (3, 11, 6, 17)  # short prompts, in an order that makes rows of
 GOLDEN_STEPS = 8  # greedy tokens recorded per prompt
 GOLDEN_BATCH = 3  # rows at once: fewer than the prompts, so that waiting prompts join between steps
 GOLDEN_SEED = 0
+# the core build --model writes on the provider the buffer form is served on (--core auto): GroupQueryAttention reads
+# and writes each row's own length (seqlens_k); MultiHeadAttention's buffer form has one past length for every row
+SERVED_CORE = "gqa"
 
 
 @dataclasses.dataclass
@@ -98,6 +107,10 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
     """The module doc: optimize `model_path`, record golden generations, package, verify, publish at `out`."""
     out = os.path.abspath(os.fspath(out))
     _check_target(out, force)
+    if core == AUTO_CORE and provider == BUFFER_PROVIDER:
+        core = SERVED_CORE
+        progress(f"--core {AUTO_CORE} on {provider}: each block written as {SERVED_CORE} where it computes it (the "
+                 "buffer form generate serves needs its per-row lengths)")  # fmt: skip
     with output_lock(out), Staging(out, folder=True) as stage:
         report = optimize_model(model_path, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
                                 core=core, progress=progress)  # fmt: skip
@@ -108,9 +121,13 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
                               + ("; ".join(failed) or "no block rewritten"))  # fmt: skip
         write_json_atomic(stage.path(REPORT_FILE), report.to_dict())
         window, original, context = _model_facts(report, checkpoint)
+        said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context,
+                "one_row": one_row(report)}  # how the engine batches, as the manifest will say
+        lengths = golden_lengths(window, original, context)
+        buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress, model_path)
         progress("recording golden generations")
-        golden = _record_golden(stage.path(), provider, report, window, original, context)
-        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, context)
+        golden = _record_golden(stage.path(), provider, said, lengths, buffer.file or MODEL_FILE)
+        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, context, buffer)
         with open(stage.path(MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -127,28 +144,56 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
     return ModelBuildReport(out, report, manifest, verify)
 
 
-def _record_golden(folder: str, provider: str, report: ModelOptimizeReport, window: int | None, original: int | None,
-                   context: int | None) -> dict[str, Any]:  # fmt: skip
-    """The golden generations (the module doc) written to GENERATIONS_FILE; what the manifest says of them."""
-    said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context,
-            "one_row": one_row(report)}
-    with open_model(folder, {"models": [{"file": MODEL_FILE, "providers": [provider]}], "files": {MODEL_FILE: {},
-                    **{loc: {} for loc in external_data_locations(os.path.join(folder, MODEL_FILE))}}},
-                    provider) as runner:  # fmt: skip
+def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list[int], blocks: int,
+                 progress: Callable[[str], None], model_path: str) -> BufferFormResult:  # fmt: skip
+    """The buffer form written beside the optimized model and proven against it (attnx.workflows._buffer_form), on
+    the provider it is served on; CheckFailed where its proof fails."""
+    if provider != BUFFER_PROVIDER:
+        return BufferFormResult(None, f"the buffer form is served on ONNX Runtime's {BUFFER_PROVIDER} provider only "
+                                      "in this version")  # fmt: skip
+    progress("writing the buffer form (the cache written in place, each row its own length)")
+    result = write_buffer_form(folder, MODEL_FILE, said["context"] or DEFAULT_ROPE_POSITIONS)
+    if result.file is None:
+        progress(f"no buffer form: {result.reason}; generate serves the model's own inputs and outputs")
+        return result
+    progress("proving the buffer form against the model's own inputs and outputs")
+    logits = [s.shape for s in describe(os.path.join(folder, MODEL_FILE)).outputs if s.name == "logits"]
+    vocab = logits[0][-1] if logits and logits[0] and isinstance(logits[0][-1], int) else 1000
+    prove_buffer_form(folder, MODEL_FILE, result, said, lengths, GOLDEN_STEPS, vocab, blocks)
+    if not result.passed:
+        raise CheckFailed(f"{model_path}: not packaged, its buffer form does not compute what its own inputs and "
+                          "outputs do: "
+                          + "; ".join(line for line in result.proofs if line.startswith("FAIL")))  # fmt: skip
+    return result
+
+
+def _stage_manifest(folder: str, model_file: str, provider: str) -> dict[str, Any]:
+    """What open_model needs of a manifest to open one model of the stage (its files listed, not hashed)."""
+    files = [model_file, *external_data_locations(os.path.join(folder, model_file))]
+    return {"models": [{"file": model_file, "providers": [provider]}], "files": {f: {} for f in files}}
+
+
+def _record_golden(folder: str, provider: str, said: dict[str, Any], lengths: list[int],
+                   model_file: str) -> dict[str, Any]:  # fmt: skip
+    """The golden generations (the module doc) recorded from `model_file` and written to GENERATIONS_FILE; what the
+    manifest says of them."""
+    with open_model(folder, _stage_manifest(folder, model_file, provider), provider) as runner:
         io = ModelIO.of(runner)
         vocab = io.vocab
         rng = np.random.default_rng(GOLDEN_SEED)
-        lengths = golden_lengths(window, original, context)
         high = min(vocab or 1000, 1000)
         requests = [Request(i, [int(t) for t in rng.integers(1, high, n)], GOLDEN_STEPS)
                     for i, n in enumerate(lengths)]  # fmt: skip
         engine = engine_for(runner, said, record=True)
         engine.run(requests)
         inputs, outputs = [s.to_dict() for s in runner.inputs], [s.to_dict() for s in runner.outputs]
+        logits = next(s for s in runner.outputs if s.name == io.logits)
     write_npz(os.path.join(folder, GENERATIONS_FILE), golden_arrays(requests))
     return {"file": GENERATIONS_FILE, "requests": len(requests), "max_batch": GOLDEN_BATCH, "steps": GOLDEN_STEPS,
             "lengths": lengths, "seed": GOLDEN_SEED, "vocab": vocab, "largest_batch": engine.max_batch,
-            "inputs": inputs, "outputs": outputs}  # fmt: skip
+            "model": model_file, "inputs": inputs, "outputs": outputs,
+            # the served form's LastLogits: a prompt's logits at its last position alone
+            "prompt_logits": "last" if len(logits.shape) == 3 and logits.shape[1] == 1 else "all"}  # fmt: skip
 
 
 def one_row(report: ModelOptimizeReport) -> str | None:
@@ -174,31 +219,47 @@ def _cpu() -> str:
     return f"{name} ({', '.join(wanted)})" if wanted else name
 
 
+def _model_entry(folder: str, name: str, provider: str, form: str) -> dict[str, Any]:
+    """A model's entry in the manifest: its file, providers, form, IR version, opsets, external data, inputs and
+    outputs (read from the file without its data)."""
+    info = describe(os.path.join(folder, name))
+    return {"file": name, "providers": [provider], "form": form, "ir_version": int(info.ir_version),
+            "opsets": dict(info.opsets), "external_data": list(info.external_data),
+            "inputs": [s.to_dict() for s in info.inputs], "outputs": [s.to_dict() for s in info.outputs]}  # fmt: skip
+
+
 def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: str, report: ModelOptimizeReport,
-              golden: dict[str, Any], context: int | None) -> dict[str, Any]:  # fmt: skip
-    model = onnx.load(os.path.join(folder, MODEL_FILE), load_external_data=False)
-    names = [MODEL_FILE, *external_data_locations(os.path.join(folder, MODEL_FILE)), GENERATIONS_FILE, REPORT_FILE]
+              golden: dict[str, Any], context: int | None, buffer: BufferFormResult) -> dict[str, Any]:  # fmt: skip
+    models = [_model_entry(folder, MODEL_FILE, provider, "growing")]
+    if buffer.file is not None:
+        models.append(_model_entry(folder, buffer.file, provider, "buffer"))
+    names = list(dict.fromkeys([m["file"] for m in models] + [n for m in models for n in m["external_data"]]
+                               + [GENERATIONS_FILE, REPORT_FILE]))  # fmt: skip
     files = {n: {"size": os.path.getsize(os.path.join(folder, n)), "sha256": file_sha256(os.path.join(folder, n))}
              for n in names}  # fmt: skip
     logits = next(o for o in golden["outputs"] if o["name"] == "logits") if any(
         o["name"] == "logits" for o in golden["outputs"]) else golden["outputs"][0]  # fmt: skip
     cores = [b.written or f"kept {b.core}" for b in report.blocks]
+    if buffer.file is not None:
+        decode = {"form": "buffer: the cache written in place (past and present one buffer), each row its own length",
+                  "file": buffer.file, "served_on": [BUFFER_PROVIDER], "proofs": buffer.proofs, "notes": buffer.notes}
+    else:
+        decode = {"form": "growing: the model's own inputs and outputs (past_key_values in, present out)",
+                  "file": MODEL_FILE, "buffer_form": f"not written: {buffer.reason}"}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": MODEL_KIND,
         "source": {"model": os.path.basename(model_path), "checkpoint": os.path.basename(os.path.abspath(checkpoint))
                    if checkpoint else None},
         "files": files,
-        "models": [{"file": MODEL_FILE, "providers": [provider], "ir_version": int(model.ir_version),
-                    "opsets": {(o.domain or "ai.onnx"): int(o.version) for o in model.opset_import},
-                    "external_data": list(external_data_locations(os.path.join(folder, MODEL_FILE)))}],
-        "inputs": golden["inputs"], "outputs": golden["outputs"],
-        "generations": {k: golden[k] for k in ("file", "requests", "max_batch", "steps", "lengths", "seed")},
+        "models": models,
+        "inputs": models[0]["inputs"], "outputs": models[0]["outputs"],
+        "generations": {k: golden[k] for k in ("file", "requests", "max_batch", "steps", "lengths", "seed", "model",
+                                               "prompt_logits")},
         # replayed under the whole-model row of the tolerance table: every block may run other kernels elsewhere
         "tolerance": {"dtype": "fp16" if logits["dtype"] == "fp16" else "fp32", "blocks": max(1, len(report.blocks)),
                       "k": longest_reduction(os.path.join(folder, MODEL_FILE))},
         "context": context, "vocab": golden["vocab"], "padding": report.padding, "one_row": one_row(report),
-        "decode": {"form": "growing: the model's own inputs and outputs (past_key_values in, present out)",
-                   "cores": cores, "max_batch": golden["largest_batch"]},
+        "decode": {**decode, "cores": cores, "max_batch": golden["largest_batch"]},
         "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,
                      "proofs": report.proofs},
         "verified_on": [provider],

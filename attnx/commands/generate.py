@@ -121,5 +121,5 @@ def run(args: argparse.Namespace) -> int:
         stats = model.stats
     print(f"wrote {args.out}: {len(prompts)} lines, {stats.new_tokens} new tokens in {stats.seconds:.2f} s "
           f"({stats.tokens_per_s:.1f} tokens/s, {stats.prefills} prefills, {stats.steps} steps, at most "
-          f"{stats.largest_batch} rows at once)")  # fmt: skip
+          f"{stats.largest_batch} rows at once, the {stats.form} form)")  # fmt: skip
     return 0

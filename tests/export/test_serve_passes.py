@@ -1,0 +1,96 @@
+"""The serving passes (attnx.export.passes.serve) on small hand-built graphs: an RMS norm as torch.onnx exports it
+becomes one SimplifiedLayerNormalization and computes the same on ONNX Runtime; a chain that differs is left; sibling
+MatMuls of constant weights become one over their concatenation, split, the same columns."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from attnx.export.passes.serve import FuseRmsNorm, LastLogits, PackMatMuls
+from attnx.model.contract import IR_VERSION
+from attnx.model.tolerance import ProblemSize, tolerance_for
+from attnx.runtimes.compare import compare_arrays
+
+RNG = np.random.default_rng(0)
+D = 16
+W = RNG.standard_normal(D).astype(np.float32)  # the norm's weight
+
+
+def _model(nodes, initializers, outputs=("y",)) -> ir.Model:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", D])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+                              [numpy_helper.from_array(v, k) for k, v in initializers.items()])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    return ir.from_proto(model)
+
+
+def _rms_norm(axis: int = -1, exponent: float = 2.0) -> ir.Model:
+    """y = w * (x * 1 / sqrt(mean(x^2, axis) + eps)), the node chain torch.onnx writes for LlamaRMSNorm."""
+    nodes = [helper.make_node("Pow", ["x", "two"], ["p"]), helper.make_node("ReduceMean", ["p", "axes"], ["m"]),
+             helper.make_node("Add", ["m", "eps"], ["a"]), helper.make_node("Sqrt", ["a"], ["r"]),
+             helper.make_node("Reciprocal", ["r"], ["i"]), helper.make_node("Mul", ["x", "i"], ["n"]),
+             helper.make_node("Mul", ["w", "n"], ["y"])]  # fmt: skip
+    return _model(nodes, {"two": np.asarray(exponent, np.float32), "axes": np.asarray([axis], np.int64),
+                          "eps": np.asarray(1e-6, np.float32), "w": W})  # fmt: skip
+
+
+def _run(model: ir.Model, x: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})
+
+
+def test_an_rms_norm_becomes_one_simplified_layer_normalization_computing_the_same():
+    x = RNG.standard_normal((2, 3, D)).astype(np.float32)
+    before = _run(_rms_norm(), x)[0]
+    model = _rms_norm()
+    fuse = FuseRmsNorm()
+    assert fuse(model).modified and fuse.notes == ["1 RMS norm(s) fused into SimplifiedLayerNormalization"]
+    assert [n.op_type for n in model.graph] == ["SimplifiedLayerNormalization"]
+    assert compare_arrays("y", _run(model, x)[0], before, tolerance_for("fp32"), ProblemSize(D))
+
+
+def test_a_chain_that_differs_is_left_as_it_is():
+    for model in (_rms_norm(axis=1), _rms_norm(exponent=3.0)):  # the mean over another axis; a cube
+        assert not FuseRmsNorm()(model).modified
+        assert len(list(model.graph)) == 7
+
+
+def test_sibling_matmuls_are_one_over_their_weights_concatenated_then_split():
+    weights = {f"w{i}": RNG.standard_normal((D, n)).astype(np.float32) for i, n in enumerate((8, 4, 4))}
+    weights["w3"] = RNG.standard_normal((8, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(3)]
+    nodes.append(helper.make_node("MatMul", ["y0", "w3"], ["z"]))  # another input: not packed
+    x = RNG.standard_normal((2, 3, D)).astype(np.float32)
+    before = _run(_model(nodes, weights, ("y0", "y1", "y2", "z")), x)
+    model = _model(nodes, weights, ("y0", "y1", "y2", "z"))
+    pack = PackMatMuls()
+    assert pack(model).modified and pack.notes == ["3 MatMuls packed into 1 (groups of [3])"]
+    assert [n.op_type for n in model.graph] == ["Concat", "MatMul", "Split", "MatMul"]
+    after = _run(model, x)
+    for a, b in zip(after, before):
+        assert compare_arrays("y", a, b, tolerance_for("fp32"), ProblemSize(D))
+    assert len(ir.to_proto(model).graph.initializer) == 5  # the weights, once each, and the split's sizes
+
+
+def test_the_logits_of_the_last_position_alone_through_a_final_softcap():
+    """logits = tanh(x W / 30) * 30 (Gemma 2's final softcap): the head computed for the last position, the same
+    numbers there; logits another op makes are left, with a note."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Div", ["h", "c"], ["d"]),
+             helper.make_node("Tanh", ["d"], ["t"]), helper.make_node("Mul", ["t", "c"], ["logits"])]  # fmt: skip
+    weights = {"w": RNG.standard_normal((D, 8)).astype(np.float32), "c": np.asarray(30.0, np.float32)}
+    x = RNG.standard_normal((2, 5, D)).astype(np.float32)
+    before = _run(_model(nodes, weights, ("logits",)), x)[0]
+    model = _model(nodes, weights, ("logits",))
+    last = LastLogits()
+    assert last(model).modified and last.notes == ["logits: the last position's alone (the head computed for one "
+                                                   "position)"]  # fmt: skip
+    after = _run(model, x)[0]
+    assert after.shape == (2, 1, 8)
+    assert compare_arrays("logits", after, before[:, -1:], tolerance_for("fp32"), ProblemSize(D))
+    other = _model([helper.make_node("Softmax", ["x"], ["logits"], axis=-1)], {}, ("logits",))
+    last = LastLogits()
+    assert not last(other).modified and last.notes[0].startswith("logits: every position's")

@@ -1,0 +1,169 @@
+"""The buffer form of a whole model (attnx.export.passes.buffer_form) and how generate serves it
+(attnx.runtimes.generate's shared cache): its inputs and outputs, the cache written in place in a row's own slot, rows
+that leave replaced by the last so that the rows decoded are one block, no row's tokens depending on its batch-mates,
+and a package that proves the form before it records from it (attnx.workflows._buffer_form); a model the form does
+not fit said why, and served through its own inputs and outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from attnx.errors import InputError
+from attnx.export.passes.buffer_form import BufferForm, NotBufferable
+from attnx.model.tolerance import ProblemSize, whole_model_tolerance
+from attnx.runtimes.base import ModelSource, create_runner
+from attnx.runtimes.compare import compare_arrays
+from attnx.runtimes.generate import Engine, Request
+from attnx.runtimes.model_package import served_model
+from attnx.workflows import build_model_package, optimize_model
+from attnx.workflows._buffer_form import BufferFormResult, prove_buffer_form, write_buffer_form
+from attnx.workflows.rewrite.prove import longest_reduction
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+EXPORT = FIXTURES / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20" / "model.onnx"
+CHECKPOINT = FIXTURES / "genai" / "llama" / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("llama") / "pkg"
+    build_model_package(str(EXPORT), out, checkpoint=str(CHECKPOINT))
+    return out
+
+
+def _runner(path: Path):
+    return create_runner("ort-cpu", ModelSource(model_path=str(path))).load()
+
+
+def _prompts(lengths, seed=3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, 256, n)] for n in lengths]
+
+
+def _logits(request: Request) -> np.ndarray:
+    return np.concatenate([request.logits[0], np.stack(request.logits[1:])])
+
+
+def test_the_buffer_form_takes_each_rows_length_and_no_padding_mask(package):
+    """Its inputs and outputs; and the serving passes: each core rotating q and k itself from a table of the
+    context's 128 positions, the 5 RMS norms fused, each block's q/k/v and each MLP's gate/up projections one MatMul
+    (2 layers: 9 MatMuls where there were 15), the packed q/k/v fed to the core, the logits of the last position
+    alone (the golden generations record a prompt's there)."""
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert manifest["decode"]["notes"][-5:] == [
+        "2 GroupQueryAttention(s) rotate q and k themselves (do_rotary, a table of 128 positions)",
+        "5 RMS norm(s) fused into SimplifiedLayerNormalization", "10 MatMuls packed into 4 (groups of [2, 3])",
+        "2 GroupQueryAttention(s) take the packed q/k/v projection",
+        "logits: the last position's alone (the head computed for one position)"]  # fmt: skip
+    assert manifest["generations"]["prompt_logits"] == "last"
+    with _runner(package / "decode.onnx") as runner:
+        inputs = {s.name: s.shape for s in runner.inputs}
+        outputs = {s.name: s.shape for s in runner.outputs}
+    assert "attention_mask" not in inputs
+    assert inputs["seqlens_k"] == ("batch_size",) and inputs["total_sequence_length"] == ()
+    for layer in range(2):  # past and present: one buffer, of the capacity the caller allocates
+        for part in ("key", "value"):
+            assert inputs[f"past_key_values.{layer}.{part}"] == ("batch_size", 2, "max_sequence_length", 16)
+            assert outputs[f"present.{layer}.{part}"] == ("batch_size", 2, "max_sequence_length", 16)
+    assert outputs["logits"] == ("batch_size", 1, 256)
+
+
+def test_a_prompt_and_a_step_write_their_keys_in_place_in_the_rows_slot(package):
+    """A prompt of 7 tokens prefilled into slot 0 of a buffer of 2 rows: positions 0..6 of slot 0 written, nothing
+    else; one step writes position 7 in the same buffer (no copy of it: the arrays the engine allocated hold it)."""
+    prompts = _prompts((7, 4))
+    with _runner(package / "decode.onnx") as runner:
+        engine = Engine(runner, max_batch=2, context=128)
+        requests = [Request(i, p, 5) for i, p in enumerate(prompts)]
+        cache = engine._cache(requests)
+        assert [b.shape for b in cache.buffers] == [(2, 2, 12, 16)] * 4  # 2 rows, 7 + 5 positions
+        cache.prefill(requests[0])
+        cache.join(requests[0])
+        for buffer in cache.buffers:
+            assert np.abs(buffer[0, :, :7]).min(axis=-1).all() and not buffer[0, :, 7:].any() and not buffer[1].any()
+        cache.step(np.asarray([3]))
+        cache.advance()
+        for buffer in cache.buffers:
+            assert np.abs(buffer[0, :, 7]).min(axis=-1).all() and not buffer[0, :, 8:].any()
+        assert list(cache.fed_positions()) == [8]
+
+
+def test_rows_that_leave_are_replaced_and_no_row_depends_on_its_batch_mates(package):
+    """Six requests of other lengths and limits, three rows at once: rows leave in the middle of the batch (the last
+    row takes their slot), waiting ones join; each request's tokens are its own alone, and its logits within the
+    tolerance table's whole-model bound of its own alone and of the model's own I/O (at the positions the buffer form
+    computes logits for: a prompt's last, then each step's)."""
+    prompts = _prompts((9, 3, 14, 5, 11, 2))
+    limits = (4, 13, 6, 9, 3, 7)
+    runs = {}
+    for name, batch in (("decode.onnx", 3), ("decode.onnx", 1), ("model.onnx", 1)):
+        requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, limits))]
+        with _runner(package / name) as runner:
+            engine = Engine(runner, max_batch=batch, context=128, record=True)
+            stats = engine.run(requests)
+        assert engine.io.form == ("buffer" if name == "decode.onnx" else "growing")
+        assert stats.largest_batch == batch
+        runs[(name, batch)] = requests
+    tol, size = whole_model_tolerance("fp32", 2), ProblemSize(longest_reduction(str(package / "model.onnx")))
+    mixed = runs[("decode.onnx", 3)]
+    for other in (runs[("decode.onnx", 1)], runs[("model.onnx", 1)]):
+        assert [r.tokens for r in mixed] == [r.tokens for r in other]
+        assert [len(r.tokens) for r in mixed] == list(limits)
+        for a, b in zip(mixed, other):  # the buffer form's prompt logits: its last position's alone
+            assert compare_arrays("logits", _logits(a), _logits(b)[-len(_logits(a)):], tol, size)
+
+
+def test_a_buffer_form_that_computes_otherwise_fails_its_proof_by_prompt_and_step(package, tmp_path):
+    """The proof that gates a package: a buffer form whose attention scale was changed is refused, the first prompt
+    named with the step its logits pass the bound."""
+    folder = tmp_path / "pkg"
+    shutil.copytree(package, folder)
+    model = ir.load(folder / "decode.onnx")
+    for node in model.graph:
+        if node.op_type == "GroupQueryAttention":
+            node.attributes["scale"] = ir.AttrFloat32("scale", 0.5)
+    ir.save(model, folder / "decode.onnx")
+    said = json.loads((folder / "manifest.json").read_text())
+    result = BufferFormResult("decode.onnx")
+    prove_buffer_form(str(folder), "model.onnx", result, said, [3, 11, 6], 4, 256, 2)
+    assert not result.passed
+    assert result.proofs[0].startswith("FAIL: the buffer form against the model's own inputs and outputs, prompt 0 "
+                                       "(3 rows at once): a prompt of 3 tokens, 4 new: ")  # fmt: skip
+
+
+def test_a_model_the_buffer_form_does_not_fit_keeps_its_own_io_and_says_why(tmp_path):
+    """Blocks written as MultiHeadAttention (one past length for every row): no buffer form, the reason naming the
+    cache and its reader; the model's file untouched. The raw export (a Concat reads its cache) likewise."""
+    optimize_model(str(EXPORT), str(tmp_path / "model.onnx"), checkpoint=str(CHECKPOINT), core="grouped-mha")
+    before = (tmp_path / "model.onnx").read_bytes()
+    result = write_buffer_form(str(tmp_path), "model.onnx")
+    assert result.file is None and not (tmp_path / "decode.onnx").exists()
+    assert result.reason.startswith("the cache input past_key_values.0.key is read by MultiHeadAttention attnx/block0/")
+    assert (tmp_path / "model.onnx").read_bytes() == before
+    with pytest.raises(NotBufferable, match=r"past_key_values.0.key is read by Concat"):
+        BufferForm()(ir.load(EXPORT))
+
+
+def test_the_served_model_is_the_buffer_form_on_the_cpu_provider_only():
+    manifest = {"models": [{"file": "model.onnx", "providers": ["cpu", "cuda"], "form": "growing"},
+                           {"file": "decode.onnx", "providers": ["cpu", "cuda"], "form": "buffer"}]}  # fmt: skip
+    assert served_model(manifest, "cpu")["file"] == "decode.onnx"
+    assert served_model(manifest, "cuda")["file"] == "model.onnx"
+    # a package written before the buffer form: its one model, whatever the provider
+    assert served_model({"models": [{"file": "model.onnx", "providers": ["cpu"]}]}, "cpu")["file"] == "model.onnx"
+
+
+def test_a_request_past_the_rope_table_is_refused_before_its_first_call(package):
+    """The table holds the context's 128 positions: an engine told of no context, asked for 100 + 40 positions, says
+    so before anything runs."""
+    with _runner(package / "decode.onnx") as runner:
+        engine = Engine(runner, max_batch=2)
+        with pytest.raises(InputError, match=r"reaches position 139, past the model's rope table \(positions 0 to 127\)"):
+            engine.run([Request(0, _prompts((100,))[0], 40)])
+        assert engine.stats.prefills == 0

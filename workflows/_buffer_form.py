@@ -1,0 +1,102 @@
+"""The buffer form in a whole model's package (attnx build --model): written from the optimized model by
+attnx.export.passes.buffer_form, its weights shared with it, and proven against it before anything is recorded from it.
+
+    write    the optimized model's tensors moved into one data file (DATA_FILE), unless they are there already; the
+             buffer form written beside it (DECODE_FILE, serve_passes: the cache in place, the rotation in the
+             core, then the rest of its graph for a step: RMS norms fused, sibling MatMuls packed, the packed
+             q/k/v fed to the core, the logits of the last position alone), its weights the same entries of the
+             same file: the package holds them once
+    prove    the same prompts (the golden ones: other lengths, joining between steps) through the generation engine
+             on the model's own I/O, recorded, then fed through the buffer form: the same greedy tokens at every step,
+             every logit within the tolerance table's whole-model bound of the model's own (a prompt's at its last
+             position, where the buffer form computes no other)
+
+A model whose form does not fit (a cache read by a block attnx did not rewrite, a bias holding more than the padding:
+NotBufferable's reason) keeps its own I/O, the reason in the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export.passes.buffer_form import BufferForm, NotBufferable, PackedQkv, RotateInCore
+from attnx.export.passes.serve import FuseRmsNorm, LastLogits, PackMatMuls
+from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, external_data_locations
+from attnx.model.tolerance import ProblemSize, whole_model_tolerance
+from attnx.runtimes.base import ModelSource, create_runner
+from attnx.runtimes.generate import Request
+from attnx.runtimes.model_package import BUFFER_PROVIDER, engine_for, recorded_cases, replay_cases
+from attnx.workflows.rewrite.prove import longest_reduction
+
+__all__ = ["DATA_FILE", "DECODE_FILE", "BufferFormResult", "prove_buffer_form", "serve_passes", "write_buffer_form"]
+
+DECODE_FILE = "decode.onnx"
+DATA_FILE = "model.onnx.data"
+
+
+@dataclasses.dataclass
+class BufferFormResult:
+    """What write_buffer_form did: the file written (None, with the reason, where the form does not fit), the pass's
+    notes, and the proof's lines (prove_buffer_form)."""
+
+    file: str | None
+    reason: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    proofs: list[str] = dataclasses.field(default_factory=list)
+    passed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def serve_passes(positions: int) -> list[Any]:
+    """The passes that write the buffer form, in order (the pipeline as data): the cache in place, then the rest of
+    the graph for a step (attnx.export.passes.serve), the rotation in the core over a table of `positions` rows."""
+    return [BufferForm(), RotateInCore(positions), FuseRmsNorm(), PackMatMuls(), PackedQkv(), LastLogits()]
+
+
+def write_buffer_form(folder: str, model_file: str, positions: int = DEFAULT_ROPE_POSITIONS) -> BufferFormResult:
+    """The buffer form of `folder`/`model_file` written as `folder`/DECODE_FILE (the module doc), or why not;
+    `positions`: the most a row can reach (the model's context where known), the rows of its rope table."""
+    path = os.path.join(folder, model_file)
+    try:
+        BufferForm()(ir.load(path))  # whether it fits, before any file is touched
+    except NotBufferable as e:
+        return BufferFormResult(None, str(e))
+    if not external_data_locations(path):
+        model = ir.load(path)  # the whole proto in memory: model.onnx can be written over
+        ir.save(model, path, external_data=DATA_FILE)
+    model = ir.load(path)  # its tensors the data file's entries, kept as they are by ir.save below
+    notes = []
+    for step in serve_passes(positions):
+        step(model)
+        notes += step.notes
+    ir.save(model, os.path.join(folder, DECODE_FILE))
+    return BufferFormResult(DECODE_FILE, notes=notes)
+
+
+def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, said: Mapping[str, Any],
+                      lengths: Sequence[int], steps: int, vocab: int, blocks: int) -> None:  # fmt: skip
+    """The buffer form against the model's own I/O (the module doc), on ONNX Runtime's CPU provider: result.proofs
+    and result.passed. `said`: how the engine batches (max_batch, one_row, padding, context, as the manifest says)."""
+    paths = [os.path.join(folder, f) for f in (model_file, result.file)]
+    tol = whole_model_tolerance("fp32", blocks)
+    size = ProblemSize(longest_reduction(paths[0]))
+    rng = np.random.default_rng(1)
+    high = min(vocab, 1000)
+    requests = [Request(i, [int(t) for t in rng.integers(1, high, n)], steps) for i, n in enumerate(lengths)]
+    backend = PROVIDERS[BUFFER_PROVIDER].backend
+    with create_runner(backend, ModelSource(model_path=paths[0])).load() as own:
+        engine_for(own, said, record=True).run(requests)
+    with create_runner(backend, ModelSource(model_path=paths[1])).load() as buffer:
+        checks = replay_cases(buffer, said, recorded_cases(requests), tol, size, label="prompt")
+    result.passed = all(checks)
+    rows = "one row at a time" if said.get("one_row") else f"{said['generations']['max_batch']} rows at once"
+    result.proofs = [f"{'pass' if c else 'FAIL'}: the buffer form against the model's own inputs and outputs, "
+                     f"{c.name} ({rows}): {c.detail}" for c in checks]  # fmt: skip
