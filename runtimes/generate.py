@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,8 +64,10 @@ class ModelIO:
     form: str = "growing"  # "buffer": the buffer form (seqlens_k and total_sequence_length in, the cache in place)
 
     @classmethod
-    def of(cls, runner: Runner) -> ModelIO:
-        """Read from a loaded runner's input and output specs; one UsageError for a model generation cannot feed."""
+    def of(cls, runner: Runner, cache_dims: Mapping[str, Sequence[int]] | None = None) -> ModelIO:
+        """Read from a loaded runner's input and output specs; one UsageError for a model generation cannot feed.
+        cache_dims: a cache input's [heads, head_dim] where its dims name them rather than fix them (the GenAI
+        builder's kv_cache_dim), as its blocks read them (a package's manifest)."""
         inputs = {s.name: s for s in runner.inputs}
         outputs = {s.name: s for s in runner.outputs}
         if "input_ids" not in inputs:
@@ -78,11 +80,15 @@ class ModelIO:
             present = _CACHE_OUT + name[len(_CACHE_IN):]
             if present not in outputs:
                 raise UsageError(f"the model's cache input {name} has no output {present}")
-            if len(spec.shape) != 4 or not all(isinstance(d, int) for d in (spec.shape[1], spec.shape[3])):
+            said = (cache_dims or {}).get(name)
+            heads, size = (spec.shape[1], spec.shape[3]) if len(spec.shape) == 4 else (None, None)
+            heads, size = (heads if isinstance(heads, int) else said and said[0],
+                           size if isinstance(size, int) else said and said[-1])  # fmt: skip
+            if len(spec.shape) != 4 or not isinstance(heads, int) or not isinstance(size, int):
                 raise UsageError(f"the model's cache input {name} is {list(spec.shape)}: not [batch, heads, past, "
-                                 "head_dim] with its heads and head_dim fixed")  # fmt: skip
+                                 "head_dim] with its heads and head_dim fixed, or said by its blocks")  # fmt: skip
             caches.append((name, present))
-            dims.append((int(spec.shape[1]), int(spec.shape[3])))
+            dims.append((heads, size))
         form = "buffer" if _SEQLENS in inputs else "growing"
         known = {"input_ids", "attention_mask", "position_ids"} | {p for p, _ in caches}
         if form == "buffer":
@@ -413,9 +419,9 @@ class Engine:
     (_GrowingCache)."""
 
     def __init__(self, runner: Runner, *, max_batch: int = 8, context: int | None = None, record: bool = False,
-                 right_padded: bool = False) -> None:  # fmt: skip
+                 right_padded: bool = False, cache_dims: Mapping[str, Sequence[int]] | None = None) -> None:  # fmt: skip
         self.runner = runner
-        self.io = ModelIO.of(runner)
+        self.io = ModelIO.of(runner, cache_dims)
         if max_batch < 1:
             raise UsageError(f"--max-batch {max_batch}: must be 1 or more")
         if self.io.form == "growing" and (not self.io.mask or right_padded):

@@ -88,7 +88,7 @@ def engine_for(runner: Runner, manifest: Mapping[str, Any], max_batch: int | Non
     if manifest.get("one_row"):  # rows that would change each other's tokens: one at a time (the manifest says why)
         batch = 1
     return Engine(runner, max_batch=batch, context=manifest.get("context"), record=record,
-                  right_padded=manifest["padding"] == "right")  # fmt: skip
+                  right_padded=manifest["padding"] == "right", cache_dims=manifest.get("cache_dims"))  # fmt: skip
 
 
 class _BadGolden(Exception):

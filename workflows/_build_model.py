@@ -122,7 +122,8 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
         write_json_atomic(stage.path(REPORT_FILE), report.to_dict())
         window, original, context = _model_facts(report, checkpoint)
         said = {"padding": report.padding, "generations": {"max_batch": GOLDEN_BATCH}, "context": context,
-                "one_row": one_row(report)}  # how the engine batches, as the manifest will say
+                "one_row": one_row(report),  # how the engine batches and feeds, as the manifest will say
+                "cache_dims": {name: [heads, size] for name, (heads, _, size) in report.caches.items()}}
         lengths = golden_lengths(window, original, context)
         buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress, model_path)
         progress("recording golden generations")
@@ -178,7 +179,7 @@ def _record_golden(folder: str, provider: str, said: dict[str, Any], lengths: li
     """The golden generations (the module doc) recorded from `model_file` and written to GENERATIONS_FILE; what the
     manifest says of them."""
     with open_model(folder, _stage_manifest(folder, model_file, provider), provider) as runner:
-        io = ModelIO.of(runner)
+        io = ModelIO.of(runner, said.get("cache_dims"))
         vocab = io.vocab
         rng = np.random.default_rng(GOLDEN_SEED)
         high = min(vocab or 1000, 1000)
@@ -259,6 +260,7 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         "tolerance": {"dtype": "fp16" if logits["dtype"] == "fp16" else "fp32", "blocks": max(1, len(report.blocks)),
                       "k": longest_reduction(os.path.join(folder, MODEL_FILE))},
         "context": context, "vocab": golden["vocab"], "padding": report.padding, "one_row": one_row(report),
+        "cache_dims": {name: [heads, size] for name, (heads, _, size) in report.caches.items()},
         "decode": {**decode, "cores": cores, "max_batch": golden["largest_batch"]},
         "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,
                      "proofs": report.proofs},

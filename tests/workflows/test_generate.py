@@ -28,6 +28,7 @@ MODELS = {
                 UNSEEN / "genai" / "mistral" / "checkpoint"),  # window 5, head_dim 32
     "phi3": (UNSEEN / "exported" / "torch-dynamo" / "phi3" / "eager-opset20",
              UNSEEN / "genai" / "phi3" / "checkpoint"),  # longrope, original length 64
+    "genai-llama": (FIXTURES / "genai" / "llama" / "fp32", FIXTURES / "genai" / "llama" / "checkpoint"),  # GQA, lengths
 }  # fmt: skip
 NEW = 32
 
@@ -79,6 +80,20 @@ def test_generate_gives_transformers_greedy_tokens_alone_and_mixed(name, package
     truth = [_transformers_greedy(MODELS[name][1], p, NEW) for p in prompts]
     assert alone == truth
     assert mixed == truth
+
+
+def test_the_genai_builders_model_is_served_a_row_at_a_time_with_transformers_tokens(packages):
+    """ONNX Runtime GenAI's builder model: its GroupQueryAttention reads each row's length from attention_mask (right
+    padding) and its cache names its head size kv_cache_dim. The package records the cache's heads and head size as
+    the blocks read them, and serves a row at a time (the manifest's padding): transformers' greedy tokens."""
+    pkg = packages("genai-llama")
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["padding"] == "right" and manifest["cache_dims"]["past_key_values.0.key"] == [2, 16]
+    with load(pkg) as model:
+        prompts = _prompts(model.vocab, (5, 12, 3))
+        tokens = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
+        assert model.stats.largest_batch == 1
+    assert tokens == [_transformers_greedy(MODELS["genai-llama"][1], p, NEW) for p in prompts]
 
 
 def test_longrope_across_its_original_length_follows_the_cache_not_generate(packages):

@@ -117,7 +117,7 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         for role in ("past_key", "past_value"):  # a window kept in a ring buffer: its past holds the window
             if block.config is not None and role in block.inputs:
                 caches[block.inputs[role]] = (block.config.n_kv_heads, block.facts.get("cache_capacity", 0),
-                                              block.config.head_dim)  # fmt: skip
+                                              block.config.head_dim if role == "past_key" else block.config.v_head_dim)
         if block.config is None:
             rewrite.kept = f"not read: {block.unread}"
             continue
@@ -138,6 +138,7 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
             rewrite.kept = rewrite.choice.reason
             continue
         plans.append(plan)
+    report.caches = {name: list(read) for name, read in caches.items()}
     if not report.blocks and not unread:
         raise UsageError(f"{model_path}: no attention block found (a model attnx did not write: no 'attnx.config' "
                          "metadata): nothing to optimize")  # fmt: skip

@@ -106,6 +106,9 @@ class ModelOptimizeReport:
     # the whole model's times, before (the input) and after (the output), through its own inputs and outputs
     model_times: dict[str, Timing] = dataclasses.field(default_factory=dict)
     time_shape: dict[str, int] = dataclasses.field(default_factory=dict)
+    # each cache input as its block reads it: [kv heads, capacity, head_dim] (capacity: what a ring buffer holds
+    # before the first token), for what the model's dims leave unnamed (the GenAI builder's kv_cache_dim)
+    caches: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """The report as printed: a table of the blocks, the notes of each (why kept or chosen, repairs), the proofs,
@@ -144,5 +147,5 @@ class ModelOptimizeReport:
             blocks.append({**row, "choice": b.choice.to_dict() if b.choice is not None else None})
         return {"model": self.model, "out": self.out, "checkpoint": self.checkpoint, "passed": self.passed,
                 "written": self.written, "provider": self.provider, "padding": self.padding, "blocks": blocks, "proofs": self.proofs,
-                "time_shape": self.time_shape,
+                "time_shape": self.time_shape, "caches": self.caches,
                 "model_times": {k: dataclasses.asdict(t) for k, t in self.model_times.items()}}  # fmt: skip
