@@ -134,6 +134,9 @@ class Term:
     fault: Callable[[Config, Weights], tuple[Config, Weights]] | None = None
     fault_summary: str = ""
     modern: bool = False  # one of the modern-LLM terms (docs/concepts/formula.md, "Modern LLM attention")
+    # computed from a token's slot in its batch (padding included), not its position: a left-padded row computes it
+    # otherwise than alone, so rows of other lengths cannot share a batch without changing each other's tokens
+    by_slot: bool = False
 
 
 def _replace(c: Config, **changes: Any) -> Config:
@@ -326,7 +329,7 @@ TERMS: dict[str, Term] = {
              "q at token index i times log1p(floor((i + 1) / floor_scale)) * attn_scale + 1 (Llama 4's NoPE layers)",
              lambda c: c.attn_temperature is not None, _validate_temperature,
              tolerance="S (the largest absolute score) is taken from q as scaled",
-             fault=_double_temperature, fault_summary="attn_scale doubled", modern=True),
+             fault=_double_temperature, fault_summary="attn_scale doubled", modern=True, by_slot=True),
         Term("kv_cache", ("kv_cache",), "cache", "the step model: past keys/values joined before the scores",
              lambda c: c.kv_cache, _validate_cache),
         Term("softcap", ("softcap",), "scores", "s -> c tanh(s / c), after the scale, before the masks",

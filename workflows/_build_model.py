@@ -33,7 +33,9 @@ import numpy as np
 from attnx._io import Staging, output_lock, write_json_atomic
 from attnx.errors import CheckFailed
 from attnx.model.checkpoint import read_checkpoint_config
+from attnx.model.config import AttentionConfig
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, describe, external_data_locations
+from attnx.model.terms import TERMS
 from attnx.runtimes.generate import ModelIO, Request
 from attnx.runtimes.model_package import BUFFER_PROVIDER, GENERATIONS_FILE, engine_for, golden_arrays, open_model
 from attnx.runtimes.package import (
@@ -200,11 +202,17 @@ def _record_golden(folder: str, provider: str, said: dict[str, Any], lengths: li
 def one_row(report: ModelOptimizeReport) -> str | None:
     """Why the model's rows must run one at a time, or None: a longrope switches its factors for a whole call once
     the call's largest position passes its original length (transformers' rule, the exported graph's too), so a row
-    past it would turn its batch-mates' keys with the long factors."""
+    past it would turn its batch-mates' keys with the long factors; a term computed from a token's slot (the
+    registry's by_slot: Llama 4's temperature) gives a left-padded row other values than it has alone."""
     ropes = [(b.config or {}).get("rope") or {} for b in report.blocks]
     if any((rope.get("scaling") or {}).get("rope_type") == "longrope" for rope in ropes):
         return ("longrope: the call's largest position switches the factors of every row, so rows of a batch would "
                 "change each other's tokens")
+    configs = [AttentionConfig.from_dict(b.config) for b in report.blocks if b.config is not None]
+    slotted = sorted({t.name for c in configs for t in TERMS.values() if t.by_slot and t.uses(c)})
+    if slotted:
+        return (f"{', '.join(slotted)}: computed from a token's slot in its batch, padding included, so a left-padded "
+                "row would get other values than alone and rows of a batch would change each other's tokens")
     return None
 
 

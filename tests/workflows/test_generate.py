@@ -29,6 +29,8 @@ MODELS = {
     "phi3": (UNSEEN / "exported" / "torch-dynamo" / "phi3" / "eager-opset20",
              UNSEEN / "genai" / "phi3" / "checkpoint"),  # longrope, original length 64
     "genai-llama": (FIXTURES / "genai" / "llama" / "fp32", FIXTURES / "genai" / "llama" / "checkpoint"),  # GQA, lengths
+    "llama4": (DYNAMO / "llama4" / "sdpa-opset20", DYNAMO / "llama4" / "checkpoint"),  # the temperature, by slot
+    "gpt2": (DYNAMO / "gpt2" / "sdpa-opset20", DYNAMO / "gpt2" / "checkpoint"),  # learned positions, no rope
 }  # fmt: skip
 NEW = 32
 
@@ -67,7 +69,7 @@ def _transformers_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[
     return [int(t) for t in out[0, len(prompt):]]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "mistral", "gpt2"])
 def test_generate_gives_transformers_greedy_tokens_alone_and_mixed(name, packages):
     """32 new tokens of prompts of 3 to 21 tokens (past gemma2's window of 8 and mistral's of 5): each prompt alone
     (one row at a time), all of them together (rows of other lengths, joining between steps), and transformers'
@@ -94,6 +96,20 @@ def test_the_genai_builders_model_is_served_a_row_at_a_time_with_transformers_to
         tokens = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
         assert model.stats.largest_batch == 1
     assert tokens == [_transformers_greedy(MODELS["genai-llama"][1], p, NEW) for p in prompts]
+
+
+def test_a_term_computed_from_a_tokens_slot_serves_rows_alone_with_transformers_tokens(packages):
+    """Llama 4's NoPE temperature is computed from a token's slot, padding included (transformers' rule, the export's
+    too): a left-padded row gets other values than it has alone, so the package serves a row at a time (its manifest
+    says why) and every prompt gets transformers' greedy tokens whatever else is asked with it."""
+    pkg = packages("llama4")
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["one_row"].startswith("attn_temperature: computed from a token's slot")
+    with load(pkg) as model:
+        prompts = _prompts(model.vocab, (5, 12, 3, 21))
+        tokens = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
+        assert model.stats.largest_batch == 1
+    assert tokens == [_transformers_greedy(MODELS["llama4"][1], p, NEW) for p in prompts]
 
 
 def test_longrope_across_its_original_length_follows_the_cache_not_generate(packages):
