@@ -62,6 +62,7 @@ class ModelIO:
     vocab: int | None  # the logits' last dim, where the model fixes it
     batch: int | None  # a batch the model's dims fix
     form: str = "growing"  # "buffer": the buffer form (seqlens_k and total_sequence_length in, the cache in place)
+    logits_dtype: Any = np.float32  # the logits' numpy type (an fp16 model's are float16)
 
     @classmethod
     def of(cls, runner: Runner, cache_dims: Mapping[str, Sequence[int]] | None = None) -> ModelIO:
@@ -105,7 +106,7 @@ class ModelIO:
         dtype = _NP.get(inputs[caches[0][0]].dtype, np.float32) if caches else np.float32
         return cls(logits, tuple(caches), tuple(dims), dtype, "position_ids" in inputs, "attention_mask" in inputs,
                    vocab if isinstance(vocab, int) else None, batch if isinstance(batch, int) else None,
-                   form)  # fmt: skip
+                   form, _NP.get(outputs[logits].dtype, np.float32))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +328,7 @@ class _SharedCache:
         # a step's inputs and logits, bound by address: [:B] of each is the step of B rows
         self.step_ids, self.step_positions = np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
         self.step_seqlens, self.step_total = np.zeros(rows, np.int32), np.zeros((), np.int32)
-        self.step_logits = np.zeros((rows, 1, self.io.vocab), np.float32) if self.io.vocab else None
+        self.step_logits = np.zeros((rows, 1, self.io.vocab), self.io.logits_dtype) if self.io.vocab else None
         self._step: tuple[Any, int] | None = None  # (the binding, its rows)
 
     def _binding(self, first: int, rows: int) -> Any:
@@ -368,7 +369,7 @@ class _SharedCache:
             b.bind_input(name, "cpu", 0, array.dtype.type, array[:rows].shape, array.ctypes.data)
         b.bind_input("total_sequence_length", "cpu", 0, np.int32, (), self.step_total.ctypes.data)
         if self.step_logits is not None:
-            b.bind_output(self.io.logits, "cpu", 0, np.float32, self.step_logits[:rows].shape,
+            b.bind_output(self.io.logits, "cpu", 0, self.step_logits.dtype.type, self.step_logits[:rows].shape,
                           self.step_logits.ctypes.data)  # fmt: skip
         else:  # a vocabulary the model's dims do not fix: ONNX Runtime allocates the logits
             b.bind_output(self.io.logits, "cpu")

@@ -31,6 +31,7 @@ MODELS = {
     "genai-llama": (FIXTURES / "genai" / "llama" / "fp32", FIXTURES / "genai" / "llama" / "checkpoint"),  # GQA, lengths
     "llama4": (DYNAMO / "llama4" / "sdpa-opset20", DYNAMO / "llama4" / "checkpoint"),  # the temperature, by slot
     "gpt2": (DYNAMO / "gpt2" / "sdpa-opset20", DYNAMO / "gpt2" / "checkpoint"),  # learned positions, no rope
+    "genai-fp16": (FIXTURES / "genai" / "llama" / "fp16", FIXTURES / "genai" / "llama" / "checkpoint"),  # fp16 logits
 }  # fmt: skip
 NEW = 32
 
@@ -96,6 +97,21 @@ def test_the_genai_builders_model_is_served_a_row_at_a_time_with_transformers_to
         tokens = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
         assert model.stats.largest_batch == 1
     assert tokens == [_transformers_greedy(MODELS["genai-llama"][1], p, NEW) for p in prompts]
+
+
+def test_the_genai_builders_fp16_model_is_packaged_and_served_in_fp16(packages):
+    """The builder's fp16 CPU model fails at its first decoding step as built; optimized (its cores rewritten alone in
+    fp16) it is packaged with its buffer form, whose logits are float16 like the model's, and served: each prompt's
+    tokens the same beside others as alone (fp16 near-ties may part from transformers' float32 ones)."""
+    pkg = packages("genai-fp16")
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["tolerance"]["dtype"] == "fp16" and manifest["decode"]["file"] == "decode.onnx"
+    with load(pkg) as model:
+        prompts = _prompts(model.vocab, (5, 12, 3))
+        mixed = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
+        assert model.stats.largest_batch == 3
+        alone = model.generate(prompts, max_new_tokens=NEW, max_batch=1)
+    assert mixed == alone and all(len(t) == NEW for t in mixed)
 
 
 def test_a_term_computed_from_a_tokens_slot_serves_rows_alone_with_transformers_tokens(packages):
