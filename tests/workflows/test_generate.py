@@ -70,7 +70,7 @@ def _transformers_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[
     return [int(t) for t in out[0, len(prompt):]]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "mistral", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_generate_gives_transformers_greedy_tokens_alone_and_mixed(name, packages):
     """32 new tokens of prompts of 3 to 21 tokens (past gemma2's window of 8 and mistral's of 5): each prompt alone
     (one row at a time), all of them together (rows of other lengths, joining between steps), and transformers'
@@ -85,6 +85,7 @@ def test_generate_gives_transformers_greedy_tokens_alone_and_mixed(name, package
     assert mixed == truth
 
 
+@pytest.mark.slow  # the slow tier: more families (README, the fast tier)
 def test_the_genai_builders_model_is_served_a_row_at_a_time_with_transformers_tokens(packages):
     """ONNX Runtime GenAI's builder model: its GroupQueryAttention reads each row's length from attention_mask (right
     padding) and its cache names its head size kv_cache_dim. The package records the cache's heads and head size as
@@ -99,6 +100,7 @@ def test_the_genai_builders_model_is_served_a_row_at_a_time_with_transformers_to
     assert tokens == [_transformers_greedy(MODELS["genai-llama"][1], p, NEW) for p in prompts]
 
 
+@pytest.mark.slow  # the slow tier: more families (README, the fast tier)
 def test_the_genai_builders_fp16_model_is_packaged_and_served_in_fp16(packages):
     """The builder's fp16 CPU model fails at its first decoding step as built; optimized (its cores rewritten alone in
     fp16) it is packaged with its buffer form, whose logits are float16 like the model's, and served: each prompt's
@@ -114,6 +116,7 @@ def test_the_genai_builders_fp16_model_is_packaged_and_served_in_fp16(packages):
     assert mixed == alone and all(len(t) == NEW for t in mixed)
 
 
+@pytest.mark.slow  # the slow tier: more families (README, the fast tier)
 def test_a_term_computed_from_a_tokens_slot_serves_rows_alone_with_transformers_tokens(packages):
     """Llama 4's NoPE temperature is computed from a token's slot, padding included (transformers' rule, the export's
     too): a left-padded row gets other values than it has alone, so the package serves a row at a time (its manifest
