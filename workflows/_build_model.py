@@ -130,7 +130,7 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
         buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress, model_path)
         progress("recording golden generations")
         golden = _record_golden(stage.path(), provider, said, lengths, buffer.file or MODEL_FILE)
-        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, context, buffer)
+        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, said, buffer)
         with open(stage.path(MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -238,7 +238,9 @@ def _model_entry(folder: str, name: str, provider: str, form: str) -> dict[str, 
 
 
 def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: str, report: ModelOptimizeReport,
-              golden: dict[str, Any], context: int | None, buffer: BufferFormResult) -> dict[str, Any]:  # fmt: skip
+              golden: dict[str, Any], said: dict[str, Any], buffer: BufferFormResult) -> dict[str, Any]:  # fmt: skip
+    """The package's manifest; `said`: how the engine batches and feeds (padding, context, one_row, cache_dims),
+    as the golden generations were recorded under it."""
     models = [_model_entry(folder, MODEL_FILE, provider, "growing")]
     if buffer.file is not None:
         models.append(_model_entry(folder, buffer.file, provider, "buffer"))
@@ -267,8 +269,7 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         # replayed under the whole-model row of the tolerance table: every block may run other kernels elsewhere
         "tolerance": {"dtype": "fp16" if logits["dtype"] == "fp16" else "fp32", "blocks": max(1, len(report.blocks)),
                       "k": longest_reduction(os.path.join(folder, MODEL_FILE))},
-        "context": context, "vocab": golden["vocab"], "padding": report.padding, "one_row": one_row(report),
-        "cache_dims": {name: [heads, size] for name, (heads, _, size) in report.caches.items()},
+        "vocab": golden["vocab"], **{k: said[k] for k in ("context", "padding", "one_row", "cache_dims")},
         "decode": {**decode, "cores": cores, "max_batch": golden["largest_batch"]},
         "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,
                      "proofs": report.proofs},
