@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,8 +42,7 @@ def main() -> int:
     import run  # run.py's models, sessions and feeds
 
     work = Path(args.work)
-    paths = {name: work / sub / "model.onnx" for name, sub in
-             ((run.EXPORT, "export"), (run.ONNXSCRIPT, "onnxscript"), (run.GENAI, "genai"), (run.ATTNX, "attnx"))}  # fmt: skip
+    paths = run.model_paths(work)
     missing = [str(path) for path in paths.values() if not path.exists()]
     if missing:
         raise SystemExit(f"no model at {', '.join(missing)}: run measurements/optimize_speed/run.py first")
@@ -95,7 +93,7 @@ def main() -> int:
             boot = [float(np.median(rng.choice(ratio, ratio.size))) for _ in range(2000)]
             low, high = np.percentile(boot, [2.5, 97.5])
             result["ratio_vs_attnx"][name] = {"median": float(np.median(ratio)), "ci95": [float(low), float(high)]}
-            met = bool(statistics.median(times[run.ATTNX]) <= med)
+            met = bool(np.median(attnx) <= med)
             result["targets"][f"attnx at least as fast as {name}"] = met
             line += f"; {name.split()[0]} / attnx {np.median(ratio):.3f} (95% {low:.3f}-{high:.3f}): " + (
                 "met" if met else "NOT met")

@@ -74,15 +74,20 @@ def load_script(name: str, path: Path):
     return module
 
 
+def model_paths(work: Path) -> dict[str, Path]:
+    """Where the four models lie under `work`, by name."""
+    return {EXPORT: work / "export" / "model.onnx", ONNXSCRIPT: work / "onnxscript" / "model.onnx",
+            GENAI: work / "genai" / "model.onnx", ATTNX: work / "attnx" / "model.onnx"}  # fmt: skip
+
+
 def make(work: Path, fresh: bool, genai_python: str) -> dict[str, Path]:
     """The checkpoint and the export (made once), and the three models made from them (remade with `fresh`), each
     folder with a built.json saying what made it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    ckpt, export = work / "checkpoint", work / "export" / "model.onnx"
-    paths = {EXPORT: export, ONNXSCRIPT: work / "onnxscript" / "model.onnx", GENAI: work / "genai" / "model.onnx",
-             ATTNX: work / "attnx" / "model.onnx"}  # fmt: skip
+    ckpt, paths = work / "checkpoint", model_paths(work)
+    export = paths[EXPORT]
     if not ckpt.exists():
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
