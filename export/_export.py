@@ -264,28 +264,64 @@ def release_rewriter_state() -> None:
     (_graph, _current_node, _match): through it, every initializer of the exported model,
     the weights included (2.4 GB for the gpt3 preset), stays alive after the model is saved
     and deleted. Matchers set this state afresh at the start of every match.
-    """
-    import gc
 
+    The matchers are found from onnxscript's modules (_rule_matchers), not by a scan of every live
+    object: in a long-lived process (a test worker) that scan cost 0.5-1 s an export
+    (measurements/ci_time). tests/export/test_export.py scans every object to prove none is missed.
+    """
     try:
         from onnxscript.rewriter._basics import MatchResult
-        from onnxscript.rewriter._matcher import SimplePatternMatcher
     except ImportError:  # another onnxscript layout: nothing known to release
         return
-    # By exact type, not isinstance(): isinstance() on every live object is a noticeable scan in a
-    # process that has exported (every object of the trace) and wakes torch's deprecated module attributes.
-    types, pending = set(), [SimplePatternMatcher]
-    while pending:
-        cls = pending.pop()
-        types.add(cls)
-        pending += cls.__subclasses__()
-    matchers = [obj for obj in gc.get_objects() if type(obj) in types]
-    for obj in matchers:
+    for matcher in _rule_matchers():
         for attr in ("_graph", "_current_node", "_tracer"):
-            if hasattr(obj, attr):
-                setattr(obj, attr, None)
-        if hasattr(obj, "_match"):
-            obj._match = MatchResult()
+            if hasattr(matcher, attr):
+                setattr(matcher, attr, None)
+        if hasattr(matcher, "_match"):
+            matcher._match = MatchResult()
+
+
+_MATCHERS: tuple[int, list[object]] = (-1, [])  # (len(sys.modules) when found, the matchers)
+
+
+def _rule_matchers() -> list[object]:
+    """The matchers of the rewrite rules onnxscript's modules hold in their globals: a rule, a rule set, or a
+    list, tuple or dict of them; found again whenever a module was imported since the last time."""
+    import sys
+    import types
+
+    global _MATCHERS
+    if _MATCHERS[0] == len(sys.modules):
+        return _MATCHERS[1]
+    try:
+        from onnxscript.rewriter._rewrite_rule import RewriteRule, RewriteRuleSet
+    except ImportError:
+        return []
+    found: dict[int, object] = {}
+
+    def visit(value: object, depth: int) -> None:
+        if isinstance(value, RewriteRule):
+            matcher = getattr(value, "_matcher", None)
+            if matcher is not None:
+                found[id(matcher)] = matcher
+        elif isinstance(value, RewriteRuleSet):
+            for rule in value.rules:
+                visit(rule, depth + 1)
+        elif depth < 2 and isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                visit(item, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth + 1)
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("onnxscript"):
+            continue
+        for value in list(vars(module).values()):
+            if not isinstance(value, (types.ModuleType, type, types.FunctionType)):
+                visit(value, 0)
+    _MATCHERS = (len(sys.modules), list(found.values()))
+    return _MATCHERS[1]
 
 
 def name_contract_dims(model: ir.Model, config: AttentionConfig) -> None:
