@@ -11,7 +11,7 @@ from onnx import TensorProto
 
 from attnx.export._llm import norm_and_rotate
 from attnx.export.cores._block import Block, read_separate
-from attnx.export.cores._emit import LOWEST, Emit, packed_projection
+from attnx.export.cores._emit import LOWEST, Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.passes.walk import NotRead, is_op
 from attnx.export.visibility import visibility
@@ -64,7 +64,7 @@ def _grouped_mha_growing(e: Emit) -> str:
     in standard ops (Emit.scored). A fully hidden row (padding) is set to 0 after, as the formula says."""
     c, g = e.c, e.g
     e.ms()
-    q, k, v = e.projections()
+    q, k, v = e.packed_projections()
     q, k = e.scored(q, k, "ort-fused")
     hidden, visible = visibility(g, c, e.kpm, True)  # [B|1, 1, S, T]: a step model is causal, so never None
     out = g.op("MultiHeadAttention", _as_rows(e, q), k, v, "", "", _rows_bias(e, hidden), "past_key", "past_value",
@@ -85,9 +85,11 @@ def _grouped_mha_buffer(e: Emit, qkv: str | None = None) -> str:
     c, g = e.c, e.g
     e.ms()
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    qkv = qkv or packed_projection(e)
-    g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
-    g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
+    if qkv is None:
+        q, k, v = e.packed_projections()
+    else:  # the auto core's: projected once before its If
+        g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
+        g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
     axis0 = g.ints("axis0", [0])
     shape = g.op("Shape", "x")
     seq = g.op("Squeeze", g.op("Slice", shape, g.ints("d1", [1]), g.ints("d2", [2])), axis0)
