@@ -35,6 +35,9 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/attnx-optimize-speed")
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-spin", action="store_true",
+                   help="the sessions' pools wait without spinning (session.intra_op.allow_spinning 0): the four "
+                        "sessions take turns in one process, and a pool left spinning takes the cores from the next")
     args = p.parse_args()
     import onnxruntime as ort
 
@@ -49,7 +52,7 @@ def main() -> int:
     config = json.loads((work / "checkpoint" / "config.json").read_text())
     tokens, past, _ = run.CASES["prefill 512"]
     feeds = run.case_feeds(config, tokens, past)
-    models = {name: run.session(path) for name, path in paths.items()}
+    models = {name: run.session(path, spin=not args.no_spin) for name, path in paths.items()}
     fed = {name: {k: v for k, v in feeds.items() if k in {i.name for i in s.get_inputs()}} for name, s in models.items()}
     for _ in range(2):  # warm-up
         for name, s in models.items():
@@ -70,7 +73,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     attnx = np.array(times[run.ATTNX])
     result = {
-        "cpu": run.cpu(), "date": datetime.date.today().isoformat(), "threads": 2, "batch": 1, "case": "prefill 512",
+        "cpu": run.cpu(), "date": datetime.date.today().isoformat(), "threads": 2, "spinning": not args.no_spin, "batch": 1, "case": "prefill 512",
         "command": "python measurements/optimize_speed/prefill_interleaved.py " + " ".join(sys.argv[1:]),
         "versions": {"onnxruntime": ort.__version__, "numpy": importlib.metadata.version("numpy"),
                      "python": platform.python_version()},

@@ -155,11 +155,15 @@ def attention_ops(path: Path) -> dict[str, int]:
     return counts
 
 
-def session(path: Path):
+def session(path: Path, spin: bool = True):
+    """The model's CPU session, 2 intra-op threads; spin=False: its pool's threads wait without spinning (for runs
+    that take turns with other sessions in one process: a pool left spinning takes the cores from the next)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = 2, 1
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     s = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     assert s.get_providers() == ["CPUExecutionProvider"], s.get_providers()
     return s
