@@ -133,6 +133,8 @@ def _grouped_mha_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[s
 
 def _auto_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
     yield from _gqa_limits(c, dtype, form)
+    if form == "growing":
+        yield from _grouped_mha_limits(c, dtype, form)
 
 
 _MASKS = {
@@ -258,15 +260,18 @@ CORES: dict[str, Core] = {
             summary="a group's query heads as rows: each key/value head read once a step (a CPU form: no fp16)",
         ),
         Core(
-            "auto", "If on the call's token count: grouped-mha for one token, gqa for more", MS_DOMAIN, "If", 1,
-            ("buffer",), ("fp32", *_QUANTIZED),
+            "auto", "If on the call: gqa for a prompt (growing: one with no padding), grouped-mha otherwise", MS_DOMAIN,
+            "If", 1,
+            ("growing", "buffer"), ("fp32", *_QUANTIZED),
             {
                 "grouped_heads": Takes("both branches"),
                 "qk_norm": Takes("both branches"),
                 "rope": Takes("both branches"),
-                "kv_cache": Takes("each branch writes the buffer in place", ("buffer",)),
+                "kv_cache": Takes("past/present (growing); each branch writes the buffer in place (buffer)",
+                                  ("growing", "buffer")),
                 "causal": Takes("both branches"),
                 "sliding_window": Takes("both branches"),
+                "key_padding_mask": Takes("a padded call takes the grouped branch", ("growing",)),
             },
             _auto_limits, summary="what gqa and grouped-mha both express",
         ),
@@ -338,7 +343,7 @@ LOWERINGS: dict[str, Lowering] = {
         Lowering("decomposed", {"full": ("decomposed",), "growing": ("decomposed",)}, torch_core="decomposed",
                  bench=True),
         Lowering("onnx", {"full": ("attention23",), "growing": ("attention23",)}, bench=True),
-        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa", "grouped-mha"),
+        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa", "grouped-mha", "auto"),
                                 "buffer": BUFFER_CORES},
                  auto=True, bench=True),
         Lowering("ort-fused-packed", {"full": ("mha-packed",)}, export=False, auto=True),

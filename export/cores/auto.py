@@ -1,16 +1,78 @@
-"""The buffer form's auto core: an If on the call's token count, grouped-mha for one token, gqa for more."""
+"""The auto core: an If on the call, the grouped core for a step, GroupQueryAttention for a prompt. The buffer form:
+on the call's token count. The growing form: on the token count and the padding (a padded call takes the grouped
+core, which masks each row as its padding asks)."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 from onnx import TensorProto, helper
 
 from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, register
-from attnx.export.cores.gqa import _gqa_buffer
-from attnx.export.cores.grouped_mha import _grouped_mha
+from attnx.export.cores.gqa import _gqa_buffer, gqa_attend
+from attnx.export.cores.grouped_mha import _grouped_mha, grouped_mha_attend
 
 
 def _auto(e: Emit) -> str:
+    if e.form == "growing":
+        return _auto_growing(e)
+    return _auto_buffer(e)
+
+
+def _branches(e: Emit, builds: dict[str, Callable[[], str]]) -> dict[str, object]:
+    """Each build's nodes moved out of the main graph into a branch graph of its own, its values renamed with the
+    core's name (q/grouped-mha, ...), so that no name is made twice; its outputs z, present_key and present_value.
+    The constants stay in the main graph, which every branch reads; the branches' stages are not the main graph's."""
+    g = e.g
+    branches, main_stages = {}, set(g.stages)
+    for core, build in builds.items():
+        start = len(g.nodes)
+        z = build()
+        nodes, g.nodes[start:] = g.nodes[start:], []
+        renamed = {out: f"{out}/{core}" for node in nodes for out in node.output if out}
+        for node in nodes:
+            node.input[:] = [renamed.get(i, i) for i in node.input]
+            node.output[:] = [renamed.get(o, o) for o in node.output]
+            node.name = f"{node.name}/{core}"
+        outputs = [helper.make_tensor_value_info(renamed[v], TensorProto.FLOAT, None)
+                   for v in (z, "present_key", "present_value")]  # fmt: skip
+        branches[core] = helper.make_graph(nodes, core, [], outputs)
+    for name in set(g.stages) - main_stages:
+        del g.stages[name]
+    return branches
+
+
+def _auto_growing(e: Emit) -> str:
+    """z of the growing form's auto core: q, k and v projected (one packed MatMul) and scored (their norms and
+    rotation at each row's positions) once, then an If: a step (one token), a chunk after a past or a padded call
+    takes the grouped core, which reads each key/value head once and masks each row as its padding asks (an additive
+    bias over a token's rows, a fully hidden row set to 0); a prompt with no padding takes GroupQueryAttention with
+    no bias at all (causal, its window as an attribute), which needs none of the rows' work."""
+    c, g = e.c, e.g
+    e.ms()
+    q, k, v = e.packed_projections()
+    q, k = e.scored(q, k, "ort-fused")
+    tokens = g.op("Shape", "x", start=1, end=2)  # [1]: the call's token count
+    past = g.op("Shape", "past_key", start=2, end=3)  # [1]: the cache's length before the call
+    # GroupQueryAttention takes more than one token after a past for batch 1 alone (ONNX Runtime 1.31: "batch_size
+    # must be 1 when sequence_length > 1 and past context is given"): a chunk after a past takes the grouped core
+    zero = g.ints("zero_i64", [0])
+    grouped = g.op("Or", g.op("Equal", tokens, g.ints("one_token", [1])), g.op("Greater", past, zero))
+    grouped = g.op("Squeeze", grouped, g.ints("axis0", [0]))
+    if e.kpm:  # a padded call: any key hidden by the padding mask
+        padded = g.op("ReduceMax", g.op("Cast", e.kpm, to=TensorProto.INT32), keepdims=0)
+        grouped = g.op("Or", grouped, g.op("Cast", padded, to=TensorProto.BOOL))
+    unpadded = dataclasses.replace(e, c=dataclasses.replace(c, key_padding_mask=False))  # the same graph, no mask
+    branches = _branches(e, {"grouped-mha": lambda: grouped_mha_attend(e, q, k, v),
+                             "gqa": lambda: gqa_attend(unpadded, q, k, v)})  # fmt: skip
+    g.op("If", grouped, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])
+    g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
+    return z
+
+
+def _auto_buffer(e: Emit) -> str:
     """z of the buffer form's auto core: an If on the call's token count, the grouped core for one
     token, GroupQueryAttention's for more; the faster of the two for each on the CPU (docs/concepts/step-forms.md, "The buffer form"). Each branch writes the shared cache in place as its op does alone: ONNX Runtime
     hands the If's outputs, bound to the cache, to the branch's op. A branch's values carry its core's
@@ -18,20 +80,7 @@ def _auto(e: Emit) -> str:
     which both branches read."""
     g = e.g
     qkv = packed_projection(e)
-    branches, main_stages = {}, set(g.stages)
-    for core, build in (("grouped-mha", _grouped_mha), ("gqa", _gqa_buffer)):
-        start = len(g.nodes)
-        z = build(e, qkv)
-        nodes, g.nodes[start:] = g.nodes[start:], []
-        renamed = {out: f"{out}/{core}" for node in nodes for out in node.output if out}
-        for node in nodes:
-            node.input[:] = [renamed.get(i, i) for i in node.input]
-            node.output[:] = [renamed.get(o, o) for o in node.output]
-            node.name = f"{node.name}/{core}"
-        outputs = [helper.make_tensor_value_info(renamed[v], TensorProto.FLOAT, None) for v in (z, "present_key", "present_value")]
-        branches[core] = helper.make_graph(nodes, core, [], outputs)
-    for name in set(g.stages) - main_stages:  # the branches' stages are not the main graph's
-        del g.stages[name]
+    branches = _branches(e, {"grouped-mha": lambda: _grouped_mha(e, qkv), "gqa": lambda: _gqa_buffer(e, qkv)})
     tokens = g.op("Shape", "x", start=1, end=2)  # [1]: the call's token count
     one_token = g.op("Squeeze", g.op("Equal", tokens, g.ints("one_token", [1])), g.ints("axis0", [0]))
     g.op("If", one_token, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])

@@ -51,10 +51,15 @@ def _gqa(e: Emit) -> str:
     attnx's, and so is its window. The buffer form: _gqa_buffer."""
     if e.form == "buffer":
         return _gqa_buffer(e)
-    c, g = e.c, e.g
     e.ms()
     q, k, v = e.projections()
     q, k = e.scored(q, k, "ort-fused")
+    return gqa_attend(e, q, k, v)
+
+
+def gqa_attend(e: Emit, q: str, k: str, v: str) -> str:
+    """The full-sequence and growing forms' attention over q, k and v as projected and scored (_gqa): z."""
+    c, g = e.c, e.g
     seq = g.op("Shape", "x", start=1, end=2)  # [1]
     batch = g.op("Shape", "x", start=0, end=1)
     total = g.op("Add", g.op("Shape", "past_key", start=2, end=3), seq) if e.step else seq  # [1] int64

@@ -62,10 +62,15 @@ def _grouped_mha_growing(e: Emit) -> str:
     padding: visibility, at each token's index) is one additive attention_bias over a token's rows; q/k norms and
     rope are their own nodes at each token's position (position_ids: a left-padded row's own), the terms after them
     in standard ops (Emit.scored). A fully hidden row (padding) is set to 0 after, as the formula says."""
-    c, g = e.c, e.g
     e.ms()
     q, k, v = e.packed_projections()
     q, k = e.scored(q, k, "ort-fused")
+    return grouped_mha_attend(e, q, k, v)
+
+
+def grouped_mha_attend(e: Emit, q: str, k: str, v: str) -> str:
+    """The growing form's attention over q, k and v as projected and scored (_grouped_mha_growing): z."""
+    c, g = e.c, e.g
     hidden, visible = visibility(g, c, e.kpm, True)  # [B|1, 1, S, T]: a step model is causal, so never None
     out = g.op("MultiHeadAttention", _as_rows(e, q), k, v, "", "", _rows_bias(e, hidden), "past_key", "past_value",
                outputs=3, domain=MS_DOMAIN, num_heads=c.n_kv_heads, scale=c.softmax_scale)  # fmt: skip

@@ -314,3 +314,43 @@ def test_a_core_bound_at_projections_made_elsewhere_gives_the_whole_blocks_z(for
     assert compare_arrays("y", out, y.astype(np.float64), tol, size)
     assert all(compare_arrays("present", a.astype(np.float64), b.astype(np.float64), tol, size)
                for a, b in zip(bound_presents, presents))  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["prompt", "chunk after a past", "padded prompt", "step", "padded step"])
+def test_the_growing_auto_core_takes_each_branch_where_it_computes_the_formula(case, tmp_path):
+    """The growing form's auto core: an If, the grouped core for a step or a padded call, GroupQueryAttention with
+    no bias for a call of more tokens with no padding. Each case, by the branch it takes, against the float64
+    reference: y and the presents."""
+    from attnx.model import init_weights
+    from attnx.model.reference import reference_attention
+    from attnx.model.rope import Rope
+
+    c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, bias=False,
+                        rope=Rope(theta=10000.0, dim=16), key_padding_mask=True, sliding_window=5)  # fmt: skip
+    w = init_weights(c, seed=3)
+    rng = np.random.default_rng(1)
+    batch, past, tokens = 2, 0 if "prompt" in case else 6, 1 if "step" in case else 7
+    x = rng.standard_normal((batch, tokens, 64)).astype(np.float32)
+    past_kv = [rng.standard_normal((batch, 2, past, 16)).astype(np.float32) for _ in range(2)]
+    kpm = np.zeros((batch, past + tokens), bool)
+    if "padded" in case:
+        kpm[1, :3] = True  # row 1 left-padded by 3
+    positions = np.maximum(np.cumsum(~kpm, axis=1) - 1, 0)[:, past:]  # transformers' position_ids
+    feeds = {"x": x, "past_key": past_kv[0], "past_value": past_kv[1], "key_padding_mask": kpm,
+             "position_ids": positions.astype(np.int64)}  # fmt: skip
+    model = build_model(c, w, "ort-fused", "growing", core="auto")
+    assert [n.op_type for n in model.graph.node].count("If") == 1
+    options = ort.SessionOptions()
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    y, present_k, present_v = session.run(None, feeds)
+    with open(session.end_profiling(), encoding="utf-8") as f:
+        ran = {e["args"]["op_name"] for e in json.load(f) if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+    # the branch the call took: GroupQueryAttention for a prompt with no padding, else the grouped core
+    assert ("GroupQueryAttention" in ran) == (case == "prompt") and ("MultiHeadAttention" in ran) != (case == "prompt")
+    ref_y, ref_k, ref_v = reference_attention(c, w, x, key_padding_mask=kpm, past_key=past_kv[0],
+                                              past_value=past_kv[1], position_ids=feeds["position_ids"])  # fmt: skip
+    tol = tolerance_for("fp32")
+    size = problem_size(c, w, feeds)
+    for name, got, want in (("y", y, ref_y), ("present_key", present_k, ref_k), ("present_value", present_v, ref_v)):
+        assert compare_arrays(name, want, got.astype(np.float64), tol, size), name

@@ -18,7 +18,7 @@ import pytest
 
 from attnx.cli import main
 from attnx.workflows import optimize_model
-from attnx.workflows.rewrite.choose import Timing, pick
+from attnx.workflows.rewrite.choose import Timing, candidates, pick
 from tests.workflows import _gallery
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -279,6 +279,19 @@ def test_the_grouped_core_is_written_and_read_back_in_every_block(export, checkp
                for line in report.proofs) == len(report.blocks)  # fmt: skip
     nodes = [n for n in onnx.load(str(out)).graph.node if n.op_type == "MultiHeadAttention"]
     assert len(nodes) == len(report.blocks) and all(len(n.input) == 8 and n.input[6] for n in nodes)  # past/present
+
+
+def test_a_core_the_audit_cannot_read_back_is_never_a_candidate():
+    """Each written block is proven by auditing the written model, so a core with no block reader is not measured:
+    the growing auto core computes the block (its own tests) but its If is not read yet."""
+    from attnx.model import AttentionConfig
+    from attnx.model.cores import why_not
+    from attnx.model.rope import Rope
+
+    c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, key_padding_mask=True,
+                        bias=False, rope=Rope(theta=10000.0, dim=16))  # fmt: skip
+    assert why_not("auto", c, "fp32", "growing") == []
+    assert candidates(c, "growing", "ort-fused") == ["gqa", "grouped-mha"]
 
 
 def test_pick_writes_the_cheapest_core_and_keeps_a_faster_graph():

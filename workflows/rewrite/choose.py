@@ -88,9 +88,13 @@ class CoreChoice:
 def candidates(config: AttentionConfig, form: str, lowering: str, dtype: str = "fp32",
                within: tuple[str, ...] | None = None) -> list[str]:  # fmt: skip
     """The cores of `lowering` that compute `config` in `form` and `dtype`, in the registry's order (`within`: of
-    those alone, the cores that compute it under the block's I/O)."""
+    those alone, the cores that compute it under the block's I/O), and that the audit reads back (a written block is
+    proven by auditing the written model: a core with no block reader, the auto core's If, could not be)."""
+    from attnx.export.cores import GRAPH_CORES
+
     return [name for name in LOWERINGS[lowering].cores.get(form, ())
-            if (within is None or name in within) and not why_not(name, config, dtype, form)]  # fmt: skip
+            if (within is None or name in within) and not why_not(name, config, dtype, form)
+            and GRAPH_CORES[name].read_block is not None]  # fmt: skip
 
 
 def pick(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_SHAPE["steps"],
