@@ -49,10 +49,15 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
     wanted(index) false: the block is read (its structure, config and index) without its weights (Block.weights
     None), whose bytes are then never read."""
     index = 0
+    read_whole: set[int] = set()  # the branches of an If read as one block (the auto core's): not read again
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if id(node.graph) in read_whole:
+            continue
         core = core_of_node(node, "")
         if core is None:
             continue
+        if node.op_type == "If":
+            read_whole.update(id(a.value) for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH)
         name = node.name or node.op_type
         if core == "decomposed" and not reaches_matmul(node.inputs[0], depth=16):
             if others is not None:

@@ -107,10 +107,14 @@ def _rename_subgraph_inputs(graph: onnx.GraphProto, renamed: Mapping[str, str]) 
     """The inputs of every node in `graph`'s subgraphs (If, Loop, Scan bodies, at any depth: all_nodes)
     that name an outer value in `renamed`, given its new name. The main graph's own nodes are named
     already (an old name there may be another value's new one)."""
-    main = {id(node) for node in graph.node}
-    for node in all_nodes(graph):
-        if id(node) not in main:
-            node.input[:] = [renamed.get(i, i) for i in node.input]
+    # each subgraph found from the main graph's nodes, not by id(): a protobuf message's Python wrapper is made
+    # afresh at each access, so the ids of the main graph's nodes may come back as a subgraph node's
+    for node in graph.node:
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subgraphs:
+                for inner in all_nodes(sub):
+                    inner.input[:] = [renamed.get(i, i) for i in inner.input]
 
 
 def span(g: Any, step: bool) -> tuple[str, str]:

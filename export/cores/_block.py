@@ -199,12 +199,14 @@ def rotary_of(paths: dict[str, Path], facts: dict[str, Any], block: Block) -> Ro
 
 def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
                    mask: ir.Value | None, keep_weights: bool, packed_bias: ir.Value | None = None,
-                   own_cache: tuple[ir.Value, ...] | None = None, grouped_rows: bool = False) -> Block:  # fmt: skip
+                   own_cache: tuple[ir.Value, ...] | None = None, grouped_rows: bool = False,
+                   z: ir.Value | None = None) -> Block:  # fmt: skip
     """A core taking query, key and value apart: each walked back to its projection through a RotaryEmbedding, a
     per-head norm, the cache's Concat(past, new) and the repeat of a GQA group; the mask tensor is named for the
     audit, which reads its terms by running it. grouped_rows: the op's heads are the key/value heads and a group's
     query heads are rows of its query (the grouped core): the query's heads come from its projection's width, and
-    the mask has a row per query head of a group (facts["rows_per_token"])."""
+    the mask has a row per query head of a group (facts["rows_per_token"]). z: the value the output projection reads
+    where it is not the op's own output (an If's, around the op's branch)."""
     block = Block(index, node.name or node.op_type, core, facts=facts)
     weights: dict[str, np.ndarray] = {}
     paths = {}
@@ -240,7 +242,7 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
     proj_node = projection_node(paths["q"].projection)
     hidden_state(block, proj_node)
     path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
-    block.outputs["y"] = output_projection(node.outputs[0], weights, block).name
+    block.outputs["y"] = output_projection(node.outputs[0] if z is None else z, weights, block).name
     if own_cache is not None:
         if paths["k"].past is not None:
             raise NotRead("a cache both in the op and before it")

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
+import onnx_ir as ir
 from onnx import TensorProto, helper
 
+from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit, packed_projection
-from attnx.export.cores._registry import CoreGraph, register
+from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.cores.gqa import _gqa_buffer, gqa_attend
-from attnx.export.cores.grouped_mha import _grouped_mha, grouped_mha_attend
+from attnx.export.cores.grouped_mha import _grouped_mha, as_rows, grouped_mha_attend, rows_bias_grid
+from attnx.export.passes.walk import NotRead, is_op
+from attnx.export.visibility import visibility
+from attnx.model.contract import MS_DOMAIN
 
 
 def _auto(e: Emit) -> str:
@@ -65,7 +71,8 @@ def _auto_growing(e: Emit) -> str:
         padded = g.op("ReduceMax", g.op("Cast", e.kpm, to=TensorProto.INT32), keepdims=0)
         grouped = g.op("Or", grouped, g.op("Cast", padded, to=TensorProto.BOOL))
     unpadded = dataclasses.replace(e, c=dataclasses.replace(c, key_padding_mask=False))  # the same graph, no mask
-    branches = _branches(e, {"grouped-mha": lambda: grouped_mha_attend(e, q, k, v),
+    seen = visibility(g, c, e.kpm, True)  # the grouped branch's grid, outside the If: what the audit reads and runs
+    branches = _branches(e, {"grouped-mha": lambda: grouped_mha_attend(e, q, k, v, seen),
                              "gqa": lambda: gqa_attend(unpadded, q, k, v)})  # fmt: skip
     g.op("If", grouped, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])
     g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
@@ -88,4 +95,53 @@ def _auto_buffer(e: Emit) -> str:
     return z
 
 
-register(CoreGraph("auto", _auto))
+def _branch_ops(node: ir.Node) -> tuple[ir.Node | None, ir.Node | None]:
+    """The growing form's auto If's MultiHeadAttention (its grouped branch, a group's heads as rows over its own
+    past) and GroupQueryAttention (its other branch), each None where the branch has none."""
+    ops: dict[str, ir.Node] = {}
+    for branch in ("then_branch", "else_branch"):
+        attr = node.attributes.get(branch)
+        if attr is None or attr.type != ir.AttributeType.GRAPH:
+            continue
+        for n in attr.value:
+            if n.domain == MS_DOMAIN and n.op_type in ("MultiHeadAttention", "GroupQueryAttention"):
+                ops.setdefault(n.op_type, n)
+    return ops.get("MultiHeadAttention"), ops.get("GroupQueryAttention")
+
+
+def _claims(node: ir.Node, graph_core: str) -> bool:
+    """An If whose branches hold the grouped core over its own past/present (the growing form) and
+    GroupQueryAttention: the buffer form's If (the shared cache) is read as its branches' cores."""
+    mha, gqa = _branch_ops(node)
+    return mha is not None and gqa is not None and as_rows(mha) and present(mha, 6) and not present(mha, 8)
+
+
+def _read_auto(node: ir.Node) -> dict[str, Any]:
+    mha, _ = _branch_ops(node)
+    return {"n_kv_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None,
+            "kv_cache": present(mha, 6)}  # fmt: skip
+
+
+def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
+    """The growing form's auto core as attnx writes it into a whole model, read through its grouped branch (which
+    computes every call; the other branch the same formula for a prompt with no padding, held to it by the audit's
+    runs, which take both): q, k and v and the cache from outside the If, the If's outputs the block's z and
+    presents, its mask the token grid the branch's bias is made from (outside the If, where the audit runs it)."""
+    mha, _ = _branch_ops(node)
+    inputs = list(mha.inputs) + [None] * (10 - len(mha.inputs))
+    grid = rows_bias_grid(inputs[5])
+    if grid is None or grid.producer() is not None and grid.producer().graph is not node.graph:
+        raise NotRead(f"{node.name}: the grouped branch's bias is not made from a token grid outside the If")
+    facts = {"n_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None, "causal": False,
+             "key_padding_mask": False, "kv_cache": True}  # fmt: skip
+    if not is_op(node.outputs[0].producer(), "If"):
+        raise NotRead(f"{node.name}: not an If")
+    block = read_separate(index, mha, "auto", facts, inputs[:3], grid, keep_weights,
+                          own_cache=(inputs[6], inputs[7], node.outputs[1], node.outputs[2]), grouped_rows=True,
+                          z=node.outputs[0])  # fmt: skip
+    block.node = node.name or node.op_type
+    block.masks = [(grid.name, "where-masked")]  # True where hidden
+    return block
+
+
+register(CoreGraph("auto", _auto, _read_auto, _read_auto_block, _claims))

@@ -68,10 +68,12 @@ def _grouped_mha_growing(e: Emit) -> str:
     return grouped_mha_attend(e, q, k, v)
 
 
-def grouped_mha_attend(e: Emit, q: str, k: str, v: str) -> str:
-    """The growing form's attention over q, k and v as projected and scored (_grouped_mha_growing): z."""
+def grouped_mha_attend(e: Emit, q: str, k: str, v: str, seen: tuple[str, str] | None = None) -> str:
+    """The growing form's attention over q, k and v as projected and scored (_grouped_mha_growing): z. seen: the
+    (hidden, visible) grids of visibility, made before (the auto core makes them outside its If, where the audit
+    reads them)."""
     c, g = e.c, e.g
-    hidden, visible = visibility(g, c, e.kpm, True)  # [B|1, 1, S, T]: a step model is causal, so never None
+    hidden, visible = seen or visibility(g, c, e.kpm, True)  # [B|1, 1, S, T]: a step model is causal, never None
     out = g.op("MultiHeadAttention", _as_rows(e, q), k, v, "", "", _rows_bias(e, hidden), "past_key", "past_value",
                outputs=3, domain=MS_DOMAIN, num_heads=c.n_kv_heads, scale=c.softmax_scale)  # fmt: skip
     g.nodes[-1].output[1:] = ["present_key", "present_value"]
@@ -129,6 +131,18 @@ def as_rows(node: ir.Node) -> bool:
     rows = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
     moved = rows.inputs[0].producer() if is_op(rows, "Reshape") else None
     return is_op(moved, "Transpose") and list(moved.attributes.get_ints("perm", [])) == ROWS_PERM
+
+
+def rows_bias_grid(bias: ir.Value | None) -> ir.Value | None:
+    """The token grid (bool [B|1, 1, S, T], True where hidden) an additive bias over a token's rows is made from
+    (_rows_bias: Where over the grid's rows, reshaped from its Expand), or None."""
+    node = bias.producer() if bias is not None else None
+    for op in ("Where", "Reshape", "Expand", "Unsqueeze"):
+        if not is_op(node, op) or node.inputs[0] is None:
+            return None
+        value = node.inputs[0]
+        node = value.producer() if op != "Unsqueeze" else None
+    return value
 
 
 def _read_grouped_mha_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:

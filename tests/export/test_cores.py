@@ -51,8 +51,9 @@ def _agrees_with_reference(model: onnx.ModelProto, config: AttentionConfig, weig
 
 def test_every_core_has_its_emitter_and_reader():
     assert set(GRAPH_CORES) == set(CORES) and all(entry.emit for entry in GRAPH_CORES.values())
-    # the If is read as its two branches' cores
-    assert {n for n, entry in GRAPH_CORES.items() if entry.read is not None} == set(CORES) - {"auto"}
+    # every core's node is read, the auto core's If too (the growing form's; the buffer form's If is read as its
+    # branches' cores: test_the_audit_reads_the_growing_auto_core_as_one_block_and_runs_both_branches)
+    assert {n for n, entry in GRAPH_CORES.items() if entry.read is not None} == set(CORES)
 
 
 @pytest.mark.parametrize(("name", "lowering"), CASES, ids=[f"{n}-{lw}" for n, lw in CASES])
@@ -354,3 +355,21 @@ def test_the_growing_auto_core_takes_each_branch_where_it_computes_the_formula(c
     size = problem_size(c, w, feeds)
     for name, got, want in (("y", y, ref_y), ("present_key", present_k, ref_k), ("present_value", present_v, ref_v)):
         assert compare_arrays(name, want, got.astype(np.float64), tol, size), name
+
+
+def test_the_audit_reads_the_growing_auto_core_as_one_block_and_runs_both_branches(tmp_path):
+    """The If is one block (not its branches' two ops), cut with what its branches read from the graph around them;
+    the audit's full sequence takes GroupQueryAttention, its padded batch and steps the grouped core: all pass."""
+    from attnx.model import init_weights
+    from attnx.model.rope import Rope
+    from attnx.workflows.audit import audit_model
+
+    c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, bias=False,
+                        rope=Rope(theta=10000.0, dim=16), key_padding_mask=True, sliding_window=5)  # fmt: skip
+    path = tmp_path / "auto.onnx"
+    onnx.save(build_model(c, init_weights(c, 3), "ort-fused", "growing", core="auto"), path)
+    report = audit_model(str(path))
+    (block,) = report.blocks
+    assert block.core == "auto" and not block.findings and not report.unread and not report.findings
+    assert {"grouped_heads", "rope", "sliding_window"} <= set(block.terms)
+    assert len(block.checks) == 3 and all(": PASS " in str(check) for check in block.checks), block.checks

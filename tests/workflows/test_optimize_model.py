@@ -57,7 +57,7 @@ def test_each_core_is_the_one_its_measured_times_choose(tmp_path):
     not take a softcap: Gemma 2's blocks have GroupQueryAttention alone), and the graph's own block too; each block
     is what pick() makes of those times: the cheapest core, or kept where the graph's own is cheaper. Which one wins
     is the machine's (the times are not asserted here)."""
-    for export, checkpoint, cores in (("llama/sdpa-opset20", "llama", {"gqa", "grouped-mha"}),
+    for export, checkpoint, cores in (("llama/sdpa-opset20", "llama", {"gqa", "grouped-mha", "auto"}),
                                       ("gemma2/eager-opset20", "gemma2", {"gqa"})):  # fmt: skip
         report = optimize_model(str(DYNAMO / export / "model.onnx"), str(tmp_path / "out.onnx"),
                                 checkpoint=str(FIXTURES / "genai" / checkpoint / "checkpoint"))  # fmt: skip
@@ -281,17 +281,42 @@ def test_the_grouped_core_is_written_and_read_back_in_every_block(export, checkp
     assert len(nodes) == len(report.blocks) and all(len(n.input) == 8 and n.input[6] for n in nodes)  # past/present
 
 
-def test_a_core_the_audit_cannot_read_back_is_never_a_candidate():
-    """Each written block is proven by auditing the written model, so a core with no block reader is not measured:
-    the growing auto core computes the block (its own tests) but its If is not read yet."""
+def test_a_core_the_audit_cannot_read_back_is_never_a_candidate(monkeypatch):
+    """Each written block is proven by auditing the written model, so a core with no block reader is not measured."""
+    import dataclasses
+
+    from attnx.export.cores import GRAPH_CORES
     from attnx.model import AttentionConfig
-    from attnx.model.cores import why_not
     from attnx.model.rope import Rope
 
     c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, key_padding_mask=True,
                         bias=False, rope=Rope(theta=10000.0, dim=16))  # fmt: skip
-    assert why_not("auto", c, "fp32", "growing") == []
+    assert candidates(c, "growing", "ort-fused") == ["gqa", "grouped-mha", "auto"]
+    monkeypatch.setitem(GRAPH_CORES, "auto", dataclasses.replace(GRAPH_CORES["auto"], read_block=None))
     assert candidates(c, "growing", "ort-fused") == ["gqa", "grouped-mha"]
+
+
+def test_the_auto_core_is_written_read_back_and_proven_in_every_block(tmp_path, monkeypatch):
+    """The growing auto core (an If: GroupQueryAttention with no bias for a prompt with no padding, the grouped core
+    otherwise) spliced into a whole model: its branches read the model's own tensors, the audit reads each If back as
+    one block and runs both branches against the float64 reference (the full sequence takes GroupQueryAttention, the
+    padded batch and the steps the grouped core), and the whole model keeps its tokens. Measured, it is one
+    candidate among the others; here it is the only one, so that it is the one written."""
+    import attnx.workflows.rewrite.choose as choose
+
+    every = choose.candidates
+    monkeypatch.setattr(choose, "candidates", lambda *a, **k: [c for c in every(*a, **k) if c == "auto"])
+    out = tmp_path / "out.onnx"
+    report = optimize_model(str(DYNAMO / "llama" / "sdpa-opset20" / "model.onnx"), str(out),
+                            checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))  # fmt: skip
+    assert report.passed and {b.written for b in report.blocks} == {"auto"}, report.lines()
+    assert sum(line.startswith(f"pass: block {b.index} (auto)") for b in report.blocks
+               for line in report.proofs) == len(report.blocks)  # fmt: skip
+    graph = onnx.load(str(out)).graph
+    ifs = [n for n in graph.node if n.op_type == "If"]
+    assert len(ifs) == len(report.blocks)
+    ops = {n.op_type for node in ifs for a in node.attribute for n in a.g.node}
+    assert {"MultiHeadAttention", "GroupQueryAttention"} <= ops
 
 
 def test_pick_writes_the_cheapest_core_and_keeps_a_faster_graph():

@@ -53,13 +53,14 @@ def audit_model(
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(AUDIT_BACKENDS)}")
     check_untrusted_model(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
-    from onnx.utils import Extractor
+
+    from attnx.workflows.audit.cut import extractor as cut_extractor
 
     model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
     # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
     structure = onnx.load(model_path, load_external_data=False)
     try:
-        extractor = Extractor(onnx.shape_inference.infer_shapes(structure))
+        extractor = cut_extractor(onnx.shape_inference.infer_shapes(structure))
     except onnx.shape_inference.InferenceError as e:
         raise UsageError(f"{model_path}: its shapes contradict each other: {first_line(e)}") from None
     graph = AuditGraph(model, extractor, os.path.dirname(os.path.abspath(model_path)), model_shapes(model))

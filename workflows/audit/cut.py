@@ -131,6 +131,58 @@ class AuditGraph:
     shapes: Shapes
 
 
+def extractor(model: Any) -> Any:
+    """onnx's Extractor over `model` (a ModelProto, typed), which also follows what a node's subgraphs (an If's
+    branches: the auto core's) read from the graph around them: its search walks each node's inputs alone, and the
+    cut would lack the nodes and initializers a branch reads."""
+    import onnx
+    from onnx.utils import Extractor
+
+    class _Extractor(Extractor):
+        def __init__(self, model: Any) -> None:
+            super().__init__(model)
+            self.implicit = {i: outer_names(node) for i, node in enumerate(self.graph.node)
+                             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                    for a in node.attribute)}  # fmt: skip
+
+        def _dfs_search_reachable_nodes(self, node_output_name: str, graph_input_names: set[str],
+                                        reachable: set[int]) -> None:  # fmt: skip
+            stack = [node_output_name]
+            while stack:
+                name = stack.pop()
+                if name in graph_input_names or name not in self.outmap:
+                    continue
+                index = self.outmap[name]
+                if index not in reachable:
+                    reachable.add(index)
+                    stack += [i for i in self.graph.node[index].input if i] + sorted(self.implicit.get(index, ()))
+
+        def _collect_reachable_tensors(self, nodes: list[Any]) -> tuple[list[Any], list[Any]]:
+            initializer, value_info = super()._collect_reachable_tensors(nodes)
+            implicit = set().union(*(outer_names(n) for n in nodes if any(a.type == onnx.AttributeProto.GRAPH
+                                                                           for a in n.attribute)))  # fmt: skip
+            have = {t.name for t in initializer}
+            initializer += [self.initializers[t] for t in sorted(implicit - have) if t in self.initializers]
+            return initializer, value_info
+
+    return _Extractor(model)
+
+
+def outer_names(node: Any) -> set[str]:
+    """The names a node's subgraphs (at any depth) read from outside them."""
+    import onnx
+
+    names: set[str] = set()
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            made = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            made |= {o for n in sub.node for o in n.output}
+            for n in sub.node:
+                names |= {i for i in n.input if i and i not in made}
+                names |= outer_names(n) - made
+    return names
+
+
 def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = None, boundary: bool | None = None,
               inputs: Sequence[str] = ()) -> bytes:  # fmt: skip
     """The block as a model of its own: the graph's nodes between its boundary tensors and the graph inputs its

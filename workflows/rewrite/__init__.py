@@ -95,11 +95,12 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         raise UsageError("--out must differ from the input model: the input is what the output is proven against")
     check_untrusted_model(model_path, whole_model=True)
     import onnx
-    from onnx.utils import Extractor
+
+    from attnx.workflows.audit.cut import extractor as cut_extractor
 
     model = ir.load(model_path)
     structure = onnx.load(model_path, load_external_data=False)
-    graph = AuditGraph(model, Extractor(onnx.shape_inference.infer_shapes(structure)),
+    graph = AuditGraph(model, cut_extractor(onnx.shape_inference.infer_shapes(structure)),
                        os.path.dirname(os.path.abspath(model_path)), model_shapes(model))  # fmt: skip
     source = CheckpointLayers(checkpoint) if checkpoint is not None else None
     report = ModelOptimizeReport(model_path, out_path, checkpoint, [], [], provider=provider)

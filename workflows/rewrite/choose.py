@@ -89,7 +89,7 @@ def candidates(config: AttentionConfig, form: str, lowering: str, dtype: str = "
                within: tuple[str, ...] | None = None) -> list[str]:  # fmt: skip
     """The cores of `lowering` that compute `config` in `form` and `dtype`, in the registry's order (`within`: of
     those alone, the cores that compute it under the block's I/O), and that the audit reads back (a written block is
-    proven by auditing the written model: a core with no block reader, the auto core's If, could not be)."""
+    proven by auditing the written model: a core with no block reader could not be)."""
     from attnx.export.cores import GRAPH_CORES
 
     return [name for name in LOWERINGS[lowering].cores.get(form, ())
@@ -180,7 +180,8 @@ def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], pro
         try:
             prefill = time_runner(runner, _block_feeds(runner, config, shape["prefill"], 0 if cached else None,
                                                        dtype, names), repeat)  # fmt: skip
-            step = time_runner(runner, _block_feeds(runner, config, 1, shape["past"], dtype, names), repeat) \
+            # a step is a millisecond or less, and a request weighs it 128 times: 4x the runs of a prompt
+            step = time_runner(runner, _block_feeds(runner, config, 1, shape["past"], dtype, names), 4 * repeat) \
                 if cached else None  # fmt: skip
         except Exception as e:  # noqa: BLE001 - an untrusted graph's own failure at this shape: said in the report
             return Timing(error=first_line(e))

@@ -62,13 +62,16 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
         sub.graph.outputs.clear()
         for node in nodes:
             sub.graph.remove(node)
-        for node in nodes:
+        inner = [n for node in nodes for attr in node.attributes.values() if attr.type == ir.AttributeType.GRAPH
+                 for n in ir.traversal.RecursiveGraphIterator(attr.value)]  # an If's branches (the auto core's)
+        for node in nodes + inner:
             node.name = prefix + (node.name or node.op_type)
             for i, value in enumerate(node.inputs):
                 if value is not None and ours.get(value.name) is value:
                     node.replace_input_with(i, bound[value.name])
             for value in node.outputs:
                 value.name = prefix + value.name
+        for node in nodes:
             g.append(node)
         if plan.bound == "x":
             y = outputs["y"]
