@@ -16,7 +16,7 @@ from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.cores.gqa import _gqa_buffer, gqa_attend
 from attnx.export.cores.grouped_mha import _grouped_mha, as_rows, grouped_mha_attend, rows_bias_grid
-from attnx.export.passes.walk import NotRead, is_op
+from attnx.export.passes.walk import NotRead
 from attnx.export.visibility import visibility
 from attnx.model.contract import MS_DOMAIN
 
@@ -134,8 +134,6 @@ def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Bl
         raise NotRead(f"{node.name}: the grouped branch's bias is not made from a token grid outside the If")
     facts = {"n_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None, "causal": False,
              "key_padding_mask": False, "kv_cache": True}  # fmt: skip
-    if not is_op(node.outputs[0].producer(), "If"):
-        raise NotRead(f"{node.name}: not an If")
     block = read_separate(index, mha, "auto", facts, inputs[:3], grid, keep_weights,
                           own_cache=(inputs[6], inputs[7], node.outputs[1], node.outputs[2]), grouped_rows=True,
                           z=node.outputs[0])  # fmt: skip
