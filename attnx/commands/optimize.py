@@ -14,7 +14,9 @@ from attnx.model.cores import attention_help
 
 HELP = COMMANDS["optimize"].help
 # what a whole model's blocks may be written as: measured (auto), or one core of the ort-fused lowering
-WHOLE_MODEL_CORES = ("auto", *dict.fromkeys(c for form in ("full", "growing") for c in LOWERINGS["ort-fused"].cores[form]))
+# auto: measure (the growing form's auto core, an If of gqa and grouped-mha, is one of the cores it measures)
+WHOLE_MODEL_CORES = tuple(dict.fromkeys(["auto", *(c for form in ("full", "growing")
+                                                   for c in LOWERINGS["ort-fused"].cores[form])]))  # fmt: skip
 
 
 def _shape(text: str) -> int:
@@ -47,8 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="REPORT.json", help="a whole model's report as JSON")
     p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
                    help="a whole model: the core each block is written as (default auto: the fastest that computes "
-                        "the block, measured on --provider, or the block kept where the graph's own is faster); a "
-                        "core named is written wherever it computes the block")  # fmt: skip
+                        "the block, measured on --provider, the auto core's If among them, or the block kept where "
+                        "the graph's own is faster); a core named is written wherever it computes the block")  # fmt: skip
     p.set_defaults(run=run)
 
 
