@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
@@ -64,7 +65,7 @@ def _auto_growing(e: Emit) -> str:
     past = g.op("Shape", "past_key", start=2, end=3)  # [1]: the cache's length before the call
     # GroupQueryAttention takes more than one token after a past for batch 1 alone (ONNX Runtime 1.31: "batch_size
     # must be 1 when sequence_length > 1 and past context is given"): a chunk after a past takes the grouped core
-    zero = g.ints("zero_i64", [0])
+    zero = g.const("zero_i64", np.asarray(0, np.int64))  # the scalar the other nodes name zero_i64
     grouped = g.op("Or", g.op("Equal", tokens, g.ints("one_token", [1])), g.op("Greater", past, zero))
     grouped = g.op("Squeeze", grouped, g.ints("axis0", [0]))
     if e.kpm:  # a padded call: any key hidden by the padding mask
