@@ -88,15 +88,17 @@ class Emit:
         v = linear(g, self.keys_from, self.weights, "v_proj", c.bias, out=g.stage("v"))
         return q, k, v
 
-    def packed_projections(self) -> tuple[str, str, str]:
+    def packed_projections(self, qkv: str | None = None) -> tuple[str, str, str]:
         """q, k and v as Emit.projections gives them, from one packed q/k/v MatMul and a Split (packed_projection)
         where q, k and v all project x (or the model's own packed input, split): one GEMM instead of three, the
-        weights read in one pass."""
-        if self.c.cross or self.bound == "separate":  # k and v project memory, or the model's own q, k, v are bound
-            return self.projections()
+        weights read in one pass. qkv: the packed projection made already (the buffer form's auto core makes it
+        once for both branches), split."""
+        if qkv is None:
+            if self.c.cross or self.bound == "separate":  # k and v project memory, or the model's q, k, v are bound
+                return self.projections()
+            qkv = packed_projection(self)
         c, g = self.c, self.g
-        g.op("Split", packed_projection(self), g.ints("qkv_split", [c.q_dim, c.kv_q_dim, c.kv_v_dim]), outputs=3,
-             axis=-1)  # fmt: skip
+        g.op("Split", qkv, g.ints("qkv_split", [c.q_dim, c.kv_q_dim, c.kv_v_dim]), outputs=3, axis=-1)
         g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
         return q, k, v
 

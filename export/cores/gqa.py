@@ -102,17 +102,12 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
     no padding, so that is its position. A position past the table is the op's error, never a number."""
     c, g = e.c, e.g
     e.ms()
-    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     apart = qkv is None and e.bound == "separate"  # the model's own q, k, v: taken apart, as bound
     qkv = qkv or (None if apart else packed_projection(e))
     qkv_inputs = ["q", "k", "v"] if apart else [qkv, "", ""]
     if set(terms_at(c, "qk")) - {"rope"}:  # a term on q and k besides the op's own rotation (do_rotary), the
         # norms: they need q and k apart, so the packed projection is split
-        if apart:
-            q, k, v = qkv_inputs
-        else:
-            g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
-            g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
+        q, k, v = qkv_inputs if apart else e.packed_projections(qkv)
         q, k = norm_and_rotate(g, dataclasses.replace(c, rope=None), e.weights, q, k, "ort-fused")  # the op rotates
         qkv_inputs = [q, k, v]
     inputs = [*qkv_inputs, "past_key", "past_value", "seqlens_k", "total_sequence_length", "", "", "", "", ""]

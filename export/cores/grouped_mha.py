@@ -91,12 +91,7 @@ def _grouped_mha_buffer(e: Emit, qkv: str | None = None) -> str:
     q/k norms and rope are their own nodes (at the token index: the buffer form has no padding)."""
     c, g = e.c, e.g
     e.ms()
-    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    if qkv is None:
-        q, k, v = e.packed_projections()
-    else:  # the auto core's: projected once before its If
-        g.op("Split", qkv, g.ints("qkv_split", [H * hd, Hkv * hd, Hkv * hd]), outputs=3, axis=-1)
-        g.nodes[-1].output[:] = q, k, v = g.stage("q"), g.stage("k"), g.stage("v")
+    q, k, v = e.packed_projections(qkv)
     axis0 = g.ints("axis0", [0])
     shape = g.op("Shape", "x")
     seq = g.op("Squeeze", g.op("Slice", shape, g.ints("d1", [1]), g.ints("d2", [2])), axis0)
@@ -112,7 +107,7 @@ def _grouped_mha_buffer(e: Emit, qkv: str | None = None) -> str:
     bias = _rows_bias(e, hidden)
     past32 = g.op("Reshape", g.op("Cast", past, to=TensorProto.INT32), g.ints("one_d", [1]))
     out = g.op("MultiHeadAttention", _as_rows(e, q), k, v, "", "", bias, "past_key", "past_value", past32, outputs=3,
-               domain=MS_DOMAIN, num_heads=Hkv, scale=c.softmax_scale)  # fmt: skip
+               domain=MS_DOMAIN, num_heads=c.n_kv_heads, scale=c.softmax_scale)  # fmt: skip
     g.nodes[-1].output[1:] = ["present_key", "present_value"]
     return _from_rows(e, out[0], g.stage("z"))
 
