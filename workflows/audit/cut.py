@@ -159,8 +159,7 @@ def extractor(model: Any) -> Any:
 
         def _collect_reachable_tensors(self, nodes: list[Any]) -> tuple[list[Any], list[Any]]:
             initializer, value_info = super()._collect_reachable_tensors(nodes)
-            implicit = set().union(*(outer_names(n) for n in nodes if any(a.type == onnx.AttributeProto.GRAPH
-                                                                           for a in n.attribute)))  # fmt: skip
+            implicit = set().union(*(self.implicit.get(self.outmap[n.output[0]], ()) for n in nodes if n.output))
             have = {t.name for t in initializer}
             initializer += [self.initializers[t] for t in sorted(implicit - have) if t in self.initializers]
             return initializer, value_info
