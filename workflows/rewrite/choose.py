@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import ProviderUnavailable, UsageError
-from attnx.export import build_model
+from attnx.export import GRAPH_CORES, build_model
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import LOWERINGS, PROVIDERS
 from attnx.model.cores import why_not
@@ -90,8 +90,6 @@ def candidates(config: AttentionConfig, form: str, lowering: str, dtype: str = "
     """The cores of `lowering` that compute `config` in `form` and `dtype`, in the registry's order (`within`: of
     those alone, the cores that compute it under the block's I/O), and that the audit reads back (a written block is
     proven by auditing the written model: a core with no block reader could not be)."""
-    from attnx.export.cores import GRAPH_CORES
-
     return [name for name in LOWERINGS[lowering].cores.get(form, ())
             if (within is None or name in within) and not why_not(name, config, dtype, form)
             and GRAPH_CORES[name].read_block is not None]  # fmt: skip
