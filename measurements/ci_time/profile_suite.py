@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 from pathlib import Path
+
+from attnx._io import write_json_atomic
 
 RATE = 25  # samples a second, as recorded above
 IMPORT = "_find_and_load"
@@ -116,9 +117,7 @@ def main() -> int:
         print(f"  {v:7.1f} s  {k}")
     if args.json:
         result["functions_s"] = dict(list(result["functions_s"].items())[:60])
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.json)
+        write_json_atomic(args.json, result)
     return 0
 
 

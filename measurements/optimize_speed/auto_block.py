@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from attnx._io import write_json_atomic
 
 HERE = Path(__file__).resolve().parent
 CORES = ("grouped-mha", "auto", "gqa")
@@ -83,9 +84,7 @@ def main() -> int:
         print(case + ": " + ", ".join(f"{core} {out['median_ms'][core]:.3f} ms ({out['vs_grouped_mha'][core]['median']:.3f}"
                                       f" of grouped-mha)" for core in CORES))  # fmt: skip
     if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.json)
+        write_json_atomic(args.json, result)
     return 0
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnx._io import write_json_atomic
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -102,9 +104,7 @@ def main() -> int:
                 "met" if met else "NOT met")
         print(line)
     if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.json)
+        write_json_atomic(args.json, result)
     return 0
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnx._io import write_json_atomic
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -93,9 +95,7 @@ def main() -> int:
         print(f"{name}: run {prof['run_ms']:.1f} ms, {len(prof['nodes'])} nodes; by op: "
               + ", ".join(f"{op} {ms:.2f}" for op, ms in by_op.most_common(12)))
     if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.json)
+        write_json_atomic(args.json, result)
     return 0
 
 
