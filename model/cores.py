@@ -96,6 +96,12 @@ class Core:
         t = self.terms.get(term)
         return t is not None and form in t.forms
 
+    @property
+    def node_domain(self) -> str:
+        """The domain of the node a reader finds it by: its own, but the default domain's for an If (the auto core:
+        an If around its branches' ops of its domain)."""
+        return "" if self.op_type == "If" else self.domain
+
 
 def _same_head_sizes(c: AttentionConfig, what: str) -> Iterable[str]:
     if c.v_head_dim != c.head_dim:
@@ -368,8 +374,7 @@ _FOUND_ORDER = ("ms-attention", "auto", "gqa", "mha-packed", "mha", "attention23
 def _found(core: Core, ops: set[tuple[str, str]], feeds: list[str | None]) -> bool:
     """Whether nodes holding `ops` (and MultiHeadAttention's first inputs made by `feeds`) are `core`'s graph: its
     entry's op in its domain, and for auto and mha-packed what tells them from gqa and mha."""
-    domain = "" if core.op_type == "If" else core.domain  # auto: an If (the default domain) around its branches
-    if (domain, core.op_type) not in ops:
+    if (core.node_domain, core.op_type) not in ops:
         return False
     if core.name == "auto":
         return (MS_DOMAIN, "GroupQueryAttention") in ops and (MS_DOMAIN, "MultiHeadAttention") in ops

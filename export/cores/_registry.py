@@ -50,13 +50,12 @@ def register(entry: CoreGraph) -> CoreGraph:
 
 def core_of_node(node: ir.Node, graph_core: str) -> str | None:
     """The registry's core a node is, given the core the graph holds: the declarations whose op and domain it has
-    (Core.op_type, Core.domain) and whose reader claims it; None for a node of no core (the buffer form's auto If is
+    (Core.op_type, Core.node_domain) and whose reader claims it; None for a node of no core (the buffer form's auto If is
     read as its branches' cores; the growing form's is the auto core)."""
     domain = "" if node.domain in _STD else node.domain
     for name, core in CORES.items():
         entry = GRAPH_CORES.get(name)
-        core_domain = "" if core.op_type == "If" else core.domain  # the auto core: an If around its branches' ops
-        if core.op_type == node.op_type and core_domain == domain and entry is not None and entry.read is not None \
+        if core.op_type == node.op_type and core.node_domain == domain and entry is not None and entry.read is not None \
                 and entry.claims(node, graph_core):  # fmt: skip
             return name
     return None
