@@ -24,6 +24,7 @@ from attnx.workflows.audit.cut import (
     AuditGraph,
     compute_in_cut,
     cut_block,
+    cut_extractor,
     cut_file,
     graph_inputs_needed,
     read_computed_terms,
@@ -53,8 +54,6 @@ def audit_model(
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(AUDIT_BACKENDS)}")
     check_untrusted_model(model_path)  # untrusted input: refused before anything parses it for real
     import onnx
-
-    from attnx.workflows.audit.cut import extractor as cut_extractor
 
     model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
     # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)

@@ -131,7 +131,7 @@ class AuditGraph:
     shapes: Shapes
 
 
-def extractor(model: Any) -> Any:
+def cut_extractor(model: Any) -> Any:
     """onnx's Extractor over `model` (a ModelProto, typed), which also follows what a node's subgraphs (an If's
     branches: the auto core's) read from the graph around them: its search walks each node's inputs alone, and the
     cut would lack the nodes and initializers a branch reads."""

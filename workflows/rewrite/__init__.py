@@ -40,7 +40,7 @@ from attnx.model.contract import CONFIG_KEY, PROVIDERS
 from attnx.model.dtypes import check_choice
 from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.runtimes.base import backend_unavailable_reason
-from attnx.workflows.audit.cut import AuditGraph, read_computed_terms
+from attnx.workflows.audit.cut import AuditGraph, cut_extractor, read_computed_terms
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
@@ -95,8 +95,6 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         raise UsageError("--out must differ from the input model: the input is what the output is proven against")
     check_untrusted_model(model_path, whole_model=True)
     import onnx
-
-    from attnx.workflows.audit.cut import extractor as cut_extractor
 
     model = ir.load(model_path)
     structure = onnx.load(model_path, load_external_data=False)
