@@ -208,9 +208,26 @@ def cut_block(graph: AuditGraph, block: Any, outputs: Sequence[str] | None = Non
     for value in cut.graph.input:  # a scalar (GroupQueryAttention's schema); shape inference may leave it unranked
         if value.name == block.inputs.get("total_sequence_length"):
             value.type.tensor_type.shape.Clear()
+    free_symbolic_dims(cut)
     check_cut_fits(cut, graph.base_dir, f"block {block.index} ({block.node})")  # before its data is read
     load_external_data_for_model(cut, graph.base_dir)
     return cut.SerializeToString()
+
+
+def free_symbolic_dims(cut: Any) -> None:
+    """The cut's named dims made its own, in place: each input's named dim a name of its own (its fixed sizes kept),
+    the inner values' and the outputs' shapes left to the runtime's inference. An exporter's names may say two dims are
+    one where a step makes them differ (torch.onnx's attention_mask [batch_size, sequence_length], as position_ids,
+    where a step's mask also covers the past), and ONNX Runtime plans buffers by those names: one value's buffer
+    handed to another of the same named shape, which fails where the sizes differ ("Shape mismatch attempting to
+    re-use buffer"). The audit feeds each block at the shapes a step has, not at those the names claim."""
+    for value in cut.graph.input:
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.HasField("dim_param"):
+                dim.dim_param = f"{value.name}/{axis}"
+    for value in list(cut.graph.value_info) + list(cut.graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.ClearField("shape")
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ def run_block(runner: Runner, block: Any, needs: Sequence[str], x: np.ndarray, p
     if "seqlens_k" in block.inputs:
         seqlens = np.full((batch,), total, np.int32) if lengths is None else np.asarray(lengths, np.int32)
         feeds[block.inputs["seqlens_k"]] = seqlens - 1
+    if "total_sequence_length" in block.inputs:  # each fed where the cut does not compute it (compute_in_cut)
         feeds[block.inputs["total_sequence_length"]] = np.array(total, np.int32)
     if "mask_index" in block.inputs:  # com.microsoft Attention's: each row's length (right padding)
         feeds[block.inputs["mask_index"]] = np.full((batch,), total, np.int32) if lengths is None else \
