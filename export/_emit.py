@@ -116,7 +116,12 @@ def build_model(
                          f"({needed} to {MAX_OPSET})")  # fmt: skip
     if keep_io_fp32 and form != "full":
         raise UsageError("--keep-io-fp32 is for a full-sequence model: a step model's cache is the buffer itself")
-    e = Emit(Graph(), c, weights, form, core, attention, half=dtype == "fp16", rope_positions=rope_positions,
+    g = Graph()
+    if c.rope is not None and form != "buffer":  # position_ids [batch, seq]: the tokens' count, as x states it
+        g.seq_from = "position_ids"
+    if form == "growing" and c.key_padding_mask and not ring_cache and not c.cross:  # [batch, past_seq + seq]
+        g.total_from = "key_padding_mask"
+    e = Emit(g, c, weights, form, core, attention, half=dtype == "fp16", rope_positions=rope_positions,
              readable=readable, domains={"": opset or needed}, bound=bound, ring_cache=ring_cache)  # fmt: skip
     z = GRAPH_CORES[core.name].emit(e)
     if bound != "x":  # the core alone: its output is z, before an output projection that is not ours

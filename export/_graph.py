@@ -18,7 +18,7 @@ from attnx.export.passes._names import name_graph, stages_json
 from attnx.model.contract import all_nodes
 from attnx.model.stages import STAGES_KEY
 
-__all__ = ["Graph", "heads", "linear", "named", "span", "token_indices"]
+__all__ = ["Graph", "call_tokens", "heads", "linear", "named", "span", "token_indices"]
 
 
 class Graph:
@@ -29,6 +29,12 @@ class Graph:
         self.inits: list[onnx.TensorProto] = []
         self.n = 0
         self.stages: dict[str, str] = {}  # {stage: layout} of the stages the graph names
+        # the inputs whose axis 1 states the call's token count and every key's count (total_from: None, the cache's
+        # length + the tokens): the model's own inputs where it has them (position_ids, the padding mask), which a
+        # whole model's blocks share, so that what is computed from the lengths is computed once for the model
+        # (attnx.export.passes.share); x and past_key are one block's own
+        self.seq_from = "x"
+        self.total_from: str | None = None
 
     def stage(self, name: str, layout: str = "b t (h d)") -> str:
         """`name`, recorded as a stage the graph holds in `layout` (attnx.model.stages): for the
@@ -117,12 +123,21 @@ def _rename_subgraph_inputs(graph: onnx.GraphProto, renamed: Mapping[str, str]) 
                     inner.input[:] = [renamed.get(i, i) for i in inner.input]
 
 
+def call_tokens(g: Any) -> str:
+    """[1] int64: the call's token count (axis 1 of Graph.seq_from)."""
+    return g.op("Shape", g.seq_from, start=1, end=2)
+
+
 def span(g: Any, step: bool) -> tuple[str, str]:
     """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the call's length
-    without a cache)."""
-    seq = g.op("Squeeze", g.op("Shape", "x", start=1, end=2), g.ints("axis0b", [0]))  # scalar S
+    without a cache); T from Graph.total_from where it states it (the padding mask over every key: past_seq = T - S),
+    else the cache's length + S."""
+    seq = g.op("Squeeze", call_tokens(g), g.ints("axis0b", [0]))  # scalar S
     if not step:
         return g.const("zero_i64", np.asarray(0, np.int64)), seq
+    if g.total_from is not None:
+        total = g.op("Squeeze", g.op("Shape", g.total_from, start=1, end=2), g.ints("axis0b", [0]))
+        return g.op("Sub", total, seq), total
     past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
     return past, g.op("Add", past, seq)
 

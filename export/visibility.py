@@ -12,7 +12,7 @@ import numpy as np
 from onnx import TensorProto
 
 from attnx.errors import ConfigError
-from attnx.export._graph import span, token_indices
+from attnx.export._graph import call_tokens, span, token_indices
 from attnx.export.terms import GRAPH_TERMS, used_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.reference import hidden_grid
@@ -46,7 +46,7 @@ def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
     if kpm is not None:
         padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
         if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)
-            rows = g.op("Concat", g.ints("one_one", [1, 1]), g.op("Shape", "x", start=1, end=2), g.ints("one1", [1]),
+            rows = g.op("Concat", g.ints("one_one", [1, 1]), call_tokens(g), g.ints("one1", [1]),
                         axis=0)  # fmt: skip
             hidden = g.op("Expand", padded, rows)
         else:

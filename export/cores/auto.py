@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
+from attnx.export._graph import call_tokens, span
 from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
@@ -61,13 +62,13 @@ def _auto_growing(e: Emit) -> str:
     e.ms()
     q, k, v = e.packed_projections()
     q, k = e.scored(q, k, "ort-fused")
-    tokens = g.op("Shape", "x", start=1, end=2)  # [1]: the call's token count
-    past = g.op("Shape", "past_key", start=2, end=3)  # [1]: the cache's length before the call
+    past, _ = span(g, True)  # scalar: the cache's length before the call
+    tokens = g.op("Squeeze", call_tokens(g), g.ints("axis0b", [0]))  # scalar: the call's token count
     # GroupQueryAttention takes more than one token after a past for batch 1 alone (ONNX Runtime 1.31: "batch_size
     # must be 1 when sequence_length > 1 and past context is given"): a chunk after a past takes the grouped core
     zero = g.const("zero_i64", np.asarray(0, np.int64))  # the scalar the other nodes name zero_i64
-    grouped = g.op("Or", g.op("Equal", tokens, g.ints("one_token", [1])), g.op("Greater", past, zero))
-    grouped = g.op("Squeeze", grouped, g.ints("axis0", [0]))
+    one = g.const("one_i64", np.asarray(1, np.int64))
+    grouped = g.op("Or", g.op("Equal", tokens, one), g.op("Greater", past, zero))
     if e.kpm:  # a padded call: any key hidden by the padding mask
         padded = g.op("ReduceMax", g.op("Cast", e.kpm, to=TensorProto.INT32), keepdims=0)
         grouped = g.op("Or", grouped, g.op("Cast", padded, to=TensorProto.BOOL))
@@ -89,7 +90,7 @@ def _auto_buffer(e: Emit) -> str:
     g = e.g
     qkv = packed_projection(e)
     branches = _branches(e, {"grouped-mha": lambda: _grouped_mha(e, qkv), "gqa": lambda: _gqa_buffer(e, qkv)})
-    tokens = g.op("Shape", "x", start=1, end=2)  # [1]: the call's token count
+    tokens = call_tokens(g)  # [1]: the call's token count
     one_token = g.op("Squeeze", g.op("Equal", tokens, g.ints("one_token", [1])), g.ints("axis0", [0]))
     g.op("If", one_token, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])
     g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]

@@ -11,6 +11,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from attnx.errors import UsageError
+from attnx.export._graph import call_tokens
 from attnx.export._llm import norm_and_rotate, rope_table
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_stages, rotary_of
 from attnx.export.cores._emit import Emit, packed_projection
@@ -60,9 +61,13 @@ def _gqa(e: Emit) -> str:
 def gqa_attend(e: Emit, q: str, k: str, v: str) -> str:
     """The full-sequence and growing forms' attention over q, k and v as projected and scored (_gqa): z."""
     c, g = e.c, e.g
-    seq = g.op("Shape", "x", start=1, end=2)  # [1]
+    seq = call_tokens(g)  # [1]
     batch = g.op("Shape", "x", start=0, end=1)
-    total = g.op("Add", g.op("Shape", "past_key", start=2, end=3), seq) if e.step else seq  # [1] int64
+    if e.step:  # [1] int64: every key's count
+        total = g.op("Shape", g.total_from, start=1, end=2) if g.total_from is not None \
+            else g.op("Add", g.op("Shape", "past_key", start=2, end=3), seq)  # fmt: skip
+    else:
+        total = seq
     total32 = g.op("Cast", g.op("Squeeze", total, g.ints("axis0", [0])), to=TensorProto.INT32)
     seqlens = g.op("Expand", g.op("Sub", g.op("Cast", total, to=TensorProto.INT32),
                                   g.const("one_i32_1", np.asarray([1], np.int32))), batch)  # fmt: skip
