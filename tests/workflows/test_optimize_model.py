@@ -319,6 +319,12 @@ def test_the_auto_core_is_written_read_back_and_proven_in_every_block(tmp_path, 
     assert len(ifs) == len(report.blocks)
     ops = {n.op_type for node in ifs for a in node.attribute for n in a.g.node}
     assert {"MultiHeadAttention", "GroupQueryAttention"} <= ops
+    # what the blocks compute alike from the model's inputs is computed once (attnx.export.passes.share): the
+    # rotary table, the If's condition and the token grid
+    assert sum(n.op_type == "Cos" and n.name.startswith("attnx/") for n in graph.node) == 1
+    assert len({n.input[0] for n in ifs}) == 1
+    rotations = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rotations) == 2 * len(report.blocks) and len({tuple(n.input[1:]) for n in rotations}) == 1
 
 
 def test_pick_writes_the_cheapest_core_and_keeps_a_faster_graph():

@@ -7,6 +7,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export import build_model
+from attnx.export.passes.share import ShareRepeated
 from attnx.workflows.rewrite.plan import LOWERING, Plan
 
 __all__ = ["splice_blocks"]
@@ -93,6 +94,9 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
             g.outputs[at] = outputs[role]
     RemoveUnusedNodesPass()(model)
     g.sort()  # the spliced nodes were appended: back into an order where each comes after what it reads
+    # what every block computes alike from the model's own inputs (rotary tables from position_ids, the token grid
+    # from the padding mask and the lengths): computed once, the rest of the graph untouched
+    ShareRepeated(prefix="attnx/")(model)
 
 
 def _const(g: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
