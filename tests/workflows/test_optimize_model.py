@@ -455,3 +455,41 @@ def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_laye
                for line in repaired.proofs)  # fmt: skip
     if "int4" in model:  # its projections kept as they were
         assert "MatMulNBits" in {n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node}
+
+
+@pytest.mark.parametrize("core", ["grouped-mha", "auto"])
+def test_a_block_splits_into_what_the_model_shares_and_its_own_part(core):
+    """What a block computes from the model's inputs alone (its rotary table from position_ids, its token grid from
+    the padding mask) cut apart from the rest, as the choice times it (split_shared: the written model computes it
+    once for all its blocks): the shared part reads neither x nor the cache, the rest reads what it makes, and the
+    two run one after the other give the whole block's outputs exactly."""
+    import onnxruntime as ort
+
+    from attnx.export import build_model
+    from attnx.model import AttentionConfig, init_weights
+    from attnx.model.rope import Rope
+    from attnx.workflows.rewrite.choose import split_shared
+
+    c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, bias=False,
+                        rope=Rope(theta=10000.0, dim=16), key_padding_mask=True)  # fmt: skip
+    model = build_model(c, init_weights(c, seed=3), "ort-fused", "growing", core=core)
+    shared, rest = split_shared(model, {"x", "past_key", "past_value"})
+    assert {i.name for i in shared.graph.input} == {"position_ids", "key_padding_mask"}
+    assert {"Cos", "Sin", "Range"} <= {n.op_type for n in shared.graph.node}
+    assert {o.name for o in shared.graph.output} <= {i.name for i in rest.graph.input}
+    rng = np.random.default_rng(0)
+    for past, tokens in ((0, 7), (6, 1)):  # a prompt, a step
+        feeds = {"x": rng.standard_normal((2, tokens, 64)).astype(np.float32),
+                 "past_key": rng.standard_normal((2, 2, past, 16)).astype(np.float32),
+                 "past_value": rng.standard_normal((2, 2, past, 16)).astype(np.float32),
+                 "key_padding_mask": np.zeros((2, past + tokens), bool),
+                 "position_ids": np.tile(np.arange(past, past + tokens), (2, 1))}  # fmt: skip
+        whole = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        first = ort.InferenceSession(shared.SerializeToString(), providers=["CPUExecutionProvider"])
+        second = ort.InferenceSession(rest.SerializeToString(), providers=["CPUExecutionProvider"])
+        made = dict(zip([o.name for o in first.get_outputs()],
+                        first.run(None, {i.name: feeds[i.name] for i in first.get_inputs()})))  # fmt: skip
+        both = {**feeds, **made}
+        outputs = second.run(None, {i.name: both[i.name] for i in second.get_inputs()})
+        for a, b in zip(outputs, whole.run(None, feeds)):
+            assert np.array_equal(a, b)

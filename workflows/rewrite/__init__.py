@@ -44,7 +44,7 @@ from attnx.workflows.audit.cut import AuditGraph, cut_extractor, read_computed_t
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
-from attnx.workflows.rewrite.plan import LOWERING, plan_block
+from attnx.workflows.rewrite.plan import LOWERING, Plan, plan_block
 from attnx.workflows.rewrite.prove import prove
 from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, formula_said
 from attnx.workflows.rewrite.splice import splice_blocks
@@ -103,6 +103,7 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
     source = CheckpointLayers(checkpoint) if checkpoint is not None else None
     report = ModelOptimizeReport(model_path, out_path, checkpoint, [], [], provider=provider)
     unread: list[str] = []
+    planned: list[tuple[BlockRewrite, Plan]] = []  # each block read and planned, then its core chosen
     plans = []
     measured: dict = {}  # blocks of one shape are timed once
     caches: dict[str, tuple[int, int, int]] = {}  # each cache input: (kv heads, capacity, head_dim), as read
@@ -130,8 +131,11 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         if source is None:
             rewrite.formula = formula_said(plan.config) + " (no --checkpoint: nothing to hold it to)"
         rewrite.splice = "the core alone, at the graph's projections" if plan.bound != "x" else "the whole block"
+        planned.append((rewrite, plan))
+    for rewrite, plan in planned:  # the blocks planned compute alike what they compute from the model's inputs
         rewrite.choice = choose_core(plan, graph, provider, LOWERING, core=core, limit=limit,
-                                     repaired=bool(rewrite.repairs), memo=measured, say=say)  # fmt: skip
+                                     repaired=bool(rewrite.repairs), shared_by=len(planned), memo=measured,
+                                     say=say)  # fmt: skip
         plan.core = rewrite.written = rewrite.choice.core
         if rewrite.written is None:
             rewrite.kept = rewrite.choice.reason

@@ -10,6 +10,10 @@ where the graph's own block is the fastest it is kept, with the numbers that say
     Shapes              within the positions the model has (the checkpoint's max_position_embeddings, the rows of the
                         block's rotary table): a table read past its end is not a time
     Per block shape     blocks of one config and one source core are measured once (a model's layers mostly are)
+    What blocks share   what a block computes from the model's inputs alone (its rotary table, its token grid) is
+                        computed once for the whole model (the splice's attnx.export.passes.share; the graph's own
+                        mask and tables, as exporters write them): timed apart and counted once for the model's
+                        blocks, each block its own part and its share (time_block)
 
 Times are measured, never assumed: the same choice can differ between an Intel Xeon and an AMD EPYC
 (docs/concepts/step-forms.md; DESIGN's measured facts). `pick` is the rule alone, so it is tested on given numbers.
@@ -22,7 +26,7 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -146,13 +150,13 @@ def _loaded(path: str, provider: str) -> Iterator[Runner]:
         yield runner
 
 
-def _block_feeds(runner: Runner, config: AttentionConfig, tokens: int, past: int | None, dtype: Any,
+def _block_feeds(specs: Sequence[Any], config: AttentionConfig, tokens: int, past: int | None, dtype: Any,
                  names: Mapping[str, str]) -> dict[str, np.ndarray]:  # fmt: skip
     """Feeds of one call of a block (batch 1, `tokens` tokens after `past` cached; None: no cache): its hidden state
     and cache under their names in `names` (role -> input), GroupQueryAttention's lengths (the row whole), every
     other input as transformers makes it."""
     rng = np.random.default_rng(0)
-    taken = {s.name for s in runner.inputs}
+    taken = {s.name for s in specs}
     lengths = names.get("seqlens_k") in taken  # one buffer written in place: room for this call's tokens too
     cache = np.zeros((1, config.n_kv_heads, (past or 0) + (tokens if lengths else 0), config.head_dim), dtype)
     widths = {"x": config.d_model, "q": config.q_dim, "k": config.kv_q_dim, "v": config.kv_v_dim,
@@ -165,25 +169,91 @@ def _block_feeds(runner: Runner, config: AttentionConfig, tokens: int, past: int
     if lengths:
         feeds[names["seqlens_k"]] = np.array([(past or 0) + tokens - 1], np.int32)
         feeds[names["total_sequence_length"]] = np.array((past or 0) + tokens, np.int32)
-    rest = [s.name for s in runner.inputs if s.name not in feeds]
+    rest = [s.name for s in specs if s.name not in feeds]
     feeds.update(graph_feeds(rest, np.ones((1, (past or 0) + tokens), np.int64), past or 0, cache))
     return feeds
 
 
+# a block's own inputs, by role: what one block reads that another does not (the rest, position_ids, the padding
+# mask, GroupQueryAttention's lengths, is the model's, read alike by every block)
+_OWN_ROLES = ("x", "q", "k", "v", "qkv", "past_key", "past_value")
+
+
+def split_shared(model: Any, own: set[str]) -> tuple[Any, Any] | None:
+    """(shared, own part) of a block model (a ModelProto): the nodes that read none of the block's `own` inputs, nor
+    anything made from them (its rotary tables from position_ids, its token grid from the padding mask), cut out as a
+    model of their own whose outputs the rest reads as inputs; None where it has no such node, or where they cannot
+    be cut apart (a graph output among them, a value between them that shape inference leaves untyped). In a whole
+    model every block computes that part alike and the splice makes it once (attnx.export.passes.share)."""
+    import onnx
+
+    from attnx.workflows.audit.cut import cut_extractor, free_symbolic_dims, outer_names
+
+    typed = onnx.shape_inference.infer_shapes(model)
+    made_from_own, shared_reads, read, made = set(own), set(), set(), set()
+    for node in typed.graph.node:  # in the order each comes after what it reads
+        reads = (set(node.input) | outer_names(node)) - {""}
+        if reads & made_from_own:
+            made_from_own |= set(node.output)
+            read |= reads
+        else:
+            made |= set(node.output) - {""}
+            shared_reads |= reads
+    boundary = sorted(made & read)
+    types = {v.name for v in typed.graph.value_info if v.type.HasField("tensor_type")}
+    if not boundary or made & {o.name for o in typed.graph.output} or not set(boundary) <= types:
+        return None
+    inputs = [i.name for i in typed.graph.input]
+    shared = cut_extractor(typed).extract_model([i for i in inputs if i in shared_reads], boundary)
+    rest = cut_extractor(typed).extract_model([i for i in inputs if i in read or i in own] + boundary,
+                                              [o.name for o in typed.graph.output])  # fmt: skip
+    for part in (shared, rest):
+        free_symbolic_dims(part)
+    return shared, rest
+
+
 def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], provider: str, shape: Mapping[str, int],
-               cached: bool, dtype: Any = np.float32, repeat: int = REPEAT) -> Timing:  # fmt: skip
+               cached: bool, dtype: Any = np.float32, repeat: int = REPEAT, shared_by: int = 1) -> Timing:  # fmt: skip
     """The prompt's and a step's times of the block model at `path` (names: role -> its input's name); a run that
-    fails is said (Timing.error), never raised: a table read past its end, a shape the graph's block cannot take."""
-    with _loaded(path, provider) as runner:
+    fails is said (Timing.error), never raised: a table read past its end, a shape the graph's block cannot take.
+    What the block computes from the model's inputs alone (split_shared) is timed apart and counted once for the
+    `shared_by` blocks that compute it alike, as the written model computes it: a block's time is its own part's and
+    its share of that."""
+    import onnx
+
+    model = onnx.load(path)
+    own = {names[role] for role in _OWN_ROLES if role in names}
+    parts = split_shared(model, own) if shared_by > 1 else None
+    initializers = {t.name for t in model.graph.initializer}
+    specs = [i for i in model.graph.input if i.name not in initializers]
+    with tempfile.TemporaryDirectory(prefix="attnx-block-") as folder:
+        if parts is not None:
+            paths = [os.path.join(folder, f"{part}.onnx") for part in ("shared", "own")]
+            for part, at in zip(parts, paths):
+                onnx.save(part, at)
         try:
-            prefill = time_runner(runner, _block_feeds(runner, config, shape["prefill"], 0 if cached else None,
-                                                       dtype, names), repeat)  # fmt: skip
-            # a step is a millisecond or less, and a request weighs it 128 times: 4x the runs of a prompt
-            step = time_runner(runner, _block_feeds(runner, config, 1, shape["past"], dtype, names), 4 * repeat) \
-                if cached else None  # fmt: skip
+            prefill_feeds = _block_feeds(specs, config, shape["prefill"], 0 if cached else None, dtype, names)
+            step_feeds = _block_feeds(specs, config, 1, shape["past"], dtype, names) if cached else None
+            if parts is None:
+                with _loaded(path, provider) as runner:
+                    prefill = time_runner(runner, prefill_feeds, repeat)
+                    # a step is a millisecond or less, and a request weighs it 128 times: 4x the runs of a prompt
+                    step = time_runner(runner, step_feeds, 4 * repeat) if cached else None
+                return Timing(prefill, step)
+            with _loaded(paths[0], provider) as shared, _loaded(paths[1], provider) as rest:
+
+                def timed(feeds: dict[str, np.ndarray], runs: int) -> float:
+                    ins = {s.name for s in shared.inputs}
+                    made = shared.run({k: v for k, v in feeds.items() if k in ins})
+                    mine = {s.name for s in rest.inputs}
+                    return time_runner(rest, {k: v for k, v in {**feeds, **made}.items() if k in mine}, runs) + \
+                        time_runner(shared, {k: v for k, v in feeds.items() if k in ins}, runs) / shared_by  # fmt: skip
+
+                return Timing(timed(prefill_feeds, repeat), timed(step_feeds, 4 * repeat) if cached else None)
+        except ProviderUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001 - an untrusted graph's own failure at this shape: said in the report
             return Timing(error=first_line(e))
-    return Timing(prefill, step)
 
 
 # what attnx's block models call their inputs (build_model), by role
@@ -192,7 +262,7 @@ _CORE_INPUTS = {role: role for role in ("x", "q", "k", "v", "qkv", "past_key", "
 
 
 def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, core: str = AUTO_CORE,
-                limit: int | None = None, repaired: bool = False, repeat: int = REPEAT,
+                limit: int | None = None, repaired: bool = False, repeat: int = REPEAT, shared_by: int = 1,
                 memo: dict[str, CoreChoice] | None = None,
                 say: Callable[[str], None] = lambda _m: None) -> CoreChoice:  # fmt: skip
     """The core a planned block (attnx.workflows.rewrite.plan.Plan, read from `graph`) is written as (the module
@@ -202,7 +272,8 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
     (Plan.bound): the whole block, against the graph's block as the audit cuts it; or the core alone, against the
     graph's own cut at its projections' outputs and the output projection's input (the projections, kept, are the
     same on both sides). The graph's own core alone, with nothing repaired, is kept untimed: the rewrite would be
-    the block itself. Blocks of one shape are measured once (memo)."""
+    the block itself. Blocks of one shape are measured once (memo). shared_by: the blocks of the model, which compute
+    alike what a block computes from the model's inputs alone (time_block)."""
     block, config, form = plan.block, plan.config, plan.form
     written = LOWERINGS[lowering].cores.get(form, ())
     if core != AUTO_CORE and core not in written:
@@ -214,7 +285,7 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
     shape = time_shape(positions_limit(block, limit))
     quant = block.quantization
     key = json.dumps([config.to_dict(), block.core, block.dtype, form, plan.bound, quant, shape, names, core,
-                      repaired], sort_keys=True, default=str)  # fmt: skip
+                      repaired, shared_by], sort_keys=True, default=str)  # fmt: skip
     if memo is not None and key in memo:
         return memo[key]
     if not names:
@@ -240,7 +311,7 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
             outs = [plan.binds["z"]] + [block.outputs[r] for r in ("present_key", "present_value") if r in block.outputs]
             cut, roles = cut_block(graph, block, outs, boundary=True, inputs=list(at.values())), {**block.inputs, **at}
         with cut_file(cut) as path:
-            choice.before = time_block(path, config, roles, provider, shape, cached, dtype, repeat)
+            choice.before = time_block(path, config, roles, provider, shape, cached, dtype, repeat, shared_by)
         for name in names:
             say(f"timing the {name} core for block {block.index} on {provider}")
             path = os.path.join(folder, f"{name}.onnx")
@@ -249,7 +320,8 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
                                 rope_positions=max(shape["prefill"], shape["past"] + 1))  # fmt: skip
             with open(path, "wb") as f:
                 f.write(model.SerializeToString())
-            choice.times[name] = time_block(path, config, _CORE_INPUTS, provider, shape, cached, dtype, repeat=repeat)
+            choice.times[name] = time_block(path, config, _CORE_INPUTS, provider, shape, cached, dtype, repeat=repeat,
+                                            shared_by=shared_by)  # fmt: skip
     if core == AUTO_CORE:
         choice.core, choice.reason = pick(choice.before, choice.times, shape["steps"], own=not repaired)
     else:
