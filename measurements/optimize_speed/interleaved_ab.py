@@ -1,7 +1,9 @@
-"""Any models of run.py's checkpoint, their prefill of 512 interleaved run by run, as prefill_interleaved.py times
-run.py's four: for an A/B of two builds of attnx's model (the blocks' tables shared or not, say) beside the builder's.
+"""Any models of run.py's checkpoint, one of run.py's cases (the prefill of 512 by default) interleaved run by run, as
+prefill_interleaved.py times run.py's four: for an A/B of two builds of attnx's model (the blocks' tables shared or
+not, say) beside the builder's.
 
-    python measurements/optimize_speed/prefill_ab.py --work DIR --iterations 100 NAME=MODEL.onnx [NAME=MODEL.onnx ...]
+    python measurements/optimize_speed/interleaved_ab.py [--work DIR] [--iterations 100] [--case "prefill 512"]
+                                                         NAME=MODEL.onnx [NAME=MODEL.onnx ...]
 
 The first model named is the base: every ratio is a model's time over the base's in the same iteration (median,
 bootstrap 95% interval). Sessions without spinning, 2 threads, batch 1; the logits of each against the base's are
@@ -26,6 +28,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/attnx-optimize-speed", help="run.py's folder (its checkpoint's config)")
     p.add_argument("--iterations", type=int, default=100)
+    p.add_argument("--case", default="prefill 512", help="one of run.py's CASES")
     p.add_argument("models", nargs="+", help="NAME=PATH, the base first")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
@@ -34,7 +37,7 @@ def main() -> int:
     paths = dict(m.split("=", 1) for m in args.models)
     base = next(iter(paths))
     config = json.loads((Path(args.work) / "checkpoint" / "config.json").read_text())
-    tokens, past, _ = run.CASES["prefill 512"]
+    tokens, past, _ = run.CASES[args.case]
     feeds = run.case_feeds(config, tokens, past)
     models = {name: run.session(Path(path), spin=False) for name, path in paths.items()}
     fed = {k: {n: v for n, v in feeds.items() if n in {i.name for i in s.get_inputs()}} for k, s in models.items()}
@@ -49,7 +52,7 @@ def main() -> int:
             start = time.perf_counter()
             models[k].run(None, fed[k])
             times[k].append((time.perf_counter() - start) * 1e3)
-    print(f"{run.cpu()['model']}, 2 threads, batch 1, prefill 512, {args.iterations} interleaved iterations")
+    print(f"{run.cpu()['model']}, 2 threads, batch 1, {args.case}, {args.iterations} interleaved iterations")
     first, rng = np.array(times[base]), np.random.default_rng(0)
     for k, values in times.items():
         ratio = np.array(values) / first
