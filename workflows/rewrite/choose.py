@@ -223,14 +223,16 @@ def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], pro
 
     model = onnx.load(path)
     own = {names[role] for role in _OWN_ROLES if role in names}
-    parts = split_shared(model, own) if shared_by > 1 else None
     initializers = {t.name for t in model.graph.initializer}
     specs = [i for i in model.graph.input if i.name not in initializers]
     with tempfile.TemporaryDirectory(prefix="attnx-block-") as folder:
-        if parts is not None:
-            paths = [os.path.join(folder, f"{part}.onnx") for part in ("shared", "own")]
-            for part, at in zip(parts, paths):
+        paths = [os.path.join(folder, f"{part}.onnx") for part in ("shared", "own")]
+        try:
+            parts = split_shared(model, own) if shared_by > 1 else None
+            for part, at in zip(parts or (), paths):
                 onnx.save(part, at)
+        except Exception:  # noqa: BLE001 - a graph the extractor cannot cut apart: timed whole, its shared part in
+            parts = None  # every block's time (more than the model spends on it, never less)
         try:
             prefill_feeds = _block_feeds(specs, config, shape["prefill"], 0 if cached else None, dtype, names)
             step_feeds = _block_feeds(specs, config, 1, shape["past"], dtype, names) if cached else None
