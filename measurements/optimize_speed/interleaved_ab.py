@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,7 @@ def main() -> int:
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
     import run  # run.py's sessions and feeds
+    from prefill_interleaved import interleave, ratio_ci  # its loop and its interval
 
     paths = dict(m.split("=", 1) for m in args.models)
     base = next(iter(paths))
@@ -44,21 +43,12 @@ def main() -> int:
     logits = {k: s.run(None, fed[k])[0] for k, s in models.items()}
     for k in logits:
         print(f"{k}: logits max |difference| from {base}'s {float(np.abs(logits[k] - logits[base]).max()):.3g}")
-    order, shuffle = list(models), random.Random(0)
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(args.iterations):
-        shuffle.shuffle(order)
-        for k in order:
-            start = time.perf_counter()
-            models[k].run(None, fed[k])
-            times[k].append((time.perf_counter() - start) * 1e3)
+    times = interleave(models, fed, args.iterations)
     print(f"{run.cpu()['model']}, 2 threads, batch 1, {args.case}, {args.iterations} interleaved iterations")
     first, rng = np.array(times[base]), np.random.default_rng(0)
     for k, values in times.items():
-        ratio = np.array(values) / first
-        boot = [np.median(rng.choice(ratio, ratio.size)) for _ in range(2000)]
-        print(f"{k:16} median {np.median(values):7.1f} ms; / {base} {np.median(ratio):.3f} "
-              f"(95% {np.percentile(boot, 2.5):.3f}-{np.percentile(boot, 97.5):.3f})")
+        ratio, low, high = ratio_ci(np.array(values) / first, rng)
+        print(f"{k:16} median {np.median(values):7.1f} ms; / {base} {ratio:.3f} (95% {low:.3f}-{high:.3f})")
     return 0
 
 

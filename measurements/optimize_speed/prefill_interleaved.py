@@ -23,6 +23,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,30 @@ import numpy as np
 from attnx._io import write_json_atomic
 
 HERE = Path(__file__).resolve().parent
+
+
+def interleave(models: dict, fed: dict[str, dict[str, np.ndarray]], iterations: int,
+               progress: Callable[[int], None] = lambda _done: None) -> dict[str, list[float]]:  # fmt: skip
+    """Each session's run times (ms) over `iterations` iterations, one run of every session in each, in an order
+    shuffled per iteration (random.Random(0)); progress(iterations done) after each."""
+    order, shuffle = list(models), random.Random(0)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(iterations):
+        shuffle.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            models[name].run(None, fed[name])
+            times[name].append((time.perf_counter() - start) * 1e3)
+        progress(i + 1)
+    return times
+
+
+def ratio_ci(ratio: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
+    """(median, 2.5th, 97.5th percentile) of the per-iteration ratios: the median and its bootstrap 95% interval
+    (2000 resamples of the iterations)."""
+    boot = [float(np.median(rng.choice(ratio, ratio.size))) for _ in range(2000)]
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return float(np.median(ratio)), float(low), float(high)
 
 
 def main() -> int:
@@ -59,19 +84,14 @@ def main() -> int:
     for _ in range(2):  # warm-up
         for name, s in models.items():
             s.run(None, fed[name])
-    order = list(models)
-    shuffle = random.Random(0)
-    times: dict[str, list[float]] = {name: [] for name in models}
     load = [os.getloadavg()[0]]
-    for i in range(args.iterations):
-        shuffle.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            models[name].run(None, fed[name])
-            times[name].append((time.perf_counter() - start) * 1e3)
-        if (i + 1) % 10 == 0:
+
+    def progress(done: int) -> None:
+        if done % 10 == 0:
             load.append(os.getloadavg()[0])
-            print(f"{i + 1} of {args.iterations} iterations (load average {load[-1]:.2f})", flush=True)
+            print(f"{done} of {args.iterations} iterations (load average {load[-1]:.2f})", flush=True)
+
+    times = interleave(models, fed, args.iterations, progress)
     rng = np.random.default_rng(0)
     attnx = np.array(times[run.ATTNX])
     result = {
@@ -94,13 +114,11 @@ def main() -> int:
         result["median_ms"][name], result["quartiles_ms"][name] = float(med), [float(q1), float(q3)]
         line = f"{name:28} median {med:7.1f} ms (quartiles {q1:.1f}-{q3:.1f})"
         if name != run.ATTNX:
-            ratio = np.array(values) / attnx
-            boot = [float(np.median(rng.choice(ratio, ratio.size))) for _ in range(2000)]
-            low, high = np.percentile(boot, [2.5, 97.5])
-            result["ratio_vs_attnx"][name] = {"median": float(np.median(ratio)), "ci95": [float(low), float(high)]}
+            ratio, low, high = ratio_ci(np.array(values) / attnx, rng)
+            result["ratio_vs_attnx"][name] = {"median": ratio, "ci95": [low, high]}
             met = bool(np.median(attnx) <= med)
             result["targets"][f"attnx at least as fast as {name}"] = met
-            line += f"; {name.split()[0]} / attnx {np.median(ratio):.3f} (95% {low:.3f}-{high:.3f}): " + (
+            line += f"; {name.split()[0]} / attnx {ratio:.3f} (95% {low:.3f}-{high:.3f}): " + (
                 "met" if met else "NOT met")
         print(line)
     if args.json:
