@@ -18,7 +18,7 @@ from attnx.export.passes._names import name_graph, stages_json
 from attnx.model.contract import all_nodes
 from attnx.model.stages import STAGES_KEY
 
-__all__ = ["Graph", "call_tokens", "heads", "linear", "named", "span", "token_indices"]
+__all__ = ["Graph", "call_seq", "call_tokens", "heads", "linear", "named", "span", "token_indices"]
 
 
 class Graph:
@@ -128,11 +128,16 @@ def call_tokens(g: Any) -> str:
     return g.op("Shape", g.seq_from, start=1, end=2)
 
 
+def call_seq(g: Any) -> str:
+    """The call's token count as an int64 scalar."""
+    return g.op("Squeeze", call_tokens(g), g.ints("axis0b", [0]))
+
+
 def span(g: Any, step: bool) -> tuple[str, str]:
     """(past_seq, T) as int64 scalars: the cache's length and every key's count (past_seq 0 and T the call's length
     without a cache); T from Graph.total_from where it states it (the padding mask over every key: past_seq = T - S),
     else the cache's length + S."""
-    seq = g.op("Squeeze", call_tokens(g), g.ints("axis0b", [0]))  # scalar S
+    seq = call_seq(g)  # scalar S
     if not step:
         return g.const("zero_i64", np.asarray(0, np.int64)), seq
     if g.total_from is not None:

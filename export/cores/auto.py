@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
-from attnx.export._graph import call_tokens, span
+from attnx.export._graph import call_seq, call_tokens, span
 from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
@@ -63,7 +63,7 @@ def _auto_growing(e: Emit) -> str:
     q, k, v = e.packed_projections()
     q, k = e.scored(q, k, "ort-fused")
     past, _ = span(g, True)  # scalar: the cache's length before the call
-    tokens = g.op("Squeeze", call_tokens(g), g.ints("axis0b", [0]))  # scalar: the call's token count
+    tokens = call_seq(g)  # scalar: the call's token count
     # GroupQueryAttention takes more than one token after a past for batch 1 alone (ONNX Runtime 1.31: "batch_size
     # must be 1 when sequence_length > 1 and past context is given"): a chunk after a past takes the grouped core
     zero = g.const("zero_i64", np.asarray(0, np.int64))  # the scalar the other nodes name zero_i64

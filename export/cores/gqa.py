@@ -11,7 +11,7 @@ import onnx_ir as ir
 from onnx import TensorProto
 
 from attnx.errors import UsageError
-from attnx.export._graph import call_tokens
+from attnx.export._graph import call_tokens, span
 from attnx.export._llm import norm_and_rotate, rope_table
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_stages, rotary_of
 from attnx.export.cores._emit import Emit, packed_projection
@@ -61,16 +61,10 @@ def _gqa(e: Emit) -> str:
 def gqa_attend(e: Emit, q: str, k: str, v: str) -> str:
     """The full-sequence and growing forms' attention over q, k and v as projected and scored (_gqa): z."""
     c, g = e.c, e.g
-    seq = call_tokens(g)  # [1]
-    batch = g.op("Shape", "x", start=0, end=1)
-    if e.step:  # [1] int64: every key's count
-        total = g.op("Shape", g.total_from, start=1, end=2) if g.total_from is not None \
-            else g.op("Add", g.op("Shape", "past_key", start=2, end=3), seq)  # fmt: skip
-    else:
-        total = seq
-    total32 = g.op("Cast", g.op("Squeeze", total, g.ints("axis0", [0])), to=TensorProto.INT32)
-    seqlens = g.op("Expand", g.op("Sub", g.op("Cast", total, to=TensorProto.INT32),
-                                  g.const("one_i32_1", np.asarray([1], np.int32))), batch)  # fmt: skip
+    seq, batch = call_tokens(g), g.op("Shape", "x", start=0, end=1)  # [1]
+    _, total = span(g, e.step)  # int64 scalar: every key's count
+    total32 = g.op("Cast", total, to=TensorProto.INT32)
+    seqlens = g.op("Expand", g.op("Sub", total32, g.const("one_i32_1", np.asarray([1], np.int32))), batch)  # [B]
     inputs = [q, k, v, "past_key" if e.step else "", "past_value" if e.step else "", seqlens, total32, "", "", "", "", ""]
     # an additive bias [B, 1, S, T], lowest where a key is padding or hidden by a mask term the op has no attribute
     # for (chunks: each entry's hides)
@@ -82,7 +76,8 @@ def gqa_attend(e: Emit, q: str, k: str, v: str) -> str:
         hidden = padded if hidden is None else g.op("Or", hidden, padded)
     if hidden is not None:
         bias = g.op("Where", hidden, e.lowest(), e.zero())
-        inputs[10] = g.op("Expand", bias, g.op("Concat", batch, g.ints("one1", [1]), seq, total, axis=0))
+        rows = g.op("Concat", batch, g.ints("one1", [1]), seq, g.op("Unsqueeze", total, g.ints("axis0", [0])), axis=0)
+        inputs[10] = g.op("Expand", bias, rows)
     bias = score_bias(g, c, e.step)  # the terms' bias [1, H, S, T] in the same input (added after its softcap)
     if bias is not None:
         inputs[10] = g.op("Add", inputs[10], bias) if inputs[10] else bias
