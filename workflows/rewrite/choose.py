@@ -212,6 +212,27 @@ def split_shared(model: Any, own: set[str]) -> tuple[Any, Any] | None:
     return shared, rest
 
 
+def _split_files(path: str, folder: str, own: set[str]) -> tuple[list[str], list[Any]] | None:
+    """The block model at `path` cut by split_shared, its two parts written in `folder`: (their paths, the inputs of
+    the whole block that feeds are made for), or None where it has no shared part or cannot be cut apart (a graph
+    the extractor or shape inference cannot take: timed whole, its shared part in every block's time, more than
+    the model spends on it, never less)."""
+    import onnx
+
+    try:
+        model = onnx.load(path)
+        parts = split_shared(model, own)
+        if parts is None:
+            return None
+        paths = [os.path.join(folder, f"{part}.onnx") for part in ("shared", "own")]
+        for part, at in zip(parts, paths):
+            onnx.save(part, at)
+    except Exception:  # noqa: BLE001 - the docstring's fallback
+        return None
+    initializers = {t.name for t in model.graph.initializer}
+    return paths, [i for i in model.graph.input if i.name not in initializers]
+
+
 def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], provider: str, shape: Mapping[str, int],
                cached: bool, dtype: Any = np.float32, repeat: int = REPEAT, shared_by: int = 1) -> Timing:  # fmt: skip
     """The prompt's and a step's times of the block model at `path` (names: role -> its input's name); a run that
@@ -219,30 +240,20 @@ def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], pro
     What the block computes from the model's inputs alone (split_shared) is timed apart and counted once for the
     `shared_by` blocks that compute it alike, as the written model computes it: a block's time is its own part's and
     its share of that."""
-    import onnx
-
-    model = onnx.load(path)
     own = {names[role] for role in _OWN_ROLES if role in names}
-    initializers = {t.name for t in model.graph.initializer}
-    specs = [i for i in model.graph.input if i.name not in initializers]
     with tempfile.TemporaryDirectory(prefix="attnx-block-") as folder:
-        paths = [os.path.join(folder, f"{part}.onnx") for part in ("shared", "own")]
+        split = _split_files(path, folder, own) if shared_by > 1 else None
         try:
-            parts = split_shared(model, own) if shared_by > 1 else None
-            for part, at in zip(parts or (), paths):
-                onnx.save(part, at)
-        except Exception:  # noqa: BLE001 - a graph the extractor cannot cut apart: timed whole, its shared part in
-            parts = None  # every block's time (more than the model spends on it, never less)
-        try:
-            prefill_feeds = _block_feeds(specs, config, shape["prefill"], 0 if cached else None, dtype, names)
-            step_feeds = _block_feeds(specs, config, 1, shape["past"], dtype, names) if cached else None
-            if parts is None:
+            if split is None:
                 with _loaded(path, provider) as runner:
-                    prefill = time_runner(runner, prefill_feeds, repeat)
+                    feeds = _block_feeds(runner.inputs, config, shape["prefill"], 0 if cached else None, dtype, names)
+                    prefill = time_runner(runner, feeds, repeat)
                     # a step is a millisecond or less, and a request weighs it 128 times: 4x the runs of a prompt
-                    step = time_runner(runner, step_feeds, 4 * repeat) if cached else None
+                    step = time_runner(runner, _block_feeds(runner.inputs, config, 1, shape["past"], dtype, names),
+                                       4 * repeat) if cached else None  # fmt: skip
                 return Timing(prefill, step)
-            with _loaded(paths[0], provider) as shared, _loaded(paths[1], provider) as rest:
+            (shared_path, own_path), specs = split
+            with _loaded(shared_path, provider) as shared, _loaded(own_path, provider) as rest:
 
                 def timed(feeds: dict[str, np.ndarray], runs: int) -> float:
                     ins = {s.name for s in shared.inputs}
@@ -251,7 +262,11 @@ def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], pro
                     return time_runner(rest, {k: v for k, v in {**feeds, **made}.items() if k in mine}, runs) + \
                         time_runner(shared, {k: v for k, v in feeds.items() if k in ins}, runs) / shared_by  # fmt: skip
 
-                return Timing(timed(prefill_feeds, repeat), timed(step_feeds, 4 * repeat) if cached else None)
+                prefill = timed(_block_feeds(specs, config, shape["prefill"], 0 if cached else None, dtype, names),
+                                repeat)  # fmt: skip
+                step = timed(_block_feeds(specs, config, 1, shape["past"], dtype, names), 4 * repeat) if cached \
+                    else None  # fmt: skip
+                return Timing(prefill, step)
         except ProviderUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - an untrusted graph's own failure at this shape: said in the report
