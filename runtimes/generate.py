@@ -12,8 +12,8 @@ waiting request joining between steps (continuous batching).
 
 The cache, by the model's form:
 
-    _SharedCache   the buffer form: one buffer a cache input, allocated once for the run ([max_batch, heads, the
-                   longest request, head_dim]) and bound through ONNX Runtime's IOBinding as both past and present;
+    _SharedCache   the buffer form: one buffer a cache input, allocated once for the run ([rows, heads, the
+                   longest request, head_dim]; rows: max_batch, or every request within half the memory available) and bound through ONNX Runtime's IOBinding as both past and present;
                    each row is a slot with its own length, its positions its token indices; a call writes only its new
                    keys and values, in place
     _GrowingCache  the model's own I/O: the batch left-aligned as transformers pads, a row's cache, mask and positions
@@ -39,6 +39,7 @@ import numpy as np
 
 from attnx.errors import InputError, UsageError
 from attnx.model.contract import ROPE_POSITIONS_KEY
+from attnx.model.resources import available_memory_bytes
 from attnx.runtimes.base import Runner
 
 __all__ = ["Engine", "GenerateStats", "ModelIO", "Request", "Sampling", "check_prompts"]
@@ -414,34 +415,51 @@ class _SharedCache:
 
 
 class Engine:
-    """Continuous batching over a loaded whole model (the module doc): at most `max_batch` rows at once; `context`
-    the model's positions (a row ends there); `record`: each request's logits kept (golden generations). The model's
-    form says how its cache is held: the buffer form (a seqlens_k input: _SharedCache), else its own I/O
-    (_GrowingCache)."""
+    """Continuous batching over a loaded whole model (the module doc): at most `max_batch` rows at once (None: every
+    request, within memory: batch_rows); `context` the model's positions (a row ends there); `record`: each
+    request's logits kept (golden generations). The model's form says how its cache is held: the buffer form (a
+    seqlens_k input: _SharedCache), else its own I/O (_GrowingCache)."""
 
-    def __init__(self, runner: Runner, *, max_batch: int = 8, context: int | None = None, record: bool = False,
-                 right_padded: bool = False, cache_dims: Mapping[str, Sequence[int]] | None = None) -> None:  # fmt: skip
+    def __init__(self, runner: Runner, *, max_batch: int | None = None, context: int | None = None,
+                 record: bool = False, right_padded: bool = False,
+                 cache_dims: Mapping[str, Sequence[int]] | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.io = ModelIO.of(runner, cache_dims)
-        if max_batch < 1:
+        if max_batch is not None and max_batch < 1:
             raise UsageError(f"--max-batch {max_batch}: must be 1 or more")
         if self.io.form == "growing" and (not self.io.mask or right_padded):
             max_batch = 1  # a batch of rows of other lengths needs left padding the model reads
         if self.io.batch is not None:
-            max_batch = min(max_batch, self.io.batch)
+            max_batch = min(max_batch or self.io.batch, self.io.batch)
         self.max_batch = max_batch
         self.context = context
         self.record = record
         self.stats = GenerateStats()
 
+    def _capacity(self, requests: Sequence[Request]) -> int:
+        """The positions the longest row fills: its prompt and every new token but the last (never fed), within the
+        context."""
+        capacity = max((len(r.prompt) + r.max_new_tokens for r in requests), default=1)
+        return min(capacity, self.context) if self.context is not None else capacity
+
+    def batch_rows(self, requests: Sequence[Request]) -> int:
+        """The rows decoded at once: max_batch where it was given (or the model fixes it), else every request,
+        within half the memory available now for their caches (each row's cache as long as the longest request).
+        A package's recorded batch is never a cap: it is the batch its golden generations were recorded at."""
+        if self.max_batch is not None:
+            return self.max_batch
+        rows = max(1, len(requests))
+        itemsize = np.dtype(self.io.cache_dtype).itemsize
+        row_bytes = self._capacity(requests) * itemsize * sum(h * d for h, d in self.io.cache_dims)
+        available = available_memory_bytes()
+        if available is not None and row_bytes > 0:
+            rows = min(rows, max(1, available // 2 // row_bytes))
+        return rows
+
     def _cache(self, requests: Sequence[Request]) -> _GrowingCache | _SharedCache:
         if self.io.form == "growing":
             return _GrowingCache(self)
-        # the longest row: its prompt and every new token but the last (never fed), within the context
-        capacity = max((len(r.prompt) + r.max_new_tokens for r in requests), default=1)
-        if self.context is not None:
-            capacity = min(capacity, self.context)
-        return _SharedCache(self, capacity, min(self.max_batch, max(1, len(requests))))
+        return _SharedCache(self, self._capacity(requests), min(self.rows, max(1, len(requests))))
 
     def _take(self, request: Request, logits: np.ndarray, position: int) -> None:
         """The request's next token from its logits [V] at `position` (the token's own), and whether it ends."""
@@ -462,12 +480,13 @@ class Engine:
         """Serve every request (the module doc); on_finish(request) as each ends, in the order they end."""
         self.sampling = sampling
         waiting = list(requests)
+        self.rows = self.batch_rows(waiting)
         self.stats = GenerateStats(requests=len(waiting), form=self.io.form)
         cache = self._cache(waiting)
         start = time.perf_counter()
         waiting.reverse()  # popped from the end: the first request first
         while waiting or cache.rows:
-            while waiting and len(cache.rows) < self.max_batch:  # schedule: waiting requests join between steps
+            while waiting and len(cache.rows) < self.rows:  # schedule: waiting requests join between steps
                 request = waiting.pop()
                 if self.record:
                     request.logits = []

@@ -83,8 +83,10 @@ def open_model(root: str, manifest: Mapping[str, Any], provider: str) -> Runner:
 
 def engine_for(runner: Runner, manifest: Mapping[str, Any], max_batch: int | None = None,
                record: bool = False) -> Engine:  # fmt: skip
-    """The generation engine over the package's loaded model, as the manifest says to feed it."""
-    batch = manifest["generations"]["max_batch"] if max_batch is None else max_batch
+    """The generation engine over the package's loaded model, as the manifest says to feed it. Golden generations
+    (record) are recorded and replayed at the manifest's batch; serving takes `max_batch` (None: Engine.batch_rows,
+    every request within memory), never capped by the recorded one."""
+    batch = manifest["generations"]["max_batch"] if record and max_batch is None else max_batch
     if manifest.get("one_row"):  # rows that would change each other's tokens: one at a time (the manifest says why)
         batch = 1
     return Engine(runner, max_batch=batch, context=manifest.get("context"), record=record,

@@ -40,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "generator (seed, its line), whatever shares its batch (default 0)")
     p.add_argument("--eos", type=int_arg(0), nargs="+", default=[], metavar="ID",
                    help="token ids that end a row (included in its output)")
-    p.add_argument("--max-batch", type=int_arg(1), default=8, metavar="B", help="rows decoded at once; a row that "
-                   "ends leaves and a waiting prompt joins between steps (default 8)")
+    p.add_argument("--max-batch", type=int_arg(1), default=None, metavar="B", help="rows decoded at once; a row "
+                   "that ends leaves and a waiting prompt joins between steps (default: every prompt, within half "
+                   "the memory available for their caches)")
     p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="execution provider (default cpu)")
     p.set_defaults(run=run)
 

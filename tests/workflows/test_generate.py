@@ -73,16 +73,39 @@ def _transformers_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[
 @pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "mistral", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_generate_gives_transformers_greedy_tokens_alone_and_mixed(name, packages):
     """32 new tokens of prompts of 3 to 21 tokens (past gemma2's window of 8 and mistral's of 5): each prompt alone
-    (one row at a time), all of them together (rows of other lengths, joining between steps), and transformers'
-    greedy generate of each alone, the same tokens."""
+    (one row at a time), three rows at once (rows of other lengths, joining between steps), all of them at once (the
+    default), and transformers' greedy generate of each alone, the same tokens."""
     with load(packages(name)) as model:
         prompts = _prompts(model.vocab)
         mixed = model.generate(prompts, max_new_tokens=NEW, max_batch=3)
         assert model.stats.largest_batch == 3
         alone = model.generate(prompts, max_new_tokens=NEW, max_batch=1)
+        every = model.generate(prompts, max_new_tokens=NEW)  # by default: every prompt at once, never the recorded 3
+        assert model.stats.largest_batch == len(prompts) > model.manifest["generations"]["max_batch"]
     truth = [_transformers_greedy(MODELS[name][1], p, NEW) for p in prompts]
     assert alone == truth
     assert mixed == truth
+    assert every == truth
+
+
+def test_the_default_batch_is_every_request_within_half_the_memory_available(packages, monkeypatch):
+    """Without max_batch the engine decodes every request at once, unless half the memory available holds fewer
+    rows' caches (each as long as the longest request): then as many as it holds, the tokens the same."""
+    from attnx.runtimes import generate
+    from attnx.runtimes.model_package import engine_for
+
+    with load(packages("llama")) as model:
+        prompts = _prompts(model.vocab)
+        engine = engine_for(model.runner, model.manifest)
+        requests = [generate.Request(i, p, NEW) for i, p in enumerate(prompts)]
+        assert engine.batch_rows(requests) == len(prompts)
+        longest = max(len(p) for p in prompts) + NEW
+        row = longest * 4 * sum(h * d for h, d in engine.io.cache_dims)  # float32 caches
+        monkeypatch.setattr(generate, "available_memory_bytes", lambda: 2 * 2 * row + 1)  # half of it: 2 rows
+        assert engine.batch_rows(requests) == 2
+        tokens = model.generate(prompts, max_new_tokens=NEW)
+        assert model.stats.largest_batch == 2
+        assert tokens == model.generate(prompts, max_new_tokens=NEW, max_batch=1)
 
 
 @pytest.mark.slow  # the slow tier: more families (README, the fast tier)
