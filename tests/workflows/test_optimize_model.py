@@ -56,15 +56,18 @@ def test_each_core_is_the_one_its_measured_times_choose(tmp_path):
     """The default, --core auto: every core that computes a block is timed on the provider (MultiHeadAttention does
     not take a softcap: Gemma 2's blocks have GroupQueryAttention alone), and the graph's own block too; each block
     is what pick() makes of those times: the cheapest core, or kept where the graph's own is cheaper. Which one wins
-    is the machine's (the times are not asserted here)."""
+    is the machine's (the times are not asserted here). Either way the model passes: a block kept is kept as the
+    fastest, and OUT is written."""
     for export, checkpoint, cores in (("llama/sdpa-opset20", "llama", {"gqa", "grouped-mha", "auto"}),
                                       ("gemma2/eager-opset20", "gemma2", {"gqa"})):  # fmt: skip
-        report = optimize_model(str(DYNAMO / export / "model.onnx"), str(tmp_path / "out.onnx"),
+        out = tmp_path / f"{checkpoint}.onnx"
+        report = optimize_model(str(DYNAMO / export / "model.onnx"), str(out),
                                 checkpoint=str(FIXTURES / "genai" / checkpoint / "checkpoint"))  # fmt: skip
         for b in report.blocks:
             assert set(b.choice.times) == cores and b.choice.before is not None
             assert (b.written, b.kept or b.choice.reason) == pick(b.choice.before, b.choice.times)
-        assert report.passed == any(b.written for b in report.blocks), report.lines()
+            assert b.choice.fastest == (b.written is None), report.lines()
+        assert report.passed and report.written and out.exists(), report.lines()
 
 
 def test_an_encoder_whose_output_bias_is_added_after_its_block(tmp_path):
@@ -132,17 +135,38 @@ def test_without_a_checkpoint_a_block_not_read_is_kept_and_named(tmp_path, capsy
     assert report["model_times"]["after"]["step_ms"] > 0 and "the whole model on cpu: prefill 512 " in text
 
 
-def test_a_model_with_no_block_to_rewrite_writes_nothing(tmp_path, capsys):
+def test_a_model_already_in_its_fastest_cores_passes_and_is_written_as_it_is(tmp_path, capsys):
     """The builder's int4 model: its GroupQueryAttention reads each row's length (seqlens_k) and may be fed one buffer
     of the model's whole length, which no other core reads; rewritten into itself it would be the same block, so each
-    block is kept untimed, with its own formula said; with nothing rewritten nothing is written (exit 1)."""
+    block is timed as it is and kept as the fastest, with its own formula said. Already fast is a pass: OUT is
+    written, the same graph (exit 0), so a pipeline's next step finds it. A model with no block kept as the fastest
+    and none rewritten still writes nothing (exit 1)."""
     source = FIXTURES / "genai" / "llama" / "int4" / "model.onnx"
     out = tmp_path / "out.onnx"
-    assert main(["optimize", str(source), "--out", str(out)]) == 1
+    assert main(["optimize", str(source), "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
     text = capsys.readouterr().out
-    assert text.count("the rewrite would be the block itself") == 2 and "nothing written" in text, text
+    assert text.count("kept as the fastest: its own core (gqa) is the one that computes it under its inputs: the "
+                      "rewrite would be the block itself") == 2, text
     assert "block 1 formula: the graph's own, 4 heads over 2; head_dim 16; scale 0.25; rope theta 10000 (no " in text
-    assert not out.exists()
+    assert re.search(r"block 1: timed; a request \(ms\): the graph's [0-9.]+\n", text), text
+    assert "pass: no block rewritten: block(s) 0, 1 already in the fastest core" in text
+    assert "optimize PASSED: 0 of 2 block(s) rewritten, 2 kept as the fastest; wrote " in text
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [b["choice"]["fastest"] for b in report["blocks"]] == [True, True] and report["written"]
+    assert all(b["choice"]["before"]["step_ms"] > 0 for b in report["blocks"])
+    written, given = onnx.load(str(out)), onnx.load(str(source))
+    assert [n.op_type for n in written.graph.node] == [n.op_type for n in given.graph.node] and _io(out) == _io(source)
+
+
+def test_a_model_with_no_block_rewritten_nor_kept_as_the_fastest_writes_nothing(tmp_path, capsys):
+    """The builder's Gemma 2 with --core grouped-mha: no block is kept as the fastest (the core asked cannot take its
+    softcap nor its lengths), none is rewritten: nothing to write (exit 1)."""
+    out = tmp_path / "out.onnx"
+    source = FIXTURES / "genai" / "gemma2" / "fp32" / "model.onnx"
+    assert main(["optimize", str(source), "--out", str(out), "--core", "grouped-mha"]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL: no block rewritten: nothing to write" in text and "kept as the fastest" not in text, text
+    assert "optimize FAILED: 0 of 2 block(s) rewritten; nothing written" in text and not out.exists()
 
 
 def _logits(path, ids: np.ndarray) -> np.ndarray:
@@ -195,7 +219,8 @@ def test_the_builders_mistral_is_repaired_from_its_checkpoint_and_agrees_with_tr
     fine, far = _agrees_with_transformers(source, family, 2)
     assert not fine and far > 1.0
     kept = optimize_model(str(source), str(tmp_path / "kept.onnx"))
-    assert not kept.written and all("the rewrite would be the block itself" in b.kept for b in kept.blocks)
+    assert kept.passed and all("the rewrite would be the block itself" in b.kept and b.choice.fastest
+                               for b in kept.blocks)  # fmt: skip
     assert all("sliding_window" not in b.formula for b in kept.blocks), kept.lines()
 
 
@@ -440,7 +465,8 @@ def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_laye
         assert faulty.passed and faulty.blocks[layer].written == "gqa", faulty.lines()
         assert sum(line.startswith("pass: the whole model") for line in faulty.proofs) == 2
     else:  # GroupQueryAttention already: the same core, the same formula
-        assert not faulty.written and "the rewrite would be the block itself" in faulty.blocks[layer].kept
+        assert faulty.passed and not any(b.written for b in faulty.blocks) and faulty.blocks[layer].choice.fastest
+        assert "the rewrite would be the block itself" in faulty.blocks[layer].kept
     assert not any(b.repairs for b in faulty.blocks)
     graph_said = {"scale x1.2": "scale 0.3;", "rotary interleaved": ", interleaved"}[fault]
     assert graph_said in faulty.blocks[layer].formula and all(

@@ -152,13 +152,14 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
         say(f"writing {len(plans)} rewritten block(s) to a staging file")
         save_model(model, stage.path())
         report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say, provider, caches)
-        if report.passed:
+        if report.passed and plans:  # with no block rewritten, before and after are one graph
             say(f"timing the whole model before and after on {provider}")
             # the whole model's within every block's positions (a block's own rotary table may be shorter)
             shapes = [b.choice.shape for b in report.blocks if b.choice is not None] or [time_shape(limit)]
             report.time_shape = {k: min(s[k] for s in shapes) for k in shapes[0]}
             report.model_times = {"before": time_whole(model_path, provider, report.time_shape, caches=caches),
                                   "after": time_whole(stage.path(), provider, report.time_shape, caches=caches)}  # fmt: skip
+        if report.passed:
             stage.publish()
             report.written = True
     if json_path is not None:

@@ -40,8 +40,8 @@ from attnx.runtimes.base import Runner, time_runner
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, cut_block, cut_file, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
 
-__all__ = ["AUTO_CORE", "TIME_SHAPE", "CoreChoice", "Timing", "candidates", "choose_core", "pick", "time_runner",
-           "time_whole"]
+__all__ = ["AUTO_CORE", "TIME_SHAPE", "CoreChoice", "Timing", "candidates", "choose_core", "own_is_fastest", "pick",
+           "time_runner", "time_whole"]
 
 AUTO_CORE = "auto"  # measure the candidates (optimize_model's core=)
 # a request, as a block is timed and costed: a prompt of `prefill` tokens, then `steps` single steps, each timed at a
@@ -82,9 +82,12 @@ class CoreChoice:
     shape: dict[str, int]
     before: Timing | None = None
     times: dict[str, Timing] = dataclasses.field(default_factory=dict)
+    # kept because the graph's own block is already the fastest core for its I/O (own_is_fastest, or its core the
+    # only one that computes it there): a pass, never a failure to rewrite
+    fastest: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"core": self.core, "reason": self.reason, "shape": self.shape,
+        return {"core": self.core, "reason": self.reason, "shape": self.shape, "fastest": self.fastest,
                 "before": dataclasses.asdict(self.before) if self.before is not None else None,
                 "times": {k: dataclasses.asdict(t) for k, t in self.times.items()}}  # fmt: skip
 
@@ -115,11 +118,18 @@ def pick(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_S
         return best, (f"the fastest that computes the repaired formula: {timed[best]:.4g} ms a request (the graph's "
                       f"own {own_cost:.4g} ms computes another)" + (f"; {others}" if others else ""))  # fmt: skip
     own = own_cost
-    if own is not None and own <= timed[best]:
+    if own_is_fastest(before, times, steps):
         return None, (f"none is faster: the graph's own block costs {own:.4g} ms a request, the fastest core "
                       f"({best}) {timed[best]:.4g} ms")  # fmt: skip
     versus = f" (the graph's own {own:.4g} ms)" if own is not None else ""
     return best, f"the fastest: {timed[best]:.4g} ms a request{versus}" + (f"; {others}" if others else "")
+
+
+def own_is_fastest(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_SHAPE["steps"]) -> bool:
+    """pick's rule for keeping the graph's own block: it was timed, and costs no more than every candidate timed."""
+    own = before.cost(steps) if before is not None else None
+    timed = [c for c in (t.cost(steps) for t in times.values()) if c is not None]
+    return own is not None and bool(timed) and own <= min(timed)
 
 
 def time_shape(limit: int | None) -> dict[str, int]:
@@ -288,8 +298,8 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
     named: that one wherever it computes the block, timed for the report. Each is timed as it would be written
     (Plan.bound): the whole block, against the graph's block as the audit cuts it; or the core alone, against the
     graph's own cut at its projections' outputs and the output projection's input (the projections, kept, are the
-    same on both sides). The graph's own core alone, with nothing repaired, is kept untimed: the rewrite would be
-    the block itself. Blocks of one shape are measured once (memo). shared_by: the blocks of the model, which compute
+    same on both sides). The graph's own core alone, with nothing repaired, is timed alone and kept as the fastest:
+    the rewrite would be the block itself. Blocks of one shape are measured once (memo). shared_by: the blocks of the model, which compute
     alike what a block computes from the model's inputs alone (time_block)."""
     block, config, form = plan.block, plan.config, plan.form
     written = LOWERINGS[lowering].cores.get(form, ())
@@ -313,9 +323,9 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
                     for c in pool if c not in plan.cores]  # fmt: skip
         return CoreChoice(None, f"no core of the {lowering} lowering computes it: {'; '.join(dict.fromkeys(why))}",
                           shape)  # fmt: skip
-    if names == [block.core] and not repaired and asked is None:
-        return CoreChoice(None, f"its own core ({block.core}) is the one that computes it under its inputs: the "
-                                "rewrite would be the block itself", shape)  # fmt: skip
+    itself = names == [block.core] and not repaired and asked is None  # the rewrite would be the block itself
+    if itself:
+        names = []  # the graph's own block alone is timed, for the report
     choice = CoreChoice(None, "", shape)
     cached = config.kv_cache
     dtype = NP_DTYPES.get(block.dtype, np.float32)
@@ -339,8 +349,14 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
                 f.write(model.SerializeToString())
             choice.times[name] = time_block(path, config, _CORE_INPUTS, provider, shape, cached, dtype, repeat=repeat,
                                             shared_by=shared_by)  # fmt: skip
-    if core == AUTO_CORE:
+    if itself:
+        choice.fastest = True
+        choice.reason = (f"its own core ({block.core}) is the one that computes it under its inputs: the rewrite "
+                         "would be the block itself")  # fmt: skip
+    elif core == AUTO_CORE:
         choice.core, choice.reason = pick(choice.before, choice.times, shape["steps"], own=not repaired)
+        choice.fastest = choice.core is None and not repaired and own_is_fastest(choice.before, choice.times,
+                                                                                 shape["steps"])  # fmt: skip
     else:
         choice.core, choice.reason = core, f"asked (--core {core})"
     if memo is not None:

@@ -28,8 +28,14 @@ def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoin
     input's (kv heads, capacity, head_dim) as its block reads it (capacity: the positions it holds before the first
     token, a window kept in a ring buffer), where the model's dims do not say."""
     if not plans:
-        report.proofs.append("FAIL: no block rewritten: nothing to write")
-        return False
+        fastest = [b.index for b in report.blocks if b.choice is not None and b.choice.fastest]
+        if not fastest:
+            report.proofs.append("FAIL: no block rewritten: nothing to write")
+            return False
+        # already fast is not a failure: the model is written as it came, so a pipeline's next step finds it
+        report.proofs.append(f"pass: no block rewritten: block(s) {', '.join(map(str, fastest))} already in the "
+                             "fastest core for their inputs and outputs (timed above); the model written as it is")  # fmt: skip
+        return True
     say("auditing the written model's blocks")
     audit = audit_model(out_path, checkpoint=checkpoint, backends=(PROVIDERS[provider].backend,))
     read = {b.index: b for b in audit.blocks}
@@ -125,7 +131,10 @@ def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, righ
                 size: ProblemSize, read: dict[str, tuple[int, int, int]] | None = None) -> bool:  # fmt: skip
     """_same_model's runs and comparison, on the two loaded models (one row where the model fixes its batch at 1):
     the same greedy tokens at every unpadded position, and the logits there within `tol` (the tolerance table's
-    whole-model row) of the input's; a failure names its first (row, position). An input that fails to decode
+    whole-model row) of the input's; a failure names its first (row, position), a NaN or inf there included. A
+    padding position's output has no meaning and enters no comparison: where the input's logits at a padded row's
+    own positions are not finite though the row alone's are (its padding's NaN reaching them through keys its mask
+    hides: 0 * NaN), that row is held to the input's run of the row alone, as said. An input that fails to decode
     through its own cache (ONNX Runtime's error: the GenAI builder's fp16 model) is said, and the written model's
     steps are held to the input's full sequence instead: a causal model's logits at a position are the same whether
     its tokens come at once or one by one."""
@@ -146,45 +155,81 @@ def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, righ
     caches = {name: spec.shape for name, spec in specs.items()}
     empty = {n: empty_cache(specs[n], batch, (read or {}).get(n)) for n in caches}
 
-    def call(runner: Runner, start: int, stop: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def call(runner: Runner, ids: np.ndarray, mask: np.ndarray, start: int, stop: int,
+             past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
         feeds = {**graph_feeds([n for n in names if n not in caches], mask[:, :stop], start, None), **past}
         feeds["input_ids"] = ids[:, start:stop]
         return runner.run({k: v for k, v in feeds.items() if k in names})
 
-    def run(runner: Runner) -> tuple[np.ndarray, np.ndarray]:
-        logits = runner.outputs[0].name
-        whole = call(runner, 0, tokens, empty)[logits]
+    def run(runner: Runner, ids: np.ndarray = ids, mask: np.ndarray = mask,
+            prefill: int = prefill) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        logits, tokens = runner.outputs[0].name, ids.shape[1]
+        whole = call(runner, ids, mask, 0, tokens, empty)[logits]
         if not caches:
             return whole, whole
-        out = call(runner, 0, prefill, empty)
+        out = call(runner, ids, mask, 0, prefill, empty)
         steps = [out[logits]]
         for t in range(prefill, tokens):
-            out = call(runner, t, t + 1, {n: out["present" + n[len("past_key_values"):]] for n in caches})
+            out = call(runner, ids, mask, t, t + 1, {n: out["present" + n[len("past_key_values"):]] for n in caches})
             steps.append(out[logits])
         return whole, np.concatenate(steps, axis=1)
 
     b_whole, b_steps = run(after)
     steps_said = "prefill + steps"
+    decodes = True
     try:
         a_whole, a_steps = run(before)
     except Exception as e:  # noqa: BLE001 - the input's own failure, in ONNX Runtime's error types
-        a_whole = call(before, 0, tokens, empty)[before.outputs[0].name]  # its full sequence runs, or this raises
+        a_whole = call(before, ids, mask, 0, tokens, empty)[before.outputs[0].name]  # its full sequence runs, or this raises
         a_steps = a_whole
+        decodes = False
         steps_said = "prefill + steps (held to the input's full sequence)"
         report.proofs.append(f"said: the input fails to decode through its own cache ({first_line(e)}); the "
                              "written model's steps are held to the input's full sequence")  # fmt: skip
     keep = mask.astype(bool)
+    a_whole, a_steps = alone_where_padding_spreads(report, before, run, ids, keep, prefill, decodes, a_whole, a_steps)
     ok = True
     runs = [("full sequence", a_whole, b_whole)] + ([(steps_said, a_steps, b_steps)] if caches else [])
     for what, a, b in runs:
-        other = np.argwhere((a.argmax(-1) != b.argmax(-1)) & keep)
-        cmp = compare_arrays("logits", b[keep], a[keep], tol, size)
-        far = np.argwhere((np.abs(b - a) > cmp.atol + cmp.rtol * np.abs(a)).any(-1) & keep)
+        cmp = compare_arrays("logits", b, a, tol, size, where=keep)
+        with np.errstate(invalid="ignore"):  # a NaN's row: named below as not finite
+            other = np.argwhere((a.argmax(-1) != b.argmax(-1)) & keep)
+            far = np.argwhere((~(np.abs(b - a) <= cmp.atol + cmp.rtol * np.abs(a))).any(-1) & keep)
         fine = not len(other) and bool(cmp)
         ok &= fine
         said = f"{'the same' if not len(other) else 'other'} greedy tokens, logits {cmp.detail()}"
         first = [f"first other token at row {other[0][0]}, position {other[0][1]}"] if len(other) else []
         first += [f"first logits past the bound at row {far[0][0]}, position {far[0][1]}"] if len(far) else []
+        if cmp.nonfinite is not None:
+            whose = "the written model's" if cmp.nonfinite_in == "output" else "the input's"
+            first += [f"{whose} logits not finite at row {cmp.nonfinite[0]}, position {cmp.nonfinite[1]}"]
         report.proofs.append(f"{'pass' if fine else 'FAIL'}: the whole model, {what} of {rows}: {said}"
                              + (f" ({'; '.join(first)})" if first else ""))  # fmt: skip
     return ok
+
+
+def alone_where_padding_spreads(report: ModelOptimizeReport, before: Runner,
+                                run: Callable[..., tuple[np.ndarray, np.ndarray]], ids: np.ndarray, keep: np.ndarray,
+                                prefill: int, decodes: bool, whole: np.ndarray,
+                                steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The input's logits (`whole`, `steps`: [batch, tokens, vocab]) with each padded row whose own positions hold a
+    NaN or inf replaced there by the input's run of that row alone (its tokens in every row of the batch, no
+    padding), where that run is finite: its padding's outputs reached its own positions (a row that sees no key, its
+    NaN carried into the next layer's keys, which the mask hides but 0 * NaN keeps). Said in the report; a row whose
+    run alone is not finite either keeps its NaN, which the comparison names."""
+    whole, steps = whole.copy(), steps.copy()
+    for row in np.flatnonzero(~keep.all(axis=1)):
+        own = keep[row]
+        if np.isfinite(whole[row, own]).all() and np.isfinite(steps[row, own]).all():
+            continue
+        alone = np.broadcast_to(ids[row, own], (ids.shape[0], int(own.sum())))
+        ones = np.ones(alone.shape, np.int64)
+        alone_whole, alone_steps = run(before, alone, ones, max(prefill - int((~own[:prefill]).sum()), 1)) \
+            if decodes else (run(before, alone, ones)[0],) * 2  # fmt: skip
+        if not (np.isfinite(alone_whole[0]).all() and np.isfinite(alone_steps[0]).all()):
+            continue
+        whole[row, own], steps[row, own] = alone_whole[0], alone_steps[0]
+        report.proofs.append(f"said: the input's logits at row {row}'s own positions are not finite in the padded "
+                             "batch and finite with the row alone: its padding's outputs reach them (0 * NaN through "
+                             "keys its mask hides); that row is held to the input's run of it alone")  # fmt: skip
+    return whole, steps

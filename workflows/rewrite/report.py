@@ -53,7 +53,8 @@ class BlockRewrite:
 
     def notes(self) -> list[str]:
         """What the table does not hold: why it was kept or chosen (each core's cost), its repairs."""
-        out = [f"block {self.index} kept: {self.kept}"] if self.written is None else []
+        fastest = self.choice is not None and self.choice.fastest
+        out = [f"block {self.index} kept{' as the fastest' if fastest else ''}: {self.kept}"] if self.written is None else []
         if self.formula is not None:  # no checkpoint: what it computes is the graph's, never fixed on a guess
             out.append(f"block {self.index} formula: the graph's own, {self.formula}")
         c = self.choice
@@ -136,8 +137,10 @@ class ModelOptimizeReport:
             out += [f"the whole model {when} not timed at that shape: {t.error}"
                     for when, t in (("before", before), ("after", after)) if t is not None and t.error is not None]
         verdict = "wrote " + self.out if self.written else "nothing written"
+        fastest = sum(b.written is None and b.choice is not None and b.choice.fastest for b in self.blocks)
+        kept = f", {fastest} kept as the fastest" if fastest else ""
         out.append(f"optimize {'PASSED' if self.passed else 'FAILED'}: {sum(b.written is not None for b in self.blocks)}"
-                   f" of {len(self.blocks)} block(s) rewritten; {verdict}")  # fmt: skip
+                   f" of {len(self.blocks)} block(s) rewritten{kept}; {verdict}")  # fmt: skip
         return out
 
     def to_dict(self) -> dict[str, Any]:
