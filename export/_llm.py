@@ -115,8 +115,8 @@ def _rope_cos_sin(g: Graph, c: AttentionConfig) -> tuple[str, str]:
     (longrope: its long set for the whole call once max(position_ids) + 1 > the original length)."""
     short, factor = rope_frequencies(c.rope)
     inv_freq = g.const("rope_inv_freq", short.astype(np.float32))
-    if c.rope.rope_type == "longrope":
-        original = c.rope.scaling["original_max_position_embeddings"]
+    if c.rope.switch_at is not None:
+        original = c.rope.switch_at
         long = rope_frequencies(c.rope, original + 1)[0]
         largest = g.op("ReduceMax", "position_ids", keepdims=0)  # scalar: the call's largest position
         switch = g.op("Greater", largest, g.const("rope_original_minus1", np.asarray(original - 1, np.int64)))

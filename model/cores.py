@@ -124,8 +124,8 @@ def _gqa_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
 
 def _gqa_table_rope(c: AttentionConfig) -> Iterable[str]:
     """GroupQueryAttention rotating q and k itself (do_rotary, the buffer form) reads one cos/sin table."""
-    if c.rope.rope_type == "longrope":
-        yield ("GroupQueryAttention's rotation (do_rotary) cannot express longrope: its factors switch for a whole "
+    if c.rope.switch_at is not None:
+        yield (f"GroupQueryAttention's rotation (do_rotary) cannot express {c.rope.rope_type}: its factors switch for a whole "
                "call once the call's largest position passes original_max_position_embeddings, and the op rotates "
                "from one cos/sin table")  # fmt: skip
     if (c.rope.dim // 2) % 8:  # measured: 'cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8'

@@ -85,8 +85,8 @@ class MultiHeadAttention(nn.Module):
         if c.rope is not None:
             short, factor = rope_frequencies(c.rope)
             long = None
-            if c.rope.rope_type == "longrope":
-                long = rope_frequencies(c.rope, c.rope.scaling["original_max_position_embeddings"] + 1)[0]
+            if c.rope.switch_at is not None:
+                long = rope_frequencies(c.rope, c.rope.switch_at + 1)[0]
             self._rope = (short, long, factor)
 
     def forward(
@@ -172,7 +172,7 @@ class MultiHeadAttention(nn.Module):
         if long is not None:
             # longrope, transformers' rule: the long factors for the whole call once its largest
             # position + 1 exceeds the original length.
-            switch = position_ids.max() + 1 > self.config.rope.scaling["original_max_position_embeddings"]
+            switch = position_ids.max() + 1 > self.config.rope.switch_at
             inv_freq = torch.where(switch, torch.tensor(long, dtype=angle_dtype, device=position_ids.device), inv_freq)
         angle = position_ids.to(angle_dtype)[..., None, None] * inv_freq  # (B, T, 1, dim/2)
         return (angle.cos() * factor).to(dtype), (angle.sin() * factor).to(dtype)

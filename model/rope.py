@@ -21,7 +21,12 @@ tolerance table's rope term covers a float32 angle: attnx.model.tolerance).
 
 longrope's short/long switch is transformers' rule, reproduced exactly (uses_long_factors): one
 forward call uses the long factors for every position when its largest position + 1 exceeds
-original_max_position_embeddings, the short ones otherwise, whatever a cache holds.
+original_max_position_embeddings, the short ones otherwise, whatever a cache holds. Rope.switch_at
+says whether a rope switches (longrope, or a table read with a long one), for every consumer.
+
+A rope of type "table" is the table a graph computes with, read back from it where it fits no named
+scaling (attnx.model.rope_fit): its inv_freq and attention factor as numbers, so the reader needs
+no checkpoint to read a scaled rope (only to repair one).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = [
     "RopeScaling",
     "ROPE_INIT_FUNCTIONS",
     "SCALING_PARAMS",
+    "SWITCHING_KEYS",
     "REFUSED_ROPE_TYPES",
     "parse_rope",
     "rope_frequencies",
@@ -47,6 +53,7 @@ __all__ = [
     "rope_angles",
     "rope_cos_sin",
     "rope_pairs",
+    "rope_said",
 ]
 
 
@@ -80,6 +87,15 @@ class Rope:
     @property
     def rope_type(self) -> str:
         return self.scaling.rope_type if self.scaling is not None else "default"
+
+    @property
+    def switch_at(self) -> int | None:
+        """The length past which one call takes the long table (longrope's rule: uses_long_factors), or None where
+        every call takes the one table."""
+        s = self.scaling
+        if s is None or not any(key in SWITCHING_KEYS for key, _ in s.params):
+            return None
+        return s["original_max_position_embeddings"]
 
     def to_dict(self) -> dict[str, Any]:
         return {"theta": self.theta, "dim": self.dim, "interleaved": self.interleaved,
@@ -162,13 +178,26 @@ def _longrope(rope: Rope, seq_len: int | None = None) -> tuple[np.ndarray, float
     return _base_inv_freq(rope.theta, rope.dim) / factors, s["attention_factor"]
 
 
+def _table(rope: Rope, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    """The table a graph computes with, as read from it (attnx.model.rope_fit.rope_of_table) where it fits no
+    named scaling: its frequencies themselves. Parameters: inv_freq (dim/2 numbers), attention_factor (1); and
+    where the graph switches tables by length as longrope does, long_inv_freq with original_max_position_embeddings
+    (seq_len above it takes the long one)."""
+    s = dict(rope.scaling.params)
+    long = s.get("long_inv_freq") is not None and seq_len is not None and seq_len > s["original_max_position_embeddings"]
+    return np.asarray(s["long_inv_freq" if long else "inv_freq"], dtype=np.float64), s["attention_factor"]
+
+
 ROPE_INIT_FUNCTIONS: dict[str, Callable[[Rope, int | None], tuple[np.ndarray, float]]] = {
     "default": _default,
     "linear": _linear,
     "llama3": _llama3,
     "yarn": _yarn,
     "longrope": _longrope,
+    "table": _table,
 }
+# the parameters of a scaling that switches to a long table past original_max_position_embeddings (Rope.switch_at)
+SWITCHING_KEYS = ("long_factor", "long_inv_freq")
 # Rope types attnx refuses, and why: their frequencies are not a function of the config alone.
 REFUSED_ROPE_TYPES = {
     "dynamic": "dynamic NTK scaling recomputes the frequencies from each run's sequence length, so one "
@@ -211,6 +240,7 @@ class ScalingParams:
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     resolve_only: tuple[str, ...] = ()
     attention_factor: Callable[[dict[str, Any]], float] | None = None
+    optional: tuple[str, ...] = ()  # stored where given, absent otherwise
 
 
 SCALING_PARAMS: dict[str, ScalingParams] = {
@@ -221,10 +251,11 @@ SCALING_PARAMS: dict[str, ScalingParams] = {
                           _yarn_attention_factor),
     "longrope": ScalingParams(("short_factor", "long_factor", "original_max_position_embeddings"), {}, ("factor",),
                               _longrope_attention_factor),
+    "table": ScalingParams(("inv_freq",), {}, (), lambda p: 1.0, ("long_inv_freq", "original_max_position_embeddings")),
 }  # fmt: skip
 _INT_PARAMS = ("original_max_position_embeddings",)
 _BOOL_PARAMS = ("truncate",)
-_LIST_PARAMS = ("short_factor", "long_factor")
+_LIST_PARAMS = ("short_factor", "long_factor", "inv_freq", "long_inv_freq")
 
 
 def _number(key: str, value: Any, positive: bool = True) -> float:
@@ -258,6 +289,7 @@ def _parse_scaling(value: Any, dim: int) -> RopeScaling | None:
         *spec.required,
         *spec.defaults,
         *spec.resolve_only,
+        *spec.optional,
         *(("attention_factor",) if spec.attention_factor else ()),
     }
     for key in sorted(data):
@@ -269,7 +301,7 @@ def _parse_scaling(value: Any, dim: int) -> RopeScaling | None:
     for key in spec.required:
         if data.get(key) is None:
             raise ConfigError(f"config key 'rope.scaling.{key}' is required for rope_type {kind!r}")
-    for key in (*spec.required, *spec.defaults, *spec.resolve_only, "attention_factor"):
+    for key in (*spec.required, *spec.defaults, *spec.resolve_only, *spec.optional, "attention_factor"):
         raw = data.get(key)
         if raw is None:
             if key in spec.defaults:
@@ -295,6 +327,9 @@ def _parse_scaling(value: Any, dim: int) -> RopeScaling | None:
             "config key 'rope.scaling.high_freq_factor' must be larger than low_freq_factor "
             f"({params['high_freq_factor']} <= {params['low_freq_factor']})"
         )
+    if kind == "table" and ("long_inv_freq" in params) != ("original_max_position_embeddings" in params):
+        raise ConfigError("config keys 'rope.scaling.long_inv_freq' and 'original_max_position_embeddings' go "
+                          "together for rope_type 'table' (the long table, and the length past which it is used)")
     if spec.attention_factor is not None and "attention_factor" not in params:
         params["attention_factor"] = float(spec.attention_factor(params))
     for key in spec.resolve_only:
@@ -344,9 +379,9 @@ def uses_long_factors(rope: Rope, positions: np.ndarray) -> bool:
     """longrope's switch, transformers' rule: a call whose largest position + 1 exceeds
     original_max_position_embeddings uses the long factors for all its positions (every batch
     element, every token: a cache rotated with the short ones is not rotated again)."""
-    if rope.rope_type != "longrope" or np.size(positions) == 0:
+    if rope.switch_at is None or np.size(positions) == 0:
         return False
-    return int(np.max(positions)) + 1 > rope.scaling["original_max_position_embeddings"]
+    return int(np.max(positions)) + 1 > rope.switch_at
 
 
 def rope_angles(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, float]:
@@ -371,3 +406,26 @@ def rope_pairs(rope: Rope) -> tuple[np.ndarray, np.ndarray]:
     if rope.interleaved:
         return np.arange(0, rope.dim, 2), np.arange(1, rope.dim, 2)
     return np.arange(half), np.arange(half, rope.dim)
+
+
+# The parameters a reader names a scaling by (rope_said), in the order said.
+_SAID = {"linear": ("factor",),
+         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+         "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor"),
+         "longrope": ("original_max_position_embeddings", "attention_factor")}  # fmt: skip
+
+
+def rope_said(rope: Rope) -> str:
+    """A rope in words, as a report names it: "theta 10000", "llama3, theta 500000, factor 8, low_freq_factor 1,
+    high_freq_factor 4, original 8192", or "the graph's own table (16 frequencies)"."""
+    if rope.rope_type == "table":
+        switch = f", its long one past {rope.switch_at}" if rope.switch_at is not None else ""
+        return f"the graph's own table ({rope.dim // 2} frequencies{switch})"
+    said = [f"theta {rope.theta:g}"]
+    if rope.scaling is not None:
+        values = dict(rope.scaling.params)
+        said = [rope.rope_type, *said] + [
+            f"{key.replace('_max_position_embeddings', '')} "
+            + (str(values[key]).lower() if isinstance(values[key], bool) else f"{values[key]:g}")
+            for key in _SAID.get(rope.rope_type, ()) if key in values]  # fmt: skip
+    return ", ".join(said)

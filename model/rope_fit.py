@@ -5,14 +5,16 @@ the audit reads a graph's rotation with. numpy only."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from attnx.model.rope import Rope, rope_frequencies
+from attnx.model.rope import SCALING_PARAMS, Rope, RopeScaling, rope_frequencies, rope_said
 from attnx.model.tolerance import rope_table_bound, stored_bound
 
-__all__ = ["fit_rope", "half_table", "rope_of_table", "rope_table_error"]
+__all__ = ["fit_rope", "half_table", "named_rope", "rope_of_table", "rope_table_error"]
 
 
 def fit_rope(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
@@ -48,8 +50,10 @@ def half_table(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
-    """A Rope(theta, dim) whose table matches the graph's (within rope_table_error's bound), with the fit's error;
-    None (and why) when the table is not theta^(-2i/dim) for any theta (a scaled rope: read against a checkpoint's)."""
+    """The Rope whose table is the graph's (within rope_table_error's bound), with the fit's error: theta^(-2i/dim)
+    for a theta; else the named scaling it matches (named_rope: "llama3, factor 8, ..."); else the graph's own
+    table (rope type "table": its frequencies and attention factor as numbers). facts["rope_matches"] says which.
+    None (and why) only where the table is no rotation at all: its entries not cos/sin of position * a frequency."""
     cos, sin = half_table(cos, sin)
     inv_freq, factor = fit_rope(cos, sin)
     dim = 2 * inv_freq.shape[0]
@@ -63,8 +67,81 @@ def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[
     expected, _ = rope_frequencies(rope)
     error, ratio = rope_table_error(cos, sin, expected)
     facts.update(rope_theta=theta, rope_fit_error=error, rope_fit_bound_ratio=ratio, rope_factor=factor)
-    if ratio > 1 or abs(factor - 1.0) > stored_bound(np.asarray(cos).dtype):
-        return None, {**facts, "rope": f"not read: the table is not theta^(-2i/{dim}) of any theta (max error "
-                                       f"{error:.2g}, {ratio:.3g} times its bound; factor {factor:.4g}): a scaled "
-                                       "rope"}  # fmt: skip
-    return rope, facts
+    if ratio <= 1 and abs(factor - 1.0) <= stored_bound(np.asarray(cos).dtype):
+        return rope, {**facts, "rope_matches": rope_said(rope)}
+    named = named_rope(cos, sin, inv_freq, factor, interleaved)
+    if named is not None:
+        rope, said = named
+        return rope, {**facts, "rope_matches": said}
+    own_error, own_ratio = rope_table_error(cos, sin, inv_freq, factor)
+    if own_ratio > 1:
+        return None, {**facts, "rope": f"not read: the table is not cos/sin of position * a frequency (max error "
+                                       f"{own_error:.2g}, {own_ratio:.3g} times its bound)"}  # fmt: skip
+    # the high frequencies of every named scaling are theta's own: theta as its second frequency says it
+    scaling = RopeScaling("table", (("attention_factor", factor), ("inv_freq", tuple(float(f) for f in inv_freq))))
+    rope = Rope(theta=max(float(inv_freq[1]) ** (-dim / 2.0), 1.0 + 1e-9), dim=dim, interleaved=interleaved,
+                scaling=scaling)  # fmt: skip
+    return rope, {**facts, "rope_fit_error": own_error, "rope_fit_bound_ratio": own_ratio,
+                  "rope_matches": rope_said(rope)}
+
+
+# the bases checkpoints use, tried beside the fitted one: a scaling with a short original length keeps no high
+# frequency as theta's own (Llama 3's at original 32 keeps only the first, which is 1 for any theta)
+COMMON_THETAS = (10000.0, 50000.0, 100000.0, 150000.0, 500000.0, 1000000.0, 2000000.0, 5000000.0, 10000000.0)
+
+
+def _round(value: float) -> list[float]:
+    """A fitted number, and the same to 5 and 3 significant digits (a config's numbers are round)."""
+    return list(dict.fromkeys([float(f"{value:.5g}"), float(f"{value:.3g}"), value]))
+
+
+def _candidates(inv_freq: np.ndarray, factor: float, dim: int, interleaved: bool) -> Iterator[Rope]:
+    """Named scalings (ROPE_INIT_FUNCTIONS) whose parameters the fitted frequencies suggest: theta from the high
+    frequencies every scaling keeps (or, for linear, from their ratios), the factor from the lowest, the original
+    length and the ramps' ends from the values checkpoints use."""
+    lengths = [2**k for k in range(4, 21)]
+    high_theta = float(inv_freq[1]) ** (-dim / 2.0)
+    scale = float(inv_freq[0] ** -1)
+    linear_theta = float(inv_freq[1] / inv_freq[0]) ** (-dim / 2.0)
+    for theta, f in itertools.product(_round(linear_theta), _round(scale)):
+        if theta > 1 and f > 0:
+            yield Rope(theta, dim, interleaved, RopeScaling("linear", (("factor", f),)))
+    for theta in dict.fromkeys(_round(high_theta) + list(COMMON_THETAS)):
+        if theta <= 1:
+            continue
+        lowest = float(1.0 / theta ** ((dim - 2) / dim))
+        for f in _round(lowest / float(inv_freq[-1])):
+            if f <= 1:
+                continue
+            for original, (low, high) in itertools.product(lengths, ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0), (1.0, 8.0))):
+                params = (("factor", f), ("high_freq_factor", high), ("low_freq_factor", low),
+                          ("original_max_position_embeddings", original))  # fmt: skip
+                yield Rope(theta, dim, interleaved, RopeScaling("llama3", params))
+            # the attention factor transformers resolves (exact where it is the one), else the table's own
+            for attention, original, fast, slow, truncate in itertools.product(
+                    dict.fromkeys([SCALING_PARAMS["yarn"].attention_factor({"factor": f}), factor]), lengths,
+                    (32.0, 16.0, 8.0, 4.0), (1.0, 2.0), (True, False)):  # fmt: skip
+                params = (("attention_factor", attention), ("beta_fast", fast), ("beta_slow", slow), ("factor", f),
+                          ("original_max_position_embeddings", original), ("truncate", truncate))  # fmt: skip
+                yield Rope(theta, dim, interleaved, RopeScaling("yarn", params))
+
+
+def named_rope(cos: np.ndarray, sin: np.ndarray, inv_freq: np.ndarray, factor: float,
+               interleaved: bool) -> tuple[Rope, str] | None:  # fmt: skip
+    """The named scaling (linear, llama3, yarn) whose table is the graph's within rope_table_error's bound, and
+    what it is in words ("llama3, theta 500000, factor 8, ..."), or None. Candidates are screened on their
+    frequencies (1e-4 relative to the fit) and attention factor before the table is compared entry by entry."""
+    dim = 2 * inv_freq.shape[0]
+    bound = stored_bound(np.asarray(cos).dtype)
+    for rope in _candidates(inv_freq, factor, dim, interleaved):
+        try:
+            expected, expected_factor = rope_frequencies(rope)
+        except (ValueError, ZeroDivisionError, OverflowError):
+            continue
+        if abs(expected_factor - factor) > 4 * bound * max(1.0, abs(factor)):
+            continue
+        if not np.all(np.abs(expected / inv_freq - 1) < 1e-4):
+            continue
+        if rope_table_error(cos, sin, expected, expected_factor)[1] <= 1:
+            return rope, rope_said(rope)
+    return None

@@ -295,7 +295,7 @@ def run_decode_parity(
 def _longrope_switches(config: AttentionConfig, positions: np.ndarray, prefill: int) -> bool:
     """Whether a decode of `positions` (a prefill, then one token per call) has a call whose longrope
     factors differ from those of the full forward over every position."""
-    if config.rope.rope_type != "longrope":
+    if config.rope.switch_at is None:
         return False
     whole = uses_long_factors(config.rope, positions)
     calls = [positions[:, : max(prefill, 1)]] + [positions[:, t : t + 1] for t in range(max(prefill, 1),

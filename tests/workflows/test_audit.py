@@ -203,7 +203,7 @@ def _float32_table(theta: float, dim: int = 128, positions: int = 8192, inv_freq
 def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
     """Llama-3-8B's table (theta 500000, 8192 rows) as the builder writes it is off the exact cos/sin by up to
     5.8e-4 on its far rows (float32 angles): read as theta 500000; a theta 1e-4 away, or Llama 3.1's scaling,
-    is not that table."""
+    is not that table, and Llama 3.1's is read as itself."""
     from attnx.model.rope import Rope, parse_rope, rope_frequencies
     from attnx.model.rope_fit import rope_of_table as _rope_of
     from attnx.model.rope_fit import rope_table_error
@@ -217,7 +217,10 @@ def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
     scaled = parse_rope({"theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 128)  # fmt: skip
     table = _float32_table(0, inv_freq=rope_frequencies(scaled)[0])
-    assert _rope_of(*table, False)[0] is None and rope_table_error(*table, exact)[1] > 1
+    assert rope_table_error(*table, exact)[1] > 1
+    read, facts = _rope_of(*table, False)  # no theta fits it: the named scaling it is, read from the table alone
+    assert read == scaled and facts["rope_matches"] == ("llama3, theta 500000, factor 8, low_freq_factor 1, "
+                                                        "high_freq_factor 4, original 8192")  # fmt: skip
 
 
 # Planted faults -----------------------------------------------------------------------------------

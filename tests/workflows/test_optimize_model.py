@@ -105,6 +105,33 @@ def test_gpt2_s_packed_addmm_projections_are_rewritten_and_still_agree_with_tran
     assert max(padded["full"], padded["prefill"], *padded["steps"]) <= fixturelib.TOLERANCE["fp32"], padded
 
 
+@pytest.mark.parametrize(("family", "export", "scaling"), [
+    ("phi3", "eager-opset20", "table"),  # longrope: two tables, switched past 64 tokens
+    ("llama", "sdpa-opset20", "llama3"),  # llama3, original 32
+])  # fmt: skip
+def test_a_scaled_rope_is_rewritten_without_a_checkpoint_and_agrees_with_transformers(family, export, scaling,
+                                                                                      tmp_path):  # fmt: skip
+    """The unseen set's scaled ropes, with no --checkpoint: the table the graph computes is read (Phi-3's longrope
+    as the graph's own two tables and the length it switches at, found by running the graph; Llama's as llama3 with
+    its parameters), every block rewritten and proven, and the model agrees with transformers on either side of the
+    switch: 40 tokens (the short table) and 80 (the long one), full sequence and prefill + steps."""
+    from tests.fixtures import fixturelib
+
+    unseen = FIXTURES / "unseen"
+    source, out = unseen / "exported" / "torch-dynamo" / family / export / "model.onnx", tmp_path / "out.onnx"
+    report = optimize_model(str(source), str(out))
+    assert report.passed and all(b.written for b in report.blocks), report.lines()
+    ropes = [b.config["rope"]["scaling"] for b in report.blocks]
+    assert all(r["rope_type"] == scaling for r in ropes), ropes
+    if scaling == "table":
+        assert all(r["original_max_position_embeddings"] == 64 and len(r["long_inv_freq"]) == 8 for r in ropes)
+    model = fixturelib.load_eager(unseen / "genai" / family / "checkpoint")
+    for tokens in (40, 80):
+        ids = [int(t) for t in np.random.default_rng(tokens).integers(1, 200, tokens)]
+        agreement = fixturelib.check_decoder(out, model, ids, tokens - 3)
+        assert fixturelib.verdict("fp32", agreement), (tokens, agreement)
+
+
 def test_a_model_of_other_shapes_with_its_batch_fixed_at_one(tmp_path):
     """The unseen set's llama (head_dim 32, 3 layers, a llama3 rope) exported with its batch fixed at 1: every
     block rewritten, the whole model run on one row."""
@@ -117,20 +144,26 @@ def test_a_model_of_other_shapes_with_its_batch_fixed_at_one(tmp_path):
     assert sum("of one row (the model's batch is fixed at 1)" in line for line in report.proofs) == 2
 
 
-def test_without_a_checkpoint_a_block_not_read_is_kept_and_named(tmp_path, capsys):
-    """Llama 4's rotating layers use a llama3-scaled rope that no theta fits: without its checkpoint the block is
-    not read, so it is kept as it is and said; the NoPE layer is rewritten; through the CLI, with its JSON."""
+def test_without_a_checkpoint_a_scaled_rope_is_read_as_the_graph_computes_it(tmp_path, capsys):
+    """Llama 4's rotating layers use a llama3-scaled rope that no theta fits: without its checkpoint the table the
+    graph computes is read and named (llama3, its factor and original length, found from the table alone), so every
+    block is rewritten and proven against float64; through the CLI, with its JSON."""
     out, report_path = tmp_path / "out.onnx", tmp_path / "r.json"
     code = main(["optimize", str(DYNAMO / "llama4" / "eager-opset20" / "model.onnx"), "--out", str(out),
                  "--json", str(report_path), "--core", "gqa"])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
     report = json.loads(report_path.read_text())
-    assert [b["written"] for b in report["blocks"]] == [None, None, None, "gqa"]
-    assert all("a scaled rope" in b["kept"] for b in report["blocks"][:3])
+    assert [b["written"] for b in report["blocks"]] == ["gqa"] * 4
+    assert all(b["config"]["rope"]["scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+               for b in report["blocks"][:3])  # fmt: skip
+    assert text.count("rope llama3, theta 500000, factor 8, low_freq_factor 1, high_freq_factor 4, original 64, "
+                      "interleaved;") == 3, text
+    assert text.count("against the float64 reference") == 4 and "FAIL" not in text
     assert re.search(r"\n +3 +- +decomposed +gqa +[0-9.]+ -> [0-9.]+ +[0-9.]+ -> [0-9.]+\n", text), text
     assert "block 3: asked (--core gqa); a request (ms): the graph's " in text
-    assert "optimize PASSED: 1 of 4 block(s) rewritten" in text
+    assert "optimize PASSED: 4 of 4 block(s) rewritten" in text
     assert report["blocks"][3]["choice"]["core"] == "gqa" and report["blocks"][3]["choice"]["before"]["step_ms"] > 0
     assert report["model_times"]["after"]["step_ms"] > 0 and "the whole model on cpu: prefill 512 " in text
 

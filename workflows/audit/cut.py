@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from attnx.export.terms import GRAPH_TERMS
 from attnx.export.visibility import read_mask_grid
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS, provider_of_backend
+from attnx.model.rope import Rope, RopeScaling, rope_frequencies, rope_said
 from attnx.model.rope_fit import half_table, rope_of_table
 from attnx.model.terms import TERMS
 from attnx.runtimes._untrusted import check_cut_fits
@@ -296,10 +297,11 @@ def graph_feeds(names: Sequence[str], mask: np.ndarray, past_len: int,
     return feeds
 
 
-def evaluate(graph: AuditGraph, block: Any, names: Sequence[str], tokens: int) -> list[np.ndarray]:
+@contextlib.contextmanager
+def evaluator(graph: AuditGraph, block: Any, names: Sequence[str]) -> Iterator[Callable[[int], list[np.ndarray]]]:
     """Tensors of the graph that the block's terms are computed from (its mask, its rotary tables), cut out with
-    what they read and run once on ONNX Runtime's CPU for one prompt of `tokens` tokens at positions 0.. (in each row
-    of a batch the model's dims fix)."""
+    what they read once, and a function that runs them on ONNX Runtime's CPU for one prompt of `tokens` tokens at
+    positions 0.. (in each row of a batch the model's dims fix), as often as asked."""
     dtype = NP_DTYPES.get(block.dtype, np.float32)
     batch = graph.shapes.batch if "batch" in graph.shapes.fixed else 1
     with cut_file(cut_block(graph, block, outputs=names)) as path:
@@ -309,10 +311,20 @@ def evaluate(graph: AuditGraph, block: Any, names: Sequence[str], tokens: int) -
         with runner:
             inputs = [s.name for s in runner.inputs]
             x = block.inputs.get("x")
-            feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in inputs else {}  # its shape
-            empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # no past
-            feeds.update(graph_feeds([n for n in inputs if n != x], np.ones((batch, tokens), np.int64), 0, empty))
-            return [np.asarray(a) for a in runner.run(feeds).values()]
+
+            def run(tokens: int) -> list[np.ndarray]:
+                feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in inputs else {}  # its shape
+                empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # no past
+                feeds.update(graph_feeds([n for n in inputs if n != x], np.ones((batch, tokens), np.int64), 0, empty))
+                return [np.asarray(a) for a in runner.run(feeds).values()]
+
+            yield run
+
+
+def evaluate(graph: AuditGraph, block: Any, names: Sequence[str], tokens: int) -> list[np.ndarray]:
+    """evaluator's tensors, run once for a prompt of `tokens` tokens."""
+    with evaluator(graph, block, names) as run:
+        return run(tokens)
 
 
 def probe_tokens(graph: AuditGraph, wanted: int) -> int:
@@ -320,36 +332,122 @@ def probe_tokens(graph: AuditGraph, wanted: int) -> int:
     return graph.shapes.tokens if "sequence" in graph.shapes.fixed else wanted
 
 
+class _NotOneTable(Exception):
+    """q's and k's tables differ, or the tables change with the length otherwise than one switch."""
+
+
+def _read_rope_tables(graph: AuditGraph, block: Any) -> None:
+    """The rotary tables a block's graph computes from position_ids, read by running them at several prompt lengths
+    (facts rope_tables_at), and the Rope they are (rope_of_table). With the source's original length (a checkpoint's
+    hint): read on each side of it. Without: where the tables at 2 tokens and at ROPE_PROBE_MAX differ, the length
+    at which they switch is found by bisection (longrope's rule: one table up to it, the other past it), and the
+    rope holds both tables and the switch; tables that change more than once (a dynamic rope) are not read."""
+    positions = probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
+    names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
+    block.facts["rope_computed_from"] = tuple(names[:2])  # the graph's own tables (attnx optimize binds them)
+    original = block.facts.get("rope_hint") or 0
+    interleaved = block.facts["rotary_interleaved"]
+    at: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    try:
+        with evaluator(graph, block, names) as run:
+
+            def table(tokens: int) -> tuple[np.ndarray, np.ndarray]:
+                if tokens not in at:
+                    tables = [a.reshape(-1, a.shape[-1])[:tokens] for a in run(tokens)]
+                    at[tokens] = half_table(*tables[:2])
+                    if len(tables) == 4 and not all(np.array_equal(a, b) for a, b in zip(half_table(*tables[2:]),
+                                                                                         at[tokens])):  # fmt: skip
+                        raise _NotOneTable("q and k rotated by different tables")
+                return at[tokens]
+
+            # at the probe's length, and on each side of the source's original length, where a rope that switches
+            # on the prompt's length (longrope's short and long factors) changes tables
+            around = (original, original + 1) if original else ()
+            wanted = list(dict.fromkeys(probe_tokens(graph, n) for n in (positions, *around) if n <= ROPE_PROBE_MAX))
+            for tokens in wanted:
+                table(tokens)
+            switch = None
+            if not original and "sequence" not in graph.shapes.fixed:
+                switch = _rope_switch(table, positions)
+    except NotFed as e:
+        block.unread = f"its rotary tables not read: {e}"
+        return
+    except _NotOneTable as e:
+        block.unread = str(e)
+        return
+    cos, sin = at[positions]
+    if switch is None:
+        rope, facts = rope_of_table(cos, sin, interleaved)
+        at = {n: at[n] for n in wanted}  # the lengths the source's rope is held to (the bisection's probes are not)
+    else:
+        rope, facts = _switching_rope(at, switch, interleaved)
+        at = {n: at[n] for n in dict.fromkeys((positions, switch, switch + 1))}
+    block.facts.update(facts, rope_tables=(cos, sin), rope_tables_at=at)
+    block.config = dataclasses.replace(block.config, rope=rope)
+    if rope is None:
+        block.unread = f"rope {facts['rope']}"
+
+
+def _rope_switch(table: Callable[[int], tuple[np.ndarray, np.ndarray]], positions: int) -> int | None:
+    """The prompt length past which the graph's tables switch (None: one table for every length): position 1's row
+    at 2 tokens against ROPE_PROBE_MAX's, then bisected between them."""
+
+    def row(tokens: int) -> np.ndarray:
+        cos, sin = table(tokens)
+        return np.concatenate([cos[1], sin[1]])
+
+    short = row(2)
+    try:
+        longest = ROPE_PROBE_MAX
+        long = row(longest)
+    except Exception:  # noqa: BLE001 - a table of fewer rows (a constant one, gathered): read up to the probe
+        longest, long = positions, row(positions)
+    if np.array_equal(short, long):
+        if not np.array_equal(row(positions), short):
+            raise _NotOneTable("its rotary tables change with the prompt's length more than once (a dynamic rope): "
+                               "not read")  # fmt: skip
+        return None
+    low, high = 2, longest  # row(low) is the short table's, row(high) the long one's
+    while high - low > 1:
+        mid = (low + high) // 2
+        found = row(mid)
+        if np.array_equal(found, short):
+            low = mid
+        elif np.array_equal(found, long):
+            high = mid
+        else:
+            raise _NotOneTable("its rotary tables change with the prompt's length more than once (a dynamic rope): "
+                               "not read")  # fmt: skip
+    table(low + 1)
+    return low
+
+
+def _switching_rope(at: dict[int, tuple[np.ndarray, np.ndarray]], switch: int,
+                    interleaved: bool) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """The rope of two tables the graph switches between past `switch` tokens (longrope's rule): each read as the
+    table it is (rope_of_table), held as the graph's own tables with the switch; None (and why) where either is not
+    read or their attention factors differ."""
+    short_rope, facts = rope_of_table(*at[switch], interleaved)
+    long_rope, long_facts = rope_of_table(*at[max(at)], interleaved)
+    if short_rope is None or long_rope is None:
+        return None, {**facts, "rope": (facts if short_rope is None else long_facts)["rope"]}
+    (short, factor), (long, long_factor) = rope_frequencies(short_rope), rope_frequencies(long_rope)
+    if abs(factor - long_factor) > 1e-6 * abs(factor):
+        return None, {**facts, "rope": f"not read: its tables switch past {switch} tokens with attention factors "
+                                       f"{factor:.6g} and {long_factor:.6g} (one factor for both is read)"}  # fmt: skip
+    scaling = RopeScaling("table", (("attention_factor", factor), ("inv_freq", tuple(map(float, short))),
+                                    ("long_inv_freq", tuple(map(float, long))),
+                                    ("original_max_position_embeddings", switch)))  # fmt: skip
+    rope = Rope(short_rope.theta, short_rope.dim, interleaved, scaling)
+    said = f"{rope_said(rope)}: {facts['rope_matches']} up to {switch} tokens, {long_facts['rope_matches']} past it"
+    return rope, {**facts, "rope_matches": said, "rope_switch": switch}
+
+
 def read_computed_terms(graph: AuditGraph, block: Any) -> None:
     """The terms of a block that the graph computes rather than states, read by running what computes them: its
     rotary tables (from position_ids) and its mask's (causal, a window)."""
     if "rope_tensors" in block.facts:
-        positions = probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
-        names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
-        block.facts["rope_computed_from"] = tuple(names[:2])  # the graph's own tables (attnx optimize binds them)
-        # at the probe's length, and on each side of the source's original length, where a rope that switches on
-        # the prompt's length (longrope's short and long factors) changes tables
-        original = block.facts.get("rope_hint") or 0
-        wanted = (positions, original, original + 1) if original else (positions,)
-        lengths = dict.fromkeys(probe_tokens(graph, n) for n in wanted if n <= ROPE_PROBE_MAX)
-        at = {}
-        for tokens in lengths:
-            try:
-                tables = [a.reshape(-1, a.shape[-1])[: max(tokens, positions)]
-                          for a in evaluate(graph, block, names, tokens)]  # fmt: skip
-            except NotFed as e:
-                block.unread = f"its rotary tables not read: {e}"
-                return
-            at[tokens] = half_table(*tables[:2])
-            if len(tables) == 4 and not all(np.array_equal(a, b) for a, b in zip(half_table(*tables[2:]), at[tokens])):
-                block.unread = "q and k rotated by different tables"
-                return
-        cos, sin = at[positions]
-        rope, facts = rope_of_table(cos, sin, block.facts["rotary_interleaved"])
-        block.facts.update(facts, rope_tables=(cos, sin), rope_tables_at=at)
-        block.config = dataclasses.replace(block.config, rope=rope)
-        if rope is None:
-            block.unread = f"rope {facts['rope']}"
+        _read_rope_tables(graph, block)
     if block.mask is not None:
         try:
             block.config = read_mask_terms(graph, block)

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from attnx._text import format_table
+from attnx.model.rope import rope_said
 from attnx.model.terms import TERMS
 from attnx.workflows.rewrite.choose import CoreChoice, Timing
 
@@ -78,8 +79,8 @@ def formula_said(config: Any) -> str:
     for name in config.terms:
         if name == "rope" and config.rope is not None:
             r = config.rope
-            values = [f"theta {r.theta:g}" + (f", dim {r.dim}" if r.dim != config.head_dim else "")
-                      + (", interleaved" if r.interleaved else "") + (f", {r.rope_type}" if r.rope_type != "default" else "")]  # fmt: skip
+            values = [rope_said(r) + (f", dim {r.dim}" if r.dim != config.head_dim else "")
+                      + (", interleaved" if r.interleaved else "")]  # fmt: skip
         elif name in ("grouped_heads", "causal", "kv_cache", "key_padding_mask"):
             continue
         else:
