@@ -9,6 +9,10 @@ and its table) is attnx.model.tolerance; this module applies it:
 
 and reports max/mean/p99 absolute error, max relative error, cosine similarity and the atol
 that would have been needed. A Comparison is true when it passes; str() says by how much.
+
+Only the positions that count enter it (`where`: a padded batch's padding positions, whose outputs have no
+meaning, are left out of the verdict and of every number), and a NaN or inf at one of them, in the output or
+the reference, fails it, its first position named.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Comparison:
     shape_error: str | None = None
     rel_rms: float = float("nan")  # ||out - ref|| / ||ref||: the frontier's accuracy axis
     rel_rms_bound: float | None = None  # a quantized form's error model bounds it too (tolerance)
+    nonfinite: tuple[int, ...] | None = None  # the first counted position holding a NaN or inf (compare_arrays)
+    nonfinite_in: str | None = None  # whose value it is there: "output" or "reference"
 
     def __bool__(self) -> bool:
         return self.passed
@@ -64,7 +70,13 @@ class Comparison:
         return (
             f"max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}{need}) cos={self.cosine:.9f}"
             + self._rms_text()
+            + self._nonfinite_text()
         )
+
+    def _nonfinite_text(self) -> str:
+        if self.nonfinite is None:
+            return ""
+        return f"; the {self.nonfinite_in} is not finite at [{', '.join(map(str, self.nonfinite))}]"
 
     def _rms_text(self) -> str:
         if self.rel_rms_bound is None:
@@ -79,31 +91,41 @@ class Comparison:
             f"{self.name}: {verdict} max_abs={self.max_abs:.3g} (atol={self.atol:.3g}, rtol={self.rtol:.3g}; "
             f"would need atol>={self.needed_atol:.3g}) max_rel={self.max_rel:.3g} cos={self.cosine:.9f}"
             + self._rms_text()
+            + self._nonfinite_text()
         )
 
 
 def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, size: ProblemSize,
-                   scale: float | None = None, p99: bool = True) -> Comparison:  # fmt: skip
+                   scale: float | None = None, p99: bool = True, where: np.ndarray | None = None) -> Comparison:  # fmt: skip
     """Compare `out` with `ref` under the tolerance rule above (in float64). scale: what the atol is
     relative to where it is not rms(ref), and a quantized form's share of every row where it is not
     the row's RMS (a stage's own, attnx.model.tolerance.stage_tolerance). p99=False: no 99th
-    percentile (nan; a partial sort of every error, what localisation's many comparisons skip)."""
-    if tuple(out.shape) != tuple(ref.shape):
+    percentile (nan; a partial sort of every error, what localisation's many comparisons skip).
+    where: the positions that count, a bool array over the leading dims of both (a padded batch's
+    attention_mask != 0, [batch, seq] of logits [batch, seq, vocab]); the others enter no number. A NaN
+    or inf at a counted position, in either, fails the comparison and is named (Comparison.nonfinite:
+    its index over `where`'s dims, or over all but the last dim)."""
+    differs = tuple(out.shape) != tuple(ref.shape)
+    if differs or (where is not None and tuple(out.shape[: np.ndim(where)]) != np.shape(where)):
         nan = float("nan")
-        return Comparison(
-            name, False, nan, nan, nan, nan, nan, 0.0, tol.rtol, nan,
-            shape_error=f"shape {list(out.shape)} differs from the reference's {list(ref.shape)}",
-        )  # fmt: skip
-    o = np.asarray(out, dtype=np.float64)
-    r = np.asarray(ref, dtype=np.float64)
+        said = (f"shape {list(out.shape)} differs from the reference's {list(ref.shape)}" if differs
+                else f"shape {list(out.shape)} does not start with its positions' {list(np.shape(where))}")  # fmt: skip
+        return Comparison(name, False, nan, nan, nan, nan, nan, 0.0, tol.rtol, nan, shape_error=said)
+    where = None if where is None else np.asarray(where, bool)
+    bad_at, bad_in = _first_nonfinite(np.asarray(out), np.asarray(ref), where)
+    o = np.asarray(out if where is None else np.asarray(out)[where], dtype=np.float64)
+    r = np.asarray(ref if where is None else np.asarray(ref)[where], dtype=np.float64)
+    finite = bad_at is None
     given_scale = scale is not None
-    if scale is None:
-        scale = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
+    if scale is None:  # the reference's finite values (one that is not finite fails the comparison whatever the atol)
+        rf = r if finite else r[np.isfinite(r)]
+        scale = float(np.sqrt(np.mean(rf * rf))) if rf.size else 0.0
     atol = tol.atol(size, max(scale, np.finfo(np.float32).tiny))
     diff = np.abs(o - r)
-    finite = bool(np.isfinite(o).all())
-    if not finite:
-        diff = np.where(np.isfinite(o), diff, np.inf)
+    given = r
+    if not finite:  # an infinite error there, against a bound of the reference's finite values
+        diff = np.where(np.isfinite(o) & np.isfinite(r), diff, np.inf)
+        r = np.where(np.isfinite(r), r, 0.0)
     bound = tol.rtol * np.abs(r)
     quantized = hasattr(tol, "quant_bound") and r.ndim > 0
     if quantized:  # a quantized form: its error model's share, row by row (attnx.model.tolerance)
@@ -128,7 +150,7 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
     if rms_bound is not None and not rel_rms <= rms_bound:
         passed = False
     denom = float(np.linalg.norm(o) * np.linalg.norm(r))
-    cosine = float(np.sum(o * r) / denom) if denom > 0 and finite else (1.0 if np.array_equal(o, r) else 0.0)
+    cosine = float(np.sum(o * r) / denom) if denom > 0 and finite else (1.0 if np.array_equal(o, given) else 0.0)
     return Comparison(
         name=name,
         passed=passed,
@@ -142,7 +164,26 @@ def compare_arrays(name: str, out: np.ndarray, ref: np.ndarray, tol: Tolerance, 
         needed_atol=max(needed, 0.0),
         rel_rms=rel_rms,
         rel_rms_bound=rms_bound,
+        nonfinite=bad_at,
+        nonfinite_in=bad_in,
     )
+
+
+def _first_nonfinite(out: np.ndarray, ref: np.ndarray,
+                     where: np.ndarray | None) -> tuple[tuple[int, ...] | None, str | None]:  # fmt: skip
+    """The first counted position (over `where`'s dims, else all but the last) where `out` or `ref` holds a NaN or
+    an inf, and whose it is (the output's first where both are); (None, None) where every counted value is finite."""
+    dims = where.ndim if where is not None else max(out.ndim - 1, min(out.ndim, 1))
+    flags = []
+    for a in (out, ref):
+        bad = ~np.isfinite(a) if np.issubdtype(a.dtype, np.inexact) else np.zeros(a.shape, bool)
+        bad = bad.reshape(bad.shape[:dims] + (-1,)).any(-1) if bad.ndim > dims else bad
+        flags.append(bad if where is None else bad & where)
+    either = flags[0] | flags[1]
+    if not either.any():
+        return None, None
+    at = tuple(int(i) for i in np.argwhere(either)[0])
+    return at, "output" if flags[0][at] else "reference"
 
 
 def _p99(diff: np.ndarray) -> float:

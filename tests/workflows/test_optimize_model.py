@@ -449,6 +449,98 @@ def test_the_whole_model_proof_fails_past_the_tolerance_tables_bound_and_names_w
     assert_array_less(whole_model_tolerance("fp32", 1).ulps, whole_model_tolerance("fp32", 4).ulps)
 
 
+class _Logits:
+    """A stand-in for a loaded whole model (input_ids, attention_mask -> logits, no cache): each real position's
+    logits a function of its token alone; `fault` what a padded batch makes of it: "padding" NaN at the padding
+    positions (a row that sees no key), "spreads" NaN at every position of a padded row (that NaN carried through keys
+    its mask hides: 0 * NaN), "real" NaN wherever the token it is first fed at row 1, position 5 comes (a real
+    position, padded or not)."""
+
+    def __init__(self, fault: str | None = None) -> None:
+        from attnx.model.config import TensorSpec
+
+        self.fault = fault
+        self.token = None
+        self.inputs = [TensorSpec("input_ids", "int64", ("batch", "sequence")),
+                       TensorSpec("attention_mask", "int64", ("batch", "sequence"))]  # fmt: skip
+        self.outputs = [TensorSpec("logits", "float32", ("batch", "sequence", 7))]
+
+    def run(self, feeds):
+        ids, mask = feeds["input_ids"], feeds["attention_mask"]
+        logits = np.sin(ids[..., None] * np.arange(1, 8)).astype(np.float32)
+        padded = mask == 0
+        if self.fault == "padding":
+            logits[padded] = np.nan
+        elif self.fault == "spreads":
+            logits[padded.any(axis=1)] = np.nan
+        elif self.fault == "real":
+            self.token = ids[1, 5] if self.token is None else self.token
+            logits[ids == self.token] = np.nan
+        return {"logits": logits}
+
+
+@pytest.mark.parametrize(("before", "after", "passed", "said"), [
+    (None, "padding", True, None),  # the written model's padding positions: no meaning, never compared
+    ("padding", None, True, None),  # the input's
+    ("spreads", None, True, "said: the input's logits at row 1's own positions are not finite in the padded batch"),
+    (None, "real", False, "the written model's logits not finite at row 1, position 5"),
+    ("real", None, False, "the input's logits not finite at row 1, position 5"),
+])  # fmt: skip
+def test_padding_positions_never_enter_the_whole_model_proof(before, after, passed, said):
+    """A padding position's output has no meaning: the whole-model proof compares real positions alone, and where the
+    input's padding spreads into its real positions (a NaN through a hidden key), that row is held to the input's run
+    of it alone. A NaN at a real position is a failure named by its row and position."""
+    from attnx.model.tolerance import ProblemSize, whole_model_tolerance
+    from attnx.workflows.rewrite.prove import same_tokens
+    from attnx.workflows.rewrite.report import ModelOptimizeReport
+
+    report = ModelOptimizeReport("in.onnx", "", None, [], [])
+    ok = same_tokens(report, _Logits(before), _Logits(after), False, whole_model_tolerance("fp32", 1), ProblemSize(7))
+    assert ok == passed, report.proofs
+    verdicts = [line for line in report.proofs if "the whole model" in line]
+    assert len(verdicts) == 1 and verdicts[0].startswith("pass" if passed else "FAIL") and "nan" not in verdicts[0]
+    assert said is None or said in "\n".join(report.proofs), report.proofs
+
+
+def test_a_gemma2_fault_whose_padding_rows_see_no_key_is_judged_at_real_positions(tmp_path):
+    """Gemma 2 (torch.onnx dynamo) with layer 0's masked scores scaled by 1.25 after its softcap: the export's
+    finfo.min mask times 1.25 overflows to -inf, so a left-padded row's padding positions see no key and give NaN,
+    which layer 1 carries into that row's real positions (0 * NaN through keys its mask hides). Without --checkpoint
+    the block is read as it is; the verdict comes from real positions only: the input's padded row is held to its
+    run alone (finite), and the proof then fails on a finite difference, at row 0 (no padding): the 1.25 after the
+    softcap is read as the scale inside it (50 tanh(1.25 s / 50), not 1.25 * 50 tanh(s / 50)), which the blocks'
+    proofs against their own reading cannot see. Scaled inside the softcap instead, the fault is in both models and
+    the proof passes."""
+    from onnx import helper, numpy_helper
+
+    proto = onnx.load(str(DYNAMO / "gemma2" / "eager-opset20" / "model.onnx"))
+    softmax = next(n for n in proto.graph.node if n.op_type == "Softmax")  # layer 0's
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(1.25, np.float32), "planted"))
+    proto.graph.node.insert(list(proto.graph.node).index(softmax),
+                            helper.make_node("Mul", [softmax.input[0], "planted"], ["planted_scores"]))  # fmt: skip
+    softmax.input[0] = "planted_scores"
+    source = tmp_path / "model.onnx"
+    onnx.save(proto, str(source))
+    report = optimize_model(str(source), str(tmp_path / "out.onnx"), core="gqa")
+    assert all(line.startswith("pass: block") for line in report.proofs[:2]), report.proofs
+    assert any(line.startswith("said: the input's logits at row 1's own positions are not finite") for line in
+               report.proofs), report.proofs  # fmt: skip
+    verdicts = [line for line in report.proofs if "the whole model," in line]
+    assert len(verdicts) == 2 and not any("nan" in line for line in verdicts), verdicts
+    assert all(line.startswith("FAIL") and "(first logits past the bound at row 0, position " in line
+               for line in verdicts), verdicts  # fmt: skip
+    assert not report.passed and not (tmp_path / "out.onnx").exists()
+
+    proto = onnx.load(str(DYNAMO / "gemma2" / "eager-opset20" / "model.onnx"))
+    scale = next(n for n in proto.graph.node if n.op_type == "Mul" and n.input[0] == "matmul")  # q.k * scale
+    value = next(t for t in proto.graph.initializer if t.name == scale.input[1])
+    proto.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(value) * np.float32(1.25), "planted"))
+    scale.input[1] = "planted"
+    onnx.save(proto, str(source))
+    report = optimize_model(str(source), str(tmp_path / "out.onnx"), core="gqa")
+    assert report.passed and sum(line.startswith("pass: the whole model") for line in report.proofs) == 2, report.proofs
+
+
 def test_a_model_with_external_data_is_written_with_its_own(tmp_path):
     """A model whose tensors lie in model.onnx.data: OUT's tensors are written, one at a time, into OUT.onnx.data
     beside it (its location relative), never pointing into the input's data file; OUT loads and is proven."""
