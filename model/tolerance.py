@@ -83,6 +83,10 @@ __all__ = [
     "stage_tolerance",
     # A whole model against its rewrite (issue 40)
     "whole_model_tolerance",
+    # An intermediate requantized to int8 (MatMulNBits accuracy_level 4)
+    "RequantizedTolerance",
+    "Requantization",
+    "requantization_slack",
 ]
 
 # The rope term (module doc): the angle is rounded in float32 whatever the dtype of the rest.
@@ -464,6 +468,88 @@ TOLERANCES["int4"] = QuantTolerance("int4", float(np.finfo(np.float32).eps), ulp
 # groups within a row (its DYNAMIC_QUANTIZATION_GROUP_SIZE, set and read back by the runner).
 for _dtype in ("int8", "int4"):
     TOLERANCES[(_dtype, OPENVINO)] = dataclasses.replace(TOLERANCES[_dtype], runtime_activations="int8 per block")
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+# An intermediate requantized to int8 (MatMulNBits accuracy_level 4) ----------------------------------
+# At accuracy_level 4 MatMulNBits rounds its input to int8 per block of the weights' block size along K
+# (scale = max |a| / 127, nearest even), and the audit's reference does the same (its int8 blocks, exact
+# on the input it feeds: measured 5e-6 on q/k/v of rms 2.3, the float sum's own rounding). The output
+# projection's input is z, the heads' output, which the kernel computes itself: its z differs from the
+# reference's by the float rule's bound at z (y's rule relative to rms(z), as localisation holds z),
+#
+#     |dz_j| <= delta_j = atol(size, rms(z)) + rtol |z_j|,      the block's max |z| by delta_A = max_j delta_j.
+#
+# The rounding is a step function: in levels, v_j = z_j / s (s = A / 127, A the block's max |z|) moves by
+#
+#     |dv_j| <= (delta_j + |z_j| delta_A / A) / s + eps32 |v_j|      (eps32: the product's own rounding)
+#
+# and an element whose v_j lies within |dv_j| of a midpoint k + 1/2 may be rounded to either neighbour by
+# the kernel and by the reference: its level differs by at most one, and y_n = sum_j level_j s_j W[n, j] + b
+# by s_j |W[n, j]|. Every other element rounds alike on both sides, and between midpoints y does not move
+# with z (the step s moves with A, continuously, by less than the float rule at y already allows). So
+#
+#     |dy_n| <= float rule + sum over ambiguous j of s_j |W[n, j]|          (the slack, element by element)
+#
+# A bound, not a statistic: the elements it counts are those of this case whose reference value lies that
+# close to a midpoint (a fraction 2 |dv| of them, about 1.5% of z on a Qwen2.5-0.5B-shaped layer: 314 to 385 of 21504,
+# slack up to 4.5e-3 to 8.9e-3 at an element of y), where the kernel's z (5e-6 from the reference's) flipped
+# one level in 11 of 24 layers and moved y by 4.4e-4 to 2.1e-3 against fp32's 3e-5. Every other element of
+# z rounds alike, and a fault that moves y by more than those few steps of z times a row of W (a wrong
+# attention scale: 8e-2 there) is still found.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Requantization:
+    """What the int8 rounding of an intermediate may change in y, for one case (requantization_slack)."""
+
+    slack: np.ndarray  # y's shape: sum over the ambiguous elements of z of step * |W[n, j]|
+    ambiguous: int  # elements of z within the float bound of a rounding midpoint
+    elements: int  # elements of z
+    block: int  # the int8 block along K
+
+
+def requantization_slack(tol: Tolerance, size: ProblemSize, z: np.ndarray, weight: np.ndarray,
+                         block: int) -> Requantization:  # fmt: skip
+    """The slack of y = int8(z) W^T + b (the section above): z the reference's [..., K] (quantized as float32),
+    weight [N, K], `block` the int8 blocks' length along K; tol and size the case's float rule."""
+    a = np.asarray(z, np.float32)
+    k = a.shape[-1]
+    rows = np.pad(a.reshape(-1, k), ((0, 0), (0, (-k) % block))).reshape(-1, -(-k // block), block).astype(np.float64)
+    rms = float(np.sqrt(np.mean(np.square(a, dtype=np.float64)))) if a.size else 0.0
+    delta = tol.atol(size, max(rms, float(np.finfo(np.float32).tiny))) + tol.rtol * np.abs(rows)  # (R, blocks, n)
+    peak = np.abs(rows).max(axis=2, keepdims=True)  # A, each block's max |z|
+    step = peak / 127.0
+    live = peak > 0
+    levels = np.divide(rows, step, out=np.zeros_like(rows), where=live)
+    moved = np.divide(delta + np.abs(rows) * delta.max(axis=2, keepdims=True) / np.where(live, peak, 1.0), step,
+                      out=np.zeros_like(rows), where=live) + EPS32 * np.abs(levels)  # fmt: skip
+    margin = 0.5 - np.abs(levels - np.rint(levels))  # levels from the nearest midpoint
+    ambiguous = (live & (margin <= moved)).reshape(rows.shape[0], -1)[:, :k]  # (R, K), the padding left out
+    flip = ambiguous * np.repeat(step, block, axis=2).reshape(rows.shape[0], -1)[:, :k]  # a level where it may flip
+    slack = flip @ np.abs(np.asarray(weight, np.float64)).T  # (R, N)
+    return Requantization(slack.reshape(*a.shape[:-1], -1), int(ambiguous.sum()), int(a.size), block)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RequantizedTolerance(Tolerance):
+    """A float row plus, element by element, the slack of an intermediate requantized to int8 (the section
+    above). compare_arrays applies it as a quantized form's share of the bound (quant_bound), here per element;
+    atol (what reports show) is the float rule's plus the largest slack."""
+
+    slack: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(()))
+
+    @classmethod
+    def of(cls, row: Tolerance, slack: np.ndarray) -> RequantizedTolerance:
+        return cls(row.dtype, row.eps, row.ulps, slack=np.asarray(slack, np.float64))
+
+    def atol(self, size: ProblemSize, scale: float) -> float:
+        return super().atol(size, scale) + (float(self.slack.max()) if self.slack.size else 0.0)
+
+    def quant_bound(self, size: ProblemSize, row_rms: np.ndarray) -> np.ndarray:
+        return self.slack
 
 
 # Stages (issue 23) -------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  finding: {line}")
         for line in block.not_checked:
             print(f"  not checked: {line}")
+        for line in block.notes:
+            print(f"  note: {line}")
         if block.localised:
             print(f"  {block.localised.split(': ', 1)[1]}")
     for line in report.findings:

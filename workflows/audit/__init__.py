@@ -9,7 +9,8 @@ batch in its convention (right padding for GroupQueryAttention and a mask_index,
 prefill and single-token steps through the model's own cache inputs: its output against the reference of the
 source's layer (or, without one, of the layer read from the graph) under the tolerance table. A failing block is
 localised to its first stage (_localise). A MatMulNBits graph is held against the model as it computes: its
-dequantized weights, and at accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks). The whole model's
+dequantized weights, and at accuracy_level 4 its projections' inputs in int8 blocks (int8_blocks), y held to either
+rounding of z where the kernel's own z may fall on the other side of a midpoint (requantization_slack). The whole model's
 decoding is run once (_decode_whole). The model is untrusted input: it is checked before anything parses it
 (attnx.runtimes._untrusted.check_untrusted_model: external data inside its folder, sizes, cycles, domains).
 

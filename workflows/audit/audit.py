@@ -15,7 +15,7 @@ import onnx_ir as ir
 from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
 from attnx.model.contract import AUDIT_BACKENDS
-from attnx.model.tolerance import problem_size
+from attnx.model.tolerance import Requantization, problem_size, tolerance_for
 from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.workflows.audit import run as _run
 from attnx.workflows.audit.compare import compare_terms, reference_of
@@ -153,13 +153,15 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     positions = np.broadcast_to(np.arange(shapes.tokens, dtype=np.int64), x.shape[:2])
     feeds = {"x": x, "position_ids": positions} if config.rope is not None else {"x": x}
     block_size = block.quantization["block_size"] if level == 4 else None
+    size = problem_size(config, weights, feeds)
+    tol = tolerance_for(block.dtype)
 
-    def reference(**call: np.ndarray) -> np.ndarray:  # a padded row's call hides its padding (key_padding_mask)
+    def reference(**call: np.ndarray) -> tuple[np.ndarray, Requantization | None]:
+        # a padded row's call hides its padding (key_padding_mask); at accuracy_level 4, with z's rounding slack
         held = dataclasses.replace(config, key_padding_mask=True) if "key_padding_mask" in call else config
-        return reference_of(held, weights, call, block_size)
+        return reference_of(held, weights, call, block_size, tol, size)
 
     ref = reference(**feeds)
-    size = problem_size(config, weights, feeds)
     compute_in_cut(graph.model, block)
     try:
         cut = cut_block(graph, block)

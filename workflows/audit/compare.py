@@ -10,7 +10,7 @@ import numpy as np
 from attnx.export import terms as graph_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.reference import reference_attention
-from attnx.model.tolerance import stored_bound
+from attnx.model.tolerance import ProblemSize, Requantization, Tolerance, requantization_slack, stored_bound
 
 __all__ = ["blocks_of", "compare_terms", "compare_weights", "int8_blocks", "reference_of"]
 
@@ -84,14 +84,22 @@ def blocks_of(a: np.ndarray, n: int) -> np.ndarray:
 
 
 def reference_of(config: AttentionConfig, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarray],
-               block_size: int | None) -> np.ndarray:  # fmt: skip
-    """The float64 reference; with block_size, of the model as MatMulNBits computes at accuracy_level 4: the
-    projections' inputs (x, and the heads' output z before out_proj) in int8 blocks (int8_blocks)."""
+                 block_size: int | None, tol: Tolerance | None = None,
+                 size: ProblemSize | None = None) -> tuple[np.ndarray, Requantization | None]:  # fmt: skip
+    """The float64 reference, and None; with block_size, of the model as MatMulNBits computes at accuracy_level 4:
+    the projections' inputs (x, and the heads' output z before out_proj) in int8 blocks (int8_blocks), and what the
+    int8 rounding of z may change in y where the kernel's own z (within `tol`'s bound at `size`) lies that close to
+    a rounding midpoint (attnx.model.tolerance.requantization_slack). x is the audit's own feed, rounded alike on
+    both sides (measured exact), so only z's rounding is uncertain."""
     if block_size is None:
-        return np.asarray(reference_attention(config, weights, **feeds))
+        return np.asarray(reference_attention(config, weights, **feeds)), None
     stages: dict[str, np.ndarray] = {}
     reference_attention(config, weights, **{**feeds, "x": int8_blocks(feeds["x"], block_size)}, stages=stages,
                         core_stages=False)  # fmt: skip
     z = int8_blocks(stages["z"].astype(np.float32), block_size)
+    w = np.asarray(weights["out_proj.weight"], np.float64)
     bias = weights.get("out_proj.bias")  # a config without biases has none
-    return z @ np.asarray(weights["out_proj.weight"], np.float64).T + (0.0 if bias is None else np.asarray(bias, np.float64))
+    y = z @ w.T + (0.0 if bias is None else np.asarray(bias, np.float64))
+    if tol is None or size is None:
+        return y, None
+    return y, requantization_slack(tol, size, stages["z"], w, block_size)

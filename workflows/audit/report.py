@@ -29,6 +29,7 @@ class BlockAudit:
     source: str = "checkpoint layer"  # what it is held to: a checkpoint's layer, or the attnx.config of attnx's model
     localised: str | None = None  # a failing block's first stage beyond its bound
     strict: bool = False  # a gap fails the block
+    notes: list[str] = dataclasses.field(default_factory=list)  # why a check past the float rule passes
 
     @property
     def passed(self) -> bool:
@@ -48,7 +49,7 @@ class BlockAudit:
         return {"index": self.index, "node": self.node, "core": self.core, "layer": self.layer, "source": self.source,
                 "terms": list(self.terms),
                 "passed": self.passed, "findings": self.findings, "not_checked": self.not_checked,
-                "localised": self.localised,
+                "localised": self.localised, "notes": self.notes,
                 "checks": [{"name": c.name, "passed": c.passed, "atol": c.atol, "rtol": c.rtol, **c.stats()}
                            for c in self.checks]}  # fmt: skip
 
