@@ -456,10 +456,12 @@ class Engine:
             rows = min(rows, max(1, available // 2 // row_bytes))
         return rows
 
-    def _cache(self, requests: Sequence[Request]) -> _GrowingCache | _SharedCache:
+    def _cache(self, requests: Sequence[Request], rows: int | None = None) -> _GrowingCache | _SharedCache:
+        """The run's cache, for `rows` rows at once (None: batch_rows)."""
         if self.io.form == "growing":
             return _GrowingCache(self)
-        return _SharedCache(self, self._capacity(requests), min(self.rows, max(1, len(requests))))
+        rows = self.batch_rows(requests) if rows is None else rows
+        return _SharedCache(self, self._capacity(requests), min(rows, max(1, len(requests))))
 
     def _take(self, request: Request, logits: np.ndarray, position: int) -> None:
         """The request's next token from its logits [V] at `position` (the token's own), and whether it ends."""
@@ -480,13 +482,13 @@ class Engine:
         """Serve every request (the module doc); on_finish(request) as each ends, in the order they end."""
         self.sampling = sampling
         waiting = list(requests)
-        self.rows = self.batch_rows(waiting)
+        rows = self.batch_rows(waiting)  # once: the memory available moves
         self.stats = GenerateStats(requests=len(waiting), form=self.io.form)
-        cache = self._cache(waiting)
+        cache = self._cache(waiting, rows)
         start = time.perf_counter()
         waiting.reverse()  # popped from the end: the first request first
         while waiting or cache.rows:
-            while waiting and len(cache.rows) < self.rows:  # schedule: waiting requests join between steps
+            while waiting and len(cache.rows) < rows:  # schedule: waiting requests join between steps
                 request = waiting.pop()
                 if self.record:
                     request.logits = []
