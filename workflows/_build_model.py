@@ -104,9 +104,10 @@ def _model_facts(report: ModelOptimizeReport, checkpoint: str | None) -> tuple[i
 
 
 def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpoint: str | None = None,
-                        provider: str = "cpu", core: str = AUTO_CORE, force: bool = False,
+                        provider: str = "cpu", core: str = AUTO_CORE, force: bool = False, weights: str | None = None,
                         progress: Callable[[str], None] = lambda _m: None) -> ModelBuildReport:  # fmt: skip
-    """The module doc: optimize `model_path`, record golden generations, package, verify, publish at `out`."""
+    """The module doc: optimize `model_path` (its weights quantized first with `weights` "int4" / "int8"), record
+    golden generations, package, verify, publish at `out`."""
     out = os.path.abspath(os.fspath(out))
     _check_target(out, force)
     if core == AUTO_CORE and provider == BUFFER_PROVIDER:
@@ -115,7 +116,7 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
                  "buffer form generate serves needs its per-row lengths)")  # fmt: skip
     with output_lock(out), Staging(out, folder=True) as stage:
         report = optimize_model(model_path, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
-                                core=core, progress=progress)  # fmt: skip
+                                core=core, weights=weights, progress=progress)  # fmt: skip
         report.out = os.path.join(out, MODEL_FILE)  # where it will be, not the stage's name
         if not report.passed:
             failed = [line for line in report.proofs if line.startswith("FAIL")]
@@ -272,7 +273,7 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         "vocab": golden["vocab"], **{k: said[k] for k in ("context", "padding", "one_row", "cache_dims")},
         "decode": {**decode, "cores": cores, "max_batch": golden["largest_batch"]},
         "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,
-                     "proofs": report.proofs},
+                     "proofs": report.proofs, "weights": report.weights},
         "verified_on": [provider],
         "machine": {"cpu": _cpu(), "provider": PROVIDERS[provider].ort_name},
         "versions": versions(),

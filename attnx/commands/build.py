@@ -17,7 +17,7 @@ from attnx.commands._common import (
     str_list,
     workflows,
 )
-from attnx.commands.optimize import WHOLE_MODEL_CORES
+from attnx.commands.optimize import WEIGHT_CHOICES, WHOLE_MODEL_CORES
 from attnx.errors import UsageError
 from attnx.model.contract import BUFFER_CORES, BUILD_ATTENTION, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
 from attnx.model.cores import DEFAULT_BUFFER_CORE, attention_help, buffer_core_help
@@ -64,7 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_model(args: argparse.Namespace) -> int:
     """--model: a whole model's package (attnx.workflows.build_model_package)."""
-    given = [f for f, v in (("--weights", args.weights), ("--attention", args.attention != BUILD_ATTENTION),
+    quantize = args.weights if args.weights in WEIGHT_CHOICES else None  # --weights int4|int8: quantized first
+    if args.weights is not None and quantize is None:
+        raise UsageError(f"--weights {args.weights}: a whole model (--model) takes --weights int4 or int8 (its MatMul "
+                         "weights quantized first); a weights file is for a layer's package (--preset, --config)")  # fmt: skip
+    given = [f for f, v in (("--attention", args.attention != BUILD_ATTENTION),
                             ("--dtype", args.dtype != "fp32"), ("--decode", args.decode),
                             ("--decode-form", args.decode_form != "growing"), ("--max-mem-gb", args.max_mem_gb),
                             ("--buffer-core", args.buffer_core != DEFAULT_BUFFER_CORE)) if v]  # fmt: skip
@@ -77,7 +81,8 @@ def run_model(args: argparse.Namespace) -> int:
                          "its cores are measured and it is verified")  # fmt: skip
     flows = workflows("build", needs=("onnx_ir", "onnxscript"))
     report = flows.build_model_package(args.model, args.out, checkpoint=args.checkpoint, provider=providers[0],
-                                       core=args.core or "auto", force=args.force, progress=Progress())  # fmt: skip
+                                       core=args.core or "auto", force=args.force, weights=quantize,
+                                       progress=Progress())  # fmt: skip
     print("\n".join(report.optimize.lines()))
     m = report.manifest
     rows = [(name, entry["size"], entry["sha256"][:16]) for name, entry in m["files"].items()]

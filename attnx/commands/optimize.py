@@ -13,6 +13,7 @@ from attnx.model.contract import LOWERINGS, MODEL_DTYPES, OPTIMIZE_ATTENTIONS, P
 from attnx.model.cores import attention_help
 
 HELP = COMMANDS["optimize"].help
+WEIGHT_CHOICES = ("int4", "int8")  # --weights of a whole model (attnx.export.passes.quantize_weights.WEIGHT_BITS)
 # what a whole model's blocks may be written as: measured (auto), or one core of the ort-fused lowering
 # auto: measure (the growing form's auto core, an If of gqa and grouped-mha, is one of the cores it measures)
 WHOLE_MODEL_CORES = tuple(dict.fromkeys(["auto", *(c for form in ("full", "growing")
@@ -47,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a whole model's Hugging Face checkpoint: each block written as its layer states it, each "
                         "difference a named repair")  # fmt: skip
     p.add_argument("--json", default=None, metavar="REPORT.json", help="a whole model's report as JSON")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                   help="a whole model exported in fp32: its MatMul weights quantized first with ONNX Runtime's "
+                        "MatMulNBits quantizer (symmetric blocks of 32, accuracy_level 4; the embeddings kept), each "
+                        "block proven with its quantized weights, the distance from the fp32 model said")  # fmt: skip
     p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
                    help="a whole model: the core each block is written as (default auto: the fastest that computes "
                         "the block, measured on --provider, the auto core's If among them, or the block kept where "
@@ -62,7 +67,8 @@ def run_model(args: argparse.Namespace, flows: Any) -> int:
         raise UsageError(f"{given[0]} is for a model attnx wrote; a whole model is rewritten into the ort-fused "
                          "lowering's cores (--core)")  # fmt: skip
     report = flows.optimize_model(args.model, args.out, checkpoint=args.checkpoint, json_path=args.json,
-                                  provider=args.provider, core=args.core or "auto", progress=Progress())  # fmt: skip
+                                  provider=args.provider, core=args.core or "auto", weights=args.weights,
+                                  progress=Progress())  # fmt: skip
     print("\n".join(report.lines()))
     return 0 if report.passed else 1
 
@@ -71,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
     if flows.written_by_another_tool(args.model):
         return run_model(args, flows)
-    whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--json", args.json), ("--core", args.core)) if v]
+    whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--json", args.json), ("--core", args.core),
+                            ("--weights", args.weights)) if v]  # fmt: skip
     if whole:
         raise UsageError(f"{whole[0]} is for a whole model another tool exported; this one was written by attnx "
                          "export")  # fmt: skip

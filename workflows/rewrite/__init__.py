@@ -29,6 +29,7 @@ from the checkpoint's, or where no core of the lowering computes its formula und
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 
 import onnx_ir as ir
@@ -48,6 +49,7 @@ from attnx.workflows.rewrite.plan import LOWERING, Plan, plan_block
 from attnx.workflows.rewrite.prove import prove
 from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, formula_said
 from attnx.workflows.rewrite.splice import splice_blocks
+from attnx.workflows.rewrite.weights import distance_said, quantize_weights_file, weights_distance
 
 __all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model", "written_by_another_tool"]
 
@@ -79,11 +81,39 @@ def save_model(model: ir.Model, path: str) -> None:
 
 
 def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
-                   provider: str = "cpu", core: str = AUTO_CORE,
+                   provider: str = "cpu", core: str = AUTO_CORE, weights: str | None = None,
                    progress: Callable[[str], None] | None = None) -> ModelOptimizeReport:  # fmt: skip
     """Rewrite every block of `model_path` that a core computes into the fastest such core on `provider` (core
     "auto", measured: attnx.workflows.rewrite.choose; or the core named, wherever it computes the block), prove OUT
-    on the provider, publish it (the module doc)."""
+    on the provider, publish it (the module doc). weights "int4" / "int8": the model's MatMul weights quantized first
+    (attnx.workflows.rewrite.weights), the quantized model optimized and proven, its distance from the input said."""
+    if weights is None:
+        return _optimize_model(model_path, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
+                               core=core, progress=progress)  # fmt: skip
+    say = progress or (lambda _m: None)
+    model_path, out_path = os.fspath(model_path), os.fspath(out_path)
+    check_output_file(out_path, "--out")
+    check_untrusted_model(model_path, whole_model=True)
+    folder = os.path.dirname(os.path.abspath(out_path))  # beside OUT: the same disk, never the input's folder
+    with tempfile.TemporaryDirectory(prefix=".attnx-weights-", dir=folder) as work:
+        quantized, record = quantize_weights_file(model_path, weights, work, save_model, say)
+        report = _optimize_model(quantized, out_path, checkpoint=checkpoint, provider=provider, core=core,
+                                 progress=progress)  # fmt: skip
+        report.model = model_path
+        report.weights = record.to_dict()
+        report.proofs.insert(0, f"said: {record.said()}")
+        if report.written:
+            say(f"measuring the {weights} model's distance from the fp32 input")
+            report.weights["distance"] = weights_distance(model_path, out_path, report.caches_read(), provider)
+            report.proofs.append(distance_said(report.weights["distance"], weights))
+    if json_path is not None:
+        write_json_atomic(json_path, report.to_dict())
+    return report
+
+
+def _optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
+                    provider: str = "cpu", core: str = AUTO_CORE,
+                    progress: Callable[[str], None] | None = None) -> ModelOptimizeReport:  # fmt: skip
     say = progress or (lambda _m: None)
     check_choice("--provider", provider, PROVIDERS)
     unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place

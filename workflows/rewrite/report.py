@@ -111,6 +111,12 @@ class ModelOptimizeReport:
     # each cache input as its block reads it: [kv heads, capacity, head_dim] (capacity: what a ring buffer holds
     # before the first token), for what the model's dims leave unnamed (the GenAI builder's kv_cache_dim)
     caches: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # --weights: what was quantized (attnx.export.passes.quantize_weights.WeightsRecord) and, once written, the
+    # distance of the written model from the fp32 input (attnx.workflows.rewrite.weights)
+    weights: dict[str, Any] | None = None
+
+    def caches_read(self) -> dict[str, tuple[int, int, int]]:
+        return {name: (kv, capacity, size) for name, (kv, capacity, size) in self.caches.items()}
 
     def lines(self) -> list[str]:
         """The report as printed: a table of the blocks, the notes of each (why kept or chosen, repairs), the proofs,
@@ -151,5 +157,5 @@ class ModelOptimizeReport:
             blocks.append({**row, "choice": b.choice.to_dict() if b.choice is not None else None})
         return {"model": self.model, "out": self.out, "checkpoint": self.checkpoint, "passed": self.passed,
                 "written": self.written, "provider": self.provider, "padding": self.padding, "blocks": blocks, "proofs": self.proofs,
-                "time_shape": self.time_shape, "caches": self.caches,
+                "time_shape": self.time_shape, "caches": self.caches, "weights": self.weights,
                 "model_times": {k: dataclasses.asdict(t) for k, t in self.model_times.items()}}  # fmt: skip

@@ -1,0 +1,76 @@
+"""--weights int4|int8 of attnx optimize and build --model: an fp32 export's MatMul weights quantized with ONNX
+Runtime's MatMulNBits quantizer, each block rewritten and proven with its quantized weights, what was quantized and
+kept stated, the written model's distance from the fp32 input measured and recorded in the package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from attnx.cli import main
+from attnx.runtimes.package import verify_package
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LLAMA = FIXTURES / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20" / "model.onnx"
+CHECKPOINT = FIXTURES / "genai" / "llama" / "checkpoint"
+
+
+def _ops(path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(("weights", "bits"), [("int4", 4), ("int8", 8)])
+def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_said(weights, bits, tmp_path, capsys):
+    """torch.onnx's llama: its 15 MatMul weights (q, k, v, o, the MLP's three in each of 2 layers, the LM head)
+    become MatMulNBits of `bits` bits; the embeddings' Gather keeps its float32 table, said; each block's core is
+    rewritten alone at the quantized projections and proven against float64; the distance from the fp32 input is
+    said and in the JSON, int8's far below int4's."""
+    out, report_path = tmp_path / "out.onnx", tmp_path / "r.json"
+    code = main(["optimize", str(LLAMA), "--out", str(out), "--weights", weights, "--json", str(report_path)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(report_path.read_text())
+    record = report["weights"]
+    assert (record["bits"], record["block_size"], record["accuracy_level"]) == (bits, 32, 1)
+    assert len(record["quantized"]) == 15 and record["lm_head"] is not None
+    assert record["kept"] == ["model.embed_tokens.weight: a Gather's table (the embeddings)"]
+    assert f"said: {weights}: 15 MatMul weight(s) quantized by ONNX Runtime's MatMulNBits quantizer ({bits} bits" in text
+    assert all(b["written"] and b["splice"] == "the core alone, at the graph's projections" for b in report["blocks"])
+    assert text.count("against the float64 reference") == 2 and "FAIL" not in text and report["model"] == str(LLAMA)
+    distance = report["weights"]["distance"]
+    assert 0 < distance["rel_rms"] < (0.1 if bits == 8 else 1.0) and 0 < distance["top1"] <= 1
+    assert f"said: the {weights} model against the fp32 input, 4 prompts of 16, 48, 96, 128 tokens" in text
+    ops = _ops(out)
+    assert ops["MatMulNBits"] == 15 and ops.get("MatMul", 0) == 0 and ops["Gather"] >= 1
+
+
+def test_a_package_records_its_weights_and_verifies(tmp_path, capsys):
+    """build --model --weights int4: the package's manifest records what was quantized and the distance from the
+    fp32 input; it verifies where it moves."""
+    pkg = tmp_path / "pkg"
+    assert main(["build", "--model", str(LLAMA), "--checkpoint", str(CHECKPOINT), "--weights", "int4",
+                 "--out", str(pkg)]) == 0  # fmt: skip
+    capsys.readouterr()
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    weights = manifest["optimize"]["weights"]
+    assert weights["weights"] == "int4" and weights["distance"]["rel_rms"] > 0
+    assert verify_package(str(pkg)).passed
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["optimize", str(FIXTURES / "genai" / "llama" / "int4" / "model.onnx"), "--weights", "int4"],
+     "has no MatMul of a constant 2-D float32 weight to quantize"),
+    (["build", "--model", str(LLAMA), "--weights", "w.safetensors"],
+     "a whole model (--model) takes --weights int4 or int8"),
+])  # fmt: skip
+def test_weights_it_cannot_quantize_are_one_error(argv, says, tmp_path, capsys):
+    out = tmp_path / ("out.onnx" if argv[0] == "optimize" else "pkg")
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and not list(tmp_path.iterdir())  # nothing left, no scratch
