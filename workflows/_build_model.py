@@ -91,16 +91,23 @@ def golden_lengths(window: int | None, original: int | None, context: int | None
 
 
 def _model_facts(report: ModelOptimizeReport, checkpoint: str | None) -> tuple[int | None, int | None, int | None]:
-    """(the widest window, the rope's original length, the context) of the model: its checkpoint's config where
-    given, else what its blocks were written from."""
+    """(the widest window, the length past which a rope switches tables, the context) of the model: its
+    checkpoint's config where given (window, context), else what its blocks were written from. The switch is the
+    written blocks' (Rope.switch_at: longrope's, or a graph's own two tables); a rope that scales its frequencies
+    without switching (llama3, yarn) computes alike on both sides of its original length, which no golden prompt
+    needs to cross (at Llama 3's 8192 such a prompt alone took 20 GB to replay at 150M parameters)."""
+    configs = [b.config for b in report.blocks if b.config is not None]
+    switches = [AttentionConfig.from_dict(c).rope.switch_at for c in configs if c.get("rope")]
+    switch = max((n for n in switches if n), default=None)
     if checkpoint is not None:
         hf = read_checkpoint_config(checkpoint)
         context = hf.get("max_position_embeddings") or hf.get("n_positions")
-        return hf.get("sliding_window") or None, original_length(hf) or None, int(context) if context else None
-    configs = [b.config for b in report.blocks if b.config is not None]
+        if switch is None and any(b.config is None for b in report.blocks) and "longrope" in json.dumps(
+                [hf.get("rope_scaling"), hf.get("rope_parameters")]):  # blocks kept: the checkpoint's longrope
+            switch = original_length(hf) or None
+        return hf.get("sliding_window") or None, switch, int(context) if context else None
     window = max((c.get("sliding_window") or 0 for c in configs), default=0) or None
-    originals = [((c.get("rope") or {}).get("scaling") or {}).get("original_max_position_embeddings") for c in configs]
-    return window, max((o for o in originals if o), default=None), None
+    return window, switch, None
 
 
 def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpoint: str | None = None,
