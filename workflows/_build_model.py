@@ -172,10 +172,29 @@ def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list
     vocab = logits[0][-1] if logits and logits[0] and isinstance(logits[0][-1], int) else 1000
     prove_buffer_form(folder, MODEL_FILE, result, said, lengths, GOLDEN_STEPS, vocab, blocks)
     if not result.passed:
-        raise CheckFailed(f"{model_path}: not packaged, its buffer form does not compute what its own inputs and "
-                          "outputs do: "
-                          + "; ".join(line for line in result.proofs if line.startswith("FAIL")))  # fmt: skip
+        failed = "; ".join(line for line in result.proofs if line.startswith("FAIL"))
+        if not int8_activations(os.path.join(folder, MODEL_FILE)):
+            raise CheckFailed(f"{model_path}: not packaged, its buffer form does not compute what its own inputs and "
+                              f"outputs do: {failed}")  # fmt: skip
+        # the kernels round activations to int8: one value of z rounded to the next level parts the two forms by
+        # more than the whole-model bound holds (attnx.model.tolerance's requantization slack bounds a block's,
+        # not a whole model's), so the form is not proven, and not shipped: the model's own I/O is served
+        os.remove(os.path.join(folder, result.file))
+        reason = (f"not proven: {failed} (its MatMulNBits multiply in int8, accuracy_level 4, which the whole-model "
+                  "bound does not hold yet)")  # fmt: skip
+        progress(f"no buffer form: {reason}; generate serves the model's own inputs and outputs")
+        return BufferFormResult(None, reason, result.notes, result.proofs)
     return result
+
+
+def int8_activations(path: str) -> bool:
+    """Whether any MatMulNBits of the model at `path` quantizes its input to int8 (accuracy_level 4), read without
+    its data."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    return any(a.name == "accuracy_level" and a.i == 4 for n in graph.node if n.op_type == "MatMulNBits"
+               for a in n.attribute)  # fmt: skip
 
 
 def _stage_manifest(folder: str, model_file: str, provider: str) -> dict[str, Any]:

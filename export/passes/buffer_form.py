@@ -12,13 +12,15 @@ its past input and its present output, and each row its own length.
 
 GroupQueryAttention reads and writes each row's own positions (seqlens_k: its CPU kernel computes a row over its own
 keys alone), so rows of any lengths share a call without padding, and a row's tokens cannot depend on its batch-mates.
+A core that rotates q and k itself (do_rotary: the GenAI builder's) takes its positions from those lengths, which
+here are each row's token indices; the rows of its cos/sin caches are recorded (metadata attnx.rope_positions).
 A call of several tokens (a prompt) is one row's, starting at position 0 (the op's rule: sequence_length >
 1 only where it equals total_sequence_length, or with batch 1).
 
 What the pass rewrites, per core: its seqlens_k and total_sequence_length inputs (the graph's, in place of what the
 growing form computed from the cache's length), its attention_bias dropped where it was the padding's alone, the
 zeroing of fully padded rows after it dropped (no row is padded). What does not fit raises NotBufferable, saying
-why: a cache read by anything else, a core attnx did not write or that rotates itself, an attention_bias holding
+why: a cache read by anything else, a core attnx did not write, an attention_bias holding
 more than the padding (found before anything is changed), attention_mask still read elsewhere (found once the cores
 are rewritten: run the pass on a model loaded for it).
 """
@@ -93,11 +95,13 @@ class BufferForm(AttnxPass):
                                     "attnx wrote")  # fmt: skip
             cores[id(core)] = core
         plans = []
+        rows = None  # the rows of the cos/sin caches the cores that rotate themselves read
         for core in cores.values():
             ins = list(core.inputs) + [None] * (11 - len(core.inputs))
-            if core.attributes.get_int("do_rotary", 0):
-                raise NotBufferable(f"{core.name} rotates q and k itself (do_rotary): its positions would be its "
-                                    "lengths'")  # fmt: skip
+            if core.attributes.get_int("do_rotary", 0):  # its positions are its lengths: a row's token indices here
+                table = const_array(ins[7]) if ins[7] is not None else None
+                if table is not None:
+                    rows = min(rows, int(table.shape[0])) if rows is not None else int(table.shape[0])
             present = [v.name for v in core.outputs[1:3]]
             if [p.name[len(CACHE_IN):] for p in ins[3:5]] != [n[len(CACHE_OUT):] for n in present] \
                     or not all(n in outputs for n in present):  # fmt: skip
@@ -140,6 +144,8 @@ class BufferForm(AttnxPass):
                                     "the buffer form takes no padding mask")  # fmt: skip
             g.inputs.remove(mask)
         model.metadata_props[DECODE_KEY] = "buffer"
+        if rows is not None:  # a run past the table is refused before its first call (generate's _SharedCache)
+            model.metadata_props[ROPE_POSITIONS_KEY] = str(rows)
         return ir.passes.PassResult(model, modified=True)
 
 
@@ -181,6 +187,8 @@ class RotateInCore(AttnxPass):
         for core in list(model.graph):
             if not is_op(core, "GroupQueryAttention", _MS) or not (core.name or "").startswith(_ATTNX):
                 continue
+            if core.attributes.get_int("do_rotary", 0) or core.inputs[1] is None:
+                continue  # it rotates itself already (the builder's, whose q, k, v come packed)
             q, k = (core.inputs[i].producer() for i in (0, 1))
             rotaries = [n for n in (q, k) if is_op(n, "RotaryEmbedding", _MS)]
             if not rotaries:
