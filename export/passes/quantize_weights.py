@@ -1,8 +1,8 @@
 """QuantizeWeights: an onnx-ir pass that quantizes a whole model's MatMul weights (attnx optimize / build --model
 --weights int4|int8), with ONNX Runtime's own quantizer.
 
-Every MatMul of the main graph whose second operand is a constant 2-D float32 weight [K, N] (each projection, the
-MLP's, the LM head) becomes one com.microsoft MatMulNBits, as onnxruntime.quantization's MatMulNBitsQuantizer
+Every MatMul of the main graph whose second operand is a constant 2-D float32 weight [K, N], or the Transpose of one
+(a tied LM head, as torch.onnx writes it), (each projection, the MLP's, the LM head) becomes one com.microsoft MatMulNBits, as onnxruntime.quantization's MatMulNBitsQuantizer
 writes it: the packed blocks, scales and zero points come from its DefaultWeightOnlyQuantizer (round to nearest,
 per block of `block_size` along K, ONNX Runtime's C++ kernels), and the node's attributes are its (K, N, bits,
 block_size, accuracy_level). The pass is onnx-ir's, not the quantizer's ModelProto walk, so a model past protobuf's
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from attnx.model.contract import MS_DOMAIN
@@ -79,14 +80,15 @@ class QuantizeWeights(ir.passes.InPlacePass):
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
                 continue
             weight = node.inputs[1]
-            tensor = weight.const_value if weight is not None else None
+            tensor, transposed = _weight(weight)
             if tensor is None:
                 continue  # two activations (the attention core's scores and values): not a weight
             if len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
                 r.kept.append(f"{weight.name}: a {tensor.dtype.name} weight of shape {list(tensor.shape)}")
                 continue
-            k, n = (int(d) for d in tensor.shape)
-            packed, scales, zero_points = quantizer.qbits_block_quant(tensor.numpy())
+            array = tensor.numpy().T if transposed else tensor.numpy()
+            k, n = (int(d) for d in array.shape)
+            packed, scales, zero_points = quantizer.qbits_block_quant(np.ascontiguousarray(array))
             inputs = [node.inputs[0], _initializer(graph, f"{weight.name}_Q{r.bits}", packed),
                       _initializer(graph, f"{weight.name}_scales", scales)]  # fmt: skip
             if not r.symmetric:
@@ -104,6 +106,21 @@ class QuantizeWeights(ir.passes.InPlacePass):
             model.opset_imports.setdefault(MS_DOMAIN, 1)
             ir.passes.common.RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=bool(r.quantized))
+
+
+def _weight(value: ir.Value | None) -> tuple[ir.TensorProtocol | None, bool]:
+    """A MatMul's constant weight: its own tensor, or the tensor a Transpose(perm [1, 0]) of a constant reads (how
+    torch.onnx writes a tied LM head), with whether it is transposed; (None, False) for an activation."""
+    if value is None:
+        return None, False
+    if value.const_value is not None:
+        return value.const_value, False
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx") \
+            and node.inputs[0] is not None and node.inputs[0].const_value is not None \
+            and len(node.inputs[0].shape or ()) == 2 and list(node.attributes.get_ints("perm", [1, 0])) == [1, 0]:  # fmt: skip
+        return node.inputs[0].const_value, True
+    return None, False
 
 
 def _initializer(graph: ir.Graph, name: str, array: Any) -> ir.Value:

@@ -74,3 +74,32 @@ def test_weights_it_cannot_quantize_are_one_error(argv, says, tmp_path, capsys):
     assert main([*argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and not list(tmp_path.iterdir())  # nothing left, no scratch
+
+
+def test_a_tied_lm_head_read_through_its_transpose_is_quantized():
+    """torch.onnx writes a tied LM head as MatMul(x, Transpose(W)): W's transpose is the weight quantized, and the
+    node computes what ONNX Runtime's quantizer makes of x @ W.T (within int8's rounding of W)."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from attnx.export.passes.quantize_weights import QuantizeWeights
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 64)).astype(np.float32)  # [vocab, hidden], as an embedding table is
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])
+    y = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [2, 96])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), onnx.helper.make_node("MatMul", ["x", "Wt"],
+                                                                                                ["logits"])],
+        "lm_head", [x], [y], [onnx.numpy_helper.from_array(w, "W")])  # fmt: skip
+    model = ir.serde.deserialize_model(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)],
+                                                              ir_version=10))
+    quantize = QuantizeWeights("int8")
+    assert quantize(model).modified and quantize.record.lm_head is not None
+    proto = ir.serde.serialize_model(model)
+    assert [n.op_type for n in proto.graph.node] == ["MatMulNBits"] and not proto.graph.initializer[0].name == "W"
+    feed = rng.standard_normal((2, 64)).astype(np.float32)
+    got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": feed})[0]
+    want = feed @ w.T
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
