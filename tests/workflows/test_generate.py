@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from attnx.cli import main
@@ -125,18 +126,30 @@ def test_the_genai_builders_model_is_served_in_its_buffer_form_with_transformers
     assert tokens == [_transformers_greedy(MODELS["genai-llama"][1], p, NEW) for p in prompts]
 
 
-def test_a_builder_int4_model_whose_kernels_multiply_in_int8_is_served_through_its_own_io(tmp_path):
+def test_a_builder_int4_model_whose_kernels_multiply_in_int8_is_served_in_its_buffer_form(tmp_path):
     """The builder's int4 model (MatMulNBits at accuracy_level 4: activations rounded to int8): its buffer form parts
-    from its own inputs and outputs by one int8 rounding of z (0.028 in the logits), past the whole-model bound; the
-    form is not shipped, the reason is in the manifest, and the package serves the model's own I/O and verifies."""
+    from its own inputs and outputs by one int8 rounding of z (0.028 in the logits), past the whole-model bound, so
+    the form is proven on both forms' float32-compute twins (accuracy_level 1, every other byte the same), which
+    leave nothing behind; the form served is the model's (level 4), rows together, each row's tokens its own alone,
+    and the package verifies."""
     pkg = tmp_path / "pkg"
     build_model_package(str(FIXTURES / "genai" / "llama" / "int4" / "model.onnx"), pkg,
                         checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))  # fmt: skip
     manifest = json.loads((pkg / "manifest.json").read_text())
-    assert manifest["decode"]["file"] == "model.onnx" and not (pkg / "decode.onnx").exists()
-    assert manifest["decode"]["buffer_form"].startswith("not written: not proven: FAIL: the buffer form against")
-    assert "accuracy_level 4, which the whole-model bound does not hold yet" in manifest["decode"]["buffer_form"]
+    assert manifest["decode"]["file"] == "decode.onnx" and sorted(p.name for p in pkg.iterdir()) == sorted(
+        [*manifest["files"], "manifest.json", "manifest.sha256"])  # fmt: skip
+    assert all(line.startswith("pass: the buffer form against the model's own inputs and outputs, each with its "
+                               "MatMulNBits computing in float32 (accuracy_level 1; served at 4)")
+               for line in manifest["decode"]["proofs"])  # fmt: skip
+    levels = {a.i for n in onnx.load(str(pkg / "decode.onnx"), load_external_data=False).graph.node
+              if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}  # fmt: skip
+    assert levels == {4}
     assert verify_package(str(pkg)).passed
+    with load(pkg) as model:
+        prompts = _prompts(model.vocab, (5, 12, 3))
+        together = model.generate(prompts, max_new_tokens=NEW)
+        assert model.stats.largest_batch == 3 and model.stats.form == "buffer"
+        assert together == model.generate(prompts, max_new_tokens=NEW, max_batch=1)
 
 
 @pytest.mark.slow  # the slow tier: more families (README, the fast tier)
