@@ -107,7 +107,7 @@ def test_gpt2_s_packed_addmm_projections_are_rewritten_and_still_agree_with_tran
 
 @pytest.mark.parametrize(("family", "export", "scaling"), [
     ("phi3", "eager-opset20", "table"),  # longrope: two tables, switched past 64 tokens
-    ("llama", "sdpa-opset20", "llama3"),  # llama3, original 32
+    pytest.param("llama", "sdpa-opset20", "llama3", marks=pytest.mark.slow),  # llama3, original 32 (the slow tier)
 ])  # fmt: skip
 def test_a_scaled_rope_is_rewritten_without_a_checkpoint_and_agrees_with_transformers(family, export, scaling,
                                                                                       tmp_path):  # fmt: skip
