@@ -16,8 +16,12 @@ and inter_op "0": attnx's runner's session options patched in the worker, GenAI'
 session_options; --spin leaves both at ONNX Runtime's default). Rounds interleave the systems: every round runs
 each request count through each system in turn. The table gives each system's best and median round.
 
-    python measurements/int4_package/run.py --package PKG --genai-model MODEL [--genai-python PY] [--rounds 3]
-        [--requests 1,8] [--new 64] [--spin] [--json OUT]
+    python measurements/int4_package/run.py --package PKG [--package LABEL=PKG ...] --genai-model MODEL
+        [--genai-python PY] [--rounds 3] [--requests 1,8] [--new 64] [--spin] [--json OUT]
+
+--package may be given more than once: each package is a system of its own, "attnx" unlabelled, "attnx LABEL" when
+given as LABEL=PKG (e.g. own-int4=PKG for attnx's own --weights int4 build of the checkpoint's fp32 export); every
+one of them runs in each round and gets its ratio to GenAI's Generator.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ ROOT = HERE.parents[1]
 NEW = 64
 LENGTHS = (64, 256)
 THREADS = 2
-SYSTEMS = ("attnx", "GenAI Generator")
+GENAI = "GenAI Generator"
 PRODUCT = ("attnx", "model", "export", "runtimes", "workflows", "bench", "matrix")
 
 
@@ -119,7 +123,7 @@ def run_worker(system: str, spec: dict, genai_python: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     env = dict(os.environ, ATTNX_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS))
-    if system == "GenAI Generator":
+    if system == GENAI:
         command = [genai_python, str(HERE / "genai_worker.py"), f.name]
     else:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", f.name]
@@ -137,13 +141,15 @@ def run_worker(system: str, spec: dict, genai_python: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--package", help="attnx's package of the builder's model (build.py)")
+    p.add_argument("--package", action="append", default=[],
+                   help="attnx's package of the builder's model (build.py); repeatable, LABEL=PKG names the system "
+                        "'attnx LABEL'")  # fmt: skip
     p.add_argument("--genai-model", help="the builder's int4 model folder (genai_config.json, model.onnx)")
     p.add_argument("--genai-python", default="/tmp/int4work/genai-venv/bin/python",
                    help="a Python with onnxruntime-genai 0.18 (its own venv)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", default="1,8")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=None, help="a comma-separated subset of the systems (default all)")
     p.add_argument("--new", type=int, default=NEW, help=f"new tokens a request (default {NEW})")
     p.add_argument("--spin", action="store_true", help="leave ONNX Runtime's thread pools spinning (its default)")
     p.add_argument("--json", default=None)
@@ -158,10 +164,17 @@ def main() -> int:
 
     import onnxruntime
 
-    manifest = json.loads((Path(args.package) / "manifest.json").read_text())
-    vocab = manifest["vocab"]
+    packages: dict[str, str] = {}
+    for given in args.package:
+        label, _, path = given.rpartition("=")
+        packages[f"attnx {label}" if label else "attnx"] = path
+    manifests = {s: json.loads((Path(path) / "manifest.json").read_text()) for s, path in packages.items()}
+    vocabs = {m["vocab"] for m in manifests.values()}
+    if len(vocabs) != 1:
+        p.error(f"the packages' vocabularies differ: {sorted(vocabs)}")
+    vocab = vocabs.pop()
     counts = [int(n) for n in args.requests.split(",")]
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    systems = [s for s in [*packages, GENAI] if args.systems is None or s in args.systems.split(",")]
     runs: dict[str, dict[str, list[dict]]] = {str(n): {s: [] for s in systems} for n in counts}
     load = [round(os.getloadavg()[0], 2)]
     for r in range(args.rounds):
@@ -169,8 +182,8 @@ def main() -> int:
             prompts = prompts_for(n, vocab)
             for system in systems:
                 spec = {"new": args.new, "threads": THREADS, "spin": args.spin, "no_spin": not args.spin}
-                if system == "attnx":
-                    spec.update(package=str(args.package), prompts=prompts)
+                if system in packages:
+                    spec.update(package=packages[system], prompts=prompts)
                 else:
                     spec.update(model=str(args.genai_model), prompts=equal_length(prompts))
                 result = run_worker(system, spec, args.genai_python)
@@ -181,15 +194,16 @@ def main() -> int:
         load.append(round(os.getloadavg()[0], 2))
     best = {n: {s: max(x["tokens_per_s"] for x in row[s]) for s in systems} for n, row in runs.items()}
     median = {n: {s: statistics.median(x["tokens_per_s"] for x in row[s]) for s in systems} for n, row in runs.items()}
-    genai_versions = next((x for row in runs.values() for x in row.get("GenAI Generator", [])), {})
+    genai_versions = next((x for row in runs.values() for x in row.get(GENAI, [])), {})
     result = {
         "cpu": cpu(), "date": datetime.date.today().isoformat(), "threads": THREADS, "new_tokens": args.new,
         "spinning": "default" if args.spin else "off (session.intra_op/inter_op.allow_spinning 0)",
         "prompt_lengths": {str(n): [len(x) for x in prompts_for(n, vocab)] for n in counts},
         "generator_prompt_length": {str(n): len(equal_length(prompts_for(n, vocab))[0]) for n in counts},
         "command": "python measurements/int4_package/run.py " + " ".join(sys.argv[1:]),
-        "attnx_commit": git_commit(), "package": str(args.package), "genai_model": str(args.genai_model),
-        "package_decode": manifest.get("decode"),
+        "attnx_commit": git_commit(), "package": packages, "genai_model": str(args.genai_model),
+        "package_decode": {s: m.get("decode") for s, m in manifests.items()},
+        "package_weights": {s: m.get("optimize", {}).get("weights") for s, m in manifests.items()},
         "versions": {"onnxruntime (attnx)": onnxruntime.__version__,
                      "onnxruntime (GenAI)": genai_versions.get("onnxruntime"),
                      "onnxruntime-genai": genai_versions.get("onnxruntime_genai"),
@@ -198,9 +212,9 @@ def main() -> int:
                   "its own: load, one warm-up of the same prompts with 4 new tokens, then the timed generation",
         "load_average_rounds": load,
         "tokens_per_s_best": best, "tokens_per_s_median": median,
-        "ratio_attnx_to_genai": {n: {"best": best[n]["attnx"] / best[n]["GenAI Generator"],
-                                     "median": median[n]["attnx"] / median[n]["GenAI Generator"]}
-                                 for n in best if {"attnx", "GenAI Generator"} <= set(systems)},
+        "ratio_to_genai": {s: {n: {"best": best[n][s] / best[n][GENAI], "median": median[n][s] / median[n][GENAI]}
+                               for n in best}
+                           for s in systems if s != GENAI and GENAI in systems},
         "runs": runs,
     }  # fmt: skip
     print(f"{result['cpu']['model']}, {THREADS} threads, {args.new} new tokens a request, spinning {result['spinning']}")  # fmt: skip
