@@ -54,7 +54,7 @@ from attnx.workflows._package_files import versions, write_npz
 from attnx.workflows.audit.sources import original_length
 from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model
 from attnx.workflows.rewrite.choose import AUTO_CORE
-from attnx.workflows.rewrite.prove import longest_reduction
+from attnx.workflows.rewrite.prove import TWINS_SAID, float32_twins, int8_activations, longest_reduction
 
 __all__ = ["GOLDEN_LENGTHS", "GOLDEN_STEPS", "ModelBuildReport", "build_model_package", "golden_lengths"]
 
@@ -173,52 +173,21 @@ def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list
     if not int8_activations(os.path.join(folder, MODEL_FILE)):
         prove_buffer_form(folder, MODEL_FILE, result, said, lengths, GOLDEN_STEPS, vocab, blocks)
     else:
-        # the kernels round activations to int8 (accuracy_level 4): one value rounded to the next level parts the two
-        # forms by more than the whole-model bound holds, so what the pass wrote is proven on the forms' float32-
-        # compute twins (accuracy_level 1 in both, every other byte the same): the int8 rounding is the kernels',
-        # applied alike in both forms, and the golden generations are recorded from the form served
-        twins = [_float32_twin(folder, name) for name in (MODEL_FILE, result.file)]
-        try:
-            twin = dataclasses.replace(result, file=twins[1])
-            prove_buffer_form(folder, twins[0], twin, said, lengths, GOLDEN_STEPS, vocab, blocks)
-        finally:
-            for name in twins:
-                os.remove(os.path.join(folder, name))
+        # the kernels round activations to int8 (accuracy_level 4): what the pass wrote is proven on the forms'
+        # float32-compute twins (prove.float32_twins); the golden generations are recorded from the form served
+        with float32_twins([os.path.join(folder, n) for n in (MODEL_FILE, result.file)], folder) as twins:
+            twin = dataclasses.replace(result, file=os.path.relpath(twins[1], folder))
+            prove_buffer_form(folder, os.path.relpath(twins[0], folder), twin, said, lengths, GOLDEN_STEPS, vocab,
+                              blocks)  # fmt: skip
         result.passed = twin.passed
         result.proofs = [line.replace("the buffer form against the model's own inputs and outputs",
-                                      "the buffer form against the model's own inputs and outputs, each with its "
-                                      "MatMulNBits computing in float32 (accuracy_level 1; served at 4)", 1)
+                                      f"the buffer form against the model's own inputs and outputs, {TWINS_SAID}", 1)
                          for line in twin.proofs]  # fmt: skip
     if not result.passed:
         raise CheckFailed(f"{model_path}: not packaged, its buffer form does not compute what its own inputs and "
                           "outputs do: "
                           + "; ".join(line for line in result.proofs if line.startswith("FAIL")))  # fmt: skip
     return result
-
-
-def int8_activations(path: str) -> bool:
-    """Whether any MatMulNBits of the model at `path` quantizes its input to int8 (accuracy_level 4), read without
-    its data."""
-    import onnx
-
-    graph = onnx.load(path, load_external_data=False).graph
-    return any(a.name == "accuracy_level" and a.i == 4 for n in graph.node if n.op_type == "MatMulNBits"
-               for a in n.attribute)  # fmt: skip
-
-
-def _float32_twin(folder: str, name: str) -> str:
-    """`folder`/`name` written again beside it with every MatMulNBits' accuracy_level 1 (float32 compute), its
-    external data the same file (read by its relative location); the twin's name."""
-    import onnx
-
-    model = onnx.load(os.path.join(folder, name), load_external_data=False)
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
-                attribute.i = 1
-    twin = name.replace(".onnx", ".float32-compute.onnx")
-    onnx.save(model, os.path.join(folder, twin))
-    return twin
 
 
 def _stage_manifest(folder: str, model_file: str, provider: str) -> dict[str, Any]:

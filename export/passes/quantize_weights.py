@@ -58,7 +58,7 @@ class WeightsRecord:
 class QuantizeWeights(ir.passes.InPlacePass):
     """The module doc: `weights` "int4" or "int8"; `record` says what was done."""
 
-    def __init__(self, weights: str, block_size: int = 32, accuracy_level: int = 1, symmetric: bool = True) -> None:
+    def __init__(self, weights: str, block_size: int = 32, accuracy_level: int = 4, symmetric: bool = True) -> None:
         super().__init__()
         self.record = WeightsRecord(weights, WEIGHT_BITS[weights], block_size, accuracy_level, symmetric)
 

@@ -29,15 +29,16 @@ def _ops(path) -> dict[str, int]:
 def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_said(weights, bits, tmp_path, capsys):
     """torch.onnx's llama: its 15 MatMul weights (q, k, v, o, the MLP's three in each of 2 layers, the LM head)
     become MatMulNBits of `bits` bits; the embeddings' Gather keeps its float32 table, said; each block's core is
-    rewritten alone at the quantized projections and proven against float64; the distance from the fp32 input is
-    said and in the JSON, int8's far below int4's."""
+    rewritten alone at the quantized projections and proven against float64 (the whole model on float32-compute
+    twins, its kernels multiplying in int8); the distance from the fp32 input is said and in the JSON, int8's far
+    below int4's."""
     out, report_path = tmp_path / "out.onnx", tmp_path / "r.json"
     code = main(["optimize", str(LLAMA), "--out", str(out), "--weights", weights, "--json", str(report_path)])
     text = capsys.readouterr().out
     assert code == 0, text
     report = json.loads(report_path.read_text())
     record = report["weights"]
-    assert (record["bits"], record["block_size"], record["accuracy_level"]) == (bits, 32, 1)
+    assert (record["bits"], record["block_size"], record["accuracy_level"]) == (bits, 32, 4)
     assert len(record["quantized"]) == 15 and record["lm_head"] is not None
     assert record["kept"] == ["model.embed_tokens.weight: a Gather's table (the embeddings)"]
     assert f"said: {weights}: 15 MatMul weight(s) quantized by ONNX Runtime's MatMulNBits quantizer ({bits} bits" in text
@@ -46,6 +47,10 @@ def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_sai
     distance = report["weights"]["distance"]
     assert 0 < distance["rel_rms"] < (0.1 if bits == 8 else 1.0) and 0 < distance["top1"] <= 1
     assert f"said: the {weights} model against the fp32 input, 4 prompts of 16, 48, 96, 128 tokens" in text
+    # the kernels multiply in int8: the whole-model proofs ran on both models' float32-compute twins, then left
+    assert text.count("pass: the whole model (each with its MatMulNBits computing in float32 (accuracy_level 1; "
+                      "served at 4))") == 2, text
+    assert {p.name for p in tmp_path.iterdir()} <= {"out.onnx", "out.onnx.data", "r.json"}
     ops = _ops(out)
     assert ops["MatMulNBits"] == 15 and ops.get("MatMul", 0) == 0 and ops["Gather"] >= 1
 

@@ -4,12 +4,14 @@ whole model against the input through its own inputs and outputs."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from attnx.model.contract import PROVIDERS
+from attnx.model.contract import PROVIDERS, external_data_locations
 from attnx.model.tolerance import ProblemSize, Tolerance, whole_model_tolerance
 from attnx.runtimes.base import Runner
 from attnx.runtimes.compare import compare_arrays
@@ -18,7 +20,10 @@ from attnx.workflows.audit.cut import NP_DTYPES, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
 from attnx.workflows.rewrite.report import ModelOptimizeReport
 
-__all__ = ["empty_cache", "prove", "same_model", "same_tokens"]
+__all__ = ["empty_cache", "float32_twins", "int8_activations", "prove", "same_model", "same_tokens"]
+
+# said of a comparison run on float32-compute twins (float32_twins)
+TWINS_SAID = "each with its MatMulNBits computing in float32 (accuracy_level 1; served at 4)"
 
 
 def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoint: str | None, plans: list[Any],
@@ -81,7 +86,11 @@ def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, righ
     difference is said."""
     with contextlib.ExitStack() as stack:
         runners = []
-        for path in (model_path, out_path):
+        paths = (model_path, out_path)
+        twins = any(int8_activations(p) for p in paths)
+        if twins:  # int8 activations: one value rounded to the next level parts two graphs past the bound
+            paths = stack.enter_context(float32_twins(paths, os.path.dirname(os.path.abspath(out_path))))
+        for path in paths:
             runner = runner_for(PROVIDERS[provider].backend, path)
             if isinstance(runner, str):
                 report.proofs.append(f"FAIL: the whole model not run: {runner}")
@@ -92,8 +101,54 @@ def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, righ
             which = next(a[0] for a, b in zip(before + [("-",)], after + [("-",)]) if a != b)
             report.proofs.append(f"FAIL: the written model's inputs or outputs differ from the input's (first: {which})")
             return False
-        return same_tokens(report, *runners, right, whole_model_tolerance(dtype, rewritten),
+        start = len(report.proofs)
+        same = same_tokens(report, *runners, right, whole_model_tolerance(dtype, rewritten),
                            ProblemSize(longest_reduction(model_path)), caches)  # fmt: skip
+        if twins:
+            report.proofs[start:] = [line.replace("the whole model,", f"the whole model ({TWINS_SAID}),", 1)
+                                     for line in report.proofs[start:]]  # fmt: skip
+        return same
+
+
+def int8_activations(path: str) -> bool:
+    """Whether any MatMulNBits of the model at `path` quantizes its input to int8 (accuracy_level 4), read without
+    its data."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    return any(a.name == "accuracy_level" and a.i == 4 for n in graph.node if n.op_type == "MatMulNBits"
+               for a in n.attribute)  # fmt: skip
+
+
+@contextlib.contextmanager
+def float32_twins(paths: Sequence[str], near: str) -> Iterator[list[str]]:
+    """Each model of `paths` with every MatMulNBits at accuracy_level 1 (float32 compute), every other byte the same:
+    written into a scratch folder in `near` (the output's), beside links to its own external data files (hard links,
+    else symbolic ones), removed after. Two graphs of the same int8-computing weights part by one value rounded to
+    the next int8 level where their float32 noise differs; their twins show what the graphs compute, the int8
+    rounding being the kernels', alike in both."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix=".attnx-twins-", dir=near) as scratch:
+        twins = []
+        for i, path in enumerate(paths):
+            folder = os.path.join(scratch, str(i))
+            os.makedirs(folder)
+            for location in external_data_locations(path):
+                source, link = os.path.join(os.path.dirname(os.path.abspath(path)), location), os.path.join(folder, location)
+                os.makedirs(os.path.dirname(link), exist_ok=True)
+                try:
+                    os.link(source, link)
+                except OSError:  # another file system
+                    os.symlink(os.path.abspath(source), link)
+            model = onnx.load(path, load_external_data=False)
+            for node in model.graph.node:
+                for attribute in node.attribute:
+                    if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
+                        attribute.i = 1
+            twins.append(os.path.join(folder, os.path.basename(path)))
+            onnx.save(model, twins[-1])
+        yield twins
 
 
 def declared_io(path: str) -> list[tuple[str, int, list[Any]]]:
