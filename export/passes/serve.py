@@ -9,7 +9,8 @@ kernels a decode step, the weights kept where they are.
                   all; the Concat is of the model's own initializers, which ONNX Runtime folds when it loads the
                   model, so the package holds each weight once
     LastLogits    the logits of the last position alone: the hidden state sliced to its last token before the
-                  language-model head (logits [batch, 1, vocab]): a prompt's only logits generation reads, its head
+                  language-model head (a MatMul of constant weights, or ONNX Runtime's MatMulNBits: an int4 or
+                  int8 head; logits [batch, 1, vocab]): a prompt's only logits generation reads, its head
                   (a tenth of a Llama-shaped prompt's flops) computed for one position instead of all
 
 Measured on a Llama-shaped model (hidden 1024, 4 layers, AMD EPYC, 2 threads, ONNX Runtime 1.31, a shared host): a
@@ -27,6 +28,7 @@ import onnx_ir as ir
 
 from attnx.export.passes._base import AttnxPass, const_array
 from attnx.export.passes.walk import is_op
+from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["FuseRmsNorm", "LastLogits", "PackMatMuls", "LOGITS"]
 
@@ -142,6 +144,19 @@ class PackMatMuls(AttnxPass):
         return ir.passes.PassResult(model, modified=bool(packed))
 
 
+def _is_head(node: ir.Node | None) -> bool:
+    """A language-model head: a MatMul of constant weights (or of a Transpose of them: a tied embedding table), or
+    ONNX Runtime's MatMulNBits of constant packed weights (an int4 or int8 head); each row of its input its own
+    row of the output."""
+    if is_op(node, "MatMulNBits", (MS_DOMAIN,)):
+        return node.inputs[1] is not None and node.inputs[1].const_value is not None
+    if not is_op(node, "MatMul"):
+        return False
+    weight = node.inputs[1].producer()
+    return node.inputs[1].const_value is not None or (
+        is_op(weight, "Transpose") and weight.inputs[0].const_value is not None)
+
+
 class LastLogits(AttnxPass):
     """The module doc's third pass, in place: the head's input sliced to the last position, where the logits output
     comes from a MatMul of constant weights through position-wise ops alone (else left, with a note)."""
@@ -153,9 +168,9 @@ class LastLogits(AttnxPass):
         while node is not None and node.op_type in _POSITIONWISE and node.domain in ("", "ai.onnx"):
             computed = [v for v in node.inputs if v is not None and const_array(v) is None]
             node = computed[0].producer() if len(computed) == 1 else None
-        if out is None or node is None or not is_op(node, "MatMul") or node.inputs[1].const_value is None \
-                or (out.shape is not None and len(out.shape) != 3):  # fmt: skip
-            self.notes.append("logits: every position's (the head is not a MatMul of constant weights before them)")
+        if out is None or not _is_head(node) or (out.shape is not None and len(out.shape) != 3):
+            self.notes.append("logits: every position's (the head is not a MatMul or MatMulNBits of constant weights "
+                              "before them)")  # fmt: skip
             return ir.passes.PassResult(model, modified=False)
         bounds = {"starts": -1, "ends": np.iinfo(np.int64).max, "axes": 1}
         values = [ir.Value(name=f"{LOGITS}/last_{k}", const_value=ir.tensor(np.asarray([v], np.int64)))

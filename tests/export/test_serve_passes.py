@@ -94,3 +94,29 @@ def test_the_logits_of_the_last_position_alone_through_a_final_softcap():
     other = _model([helper.make_node("Softmax", ["x"], ["logits"], axis=-1)], {}, ("logits",))
     last = LastLogits()
     assert not last(other).modified and last.notes[0].startswith("logits: every position's")
+
+
+def test_the_last_position_alone_before_an_int4_head_or_a_tied_one():
+    """ONNX Runtime's MatMulNBits (an int4 head: the GenAI builder's, attnx's --weights int4) and a MatMul of a
+    Transposed table (a tied embedding): the head computed for the last position, the same numbers there (each row
+    of the head's input its own row of the output, the int8 rounding of accuracy_level 4 included)."""
+    from attnx.model.contract import MS_DOMAIN
+
+    n = 8
+    packed = RNG.integers(0, 256, (n, 1, D // 2), dtype=np.uint8)  # [N, K / block, block / 2]: one block of 16
+    int4 = [helper.make_node("MatMulNBits", ["x", "q", "s"], ["logits"], domain=MS_DOMAIN, K=D, N=n, bits=4,
+                             block_size=D, accuracy_level=4)]  # fmt: skip
+    tied = [helper.make_node("Transpose", ["e"], ["et"], perm=[1, 0]), helper.make_node("MatMul", ["x", "et"],
+                                                                                       ["logits"])]  # fmt: skip
+    cases = [(int4, {"q": packed, "s": RNG.uniform(0.01, 0.1, n).astype(np.float32)}),
+             (tied, {"e": RNG.standard_normal((n, D)).astype(np.float32)})]  # fmt: skip
+    x = RNG.standard_normal((2, 5, D)).astype(np.float32)
+    for nodes, weights in cases:
+        model = _model(nodes, weights, ("logits",))
+        model.opset_imports[MS_DOMAIN] = 1
+        before = _run(model, x)[0]
+        last = LastLogits()
+        assert last(model).modified, last.notes
+        after = _run(model, x)[0]
+        assert after.shape == (2, 1, n)
+        assert compare_arrays("logits", after, before[:, -1:], tolerance_for("fp32"), ProblemSize(D))
