@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="REPORT.json", help="a whole model's report as JSON")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
                    help="a whole model exported in fp32: its MatMul weights quantized first with ONNX Runtime's "
-                        "MatMulNBits quantizer (symmetric blocks of 32, accuracy_level 4; the embeddings kept), each "
+                        "MatMulNBits quantizer (symmetric blocks of 32, accuracy_level 4; at int4 the embeddings too, as "
+                        "GatherBlockQuantized), each "
                         "block proven with its quantized weights, the distance from the fp32 model said")  # fmt: skip
     p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
                    help="a whole model: the core each block is written as (default auto: the fastest that computes "

@@ -6,8 +6,11 @@ Every MatMul of the main graph whose second operand is a constant 2-D float32 we
 writes it: the packed blocks, scales and zero points come from its DefaultWeightOnlyQuantizer (round to nearest,
 per block of `block_size` along K, ONNX Runtime's C++ kernels), and the node's attributes are its (K, N, bits,
 block_size, accuracy_level). The pass is onnx-ir's, not the quantizer's ModelProto walk, so a model past protobuf's
-2 GB is quantized tensor by tensor with its external data. What it leaves is stated (WeightsRecord): a Gather's
-table (the embeddings) and any MatMul whose weight is not a constant 2-D float32 tensor stay as they are.
+2 GB is quantized tensor by tensor with its external data. At 4 bits the embeddings' Gather of a constant float32
+table becomes com.microsoft GatherBlockQuantized (the table's int4 blocks along the hidden size, by the same
+quantizer: the GenAI builder's form; a tied table is then held twice in int4, for the Gather and for the head,
+instead of once in float32). What it leaves is stated (WeightsRecord): an int8 run's embeddings, and any MatMul
+whose weight is not a constant 2-D float32 tensor, stay as they are.
 
 Defaults are the GenAI builder's for CPU: symmetric 4-bit blocks of 32, accuracy_level 4 (the input quantized to
 int8 per block and multiplied in int8: what the audit's error model holds, attnx.model.tolerance).
@@ -41,6 +44,7 @@ class WeightsRecord:
     quantized: list[str] = dataclasses.field(default_factory=list)
     lm_head: str | None = None  # the MatMul whose N is the logits' width, where one is quantized
     kept: list[str] = dataclasses.field(default_factory=list)  # "name: why"
+    embeddings: str | None = None  # the Gather's table quantized (int4: GatherBlockQuantized), where one was
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,11 +52,13 @@ class WeightsRecord:
     def said(self) -> str:
         head = "quantized" if self.lm_head is not None else "kept float32"
         embeddings = [k for k in self.kept if k.endswith("(the embeddings)")]
+        table = (f"quantized ({self.bits} bits, blocks of {self.block_size} along the hidden size: "
+                 "GatherBlockQuantized)" if self.embeddings is not None
+                 else "kept float32 (a Gather)" if embeddings else "not found as a Gather of a constant table")
         return (f"{self.weights}: {len(self.quantized)} MatMul weight(s) quantized by ONNX Runtime's MatMulNBits "
                 f"quantizer ({self.bits} bits, {'symmetric' if self.symmetric else 'asymmetric'} blocks of "
                 f"{self.block_size}, accuracy_level {self.accuracy_level}); the LM head {head}; the embeddings "
-                f"{'kept float32 (a Gather)' if embeddings else 'not found as a Gather of a constant table'}; "
-                f"{len(self.kept) - len(embeddings)} other weight(s) kept")  # fmt: skip
+                f"{table}; {len(self.kept) - len(embeddings)} other weight(s) kept")  # fmt: skip
 
 
 class QuantizeWeights(ir.passes.InPlacePass):
@@ -76,6 +82,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         for node in list(graph):
             if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and node.inputs[0] is not None \
                     and node.inputs[0].const_value is not None and len(node.inputs[0].shape or ()) == 2:  # fmt: skip
+                if r.bits == 4 and r.symmetric and self._gather(graph, node, quantizer):
+                    continue
                 r.kept.append(f"{node.inputs[0].name}: a Gather's table (the embeddings)")
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
                 continue
@@ -102,10 +110,36 @@ class QuantizeWeights(ir.passes.InPlacePass):
             r.quantized.append(node.name or weight.name)
             if n == vocab:
                 r.lm_head = node.name or weight.name
-        if r.quantized:
+        if r.quantized or r.embeddings:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
             ir.passes.common.RemoveUnusedNodesPass()(model)
-        return ir.passes.PassResult(model, modified=bool(r.quantized))
+        return ir.passes.PassResult(model, modified=bool(r.quantized or r.embeddings))
+
+
+    def _gather(self, graph: ir.Graph, node: ir.Node, quantizer: Any) -> bool:
+        """A Gather of rows of a constant float32 table [V, H] (the embeddings) -> com.microsoft GatherBlockQuantized
+        of its int4 blocks along H, as ONNX Runtime's quantizer writes it (quantize_ndarray: symmetric, each block's
+        scale its largest magnitude / -8), the GenAI builder's form; False (left) for another axis or dtype."""
+        r = self.record
+        table = node.inputs[0]
+        tensor = table.const_value
+        if tensor.dtype != ir.DataType.FLOAT or node.attributes.get_int("axis", 0) != 0 \
+                or int(tensor.shape[1]) % r.block_size:  # fmt: skip
+            return False
+        array = tensor.numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):  # a block of zeros (a padding row): scale 0, codes 0
+            packed, scales, _ = quantizer.quantize_ndarray(array, 1, r.block_size, True)
+        data = ir.Value(name=f"{table.name}_Q4", const_value=ir.PackedTensor(
+            packed, ir.DataType.INT4, shape=array.shape, name=f"{table.name}_Q4"))  # fmt: skip
+        data.shape, data.type = data.const_value.shape, ir.TensorType(ir.DataType.INT4)
+        graph.register_initializer(data)
+        inputs = [data, node.inputs[1], _initializer(graph, f"{table.name}_scales", scales)]
+        attributes = {"gather_axis": 0, "quantize_axis": 1, "block_size": r.block_size}
+        gather = ir.node("GatherBlockQuantized", inputs, attributes, domain=MS_DOMAIN, name=f"{node.name}_Q4",
+                         num_outputs=1)  # fmt: skip
+        ir.convenience.replace_nodes_and_values(graph, node, [node], [gather], node.outputs, gather.outputs)
+        r.embeddings = table.name
+        return True
 
 
 def _weight(value: ir.Value | None) -> tuple[ir.TensorProtocol | None, bool]:

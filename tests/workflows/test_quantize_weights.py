@@ -28,7 +28,8 @@ def _ops(path) -> dict[str, int]:
 @pytest.mark.parametrize(("weights", "bits"), [("int4", 4), ("int8", 8)])
 def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_said(weights, bits, tmp_path, capsys):
     """torch.onnx's llama: its 15 MatMul weights (q, k, v, o, the MLP's three in each of 2 layers, the LM head)
-    become MatMulNBits of `bits` bits; the embeddings' Gather keeps its float32 table, said; each block's core is
+    become MatMulNBits of `bits` bits; the embeddings' Gather becomes GatherBlockQuantized at 4 bits (int4 blocks
+    along the hidden size, as the GenAI builder writes it) and keeps its float32 table at 8, said; each block's core is
     rewritten alone at the quantized projections and proven against float64 (the whole model on float32-compute
     twins, its kernels multiplying in int8); the distance from the fp32 input is said and in the JSON, int8's far
     below int4's."""
@@ -41,7 +42,12 @@ def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_sai
     record = report["weights"]
     assert (record["bits"], record["block_size"], record["accuracy_level"]) == (bits, 32, 4)
     assert len(record["quantized"]) == 15 and record["lm_head"] is not None
-    assert record["kept"] == ["model.embed_tokens.weight: a Gather's table (the embeddings)"]
+    if bits == 4:
+        assert record["kept"] == [] and record["embeddings"] == "model.embed_tokens.weight"
+        assert "the embeddings quantized (4 bits, blocks of 32 along the hidden size: GatherBlockQuantized)" in text
+    else:
+        assert record["kept"] == ["model.embed_tokens.weight: a Gather's table (the embeddings)"]
+        assert record["embeddings"] is None and "the embeddings kept float32 (a Gather)" in text
     assert f"said: {weights}: 15 MatMul weight(s) quantized by ONNX Runtime's MatMulNBits quantizer ({bits} bits" in text
     assert all(b["written"] and b["splice"] == "the core alone, at the graph's projections" for b in report["blocks"])
     assert text.count("against the float64 reference") == 2 and "FAIL" not in text and report["model"] == str(LLAMA)
@@ -53,7 +59,8 @@ def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_sai
                       "served at 4))") == 2, text
     assert {p.name for p in tmp_path.iterdir()} <= {"out.onnx", "out.onnx.data", "r.json"}
     ops = _ops(out)
-    assert ops["MatMulNBits"] == 15 and ops.get("MatMul", 0) == 0 and ops["Gather"] >= 1
+    assert ops["MatMulNBits"] == 15 and ops.get("MatMul", 0) == 0
+    assert ops.get("GatherBlockQuantized", 0) == (1 if bits == 4 else 0)
 
 
 def test_a_package_records_its_weights_and_verifies(tmp_path, capsys):
@@ -109,3 +116,35 @@ def test_a_tied_lm_head_read_through_its_transpose_is_quantized():
     got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": feed})[0]
     want = feed @ w.T
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+def test_int4_embeddings_are_gathered_from_their_blocks_within_half_a_step():
+    """At 4 bits a Gather of a float32 table [V, H] becomes GatherBlockQuantized of its int4 blocks along H: each
+    row gathered is the table's row to within half of its block's step (scale = the block's largest magnitude / 8),
+    a row of zeros (a padding token's) exactly zero; the float32 table leaves the model."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from attnx.export.passes.quantize_weights import QuantizeWeights
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((50, 64)).astype(np.float32)
+    table[0] = 0.0  # a padding row
+    ids = onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 5])
+    out = onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, [1, 5, 64])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Gather", ["E", "ids"], ["h"])], "embed", [ids], [out],
+                                   [onnx.numpy_helper.from_array(table, "E")])  # fmt: skip
+    model = ir.serde.deserialize_model(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)],
+                                                              ir_version=10))  # fmt: skip
+    quantize = QuantizeWeights("int4")
+    assert quantize(model).modified and quantize.record.embeddings == "E" and quantize.record.kept == []
+    proto = ir.serde.serialize_model(model)
+    assert [n.op_type for n in proto.graph.node] == ["GatherBlockQuantized"]
+    assert "E" not in {t.name for t in proto.graph.initializer}
+    feed = np.array([[0, 3, 7, 49, 3]], np.int64)
+    got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": feed})[0]
+    want = table[feed]
+    step = np.abs(want.reshape(1, 5, 2, 32)).max(-1, keepdims=True) / 8  # each block's scale
+    assert np.all(np.abs(got - want).reshape(1, 5, 2, 32) <= step / 2 * (1 + 1e-6))
+    assert np.all(got[0, 0] == 0) and np.abs(got - want).max() > 0  # rounded, not copied

@@ -43,7 +43,8 @@ def quantize_weights_file(model_path: str, weights: str, folder: str, save: Call
             v.const_value.dtype == ir.DataType.FLOAT for v in floats):  # fmt: skip
         raise UsageError(f"--weights {weights}: {model_path} holds fp16 weights; --weights quantizes an fp32 export")
     quantize = QuantizeWeights(weights)
-    if not quantize(model).modified:
+    quantize(model)
+    if not quantize.record.quantized:  # an already quantized model: its embeddings alone are not what was asked
         raise UsageError(f"--weights {weights}: {model_path} has no MatMul of a constant 2-D float32 weight to "
                          "quantize (already quantized, or its weights are not constants)")  # fmt: skip
     path = os.path.join(folder, "quantized.onnx")
