@@ -8,12 +8,18 @@ waiting request joining between steps (continuous batching).
     Sampling    the logits processors, in transformers' order (temperature, top-k, top-p), then a draw from the
                 request's own seeded generator; greedy (argmax) without a temperature
     Engine      schedule (admit waiting requests: each prompt prefilled alone into the batch's cache), run one step
-                for every row, update (each row's token, rows that end leave)
+                for every row, update (each row's token, rows that end leave); Engine.run serves a fixed list
+    EngineLoop  the same step loop, long-lived, on a thread of its own that owns the session: requests join from a
+                thread-safe queue between steps, leave when they end or are cancelled (a cancelled row is freed at
+                the next step), and each request's tokens reach its listener as they are made (attnx serve)
 
 The cache, by the model's form:
 
     _SharedCache   the buffer form: one buffer a cache input, allocated once for the run ([rows, heads, the
-                   longest request, head_dim]; rows: max_batch, or every request within half the memory available) and bound through ONNX Runtime's IOBinding as both past and present;
+                   longest request, head_dim]; rows: max_batch, or every request within half the memory available;
+                   an EngineLoop's: [max_batch, heads, its capacity, head_dim], fixed when it starts, a request past
+                   the capacity refused when it is submitted) and bound through ONNX Runtime's IOBinding as both past
+                   and present;
                    each row is a slot with its own length, its positions its token indices; a call writes only its new
                    keys and values, in place
     _GrowingCache  the model's own I/O: the batch left-aligned as transformers pads, a row's cache, mask and positions
@@ -30,19 +36,22 @@ No torch here: this runs on the deployment machine with the runner registry's ba
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from attnx.errors import InputError, UsageError
+from attnx.errors import AttnxError, InputError, UsageError
 from attnx.model.contract import ROPE_POSITIONS_KEY
 from attnx.model.resources import available_memory_bytes
 from attnx.runtimes.base import Runner
 
-__all__ = ["Engine", "GenerateStats", "ModelIO", "Request", "Sampling", "check_prompts"]
+__all__ = ["Engine", "EngineClosed", "EngineLoop", "GenerateStats", "ModelIO", "QueueFull", "Request", "Sampling",
+           "check_prompts"]
 
 _CACHE_IN = "past_key_values"
 _CACHE_OUT = "present"
@@ -186,14 +195,28 @@ class Request:
     eos: frozenset[int] = frozenset()
     rng: np.random.Generator | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
-    finish: str | None = None  # "eos", "length" (max_new_tokens), "context" (the model's positions)
+    # "eos", "length" (max_new_tokens), "context" (the model's positions); served (EngineLoop): "stop" (its listener
+    # ended it), "cancelled" (its client left), "abort" (the loop closed first), "error" (the model's run failed)
+    finish: str | None = None
     forced: Sequence[int] | None = None  # replay: these tokens are fed, whatever the logits choose
     logits: list[np.ndarray] | None = None  # recorded: the prompt's [L, V], then each step's [V]
     first_token_s: float | None = None  # seconds from the engine's start to its first new token
+    sampling: Sampling | None = None  # its own sampling (served requests); None: the run's
+    # served: called on the engine's thread with each new token (request.tokens[-1]; finish already set where the
+    # token ends it: the listener may end it too, stop()), and once it ends (on_finish)
+    on_token: Callable[[Request], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    on_finish: Callable[[Request], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    cancelled: bool = False  # set from any thread (EngineLoop.cancel): the row leaves at the next step
+    error: str | None = None  # finish "error": what failed
 
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+    def stop(self, reason: str = "stop") -> None:
+        """End it after the token just made (from its listener, on the engine's thread): its row leaves this step."""
+        if self.finish is None:
+            self.finish = reason
 
 
 @dataclasses.dataclass
@@ -434,6 +457,7 @@ class Engine:
         self.max_batch = max_batch
         self.context = context
         self.record = record
+        self.sampling = Sampling()  # a request's own (Request.sampling) replaces it
         self.stats = GenerateStats()
 
     def _capacity(self, requests: Sequence[Request]) -> int:
@@ -442,6 +466,10 @@ class Engine:
         capacity = max((len(r.prompt) + r.max_new_tokens for r in requests), default=1)
         return min(capacity, self.context) if self.context is not None else capacity
 
+    def row_bytes(self, capacity: int) -> int:
+        """The bytes of one row's cache of `capacity` positions."""
+        return capacity * np.dtype(self.io.cache_dtype).itemsize * sum(h * d for h, d in self.io.cache_dims)
+
     def batch_rows(self, requests: Sequence[Request]) -> int:
         """The rows decoded at once: max_batch where it was given (or the model fixes it), else every request,
         within half the memory available now for their caches (each row's cache as long as the longest request).
@@ -449,8 +477,7 @@ class Engine:
         if self.max_batch is not None:
             return self.max_batch
         rows = max(1, len(requests))
-        itemsize = np.dtype(self.io.cache_dtype).itemsize
-        row_bytes = self._capacity(requests) * itemsize * sum(h * d for h, d in self.io.cache_dims)
+        row_bytes = self.row_bytes(self._capacity(requests))
         available = available_memory_bytes()
         if available is not None and row_bytes > 0:
             rows = min(rows, max(1, available // 2 // row_bytes))
@@ -464,10 +491,11 @@ class Engine:
         return _SharedCache(self, self._capacity(requests), min(rows, max(1, len(requests))))
 
     def _take(self, request: Request, logits: np.ndarray, position: int) -> None:
-        """The request's next token from its logits [V] at `position` (the token's own), and whether it ends."""
+        """The request's next token from its logits [V] at `position` (the token's own), and whether it ends; its
+        listener told (Request.on_token)."""
         token = request.forced[len(request.tokens)] if request.forced is not None else None
         if token is None:
-            token = self.sampling.choose(logits, request.rng)
+            token = (request.sampling or self.sampling).choose(logits, request.rng)
         request.tokens.append(int(token))
         self.stats.new_tokens += 1
         if int(token) in request.eos:
@@ -476,6 +504,11 @@ class Engine:
             request.finish = "length"
         elif self.context is not None and position + 1 >= self.context:
             request.finish = "context"
+        if request.on_token is not None:
+            try:
+                request.on_token(request)
+            except Exception as e:  # noqa: BLE001 - a listener's failure ends its own request, never the batch
+                request.finish, request.error = "error", f"its listener failed: {type(e).__name__}: {e}"
 
     def run(self, requests: Iterable[Request], sampling: Sampling = Sampling(),
             on_finish: Callable[[Request], None] | None = None) -> GenerateStats:  # fmt: skip
@@ -484,40 +517,240 @@ class Engine:
         waiting = list(requests)
         rows = self.batch_rows(waiting)  # once: the memory available moves
         self.stats = GenerateStats(requests=len(waiting), form=self.io.form)
-        cache = self._cache(waiting, rows)
-        start = time.perf_counter()
+        batch = _Batch(self, self._cache(waiting, rows), on_finish)
         waiting.reverse()  # popped from the end: the first request first
-        while waiting or cache.rows:
-            while waiting and len(cache.rows) < rows:  # schedule: waiting requests join between steps
-                request = waiting.pop()
-                if self.record:
-                    request.logits = []
-                logits = cache.prefill(request)  # the prompt alone (batch 1)
-                self.stats.prefills += 1
-                if request.logits is not None:
-                    request.logits.append(np.array(logits, np.float32))
-                self._take(request, logits[-1], len(request.prompt))
-                request.first_token_s = time.perf_counter() - start
-                if request.done:
-                    on_finish and on_finish(request)
-                    continue
-                cache.join(request)
-            if not cache.rows:
-                continue
-            self.stats.largest_batch = max(self.stats.largest_batch, len(cache.rows))
-            tokens = np.asarray([r.tokens[-1] for r in cache.rows], np.int64)  # run: one step for every row
-            logits = cache.step(tokens)
-            self.stats.steps += 1
-            for request, row, position in zip(cache.rows, logits, cache.fed_positions()):  # update: each row's token
-                if request.logits is not None:
-                    request.logits.append(np.array(row, np.float32))
-                self._take(request, row, int(position))
-                if request.done and on_finish is not None:
-                    on_finish(request)
-            cache.advance()
-            cache.drop_done()  # rows that end leave
-        self.stats.seconds = time.perf_counter() - start
+        while waiting or batch.rows:
+            while waiting and len(batch.rows) < rows:  # schedule: waiting requests join between steps
+                batch.admit(waiting.pop())
+            batch.step()
+        self.stats.seconds = time.perf_counter() - batch.start
         return self.stats
+
+
+class _Batch:
+    """The step loop of Engine.run and EngineLoop over one cache: admit() a request (its prompt prefilled alone into
+    the cache, its first token taken: it joins the rows, or it has ended), step() (rows cancelled leave, then one
+    token for every row, and rows that end leave)."""
+
+    def __init__(self, engine: Engine, cache: _GrowingCache | _SharedCache,
+                 on_finish: Callable[[Request], None] | None = None) -> None:  # fmt: skip
+        self.engine, self.cache, self.on_finish = engine, cache, on_finish
+        self.start = time.perf_counter()
+
+    @property
+    def rows(self) -> list[Request]:
+        return self.cache.rows
+
+    def finished(self, request: Request) -> None:
+        for call in (request.on_finish, self.on_finish):
+            if call is not None:
+                call(request)
+
+    def admit(self, request: Request) -> None:
+        engine = self.engine
+        if request.cancelled:
+            request.stop("cancelled")
+            self.finished(request)
+            return
+        if engine.record:
+            request.logits = []
+        logits = self.cache.prefill(request)  # the prompt alone (batch 1)
+        engine.stats.prefills += 1
+        if request.logits is not None:
+            request.logits.append(np.array(logits, np.float32))
+        request.first_token_s = time.perf_counter() - self.start
+        engine._take(request, logits[-1], len(request.prompt))
+        if request.done:
+            self.finished(request)
+            return
+        self.cache.join(request)
+
+    def step(self) -> None:
+        cancelled = [r for r in self.rows if r.cancelled and not r.done]
+        for request in cancelled:  # a client that left: its row is freed before the step
+            request.stop("cancelled")
+            self.finished(request)
+        if cancelled:
+            self.cache.drop_done()
+        if not self.rows:
+            return
+        engine = self.engine
+        engine.stats.largest_batch = max(engine.stats.largest_batch, len(self.rows))
+        tokens = np.asarray([r.tokens[-1] for r in self.rows], np.int64)  # run: one step for every row
+        logits = self.cache.step(tokens)
+        engine.stats.steps += 1
+        for request, row, position in zip(self.rows, logits, self.cache.fed_positions()):  # update: each row's token
+            if request.logits is not None:
+                request.logits.append(np.array(row, np.float32))
+            engine._take(request, row, int(position))
+            if request.done:
+                self.finished(request)
+        self.cache.advance()
+        self.cache.drop_done()  # rows that end leave
+
+
+class QueueFull(AttnxError):
+    """EngineLoop.submit: the queue of waiting requests is full (a server answers 429)."""
+
+    exit_code = 1
+
+
+class EngineClosed(AttnxError):
+    """EngineLoop.submit once the loop closes (a server draining answers 503), or after the model's run failed."""
+
+    exit_code = 1
+
+
+class EngineLoop:
+    """The engine's step loop, long-lived (attnx serve): a thread of its own owns the session and runs the steps;
+    submit() puts a request in the queue from any thread, and it joins the batch between steps; cancel() frees its
+    row at the next step; its listener (Request.on_token, on_finish) is called on the loop's thread with each token
+    as it is made. At most `engine.max_batch` rows (None: DEFAULT_ROWS) and `max_queue` requests waiting.
+
+    The cache is allocated once, when the loop starts: the buffer form's capacity is the model's context, or
+    `max_len` below it (its rows' memory within half the memory available), and a request whose prompt and
+    max_new_tokens pass it is refused when submitted (InputError). A request's greedy tokens never depend on which
+    requests share its batch (each row its own cache, lengths and positions; its own sampling and generator).
+    close(grace_s) stops accepting, serves what was accepted for up to grace_s seconds, ends the rest ("abort")
+    and joins the thread."""
+
+    DEFAULT_ROWS = 16
+
+    def __init__(self, engine: Engine, *, max_queue: int = 64, max_len: int | None = None) -> None:
+        if max_queue < 1:
+            raise UsageError(f"--max-queue {max_queue}: must be 1 or more")
+        if max_len is not None and max_len < 2:
+            raise UsageError(f"--max-model-len {max_len}: must be 2 or more (a prompt token and a new one)")
+        self.engine = engine
+        self.rows = engine.max_batch or self.DEFAULT_ROWS
+        self.max_queue = max_queue
+        bounds = [b for b in (engine.context, max_len) if b is not None]
+        self.max_len = min(bounds) if bounds else None
+        if engine.io.form == "buffer":
+            if self.max_len is None:
+                raise UsageError("the model says no context: give --max-model-len, the positions its cache holds")
+            need, available = self.rows * engine.row_bytes(self.max_len), available_memory_bytes()
+            if available is not None and need > available // 2:
+                raise UsageError(f"the cache of {self.rows} rows of {self.max_len} positions needs {need / 2**30:.2f} "
+                                 f"GiB, over half the memory available ({available / 2**30:.2f} GiB): lower "
+                                 "--max-batch or --max-model-len")  # fmt: skip
+            cache: _GrowingCache | _SharedCache = _SharedCache(engine, self.max_len, self.rows)
+        else:
+            cache = _GrowingCache(engine)
+        engine.stats = GenerateStats(form=engine.io.form)
+        self._batch = _Batch(engine, cache)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._deadline = 0.0
+        self.failure: str | None = None  # why the loop stopped, where the model's run failed
+        self._thread = threading.Thread(target=self._loop, name="attnx-engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> EngineLoop:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue, not yet in the batch."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Rows in the batch."""
+        return len(self._batch.rows)
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closing and self.failure is None and self._thread.is_alive()
+
+    def check(self, request: Request) -> None:
+        """InputError where the request cannot be served: its prompt not token ids of the vocabulary, or its prompt
+        and max_new_tokens past the loop's bound (max_len)."""
+        check_prompts([request.prompt], self.engine.io.vocab, self.max_len)
+        if request.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens {request.max_new_tokens}: must be 1 or more")
+        total = len(request.prompt) + request.max_new_tokens
+        if self.max_len is not None and total > self.max_len:
+            raise InputError(f"the model's maximum context length is {self.max_len} tokens; this request asks "
+                             f"{total} ({len(request.prompt)} in the prompt, {request.max_new_tokens} new)")  # fmt: skip
+
+    def submit(self, request: Request) -> None:
+        """Queue the request (check first): EngineClosed once the loop closes or failed, QueueFull where max_queue
+        requests wait already."""
+        self.check(request)
+        with self._cond:
+            if self.failure is not None:
+                raise EngineClosed(f"the engine stopped: {self.failure}")
+            if self._closing or not self._thread.is_alive():
+                raise EngineClosed("the engine is shutting down: it takes no new request")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests wait already (the queue holds {self.max_queue})")
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def cancel(self, request: Request) -> None:
+        """From any thread: a waiting request leaves the queue now (its on_finish called here), a running one frees
+        its row at the next step (on_finish on the loop's thread); one that ended is left as it is."""
+        request.cancelled = True
+        with self._cond:
+            index = next((i for i, r in enumerate(self._waiting) if r is request), None)
+            if index is not None:
+                del self._waiting[index]
+        if index is not None:
+            request.stop("cancelled")
+            self._batch.finished(request)
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop accepting; serve the requests accepted (waiting or running) for up to grace_s seconds, then end the
+        rest ("abort"); the thread joined."""
+        with self._cond:
+            if not self._closing:
+                self._closing = True
+                self._deadline = time.monotonic() + grace_s
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        batch = self._batch
+        reason = "abort"
+        try:
+            while True:
+                with self._cond:
+                    while not self._waiting and not batch.rows and not self._closing:
+                        self._cond.wait()
+                    if self._closing and (not (self._waiting or batch.rows) or time.monotonic() >= self._deadline):
+                        break
+                    joining = []  # schedule: waiting requests join between steps
+                    while self._waiting and len(batch.rows) + len(joining) < self.rows:
+                        joining.append(self._waiting.popleft())
+                for request in joining:
+                    self.engine.stats.requests += 1
+                    try:
+                        batch.admit(request)
+                    except Exception as e:  # noqa: BLE001 - its prompt failed alone: it ends, the batch goes on
+                        request.finish, request.error = "error", f"{type(e).__name__}: {e}"
+                        batch.finished(request)
+                batch.step()
+        except BaseException as e:  # noqa: BLE001 - a step failed: every request ends, and says why
+            reason, self.failure = "error", f"{type(e).__name__}: {e}"
+        finally:
+            with self._cond:
+                rest = [*batch.rows, *self._waiting]
+                self._waiting.clear()
+                self._closing = True
+            for request in rest:
+                if not request.done:
+                    request.finish, request.error = reason, self.failure
+                    batch.finished(request)
+            batch.rows.clear()
 
 
 def check_prompts(prompts: Sequence[Any], vocab: int | None, context: int | None, what: str = "prompt") -> None:

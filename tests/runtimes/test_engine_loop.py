@@ -1,0 +1,135 @@
+"""The engine's long-lived step loop (attnx.runtimes.generate.EngineLoop, what attnx serve runs): requests submitted
+from other threads join between steps with the same greedy tokens as attnx generate's, alone or beside others; a
+cancelled row leaves; a full queue, a request past the cache and a closed loop are refused; close() ends the rest."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnx.errors import InputError
+from attnx.runtimes.generate import EngineClosed, EngineLoop, QueueFull, Request, Sampling
+from attnx.runtimes.model_package import engine_for
+from attnx.runtimes.package import load
+from attnx.workflows import build_model_package
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loop") / "pkg"
+    build_model_package(str(FIXTURES / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20" / "model.onnx"), out,
+                        checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))  # fmt: skip
+    with load(out) as loaded:
+        yield loaded
+
+
+def _prompts(lengths=(5, 12, 3, 21, 9)) -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [[int(t) for t in rng.integers(3, 256, n)] for n in lengths]
+
+
+def _serve(loop: EngineLoop, prompts, new=NEW, **request) -> list[Request]:
+    """Each prompt submitted (one thread), each waited for: the requests once they ended."""
+    done = [threading.Event() for _ in prompts]
+    requests = [Request(i, p, new, on_finish=lambda r: done[r.index].set(), **request) for i, p in enumerate(prompts)]
+    for r in requests:
+        loop.submit(r)
+    for event in done:
+        assert event.wait(60)
+    return requests
+
+
+def test_a_requests_greedy_tokens_are_the_same_alone_and_beside_others(model):
+    """The buffer form's cache sized once for the model's context (128 positions, 4 rows): each prompt alone, then
+    all five at once (rows joining between steps as others end), the tokens attnx generate gives."""
+    prompts = _prompts()
+    truth = model.generate(prompts, max_new_tokens=NEW, max_batch=1)
+    with EngineLoop(engine_for(model.runner, model.manifest, 4)) as loop:
+        assert loop.max_len == model.context == 128 and loop.engine.io.form == "buffer"
+        alone = [_serve(loop, [p])[0] for p in prompts]
+        together = _serve(loop, prompts)
+        assert loop.engine.stats.largest_batch == 4
+    assert [r.tokens for r in alone] == [r.tokens for r in together] == truth
+    assert {r.finish for r in together} == {"length"}
+
+
+def test_tokens_reach_the_listener_as_made_and_a_listener_can_end_its_request(model):
+    prompt = _prompts((7,))[0]
+    seen: list[int] = []
+
+    def on_token(r: Request) -> None:
+        seen.append(r.tokens[-1])
+        if len(r.tokens) == 4:
+            r.stop()
+
+    with EngineLoop(engine_for(model.runner, model.manifest, 2)) as loop:
+        (request,) = _serve(loop, [prompt], on_token=on_token)
+        assert loop.running == 0
+    assert request.finish == "stop" and seen == request.tokens and len(seen) == 4
+
+
+def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_go_on(model):
+    prompts = _prompts((6, 9))
+    truth = model.generate(prompts[1:], max_new_tokens=40, max_batch=1)[0]
+    started, ended = threading.Event(), threading.Event()
+    with EngineLoop(engine_for(model.runner, model.manifest, 2)) as loop:
+        first = Request(0, prompts[0], 100, on_token=lambda r: len(r.tokens) == 3 and started.set(),
+                        on_finish=lambda r: ended.set())  # fmt: skip
+        loop.submit(first)
+        assert started.wait(60)
+        (other,) = _serve(loop, prompts[1:], new=40)
+        loop.cancel(first)
+        assert ended.wait(60)
+        assert loop.running == 0
+    assert first.finish == "cancelled" and len(first.tokens) < 100
+    assert other.tokens == truth
+
+
+def test_a_full_queue_a_request_past_the_cache_and_a_closed_loop_are_refused(model):
+    """max_queue 1: while the loop's thread is held (a listener waits), one request waits and the next is refused;
+    prompt + max_new_tokens past the 128 positions is refused whole; close(0) ends a running request ("abort")."""
+    release, held = threading.Event(), threading.Event()
+
+    def hold(r: Request) -> None:
+        held.set()
+        release.wait(60)
+
+    loop = EngineLoop(engine_for(model.runner, model.manifest, 1), max_queue=1).start()
+    try:
+        with pytest.raises(InputError, match="maximum context length is 128 tokens; this request asks 130"):
+            loop.submit(Request(0, [5] * 30, 100))
+        running = Request(0, [5, 6, 7], 100, on_token=hold)
+        loop.submit(running)
+        assert held.wait(60)
+        loop.submit(Request(1, [5, 6], 4))
+        with pytest.raises(QueueFull, match="1 requests wait already"):
+            loop.submit(Request(2, [5, 6], 4))
+        assert loop.waiting == 1
+        release.set()
+    finally:
+        release.set()
+        loop.close(0.0)
+    assert running.finish == "abort" and 0 < len(running.tokens) < 100
+    with pytest.raises(EngineClosed, match="shutting down"):
+        loop.submit(Request(3, [5], 2))
+
+
+def test_sampled_requests_draw_from_their_own_generator(model):
+    """Sampled tokens depend on the request's own seed alone: the same seed, the same tokens, beside others or not."""
+    prompt = _prompts((8,))[0]
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+    with EngineLoop(engine_for(model.runner, model.manifest, 4)) as loop:
+        alone = _serve(loop, [prompt], sampling=sampling, rng=np.random.default_rng(5))[0]
+        done = threading.Event()
+        mine = Request(9, prompt, NEW, sampling=sampling, rng=np.random.default_rng(5), on_finish=lambda r: done.set())
+        others = [Request(i, p, NEW, sampling=sampling, rng=np.random.default_rng(i)) for i, p in enumerate(_prompts())]
+        for r in [*others[:2], mine, *others[2:]]:
+            loop.submit(r)
+        assert done.wait(60)
+    assert len(alone.tokens) == NEW and mine.tokens == alone.tokens
