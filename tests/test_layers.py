@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -87,32 +88,41 @@ class Import:
     in_function: bool
 
 
-def imports_of(module: str, text: str, modules: set[str]) -> tuple[list[Import], set[str]]:
-    """(attnx imports, third-party top-level names imported at module level) of one module."""
+@functools.cache
+def import_statements(text: str) -> tuple[tuple[bool, str | None, int, tuple[str, ...], int, bool], ...]:
+    """(is_from, module, level, names, line, in_function) of every import statement of a source, in ast.walk's
+    order. Parsed once per text: every check below reads the same sources (a planted module added), and walking
+    the trees again took most of this file's time (3 s a check)."""
     tree = ast.parse(text)
     in_function = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             in_function |= {id(n) for n in ast.walk(node) if n is not node}
+    return tuple((isinstance(node, ast.ImportFrom), getattr(node, "module", None), getattr(node, "level", 0),
+                  tuple(a.name for a in node.names), node.lineno, id(node) in in_function)
+                 for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))  # fmt: skip
+
+
+def imports_of(module: str, text: str, modules: set[str]) -> tuple[list[Import], set[str]]:
+    """(attnx imports, third-party top-level names imported at module level) of one module."""
     package = module if module in {m.rsplit(".", 1)[0] for m in modules if "." in m} else module.rsplit(".", 1)[0]
     found, third_party = [], set()
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
+    for is_from, base, level, aliases, line, in_function in import_statements(text):
+        if not is_from:
+            names = list(aliases)
+        else:
+            base = base or ""
+            if level:
                 parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - level + 1] + ([base] if base else []))
             # "from attnx.x import y" imports module attnx.x.y when there is one, else attnx.x
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            names = [f"{base}.{a}" if f"{base}.{a}" in modules else base for a in aliases]
         for name in names:
             if name == "attnx" or name.startswith("attnx."):
                 while name not in modules and "." in name:
                     name = name.rsplit(".", 1)[0]
-                found.append(Import(module, name, node.lineno, id(node) in in_function))
-            elif id(node) not in in_function and name:
+                found.append(Import(module, name, line, in_function))
+            elif not in_function and name:
                 third_party.add(name.split(".")[0])
     return found, third_party
 
@@ -125,12 +135,20 @@ def check_layers(sources: Mapping[str, str]) -> list[str]:
         edges[module], third_party = imports_of(module, text, modules)
         heavy_direct[module] = bool(third_party & HEAVY)
 
-    def heavy(module: str, seen: frozenset[str] = frozenset()) -> bool:
+    # The modules whose import imports a heavy library at module level, transitively: those that import one
+    # themselves, then, until nothing changes, those that import one of them at module level.
+    heavy_modules = {m for m, direct in heavy_direct.items() if direct}
+    grew = True
+    while grew:
+        grew = False
+        for module, found in edges.items():
+            if module not in heavy_modules and any(not i.in_function and i.target in heavy_modules for i in found):
+                heavy_modules.add(module)
+                grew = True
+
+    def heavy(module: str) -> bool:
         """Whether importing `module` imports a heavy library at module level, transitively."""
-        if heavy_direct.get(module):
-            return True
-        return any(heavy(i.target, seen | {module}) for i in edges.get(module, ()) if not i.in_function
-                   and i.target not in seen | {module})  # fmt: skip
+        return module in heavy_modules
 
     problems = []
     for module, found in edges.items():
