@@ -622,14 +622,17 @@ class EngineLoop:
         if max_len is not None and max_len < 2:
             raise UsageError(f"--max-model-len {max_len}: must be 2 or more (a prompt token and a new one)")
         self.engine = engine
-        self.rows = engine.max_batch or self.DEFAULT_ROWS
         self.max_queue = max_queue
         bounds = [b for b in (engine.context, max_len) if b is not None]
         self.max_len = min(bounds) if bounds else None
+        self.rows = engine.max_batch or self.DEFAULT_ROWS
         if engine.io.form == "buffer":
             if self.max_len is None:
                 raise UsageError("the model says no context: give --max-model-len, the positions its cache holds")
-            need, available = self.rows * engine.row_bytes(self.max_len), available_memory_bytes()
+            available = available_memory_bytes()
+            if engine.max_batch is None and available is not None:  # the default: as many rows as half holds
+                self.rows = max(1, min(self.rows, available // 2 // max(1, engine.row_bytes(self.max_len))))
+            need = self.rows * engine.row_bytes(self.max_len)
             if available is not None and need > available // 2:
                 raise UsageError(f"the cache of {self.rows} rows of {self.max_len} positions needs {need / 2**30:.2f} "
                                  f"GiB, over half the memory available ({available / 2**30:.2f} GiB): lower "

@@ -33,6 +33,8 @@ COMMANDS: dict[str, Command] = {
     "run": Command("run", "run an ONNX model or a package on .npy inputs"),
     "generate": Command("generate", "serve a whole model's package: token ids in (JSON lines), new token ids out, "
                         "requests of any length batched together"),
+    "serve": Command("serve", "serve a whole model's package over the OpenAI API (completions, chat, streaming), "
+                     "verified before it listens"),
     "inspect": Command("inspect", "describe a model or a package: config, lowering, dtype, inputs, outputs, opset, operators",
                        runs_ort=False),
     "audit": Command("audit", "check every attention block of a whole exported model against the reference and its checkpoint"),

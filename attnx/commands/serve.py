@@ -1,0 +1,61 @@
+"""attnx serve: the OpenAI API (completions, chat, streaming) over a whole model's package, verified before it listens
+(attnx.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from attnx.commands import COMMANDS
+from attnx.commands._common import Progress, int_arg
+from attnx.errors import UsageError
+from attnx.model.contract import PROVIDERS
+
+HELP = COMMANDS["serve"].help
+SERVE_EXTRA = ("fastapi", "uvicorn", "tokenizers", "jinja2", "prometheus_client")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help=HELP, description=HELP + ". It listens once the package verified and loaded; "
+                       "SIGTERM stops accepting and drains. Exit 1: the package failed verify; 2: bad usage; 130/143: "
+                       "ended by Ctrl-C/SIGTERM once drained.")  # fmt: skip
+    p.add_argument("package", metavar="PKG", help="a whole model's package (attnx build --model)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int_arg(0, 65535), default=8000, help="the port (default 8000; 0: a free one)")
+    p.add_argument("--max-batch", type=int_arg(1), default=None, metavar="N", help="rows decoded at once: requests "
+                   "join and leave between steps (default 16, within half the memory available)")
+    p.add_argument("--max-queue", type=int_arg(1), default=64, metavar="N", help="requests waiting to join the "
+                   "batch; past it a request is answered 429 with Retry-After (default 64)")
+    p.add_argument("--max-model-len", type=int_arg(2), default=None, metavar="N", help="positions a request's prompt "
+                   "and new tokens may fill, below the model's context (default: its context); the buffer form's "
+                   "cache is sized for it")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's id in the API (default: the package folder's name)")
+    p.add_argument("--grace", type=_seconds, default=30.0, metavar="S", help="on SIGTERM, seconds the "
+                   "running requests get to finish before the rest end with finish_reason abort (default 30)")
+    p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="execution provider (default cpu)")
+    p.set_defaults(run=run)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, from 0 to an hour."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 3600, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"attnx serve needs {', '.join(missing)}: pip install 'attnx[serve]'")
+    from attnx.serve.server import serve_package
+
+    progress = Progress()
+    return serve_package(args.package, host=args.host, port=args.port, provider=args.provider,
+                         max_batch=args.max_batch, max_queue=args.max_queue, max_model_len=args.max_model_len,
+                         name=args.served_model_name, grace_s=args.grace, progress=progress,
+                         on_listening=lambda url: progress(f"serving {url}/v1 (Ctrl-C or SIGTERM to stop)"))  # fmt: skip

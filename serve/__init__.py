@@ -1,0 +1,21 @@
+"""attnx serve: the OpenAI API over a verified whole model's package (attnx build --model).
+
+    protocol.py   the requests (pydantic, validated before any work; unsupported fields refused by name), the error
+                  object
+    serving.py    Service: one package's engine loop (attnx.runtimes.generate.EngineLoop) behind the handlers:
+                  tokenize (a chat through the package's template), submit, stream the text as it is decoded
+    api.py        create_app: the FastAPI routes (/v1/completions, /v1/chat/completions, /v1/models, /health,
+                  /metrics), every error OpenAI's error object
+    metrics.py    the Prometheus metrics
+    server.py     serve_package: verify the package, load it, start the loop, listen (uvicorn); SIGTERM drains
+
+The engine knows nothing of HTTP: it runs on a thread of its own, and the asyncio side only awaits its events.
+Needs the `serve` extra (fastapi, uvicorn, tokenizers, jinja2, prometheus-client).
+"""
+
+from __future__ import annotations
+
+from attnx.serve.api import create_app
+from attnx.serve.serving import Service
+
+__all__ = ["Service", "create_app"]
