@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from attnx.runtimes._manifest import Check, check_model_data, member_path
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.runtimes.generate import Engine, GenerateStats, Request, Sampling, check_prompts
+from attnx.runtimes.text import PackageText, package_text
 
 __all__ = ["BUFFER_PROVIDER", "GENERATIONS_FILE", "GenerativeModel", "golden_arrays", "load_model_package",
            "recorded_cases", "replay_cases", "replay_generations", "served_model"]
@@ -198,6 +200,12 @@ class GenerativeModel:
     def context(self) -> int | None:
         return self.manifest.get("context")
 
+    @functools.cached_property
+    def text(self) -> PackageText | None:
+        """The package's text (attnx.runtimes.text: tokenizer, chat template, eos ids), or None where it carries none;
+        read from its hashed files on first use (the tokenizers and jinja2 libraries: the serve extra)."""
+        return package_text(self.directory, self.manifest)
+
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, eos: Sequence[int] = (),
                  max_batch: int | None = None,
@@ -216,6 +224,18 @@ class GenerativeModel:
         engine = engine_for(self.runner, self.manifest, max_batch)
         self.stats = engine.run(requests, sampling, on_finish)
         return [r.tokens for r in requests]
+
+    def generate_text(self, prompts: Sequence[str], *, max_new_tokens: int = 32, **options: Any) -> list[str]:
+        """The text each prompt continues with: generate() on the prompts' ids (the tokenizer's special tokens
+        added), ending at the package's eos ids, decoded without special tokens. UsageError where the package
+        carries no text."""
+        if self.text is None:
+            raise UsageError(f"{self.directory}: the package carries no tokenizer (built without --tokenizer or a "
+                             "--checkpoint holding tokenizer.json): generate() takes token ids")  # fmt: skip
+        ids = [self.text.encode(p) for p in prompts]
+        eos = sorted(set(options.pop("eos", ())) | self.text.eos_ids)
+        tokens = self.generate(ids, max_new_tokens=max_new_tokens, eos=eos, **options)
+        return [self.text.decode(t) for t in tokens]
 
     def close(self) -> None:
         self.runner.close()

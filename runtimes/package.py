@@ -60,6 +60,7 @@ from attnx.runtimes.decode import decode_sequence, localise_decode
 from attnx.runtimes.localise import file_weights, localisation_dict, localise_case
 from attnx.runtimes.model_package import load_model_package, open_model, replay_generations, served_model
 from attnx.runtimes.ort_runner import import_onnxruntime
+from attnx.runtimes.text import check_text
 
 __all__ = [
     "FORMAT",
@@ -428,6 +429,9 @@ def _verify_model_package(root: str, manifest: dict[str, Any], provider: str, re
     generations replayed token by token."""
     if not _files_hold(root, manifest, report, progress):
         return report  # a damaged or altered file is never handed to onnxruntime
+    if "text" in manifest:
+        progress("checking the text: the golden prompt encoded, the golden tokens decoded")
+        report.checks += check_text(root, manifest)
     onnxruntime = _runtime(manifest, get_provider(provider).backend, report)
     model = served_model(manifest, provider)
     progress(f"loading {model['file']} in onnxruntime {onnxruntime.__version__} ({provider})")

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from attnx.errors import InputError, PackageError, UsageError
-from attnx.runtimes._manifest import member_path
+from attnx.runtimes._manifest import Check, member_path
 
-__all__ = ["CHAT_TEMPLATE", "GENERATION_CONFIG", "TEXT_FILES", "TOKENIZER", "TOKENIZER_CONFIG",
-           "IncrementalDetokenizer", "PackageText", "has_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "GENERATION_CONFIG", "GOLDEN_PROMPT", "TEXT_FILES", "TOKENIZER", "TOKENIZER_CONFIG",
+           "IncrementalDetokenizer", "PackageText", "check_text", "has_tokenizer", "package_text", "text_files",
+           "text_manifest"]
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -267,14 +268,15 @@ class PackageText:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     @classmethod
-    def from_folder(cls, folder: str) -> PackageText:
-        """The text of `folder` (a package's text/ folder or a checkpoint): InputError naming the file if a required
-        one is missing, or any is unreadable, too large or malformed."""
+    def from_folder(cls, folder: str, *, files: Collection[str] | None = None) -> PackageText:
+        """The text of `folder` (a package or a checkpoint): InputError naming the file if a required one is missing,
+        or any is unreadable, too large or malformed. files: the only ones read (a package's manifest lists its own:
+        a file it does not hash is never read), the others taken as absent."""
         tokenizers = _need("tokenizers")
         root = os.path.realpath(os.fspath(folder))
         if not os.path.isdir(root):
             raise InputError(f"{folder!r} is not a folder: it holds no tokenizer")
-        data = {name: _read(root, name) for name in TEXT_FILES}
+        data = {name: _read(root, name) if files is None or name in files else None for name in TEXT_FILES}
         for name in _REQUIRED:
             if data[name] is None:
                 raise InputError(f"{os.path.join(folder, name)} is missing: a package's text needs {' and '.join(_REQUIRED)}")
@@ -402,3 +404,90 @@ class IncrementalDetokenizer:
         now = self._decode(self._prefix)
         self._prefix, self._read = self._read, len(self._ids)
         return now[len(before):]
+
+
+# A package's text: what build records, what verify and load read back ---------------------------------
+# The golden round trip's prompt: ASCII words, accents, CJK and an emoji (characters of 1 to 4 UTF-8 bytes).
+GOLDEN_PROMPT = "The quick brown fox jumps over the lazy dog. Héllo, 世界 🙂"
+
+
+def text_files(folder: str) -> list[str]:
+    """The text files `folder` holds, in TEXT_FILES' order (what a package copies)."""
+    return [name for name in TEXT_FILES if os.path.isfile(os.path.join(folder, name))]
+
+
+def text_manifest(text: PackageText, files: Sequence[str], tokens: Sequence[int]) -> dict[str, Any]:
+    """The manifest's "text" section: the files, eos ids, whether a chat template is there, the tokenizer's size,
+    and the golden round trip verify repeats: GOLDEN_PROMPT's ids, `tokens` (greedy tokens of the model), their text
+    and that text's ids (without special tokens)."""
+    tokens = [int(t) for t in tokens]
+    decoded = text.decode(tokens)
+    return {"files": list(files), "tokenizer": TOKENIZER, "config": TOKENIZER_CONFIG,
+            "generation_config": GENERATION_CONFIG if GENERATION_CONFIG in files else None,
+            "eos": sorted(text.eos_ids), "chat_template": text.has_chat_template, "vocab": text.vocab_size,
+            "golden": {"prompt": GOLDEN_PROMPT, "ids": text.encode(GOLDEN_PROMPT), "tokens": tokens,
+                       "text": decoded, "text_ids": text.encode(decoded, add_special_tokens=False)}}
+
+
+def package_text(root: str, manifest: Mapping[str, Any]) -> PackageText | None:
+    """The package's text (its manifest's "text" section), or None where it carries none; InputError where the
+    section is malformed or names a file the manifest does not hash."""
+    section = manifest.get("text")
+    if section is None:
+        return None
+    files = section.get("files") if isinstance(section, Mapping) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise InputError("manifest.json: 'text.files' must be a list of file names")
+    for name in files:
+        if name not in TEXT_FILES:
+            raise InputError(f"manifest.json: 'text.files' names {name!r}, not one of {', '.join(TEXT_FILES)}")
+        if name not in manifest.get("files", {}):
+            raise InputError(f"manifest.json: 'text.files' names {name!r}, which 'files' does not hash: refused")
+    for name in _REQUIRED:
+        if name not in files:
+            raise InputError(f"manifest.json: 'text.files' lacks {name!r}")
+    return PackageText.from_folder(root, files=files)
+
+
+def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = lambda ids: ids[i] if i < len(ids) else "(end)"  # noqa: E731
+    return f"{len(got)} ids, not the {len(want)} recorded: first difference at {i} ({at(got)}, recorded {at(want)})"
+
+
+def check_text(root: str, manifest: Mapping[str, Any]) -> list[Check]:
+    """verify's check of a package's text (none where it carries none): its files read as the package's text, the
+    golden prompt encoded to the recorded ids, the golden tokens decoded to the recorded text and that text encoded
+    to its recorded ids, the eos ids and the chat template as recorded. The files' hashes are checked with every file's."""
+    try:
+        text = package_text(root, manifest)
+    except UsageError as e:
+        return [Check("text", False, str(e))]
+    if text is None:
+        return []
+    section = manifest["text"]
+    golden = section.get("golden")
+    if not (isinstance(golden, Mapping) and isinstance(golden.get("prompt"), str) and isinstance(golden.get("text"), str)
+                    and all(isinstance(golden.get(k), list) and all(type(i) is int for i in golden[k])
+                    for k in ("ids", "tokens", "text_ids"))):
+        return [Check("text", False, "manifest.json: 'text.golden' must be {prompt, ids, tokens, text, text_ids}")]
+    failures = []
+    ids = text.encode(golden["prompt"])
+    if ids != golden["ids"]:
+        failures.append(f"the golden prompt {golden['prompt']!r} encodes to {_first_difference(ids, golden['ids'])}")
+    decoded = text.decode(golden["tokens"])
+    if decoded != golden["text"]:
+        failures.append(f"the {len(golden['tokens'])} golden tokens decode to {decoded[:80]!r}, not the recorded "
+                        f"{golden['text'][:80]!r}")
+    again = text.encode(golden["text"], add_special_tokens=False)
+    if again != golden["text_ids"]:
+        failures.append(f"the golden text encodes to {_first_difference(again, golden['text_ids'])}")
+    if sorted(text.eos_ids) != section.get("eos"):
+        failures.append(f"the eos ids are {sorted(text.eos_ids)}, not the recorded {section.get('eos')}")
+    if text.has_chat_template != section.get("chat_template"):
+        failures.append(f"a chat template is {'' if text.has_chat_template else 'not '}there, against the manifest")
+    if failures:
+        return [Check("text", False, "; ".join(failures))]
+    return [Check("text", True, f"{TOKENIZER} encodes the golden prompt to its {len(ids)} recorded ids, decodes "
+                                f"{len(golden['tokens'])} golden tokens to the recorded text and encodes it back; eos "
+                                f"{sorted(text.eos_ids)}, chat template: {'yes' if text.has_chat_template else 'no'}")]

@@ -13,6 +13,10 @@ deployment machine and `attnx generate` serves (attnx.runtimes.model_package hol
                  with continuous batching (fewer rows than prompts: some join between steps), greedy, on the form
                  generate serves (the buffer form where written): each prompt's logits (at its last position alone
                  where the form computes no other) and each step's logits and token
+    text         the tokenizer's files (attnx.runtimes.text.TEXT_FILES) from --tokenizer DIR, else from --checkpoint
+                 where it holds tokenizer.json, copied flat beside the model; a tokenizer with an id past the model's
+                 vocabulary is refused; the manifest's "text" section records a golden round trip (a fixed prompt's
+                 ids, the first golden generation's tokens and their text) that verify repeats
     manifest     every file's size and sha256, the optimization's report, each model's form, the decode form served
                  and its proof, the bound the golden generations are replayed under, context, vocabulary, padding,
                  the machine it was verified on
@@ -25,13 +29,14 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from attnx._io import Staging, output_lock, write_json_atomic
-from attnx.errors import CheckFailed
+from attnx.errors import CheckFailed, InputError
 from attnx.model.checkpoint import read_checkpoint_config
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, describe, external_data_locations
@@ -48,6 +53,7 @@ from attnx.runtimes.package import (
     file_sha256,
     verify_package,
 )
+from attnx.runtimes.text import PackageText, has_tokenizer, text_files, text_manifest
 from attnx.workflows._buffer_form import BufferFormResult, prove_buffer_form, write_buffer_form
 from attnx.workflows._build import _check_target
 from attnx.workflows._package_files import versions, write_npz
@@ -112,11 +118,13 @@ def _model_facts(report: ModelOptimizeReport, checkpoint: str | None) -> tuple[i
 
 def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpoint: str | None = None,
                         provider: str = "cpu", core: str = AUTO_CORE, force: bool = False, weights: str | None = None,
+                        tokenizer: str | None = None,
                         progress: Callable[[str], None] = lambda _m: None) -> ModelBuildReport:  # fmt: skip
     """The module doc: optimize `model_path` (its weights quantized first with `weights` "int4" / "int8"), record
-    golden generations, package, verify, publish at `out`."""
+    golden generations, package with its text (from `tokenizer`, else `checkpoint`), verify, publish at `out`."""
     out = os.path.abspath(os.fspath(out))
     _check_target(out, force)
+    text_from = _text_source(tokenizer, checkpoint, progress)
     if core == AUTO_CORE and provider == BUFFER_PROVIDER:
         core = SERVED_CORE
         progress(f"--core {AUTO_CORE} on {provider}: each block written as {SERVED_CORE} where it computes it (the "
@@ -138,7 +146,8 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
         buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress, model_path)
         progress("recording golden generations")
         golden = _record_golden(stage.path(), provider, said, lengths, buffer.file or MODEL_FILE)
-        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, said, buffer)
+        text = _copy_text(text_from, stage.path(), golden)
+        manifest = _manifest(stage.path(), model_path, checkpoint, provider, report, golden, said, buffer, text)
         with open(stage.path(MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -153,6 +162,43 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
         stage.publish(replace_folder=lambda target: _check_target(target, force))
     verify.directory = out
     return ModelBuildReport(out, report, manifest, verify)
+
+
+def _text_source(tokenizer: str | None, checkpoint: str | None,
+                 progress: Callable[[str], None]) -> str | None:  # fmt: skip
+    """The folder the package's text comes from (--tokenizer, else a --checkpoint holding tokenizer.json), its files
+    read and checked against the model's vocabulary before anything is built; None: the package carries no text."""
+    folder = tokenizer if tokenizer is not None else checkpoint if checkpoint and has_tokenizer(checkpoint) else None
+    if folder is None:
+        progress("no tokenizer: the package carries no text (give --tokenizer DIR, or a --checkpoint holding "
+                 "tokenizer.json); generate takes token ids")  # fmt: skip
+        return None
+    text = PackageText.from_folder(folder)
+    if checkpoint is not None:  # early, where the checkpoint says; the model's own logits are checked once run
+        vocab = read_checkpoint_config(checkpoint).get("vocab_size")
+        _check_vocab(folder, text, vocab if isinstance(vocab, int) else None, f"{checkpoint}'s config.json")
+    progress(f"text: {', '.join(text_files(folder))} from {folder} ({text.vocab_size} tokens, eos "
+             f"{sorted(text.eos_ids)}, chat template: {'yes' if text.has_chat_template else 'no'})")  # fmt: skip
+    return folder
+
+
+def _check_vocab(folder: str, text: PackageText, vocab: int | None, said: str) -> None:
+    if vocab is not None and text.vocab_size > vocab:
+        raise InputError(f"{folder}: the tokenizer's ids go up to {text.vocab_size - 1}, past the model's vocabulary "
+                         f"of {vocab} ({said}): not this model's tokenizer")  # fmt: skip
+
+
+def _copy_text(folder: str | None, stage: str, golden: dict[str, Any]) -> dict[str, Any] | None:
+    """The text files copied into the stage (flat, beside the model) and read back from there; the manifest's
+    "text" section, its golden tokens the first golden generation's."""
+    if folder is None:
+        return None
+    names = text_files(folder)
+    for name in names:
+        shutil.copyfile(os.path.join(os.path.realpath(folder), name), os.path.join(stage, name))
+    text = PackageText.from_folder(stage, files=names)
+    _check_vocab(folder, text, golden["vocab"], "its logits")
+    return text_manifest(text, names, golden["tokens"])
 
 
 def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list[int], blocks: int,
@@ -213,6 +259,7 @@ def _record_golden(folder: str, provider: str, said: dict[str, Any], lengths: li
         logits = next(s for s in runner.outputs if s.name == io.logits)
     write_npz(os.path.join(folder, GENERATIONS_FILE), golden_arrays(requests))
     return {"file": GENERATIONS_FILE, "requests": len(requests), "max_batch": GOLDEN_BATCH, "steps": GOLDEN_STEPS,
+            "tokens": list(requests[0].tokens),  # the first generation's new tokens: the text's golden round trip
             "lengths": lengths, "seed": GOLDEN_SEED, "vocab": vocab, "largest_batch": engine.max_batch,
             "model": model_file, "inputs": inputs, "outputs": outputs,
             # the served form's LastLogits: a prompt's logits at its last position alone
@@ -258,14 +305,15 @@ def _model_entry(folder: str, name: str, provider: str, form: str) -> dict[str, 
 
 
 def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: str, report: ModelOptimizeReport,
-              golden: dict[str, Any], said: dict[str, Any], buffer: BufferFormResult) -> dict[str, Any]:  # fmt: skip
+              golden: dict[str, Any], said: dict[str, Any], buffer: BufferFormResult,
+              text: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The package's manifest; `said`: how the engine batches and feeds (padding, context, one_row, cache_dims),
     as the golden generations were recorded under it."""
     models = [_model_entry(folder, MODEL_FILE, provider, "growing")]
     if buffer.file is not None:
         models.append(_model_entry(folder, buffer.file, provider, "buffer"))
     names = list(dict.fromkeys([m["file"] for m in models] + [n for m in models for n in m["external_data"]]
-                               + [GENERATIONS_FILE, REPORT_FILE]))  # fmt: skip
+                               + [GENERATIONS_FILE, REPORT_FILE] + (text["files"] if text else [])))  # fmt: skip
     files = {n: {"size": os.path.getsize(os.path.join(folder, n)), "sha256": file_sha256(os.path.join(folder, n))}
              for n in names}  # fmt: skip
     logits = next(o for o in golden["outputs"] if o["name"] == "logits") if any(
@@ -296,4 +344,5 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         "verified_on": [provider],
         "machine": {"cpu": _cpu(), "provider": PROVIDERS[provider].ort_name},
         "versions": versions(),
+        **({"text": text} if text else {}),
     }

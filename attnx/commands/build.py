@@ -57,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="the package folder to write (one there already: --force)")
     p.add_argument("--checkpoint", default=None, metavar="HF_DIR",
                    help="with --model: its Hugging Face checkpoint (each block written as its layer states it)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="with --model: the folder of its tokenizer files (tokenizer.json, tokenizer_config.json, "
+                   "generation_config.json, chat_template.jinja), copied into the package and checked by verify "
+                   "(default: --checkpoint's, where it holds tokenizer.json)")
     p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
                    help="with --model: the core each block is written as (default auto: measured, as attnx optimize)")
     p.set_defaults(run=run)
@@ -82,13 +86,15 @@ def run_model(args: argparse.Namespace) -> int:
     flows = workflows("build", needs=("onnx_ir", "onnxscript"))
     report = flows.build_model_package(args.model, args.out, checkpoint=args.checkpoint, provider=providers[0],
                                        core=args.core or "auto", force=args.force, weights=quantize,
-                                       progress=Progress())  # fmt: skip
+                                       tokenizer=args.tokenizer, progress=Progress())  # fmt: skip
     print("\n".join(report.optimize.lines()))
     m = report.manifest
     rows = [(name, entry["size"], entry["sha256"][:16]) for name, entry in m["files"].items()]
     print(format_table(["file", "bytes", "sha256"], rows))
     rows = [(c.name, "pass" if c else "FAIL", c.detail) for c in report.verify.checks if c.name.startswith("generation ")]
     print(format_table(["golden generation", "status", "detail"], rows))
+    text = [c for c in report.verify.checks if c.name == "text"]
+    print(f"text: {text[0].detail}" if text else "text: none (no --tokenizer, and --checkpoint holds no tokenizer.json)")
     total = sum(e["size"] for e in m["files"].values())
     print(f"wrote {os.path.abspath(args.out)}: {len(m['files']) + 2} files, {total / 1e6:.1f} MB; "
           f"{m['generations']['requests']} golden generations of {m['generations']['steps']} tokens; verified on "
@@ -99,7 +105,8 @@ def run_model(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         return run_model(args)
-    whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--core", args.core)) if v]
+    whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--core", args.core), ("--tokenizer", args.tokenizer))
+             if v]
     if whole:
         raise UsageError(f"{whole[0]} is for a whole model's package (--model)")
     build_package = workflows("build").build_package
@@ -134,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     for provider, reason in m["not_verified"].items():
         print(f"not verified on {provider} here: {reason}")
         print(f"  (run `attnx verify {args.out} --provider {provider}` on the deployment machine)")
+    text = [c for c in report.verify.checks if c.name == "text"]
+    print(f"text: {text[0].detail}" if text else "text: none (no --tokenizer, and --checkpoint holds no tokenizer.json)")
     total = sum(e["size"] for e in m["files"].values())
     model = m["models"][0]
     print(

@@ -213,7 +213,8 @@ def test_the_package_verifies_here_and_after_it_moves_and_names_what_was_tampere
     manifest = json.loads((pkg / "manifest.json").read_text())
     assert manifest["kind"] == "model" and manifest["format_version"] == 2
     # the model's own I/O and its buffer form, one weights file between them; the goldens recorded from the form served
-    assert set(manifest["files"]) == {"model.onnx", "decode.onnx", "model.onnx.data", "generations.npz", "optimize.json"}
+    assert set(manifest["files"]) == {"model.onnx", "decode.onnx", "model.onnx.data", "generations.npz", "optimize.json",
+                                      "tokenizer.json", "tokenizer_config.json", "generation_config.json"}  # its text
     assert [(m["file"], m["form"], m["external_data"]) for m in manifest["models"]] == [
         ("model.onnx", "growing", ["model.onnx.data"]), ("decode.onnx", "buffer", ["model.onnx.data"])]
     assert manifest["generations"]["model"] == manifest["decode"]["file"] == "decode.onnx"
