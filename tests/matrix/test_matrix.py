@@ -1,8 +1,11 @@
-"""attnx matrix: one plan of 24 tiny cases (parity on torch and two ONNX lowerings, verify of a
+"""attnx matrix: one plan of 12 tiny cases (parity on torch and two ONNX lowerings, verify of a
 package on cpu and cuda, bench on cpu) run here with the local pool (Ray never imported), then on
 a Ray cluster this module starts on the loopback address (a head and a second node tagged
 {"tagged": 1}; the plan sends every torch case to the tag and the cuda verify to a GPU no node has),
 with one Ray worker killed mid-run; then --resume and Ctrl-C. Verdicts must equal the local run's.
+The plan holds each job, backend, lowering and source, two batches and a job's own axes over the plan's, one
+sequence length: every case is a process of its own (a torch case imports torch, 3 s), and what these tests check
+is the matrix's running and placing of cases, not parity at many shapes (24 cases before, 3 lengths).
 
 The audit job's tests run the builder's tiny Llama (tests/fixtures/genai/llama) and a copy with a window planted
 on layer 1, one case per block, on the local pool and once on the same cluster.
@@ -41,7 +44,7 @@ PLAN = {
     "backends": ["torch", "ort-cpu"],
     "lowerings": ["decomposed", "ort-fused"],
     "batches": [1, 2],
-    "seqs": [1, 3, 5],
+    "seqs": [5],
     "requirements": {"torch": {"tagged": 1}, "ort-cuda": {"GPU": 1}},
     "unschedulable_timeout_s": 3,
     "jobs": {
@@ -121,7 +124,7 @@ def test_local_run_reports_every_case_and_never_imports_ray(work, local):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ray not imported" in run.stderr
     plan = load_plan(os.path.join(work, "plan.json"))
-    assert len(plan.cases()) == 24 and [c["id"] for c in report["cases"]] == [c.id for c in plan.cases()]
+    assert len(plan.cases()) == 12 and [c["id"] for c in report["cases"]] == [c.id for c in plan.cases()]
     assert report["complete"] and report["passed"] and not report["interrupted"]
     cases = by_id(report)
     # no CUDA here: skipped with onnxruntime's own reason, never run on the CPU instead
@@ -140,14 +143,14 @@ def test_local_run_reports_every_case_and_never_imports_ray(work, local):
                 assert c["span"][1] <= b["span"][0] or c["span"][0] >= b["span"][1], (b["id"], c["id"])
     with open(os.path.join(work, "local", "report.md"), encoding="utf-8") as f:
         md = f.read()
-    assert "| case |" in md and "| parity:preset:tiny:torch:-:fp32:b1:s1 | pass, needs atol" in md
+    assert "| case |" in md and "| parity:preset:tiny:torch:-:fp32:b1:s5 | pass, needs atol" in md
 
 
 def test_local_resume_of_a_finished_report_runs_nothing(work, local):
     before = read(os.path.join(work, "local"))
     run = attnx("matrix", "plan.json", "--out", "local", "--resume", cwd=work)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "0 of 24 cases to run" in run.stderr
+    assert "0 of 12 cases to run" in run.stderr
     assert by_id(read(os.path.join(work, "local"))) == by_id(before)
     again = attnx("matrix", "plan.json", "--out", "local", cwd=work)  # without --resume: refused, kept
     assert (
@@ -215,7 +218,7 @@ def test_ray_run_places_by_resources_matches_local_and_loses_no_case_to_a_killed
         need, _ = placement(type("Case", (), {"requires": c["requires"], "timed": c["timed"]})())
         assert feasible(need, {c["host"]["node_id"]: nodes[c["host"]["node_id"]]}), c["id"]
     assert {c["host"]["node_id"] for c in ran if c["requires"].get("tagged")} == tagged
-    assert len([c for c in ran if c["requires"].get("tagged")]) == 6
+    assert len([c for c in ran if c["requires"].get("tagged")]) == 2
     # at most one timed case per node at a time
     bench = [c for c in ran if c["timed"]]
     for a in bench:
@@ -240,7 +243,7 @@ def test_ray_resume_reruns_nothing_finished(work, cluster):
         "matrix", "plan.json", "--out", "ray-resume", "--ray", cluster.address, "--resume", cwd=work, env=cluster.env
     )
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "3 of 24 cases to run" in run.stderr  # the two dropped and the unschedulable one
+    assert "3 of 12 cases to run" in run.stderr  # the two dropped and the unschedulable one
     after = by_id(read(out))
     assert list(after) == list(by_id(read(src)))
     for case_id, record in before.items():
