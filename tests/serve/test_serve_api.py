@@ -322,7 +322,7 @@ def test_health_models_and_metrics(served):
 
 def test_a_package_without_text_serves_token_ids_alone(served, tmp_path):
     """No tokenizer: token-id prompts on /v1/completions, answered with the new ids (token_ids); a string prompt, a
-    stop string and a chat are refused with the reason."""
+    stop string and a chat are refused with the reason. Once it drains: 503 for /health and new requests."""
     port, service, model, text = served
     loop = EngineLoop(engine_for(model.runner, model.manifest, 1), max_queue=2)
     bare = Service(loop, "bare").start()
@@ -337,5 +337,9 @@ def test_a_package_without_text_serves_token_ids_alone(served, tmp_path):
                                   "token-id prompts")]:  # fmt: skip
             status, _, error = _post(bare_port, path, body)
             assert status == 400 and said in error["error"]["message"]
+        bare.close()  # as SIGTERM's drain does: the port still open, nothing accepted
+        assert _get(bare_port, "/health") == (503, '{"status":"draining"}')
+        status, headers, error = _post(bare_port, "/v1/completions", {"prompt": [5]})
+        assert status == 503 and error["error"]["code"] == "unavailable"
     finally:
         stop()
