@@ -211,6 +211,9 @@ def _package_complete(path: str) -> None:
 
 
 # The storm ---------------------------------------------------------------------------------------
+SUITE_TRACES = os.environ.get(TRACE_CACHE_ENV)  # the suite's folder of traces (tests/conftest.py), if any
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _every_export_traces():
     """The storm's moments and the traps fall inside torch.onnx's trace: no run here reuses one
@@ -218,6 +221,15 @@ def _every_export_traces():
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(TRACE_CACHE_ENV, raising=False)
         yield
+
+
+@pytest.fixture
+def suite_traces(monkeypatch):
+    """For a test whose signal lands after the export (the output published, a bench or matrix worker
+    running): its run reuses the suite's traces, as every attnx process of the suite does; a trace (3-6 s of
+    the run) is not what it checks."""
+    if SUITE_TRACES:
+        monkeypatch.setenv(TRACE_CACHE_ENV, SUITE_TRACES)
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +330,7 @@ def test_a_signal_inside_a_callback_ends_the_export_as_asked(tmp_path, kind, at,
     assert found == [], f"{found}: {describe_run(run)}"
 
 
-def test_a_signal_once_the_output_is_in_place_ends_with_0_and_keeps_it(tmp_path):
+def test_a_signal_once_the_output_is_in_place_ends_with_0_and_keeps_it(tmp_path, suite_traces):
     """The commit: the export published its model, then the signal came (the trap sends it right
     after the rename): the command's work is done, the status says so, the model is complete."""
     (tmp_path / "m.onnx").write_bytes(b"the model a user had there\n")
@@ -365,7 +377,7 @@ def _wait_for(what, timeout: float, run: Run) -> None:
         time.sleep(0.05)
 
 
-def test_an_interrupted_bench_leaves_no_worker_and_keeps_what_it_measured(tmp_path):
+def test_an_interrupted_bench_leaves_no_worker_and_keeps_what_it_measured(tmp_path, suite_traces):
     # Each case's worker times 4000 calls at seq 1024: seconds, so one is running when the signal comes.
     run = Run(["bench", "--preset", "tiny", "--backends", "ort-cpu", "--attention", "decomposed", "--seq", "1024,2048",
                "--threads", "1", "--repeat", "4000", "--warmup", "1", "--json", "b.json"], tmp_path)  # fmt: skip
@@ -391,7 +403,7 @@ def test_an_interrupted_bench_leaves_no_worker_and_keeps_what_it_measured(tmp_pa
     assert not any(p in tagged(run.tag) for p in workers)
 
 
-def test_an_interrupted_matrix_leaves_no_case_process_and_keeps_the_finished_cases(tmp_path):
+def test_an_interrupted_matrix_leaves_no_case_process_and_keeps_the_finished_cases(tmp_path, suite_traces):
     plan = {"presets": ["tiny"], "backends": ["ort-cpu"], "lowerings": ["decomposed"], "batches": [1],
             "seqs": [1, 2, 3, 4, 5, 6, 7, 8], "jobs": ["parity"]}  # fmt: skip
     (tmp_path / "plan.json").write_text(json.dumps(plan))
