@@ -26,6 +26,7 @@ deployment machine and `attnx generate` serves (attnx.runtimes.model_package hol
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -172,6 +173,10 @@ def _text_source(tokenizer: str | None, checkpoint: str | None,
     if folder is None:
         progress("no tokenizer: the package carries no text (give --tokenizer DIR, or a --checkpoint holding "
                  "tokenizer.json); generate takes token ids")  # fmt: skip
+        return None
+    if tokenizer is None and importlib.util.find_spec("tokenizers") is None:  # asked for by no flag: said, not fatal
+        progress(f"no text: {checkpoint} holds tokenizer.json, but the tokenizers library is not installed (pip "
+                 "install 'attnx[serve]'); the package carries no text, generate takes token ids")  # fmt: skip
         return None
     text = PackageText.from_folder(folder)
     if checkpoint is not None:  # early, where the checkpoint says; the model's own logits are checked once run

@@ -8,6 +8,7 @@ template added."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -113,10 +114,15 @@ def test_verify_names_an_altered_tokenizer_or_record(built: Path, tmp_path: Path
         package_text(str(pkg), manifest)
 
 
-def test_no_tokenizer_is_said_and_a_foreign_one_refused(tmp_path: Path, capsys):
+def test_no_tokenizer_is_said_and_a_foreign_one_refused(tmp_path: Path, capsys, monkeypatch):
     said: list[str] = []
     assert _text_source(None, str(FIXTURES / "genai" / "llama" / "fp32"), said.append) is None
     assert said and said[0].startswith("no tokenizer: the package carries no text")
+    with monkeypatch.context() as m:  # a checkpoint's tokenizer where the library is not installed: said, not fatal
+        find = importlib.util.find_spec
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else find(name, *a))
+        assert _text_source(None, str(CHECKPOINT), said.append) is None
+        assert "the tokenizers library is not installed" in said[-1]
     small = tmp_path / "ckpt"
     shutil.copytree(CHECKPOINT, small)
     config = json.loads((small / "config.json").read_text())
