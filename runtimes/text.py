@@ -366,7 +366,9 @@ class PackageText:
             raise InputError(f"the chat template failed on the chat: {type(e).__name__}: {str(e)[:300]}") from None
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
-        """A stream's decoder: the text of each new token after `prompt_ids` as it completes."""
+        """A stream's decoder: the text of each new token after `prompt_ids` as it completes. With prompt_ids, the
+        pieces continue the prompt's text (the first may start with the space that parts them, as vLLM's do); without,
+        they join to decode(the new tokens)."""
         return IncrementalDetokenizer(self, prompt_ids)
 
 
