@@ -343,3 +343,25 @@ def test_a_package_without_text_serves_token_ids_alone(served, tmp_path):
         assert status == 503 and error["error"]["code"] == "unavailable"
     finally:
         stop()
+
+
+@pytest.mark.slow  # imports torch and transformers (~10 s)
+def test_chat_text_is_transformers_greedy_generate_with_the_same_template(served):
+    """The chat's prompt as transformers' apply_chat_template makes it (the same template, the same tokenizer file)
+    and transformers' greedy generate decoded by transformers: the server's answer, character for character."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.fixtures.fixturelib import load_eager
+
+    port = served[0]
+    messages = [{"role": "user", "content": "t40 t41 t42"}]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(CHECKPOINT / "tokenizer.json"), chat_template=TEMPLATE)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = load_eager(CHECKPOINT)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    want = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    answer = _client(port).chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == want
