@@ -191,16 +191,36 @@ def _softcap(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx:
 
 
 def _recognise_softcap(scalings: list[tuple[Any, ...]]) -> tuple[float | None, list[tuple[Any, ...]]]:
-    """c * tanh(s / c): the factor on each side of the tanh, one the other's inverse; the scalings without them."""
+    """c * tanh(s / c) in the order the graph computes it (the scalings run from the Softmax back): the cap c is the
+    multiply after the tanh that undoes a divide before it (their product 1); the divide gone, the other scalings
+    before the tanh are the scale's. A scaling after the tanh other than the cap's multiply (after the softcap,
+    after the mask added to the capped scores, or between the tanh and the multiply) scales the capped scores, which
+    no term does: NotRead naming it. A scaling by exactly 1 changes nothing and is read as none."""
+    scalings = [entry for entry in scalings if not (entry[0] == "scale" and entry[1] == 1.0)]
     at = next((i for i, entry in enumerate(scalings) if entry[0] == "tanh"), None)
     if at is None:
         return None, scalings
-    if not (0 < at < len(scalings) - 1 and scalings[at - 1][0] == scalings[at + 1][0] == "scale"):
-        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c)")
-    cap = scalings[at - 1][1]
-    if not np.isclose(cap * scalings[at + 1][1], 1.0, rtol=1e-5):
-        raise NotRead(f"a tanh between {scalings[at + 1][1]:g} and {cap:g}: not a softcap c * tanh(s / c)")
-    return cap, scalings[: at - 1] + scalings[at + 2 :]
+    end = next((i for i in range(at + 1, len(scalings)) if scalings[i][0] != "scale"), len(scalings))
+    inside = range(at + 1, end)  # the scalings before the tanh, up to any other tanh
+    # the cap's multiply: the one nearest the tanh that a divide before it undoes
+    pair = next(((i, j) for i in range(at - 1, -1, -1) for j in inside
+                 if np.isclose(scalings[i][1] * scalings[j][1], 1.0, rtol=1e-5)), None)  # fmt: skip
+    if pair is None:
+        raise NotRead("a tanh in the scores that is not a softcap c * tanh(s / c): no multiply after it undoes a "
+                      "divide before it")  # fmt: skip
+    cap_at, divide_at = pair
+    if at - 1 > cap_at:
+        raise NotRead(f"{_scaling_said(scalings[at - 1])} between the tanh and the softcap's multiply by "
+                      f"{scalings[cap_at][1]:g}: no term explains it")  # fmt: skip
+    if cap_at > 0:
+        raise NotRead(f"{_scaling_said(scalings[cap_at - 1])} after the softcap: no term explains it")
+    return scalings[cap_at][1], [e for i, e in enumerate(scalings) if i not in (cap_at, at, divide_at)]
+
+
+def _scaling_said(entry: tuple[Any, ...]) -> str:
+    """'a Mul by 1.25', 'a Div by 0.8': a scaling of the scores as the graph writes it (ScoreChain.scalings)."""
+    node, const = entry[2], const_array(entry[3])
+    return f"a {node.op_type} by {float(const.ravel()[0]):g}"
 
 
 def _emit_softcap(g: Any, c: AttentionConfig, scores: str) -> str:
@@ -490,7 +510,7 @@ def read_attributes(node: ir.Node, core: str) -> dict[str, Any]:
 def read_scores(scalings: list[tuple[Any, ...]]) -> tuple[float, dict[str, Any]]:
     """(the scale, {config key: value} of the terms recognised) of the scalings between q.k and a Softmax
     (ScoreChain.scalings, from the Softmax back): each term's recognise() takes its own, the rest multiply into the
-    scale. NotRead for a scaling no term explains (a tanh that is no softcap)."""
+    scale. NotRead for a scaling no term explains (a tanh that is no softcap, a scaling of the capped scores)."""
     stated: dict[str, Any] = {}
     for name, term in GRAPH_TERMS.items():
         if term.recognise is not None:

@@ -316,3 +316,59 @@ def applies(fault: str, model: Model) -> bool:
             "softcap changed": model.core in ("GroupQueryAttention", "Attention"),
             "rotary interleaved": model.core == "GroupQueryAttention" and "RotaryEmbedding" not in model.ops,
             "int4 block scale doubled": model.int4 and model.core == "GroupQueryAttention"}[fault]  # fmt: skip
+
+
+# Faults that leave their layer unread: a step between q.k and the Softmax that no term of the formula explains (a
+# scaling of the capped scores: c * tanh(s / c) * 1.25 is no softcap c' * tanh(scale * s / c')). The block is not
+# read, so it is not checked: the audit names it as not read (its reason) and the checkpoint layer no block pairs with;
+# never a pass. Each returns that reason, or None where the model has no decomposed softcap.
+def plant_on_scores(proto: onnx.ModelProto, L: int, op: str, value: float, where: str) -> bool:
+    """`op` (Mul, Div, Add) by the scalar `value` planted on layer L's scores of a decomposed core with a softcap
+    (Softmax(c * tanh(s / c) + mask)): "after the mask" (into the Softmax), "before the mask" (between the softcap's
+    multiply and the mask's Add), "after the tanh" (between the tanh and the softcap's multiply), "before the tanh"
+    (between the divide by c and the tanh). False where the layer has no such chain."""
+    node = attention_nodes(proto)[L]
+    if node.op_type != "Softmax":
+        return False
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    mask = producers.get(node.input[0])
+    tanh, todo = None, [node]
+    for _ in range(6):  # back from the Softmax to the softcap's Tanh
+        todo = [producers[i] for n in todo for i in n.input if i in producers]
+        tanh = next((n for n in todo if n.op_type == "Tanh"), None)
+        if tanh is not None:
+            break
+    cap = next((n for n in proto.graph.node if tanh is not None and tanh.output[0] in n.input), None)
+    if tanh is None or cap is None or cap.op_type != "Mul" or mask is None or mask.op_type != "Add":
+        return False
+    edge = {"after the mask": (node, node.input[0]), "before the mask": (mask, cap.output[0]),
+            "after the tanh": (cap, tanh.output[0]), "before the tanh": (tanh, tanh.input[0])}[where]  # fmt: skip
+    consumer, scores = edge
+    planted = f"planted_{op}_{L}"
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(value, np.float32), planted))
+    proto.graph.node.insert(list(proto.graph.node).index(consumer),
+                            onnx.helper.make_node(op, [scores, planted], [f"{planted}_scores"]))  # fmt: skip
+    consumer.input[list(consumer.input).index(scores)] = f"{planted}_scores"
+    return True
+
+
+def _unread(op: str, value: float, where: str, reason: str) -> Plant:
+    return lambda proto, L, layers: reason if plant_on_scores(proto, L, op, value, where) else None
+
+
+UNREAD_FAULTS: dict[str, Plant] = {
+    "scores x1.25 after the softcap's mask": _unread("Mul", 1.25, "after the mask",
+                                                     "a Mul by 1.25 after the softcap: no term explains it"),
+    "scores x1.25 before the softcap's mask": _unread("Mul", 1.25, "before the mask",
+                                                      "a Mul by 1.25 after the softcap: no term explains it"),
+    "scores / 0.8 after the softcap": _unread("Div", 0.8, "after the mask",
+                                              "a Div by 0.8 after the softcap: no term explains it"),
+    "x1.25 between the tanh and the cap": _unread("Mul", 1.25, "after the tanh", "a Mul by 1.25 between the tanh "
+                                                  "and the softcap's multiply by"),
+    "0.5 added after the softcap": _unread("Add", 0.5, "after the mask", "a constant added to the scores"),
+}  # fmt: skip
+
+
+def applies_unread(model: Model) -> bool:
+    """Whether the UNREAD_FAULTS can be planted in `model`: a decomposed core with a softcap (a Tanh in the graph)."""
+    return model.core == "Softmax" and "Tanh" in model.ops

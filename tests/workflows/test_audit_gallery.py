@@ -1,6 +1,7 @@
 """The planted-fault gallery (tests/workflows/_gallery.py): on every clean model another tool exported (both fixture
 sets), each fault that applies is planted in one layer and `attnx audit --checkpoint` finds it in that layer and in no other: the
-other blocks pass, and nothing is said of the whole model."""
+other blocks pass, and nothing is said of the whole model. A fault no term of the formula explains leaves its layer
+unread instead, named with the reason, and never a pass."""
 
 from __future__ import annotations
 
@@ -79,3 +80,34 @@ def test_a_planted_fault_is_found_in_its_own_layer_and_no_other(tmp_path, model,
     whole = [f for f in report.findings if f not in _clean(model)]
     assert not elsewhere and not whole and not report.unread, (elsewhere, whole, report.unread)
     assert not report.passed
+
+
+def _unread_cases():
+    for name, (path, checkpoint) in MODELS.items():
+        if _gallery.applies_unread(_gallery.Model.read(path, checkpoint)):
+            yield from (pytest.param(name, fault, id=f"{name}:{fault}") for fault in _gallery.UNREAD_FAULTS)
+
+
+@pytest.mark.parametrize(("model", "fault"), list(_unread_cases()))
+def test_a_planted_fault_no_term_explains_leaves_its_own_layer_unread_and_fails(tmp_path, model, fault):
+    """A scaling of a decomposed softcap's capped scores (c * tanh(s / c) * 1.25, however written) is no softcap
+    c' * tanh(scale * s / c'): read as the scale inside the cap, the block would be checked against a formula the
+    graph does not compute and pass. It is not read: that layer's node is named with the reason, its checkpoint layer
+    pairs with no block, the other blocks pass, and the audit does not."""
+    path, checkpoint = MODELS[model]
+    layers = _layers(checkpoint)
+    layer = len(layers) // 2
+    proto = onnx.load(path)
+    node = _gallery.attention_nodes(proto)[layer].name
+    reason = _gallery.UNREAD_FAULTS[fault](proto, layer, layers)
+    assert reason is not None, f"{fault} could not be planted in {model}"
+    out = tmp_path / "model.onnx"
+    onnx.save(proto, str(out))
+    report = audit_model(str(out), checkpoint=checkpoint)
+    assert len(report.unread) == 1 and report.unread[0].startswith(f"node {node}: not read as attention: {reason}"), (
+        report.unread)
+    whole = [f for f in report.findings if f not in _clean(model)]
+    assert whole == [f"checkpoint layer(s) {layer}: no block of the graph pairs with them"], whole
+    assert layer not in [b.layer for b in report.blocks] and all(b.passed for b in report.blocks), (
+        [b.findings + b.not_checked for b in report.blocks])
+    assert len(report.blocks) == len(layers) - 1 and not report.passed

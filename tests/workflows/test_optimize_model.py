@@ -503,18 +503,20 @@ def test_padding_positions_never_enter_the_whole_model_proof(before, after, pass
 
 
 def test_a_gemma2_fault_whose_padding_rows_see_no_key_is_judged_at_real_positions(tmp_path):
-    """Gemma 2 (torch.onnx dynamo) with layer 0's masked scores scaled by 1.25 after its softcap: the export's
-    finfo.min mask times 1.25 overflows to -inf, so a left-padded row's padding positions see no key and give NaN,
-    which layer 1 carries into that row's real positions (0 * NaN through keys its mask hides). Without --checkpoint
-    the block is read as it is; the verdict comes from real positions only: the input's padded row is held to its
-    run alone (finite), and the proof then fails on a finite difference, at row 0 (no padding): the 1.25 after the
-    softcap is read as the scale inside it (50 tanh(1.25 s / 50), not 1.25 * 50 tanh(s / 50)), which the blocks'
-    proofs against their own reading cannot see. Scaled inside the softcap instead, the fault is in both models and
+    """Gemma 2 (torch.onnx dynamo) with layer 0's masked scores scaled by 1.25 after its softcap: 1.25 * 50 tanh(s /
+    50) is no softcap of the formula (it was once read as the scale inside it, 50 tanh(1.25 s / 50), and rewritten on
+    that guess), so layer 0 is not read: kept as it is and named with the reason, and layer 1 alone is rewritten
+    and proven. The whole model is then judged at real positions: row 0 (no padding) agrees, as both models compute
+    layer 0 alike. The kept fault still breaks the padded row: the export's finfo.min mask times 1.25 overflows to
+    -inf, so a left-padded row's padding positions see no key and give NaN, which layer 1 carries into that row's
+    real positions (0 * NaN through keys its mask hides) in the input and in the written model alike. The input's
+    padded row is held to its run alone (finite), which the written model, keeping layer 0, cannot meet: the proof
+    fails at row 1 only, and nothing is written. Scaled inside the softcap instead, the fault is in both models and
     the proof passes."""
     from onnx import helper, numpy_helper
 
     proto = onnx.load(str(DYNAMO / "gemma2" / "eager-opset20" / "model.onnx"))
-    softmax = next(n for n in proto.graph.node if n.op_type == "Softmax")  # layer 0's
+    softmax, layer_1 = (n for n in proto.graph.node if n.op_type == "Softmax")
     proto.graph.initializer.append(numpy_helper.from_array(np.array(1.25, np.float32), "planted"))
     proto.graph.node.insert(list(proto.graph.node).index(softmax),
                             helper.make_node("Mul", [softmax.input[0], "planted"], ["planted_scores"]))  # fmt: skip
@@ -522,13 +524,16 @@ def test_a_gemma2_fault_whose_padding_rows_see_no_key_is_judged_at_real_position
     source = tmp_path / "model.onnx"
     onnx.save(proto, str(source))
     report = optimize_model(str(source), str(tmp_path / "out.onnx"), core="gqa")
-    assert all(line.startswith("pass: block") for line in report.proofs[:2]), report.proofs
+    assert f"not read: node {softmax.name}: not read as attention: a Mul by 1.25 after the softcap: no term explains " \
+           "it" in report.proofs, report.proofs  # fmt: skip
+    assert [(b.node, b.written) for b in report.blocks] == [(layer_1.name, "gqa")], report.blocks
+    assert any(line.startswith("pass: block 0 (gqa)") for line in report.proofs), report.proofs
     assert any(line.startswith("said: the input's logits at row 1's own positions are not finite") for line in
                report.proofs), report.proofs  # fmt: skip
     verdicts = [line for line in report.proofs if "the whole model," in line]
-    assert len(verdicts) == 2 and not any("nan" in line for line in verdicts), verdicts
-    assert all(line.startswith("FAIL") and "(first logits past the bound at row 0, position " in line
-               for line in verdicts), verdicts  # fmt: skip
+    assert len(verdicts) == 2 and all(line.startswith("FAIL") and "first logits past the bound at row 1, " in line
+                                      and "the written model's logits not finite at row 1" in line
+                                      for line in verdicts), verdicts  # fmt: skip
     assert not report.passed and not (tmp_path / "out.onnx").exists()
 
     proto = onnx.load(str(DYNAMO / "gemma2" / "eager-opset20" / "model.onnx"))
