@@ -236,7 +236,8 @@ class _Output:
         self.service, self.aio, self.stops, self.stream = service, aio, stops, stream
         self.queue: asyncio.Queue = asyncio.Queue()
         text = service.text
-        self.decoder = text.detokenizer(prompt) if text is not None else None
+        # the new tokens alone: their deltas join to decode(new tokens), as transformers' users decode an answer
+        self.decoder = text.detokenizer() if text is not None else None
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""  # the answer's text so far (cut at a stop string)
         self.sent = 0  # characters of it emitted
