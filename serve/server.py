@@ -74,8 +74,13 @@ def serve_package(package: str, *, host: str = "127.0.0.1", port: int = 8000, pr
     """Verify, load and serve the package until a signal ends the process (the module doc); 0 if uvicorn stops."""
     import uvicorn
 
-    service = load_service(package, provider=provider, max_batch=max_batch, max_queue=max_queue,
-                           max_model_len=max_model_len, name=name, progress=progress)  # fmt: skip
+    sock = _bind(host, port)  # first: a port in use is said before the package is verified
+    try:
+        service = load_service(package, provider=provider, max_batch=max_batch, max_queue=max_queue,
+                               max_model_len=max_model_len, name=name, progress=progress)  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
     config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=grace_s)  # fmt: skip
 
@@ -91,7 +96,7 @@ def serve_package(package: str, *, host: str = "127.0.0.1", port: int = 8000, pr
                 on_listening(f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}")
 
     try:
-        sock = _listen(host, port)
+        sock.listen(2048)  # once verified and loaded
         with sock, on_interrupt(lambda: drain(service, grace_s)):
             Server(config).run(sockets=[sock])
     finally:
@@ -99,8 +104,8 @@ def serve_package(package: str, *, host: str = "127.0.0.1", port: int = 8000, pr
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port and listening (UsageError naming why not: a port in use, a host not here)."""
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening (UsageError naming why not: a port in use, a host not here)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -109,7 +114,6 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
