@@ -8,6 +8,9 @@
                   /metrics), every error OpenAI's error object
     metrics.py    the Prometheus metrics
     server.py     serve_package: verify the package, load it, start the loop, listen (uvicorn); SIGTERM drains
+    _ray.py       serve_on_ray: `attnx serve --ray`, replicas of the package on Ray Serve behind one endpoint
+    _replica.py   the Ray Serve deployment: each replica verifies and loads the package where it lands, create_app
+                  serves it (imports Ray: imported by _ray.py alone)
 
 The engine knows nothing of HTTP: it runs on a thread of its own, and the asyncio side only awaits its events.
 Needs the `serve` extra (fastapi, uvicorn, tokenizers, jinja2, prometheus-client).

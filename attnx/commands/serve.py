@@ -34,6 +34,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=_seconds, default=30.0, metavar="S", help="on SIGTERM, seconds the "
                    "running requests get to finish before the rest end with finish_reason abort (default 30)")
     p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="execution provider (default cpu)")
+    ray = p.add_argument_group("replicas on Ray Serve (the serve-ray extra)")
+    ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDR", help="deploy the package's "
+                     "replicas on Ray Serve behind one endpoint: local (alone: a cluster started here for the "
+                     "command), auto, or HOST:PORT of a running cluster; every node reads PKG at the same absolute "
+                     "path and each replica verifies it where it lands")  # fmt: skip
+    ray.add_argument("--replicas", type=int_arg(1), default=None, metavar="N", help="replicas with --ray (default 1)")
+    ray.add_argument("--replica-cpus", type=_cpus, default=None, metavar="C", help="CPUs each replica holds on its "
+                     "node, and its onnxruntime threads, with --ray (default 1)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -48,13 +56,38 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _cpus(text: str) -> float:
+    """An argparse type: a replica's CPUs, a positive number (fractions share a CPU)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of CPUs, got {text!r}") from None
+    if not 0 < value <= 1024:
+        raise argparse.ArgumentTypeError(f"expected CPUs above 0, at most 1024, got {text!r}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
         raise UsageError(f"attnx serve needs {', '.join(missing)}: pip install 'attnx[serve]'")
+    progress = Progress()
+    if args.ray is None:
+        for flag, value in (("--replicas", args.replicas), ("--replica-cpus", args.replica_cpus)):
+            if value is not None:
+                raise UsageError(f"{flag} deploys replicas on Ray Serve: give it with --ray")
+    else:
+        from attnx.serve._ray import need_ray, serve_on_ray  # Ray is imported here alone
+
+        need_ray()
+        return serve_on_ray(args.package, args.ray, replicas=args.replicas or 1, replica_cpus=args.replica_cpus or 1.0,
+                            host=args.host, port=args.port, provider=args.provider, max_batch=args.max_batch,
+                            max_queue=args.max_queue, max_model_len=args.max_model_len, name=args.served_model_name,
+                            grace_s=args.grace, progress=progress,
+                            on_listening=lambda url: progress(f"serving {url}/v1 on Ray Serve (Ctrl-C or SIGTERM to "
+                                                              "stop)"))  # fmt: skip
     from attnx.serve.server import serve_package
 
-    progress = Progress()
     return serve_package(args.package, host=args.host, port=args.port, provider=args.provider,
                          max_batch=args.max_batch, max_queue=args.max_queue, max_model_len=args.max_model_len,
                          name=args.served_model_name, grace_s=args.grace, progress=progress,

@@ -1,0 +1,239 @@
+"""attnx serve --ray: replicas of a verified package on Ray Serve, behind one endpoint.
+
+Each replica is a Ray Serve deployment's replica (`@serve.deployment` with `@serve.ingress`, as Ray Serve's own docs
+serve a FastAPI app) whose ASGI app is attnx.serve's own (create_app over a Service built by load_service): the API
+is the one `attnx serve` answers without Ray, route for route. The app is built where the replica lands, once the
+replica verified and loaded the package (Ray Serve's `__serve_build_asgi_app__`), so no replica answers before its
+own checks passed.
+
+- The package: read from the same absolute path on every node that holds a replica (a local cluster, a shared
+  filesystem, or the same copy at the same path on each machine); nothing is shipped. Each replica runs attnx
+  verify's checks where it lands (every file's sha256, the golden generations replayed), so a node whose copy
+  differs fails by name instead of serving something else.
+- Ready: serve.run returns once every replica's constructor returned, that is once every replica verified; only
+  then is the endpoint announced. A replica that fails to verify is not retried (the checks are deterministic): the
+  deployment fails, the app is deleted and the command exits 1 naming the check.
+- Placement: `--replica-cpus` is each replica's num_cpus (Ray places it on a node with that many free CPUs) and
+  its onnxruntime intra-op threads.
+- Ends: SIGTERM (attnx._signals' watcher) deletes the Serve app, whose replicas get `grace_s` for the requests
+  they hold (Serve's graceful shutdown, then each replica closes its engine loop); a local cluster this command
+  started is shut down with it.
+
+Imported by `attnx serve --ray` alone: `attnx serve` without it never imports Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from attnx import errors
+from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
+from attnx.errors import AttnxError, CheckFailed, UsageError
+
+__all__ = ["APP_NAME", "need_ray", "serve_on_ray"]
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "attnx"  # the Serve application's name on the cluster
+INSTALL_HINT = "pip install 'attnx[serve-ray]'"
+SHUTDOWN_MARGIN_S = 20.0  # past the grace period: the time deleting the app and stopping a local cluster may take
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def need_ray() -> None:
+    """UsageError with the install hint where Ray is not installed (Ray Serve's own packages: _import_serve)."""
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(f"attnx serve --ray needs Ray Serve, which this installation lacks: {INSTALL_HINT}")
+
+
+def _import_serve() -> tuple[Any, Any]:
+    """(ray, ray.serve), or UsageError with the install hint (Ray without its serve extra lacks what Serve needs)."""
+    need_ray()
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise UsageError(f"attnx serve --ray needs Ray Serve, which this installation lacks ({e}): "
+                         f"{INSTALL_HINT}") from None  # fmt: skip
+    return ray, serve
+
+
+def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus: float = 1.0,
+                 host: str = "127.0.0.1", port: int = 8000, provider: str = "cpu", max_batch: int | None = None,
+                 max_queue: int = 64, max_model_len: int | None = None, name: str | None = None,
+                 grace_s: float = 30.0, progress: Callable[[str], None] = lambda _m: None,
+                 on_listening: Callable[[str], None] = lambda _url: None) -> int:  # fmt: skip
+    """Deploy `replicas` replicas of the package on the Ray cluster at `address` ("local": one started here for the
+    command; "auto"; HOST:PORT), behind Ray Serve's HTTP endpoint at host:port, and serve until a signal ends the
+    process (the module doc). CheckFailed when a replica fails to verify, UsageError for a cluster not reached."""
+    need_ray()
+    package = os.path.abspath(package)  # the path every node reads
+    if address == "local" and not os.path.isdir(package):
+        raise UsageError(f"{package}: no such package folder")
+    if port == 0:
+        port = _free_port(host)  # Serve's proxy takes a number: a free one on this machine (a local cluster's)
+    _check_address(address)
+    cluster = _Cluster(address)
+    name = name or os.path.basename(package)
+    options = {"provider": provider, "max_batch": max_batch, "max_queue": max_queue, "max_model_len": max_model_len,
+               "name": name, "grace_s": grace_s}  # fmt: skip
+    deployed = False
+
+    def shut_down(interrupted: bool = True) -> str:
+        """Delete the app (its replicas drain for up to grace_s), stop a local cluster: the note for the line. On a
+        signal it runs in the watcher's thread, which removes the cluster's folder itself (and holds the lock that
+        forgetting it would take)."""
+        if deployed:
+            with contextlib.suppress(Exception):
+                cluster.serve.delete(APP_NAME, _blocking=True)
+        cluster.close(remove_folder=not interrupted)
+        return f"the Serve app and its {replicas} replicas shut down" + (", the local Ray cluster stopped"
+                                                                         if address == "local" else "")  # fmt: skip
+
+    with on_interrupt(shut_down, limit_s=grace_s + SHUTDOWN_MARGIN_S):
+        try:
+            ray, serve = cluster.start()
+            from attnx.serve._replica import PackageReplica  # Ray Serve imported, in Ray's environment
+
+            progress(f"Ray cluster {address}: {_cpus(ray)} CPUs; deploying {replicas} replicas of {package} "
+                     f"({replica_cpus:g} CPUs each), each verifying it where it lands")  # fmt: skip
+            serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+            replica = serve.deployment(PackageReplica, name="package").options(
+                num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus},
+                max_ongoing_requests=(max_batch or 16) + max_queue,  # the replica's own queue answers 429 past it
+                max_constructor_retry_count=1,  # a failed verify fails again: said at once, not retried 20 times
+                graceful_shutdown_timeout_s=grace_s, graceful_shutdown_wait_loop_s=min(grace_s, 1.0) or 0.1,
+            )  # fmt: skip
+            deployed = True
+            try:
+                serve.run(replica.bind(package, options, max(1, int(replica_cpus))), name=APP_NAME, route_prefix="/")
+            except RuntimeError as e:  # Serve says the deployment failed; its status holds the replica's error
+                raise _replica_failure(str(e), _deployment_messages(serve)) from None
+            progress(f"verified and loaded: {replicas} replicas")
+            on_listening(f"http://{host if ':' not in host else f'[{host}]'}:{port}")
+            while True:  # the replicas serve; the watcher ends the process on a signal
+                time.sleep(3600)
+        except BaseException:
+            shut_down(interrupted=False)
+            raise
+
+
+def _deployment_messages(serve: Any) -> str:
+    """What Serve's status says of the app's deployments (a failed replica's traceback among it)."""
+    try:
+        app = serve.status().applications[APP_NAME]
+    except Exception:  # noqa: BLE001 - the status is a detail of an error already being reported
+        return ""
+    return "\n".join([app.message, *(d.message for d in app.deployments.values())])
+
+
+def _replica_failure(error: str, status: str) -> AttnxError:
+    """The error a failed deployment gives, as attnx says it: the replica's own attnx error where its traceback
+    holds one (CheckFailed naming the check: exit 1; a UsageError such as a folder that is no package: exit 2),
+    else Serve's words (exit 1)."""
+    for line in status.splitlines():
+        found = re.match(r"\s*attnx\.errors\.(\w+): (.+)", line)
+        kind = getattr(errors, found.group(1), None) if found else None
+        if isinstance(kind, type) and issubclass(kind, AttnxError):
+            return (UsageError if issubclass(kind, UsageError) else CheckFailed)(f"a replica: {found.group(2)}")
+    last = next((line.strip() for line in reversed(status.splitlines()) if line.strip()), "")
+    return CheckFailed(f"the Serve deployment failed: {error}" + (f" ({last[:500]})" if last else ""))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpus(ray: Any) -> str:
+    return f"{ray.cluster_resources().get('CPU', 0):g}"
+
+
+def _check_address(address: str) -> None:
+    """Before any Ray work: an address a cluster answers at (Ray itself retries an address where nothing listens for
+    minutes)."""
+    if address in ("local", "auto"):
+        return
+    url = urlparse(address if "://" in address else f"x://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if not url.hostname or port is None:
+        raise UsageError(f"--ray {address!r}: give local, auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((url.hostname, port), timeout=10).close()
+    except OSError as e:
+        raise UsageError(f"--ray {address}: no Ray cluster answers there ({e})") from None
+
+
+class _Cluster:
+    """The Ray connection of the command: a local cluster started (and stopped) here, or an existing one joined."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.tmp: str | None = None
+        self.token: int | None = None
+        self.env: dict[str, str] = {}
+        self.ray: Any = None
+        self.serve: Any = None
+
+    def start(self) -> tuple[Any, Any]:
+        """(ray, ray.serve), connected."""
+        if self.address == "local" and "RAY_AUTH_MODE" not in os.environ:
+            # as attnx matrix --ray: the token of this cluster alone, in the environment its processes inherit, set
+            # before ray is imported (its token loader reads it once), never written to ~/.ray (which would turn
+            # token authentication on for every later Ray of this user)
+            self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+            os.environ.update(self.env)
+        self.ray, self.serve = _import_serve()
+        ray = self.ray
+        common = {"logging_level": logging.ERROR, "log_to_driver": False}
+        if self.address == "local":
+            with critical():  # short: Ray's socket paths under it have a length limit
+                self.tmp = tempfile.mkdtemp(prefix="attnx-ray-", dir=system_tempdir())
+                self.token = track_folder(self.tmp)
+            try:
+                ray.init(address="local", _temp_dir=self.tmp, _node_ip_address="127.0.0.1", include_dashboard=False,
+                         object_store_memory=256 * 1024**2, **common)  # fmt: skip
+            except (RuntimeError, ConnectionError, OSError) as e:
+                raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
+        else:
+            url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
+            extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
+            try:
+                ray.init(address=self.address, **common, **extra)
+            except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines are not the command's
+        reclaim()  # ray.init set a SIGTERM handler of its own (SystemExit): attnx's watcher ends the command
+        return self.ray, self.serve
+
+    def close(self, remove_folder: bool = True) -> None:
+        """Stop Serve on a local cluster, and the cluster; leave an existing cluster (and its Serve) running."""
+        if self.ray is not None:
+            if self.address == "local" and self.ray.is_initialized():
+                with contextlib.suppress(Exception):
+                    self.serve.shutdown()
+            with contextlib.suppress(Exception):
+                self.ray.shutdown()
+        for key in self.env:
+            os.environ.pop(key, None)
+        if self.tmp and remove_folder:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            forget(self.token)
+            self.tmp = None
