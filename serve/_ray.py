@@ -110,6 +110,9 @@ def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus:
             progress(f"Ray cluster {address}: {_cpus(ray)} CPUs; deploying {replicas} replicas of {package} "
                      f"({replica_cpus:g} CPUs each), each verifying it where it lands")  # fmt: skip
             serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+            if address != "local" and APP_NAME in serve.status().applications:  # serve.run would replace it
+                raise UsageError(f"--ray {address}: the cluster already serves an app named {APP_NAME!r} (another "
+                                 "attnx serve --ray); a cluster holds one")  # fmt: skip
             replica = serve.deployment(PackageReplica, name="package").options(
                 num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus},
                 max_ongoing_requests=(max_batch or 16) + max_queue,  # the replica's own queue answers 429 past it
