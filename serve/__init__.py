@@ -18,7 +18,21 @@ Needs the `serve` extra (fastapi, uvicorn, tokenizers, jinja2, prometheus-client
 
 from __future__ import annotations
 
-from attnx.serve.api import create_app
-from attnx.serve.serving import Service
+import importlib
+from typing import Any
 
 __all__ = ["Service", "create_app"]
+
+# loaded when first named (as attnx's own exports): `attnx --help` and `attnx serve --ray` import attnx.serve's
+# modules without the web stack, which a package's host may not have installed
+_EXPORTS = {"Service": "attnx.serve.serving", "create_app": "attnx.serve.api"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'attnx.serve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

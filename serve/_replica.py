@@ -15,6 +15,10 @@ from typing import Any
 
 from ray import serve
 
+from attnx.runtimes.base import THREADS_ENV
+from attnx.serve.api import create_app
+from attnx.serve.server import load_service
+
 __all__ = ["REPLICA_HEADER", "PackageReplica"]
 
 REPLICA_HEADER = "x-attnx-replica"
@@ -48,9 +52,6 @@ class PackageReplica:
     engine loop gives the requests it holds when Serve stops the replica); threads: onnxruntime's threads."""
 
     def __init__(self, package: str, options: dict[str, Any], threads: int) -> None:
-        from attnx.runtimes.base import THREADS_ENV
-        from attnx.serve.server import load_service
-
         os.environ[THREADS_ENV] = str(threads)  # the replica's CPUs: read when its sessions are made
         options = dict(options)
         self.grace_s = float(options.pop("grace_s"))
@@ -58,8 +59,6 @@ class PackageReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self) -> Any:
-        from attnx.serve.api import create_app
-
         app = create_app(self.service)
         app.add_middleware(_ReplicaHeader, replica=self.replica)
         return app

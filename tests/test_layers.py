@@ -3,14 +3,14 @@
     ground    attnx.model, and attnx's own helpers (attnx, attnx.errors, attnx._io, attnx._signals, attnx._text)
     graph     attnx.export          run   attnx.runtimes        (siblings: neither imports the other)
     workflows attnx.workflows
-    bench     attnx.bench
+    bench     attnx.bench           serve attnx.serve           (siblings)
     top       attnx.cli, attnx.commands
 
 A module imports its own layer and the layers below it, never above, whether the import is at
 module level or inside a function. An import of an attnx module inside a function is allowed
 only where the imported module brings in a heavy optional library at module level (torch,
-onnx-ir, onnxscript, onnxruntime, matplotlib): a lazy import of such a library, never a way to
-dodge a cycle. The tests at the end plant a back-import and a light in-function import and see
+onnx-ir, onnxscript, onnxruntime, matplotlib; the serving stack: fastapi, uvicorn, ray): a lazy import of
+such a library, never a way to dodge a cycle. The tests at the end plant a back-import and a light in-function import and see
 the checker catch them.
 """
 
@@ -31,7 +31,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEAVY = frozenset({"torch", "onnx_ir", "onnxscript", "onnxruntime", "matplotlib"})
+# heavy: the optional libraries a command that does not need them never imports (the serving stack among them)
+HEAVY = frozenset({"torch", "onnx_ir", "onnxscript", "onnxruntime", "matplotlib", "fastapi", "uvicorn", "ray"})
 GROUND_HELPERS = frozenset({"attnx", "attnx.errors", "attnx._io", "attnx._signals", "attnx._text"})
 # (layer, rank). Same rank, different layer: siblings, which may not import each other.
 LAYERS = {
@@ -40,6 +41,8 @@ LAYERS = {
     "attnx.runtimes": ("run", 1),
     "attnx.workflows": ("workflows", 2),
     "attnx.bench": ("bench", 3),
+    # attnx serve: the OpenAI API over a package's engine loop (runtimes), for the CLI; bench's sibling
+    "attnx.serve": ("serve", 3),
     # issue 15: the matrix runs parity, verify and bench (below it) for the CLI (above it)
     "attnx.matrix": ("matrix", 3.5),
     "attnx.commands": ("top", 4),
@@ -175,11 +178,13 @@ def test_imports_follow_the_layers():
 
 def test_in_function_attnx_imports_are_only_of_heavy_modules():
     """The ones left import torch (the torch module) or onnx-ir (the graph layer) only when a
-    command needs them: the deployment side and a bench worker never pay for them."""
+    command needs them: the deployment side and a bench worker never pay for them; and the web stack (attnx serve's
+    server, fastapi) or Ray (its replicas) only when serving."""
     sources = read_sources()
     modules = set(sources)
     lazy = sorted({i.target for m, t in sources.items() for i in imports_of(m, t, modules)[0] if i.in_function})
-    assert lazy and all(t == "attnx.model.module" or t.startswith(("attnx.export", "attnx.workflows")) for t in lazy)
+    assert lazy and all(t == "attnx.model.module" or t.startswith(("attnx.export", "attnx.workflows"))
+                        or t in ("attnx.serve.server", "attnx.serve._replica") for t in lazy), lazy  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, int_arg
 from attnx.errors import UsageError
 from attnx.model.contract import PROVIDERS
+from attnx.serve._ray import need_ray, serve_on_ray  # Ray itself is imported inside, where --ray asks for it
 
 HELP = COMMANDS["serve"].help
 SERVE_EXTRA = ("fastapi", "uvicorn", "tokenizers", "jinja2", "prometheus_client")
@@ -77,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
             if value is not None:
                 raise UsageError(f"{flag} deploys replicas on Ray Serve: give it with --ray")
     else:
-        from attnx.serve._ray import need_ray, serve_on_ray  # Ray is imported here alone
-
         need_ray()
         return serve_on_ray(args.package, args.ray, replicas=args.replicas or 1, replica_cpus=args.replica_cpus or 1.0,
                             host=args.host, port=args.port, provider=args.provider, max_batch=args.max_batch,
