@@ -9,6 +9,9 @@ checkpoint (make_checkpoint.py) built by GenAI 0.18's builder (`python -m onnxru
     GenAI Generator  og.Generator on the builder's model, in its own venv (--genai-python: its plain onnxruntime),
                      one static batch: at 8 requests each prompt cut or extended to the mean of the drawn lengths,
                      so the batch holds as many prompt tokens (measurements/generate_throughput's rule)
+    llama.cpp        llama-cpp-python's Llama on a GGUF of the same checkpoint (--gguf, make_gguf.py: f32, Q4_0),
+                     in its own venv (--llamacpp-python), n_threads 2; one sequence at a time (its API's), so at 8
+                     requests the prompts are served in turn (llamacpp_worker.py)
 
 Each system runs in a process of its own: load, one untimed warm-up of the same prompts with 4 new tokens, then the
 timed generation. Both get 2 intra-op threads and the thread pools' spinning off (session.intra_op.allow_spinning
@@ -17,7 +20,8 @@ session_options; --spin leaves both at ONNX Runtime's default). Rounds interleav
 each request count through each system in turn. The table gives each system's best and median round.
 
     python measurements/int4_package/run.py --package PKG [--package LABEL=PKG ...] --genai-model MODEL
-        [--genai-python PY] [--rounds 3] [--requests 1,8] [--new 64] [--spin] [--json OUT]
+        [--genai-python PY] [--gguf LABEL=FILE ...] [--llamacpp-python PY] [--rounds 3] [--requests 1,8] [--new 64]
+        [--spin] [--json OUT]
 
 --package may be given more than once: each package is a system of its own, "attnx" unlabelled, "attnx LABEL" when
 given as LABEL=PKG (e.g. own-int4=PKG for attnx's own --weights int4 build of the checkpoint's fp32 export); every
@@ -49,6 +53,7 @@ NEW = 64
 LENGTHS = (64, 256)
 THREADS = 2
 GENAI = "GenAI Generator"
+LLAMA_CPP = "llama.cpp"
 PRODUCT = ("attnx", "model", "export", "runtimes", "workflows", "bench", "matrix")
 
 
@@ -118,13 +123,15 @@ def attnx_worker(spec: dict) -> dict:
             "onnxruntime": onnxruntime.__version__}  # fmt: skip
 
 
-def run_worker(system: str, spec: dict, genai_python: str) -> dict:
+def run_worker(system: str, spec: dict, genai_python: str, llama_python: str | None = None) -> dict:
     """One system's timed generation in a process of its own; its JSON line, the load average before and after."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     env = dict(os.environ, ATTNX_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS))
     if system == GENAI:
         command = [genai_python, str(HERE / "genai_worker.py"), f.name]
+    elif system.startswith(LLAMA_CPP):
+        command = [llama_python, str(HERE / "llamacpp_worker.py"), f.name]
     else:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", f.name]
     load = os.getloadavg()[0]
@@ -147,6 +154,11 @@ def main() -> int:
     p.add_argument("--genai-model", help="the builder's int4 model folder (genai_config.json, model.onnx)")
     p.add_argument("--genai-python", default="/tmp/int4work/genai-venv/bin/python",
                    help="a Python with onnxruntime-genai 0.18 (its own venv)")  # fmt: skip
+    p.add_argument("--gguf", action="append", default=[],
+                   help="a GGUF of the same checkpoint (make_gguf.py) served by llama.cpp; repeatable, LABEL=FILE "
+                        "names the system 'llama.cpp LABEL'")  # fmt: skip
+    p.add_argument("--llamacpp-python", default="/tmp/llama-venv/bin/python",
+                   help="a Python with llama-cpp-python (built from its source distribution) for --gguf")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", default="1,8")
     p.add_argument("--systems", default=None, help="a comma-separated subset of the systems (default all)")
@@ -173,8 +185,12 @@ def main() -> int:
     if len(vocabs) != 1:
         p.error(f"the packages' vocabularies differ: {sorted(vocabs)}")
     vocab = vocabs.pop()
+    ggufs: dict[str, str] = {}
+    for given in args.gguf:
+        label, _, path = given.rpartition("=")
+        ggufs[f"{LLAMA_CPP} {label}" if label else LLAMA_CPP] = path
     counts = [int(n) for n in args.requests.split(",")]
-    systems = [s for s in [*packages, GENAI] if args.systems is None or s in args.systems.split(",")]
+    systems = [s for s in [*packages, GENAI, *ggufs] if args.systems is None or s in args.systems.split(",")]
     runs: dict[str, dict[str, list[dict]]] = {str(n): {s: [] for s in systems} for n in counts}
     load = [round(os.getloadavg()[0], 2)]
     for r in range(args.rounds):
@@ -184,9 +200,11 @@ def main() -> int:
                 spec = {"new": args.new, "threads": THREADS, "spin": args.spin, "no_spin": not args.spin}
                 if system in packages:
                     spec.update(package=packages[system], prompts=prompts)
+                elif system in ggufs:
+                    spec.update(gguf=ggufs[system], prompts=prompts)
                 else:
                     spec.update(model=str(args.genai_model), prompts=equal_length(prompts))
-                result = run_worker(system, spec, args.genai_python)
+                result = run_worker(system, spec, args.genai_python, args.llamacpp_python)
                 runs[str(n)][system].append(result)
                 print(f"round {r + 1}, {n} requests, {system}: {result['tokens_per_s']:.1f} new tokens/s, first token "
                       f"{result['mean_first_token_s']:.2f} s on average, peak RSS {result['peak_rss_mb']:.0f} MB "
@@ -201,12 +219,14 @@ def main() -> int:
         "prompt_lengths": {str(n): [len(x) for x in prompts_for(n, vocab)] for n in counts},
         "generator_prompt_length": {str(n): len(equal_length(prompts_for(n, vocab))[0]) for n in counts},
         "command": "python measurements/int4_package/run.py " + " ".join(sys.argv[1:]),
-        "attnx_commit": git_commit(), "package": packages, "genai_model": str(args.genai_model),
+        "attnx_commit": git_commit(), "package": packages, "genai_model": str(args.genai_model), "gguf": ggufs,
         "package_decode": {s: m.get("decode") for s, m in manifests.items()},
         "package_weights": {s: m.get("optimize", {}).get("weights") for s, m in manifests.items()},
         "versions": {"onnxruntime (attnx)": onnxruntime.__version__,
                      "onnxruntime (GenAI)": genai_versions.get("onnxruntime"),
                      "onnxruntime-genai": genai_versions.get("onnxruntime_genai"),
+                     "llama-cpp-python": next((x.get("llama_cpp_python") for row in runs.values() for s, xs in
+                                               row.items() if s in ggufs for x in xs), None),
                      "numpy": importlib.metadata.version("numpy"), "python": platform.python_version()},
         "method": f"{args.rounds} rounds; in each, every request count runs the systems in turn, each in a process of "
                   "its own: load, one warm-up of the same prompts with 4 new tokens, then the timed generation",
