@@ -3,7 +3,7 @@ generator for all: C concurrent streaming clients (C = 1, 8, 32, 64), each sendi
 request a prompt of 64-512 tokens (seeded) and 128 new tokens, greedy. Measured per run: new tokens per second (the
 new tokens streamed over the run's wall time, first request sent to last stream closed), time to first token and
 time between tokens (p50, p99), errors (a status other than 200, a failed connection, a stream that ends with no
-finish_reason, each one counted and its first messages kept; a stream that ends with a finish_reason but no
+finish_reason: each one counted and its first messages kept; a stream that ends with a finish_reason but no
 `data: [DONE]`, as transformers serve's do, is counted apart), and how many answers match the reference's greedy tokens.
 
     .venv/bin/python measurements/serve_load/run.py --work WORK --rounds 1 --json measurements/serve_load/serve_load.json
@@ -16,8 +16,8 @@ and `uptime` before and after each server's turn.
 The prompts are drawn once (seed 0) and the same for every server: token ids for attnx serve, which takes them; the
 same ids as text ("t5 t17 ...") for the others, which their tokenizers map 1:1 (make.py's word-level tokenizer;
 make_gguf.py's vocabulary): each server's answer to the check prompt is compared with the reference token by token.
-The reference is transformers' greedy generate on the checkpoint (this venv's torch, one prompt at a time); the
-prompts kept are the first whose reference makes 128 new tokens before any end-of-sequence token, so every answer
+The reference is transformers' greedy generate on the checkpoint (this venv's torch, 16 prompts at once,
+left-padded, so a near tie may fall the other way than in a prompt alone); the prompts kept are the first whose reference makes 128 new tokens before any end-of-sequence token, so every answer
 that follows the reference is 128 tokens long.
 """
 
@@ -43,6 +43,7 @@ NEW = 128
 CLIENTS = (1, 8, 32, 64)
 REQUESTS = {1: 4, 8: 16, 32: 32, 64: 64}  # per run: each client sends REQUESTS[C] / C back to back
 POOL = 64
+BATCH = 16  # the reference's prompts generated at once, left-padded
 THREADS = 2
 ATTNX, ATTNX4, TRANSFORMERS, LLAMA, LLAMA4 = ("attnx fp32", "attnx int4", "transformers serve",
                                               "llama.cpp f32", "llama.cpp Q4_0")  # fmt: skip
@@ -61,7 +62,8 @@ def commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list[str], 
     attnx = str(Path(sys.executable).parent / "attnx")
     served = ["--port", str(port), "--max-batch", "64", "--max-queue", "256", "--max-model-len", "1024"]
     llama = [args.llama_python, "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port), "--n_threads",
-             str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--n_batch", "512"]  # fmt: skip
+             str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--n_batch", "512",
+             "--interrupt_requests", args.llama_interrupt_requests]  # fmt: skip
     omp = {"OMP_NUM_THREADS": str(THREADS)}
     return {
         ATTNX: ([attnx, "serve", str(work / "pkg-fp32"), *served], {"ATTNX_THREADS": str(THREADS)}),
@@ -89,16 +91,19 @@ def prompts_and_reference(work: Path) -> tuple[list[list[int]], list[list[int]]]
     rng = np.random.default_rng(0)
     prompts, reference, drawn = [], [], 0
     while len(prompts) < POOL:
-        prompt = rng.integers(3, 4096, size=int(rng.integers(64, 513))).tolist()
-        drawn += 1
+        batch = [rng.integers(3, 4096, size=int(rng.integers(64, 513))).tolist() for _ in range(BATCH)]
+        drawn += BATCH
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)  # fmt: skip
-        new = out[0, len(prompt):].tolist()
-        if 2 in new:
-            continue
-        prompts.append(prompt)
-        reference.append(new)
+        for prompt, row in zip(batch, out[:, width:].tolist()):
+            if 2 not in row and len(prompts) < POOL:
+                prompts.append(prompt)
+                reference.append(row)
+        print(f"reference: {len(prompts)} prompts of {drawn} drawn", flush=True)
     cache.write_text(json.dumps({"drawn": drawn, "prompts": prompts, "reference": reference}))
     return prompts, reference
 
@@ -141,12 +146,14 @@ class Server:
         self.log.close()
         return self.proc.returncode
 
-    def body(self, prompt: list[int], stream: bool, new: int = NEW) -> dict:
-        body = {"model": self.model, "max_tokens": new, "temperature": 0, "stream": stream}
+    def body(self, prompt: list[int], stream: bool) -> dict:
+        body = {"model": self.model, "max_tokens": NEW, "temperature": 0, "stream": stream}
         if self.name in (ATTNX, ATTNX4):
             body |= {"prompt": prompt, "return_token_ids": True}
         else:
             body["prompt"] = " ".join(f"t{i}" for i in prompt)
+        if self.name in (LLAMA, LLAMA4):
+            body["repeat_penalty"] = 1.0  # llama-cpp-python's default is 1.1: greedy is 1.0, as the others'
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -200,8 +207,9 @@ async def one_request(client, server: Server, prompt: list[int], t0: float) -> d
                     last = now
                     record["ids"] += ids
         record["done_marker"] = done
-        if not done and record["finish"] is None:
-            record["error"] = "the stream ended with no finish_reason and no data: [DONE]"
+        if record["finish"] is None:  # cut short: llama-cpp-python's interrupt_requests ends a stream so
+            record["error"] = f"the stream ended with no finish_reason after {len(record['ids'])} tokens" + (
+                " (then data: [DONE])" if done else " and no data: [DONE]")
     except Exception as e:  # noqa: BLE001 - every failure is counted and its message kept
         record["error"] = f"{type(e).__name__}: {e}"[:300]
     record["end"] = time.perf_counter() - t0
@@ -341,9 +349,16 @@ def main() -> int:
     p.add_argument("--servers", nargs="+", default=[ATTNX, TRANSFORMERS, LLAMA, ATTNX4, LLAMA4])
     p.add_argument("--clients", nargs="+", type=int, default=list(CLIENTS))
     p.add_argument("--llama-python", default="/tmp/llama-venv/bin/python")
+    p.add_argument("--llama-interrupt-requests", choices=("True", "False"), default="False",
+                   help="llama-cpp-python's server setting (its default, True, ends a stream when another request "
+                   "waits: the first round's runs)")  # fmt: skip
     p.add_argument("--transformers", default="/tmp/tserve-venv/bin/transformers")
     p.add_argument("--json", default="/tmp/serveload/serve_load.json")
-    return asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--new", type=int, default=NEW, help="new tokens a request (a smoke test's fewer: not the benchmark)")
+    args = p.parse_args()
+    if args.new != NEW:
+        globals()["NEW"] = args.new
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
