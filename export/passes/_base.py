@@ -17,7 +17,8 @@ import onnx_ir as ir
 
 from attnx.model.contract import MS_DOMAIN, op_counts
 
-__all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops", "const_array", "fresh_name"]
+__all__ = ["AttnxPass", "PassRecord", "PipelineReport", "run_pipeline", "count_ops", "const_array", "fresh_name",
+           "matmul_weight"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,21 @@ def run_pipeline(model: ir.Model, passes: Sequence[ir.passes.PassBase]) -> tuple
     report.nodes_after = len(model.graph)
     report.ops_after = count_ops(model)
     return model, report
+
+
+def matmul_weight(value: ir.Value | None) -> tuple[ir.TensorProtocol | None, bool]:
+    """A MatMul's constant weight: its own tensor, or the tensor a Transpose(perm [1, 0]) of a constant reads (how
+    torch.onnx writes a tied LM head), with whether it is transposed; (None, False) for an activation."""
+    if value is None:
+        return None, False
+    if value.const_value is not None:
+        return value.const_value, False
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx") \
+            and node.inputs[0] is not None and node.inputs[0].const_value is not None \
+            and len(node.inputs[0].shape or ()) == 2 and list(node.attributes.get_ints("perm", [1, 0])) == [1, 0]:  # fmt: skip
+        return node.inputs[0].const_value, True
+    return None, False
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:

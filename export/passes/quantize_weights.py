@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from attnx.export.passes._base import matmul_weight
 from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["WEIGHT_BITS", "QuantizeWeights", "WeightsRecord"]
@@ -88,7 +89,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
                 continue
             weight = node.inputs[1]
-            tensor, transposed = _weight(weight)
+            tensor, transposed = matmul_weight(weight)
             if tensor is None:
                 continue  # two activations (the attention core's scores and values): not a weight
             if len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
@@ -140,21 +141,6 @@ class QuantizeWeights(ir.passes.InPlacePass):
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gather], node.outputs, gather.outputs)
         r.embeddings = table.name
         return True
-
-
-def _weight(value: ir.Value | None) -> tuple[ir.TensorProtocol | None, bool]:
-    """A MatMul's constant weight: its own tensor, or the tensor a Transpose(perm [1, 0]) of a constant reads (how
-    torch.onnx writes a tied LM head), with whether it is transposed; (None, False) for an activation."""
-    if value is None:
-        return None, False
-    if value.const_value is not None:
-        return value.const_value, False
-    node = value.producer()
-    if node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx") \
-            and node.inputs[0] is not None and node.inputs[0].const_value is not None \
-            and len(node.inputs[0].shape or ()) == 2 and list(node.attributes.get_ints("perm", [1, 0])) == [1, 0]:  # fmt: skip
-        return node.inputs[0].const_value, True
-    return None, False
 
 
 def _initializer(graph: ir.Graph, name: str, array: Any) -> ir.Value:

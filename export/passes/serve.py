@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export.passes._base import AttnxPass, const_array
+from attnx.export.passes._base import AttnxPass, const_array, matmul_weight
 from attnx.export.passes.walk import is_op
 from attnx.model.contract import MS_DOMAIN
 
@@ -150,11 +150,7 @@ def _is_head(node: ir.Node | None) -> bool:
     row of the output."""
     if is_op(node, "MatMulNBits", (MS_DOMAIN,)):
         return node.inputs[1] is not None and node.inputs[1].const_value is not None
-    if not is_op(node, "MatMul"):
-        return False
-    weight = node.inputs[1].producer()
-    return node.inputs[1].const_value is not None or (
-        is_op(weight, "Transpose") and weight.inputs[0].const_value is not None)
+    return is_op(node, "MatMul") and matmul_weight(node.inputs[1])[0] is not None
 
 
 class LastLogits(AttnxPass):
