@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes.buffer_form import BufferForm, NotBufferable, PackedQkv, RotateInCore
-from attnx.export.passes.serve import FuseRmsNorm, LastLogits, PackMatMuls
+from attnx.export.passes.serve import FuseRmsNorm, FuseSkipRmsNorm, LastLogits, PackMatMuls
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, external_data_locations
 from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
@@ -58,7 +58,8 @@ class BufferFormResult:
 def serve_passes(positions: int) -> list[Any]:
     """The passes that write the buffer form, in order (the pipeline as data): the cache in place, then the rest of
     the graph for a step (attnx.export.passes.serve), the rotation in the core over a table of `positions` rows."""
-    return [BufferForm(), RotateInCore(positions), FuseRmsNorm(), PackMatMuls(), PackedQkv(), LastLogits()]
+    return [BufferForm(), RotateInCore(positions), FuseRmsNorm(), FuseSkipRmsNorm(), PackMatMuls(), PackedQkv(),
+            LastLogits()]
 
 
 def write_buffer_form(folder: str, model_file: str, positions: int = DEFAULT_ROPE_POSITIONS) -> BufferFormResult:

@@ -1,6 +1,7 @@
 """The serving passes (attnx.export.passes.serve) on small hand-built graphs: an RMS norm as torch.onnx exports it
-becomes one SimplifiedLayerNormalization and computes the same on ONNX Runtime; a chain that differs is left; sibling
-MatMuls of constant weights become one over their concatenation, split, the same columns."""
+becomes one SimplifiedLayerNormalization and computes the same on ONNX Runtime; a chain that differs is left; a
+residual add joins its norm; sibling MatMuls (of constant weights, or int4 MatMulNBits) become one over their
+concatenation, their biases added, split, the same columns."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from attnx.export.passes.serve import FuseRmsNorm, LastLogits, PackMatMuls
-from attnx.model.contract import IR_VERSION
+from attnx.export.passes.serve import FuseRmsNorm, FuseSkipRmsNorm, LastLogits, PackMatMuls
+from attnx.model.contract import IR_VERSION, MS_DOMAIN
 from attnx.model.tolerance import ProblemSize, tolerance_for
 from attnx.runtimes.compare import compare_arrays
 
@@ -100,8 +101,6 @@ def test_the_last_position_alone_before_an_int4_head_or_a_tied_one():
     """ONNX Runtime's MatMulNBits (an int4 head: the GenAI builder's, attnx's --weights int4) and a MatMul of a
     Transposed table (a tied embedding): the head computed for the last position, the same numbers there (each row
     of the head's input its own row of the output, the int8 rounding of accuracy_level 4 included)."""
-    from attnx.model.contract import MS_DOMAIN
-
     n = 8
     packed = RNG.integers(0, 256, (n, 1, D // 2), dtype=np.uint8)  # [N, K / block, block / 2]: one block of 16
     int4 = [helper.make_node("MatMulNBits", ["x", "q", "s"], ["logits"], domain=MS_DOMAIN, K=D, N=n, bits=4,
@@ -120,3 +119,90 @@ def test_the_last_position_alone_before_an_int4_head_or_a_tied_one():
         after = _run(model, x)[0]
         assert after.shape == (2, 1, n)
         assert compare_arrays("logits", after, before[:, -1:], tolerance_for("fp32"), ProblemSize(D))
+
+
+def test_sibling_projections_with_biases_pack_their_biases_before_the_split():
+    """q/k/v as Qwen's (a MatMul then an Add of a constant bias each): one MatMul, one Add of the biases
+    concatenated, then the Split; the same columns."""
+    weights = {f"w{i}": RNG.standard_normal((D, n)).astype(np.float32) for i, n in enumerate((8, 4, 4))}
+    weights.update({f"b{i}": RNG.standard_normal(n).astype(np.float32) for i, n in enumerate((8, 4, 4))})
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]) for i in range(3)]
+    nodes += [helper.make_node("Add", [f"m{i}", f"b{i}"] if i else [f"b{i}", f"m{i}"], [f"y{i}"]) for i in range(3)]
+    x = RNG.standard_normal((2, 3, D)).astype(np.float32)
+    before = _run(_model(nodes, weights, ("y0", "y1", "y2")), x)
+    model = _model(nodes, weights, ("y0", "y1", "y2"))
+    assert PackMatMuls()(model).modified
+    assert [n.op_type for n in model.graph] == ["Concat", "MatMul", "Concat", "Add", "Split"]
+    for a, b in zip(_run(model, x), before):
+        assert compare_arrays("y", a, b, tolerance_for("fp32"), ProblemSize(D))
+
+
+def _nbits(name: str, n: int, accuracy: int = 4) -> tuple[list, dict]:
+    """An int4 MatMulNBits of x ([.., D]) to `n` columns, blocks of 16 (one a column), with zero points."""
+    node = helper.make_node("MatMulNBits", ["x", f"{name}q", f"{name}s", f"{name}z"], [f"{name}m"], domain=MS_DOMAIN,
+                            K=D, N=n, bits=4, block_size=D, accuracy_level=accuracy)  # fmt: skip
+    return [node], {f"{name}q": RNG.integers(0, 256, (n, 1, D // 2), dtype=np.uint8),
+                    f"{name}s": RNG.uniform(0.01, 0.1, n).astype(np.float32),
+                    f"{name}z": RNG.integers(0, 256, n, dtype=np.uint8)}  # fmt: skip
+
+
+def test_int4_siblings_are_one_matmulnbits_over_their_blocks_concatenated():
+    """MatMulNBits of one input, K, bits, block size and accuracy level (attnx's --weights int4 q/k/v and gate/up):
+    one over the packed weights, scales and zero points concatenated along N, the biases added after, then split;
+    the same numbers. One of another accuracy level is left alone."""
+    nodes, weights = [], {}
+    for i, n in enumerate((8, 4, 4)):
+        more, tensors = _nbits(f"p{i}", n)
+        nodes += more + [helper.make_node("Add", [f"p{i}m", f"b{i}"], [f"y{i}"])]
+        weights.update(tensors, **{f"b{i}": RNG.standard_normal(n).astype(np.float32)})
+    other, tensors = _nbits("o", 4, accuracy=0)
+    nodes += other
+    weights.update(tensors)
+    outputs = ("y0", "y1", "y2", "om")
+    x = RNG.standard_normal((2, 3, D)).astype(np.float32)
+
+    def model():
+        m = _model(nodes, weights, outputs)
+        m.opset_imports[MS_DOMAIN] = 1
+        return m
+
+    before = _run(model(), x)
+    packed = model()
+    pack = PackMatMuls()
+    assert pack(packed).modified and pack.notes == ["3 MatMuls packed into 1 (groups of [3])"]
+    kinds = [n.op_type for n in packed.graph]
+    assert kinds.count("MatMulNBits") == 2 and kinds.count("Split") == 1
+    assert next(n for n in packed.graph if n.name.endswith("/packed")).attributes.get_int("N") == 16
+    for a, b in zip(_run(packed, x), before):
+        assert compare_arrays("y", a, b, tolerance_for("fp32"), ProblemSize(D))
+
+
+def test_a_residual_add_and_its_norm_are_one_skip_simplified_layer_normalization():
+    """h = x + r; y = rms(h) * w; z = h + y (the residual stream read again): one SkipSimplifiedLayerNormalization
+    whose fourth output is h; the same numbers. An Add of a broadcast bias is left."""
+    nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
+             helper.make_node("SimplifiedLayerNormalization", ["h", "w"], ["y"], axis=-1, epsilon=1e-6),
+             helper.make_node("Add", ["h", "y"], ["z"])]  # fmt: skip
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(v, TensorProto.FLOAT, ["b", "s", D])
+                                           for v in ("x", "r")],
+                              [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in ("y", "z")],
+                              [numpy_helper.from_array(W, "w")])  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    proto.ir_version = IR_VERSION
+    x, r = (RNG.standard_normal((2, 3, D)).astype(np.float32) for _ in range(2))
+
+    def run(m):
+        return ort.InferenceSession(ir.to_proto(m).SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"x": x, "r": r})  # fmt: skip
+
+    before = run(ir.from_proto(proto))
+    model = ir.from_proto(proto)
+    fuse = FuseSkipRmsNorm()
+    assert fuse(model).modified, fuse.notes
+    assert [n.op_type for n in model.graph] == ["SkipSimplifiedLayerNormalization", "Add"]
+    for a, b in zip(run(model), before):
+        assert compare_arrays("y", a, b, tolerance_for("fp32"), ProblemSize(D))
+    broadcast = _model([helper.make_node("Add", ["x", "c"], ["h"]),
+                        helper.make_node("SimplifiedLayerNormalization", ["h", "w"], ["y"], axis=-1)],
+                       {"c": np.ones(D, np.float32), "w": W})  # fmt: skip
+    assert not FuseSkipRmsNorm()(broadcast).modified

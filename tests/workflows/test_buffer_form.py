@@ -52,13 +52,15 @@ def _logits(request: Request) -> np.ndarray:
 
 def test_the_buffer_form_takes_each_rows_length_and_no_padding_mask(package):
     """Its inputs and outputs; and the serving passes: each core rotating q and k itself from a table of the
-    context's 128 positions, the 5 RMS norms fused, each block's q/k/v and each MLP's gate/up projections one MatMul
-    (2 layers: 9 MatMuls where there were 15), the packed q/k/v fed to the core, the logits of the last position
-    alone (the golden generations record a prompt's there)."""
+    context's 128 positions, the 5 RMS norms fused, 4 of them with the residual add before them, each block's q/k/v
+    and each MLP's gate/up projections one MatMul (2 layers: 9 MatMuls where there were 15), the packed q/k/v fed to
+    the core, the logits of the last position alone (the golden generations record a prompt's there)."""
     manifest = json.loads((package / "manifest.json").read_text())
-    assert manifest["decode"]["notes"][-5:] == [
+    assert manifest["decode"]["notes"][-6:] == [
         "2 GroupQueryAttention(s) rotate q and k themselves (do_rotary, a table of 128 positions)",
-        "5 RMS norm(s) fused into SimplifiedLayerNormalization", "10 MatMuls packed into 4 (groups of [2, 3])",
+        "5 RMS norm(s) fused into SimplifiedLayerNormalization",
+        "4 residual add(s) fused into their norm (SkipSimplifiedLayerNormalization)",
+        "10 MatMuls packed into 4 (groups of [2, 3])",
         "2 GroupQueryAttention(s) take the packed q/k/v projection",
         "logits: the last position's alone (the head computed for one position)"]  # fmt: skip
     assert manifest["generations"]["prompt_logits"] == "last"
