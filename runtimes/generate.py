@@ -50,8 +50,10 @@ from attnx.model.contract import ROPE_POSITIONS_KEY
 from attnx.model.resources import available_memory_bytes
 from attnx.runtimes.base import Runner
 
-__all__ = ["Engine", "EngineClosed", "EngineLoop", "GenerateStats", "ModelIO", "QueueFull", "Request", "Sampling",
-           "check_prompts"]
+__all__ = ["PREFILL_CHUNK", "Engine", "EngineClosed", "EngineLoop", "GenerateStats", "ModelIO", "QueueFull", "Request",
+           "Sampling", "check_prompts"]
+
+PREFILL_CHUNK = 256  # EngineLoop's prompt tokens a step, at most (attnx serve --prefill-chunk)
 
 _CACHE_IN = "past_key_values"
 _CACHE_OUT = "present"
@@ -254,8 +256,10 @@ class _GrowingCache:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def prefill(self, request: Request) -> np.ndarray:
-        """The prompt's logits [L, V]; its cache kept for join()."""
+    def prefill(self, request: Request, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The prompt's logits [L, V]; its cache kept for join(). The whole prompt at once (no chunks: start 0)."""
+        if start or end not in (None, len(request.prompt)):
+            raise UsageError("the model's own I/O prefills a prompt whole: chunks need the buffer form")
         n = len(request.prompt)
         empty = [np.zeros((1, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
         logits, self._joining = self._run(np.asarray([request.prompt], np.int64), np.ones((1, n), np.int64),
@@ -354,6 +358,7 @@ class _SharedCache:
         self.step_seqlens, self.step_total = np.zeros(rows, np.int32), np.zeros((), np.int32)
         self.step_logits = np.zeros((rows, 1, self.io.vocab), self.io.logits_dtype) if self.io.vocab else None
         self._step: tuple[Any, int] | None = None  # (the binding, its rows)
+        self.partial = 0  # positions of a prompt prefilled in chunks so far, in the next free slot
 
     def _binding(self, first: int, rows: int) -> Any:
         """A binding of every cache input and its present to slots first..first+rows-1 of its buffer, by address."""
@@ -364,20 +369,27 @@ class _SharedCache:
                 bind(name, "cpu", 0, buffer.dtype.type, view.shape, view.ctypes.data)
         return b
 
-    def prefill(self, request: Request) -> np.ndarray:
-        """The prompt's logits [L, V] (or [1, V]: a model that computes the last position's alone), its keys and values
-        written into the next free slot (joined by join())."""
-        n, slot = len(request.prompt), len(self.rows)
+    def prefill(self, request: Request, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The logits [L, V] of prompt[start:end] (or [1, V]: a model that computes the last position's alone), its
+        keys and values written into the next free slot, whose first `start` positions hold the prompt's start
+        already (a chunk of a long prompt; joined by join() once the whole prompt is in)."""
+        end = len(request.prompt) if end is None else end
+        slot = len(self.rows)
         b = self._binding(slot, 1)
-        b.bind_cpu_input("input_ids", np.asarray([request.prompt], np.int64))
+        b.bind_cpu_input("input_ids", np.asarray([request.prompt[start:end]], np.int64))
         if self.io.positions:
-            b.bind_cpu_input("position_ids", np.arange(n, dtype=np.int64)[None])
-        b.bind_cpu_input("seqlens_k", np.asarray([n - 1], np.int32))
-        b.bind_cpu_input("total_sequence_length", np.asarray(n, np.int32))
+            b.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
+        b.bind_cpu_input("seqlens_k", np.asarray([end - 1], np.int32))
+        b.bind_cpu_input("total_sequence_length", np.asarray(end, np.int32))
         b.bind_output(self.io.logits, "cpu")
         self.session.run_with_iobinding(b)
-        self.lengths[slot] = n
+        self.lengths[slot] = end
+        self.partial = end if end < len(request.prompt) else 0
         return b.get_outputs()[-1].numpy()[0]  # the logits: the output bound last
+
+    def abandon(self) -> None:
+        """A prompt prefilled in part leaves (its request cancelled): the free slot is free again."""
+        self.partial = 0
 
     def join(self, request: Request) -> None:
         self.rows.append(request)
@@ -421,7 +433,9 @@ class _SharedCache:
         self.lengths[: len(self.rows)] += 1
 
     def drop_done(self) -> None:
-        """Rows that ended leave: each one's slot taken by the last row still decoding (its filled positions copied)."""
+        """Rows that ended leave: each one's slot taken by the last row still decoding (its filled positions copied);
+        a prompt prefilled in part moves to the next free slot."""
+        free = len(self.rows)
         slot = 0
         while slot < len(self.rows):
             if not self.rows[slot].done:
@@ -429,12 +443,16 @@ class _SharedCache:
                 continue
             last = len(self.rows) - 1
             if slot != last:
-                n = int(self.lengths[last])
-                for buffer in self.buffers:
-                    buffer[slot, :, :n] = buffer[last, :, :n]
-                self.lengths[slot] = n
+                self._move(last, slot, int(self.lengths[last]))
                 self.rows[slot] = self.rows[last]
             self.rows.pop()
+        if self.partial and len(self.rows) != free:
+            self._move(free, len(self.rows), self.partial)
+
+    def _move(self, source: int, slot: int, n: int) -> None:
+        for buffer in self.buffers:
+            buffer[slot, :, :n] = buffer[source, :, :n]
+        self.lengths[slot] = n
 
 
 class Engine:
@@ -530,11 +548,20 @@ class Engine:
 class _Batch:
     """The step loop of Engine.run and EngineLoop over one cache: admit() a request (its prompt prefilled alone into
     the cache, its first token taken: it joins the rows, or it has ended), step() (rows cancelled leave, then one
-    token for every row, and rows that end leave)."""
+    token for every row, and rows that end leave).
+
+    With `chunk` (the buffer form alone), admitted prompts wait in `pending` instead, and each step first prefills
+    at most `chunk` of their tokens, in order (a long prompt across several steps, each chunk's keys written where
+    the last one's ended): a prompt joining never stalls the rows decoding for longer than one chunk (chunked
+    prefill, as vLLM's). A chunk computes what the whole prompt would: each position's attention over the keys
+    before it, the same kernels."""
 
     def __init__(self, engine: Engine, cache: _GrowingCache | _SharedCache,
-                 on_finish: Callable[[Request], None] | None = None) -> None:  # fmt: skip
+                 on_finish: Callable[[Request], None] | None = None, chunk: int | None = None) -> None:  # fmt: skip
         self.engine, self.cache, self.on_finish = engine, cache, on_finish
+        self.chunk = chunk
+        self.pending: collections.deque[Request] = collections.deque()
+        self.filled = 0  # the first pending prompt's tokens in the cache
         self.start = time.perf_counter()
 
     @property
@@ -547,14 +574,20 @@ class _Batch:
                 call(request)
 
     def admit(self, request: Request) -> None:
-        engine = self.engine
         if request.cancelled:
             request.stop("cancelled")
             self.finished(request)
             return
-        if engine.record:
+        if self.chunk is not None:
+            self.pending.append(request)
+            return
+        if self.engine.record:
             request.logits = []
-        logits = self.cache.prefill(request)  # the prompt alone (batch 1)
+        self._prefilled(request, self.cache.prefill(request))  # the prompt alone (batch 1)
+
+    def _prefilled(self, request: Request, logits: np.ndarray) -> None:
+        """The whole prompt is in the cache: its first token from its last position's logits; it joins the rows."""
+        engine = self.engine
         engine.stats.prefills += 1
         if request.logits is not None:
             request.logits.append(np.array(logits, np.float32))
@@ -565,7 +598,31 @@ class _Batch:
             return
         self.cache.join(request)
 
+    def _prefill_chunks(self) -> None:
+        """At most `chunk` tokens of the pending prompts, the first one first."""
+        budget = self.chunk or 0
+        while self.pending and budget > 0:
+            request = self.pending[0]
+            if request.cancelled:
+                self.pending.popleft()
+                if self.filled:
+                    self.cache.abandon()
+                self.filled = 0
+                request.stop("cancelled")
+                self.finished(request)
+                continue
+            end = min(len(request.prompt), self.filled + budget)
+            logits = self.cache.prefill(request, self.filled, end)
+            budget -= end - self.filled
+            self.filled = end
+            if end == len(request.prompt):
+                self.pending.popleft()
+                self.filled = 0
+                self._prefilled(request, logits)
+
     def step(self) -> None:
+        if self.pending:
+            self._prefill_chunks()
         cancelled = [r for r in self.rows if r.cancelled and not r.done]
         for request in cancelled:  # a client that left: its row is freed before the step
             request.stop("cancelled")
@@ -612,15 +669,22 @@ class EngineLoop:
     max_new_tokens pass it is refused when submitted (InputError). A request's greedy tokens never depend on which
     requests share its batch (each row its own cache, lengths and positions; its own sampling and generator).
     close(grace_s) stops accepting, serves what was accepted for up to grace_s seconds, ends the rest ("abort")
-    and joins the thread."""
+    and joins the thread.
+
+    Prompts are prefilled in chunks of at most `prefill_chunk` tokens a step (the buffer form; None: each prompt
+    whole when it joins; _Batch): a 512-token prompt joining 31 rows that decode delays their next token by one
+    chunk's time, not the whole prompt's."""
 
     DEFAULT_ROWS = 16
 
-    def __init__(self, engine: Engine, *, max_queue: int = 64, max_len: int | None = None) -> None:
+    def __init__(self, engine: Engine, *, max_queue: int = 64, max_len: int | None = None,
+                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:  # fmt: skip
         if max_queue < 1:
             raise UsageError(f"--max-queue {max_queue}: must be 1 or more")
         if max_len is not None and max_len < 2:
             raise UsageError(f"--max-model-len {max_len}: must be 2 or more (a prompt token and a new one)")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk {prefill_chunk}: must be 1 or more (or none: whole prompts)")
         self.engine = engine
         self.max_queue = max_queue
         bounds = [b for b in (engine.context, max_len) if b is not None]
@@ -641,7 +705,8 @@ class EngineLoop:
         else:
             cache = _GrowingCache(engine)
         engine.stats = GenerateStats(form=engine.io.form)
-        self._batch = _Batch(engine, cache)
+        self.prefill_chunk = prefill_chunk if engine.io.form == "buffer" else None  # the growing form: whole prompts
+        self._batch = _Batch(engine, cache, chunk=self.prefill_chunk)
         self._waiting: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -727,12 +792,13 @@ class EngineLoop:
         try:
             while True:
                 with self._cond:
-                    while not self._waiting and not batch.rows and not self._closing:
+                    while not self._waiting and not batch.rows and not batch.pending and not self._closing:
                         self._cond.wait()
-                    if self._closing and (not (self._waiting or batch.rows) or time.monotonic() >= self._deadline):
+                    busy = self._waiting or batch.rows or batch.pending
+                    if self._closing and (not busy or time.monotonic() >= self._deadline):
                         break
                     joining = []  # schedule: waiting requests join between steps
-                    while self._waiting and len(batch.rows) + len(joining) < self.rows:
+                    while self._waiting and len(batch.rows) + len(batch.pending) + len(joining) < self.rows:
                         joining.append(self._waiting.popleft())
                 for request in joining:
                     self.engine.stats.requests += 1
@@ -746,8 +812,9 @@ class EngineLoop:
             reason, self.failure = "error", f"{type(e).__name__}: {e}"
         finally:
             with self._cond:
-                rest = [*batch.rows, *self._waiting]
+                rest = [*batch.rows, *batch.pending, *self._waiting]
                 self._waiting.clear()
+                batch.pending.clear()
                 self._closing = True
             for request in rest:
                 if not request.done:

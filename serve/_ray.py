@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 from attnx import errors
 from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
 from attnx.errors import AttnxError, CheckFailed, UsageError
+from attnx.runtimes.generate import PREFILL_CHUNK
 
 __all__ = ["APP_NAME", "need_ray", "serve_on_ray"]
 
@@ -72,8 +73,8 @@ def _import_serve() -> tuple[Any, Any]:
 
 def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus: float = 1.0,
                  host: str = "127.0.0.1", port: int = 8000, provider: str = "cpu", max_batch: int | None = None,
-                 max_queue: int = 64, max_model_len: int | None = None, name: str | None = None,
-                 grace_s: float = 30.0, progress: Callable[[str], None] = lambda _m: None,
+                 max_queue: int = 64, max_model_len: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK,
+                 name: str | None = None, grace_s: float = 30.0, progress: Callable[[str], None] = lambda _m: None,
                  on_listening: Callable[[str], None] = lambda _url: None) -> int:  # fmt: skip
     """Deploy `replicas` replicas of the package on the Ray cluster at `address` ("local": one started here for the
     command; "auto"; HOST:PORT), behind Ray Serve's HTTP endpoint at host:port, and serve until a signal ends the
@@ -88,7 +89,7 @@ def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus:
     cluster = _Cluster(address)
     name = name or os.path.basename(package)
     options = {"provider": provider, "max_batch": max_batch, "max_queue": max_queue, "max_model_len": max_model_len,
-               "name": name, "grace_s": grace_s}  # fmt: skip
+               "prefill_chunk": prefill_chunk, "name": name, "grace_s": grace_s}  # fmt: skip
     deployed = False
 
     def shut_down(interrupted: bool = True) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from attnx._signals import on_interrupt
 from attnx.errors import CheckFailed, UsageError
-from attnx.runtimes.generate import EngineLoop
+from attnx.runtimes.generate import PREFILL_CHUNK, EngineLoop
 from attnx.runtimes.model_package import GenerativeModel, engine_for
 from attnx.runtimes.package import load, verify_package
 from attnx.serve.api import create_app
@@ -29,7 +29,7 @@ FLUSH_S = 5.0  # after the loop closed: the time the last events of the answers 
 
 
 def load_service(package: str, *, provider: str = "cpu", max_batch: int | None = None, max_queue: int = 64,
-                 max_model_len: int | None = None, name: str | None = None,
+                 max_model_len: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK, name: str | None = None,
                  progress: Callable[[str], None] = lambda _m: None) -> Service:  # fmt: skip
     """The package verified on `provider` (CheckFailed naming what failed), loaded, its engine loop started."""
     report = verify_package(package, provider, progress)
@@ -44,7 +44,7 @@ def load_service(package: str, *, provider: str = "cpu", max_batch: int | None =
                          "a whole model's package (attnx build --model)")  # fmt: skip
     try:
         loop = EngineLoop(engine_for(model.runner, model.manifest, max_batch), max_queue=max_queue,
-                          max_len=max_model_len)  # fmt: skip
+                          max_len=max_model_len, prefill_chunk=prefill_chunk)  # fmt: skip
         name = name or os.path.basename(os.path.realpath(package))
         return Service(loop, name, model.text, model=model).start()
     except BaseException:
@@ -68,7 +68,7 @@ def drain(service: Service, grace_s: float) -> str:
 
 def serve_package(package: str, *, host: str = "127.0.0.1", port: int = 8000, provider: str = "cpu",
                   max_batch: int | None = None, max_queue: int = 64, max_model_len: int | None = None,
-                  name: str | None = None, grace_s: float = 30.0,
+                  prefill_chunk: int | None = PREFILL_CHUNK, name: str | None = None, grace_s: float = 30.0,
                   progress: Callable[[str], None] = lambda _m: None,
                   on_listening: Callable[[str], None] = lambda _url: None) -> int:  # fmt: skip
     """Verify, load and serve the package until a signal ends the process (the module doc); 0 if uvicorn stops."""
@@ -77,7 +77,8 @@ def serve_package(package: str, *, host: str = "127.0.0.1", port: int = 8000, pr
     sock = _bind(host, port)  # first: a port in use is said before the package is verified
     try:
         service = load_service(package, provider=provider, max_batch=max_batch, max_queue=max_queue,
-                               max_model_len=max_model_len, name=name, progress=progress)  # fmt: skip
+                               max_model_len=max_model_len, prefill_chunk=prefill_chunk, name=name,
+                               progress=progress)  # fmt: skip
     except BaseException:
         sock.close()
         raise

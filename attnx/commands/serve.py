@@ -10,6 +10,7 @@ from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, int_arg
 from attnx.errors import UsageError
 from attnx.model.contract import PROVIDERS
+from attnx.runtimes.generate import PREFILL_CHUNK
 from attnx.serve._ray import need_ray, serve_on_ray  # Ray itself is imported inside, where --ray asks for it
 
 HELP = COMMANDS["serve"].help
@@ -30,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int_arg(2), default=None, metavar="N", help="positions a request's prompt "
                    "and new tokens may fill, below the model's context (default: its context); the buffer form's "
                    "cache is sized for it")
+    p.add_argument("--prefill-chunk", type=int_arg(0), default=PREFILL_CHUNK, metavar="N", help="prompt tokens "
+                   "prefilled a step, at most: a long prompt goes in over several steps, between the steps of the "
+                   f"rows decoding (default {PREFILL_CHUNK}; 0: each prompt whole as it joins)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's id in the API (default: the package folder's name)")
     p.add_argument("--grace", type=_seconds, default=30.0, metavar="S", help="on SIGTERM, seconds the "
@@ -81,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         need_ray()
         return serve_on_ray(args.package, args.ray, replicas=args.replicas or 1, replica_cpus=args.replica_cpus or 1.0,
                             host=args.host, port=args.port, provider=args.provider, max_batch=args.max_batch,
-                            max_queue=args.max_queue, max_model_len=args.max_model_len, name=args.served_model_name,
+                            max_queue=args.max_queue, max_model_len=args.max_model_len,
+                            prefill_chunk=args.prefill_chunk or None, name=args.served_model_name,
                             grace_s=args.grace, progress=progress,
                             on_listening=lambda url: progress(f"serving {url}/v1 on Ray Serve (Ctrl-C or SIGTERM to "
                                                               "stop)"))  # fmt: skip
@@ -89,5 +94,5 @@ def run(args: argparse.Namespace) -> int:
 
     return serve_package(args.package, host=args.host, port=args.port, provider=args.provider,
                          max_batch=args.max_batch, max_queue=args.max_queue, max_model_len=args.max_model_len,
-                         name=args.served_model_name, grace_s=args.grace, progress=progress,
+                         prefill_chunk=args.prefill_chunk or None, name=args.served_model_name, grace_s=args.grace, progress=progress,
                          on_listening=lambda url: progress(f"serving {url}/v1 (Ctrl-C or SIGTERM to stop)"))  # fmt: skip

@@ -1,6 +1,7 @@
 """The engine's long-lived step loop (attnx.runtimes.generate.EngineLoop, what attnx serve runs): requests submitted
-from other threads join between steps with the same greedy tokens as attnx generate's, alone or beside others; a
-cancelled row leaves; a full queue, a request past the cache and a closed loop are refused; close() ends the rest."""
+from other threads join between steps with the same greedy tokens as attnx generate's, alone or beside others, their
+prompts prefilled in chunks between steps; a cancelled row or prompt leaves; a full queue, a request past the cache
+and a closed loop are refused; close() ends the rest."""
 
 from __future__ import annotations
 
@@ -148,3 +149,61 @@ def test_sampled_requests_draw_from_their_own_generator(model):
             loop.submit(r)
         assert done.wait(60)
     assert len(alone.tokens) == NEW and mine.tokens == alone.tokens
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_the_steps_of_the_rows_decoding(model):
+    """prefill_chunk 4: while the loop's thread is held, three prompts queue (5, 21 and 12 tokens); released, each
+    step prefills at most 4 prompt tokens before the rows decode, so the first request makes tokens while the
+    21-token prompt is still going in (whole prompts would give all three their first token before any step). The
+    first request ends (2 new tokens) while the second's prompt is going in, so that prompt's part moves slots:
+    every request's tokens are attnx generate's."""
+    prompts = _prompts((5, 21, 12))
+    truth = model.generate(prompts, max_new_tokens=NEW, max_batch=1)
+    events: list[tuple[int, int]] = []
+    go, done = threading.Event(), [threading.Event() for _ in range(4)]
+
+    def on_token(r: Request) -> None:
+        events.append((r.index, len(r.tokens)))
+        if r.index == 3 and len(r.tokens) == 1:
+            go.wait(60)
+
+    with EngineLoop(engine_for(model.runner, model.manifest, 4), prefill_chunk=4) as loop:
+        held = Request(3, [5, 6], 2, on_token=on_token, on_finish=lambda r: done[3].set())
+        loop.submit(held)  # holds the loop at its first token, so the others queue together
+        while not events:
+            time.sleep(0.01)
+        requests = [Request(i, p, 2 if i == 0 else NEW, on_token=on_token, on_finish=lambda r: done[r.index].set())
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        for r in requests:
+            loop.submit(r)
+        go.set()
+        assert done[0].wait(60) and done[3].wait(60)
+        assert done[1].wait(60) and done[2].wait(60)
+        assert loop.engine.stats.prefills == 4
+    assert requests[0].tokens == truth[0][:2]
+    assert requests[2].tokens == truth[2]
+    assert events.index((0, 2)) < events.index((2, 1))  # the first decoded while the others went in
+    assert requests[1].tokens == truth[1] and events.index((1, 1)) > events.index((0, 2))
+
+
+def test_a_prompt_cancelled_while_it_is_prefilled_frees_its_slot(model):
+    """prefill_chunk 3: a 21-token prompt cancelled after its first chunks (from a decoding row's listener) ends
+    "cancelled" with no token; the prompt after it goes into the same slot and gets the tokens it gets alone."""
+    prompts = _prompts((4, 21, 9))
+    truth = model.generate([prompts[0], prompts[2]], max_new_tokens=NEW, max_batch=1)
+    ended = [threading.Event() for _ in prompts]
+    with EngineLoop(engine_for(model.runner, model.manifest, 4), prefill_chunk=3) as loop:
+        requests: list[Request] = []
+
+        def cancel_second(r: Request) -> None:
+            if len(r.tokens) == 3:
+                loop.cancel(requests[1])
+
+        requests += [Request(0, prompts[0], NEW, on_token=cancel_second, on_finish=lambda r: ended[0].set()),
+                     Request(1, prompts[1], NEW, on_finish=lambda r: ended[1].set()),
+                     Request(2, prompts[2], NEW, on_finish=lambda r: ended[2].set())]  # fmt: skip
+        for r in requests:
+            loop.submit(r)
+        assert all(e.wait(60) for e in ended)
+    assert requests[1].finish == "cancelled" and requests[1].tokens == []
+    assert [requests[0].tokens, requests[2].tokens] == truth
