@@ -553,8 +553,8 @@ class _Batch:
     With `chunk` (the buffer form alone), admitted prompts wait in `pending` instead, and each step first prefills
     at most `chunk` of their tokens, in order (a long prompt across several steps, each chunk's keys written where
     the last one's ended): a prompt joining never stalls the rows decoding for longer than one chunk (chunked
-    prefill, as vLLM's). A chunk computes what the whole prompt would: each position's attention over the keys
-    before it, the same kernels."""
+    prefill, as vLLM's). Where no row decodes, the pending prompts go in whole: nobody waits. A chunk computes what
+    the whole prompt would: each position's attention over the keys before it, the same kernels."""
 
     def __init__(self, engine: Engine, cache: _GrowingCache | _SharedCache,
                  on_finish: Callable[[Request], None] | None = None, chunk: int | None = None) -> None:  # fmt: skip
@@ -599,8 +599,9 @@ class _Batch:
         self.cache.join(request)
 
     def _prefill_chunks(self) -> None:
-        """At most `chunk` tokens of the pending prompts, the first one first."""
-        budget = self.chunk or 0
+        """At most `chunk` tokens of the pending prompts, the first one first; every pending prompt whole where no
+        row decodes (no one waits on it)."""
+        budget = (self.chunk or 0) if self.rows else sum(len(r.prompt) for r in self.pending)
         while self.pending and budget > 0:
             request = self.pending[0]
             if request.cancelled:

@@ -152,11 +152,11 @@ def test_sampled_requests_draw_from_their_own_generator(model):
 
 
 def test_long_prompts_are_prefilled_in_chunks_between_the_steps_of_the_rows_decoding(model):
-    """prefill_chunk 4: while the loop's thread is held, three prompts queue (5, 21 and 12 tokens); released, each
-    step prefills at most 4 prompt tokens before the rows decode, so the first request makes tokens while the
-    21-token prompt is still going in (whole prompts would give all three their first token before any step). The
-    first request ends (2 new tokens) while the second's prompt is going in, so that prompt's part moves slots:
-    every request's tokens are attnx generate's."""
+    """prefill_chunk 4: a first request decodes (held at its first token while three prompts of 5, 21 and 12 tokens
+    queue); released, each step prefills at most 4 prompt tokens before the rows decode, so the first of the three
+    makes tokens while the 21-token prompt is still going in (whole prompts would give all three their first token
+    before any step). The first of the three ends (2 new tokens) while the second's prompt is going in, so that
+    prompt's part moves slots: every request's tokens are attnx generate's."""
     prompts = _prompts((5, 21, 12))
     truth = model.generate(prompts, max_new_tokens=NEW, max_batch=1)
     events: list[tuple[int, int]] = []
@@ -168,8 +168,8 @@ def test_long_prompts_are_prefilled_in_chunks_between_the_steps_of_the_rows_deco
             go.wait(60)
 
     with EngineLoop(engine_for(model.runner, model.manifest, 4), prefill_chunk=4) as loop:
-        held = Request(3, [5, 6], 2, on_token=on_token, on_finish=lambda r: done[3].set())
-        loop.submit(held)  # holds the loop at its first token, so the others queue together
+        held = Request(3, [5, 6], 40, on_token=on_token, on_finish=lambda r: done[3].set())
+        loop.submit(held)  # no row decodes yet: its prompt goes in whole; it holds the loop at its first token
         while not events:
             time.sleep(0.01)
         requests = [Request(i, p, 2 if i == 0 else NEW, on_token=on_token, on_finish=lambda r: done[r.index].set())
@@ -177,33 +177,40 @@ def test_long_prompts_are_prefilled_in_chunks_between_the_steps_of_the_rows_deco
         for r in requests:
             loop.submit(r)
         go.set()
-        assert done[0].wait(60) and done[3].wait(60)
-        assert done[1].wait(60) and done[2].wait(60)
+        assert all(e.wait(60) for e in done)
         assert loop.engine.stats.prefills == 4
     assert requests[0].tokens == truth[0][:2]
-    assert requests[2].tokens == truth[2]
-    assert events.index((0, 2)) < events.index((2, 1))  # the first decoded while the others went in
-    assert requests[1].tokens == truth[1] and events.index((1, 1)) > events.index((0, 2))
+    assert requests[1].tokens == truth[1] and requests[2].tokens == truth[2]
+    assert events.index((0, 2)) < events.index((1, 1)) < events.index((2, 1))  # the first decoded as the rest went in
+    assert events.index((3, 2)) < events.index((0, 1))  # the held row stepped while the first prompt went in
 
 
 def test_a_prompt_cancelled_while_it_is_prefilled_frees_its_slot(model):
-    """prefill_chunk 3: a 21-token prompt cancelled after its first chunks (from a decoding row's listener) ends
-    "cancelled" with no token; the prompt after it goes into the same slot and gets the tokens it gets alone."""
+    """prefill_chunk 3: a first request decodes (held at its first token while two prompts queue); a 21-token prompt
+    is cancelled from the first request's third token, in its second or third chunk: it ends "cancelled" with no
+    token, and the 9-token prompt after it goes into the same slot and gets the tokens it gets alone."""
     prompts = _prompts((4, 21, 9))
     truth = model.generate([prompts[0], prompts[2]], max_new_tokens=NEW, max_batch=1)
     ended = [threading.Event() for _ in prompts]
+    go, first = threading.Event(), threading.Event()
     with EngineLoop(engine_for(model.runner, model.manifest, 4), prefill_chunk=3) as loop:
         requests: list[Request] = []
 
-        def cancel_second(r: Request) -> None:
+        def on_token(r: Request) -> None:
+            if len(r.tokens) == 1:
+                first.set()
+                go.wait(60)
             if len(r.tokens) == 3:
                 loop.cancel(requests[1])
 
-        requests += [Request(0, prompts[0], NEW, on_token=cancel_second, on_finish=lambda r: ended[0].set()),
-                     Request(1, prompts[1], NEW, on_finish=lambda r: ended[1].set()),
+        requests.append(Request(0, prompts[0], NEW, on_token=on_token, on_finish=lambda r: ended[0].set()))
+        loop.submit(requests[0])
+        assert first.wait(60)
+        requests += [Request(1, prompts[1], NEW, on_finish=lambda r: ended[1].set()),
                      Request(2, prompts[2], NEW, on_finish=lambda r: ended[2].set())]  # fmt: skip
-        for r in requests:
+        for r in requests[1:]:
             loop.submit(r)
+        go.set()
         assert all(e.wait(60) for e in ended)
     assert requests[1].finish == "cancelled" and requests[1].tokens == []
     assert [requests[0].tokens, requests[2].tokens] == truth
