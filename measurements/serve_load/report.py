@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-ORDER = ("attnx fp32", "transformers serve", "llama.cpp f32", "attnx int4", "llama.cpp Q4_0")
+ORDER = ("attnx fp32", "attnx fp32 whole prompts", "transformers serve", "llama.cpp f32", "attnx int4", "llama.cpp Q4_0")
 RATIOS = (("attnx fp32", "transformers serve"), ("attnx fp32", "llama.cpp f32"), ("attnx int4", "llama.cpp Q4_0"))
 
 
@@ -35,14 +35,16 @@ def main() -> int:
 
     print("New tokens per second\n")
     print(table(["clients", *names], cells(lambda r: f"{r['new_tokens_per_s']:.1f}")))
-    print("\nRatios of new tokens per second (same round; - where a server had errors)\n")
     pairs = [(a, b) for a, b in RATIOS if a in runs and b in runs]
+    if pairs:
+        print("\nRatios of new tokens per second (same round; - where a server had errors)\n")
     def ratio(a: dict, b: dict) -> str:  # only where both answered every request in full
         return f"{a['new_tokens_per_s'] / b['new_tokens_per_s']:.2f}x" if not errors(a) and not errors(b) else "-"
 
     rows = [[str(c)] + [ratio(runs[a][c], runs[b][c]) if c in runs[a] and c in runs[b] else "-" for a, b in pairs]
             for c in clients]  # fmt: skip
-    print(table(["clients", *[f"{a} / {b}" for a, b in pairs]], rows))
+    if pairs:
+        print(table(["clients", *[f"{a} / {b}" for a, b in pairs]], rows))
     print("\nTime to first token, p50 / p99 (s)\n")
     print(table(["clients", *names], cells(lambda r: f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}")))
     print("\nTime between tokens, p50 / p99 (ms)\n")

@@ -47,6 +47,7 @@ BATCH = 16  # the reference's prompts generated at once, left-padded
 THREADS = 2
 ATTNX, ATTNX4, TRANSFORMERS, LLAMA, LLAMA4 = ("attnx fp32", "attnx int4", "transformers serve",
                                               "llama.cpp f32", "llama.cpp Q4_0")  # fmt: skip
+WHOLE = "attnx fp32 whole prompts"  # --prefill-chunk 0: each prompt prefilled whole as it joins
 TOKEN = re.compile(r"t(\d+)")
 
 
@@ -68,6 +69,8 @@ def commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list[str], 
     return {
         ATTNX: ([attnx, "serve", str(work / "pkg-fp32"), *served], {"ATTNX_THREADS": str(THREADS)}),
         ATTNX4: ([attnx, "serve", str(work / "pkg-int4"), *served], {"ATTNX_THREADS": str(THREADS)}),
+        WHOLE: ([attnx, "serve", str(work / "pkg-fp32"), *served, "--prefill-chunk", "0"],
+                {"ATTNX_THREADS": str(THREADS)}),
         TRANSFORMERS: ([args.transformers, "serve", str(work / "checkpoint"), "--continuous-batching", "--device",
                         "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
                        omp | {"HF_HUB_OFFLINE": "1"}),  # fmt: skip
@@ -148,7 +151,7 @@ class Server:
 
     def body(self, prompt: list[int], stream: bool) -> dict:
         body = {"model": self.model, "max_tokens": NEW, "temperature": 0, "stream": stream}
-        if self.name in (ATTNX, ATTNX4):
+        if self.name in (ATTNX, ATTNX4, WHOLE):
             body |= {"prompt": prompt, "return_token_ids": True}
         else:
             body["prompt"] = " ".join(f"t{i}" for i in prompt)
