@@ -24,17 +24,13 @@ import contextlib
 import importlib.util
 import logging
 import os
-import secrets
-import shutil
-import socket
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlparse
 
 from attnx._io import Staging
-from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
+from attnx._ray import RayConnection
+from attnx._signals import on_interrupt
 from attnx.errors import UsageError
 from attnx.matrix._content import bundle_parts, cache_root, files_bundle, materialize, package_bundle, part_digests
 from attnx.matrix._plan import BENCH_SLOT, MatrixPlan
@@ -45,7 +41,6 @@ __all__ = ["RayExecutor", "feasible", "placement", "run_on_node"]
 
 logger = logging.getLogger(__name__)
 CANCEL_LIMIT_S = 10.0  # how long an interrupt waits for Ray to cancel the tasks and stop
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _import_ray() -> Any:
@@ -146,70 +141,18 @@ class RayExecutor:
     machine), HOST:PORT (the cluster's GCS), or ray://HOST:PORT (Ray Client, needs ray[client])."""
 
     def __init__(self, address: str, poll_s: float = 0.5) -> None:
-        if not address:
-            raise UsageError("--ray needs an address: local, auto, HOST:PORT or ray://HOST:PORT")
+        if importlib.util.find_spec("ray") is None:
+            _import_ray()  # the one error saying what to install
+        self.connection = RayConnection(address)  # the address checked before any work
         self.address = address
         self.poll_s = poll_s
-        self._check()
-        self._tmp: str | None = None
-        self._tmp_token: int | None = None
-        self._env: dict[str, str] = {}
 
     def describe(self) -> str:
         return f"ray {self.address}"
 
-    def _check(self) -> None:
-        """Before any work: Ray is installed, and the address is one a cluster answers at (Ray
-        itself retries an address where nothing listens for minutes)."""
-        if importlib.util.find_spec("ray") is None:
-            _import_ray()  # the one error saying what to install
-        if self.address in ("local", "auto"):
-            return
-        url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
-        try:
-            port = url.port
-        except ValueError:
-            port = None
-        if not url.hostname or port is None:
-            raise UsageError(f"--ray {self.address!r}: give local, auto, HOST:PORT or ray://HOST:PORT")
-        try:
-            socket.create_connection((url.hostname, port), timeout=10).close()
-        except OSError as e:
-            raise UsageError(f"--ray {self.address}: no Ray cluster answers there ({e})") from None
-
-    def _init(self, ray: Any) -> None:
-        common = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
-        if self.address == "local":
-            # Not in the command's scratch folder: Ray's socket paths under it have a length limit.
-            with critical():  # created and registered at once: an interrupt removes it
-                self._tmp = tempfile.mkdtemp(prefix="attnx-ray-", dir=system_tempdir())
-                self._tmp_token = track_folder(self._tmp)
-            try:
-                ray.init(address="local", resources={BENCH_SLOT: 1}, _temp_dir=self._tmp, _node_ip_address="127.0.0.1",
-                         object_store_memory=256 * 1024**2, **common)  # fmt: skip
-            except (RuntimeError, ConnectionError, OSError) as e:
-                raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
-            reclaim()  # ray.init set a SIGTERM handler of its own (SystemExit): attnx's watcher ends the run
-            return
-        url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
-        extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
-        del common["include_dashboard"]  # a setting of the cluster, not of a driver that joins it
-        try:
-            ray.init(address=self.address, **common, **extra)
-        except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
-        reclaim()
-
     def run(self, items: list[Any], plan: MatrixPlan, report: MatrixReport,
             on_result: Callable[[Any, dict[str, Any], dict[str, Any] | None], None]) -> None:  # fmt: skip
-        if self.address == "local" and "RAY_AUTH_MODE" not in os.environ:
-            # Ray's default for a new local cluster writes a token to ~/.ray/auth_token, which turns
-            # token authentication on for every later Ray of this user: the token stays in this
-            # process's environment (inherited by the cluster's processes) instead, set before ray
-            # is imported (its token loader reads it once).
-            self._env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-            os.environ.update(self._env)
+        self.connection.prepare()  # a local cluster's token, before ray is imported (attnx._ray)
         ray = _import_ray()
         pending: dict[Any, tuple[Any, float, dict[str, float]]] = {}
 
@@ -223,7 +166,7 @@ class RayExecutor:
         stack = contextlib.ExitStack()
         stack.enter_context(on_interrupt(cancel, limit_s=CANCEL_LIMIT_S))
         try:
-            self._init(ray)
+            self.connection.init(ray, resources={BENCH_SLOT: 1})
             nodes = _nodes(ray)
             report.nodes.update(nodes)
             task = ray.remote(run_on_node)
@@ -295,9 +238,4 @@ class RayExecutor:
             raise
         finally:
             stack.close()
-            ray.shutdown()
-            for key in self._env:
-                os.environ.pop(key, None)
-            if self._tmp:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-                forget(self._tmp_token)
+            self.connection.close(ray)

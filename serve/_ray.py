@@ -29,17 +29,14 @@ import importlib.util
 import logging
 import os
 import re
-import secrets
-import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlparse
 
 from attnx import errors
-from attnx._signals import critical, forget, on_interrupt, reclaim, system_tempdir, track_folder
+from attnx._ray import RayConnection
+from attnx._signals import on_interrupt
 from attnx.errors import AttnxError, CheckFailed, UsageError
 from attnx.runtimes.generate import PREFILL_CHUNK
 
@@ -50,7 +47,6 @@ log = logging.getLogger(__name__)
 APP_NAME = "attnx"  # the Serve application's name on the cluster
 INSTALL_HINT = "pip install 'attnx[serve-ray]'"
 SHUTDOWN_MARGIN_S = 20.0  # past the grace period: the time deleting the app and stopping a local cluster may take
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def need_ray() -> None:
@@ -85,8 +81,7 @@ def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus:
         raise UsageError(f"{package}: no such package folder")
     if port == 0:
         port = _free_port(host)  # Serve's proxy takes a number: a free one on this machine (a local cluster's)
-    _check_address(address)
-    cluster = _Cluster(address)
+    cluster = _Cluster(address)  # the address checked before any Ray work
     name = name or os.path.basename(package)
     options = {"provider": provider, "max_batch": max_batch, "max_queue": max_queue, "max_model_len": max_model_len,
                "prefill_chunk": prefill_chunk, "name": name, "grace_s": grace_s}  # fmt: skip
@@ -166,78 +161,26 @@ def _cpus(ray: Any) -> str:
     return f"{ray.cluster_resources().get('CPU', 0):g}"
 
 
-def _check_address(address: str) -> None:
-    """Before any Ray work: an address a cluster answers at (Ray itself retries an address where nothing listens for
-    minutes)."""
-    if address in ("local", "auto"):
-        return
-    url = urlparse(address if "://" in address else f"x://{address}")
-    try:
-        port = url.port
-    except ValueError:
-        port = None
-    if not url.hostname or port is None:
-        raise UsageError(f"--ray {address!r}: give local, auto, HOST:PORT or ray://HOST:PORT")
-    try:
-        socket.create_connection((url.hostname, port), timeout=10).close()
-    except OSError as e:
-        raise UsageError(f"--ray {address}: no Ray cluster answers there ({e})") from None
-
-
 class _Cluster:
-    """The Ray connection of the command: a local cluster started (and stopped) here, or an existing one joined."""
+    """The Ray connection of the command (attnx._ray.RayConnection: a local cluster started, and stopped, here, or
+    an existing one joined) and Ray Serve on it."""
 
     def __init__(self, address: str) -> None:
-        self.address = address
-        self.tmp: str | None = None
-        self.token: int | None = None
-        self.env: dict[str, str] = {}
+        self.connection = RayConnection(address)
         self.ray: Any = None
         self.serve: Any = None
 
     def start(self) -> tuple[Any, Any]:
         """(ray, ray.serve), connected."""
-        if self.address == "local" and "RAY_AUTH_MODE" not in os.environ:
-            # as attnx matrix --ray: the token of this cluster alone, in the environment its processes inherit, set
-            # before ray is imported (its token loader reads it once), never written to ~/.ray (which would turn
-            # token authentication on for every later Ray of this user)
-            self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-            os.environ.update(self.env)
+        self.connection.prepare()
         self.ray, self.serve = _import_serve()
-        ray = self.ray
-        common = {"logging_level": logging.ERROR, "log_to_driver": False}
-        if self.address == "local":
-            with critical():  # short: Ray's socket paths under it have a length limit
-                self.tmp = tempfile.mkdtemp(prefix="attnx-ray-", dir=system_tempdir())
-                self.token = track_folder(self.tmp)
-            try:
-                ray.init(address="local", _temp_dir=self.tmp, _node_ip_address="127.0.0.1", include_dashboard=False,
-                         object_store_memory=256 * 1024**2, **common)  # fmt: skip
-            except (RuntimeError, ConnectionError, OSError) as e:
-                raise UsageError(f"--ray local: Ray could not start on this machine: {e}") from None
-        else:
-            url = urlparse(self.address if "://" in self.address else f"x://{self.address}")
-            extra = {"_node_ip_address": "127.0.0.1"} if url.hostname in _LOOPBACK else {}
-            try:
-                ray.init(address=self.address, **common, **extra)
-            except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
+        self.connection.init(self.ray)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines are not the command's
-        reclaim()  # ray.init set a SIGTERM handler of its own (SystemExit): attnx's watcher ends the command
         return self.ray, self.serve
 
     def close(self, remove_folder: bool = True) -> None:
         """Stop Serve on a local cluster, and the cluster; leave an existing cluster (and its Serve) running."""
-        if self.ray is not None:
-            if self.address == "local" and self.ray.is_initialized():
-                with contextlib.suppress(Exception):
-                    self.serve.shutdown()
+        if self.ray is not None and self.connection.local and self.ray.is_initialized():
             with contextlib.suppress(Exception):
-                self.ray.shutdown()
-        for key in self.env:
-            os.environ.pop(key, None)
-        if self.tmp and remove_folder:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            forget(self.token)
-            self.tmp = None
+                self.serve.shutdown()
+        self.connection.close(self.ray, remove_folder)

@@ -1,6 +1,7 @@
 """The layers import in one direction (docs/about.md, "Architecture"), read from the source with ast.
 
-    ground    attnx.model, and attnx's own helpers (attnx, attnx.errors, attnx._io, attnx._signals, attnx._text)
+    ground    attnx.model, and attnx's own helpers (attnx, attnx.errors, attnx._io, attnx._ray, attnx._signals,
+              attnx._text)
     graph     attnx.export          run   attnx.runtimes        (siblings: neither imports the other)
     workflows attnx.workflows
     bench     attnx.bench           serve attnx.serve           (siblings)
@@ -33,7 +34,7 @@ else:  # pragma: no cover
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # heavy: the optional libraries a command that does not need them never imports (the serving stack among them)
 HEAVY = frozenset({"torch", "onnx_ir", "onnxscript", "onnxruntime", "matplotlib", "fastapi", "uvicorn", "ray"})
-GROUND_HELPERS = frozenset({"attnx", "attnx.errors", "attnx._io", "attnx._signals", "attnx._text"})
+GROUND_HELPERS = frozenset({"attnx", "attnx.errors", "attnx._io", "attnx._ray", "attnx._signals", "attnx._text"})
 # (layer, rank). Same rank, different layer: siblings, which may not import each other.
 LAYERS = {
     "attnx.model": ("ground", 0),
