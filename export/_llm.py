@@ -30,6 +30,7 @@ from attnx.export.terms import GRAPH_TERMS
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import rope_frequencies
+from attnx.model.rope import rope_table as cos_sin_table
 from attnx.model.terms import terms_at
 
 __all__ = ["norm_and_rotate", "rope_table"]
@@ -82,12 +83,8 @@ def _styled(c: AttentionConfig) -> list[str]:
 
 
 def rope_table(c: AttentionConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """GroupQueryAttention's cos_cache/sin_cache (do_rotary): [positions, dim/2] float32, row p the
-    cos/sin of p * inv_freq times attention_factor (the angle in float32, as every form)."""
-    inv_freq, factor = rope_frequencies(c.rope)
-    angle = np.arange(positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
-    return ((np.cos(angle.astype(np.float64)) * factor).astype(np.float32),
-            (np.sin(angle.astype(np.float64)) * factor).astype(np.float32))  # fmt: skip
+    """GroupQueryAttention's cos_cache/sin_cache (do_rotary) of the config's rope: attnx.model.rope.rope_table."""
+    return cos_sin_table(*rope_frequencies(c.rope), positions)
 
 
 def _decomposed(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str) -> tuple[str, str]:

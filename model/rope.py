@@ -52,6 +52,7 @@ __all__ = [
     "uses_long_factors",
     "rope_angles",
     "rope_cos_sin",
+    "rope_table",
     "rope_pairs",
     "rope_said",
 ]
@@ -391,6 +392,15 @@ def rope_angles(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, float]:
     seq_len = int(np.max(positions)) + 1 if positions.size else None
     inv_freq, factor = rope_frequencies(rope, seq_len)
     return positions.astype(np.float64)[..., None] * inv_freq, factor
+
+
+def rope_table(inv_freq: np.ndarray, factor: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cos/sin table a graph rotates with (GroupQueryAttention's cos_cache and sin_cache, do_rotary):
+    [positions, dim/2] float32, row p the cos and sin of p * inv_freq times attention_factor, the angle in float32
+    as every form computes it (the graph's Mul of float32 positions and frequencies), its cos and sin in float64."""
+    angle = np.arange(positions, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32).reshape(-1)[None, :]
+    return ((np.cos(angle.astype(np.float64)) * factor).astype(np.float32),
+            (np.sin(angle.astype(np.float64)) * factor).astype(np.float32))  # fmt: skip
 
 
 def rope_cos_sin(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -33,6 +33,7 @@ import onnx_ir as ir
 from attnx.export.passes._base import AttnxPass, const_array
 from attnx.export.passes.walk import is_op
 from attnx.model.contract import DECODE_KEY, MS_DOMAIN, ROPE_POSITIONS_KEY
+from attnx.model.rope import rope_table
 
 __all__ = ["BufferForm", "NotBufferable", "PackedQkv", "RotateInCore", "CAPACITY_DIM", "MASK", "SEQLENS", "TOTAL"]
 
@@ -205,9 +206,7 @@ class RotateInCore(AttnxPass):
             (inv_freq, factor), ((interleaved, _dim),) = ropes[0], attrs
             key = inv_freq.tobytes() + np.float32(factor).tobytes()
             if key not in tables:
-                angle = np.arange(self.positions, dtype=np.float32)[:, None] * inv_freq[None, :]
-                arrays = ((np.cos(angle.astype(np.float64)) * factor).astype(np.float32),
-                          (np.sin(angle.astype(np.float64)) * factor).astype(np.float32))  # fmt: skip
+                arrays = rope_table(inv_freq, factor, self.positions)  # the table export/_llm writes
                 tables[key] = tuple(ir.Value(name=f"attnx/rope{len(tables)}_{w}_cache", const_value=ir.tensor(a))
                                     for w, a in zip(("cos", "sin"), arrays))  # fmt: skip
                 for value in tables[key]:
