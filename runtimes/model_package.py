@@ -178,7 +178,8 @@ def replay_cases(runner: Runner, manifest: Mapping[str, Any], cases: Sequence[Ma
             at = f"prompt position {len(request.prompt) - first + row}" if row < first else f"step {row - first + 1}"
             failure = f"{at}: logits past the bound ({cmp.detail()})"
         checks.append(Check(name, failure is None, f"{said}: {failure}" if failure else f"{said}: the same greedy "
-                            f"tokens, logits {cmp.detail()}", cmp.stats()))  # fmt: skip
+                            f"tokens, logits {cmp.detail()}",
+                            {**cmp.stats(), "atol": cmp.atol, "rtol": cmp.rtol}))  # fmt: skip
     return checks
 
 

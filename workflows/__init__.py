@@ -38,6 +38,7 @@ from attnx.workflows._export import ExportReport, export_model, write_decomposed
 from attnx.workflows._import import ImportReport, check_against_source, import_model
 from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
 from attnx.workflows._optimize import OptimizeResult, optimize_file
+from attnx.workflows._proof import Proof, ProofStats, ProofStatus
 from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
 from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model, written_by_another_tool
 
@@ -62,6 +63,9 @@ __all__ = [
     "ExportReport",
     "ImportReport",
     "OptimizeResult",
+    "Proof",
+    "ProofStats",
+    "ProofStatus",
     "audit_model",
     "build_package",
     "check_against_expected",

@@ -32,6 +32,7 @@ from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
 from attnx.runtimes.generate import Request
 from attnx.runtimes.model_package import BUFFER_PROVIDER, engine_for, recorded_cases, replay_cases
+from attnx.workflows._proof import Proof, ProofStats
 from attnx.workflows.rewrite.prove import longest_reduction
 
 __all__ = ["DATA_FILE", "DECODE_FILE", "BufferFormResult", "prove_buffer_form", "serve_passes", "write_buffer_form"]
@@ -43,16 +44,18 @@ DATA_FILE = "model.onnx.data"
 @dataclasses.dataclass
 class BufferFormResult:
     """What write_buffer_form did: the file written (None, with the reason, where the form does not fit), the pass's
-    notes, and the proof's lines (prove_buffer_form)."""
+    notes, and its proofs (prove_buffer_form: one a prompt)."""
 
     file: str | None
     reason: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
-    proofs: list[str] = dataclasses.field(default_factory=list)
+    proofs: list[Proof] = dataclasses.field(default_factory=list)
     passed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Its fields, each proof as its line (as the manifest says it), their statuses and statistics beside."""
+        return {"file": self.file, "reason": self.reason, "notes": self.notes, "passed": self.passed,
+                "proofs": [str(p) for p in self.proofs], "proof_results": [p.to_dict() for p in self.proofs]}
 
 
 def serve_passes(positions: int) -> list[Any]:
@@ -83,9 +86,11 @@ def write_buffer_form(folder: str, model_file: str, positions: int = DEFAULT_ROP
 
 
 def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, said: Mapping[str, Any],
-                      lengths: Sequence[int], steps: int, vocab: int, blocks: int) -> None:  # fmt: skip
+                      lengths: Sequence[int], steps: int, vocab: int, blocks: int,
+                      computing: str | None = None) -> None:  # fmt: skip
     """The buffer form against the model's own I/O (the module doc), on ONNX Runtime's CPU provider: result.proofs
-    and result.passed. `said`: how the engine batches (max_batch, one_row, padding, context, as the manifest says)."""
+    and result.passed. `said`: how the engine batches (max_batch, one_row, padding, context, as the manifest says);
+    `computing`: how the two forms' kernels compute, where the proofs say it (float32 twins)."""
     paths = [os.path.join(folder, f) for f in (model_file, result.file)]
     tol = whole_model_tolerance("fp32", blocks)
     size = ProblemSize(longest_reduction(paths[0]))
@@ -97,7 +102,10 @@ def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, sa
         engine_for(own, said, record=True).run(requests)
     with create_runner(backend, ModelSource(model_path=paths[1])).load() as buffer:
         checks = replay_cases(buffer, said, recorded_cases(requests), tol, size, label="prompt")
-    result.passed = all(checks)
     rows = "one row at a time" if said.get("one_row") else f"{said['generations']['max_batch']} rows at once"
-    result.proofs = [f"{'pass' if c else 'FAIL'}: the buffer form against the model's own inputs and outputs, "
-                     f"{c.name} ({rows}): {c.detail}" for c in checks]  # fmt: skip
+    subject = "the buffer form against the model's own inputs and outputs" + (f", {computing}" if computing else "")
+    # each detail quotes its comparison (replay_cases: Comparison.detail(), a failing one's needed atol)
+    result.proofs = [Proof.verdict(bool(c), f"{subject}, {c.name} ({rows})", c.detail,
+                                   ProofStats.from_stats(c.stats) if c.stats is not None else None, quoted=True)
+                     for c in checks]  # fmt: skip
+    result.passed = all(result.proofs)

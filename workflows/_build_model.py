@@ -135,7 +135,7 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
                                 core=core, weights=weights, progress=progress)  # fmt: skip
         report.out = os.path.join(out, MODEL_FILE)  # where it will be, not the stage's name
         if not report.passed:
-            failed = [line for line in report.proofs if line.startswith("FAIL")]
+            failed = [str(p) for p in report.proofs if not p]
             raise CheckFailed(f"{model_path}: not packaged, attnx optimize did not prove it: "
                               + ("; ".join(failed) or "no block rewritten"))  # fmt: skip
         write_json_atomic(stage.path(REPORT_FILE), report.to_dict())
@@ -229,15 +229,11 @@ def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list
         with float32_twins([os.path.join(folder, n) for n in (MODEL_FILE, result.file)], folder) as twins:
             twin = dataclasses.replace(result, file=os.path.relpath(twins[1], folder))
             prove_buffer_form(folder, os.path.relpath(twins[0], folder), twin, said, lengths, GOLDEN_STEPS, vocab,
-                              blocks)  # fmt: skip
-        result.passed = twin.passed
-        result.proofs = [line.replace("the buffer form against the model's own inputs and outputs",
-                                      f"the buffer form against the model's own inputs and outputs, {TWINS_SAID}", 1)
-                         for line in twin.proofs]  # fmt: skip
+                              blocks, computing=TWINS_SAID)  # fmt: skip
+        result.passed, result.proofs = twin.passed, twin.proofs
     if not result.passed:
         raise CheckFailed(f"{model_path}: not packaged, its buffer form does not compute what its own inputs and "
-                          "outputs do: "
-                          + "; ".join(line for line in result.proofs if line.startswith("FAIL")))  # fmt: skip
+                          "outputs do: " + "; ".join(str(p) for p in result.proofs if not p))  # fmt: skip
     return result
 
 
@@ -326,7 +322,8 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
     cores = [b.written or f"kept {b.core}" for b in report.blocks]
     if buffer.file is not None:
         decode = {"form": "buffer: the cache written in place (past and present one buffer), each row its own length",
-                  "file": buffer.file, "served_on": [BUFFER_PROVIDER], "proofs": buffer.proofs, "notes": buffer.notes}
+                  "file": buffer.file, "served_on": [BUFFER_PROVIDER],
+                  "proofs": [str(p) for p in buffer.proofs], "notes": buffer.notes}
     else:
         decode = {"form": "growing: the model's own inputs and outputs (past_key_values in, present out)",
                   "file": MODEL_FILE, "buffer_form": f"not written: {buffer.reason}"}
@@ -345,7 +342,7 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
         "vocab": golden["vocab"], **{k: said[k] for k in ("context", "padding", "one_row", "cache_dims")},
         "decode": {**decode, "cores": cores, "max_batch": golden["largest_batch"]},
         "optimize": {"report": REPORT_FILE, "passed": report.passed, "provider": report.provider,
-                     "proofs": report.proofs, "weights": report.weights},
+                     "proofs": [str(p) for p in report.proofs], "weights": report.weights},
         "verified_on": [provider],
         "machine": {"cpu": _cpu(), "provider": PROVIDERS[provider].ort_name},
         "versions": versions(),

@@ -125,11 +125,12 @@ def run_attnx(src: Path, out: Path, ckpt: Path, encoder: bool) -> dict:
     got = {"passed": report.passed, "blocks": [f"{b.core} -> {b.written or 'kept: ' + str(b.kept)}"
                                                for b in report.blocks],
            "rewritten": sum(b.written is not None for b in report.blocks),
-           "repairs": [r for b in report.blocks for r in b.repairs], "proofs": report.proofs}  # fmt: skip
+           "repairs": [r for b in report.blocks for r in b.repairs],
+           "proofs": [str(p) for p in report.proofs]}  # fmt: skip
     if not report.written:  # the verdict, and why each block was kept
         kept = "; ".join(f"block {b.index} kept: {b.kept}" for b in report.blocks if b.kept)
         got["error"] = "nothing written" + (f": {kept}" if kept else "") + "; " + next(
-            (p for p in report.proofs if p.startswith("FAIL")), "")  # fmt: skip
+            (str(p) for p in report.proofs if not p), "")  # fmt: skip
     return got
 
 
@@ -176,12 +177,14 @@ def same_as_input(src: Path, out: Path, encoder: bool) -> dict:
     try:
         passed = same_model(report, str(src), str(out), right=right, dtype=dtype, caches=caches_of(src))
     except Exception as e:  # noqa: BLE001 (a runtime's error in a run is the finding)
-        return {"passed": False, "proofs": [f"FAIL: {first_line(e)}"]}
-    return {"passed": passed, "proofs": report.proofs}
+        return {"passed": False, "proofs": [f"FAIL: {first_line(e)}"], "largest logits difference": None}
+    return {"passed": passed, "proofs": [str(p) for p in report.proofs],
+            "largest logits difference": largest(report.proofs)}
 
 
-def largest(proofs: list[str]) -> float | None:
-    found = [float(m.group(1)) for p in proofs if (m := re.search(r"logits max_abs=([^ ,)]+)", p))]
+def largest(proofs: list) -> float | None:
+    """The largest logits difference of the whole-model proofs: their comparisons' max_abs."""
+    found = [p.stats.max_abs for p in proofs if p.stats is not None and p.stats.max_abs is not None]
     return max(found) if found else None
 
 
@@ -259,7 +262,6 @@ def check(path: Path, src: Path, ckpt: Path, reference: Path | None, encoder: bo
     if got["load error"] is None:
         if same:
             got["same as input"] = same_as_input(src, path, encoder)
-            got["same as input"]["largest logits difference"] = largest(got["same as input"]["proofs"])
         if reference is not None:
             try:
                 got["against transformers"] = against_reference(path, ckpt, reference)

@@ -115,7 +115,8 @@ def make(work: Path, fresh: bool, genai_python: str) -> dict[str, Path]:
             if not report.passed:
                 raise SystemExit("attnx optimize did not pass")
             built |= {"commit": git_commit(), "blocks": [f"{b.core} -> {b.written or 'kept: ' + str(b.kept)}"
-                                                         for b in report.blocks], "proofs": report.proofs}  # fmt: skip
+                                                         for b in report.blocks],
+                      "proofs": [str(p) for p in report.proofs]}  # fmt: skip
         elif name == ONNXSCRIPT:
             import onnx_ir as ir
             from onnxscript.rewriter.ort_fusions import optimize_for_ort

@@ -25,6 +25,11 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DYNAMO = FIXTURES / "exported" / "torch-dynamo"
 
 
+def _proofs(report) -> list[str]:
+    """Each proof of an optimize report as its line, as printed."""
+    return [str(p) for p in report.proofs]
+
+
 def _io(path) -> list:
     graph = onnx.load(str(path), load_external_data=False).graph
     return [(v.name, v.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
@@ -48,7 +53,7 @@ def test_every_block_is_rewritten_into_a_fused_core_and_proven(export, checkpoin
     assert _io(out) == _io(source)  # whatever fed the model feeds its rewrite
     ops = {(n.domain, n.op_type) for n in onnx.load(str(out)).graph.node}
     assert ("com.microsoft", "GroupQueryAttention") in ops and ("", "Softmax") not in ops
-    assert sum(line.startswith("pass: the whole model") for line in report.proofs) == 2
+    assert sum(line.startswith("pass: the whole model") for line in _proofs(report)) == 2
     assert set(report.model_times) == {"before", "after"} and all(t.error is None for t in report.model_times.values())
 
 
@@ -78,7 +83,7 @@ def test_an_encoder_whose_output_bias_is_added_after_its_block(tmp_path):
     report = optimize_model(str(bert / "model.onnx"), str(tmp_path / "out.onnx"), checkpoint=str(bert / "checkpoint"),
                             core="mha")  # fmt: skip
     assert report.passed and [b.written for b in report.blocks] == ["mha", "mha"], report.lines()
-    assert any("full sequence of a right-padded batch: the same greedy tokens" in line for line in report.proofs)
+    assert any("full sequence of a right-padded batch: the same greedy tokens" in line for line in _proofs(report))
     ops = [n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node]
     assert ops.count("SkipLayerNormalization") == 4 and "Attention" not in ops
 
@@ -141,7 +146,7 @@ def test_a_model_of_other_shapes_with_its_batch_fixed_at_one(tmp_path):
                             core="grouped-mha")  # fmt: skip
     assert report.passed and [b.written for b in report.blocks] == ["grouped-mha"] * 3, report.lines()
     assert _io(tmp_path / "out.onnx") == _io(source)
-    assert sum("of one row (the model's batch is fixed at 1)" in line for line in report.proofs) == 2
+    assert sum("of one row (the model's batch is fixed at 1)" in line for line in _proofs(report)) == 2
 
 
 def test_without_a_checkpoint_a_scaled_rope_is_read_as_the_graph_computes_it(tmp_path, capsys):
@@ -274,7 +279,7 @@ def test_quantized_projections_are_kept_and_the_core_alone_rewritten(tmp_path):
     assert report.passed and all(b.written for b in report.blocks), report.lines()
     assert {b.splice for b in report.blocks} == {"the core alone, at the graph's projections"} and not any(
         b.repairs for b in report.blocks)  # every int4 weight within its step of the checkpoint's
-    assert sum(line.startswith("pass: the whole model") for line in report.proofs) == 2
+    assert sum(line.startswith("pass: the whole model") for line in _proofs(report)) == 2
 
     def nbits(path) -> list:  # each MatMulNBits' packed weights and scales, as bytes
         graph = onnx.load(str(path)).graph
@@ -292,9 +297,10 @@ def test_the_builders_fp16_model_comes_out_decoding(tmp_path):
     source, out = FIXTURES / "genai" / "llama" / "fp16" / "model.onnx", tmp_path / "out.onnx"
     report = optimize_model(str(source), str(out), core="gqa")
     assert report.passed and [b.written for b in report.blocks] == ["gqa", "gqa"], report.lines()
-    assert any(line.startswith("said: the input fails to decode through its own cache (node ") for line in report.proofs)
+    assert any(line.startswith("said: the input fails to decode through its own cache (node ")
+               for line in _proofs(report))  # fmt: skip
     assert any(line.startswith("pass: the whole model, prefill + steps (held to the input's full sequence) of a "
-                               "left-padded batch: the same greedy tokens") for line in report.proofs)  # fmt: skip
+                               "left-padded batch: the same greedy tokens") for line in _proofs(report))  # fmt: skip
     assert _io(out) == _io(source)
     graph = onnx.load(str(out)).graph
     assert {n.op_type for n in graph.node} >= {"GroupQueryAttention", "Cast"} and not any(
@@ -319,7 +325,7 @@ def test_optimums_gemma2_is_rotated_at_the_positions_its_graph_counts(tmp_path):
     assert _agrees_with_transformers(out, family, 2)[0] and not _agrees_with_transformers(source, family, 2)[0]
     kept = optimize_model(str(source), str(tmp_path / "kept.onnx"), core="gqa")
     assert kept.passed and all(b.written == "gqa" and "softcap" not in b.formula for b in kept.blocks), kept.lines()
-    assert sum(line.startswith("pass: the whole model") for line in kept.proofs) == 2
+    assert sum(line.startswith("pass: the whole model") for line in _proofs(kept)) == 2
 
 
 @pytest.mark.parametrize(("export", "checkpoint"), [
@@ -334,7 +340,7 @@ def test_the_grouped_core_is_written_and_read_back_in_every_block(export, checkp
     report = optimize_model(str(DYNAMO / export / "model.onnx"), str(out), checkpoint=str(checkpoint), core="grouped-mha")
     assert report.passed and {b.written for b in report.blocks} == {"grouped-mha"}, report.lines()
     assert sum(line.startswith(f"pass: block {b.index} (grouped-mha)") for b in report.blocks
-               for line in report.proofs) == len(report.blocks)  # fmt: skip
+               for line in _proofs(report)) == len(report.blocks)  # fmt: skip
     nodes = [n for n in onnx.load(str(out)).graph.node if n.op_type == "MultiHeadAttention"]
     assert len(nodes) == len(report.blocks) and all(len(n.input) == 8 and n.input[6] for n in nodes)  # past/present
 
@@ -371,7 +377,7 @@ def test_the_auto_core_is_written_read_back_and_proven_in_every_block(tmp_path, 
                             checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))  # fmt: skip
     assert report.passed and {b.written for b in report.blocks} == {"auto"}, report.lines()
     assert sum(line.startswith(f"pass: block {b.index} (auto)") for b in report.blocks
-               for line in report.proofs) == len(report.blocks)  # fmt: skip
+               for line in _proofs(report)) == len(report.blocks)  # fmt: skip
     graph = onnx.load(str(out)).graph
     ifs = [n for n in graph.node if n.op_type == "If"]
     assert len(ifs) == len(report.blocks)
@@ -445,7 +451,7 @@ def test_the_whole_model_proof_fails_past_the_tolerance_tables_bound_and_names_w
     report = ModelOptimizeReport(str(source), "", None, [], [])
     assert not same_model(report, str(source), str(tmp_path / "scaled.onnx")), report.proofs
     assert all(line.startswith("FAIL: the whole model") and "the same greedy tokens" in line
-               and "(first logits past the bound at row 0, position " in line for line in report.proofs)  # fmt: skip
+               and "(first logits past the bound at row 0, position " in line for line in _proofs(report))  # fmt: skip
     assert_array_less(whole_model_tolerance("fp32", 1).ulps, whole_model_tolerance("fp32", 4).ulps)
 
 
@@ -496,10 +502,10 @@ def test_padding_positions_never_enter_the_whole_model_proof(before, after, pass
 
     report = ModelOptimizeReport("in.onnx", "", None, [], [])
     ok = same_tokens(report, _Logits(before), _Logits(after), False, whole_model_tolerance("fp32", 1), ProblemSize(7))
-    assert ok == passed, report.proofs
-    verdicts = [line for line in report.proofs if "the whole model" in line]
+    assert ok == passed == all(report.proofs), report.proofs  # a proof is false for a failure alone
+    verdicts = [line for line in _proofs(report) if "the whole model" in line]
     assert len(verdicts) == 1 and verdicts[0].startswith("pass" if passed else "FAIL") and "nan" not in verdicts[0]
-    assert said is None or said in "\n".join(report.proofs), report.proofs
+    assert said is None or said in "\n".join(_proofs(report)), report.proofs
 
 
 def test_a_gemma2_fault_whose_padding_rows_see_no_key_is_judged_at_real_positions(tmp_path):
@@ -525,12 +531,12 @@ def test_a_gemma2_fault_whose_padding_rows_see_no_key_is_judged_at_real_position
     onnx.save(proto, str(source))
     report = optimize_model(str(source), str(tmp_path / "out.onnx"), core="gqa")
     assert f"not read: node {softmax.name}: not read as attention: a Mul by 1.25 after the softcap: no term explains " \
-           "it" in report.proofs, report.proofs  # fmt: skip
+           "it" in _proofs(report), report.proofs  # fmt: skip
     assert [(b.node, b.written) for b in report.blocks] == [(layer_1.name, "gqa")], report.blocks
-    assert any(line.startswith("pass: block 0 (gqa)") for line in report.proofs), report.proofs
+    assert any(line.startswith("pass: block 0 (gqa)") for line in _proofs(report)), report.proofs
     assert any(line.startswith("said: the input's logits at row 1's own positions are not finite") for line in
-               report.proofs), report.proofs  # fmt: skip
-    verdicts = [line for line in report.proofs if "the whole model," in line]
+               _proofs(report)), report.proofs  # fmt: skip
+    verdicts = [line for line in _proofs(report) if "the whole model," in line]
     assert len(verdicts) == 2 and all(line.startswith("FAIL") and "first logits past the bound at row 1, " in line
                                       and "the written model's logits not finite at row 1" in line
                                       for line in verdicts), verdicts  # fmt: skip
@@ -543,7 +549,8 @@ def test_a_gemma2_fault_whose_padding_rows_see_no_key_is_judged_at_real_position
     scale.input[1] = "planted"
     onnx.save(proto, str(source))
     report = optimize_model(str(source), str(tmp_path / "out.onnx"), core="gqa")
-    assert report.passed and sum(line.startswith("pass: the whole model") for line in report.proofs) == 2, report.proofs
+    assert report.passed and sum(line.startswith("pass: the whole model") for line in _proofs(report)) == 2, \
+        report.proofs  # fmt: skip
 
 
 def test_a_model_with_external_data_is_written_with_its_own(tmp_path):
@@ -593,7 +600,7 @@ def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_laye
     faulty = optimize_model(str(source), str(tmp_path / "kept.onnx"), core=core)
     if "-opset" in model:  # decomposed: rewritten into the graph's own formula, whose tokens the input's are
         assert faulty.passed and faulty.blocks[layer].written == "gqa", faulty.lines()
-        assert sum(line.startswith("pass: the whole model") for line in faulty.proofs) == 2
+        assert sum(line.startswith("pass: the whole model") for line in _proofs(faulty)) == 2
     else:  # GroupQueryAttention already: the same core, the same formula
         assert faulty.passed and not any(b.written for b in faulty.blocks) and faulty.blocks[layer].choice.fastest
         assert "the rewrite would be the block itself" in faulty.blocks[layer].kept
@@ -608,7 +615,7 @@ def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_laye
     assert repaired.blocks[layer].repairs[0].startswith(f"layer {layer}: {fixed}")
     assert f"block {layer} repair: layer {layer}: {fixed}" in "\n".join(repaired.lines())
     assert any(line.startswith(f"pass: block {layer} (gqa) against the float64 reference and the checkpoint")
-               for line in repaired.proofs)  # fmt: skip
+               for line in _proofs(repaired))  # fmt: skip
     if "int4" in model:  # its projections kept as they were
         assert "MatMulNBits" in {n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node}
 

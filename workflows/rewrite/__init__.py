@@ -41,6 +41,7 @@ from attnx.model.contract import CONFIG_KEY, PROVIDERS
 from attnx.model.dtypes import check_choice
 from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.runtimes.base import backend_unavailable_reason
+from attnx.workflows._proof import Proof, ProofStatus
 from attnx.workflows.audit.cut import AuditGraph, cut_extractor, read_computed_terms
 from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
@@ -101,7 +102,7 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
                                  progress=progress)  # fmt: skip
         report.model = model_path
         report.weights = record.to_dict()
-        report.proofs.insert(0, f"said: {record.said()}")
+        report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
         if report.written:
             say(f"measuring the {weights} model's distance from the fp32 input")
             report.weights["distance"] = weights_distance(model_path, out_path, report.caches_read(), provider)
@@ -175,7 +176,7 @@ def _optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = 
     if not report.blocks and not unread:
         raise UsageError(f"{model_path}: no attention block found (a model attnx did not write: no 'attnx.config' "
                          "metadata): nothing to optimize")  # fmt: skip
-    report.proofs += [f"not read: {line}" for line in unread]
+    report.proofs += [Proof(ProofStatus.NOT_READ, line) for line in unread]
     if plans:
         splice_blocks(model, plans)
     with output_lock(out_path), Staging(out_path) as stage:

@@ -15,6 +15,7 @@ from attnx.model.contract import PROVIDERS, external_data_locations
 from attnx.model.tolerance import ProblemSize, Tolerance, whole_model_tolerance
 from attnx.runtimes.base import Runner
 from attnx.runtimes.compare import compare_arrays
+from attnx.workflows._proof import Proof, ProofStats, ProofStatus
 from attnx.workflows.audit import audit_model
 from attnx.workflows.audit.cut import NP_DTYPES, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
@@ -29,17 +30,18 @@ TWINS_SAID = "each with its MatMulNBits computing in float32 (accuracy_level 1; 
 def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoint: str | None, plans: list[Any],
            say: Callable[[str], None], provider: str = "cpu",
           caches: dict[str, tuple[int, int, int]] | None = None) -> bool:  # fmt: skip
-    """The written model's proofs (the module doc), each a line of the report; whether all hold. caches: each cache
+    """The written model's proofs (the module doc), each a Proof of the report; whether all hold. caches: each cache
     input's (kv heads, capacity, head_dim) as its block reads it (capacity: the positions it holds before the first
     token, a window kept in a ring buffer), where the model's dims do not say."""
     if not plans:
         fastest = [b.index for b in report.blocks if b.choice is not None and b.choice.fastest]
         if not fastest:
-            report.proofs.append("FAIL: no block rewritten: nothing to write")
+            report.proofs.append(Proof(ProofStatus.FAIL, "no block rewritten", "nothing to write"))
             return False
         # already fast is not a failure: the model is written as it came, so a pipeline's next step finds it
-        report.proofs.append(f"pass: no block rewritten: block(s) {', '.join(map(str, fastest))} already in the "
-                             "fastest core for their inputs and outputs (timed above); the model written as it is")  # fmt: skip
+        report.proofs.append(Proof(ProofStatus.PASS, "no block rewritten",
+                                   f"block(s) {', '.join(map(str, fastest))} already in the fastest core for their "
+                                   "inputs and outputs (timed above); the model written as it is"))  # fmt: skip
         return True
     say("auditing the written model's blocks")
     audit = audit_model(out_path, checkpoint=checkpoint, backends=(PROVIDERS[provider].backend,))
@@ -47,29 +49,32 @@ def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoin
     ok = True
     for finding in audit.findings:  # of the whole model: its decoding as written fails, a layer paired twice
         ok = False
-        report.proofs.append(f"FAIL: the written model: {finding}")
+        report.proofs.append(Proof(ProofStatus.FAIL, "the written model", finding))
     for plan in plans:
         block = plan.block
         b = read.get(block.index)
         if b is None:
             ok = False
-            report.proofs.append(f"FAIL: block {block.index} of the written model is not read back: "
-                                 + "; ".join(audit.unread))  # fmt: skip
+            report.proofs.append(Proof(ProofStatus.FAIL, f"block {block.index} of the written model is not read back",
+                                       "; ".join(audit.unread)))  # fmt: skip
             continue
         fine = b.passed and (checkpoint is None or not b.findings)
         ok &= fine
-        report.proofs.append(f"{'pass' if fine else 'FAIL'}: block {b.index} ({b.core}) against the float64 reference"
-                             f"{' and the checkpoint' if checkpoint else ''}"
-                             + ("" if fine else ": " + "; ".join(b.findings + b.not_checked)))  # fmt: skip
+        worst = b.worst()  # a failing one's line ends with the atol it would pass at
+        report.proofs.append(Proof.verdict(fine, f"block {b.index} ({b.core}) against the float64 reference"
+                                                 f"{' and the checkpoint' if checkpoint else ''}",
+                                           "" if fine else "; ".join(b.findings + b.not_checked),
+                                           ProofStats.of(worst) if worst is not None else None))  # fmt: skip
     say("running the written model against the input through its own inputs and outputs")
     # padded as the model's blocks read a padded row: right for a mask_index or seqlens_k (BERT's fused Attention, the
     # GenAI builder's GroupQueryAttention), else left (transformers' attention_mask)
     right = report.padding == "right"
     repaired = [b.layer for b in report.blocks if b.written is not None and b.repairs]
     if repaired:  # they compute what the checkpoint states, which the input does not: held to its reference above
-        report.proofs.append(f"not compared: the whole model against the input, whose layer(s) "
-                             f"{', '.join(map(str, repaired))} compute other terms than the checkpoint states; each "
-                             "repaired block is held to the checkpoint's reference above")  # fmt: skip
+        report.proofs.append(Proof(ProofStatus.NOT_COMPARED,
+                                   f"the whole model against the input, whose layer(s) {', '.join(map(str, repaired))} "
+                                   "compute other terms than the checkpoint states; each repaired block is held to "
+                                   "the checkpoint's reference above"))  # fmt: skip
         return ok
     dtype = next((plan.dtype for plan in plans if plan.dtype != "fp32"), "fp32")
     ok &= same_model(report, model_path, out_path, right, provider, len(plans), dtype, caches)
@@ -93,21 +98,18 @@ def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, righ
         for path in paths:
             runner = runner_for(PROVIDERS[provider].backend, path)
             if isinstance(runner, str):
-                report.proofs.append(f"FAIL: the whole model not run: {runner}")
+                report.proofs.append(Proof(ProofStatus.FAIL, "the whole model not run", runner))
                 return False
             runners.append(stack.enter_context(runner))
         before, after = declared_io(model_path), declared_io(out_path)
         if before != after:  # as the files declare them (a runtime may type an output further from its producer)
             which = next(a[0] for a, b in zip(before + [("-",)], after + [("-",)]) if a != b)
-            report.proofs.append(f"FAIL: the written model's inputs or outputs differ from the input's (first: {which})")
+            report.proofs.append(Proof(ProofStatus.FAIL, "the written model's inputs or outputs differ from the "
+                                                         f"input's (first: {which})"))  # fmt: skip
             return False
-        start = len(report.proofs)
-        same = same_tokens(report, *runners, right, whole_model_tolerance(dtype, rewritten),
-                           ProblemSize(longest_reduction(model_path)), caches)  # fmt: skip
-        if twins:
-            report.proofs[start:] = [line.replace("the whole model,", f"the whole model ({TWINS_SAID}),", 1)
-                                     for line in report.proofs[start:]]  # fmt: skip
-        return same
+        return same_tokens(report, *runners, right, whole_model_tolerance(dtype, rewritten),
+                           ProblemSize(longest_reduction(model_path)), caches,
+                           named=f"the whole model ({TWINS_SAID})" if twins else "the whole model")  # fmt: skip
 
 
 def int8_activations(path: str) -> bool:
@@ -183,7 +185,8 @@ def longest_reduction(model_path: str) -> int:
 
 
 def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, right: bool, tol: Tolerance,
-                size: ProblemSize, read: dict[str, tuple[int, int, int]] | None = None) -> bool:  # fmt: skip
+                size: ProblemSize, read: dict[str, tuple[int, int, int]] | None = None, *,
+                named: str = "the whole model") -> bool:  # fmt: skip
     """_same_model's runs and comparison, on the two loaded models (one row where the model fixes its batch at 1):
     the same greedy tokens at every unpadded position, and the logits there within `tol` (the tolerance table's
     whole-model row) of the input's; a failure names its first (row, position), a NaN or inf there included. A
@@ -192,10 +195,11 @@ def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, righ
     hides: 0 * NaN), that row is held to the input's run of the row alone, as said. An input that fails to decode
     through its own cache (ONNX Runtime's error: the GenAI builder's fp16 model) is said, and the written model's
     steps are held to the input's full sequence instead: a causal model's logits at a position are the same whether
-    its tokens come at once or one by one."""
+    its tokens come at once or one by one. `named`: how the proofs name the model (and how its kernels compute)."""
     names = {spec.name for spec in before.inputs}
     if "input_ids" not in names or "attention_mask" not in names:
-        report.proofs.append("not checked: the whole model, fed input_ids and attention_mask only in this version")
+        report.proofs.append(Proof(ProofStatus.NOT_CHECKED,
+                                   f"{named}, fed input_ids and attention_mask only in this version"))  # fmt: skip
         return True
     fixed = next(spec.shape[0] for spec in before.inputs if spec.name == "input_ids")
     batch = fixed if isinstance(fixed, int) else 2  # the model's own batch where its dims fix it
@@ -239,8 +243,9 @@ def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, righ
         a_steps = a_whole
         decodes = False
         steps_said = "prefill + steps (held to the input's full sequence)"
-        report.proofs.append(f"said: the input fails to decode through its own cache ({first_line(e)}); the "
-                             "written model's steps are held to the input's full sequence")  # fmt: skip
+        report.proofs.append(Proof(ProofStatus.SAID, f"the input fails to decode through its own cache "
+                                                     f"({first_line(e)}); the written model's steps are held to the "
+                                                     "input's full sequence"))  # fmt: skip
     keep = mask.astype(bool)
     a_whole, a_steps = alone_where_padding_spreads(report, before, run, ids, keep, prefill, decodes, a_whole, a_steps)
     ok = True
@@ -258,8 +263,9 @@ def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, righ
         if cmp.nonfinite is not None:
             whose = "the written model's" if cmp.nonfinite_in == "output" else "the input's"
             first += [f"{whose} logits not finite at row {cmp.nonfinite[0]}, position {cmp.nonfinite[1]}"]
-        report.proofs.append(f"{'pass' if fine else 'FAIL'}: the whole model, {what} of {rows}: {said}"
-                             + (f" ({'; '.join(first)})" if first else ""))  # fmt: skip
+        report.proofs.append(Proof.verdict(fine, f"{named}, {what} of {rows}",
+                                           said + (f" ({'; '.join(first)})" if first else ""), ProofStats.of(cmp),
+                                           quoted=True))  # fmt: skip
     return ok
 
 
@@ -284,7 +290,9 @@ def alone_where_padding_spreads(report: ModelOptimizeReport, before: Runner,
         if not (np.isfinite(alone_whole[0]).all() and np.isfinite(alone_steps[0]).all()):
             continue
         whole[row, own], steps[row, own] = alone_whole[0], alone_steps[0]
-        report.proofs.append(f"said: the input's logits at row {row}'s own positions are not finite in the padded "
-                             "batch and finite with the row alone: its padding's outputs reach them (0 * NaN through "
-                             "keys its mask hides); that row is held to the input's run of it alone")  # fmt: skip
+        report.proofs.append(Proof(ProofStatus.SAID, f"the input's logits at row {row}'s own positions are not "
+                                                     "finite in the padded batch and finite with the row alone: "
+                                                     "its padding's outputs reach them (0 * NaN through keys its "
+                                                     "mask hides); that row is held to the input's run of it "
+                                                     "alone"))  # fmt: skip
     return whole, steps

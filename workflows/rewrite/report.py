@@ -9,6 +9,7 @@ from typing import Any
 from attnx._text import format_table
 from attnx.model.rope import rope_said
 from attnx.model.terms import TERMS
+from attnx.workflows._proof import Proof
 from attnx.workflows.rewrite.choose import CoreChoice, Timing
 
 __all__ = ["BlockRewrite", "ModelOptimizeReport", "formula_said"]
@@ -100,7 +101,7 @@ class ModelOptimizeReport:
     out: str
     checkpoint: str | None
     blocks: list[BlockRewrite]
-    proofs: list[str]  # each proof, one line: "pass: ..." or "FAIL: ..."
+    proofs: list[Proof]  # each proof (attnx.workflows._proof), printed as one line: "pass: ..." or "FAIL: ..."
     passed: bool = False
     written: bool = False
     provider: str = "cpu"
@@ -134,7 +135,7 @@ class ModelOptimizeReport:
                            f"prompt and {shape['steps']} steps)")  # fmt: skip
             for b in self.blocks:
                 out += b.notes()
-        out += self.proofs
+        out += [str(p) for p in self.proofs]
         if self.model_times:
             shape = self.time_shape
             before, after = self.model_times.get("before"), self.model_times.get("after")
@@ -156,6 +157,7 @@ class ModelOptimizeReport:
             row = {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "choice"}
             blocks.append({**row, "choice": b.choice.to_dict() if b.choice is not None else None})
         return {"model": self.model, "out": self.out, "checkpoint": self.checkpoint, "passed": self.passed,
-                "written": self.written, "provider": self.provider, "padding": self.padding, "blocks": blocks, "proofs": self.proofs,
+                "written": self.written, "provider": self.provider, "padding": self.padding, "blocks": blocks,
+                "proofs": [str(p) for p in self.proofs], "proof_results": [p.to_dict() for p in self.proofs],
                 "time_shape": self.time_shape, "caches": self.caches, "weights": self.weights,
                 "model_times": {k: dataclasses.asdict(t) for k, t in self.model_times.items()}}  # fmt: skip

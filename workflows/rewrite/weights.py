@@ -21,6 +21,7 @@ import onnx_ir as ir
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export.passes.quantize_weights import WEIGHT_BITS, QuantizeWeights, WeightsRecord
 from attnx.model.contract import PROVIDERS
+from attnx.workflows._proof import Proof, ProofStatus
 from attnx.workflows.audit.cut import graph_feeds, runner_for
 from attnx.workflows.rewrite.prove import empty_cache
 
@@ -80,11 +81,14 @@ def weights_distance(fp32_path: str, quantized_path: str, caches: Mapping[str, t
             "worst_top1": min(r["top1"] for r in rows), "per_prompt": rows}  # fmt: skip
 
 
-def distance_said(distance: Mapping[str, Any], weights: str) -> str:
-    return (f"said: the {weights} model against the fp32 input, {len(distance['prompts'])} prompts of "
-            f"{', '.join(map(str, distance['prompts']))} tokens (full sequence): logits relative RMS "
-            f"{distance['rel_rms']:.3g} (worst prompt {distance['worst_rel_rms']:.3g}), top-1 agreement "
-            f"{distance['top1']:.1%} (worst prompt {distance['worst_top1']:.1%})")  # fmt: skip
+def distance_said(distance: Mapping[str, Any], weights: str) -> Proof:
+    """The quantized model's distance from the fp32 input (weights_distance), said among the proofs: the user's call,
+    never a failure."""
+    return Proof(ProofStatus.SAID, f"the {weights} model against the fp32 input, {len(distance['prompts'])} prompts of "
+                                   f"{', '.join(map(str, distance['prompts']))} tokens (full sequence): logits "
+                                   f"relative RMS {distance['rel_rms']:.3g} (worst prompt "
+                                   f"{distance['worst_rel_rms']:.3g}), top-1 agreement {distance['top1']:.1%} (worst "
+                                   f"prompt {distance['worst_top1']:.1%})")  # fmt: skip
 
 
 def _vocab(runner: Any) -> int:
