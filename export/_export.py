@@ -370,18 +370,61 @@ def _all_values(graph: ir.Graph) -> Iterator[ir.Value]:
 
 
 def initializer_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    """The bytes of every initializer of the model and its subgraphs (from dtype and shape: external data is not
+    read)."""
+    tensors = [v.const_value for g in model.graphs() for v in g.initializers.values()]
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
+def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    return [v.const_value for g in model.graphs() for v in g.initializers.values()
+            if isinstance(v.const_value, ir.ExternalTensor)]  # fmt: skip
+
+
+def _check_one_file(model: ir.Model, target: str) -> None:
+    """external_data=False: what is embedded fits one protobuf file, and the tensors kept in their data file are
+    in the one their location names beside `target`, inside its folder (else the written model would point at
+    another file or none)."""
+    embedded = initializer_bytes(model) - sum(t.nbytes for t in _external_tensors(model))
+    if embedded > EXTERNAL_DATA_THRESHOLD:
+        raise ExportError(f"cannot write {target!r} as one file: its tensors hold {embedded} bytes, past "
+                          f"{EXTERNAL_DATA_THRESHOLD} (protobuf's 2 GiB limit); save it with external data")
+    folder = os.path.dirname(os.path.realpath(target))
+    for tensor in _external_tensors(model):
+        held = os.path.realpath(tensor.path)
+        beside = os.path.realpath(os.path.join(folder, tensor.location))
+        if held != beside or os.path.commonpath([folder, beside]) != folder:
+            raise ExportError(f"cannot keep tensor {tensor.name!r} in its data file {held!r}: {target!r} would read "
+                              f"it at {beside!r}; save with external_data=True to write a data file of its own")  # fmt: skip
+
+
+def _ordinary_mode(path: str) -> None:
+    """onnx-ir writes a data file through a private temporary file (mode 0600): the mode an ordinary new file has."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> list[str]:
-    """Write the model atomically (attnx._io.Staging: staged beside `path`, then renamed).
+    """Write `model` at `path`, the one way attnx writes an onnx-ir model; returns the files written.
 
-    Models whose initializers pass 2 GB (or external_data=True) get one data file
-    `<name>.onnx.data` beside them, with a relative location. Returns the files written.
+    Atomic: the model (and its data file) written in a staging folder beside `path`, then renamed into place
+    (attnx._io.Staging); a failure leaves `path` as it was. IR version IR_VERSION (attnx.model.contract).
+    external_data None: one data file `<name>.data` beside the model (relative location, an ordinary file's mode)
+    where any initializer is already in a data file (a model read back from disk, another tool's) or the
+    initializers pass EXTERNAL_DATA_THRESHOLD (protobuf's 2 GiB, less room for the graph); else one file.
+    True: the data file always. False: no data file of its own: tensors in memory are embedded, those already in
+    a data file are kept where they are, which must be beside `path` (a second model sharing the first's data,
+    the buffer form's decode.onnx). The tensors are written one at a time (onnx-ir's save).
     """
     model.ir_version = IR_VERSION
     if external_data is None:
-        external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        external_data = bool(_external_tensors(model)) or initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    elif not external_data:
+        _check_one_file(model, os.path.abspath(os.fspath(path)))
     with Staging(path) as stage:
-        ir.save(model, stage.path(), external_data=f"{stage.name}.data" if external_data else None)
+        data = f"{stage.name}.data" if external_data else None
+        ir.save(model, stage.path(), external_data=data)
+        if data is not None and os.path.exists(stage.path(data)):  # none where every tensor is small
+            _ordinary_mode(stage.path(data))
         return stage.publish()

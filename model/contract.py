@@ -147,8 +147,9 @@ DEFAULT_OPSET = 18
 # the exporter writes up to 26 and silently falls back to 18 beyond; ORT 1.31 refuses the
 # standard Attention op at 26).
 MAX_OPSET = 25
-# Above this many bytes of initializers a model is saved with external data (protobuf's 2 GB).
-EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
+# Above this many bytes of initializers a model is saved with external data: protobuf's 2 GiB limit on one
+# file, less 64 MiB of room for the graph, its names and its small constants.
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2
 
 # Metadata keys (model.metadata_props) --------------------------------------------------------------
 CONFIG_KEY = "attnx.config"  # the AttentionConfig as JSON: a bare model.onnx describes itself

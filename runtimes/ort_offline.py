@@ -99,8 +99,8 @@ def optimize_for_provider(
 ) -> OfflineResult:
     """Save the model as ONNX Runtime optimizes it for `provider` at `level`, atomically.
 
-    external_data None means: when the initializers pass 2 GB (protobuf's limit), as
-    attnx.export.save_model does; the data file is `<name>.data` beside the model. The
+    external_data None means: when the initializers pass EXTERNAL_DATA_THRESHOLD (protobuf's 2 GiB, less
+    room for the graph), as attnx.export.save_model does; the data file is `<name>.data` beside the model. The
     written model is loaded again in this onnxruntime, with the same provider, before it
     replaces anything at out_path. Raises ProviderUnavailable when the provider does not
     really start (ORT falls back to CPU silently).

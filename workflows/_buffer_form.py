@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from attnx.export import save_model
 from attnx.export.passes.buffer_form import BufferForm, NotBufferable, PackedQkv, RotateInCore
 from attnx.export.passes.serve import FuseRmsNorm, FuseSkipRmsNorm, LastLogits, PackMatMuls
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, external_data_locations
@@ -73,15 +74,14 @@ def write_buffer_form(folder: str, model_file: str, positions: int = DEFAULT_ROP
         BufferForm()(ir.load(path))  # whether it fits, before any file is touched
     except NotBufferable as e:
         return BufferFormResult(None, str(e))
-    if not external_data_locations(path):
-        model = ir.load(path)  # the whole proto in memory: model.onnx can be written over
-        ir.save(model, path, external_data=DATA_FILE)
-    model = ir.load(path)  # its tensors the data file's entries, kept as they are by ir.save below
+    if not external_data_locations(path):  # DATA_FILE: save_model's `<name>.data` of the package's model.onnx
+        save_model(ir.load(path), path, external_data=True)
+    model = ir.load(path)  # its tensors the data file's entries, kept where they are by save_model below
     notes = []
     for step in serve_passes(positions):
         step(model)
         notes += step.notes
-    ir.save(model, os.path.join(folder, DECODE_FILE))
+    save_model(model, os.path.join(folder, DECODE_FILE), external_data=False)
     return BufferFormResult(DECODE_FILE, notes=notes)
 
 

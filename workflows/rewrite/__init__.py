@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
+from attnx.export import save_model
 from attnx.export._blocks import iter_blocks
 from attnx.model.contract import CONFIG_KEY, PROVIDERS
 from attnx.model.dtypes import check_choice
@@ -62,23 +63,6 @@ def written_by_another_tool(path: str) -> bool:
 
     check_untrusted_model(os.fspath(path))
     return CONFIG_KEY not in {p.key for p in onnx.load(os.fspath(path), load_external_data=False).metadata_props}
-
-
-# the largest model written as one protobuf file (protobuf's own limit is 2 GiB)
-ONE_FILE_BYTES = 2 * 1024**3 - 64 * 1024**2
-
-
-def save_model(model: ir.Model, path: str) -> None:
-    """`model` written at `path`: as one file, or with its tensors in `<name>.data` beside it (relative location)
-    where the input kept external data or the tensors pass ONE_FILE_BYTES; the tensors are written one at a time
-    (onnx-ir's save), those still in the input's data file copied from it."""
-    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
-    external = any(isinstance(t, ir.ExternalTensor) for t in tensors) or sum(t.nbytes for t in tensors) > ONE_FILE_BYTES
-    ir.save(model, path, external_data=os.path.basename(path) + ".data" if external else None)
-    if external:  # onnx-ir writes it through a private temporary file: an ordinary file's mode once it is ours
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(path + ".data", 0o666 & ~umask)
 
 
 def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
