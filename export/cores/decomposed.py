@@ -10,7 +10,7 @@ import onnx_ir as ir
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
 from attnx.export.cores._emit import Emit, cache_heads
 from attnx.export.cores._registry import CoreGraph, register
-from attnx.export.passes._masks import NotReadable, classify_hidden
+from attnx.export.passes._masks import classify_hidden
 from attnx.export.passes.walk import (
     NotRead,
     find_projection,
@@ -84,7 +84,7 @@ def _read_mask(hidden: ir.Value, scores: ir.Value) -> dict[str, Any]:
     q_len, kv_len = (shape[-2], shape[-1]) if shape is not None and len(shape) == 4 else (None, None)
     try:
         mask = classify_hidden(hidden, q_len, kv_len)
-    except NotReadable as e:
+    except NotRead as e:
         return {"mask": f"not read: {e}"}
     return {"causal": mask.causal, "key_padding_mask": mask.key_padding is not None}
 

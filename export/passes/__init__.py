@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from attnx.export.passes._base import AttnxPass, PassRecord, PipelineReport, const_array, count_ops, run_pipeline
 from attnx.export.passes._lower import PrecisionResult, convert_precision, precision_passes
-from attnx.export.passes._masks import KeyMask, NotReadable
+from attnx.export.passes._masks import KeyMask
 from attnx.export.passes._names import NameStages
 from attnx.export.passes.fp16 import ConvertToFloat16
 from attnx.export.passes.quantize import (
@@ -19,6 +19,7 @@ from attnx.export.passes.quantize import (
     QuantizeProjections,
     dequantize_node,
 )
+from attnx.export.passes.walk import NotRead
 
 __all__ = [
     "AttnxPass",
@@ -28,7 +29,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "KeyMask",
     "NameStages",
-    "NotReadable",
+    "NotRead",
     "PassRecord",
     "PipelineReport",
     "PrecisionResult",

@@ -10,7 +10,7 @@ The exporter writes the mask of the formula (docs/concepts/formula.md) as a smal
 com.microsoft MultiHeadAttention cannot take such a tensor without materialising it at
 [B, S, L]; it takes the same information as `unidirectional=1` and an int32 key padding
 mask of shape [B, L]. classify_hidden() recognises the forms above and returns that
-information, or raises NotReadable with the reason, so that a mask it does not understand
+information, or raises NotRead with the reason, so that a mask it does not understand
 is never guessed at.
 """
 
@@ -22,12 +22,9 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes._base import const_array
+from attnx.export.passes.walk import NotRead
 
-__all__ = ["NotReadable", "KeyMask", "classify_hidden", "classify_attend", "classify_any_visible", "const_array"]
-
-
-class NotReadable(Exception):
-    """The matched subgraph cannot be replaced; the message says why (it goes in the report)."""
+__all__ = ["KeyMask", "classify_hidden", "classify_attend", "classify_any_visible", "const_array"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +36,7 @@ class KeyMask:
 
     def __or__(self, other: KeyMask) -> KeyMask:
         if self.key_padding is not None and other.key_padding is not None and self.key_padding is not other.key_padding:
-            raise NotReadable("the mask combines two different key padding inputs")
+            raise NotRead("the mask combines two different key padding inputs")
         return KeyMask(self.causal or other.causal, self.key_padding or other.key_padding)
 
     @property
@@ -88,25 +85,25 @@ def _producer_name(value: ir.Value) -> str:
 
 def classify_hidden(hidden: ir.Value, q_len: object, kv_len: object) -> KeyMask:
     """What the boolean `hidden` (True hides) means, for queries of length q_len and keys
-    of length kv_len (dims of the attention's inputs). Raises NotReadable otherwise."""
+    of length kv_len (dims of the attention's inputs). Raises NotRead otherwise."""
     if hidden.dtype != ir.DataType.BOOL:
-        raise NotReadable(f"the mask {hidden.name!r} is {hidden.dtype}, not a boolean mask")
+        raise NotRead(f"the mask {hidden.name!r} is {hidden.dtype}, not a boolean mask")
     if (node := _op(hidden, "Or")) is not None:
         return classify_hidden(node.inputs[0], q_len, kv_len) | classify_hidden(node.inputs[1], q_len, kv_len)
     node = _op(hidden, "Unsqueeze")
     if node is None:
-        raise NotReadable(f"the mask is built by {_producer_name(hidden)}, neither a causal nor a key padding mask")
+        raise NotRead(f"the mask is built by {_producer_name(hidden)}, neither a causal nor a key padding mask")
     source, axes = node.inputs[0], _ints(node.inputs[1])
     if source.is_graph_input() and axes == [1, 2]:
         # [B, L] -> [B, 1, 1, L]: one flag per key, the same for every query and head.
         if source.dtype != ir.DataType.BOOL or source.shape is None or source.shape.rank() != 2:
-            raise NotReadable(f"input {source.name!r} is not a boolean [batch, keys] key padding mask")
+            raise NotRead(f"input {source.name!r} is not a boolean [batch, keys] key padding mask")
         if not _same_dim(_dim(source, 1), kv_len):
-            raise NotReadable(f"key padding mask {source.name!r} has {_dim(source, 1)} keys, the attention {kv_len}")
+            raise NotRead(f"key padding mask {source.name!r} has {_dim(source, 1)} keys, the attention {kv_len}")
         return KeyMask(key_padding=source)
     if axes == [0, 1] and _is_causal_grid(source, q_len, kv_len):
         return KeyMask(causal=True)
-    raise NotReadable(f"the mask {hidden.name!r} is neither a causal nor a key padding mask")
+    raise NotRead(f"the mask {hidden.name!r} is neither a causal nor a key padding mask")
 
 
 def _is_causal_grid(grid: ir.Value, q_len: object, kv_len: object) -> bool:
@@ -138,12 +135,12 @@ def classify_attend(attend: ir.Value, q_len: object, kv_len: object) -> KeyMask:
     """The opset-23 Attention op's boolean attn_mask (True attends): Not(hidden), possibly
     broadcast by an Expand (which repeats values and changes none)."""
     if attend.dtype != ir.DataType.BOOL:
-        raise NotReadable(f"the attention mask {attend.name!r} is {attend.dtype}, not boolean (an additive mask)")
+        raise NotRead(f"the attention mask {attend.name!r} is {attend.dtype}, not boolean (an additive mask)")
     if (node := _op(attend, "Expand")) is not None:
         attend = node.inputs[0]
     node = _op(attend, "Not")
     if node is None:
-        raise NotReadable(f"the attention mask is built by {_producer_name(attend)}, not Not(hidden)")
+        raise NotRead(f"the attention mask is built by {_producer_name(attend)}, not Not(hidden)")
     return classify_hidden(node.inputs[0], q_len, kv_len)
 
 
@@ -156,12 +153,12 @@ def classify_any_visible(visible: ir.Value, q_len: object, kv_len: object) -> Ke
     reduce = _op(cast_bool.inputs[0], "ReduceMin") if cast_bool is not None else None
     cast_int = _op(reduce.inputs[0], "Cast") if reduce is not None else None
     if cast_int is None:
-        raise NotReadable(f"the zeroing condition {visible.name!r} is not 'not all keys hidden'")
+        raise NotRead(f"the zeroing condition {visible.name!r} is not 'not all keys hidden'")
     axes = _ints(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
     keepdims = reduce.attributes.get_int("keepdims", 1)
     rank = cast_int.inputs[0].shape.rank() if cast_int.inputs[0].shape is not None else None
     if axes is None or len(axes) != 1 or rank is None or axes[0] % rank != rank - 1 or keepdims != 1:
-        raise NotReadable(f"the zeroing condition {visible.name!r} does not reduce over the keys")
+        raise NotRead(f"the zeroing condition {visible.name!r} does not reduce over the keys")
     if cast_bool.attributes.get_int("to") != ir.DataType.BOOL:
-        raise NotReadable(f"the zeroing condition {visible.name!r} is not boolean")
+        raise NotRead(f"the zeroing condition {visible.name!r} is not boolean")
     return classify_hidden(cast_int.inputs[0], q_len, kv_len)

@@ -31,7 +31,8 @@ STD = ("", "ai.onnx")
 
 
 class NotRead(Exception):
-    """A structure a reader does not follow; the message says what and where."""
+    """A structure a reader does not follow (a walk, a mask attnx.export.passes._masks does not recognise: never
+    guessed at); the message says what and where, and goes in the report."""
 
 
 def is_op(node: ir.Node | None, op_type: str, domain: tuple[str, ...] = STD) -> bool:

@@ -1,5 +1,5 @@
 """The mask reader of the fused lowering (export/passes/_masks.py): the forms the exporter writes
-are recognised, and every other form is refused with its reason (NotReadable), never guessed at.
+are recognised, and every other form is refused with its reason (NotRead), never guessed at.
 
 Each graph here is a small boolean subgraph built by hand: `hidden` (True hides) over queries of
 length S and keys of length L, the symbols of the exporter's dynamic axes."""
@@ -12,7 +12,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from attnx.export.passes import KeyMask, NotReadable
+from attnx.export.passes import KeyMask, NotRead
 from attnx.export.passes._masks import classify_any_visible, classify_attend, classify_hidden, const_array
 from attnx.model.contract import IR_VERSION
 
@@ -114,30 +114,30 @@ def test_a_grid_that_is_not_the_causal_one_is_refused(variant, q_len, kv_len):
         v = _graph(nodes, [X], [HIDDEN], inits)
     else:
         v = _causal(**variant)
-    with pytest.raises(NotReadable, match="neither a causal nor a key padding mask"):
+    with pytest.raises(NotRead, match="neither a causal nor a key padding mask"):
         classify_hidden(v["hidden"], q_len, kv_len)
 
 
 def test_a_key_padding_input_that_does_not_fit_is_refused():
-    with pytest.raises(NotReadable, match="'kpm' is not a boolean \\[batch, keys\\] key padding mask"):
+    with pytest.raises(NotRead, match="'kpm' is not a boolean \\[batch, keys\\] key padding mask"):
         classify_hidden(_padding(helper.make_tensor_value_info("kpm", TensorProto.BOOL, ["B", "S", "L"]))["hidden"],
                         S, L)  # fmt: skip
-    with pytest.raises(NotReadable, match="key padding mask 'kpm' has L keys, the attention S"):
+    with pytest.raises(NotRead, match="key padding mask 'kpm' has L keys, the attention S"):
         classify_hidden(_padding()["hidden"], S, S)
-    with pytest.raises(NotReadable, match="neither a causal nor a key padding mask"):
+    with pytest.raises(NotRead, match="neither a causal nor a key padding mask"):
         classify_hidden(_padding(axes=(1,))["hidden"], S, L)  # [B, 1, L]: not one flag per key for every query
 
 
 def test_masks_of_other_producers_or_types_are_refused():
     v = _graph([helper.make_node("Not", ["kpm"], ["hidden"])], [KPM], [HIDDEN])
-    with pytest.raises(NotReadable, match="built by Not \\('hidden'\\), neither a causal nor a key padding mask"):
+    with pytest.raises(NotRead, match="built by Not \\('hidden'\\), neither a causal nor a key padding mask"):
         classify_hidden(v["hidden"], S, L)
     v = _graph([], [helper.make_tensor_value_info("hidden", TensorProto.BOOL, ["B", 1, "S", "L"])], [HIDDEN])
-    with pytest.raises(NotReadable, match="built by graph input 'hidden'"):
+    with pytest.raises(NotRead, match="built by graph input 'hidden'"):
         classify_hidden(v["hidden"], S, L)
     v = _graph([helper.make_node("Cast", ["kpm"], ["hidden"], to=TensorProto.FLOAT)], [KPM],
                [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, None)])  # fmt: skip
-    with pytest.raises(NotReadable, match="'hidden' is FLOAT, not a boolean mask"):
+    with pytest.raises(NotRead, match="'hidden' is FLOAT, not a boolean mask"):
         classify_hidden(v["hidden"], S, L)
 
 
@@ -146,7 +146,7 @@ def test_two_key_padding_inputs_in_one_mask_are_refused():
     nodes = [helper.make_node("Unsqueeze", ["kpm", "axes"], ["a"]), helper.make_node("Unsqueeze", ["kpm2", "axes"], ["b"]),
              helper.make_node("Or", ["a", "b"], ["hidden"])]  # fmt: skip
     v = _graph(nodes, [KPM, other], [HIDDEN], [_ints("axes", [1, 2])])
-    with pytest.raises(NotReadable, match="two different key padding inputs"):
+    with pytest.raises(NotRead, match="two different key padding inputs"):
         classify_hidden(v["hidden"], S, L)
 
 
@@ -161,11 +161,11 @@ def test_attention_op_mask_is_not_hidden():
     assert classify_attend(v["wide"], S, S) == KeyMask(causal=True)
     v = _graph([*nodes, helper.make_node("Identity", ["hidden"], ["attend"])], [X],
                [helper.make_tensor_value_info("attend", TensorProto.BOOL, None)], inits)  # fmt: skip
-    with pytest.raises(NotReadable, match="built by Identity \\('attend'\\), not Not\\(hidden\\)"):
+    with pytest.raises(NotRead, match="built by Identity \\('attend'\\), not Not\\(hidden\\)"):
         classify_attend(v["attend"], S, S)
     additive = [*nodes, helper.make_node("Cast", ["hidden"], ["attend"], to=TensorProto.FLOAT)]
     v = _graph(additive, [X], [helper.make_tensor_value_info("attend", TensorProto.FLOAT, None)], inits)
-    with pytest.raises(NotReadable, match="is FLOAT, not boolean \\(an additive mask\\)"):
+    with pytest.raises(NotRead, match="is FLOAT, not boolean \\(an additive mask\\)"):
         classify_attend(v["attend"], S, S)
 
 
@@ -189,11 +189,11 @@ def test_the_zeroing_condition_is_read_and_its_variants_refused():
     assert classify_any_visible(_visible()["visible"], S, S) == KeyMask(causal=True)
     assert classify_any_visible(_visible(axes=(3,))["visible"], S, S) == KeyMask(causal=True)  # -1 of rank 4
     for kw in ({"axes": (2,)}, {"axes": (2, 3)}, {"keepdims": 0}):
-        with pytest.raises(NotReadable, match="does not reduce over the keys"):
+        with pytest.raises(NotRead, match="does not reduce over the keys"):
             classify_any_visible(_visible(**kw)["visible"], S, S)
-    with pytest.raises(NotReadable, match="is not 'not all keys hidden'"):
+    with pytest.raises(NotRead, match="is not 'not all keys hidden'"):
         classify_any_visible(_visible(to=TensorProto.FLOAT)["all_hidden"], S, S)  # no Not on top
-    with pytest.raises(NotReadable, match="is not 'not all keys hidden'"):
+    with pytest.raises(NotRead, match="is not 'not all keys hidden'"):
         classify_any_visible(_causal()["hidden"], S, S)
 
 
