@@ -31,7 +31,7 @@ __all__ = ["DISTANCE_PROMPTS", "quantize_weights_file", "weights_distance"]
 DISTANCE_PROMPTS = ((16, 0), (48, 1), (96, 2), (128, 3))
 
 
-def quantize_weights_file(model_path: str, weights: str, folder: str, save: Callable[[ir.Model, str], None],
+def quantize_weights_file(model_path: str, weights: str, folder: str, save: Callable[[ir.Model, str], object],
                           say: Callable[[str], None] = lambda _m: None) -> tuple[str, WeightsRecord]:  # fmt: skip
     """`model_path` (an fp32 whole model, checked as untrusted by the caller) with its MatMul weights quantized to
     `weights`, written into `folder` by `save` (its external data beside it); the path and what was done."""
