@@ -48,6 +48,7 @@ __all__ = [
     "capture_native_stderr",
     "set_ort_log_severity",
     "ort_cuda_failure_reason",
+    "ort_states_its_requirement",
     "ort_build_cuda_reason",
     "provider_option_mismatches",
     "unreported_options",
@@ -249,6 +250,12 @@ def ort_cuda_failure_reason(log_text: str) -> str | None:
                 parts.append(_strip_ort_prefix(m.group(2)))
     parts = [_shorten(p) for p in dict.fromkeys(parts)]  # dedupe, keep order
     return "; ".join(parts) if parts else None
+
+
+def ort_states_its_requirement(log_text: str) -> bool:
+    """Whether ORT's log names the cuDNN and CUDA it requires ("Require cuDNN 9.* and CUDA 13.*"): then its build's
+    CUDA (ort_cuda_build_hint) says nothing more."""
+    return _REQUIREMENT.search(_ANSI.sub("", log_text)) is not None
 
 
 def _strip_ort_prefix(message: str) -> str:

@@ -50,8 +50,8 @@ from attnx.model.contract import ROPE_POSITIONS_KEY
 from attnx.model.resources import available_memory_bytes
 from attnx.runtimes.base import Runner
 
-__all__ = ["PREFILL_CHUNK", "Engine", "EngineClosed", "EngineLoop", "GenerateStats", "ModelIO", "QueueFull", "Request",
-           "Sampling", "check_prompts"]
+__all__ = ["PREFILL_CHUNK", "ContextTooLong", "Engine", "EngineClosed", "EngineLoop", "GenerateStats", "ModelIO",
+           "QueueFull", "Request", "Sampling", "check_prompts"]
 
 PREFILL_CHUNK = 256  # EngineLoop's prompt tokens a step, at most (attnx serve --prefill-chunk)
 
@@ -659,6 +659,11 @@ class EngineClosed(AttnxError):
     exit_code = 1
 
 
+class ContextTooLong(InputError):
+    """EngineLoop.check: a request's prompt and max_new_tokens pass the loop's bound, max_len (a server's
+    context_length_exceeded)."""
+
+
 class EngineLoop:
     """The engine's step loop, long-lived (attnx serve): a thread of its own owns the session and runs the steps;
     submit() puts a request in the queue from any thread, and it joins the batch between steps; cancel() frees its
@@ -747,8 +752,8 @@ class EngineLoop:
             raise InputError(f"max_new_tokens {request.max_new_tokens}: must be 1 or more")
         total = len(request.prompt) + request.max_new_tokens
         if self.max_len is not None and total > self.max_len:
-            raise InputError(f"the model's maximum context length is {self.max_len} tokens; this request asks "
-                             f"{total} ({len(request.prompt)} in the prompt, {request.max_new_tokens} new)")  # fmt: skip
+            raise ContextTooLong(f"the model's maximum context length is {self.max_len} tokens; this request asks "
+                                 f"{total} ({len(request.prompt)} in the prompt, {request.max_new_tokens} new)")  # fmt: skip
 
     def submit(self, request: Request) -> None:
         """Queue the request (check first): EngineClosed once the loop closes or failed, QueueFull where max_queue

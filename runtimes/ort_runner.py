@@ -54,6 +54,7 @@ from attnx.runtimes.cuda import (
     ort_build_cuda_reason,
     ort_cuda_build_hint,
     ort_cuda_failure_reason,
+    ort_states_its_requirement,
     placement_problems,
     placements_from_assignment_info,
     placements_from_profile,
@@ -319,7 +320,7 @@ class OrtCudaRunner(OrtRunner):
             hint = ort_cuda_build_hint(ort)
             raise self.unavailable(
                 f"onnxruntime did not start {self.ort_provider}: {reason}"
-                + (f" ({hint})" if hint and "needs cuDNN" not in reason else "")
+                + (f" ({hint})" if hint and not ort_states_its_requirement(self.ort_log) else "")
                 + f" [session providers: {', '.join(got)}]"
             )
         asked = self.options.provider_options()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError
-from attnx.runtimes.generate import EngineClosed, EngineLoop, QueueFull, Request, Sampling
+from attnx.runtimes.generate import ContextTooLong, EngineClosed, EngineLoop, QueueFull, Request, Sampling
 from attnx.serve.metrics import Metrics
 from attnx.serve.protocol import ChatRequest, CompletionRequest, ServeError, error_body, new_id, now, parse
 
@@ -135,7 +135,7 @@ class Service:
             self.loop.submit(request)
         except InputError as e:
             raise ServeError(400, str(e), param="messages" if chat else "prompt",
-                             code="context_length_exceeded" if "context length" in str(e) else None) from None
+                             code="context_length_exceeded" if isinstance(e, ContextTooLong) else None) from None
         except QueueFull as e:
             raise ServeError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
                              code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None

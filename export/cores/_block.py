@@ -6,6 +6,7 @@ what was read."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -29,8 +30,29 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope
 from attnx.model.rope_fit import rope_of_table
 
-__all__ = ["Block", "dtype_of", "hidden_state", "keep", "output_projection", "path_cache", "path_stages",
+__all__ = ["Block", "Unread", "UnreadKind", "dtype_of", "hidden_state", "keep", "output_projection", "path_cache", "path_stages",
            "quantization", "read_separate", "rotary_of", "rotary_tables"]
+
+
+class UnreadKind(enum.Enum):
+    """What kind of reason a block was not read for (Unread.kind): what code branches on, never the text."""
+
+    NOT_READ = "not read"  # what the reading needs was not found, not fed, or did not run
+    # the term's table was read and no form of the term fits it (a scaled rope no theta fits): a source's layer
+    # (a checkpoint) that states the term holds the block instead
+    UNFIT_TABLE = "unfit table"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unread:
+    """Why a block was not read into a config: `text` for people (never parsed), `kind` and `term` for code."""
+
+    text: str
+    kind: UnreadKind = UnreadKind.NOT_READ
+    term: str | None = None  # the term whose reading failed, where one did
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclasses.dataclass
@@ -47,7 +69,7 @@ class Block:
     outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # y, present_key, present_value
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # as the node states them (local_window_size, ...)
     quantization: dict[str, Any] | None = None  # MatMulNBits: bits, block_size, accuracy_level
-    unread: str | None = None  # why the block was not read into a config
+    unread: Unread | None = None  # why the block was not read into a config
     dtype: str = "fp32"  # what the block computes in: its hidden state's type
     mask: str | None = None  # the tensor of the core's mask input (an additive bias or a key padding mask), if any
     weight_dtype: str = "float32"  # how the graph stores the projections' weights (numpy's name)
@@ -61,7 +83,7 @@ class Block:
         return {"index": self.index, "node": self.node, "core": self.core,
                 "config": self.config.to_dict() if self.config is not None else None, "inputs": self.inputs,
                 "outputs": self.outputs, "facts": _jsonable(self.facts), "quantization": self.quantization,
-                "unread": self.unread, "dtype": self.dtype, "mask": self.mask}  # fmt: skip
+                "unread": None if self.unread is None else str(self.unread), "dtype": self.dtype, "mask": self.mask}  # fmt: skip
 
 
 def _jsonable(facts: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +176,7 @@ def keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray], 
     block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
     block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
     if config.rope is None and "rope" in block.facts:
-        block.unread = f"rope {block.facts['rope']}"
+        block.unread = Unread(f"rope {block.facts['rope']}", UnreadKind.UNFIT_TABLE, "rope")
     return block
 
 

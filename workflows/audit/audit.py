@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from attnx.errors import UsageError
 from attnx.export._blocks import iter_blocks
+from attnx.export.cores import Unread, UnreadKind
 from attnx.model.contract import AUDIT_BACKENDS
 from attnx.model.tolerance import Requantization, problem_size, tolerance_for
 from attnx.runtimes._untrusted import check_untrusted_model
@@ -110,7 +111,8 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
         try:
             read_computed_terms(graph, block)
         except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
-            block.unread = f"what the graph computes for it (its mask, its rotary tables) does not run: {first_line(e)}"
+            block.unread = Unread(f"what the graph computes for it (its mask, its rotary tables) does not run: "
+                                  f"{first_line(e)}")  # fmt: skip
     config, weights = block.config, block.weights
     imported = source is not None
     if source is not None:
@@ -127,7 +129,8 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
                        "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer", strict=strict)  # fmt: skip
     # a table no theta fits (a scaled rope) is held to the source's rope instead (compare_terms): read, with one
-    rope_held = imported and "rope_tables" in block.facts and block.unread == f"rope {block.facts.get('rope')}"
+    rope_held = (imported and "rope_tables" in block.facts and block.unread is not None
+                 and block.unread.kind is UnreadKind.UNFIT_TABLE)  # fmt: skip
     if block.unread and not rope_held:
         if not imported:  # nothing to hold the block to: nothing is run
             not_checked.append(f"block {block.index}: {block.unread}: not run without a checkpoint (give --checkpoint "

@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import ProviderUnavailable
+from attnx.export.cores import Unread, UnreadKind
 from attnx.export.terms import GRAPH_TERMS
 from attnx.export.visibility import read_mask_grid
 from attnx.model.config import AttentionConfig
@@ -370,10 +371,10 @@ def _read_rope_tables(graph: AuditGraph, block: Any) -> None:
             if not original and "sequence" not in graph.shapes.fixed:
                 switch = _rope_switch(table, positions)
     except NotFed as e:
-        block.unread = f"its rotary tables not read: {e}"
+        block.unread = Unread(f"its rotary tables not read: {e}", term="rope")
         return
     except _NotOneTable as e:
-        block.unread = str(e)
+        block.unread = Unread(str(e))
         return
     cos, sin = at[positions]
     if switch is None:
@@ -385,7 +386,7 @@ def _read_rope_tables(graph: AuditGraph, block: Any) -> None:
     block.facts.update(facts, rope_tables=(cos, sin), rope_tables_at=at)
     block.config = dataclasses.replace(block.config, rope=rope)
     if rope is None:
-        block.unread = f"rope {facts['rope']}"
+        block.unread = Unread(f"rope {facts['rope']}", UnreadKind.UNFIT_TABLE, "rope")
 
 
 def _rope_switch(table: Callable[[int], tuple[np.ndarray, np.ndarray]], positions: int) -> int | None:
@@ -452,24 +453,25 @@ def read_computed_terms(graph: AuditGraph, block: Any) -> None:
         try:
             block.config = read_mask_terms(graph, block)
         except NotFed as e:
-            block.unread = f"its mask {block.mask} not read: {e}"
+            block.unread = Unread(f"its mask {block.mask} not read: {e}")
     for name, tensor in block.facts.pop("computed_terms", {}).items():  # each term's values per token (a temperature)
         tokens = probe_tokens(graph, max(AUDIT_SHAPE["rope_positions"], min(block.facts.get("reach_hint") or 0,
                                                                             ROPE_PROBE_MAX)))  # fmt: skip
         try:
             (values,) = evaluate(graph, block, [tensor], tokens)
         except NotFed as e:
-            block.unread = f"its {name} ({tensor}) not read: {e}"
+            block.unread = Unread(f"its {name} ({tensor}) not read: {e}", term=name)
             continue
         # [.., tokens, ..]: the first axis of the prompt's length, the first entry of every other
         axis = next((i for i, n in enumerate(values.shape) if n == tokens), None)
         if axis is None:
-            block.unread = f"its {name} ({tensor}) is {list(values.shape)}: no axis of the prompt's {tokens} tokens"
+            block.unread = Unread(f"its {name} ({tensor}) is {list(values.shape)}: no axis of the prompt's {tokens} "
+                                  "tokens", term=name)  # fmt: skip
             continue
         value, said = GRAPH_TERMS[name].fit_values(np.moveaxis(values, axis, 0).reshape(tokens, -1)[:, 0])
         block.facts[name] = said
         if value is None:
-            block.unread = f"its {name} ({tensor}) not read: {said}"
+            block.unread = Unread(f"its {name} ({tensor}) not read: {said}", term=name)
             continue
         block.config = dataclasses.replace(block.config, **{TERMS[name].keys[0]: value})
 

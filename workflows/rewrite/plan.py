@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import UsageError
+from attnx.export.cores import UnreadKind
 from attnx.export.passes.walk import positions_of
 from attnx.export.terms import GRAPH_TERMS, Context
 from attnx.export.terms import compare_terms as compare_graph_terms
@@ -68,7 +69,7 @@ class Plan:
 def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph) -> Plan | None:
     """The Plan of a block to rewrite, or None with rewrite.kept saying why."""
     # a table no theta fits (a scaled rope) is held to the checkpoint's rope (the audit's rule)
-    if block.unread and not (source is not None and block.unread == f"rope {block.facts.get('rope')}"):
+    if block.unread and not (source is not None and block.unread.kind is UnreadKind.UNFIT_TABLE):
         rewrite.kept = f"not read: {block.unread}"
         return None
     if block.dtype not in NP_DTYPES:
