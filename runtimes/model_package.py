@@ -35,7 +35,8 @@ from attnx.model.tolerance import ProblemSize, Tolerance, whole_model_tolerance
 from attnx.runtimes._manifest import Check, check_model_data, member_path
 from attnx.runtimes.base import ModelSource, Runner, create_runner
 from attnx.runtimes.compare import compare_arrays
-from attnx.runtimes.generate import Engine, GenerateStats, Request, Sampling, check_prompts
+from attnx.runtimes.generate import Engine, GenerateStats, Request, check_prompts
+from attnx.runtimes.sampling import Sampling
 from attnx.runtimes.text import PackageText, package_text
 
 __all__ = ["BUFFER_PROVIDER", "GENERATIONS_FILE", "GenerativeModel", "golden_arrays", "load_model_package",

@@ -2,7 +2,7 @@
 
     protocol.py   the requests (pydantic, validated before any work; unsupported fields refused by name), the error
                   object
-    serving.py    Service: one package's engine loop (attnx.runtimes.generate.EngineLoop) behind the handlers:
+    serving.py    Service: one package's engine loop (attnx.runtimes.engine_loop.EngineLoop) behind the handlers:
                   tokenize (a chat through the package's template), submit, stream the text as it is decoded
     api.py        create_app: the FastAPI routes (/v1/completions, /v1/chat/completions, /v1/models, /health,
                   /metrics), every error OpenAI's error object

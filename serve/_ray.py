@@ -38,7 +38,7 @@ from attnx import errors
 from attnx._ray import RayConnection
 from attnx._signals import on_interrupt
 from attnx.errors import AttnxError, CheckFailed, UsageError
-from attnx.runtimes.generate import PREFILL_CHUNK
+from attnx.runtimes.engine_loop import PREFILL_CHUNK
 
 __all__ = ["APP_NAME", "need_ray", "serve_on_ray"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from attnx._signals import on_interrupt
 from attnx.errors import CheckFailed, UsageError
-from attnx.runtimes.generate import PREFILL_CHUNK, EngineLoop
+from attnx.runtimes.engine_loop import PREFILL_CHUNK, EngineLoop
 from attnx.runtimes.model_package import GenerativeModel, engine_for
 from attnx.runtimes.package import load, verify_package
 from attnx.serve.api import create_app

@@ -1,4 +1,4 @@
-"""The handlers of attnx serve: one package's engine loop (attnx.runtimes.generate.EngineLoop) behind the OpenAI API.
+"""The handlers of attnx serve: one package's engine loop (attnx.runtimes.engine_loop.EngineLoop) behind the OpenAI API.
 
 A request is validated (protocol), its prompt tokenized (a chat rendered through the package's chat template
 first), submitted to the loop; its listener (_Output) runs on the engine's thread as each token is made: the token
@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError
-from attnx.runtimes.generate import ContextTooLong, EngineClosed, EngineLoop, QueueFull, Request, Sampling
+from attnx.runtimes.engine_loop import ContextTooLong, EngineClosed, EngineLoop, QueueFull
+from attnx.runtimes.generate import Request
+from attnx.runtimes.sampling import Sampling
 from attnx.serve.metrics import Metrics
 from attnx.serve.protocol import ChatRequest, CompletionRequest, ServeError, error_body, new_id, now, parse
 

@@ -10,7 +10,7 @@ from attnx.commands import COMMANDS
 from attnx.commands._common import Progress, int_arg
 from attnx.errors import UsageError
 from attnx.model.contract import PROVIDERS
-from attnx.runtimes.generate import PREFILL_CHUNK
+from attnx.runtimes.engine_loop import PREFILL_CHUNK
 from attnx.serve._ray import need_ray, serve_on_ray  # Ray itself is imported inside, where --ray asks for it
 
 HELP = COMMANDS["serve"].help

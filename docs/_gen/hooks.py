@@ -291,7 +291,7 @@ API_MORE = {
     "Reading graphs": ["attnx.export.read_cores", "attnx.export.read_weights", "attnx.export.build_model"],
     "Decoding": ["attnx.runtimes.decode.BufferDecoder"],
     "Serving a whole model": ["attnx.runtimes.model_package.GenerativeModel", "attnx.runtimes.generate.Engine",
-                              "attnx.runtimes.generate.Sampling", "attnx.runtimes.text.PackageText",
+                              "attnx.runtimes.sampling.Sampling", "attnx.runtimes.text.PackageText",
                               "attnx.runtimes.text.IncrementalDetokenizer"],
     "Comparison": ["attnx.runtimes.compare.compare_arrays"],
 }

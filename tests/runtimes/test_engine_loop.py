@@ -1,4 +1,4 @@
-"""The engine's long-lived step loop (attnx.runtimes.generate.EngineLoop, what attnx serve runs): requests submitted
+"""The engine's long-lived step loop (attnx.runtimes.engine_loop.EngineLoop, what attnx serve runs): requests submitted
 from other threads join between steps with the same greedy tokens as attnx generate's, alone or beside others, their
 prompts prefilled in chunks between steps; a cancelled row or prompt leaves; a full queue, a request past the cache
 and a closed loop are refused; close() ends the rest."""
@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from attnx.errors import InputError
-from attnx.runtimes.generate import EngineClosed, EngineLoop, QueueFull, Request, Sampling
+from attnx.runtimes.engine_loop import EngineClosed, EngineLoop, QueueFull
+from attnx.runtimes.generate import Request
 from attnx.runtimes.model_package import engine_for
 from attnx.runtimes.package import load
+from attnx.runtimes.sampling import Sampling
 from attnx.workflows import build_model_package
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

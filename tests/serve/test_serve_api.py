@@ -17,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 
-from attnx.runtimes.generate import EngineLoop
+from attnx.runtimes.engine_loop import EngineLoop
 from attnx.runtimes.model_package import engine_for
 from attnx.runtimes.package import load
 from attnx.runtimes.text import PackageText
