@@ -10,9 +10,20 @@ from typing import Any
 
 from attnx.errors import ConfigError
 from attnx.model.rope import Rope
-from attnx.model.terms import LLM_TERMS, TERMS, QKNorm, Temperature, check_int, check_number, terms_of
+from attnx.model.terms import (
+    LLM_TERMS,
+    TERMS,
+    Latent,
+    QKNorm,
+    Temperature,
+    check_int,
+    check_number,
+    projection_shapes,
+    term_tensors,
+    terms_of,
+)
 
-__all__ = ["AttentionConfig", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
+__all__ = ["AttentionConfig", "Latent", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
 
 # The keys of modern LLM attention (docs/concepts/formula.md, "Modern LLM attention"): absent or null, the formula is
 # the one without them. A core that cannot express one refuses it by name (attnx.model.cores).
@@ -68,6 +79,9 @@ class AttentionConfig:
     qk_l2_norm: float | None = None
     attn_temperature: Temperature | None = None
     attention_chunk: int | None = None
+    # Multi-head latent attention (attnx.model.terms.Latent: DeepSeek-V2/V3's MLA): q, k and v from low-rank latents,
+    # the step model's cache the latent (past_latent/present_latent), not per-head keys and values.
+    latent: Latent | None = None
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_heads"):
@@ -138,15 +152,20 @@ class AttentionConfig:
 
     @property
     def n_params(self) -> int:
-        n = (self.q_dim * self.d_model + self.kv_q_dim * self.kv_dim + self.kv_v_dim * self.kv_dim
-             + self.d_model * self.v_dim)  # fmt: skip
-        if self.bias:
-            n += self.q_dim + self.kv_q_dim + self.kv_v_dim + self.d_model
-        if self.qk_norm is not None:
-            n += 2 * self.head_dim
-        if self.sinks:
-            n += self.n_heads
-        return n
+        n = self.d_model * self.v_dim + (self.d_model if self.bias else 0)  # the output projection
+        for (out_f, in_f), biased in projection_shapes(self).values():
+            n += out_f * in_f + (out_f if self.bias and biased else 0)
+        return n + sum(math.prod(shape) for shape, _ in term_tensors(self).values())
+
+    def cache_specs(self, dtype: str = "fp32", length: str = "past_seq", prefix: str = "past_") -> list[TensorSpec]:
+        """The step model's cache, batch first and one growing dim (`length`, axis 2): past_key [batch, n_kv_heads,
+        length, head_dim] and past_value [.., v_head_dim]; with `latent` one tensor, past_latent [batch, 1, length,
+        rope.dim + kv_lora_rank] (each token's rotated rope key, then its normed compressed kv). present_*
+        (prefix "present_") are the same with total_seq."""
+        if self.latent is not None:
+            return [TensorSpec(f"{prefix}latent", dtype, ("batch", 1, length, self.rope.dim + self.latent.kv_lora_rank))]
+        return [TensorSpec(f"{prefix}key", dtype, ("batch", self.n_kv_heads, length, self.head_dim)),
+                TensorSpec(f"{prefix}value", dtype, ("batch", self.n_kv_heads, length, self.v_head_dim))]  # fmt: skip
 
     def input_names(self) -> list[str]:
         return [spec.name for spec in self.inputs()]
@@ -159,9 +178,8 @@ class AttentionConfig:
         """The model's inputs (docs/reference/onnx-graph.md), with the contract's dim names."""
         specs = [TensorSpec("x", dtype, ("batch", "seq", self.d_model))]
         if self.kv_cache:
-            # The step model: past keys/values in, a key padding mask over every position so far.
-            specs.append(TensorSpec("past_key", dtype, ("batch", self.n_kv_heads, "past_seq", self.head_dim)))
-            specs.append(TensorSpec("past_value", dtype, ("batch", self.n_kv_heads, "past_seq", self.v_head_dim)))
+            # The step model: past keys/values (or latents) in, a key padding mask over every position so far.
+            specs += self.cache_specs(dtype)
             if self.key_padding_mask:
                 specs.append(TensorSpec("key_padding_mask", "bool", ("batch", "total_seq")))
         else:
@@ -178,8 +196,7 @@ class AttentionConfig:
     def outputs(self, dtype: str = "fp32") -> list[TensorSpec]:
         specs = [TensorSpec("y", dtype, ("batch", "seq", self.d_model))]
         if self.kv_cache:
-            specs.append(TensorSpec("present_key", dtype, ("batch", self.n_kv_heads, "total_seq", self.head_dim)))
-            specs.append(TensorSpec("present_value", dtype, ("batch", self.n_kv_heads, "total_seq", self.v_head_dim)))
+            specs += self.cache_specs(dtype, "total_seq", "present_")
         return specs
 
     # JSON round trip. Every key is written, resolved defaults included, so a stored
@@ -188,7 +205,7 @@ class AttentionConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value.to_dict() if isinstance(value, (Rope, QKNorm, Temperature)) else value
+            out[f.name] = value.to_dict() if isinstance(value, (Rope, QKNorm, Temperature, Latent)) else value
         return out
 
     def to_json(self) -> str:

@@ -26,7 +26,7 @@ from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import TORCH_CORES, sdpa_core_expresses
 from attnx.model.rope import rope_frequencies
-from attnx.model.terms import PLACES, TERMS
+from attnx.model.terms import PLACES, TERMS, projection_shapes
 from attnx.model.weights import check_weights, init_weights
 
 __all__ = ["MultiHeadAttention", "TORCH_TERMS", "build_module"]
@@ -64,9 +64,13 @@ class MultiHeadAttention(nn.Module):
         # computes it (attnx.model.stages, canonical layouts), or None (always while exporting).
         self.stages: dict[str, torch.Tensor] | None = None
         c = config
-        self.q_proj = nn.Linear(c.d_model, c.q_dim, bias=c.bias)
-        self.k_proj = nn.Linear(c.kv_dim, c.kv_q_dim, bias=c.bias)  # n_kv_heads heads
-        self.v_proj = nn.Linear(c.kv_dim, c.kv_v_dim, bias=c.bias)
+        # q_proj, k_proj, v_proj (n_kv_heads heads), or the latent's (attnx.model.terms: projection_shapes)
+        for name, ((out_f, in_f), biased) in projection_shapes(c).items():
+            setattr(self, name, nn.Linear(in_f, out_f, bias=c.bias and biased))
+        if c.latent is not None:  # the latents' RMSNorms (transformers' DeepseekV3RMSNorm: float32 at least)
+            if c.latent.q_lora_rank is not None:
+                self.q_a_layernorm = HeadRMSNorm(c.latent.q_lora_rank, c.latent.eps)
+            self.kv_a_layernorm = HeadRMSNorm(c.latent.kv_lora_rank, c.latent.eps)
         self.out_proj = nn.Linear(c.v_dim, c.d_model, bias=c.bias)
         if c.qk_norm is not None:
             self.q_norm = HeadRMSNorm(c.head_dim, c.qk_norm.eps)
@@ -97,18 +101,24 @@ class MultiHeadAttention(nn.Module):
         past_key: torch.Tensor | None = None,
         past_value: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        past_latent: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """y; with config.kv_cache the step model: (y, present_key, present_value), where the
         present cache is the past one with this step's keys/values appended (docs/concepts/step-forms.md),
         keys as they are scored (after qk_norm and rope). position_ids [B, T] int64: each token's
-        position, for config.rope."""
+        position, for config.rope. With config.latent the cache is the latents: past_latent in, (y, present_latent)
+        out (attnx.model.terms.Latent)."""
         c = self.config
         B, T, _ = x.shape
         m = memory if c.cross else x
         S = m.shape[1]
         record = self._record
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)  # (B, T, N, hd)
-        k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim)  # (B, S, Nkv, hd)
+        if c.latent is not None:
+            q, k = TORCH_TERMS["latent"][0](self, x)  # (B, T, N, hd), (B, T, 1, w): the latents
+            past_key = past_latent  # what the cache holds, joined below
+        else:
+            q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)  # (B, T, N, hd)
+            k = self.k_proj(m).view(B, S, c.n_kv_heads, c.head_dim)  # (B, S, Nkv, hd)
         record("q", q), record("k", k)
         if c.rope is not None and position_ids is None:
             raise UsageError("this model takes position_ids (config rope)")
@@ -119,16 +129,24 @@ class MultiHeadAttention(nn.Module):
             if term in _QK_STAGES:
                 record(f"q_{_QK_STAGES[term]}", q), record(f"k_{_QK_STAGES[term]}", k)
         q = q.transpose(1, 2)  # (B, N, T, hd)
-        k = k.transpose(1, 2)  # (B, Nkv, S, hd)
-        v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim)
-        record("v", v)
-        v = v.transpose(1, 2)  # (B, Nkv, S, vhd)
-        if c.kv_cache:
-            if past_key is None or past_value is None:
-                raise UsageError("this step model takes past_key and past_value (past_seq 0 for a prefill)")
-            k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (B, Nkv, P+S, hd): every position so far
-            v = torch.cat([past_value.to(v.dtype), v], dim=2)
-        present_k, present_v = k, v
+        k = k.transpose(1, 2)  # (B, Nkv, S, hd); the latents (B, 1, S, w)
+        if c.latent is not None:
+            if c.kv_cache:
+                if past_latent is None:
+                    raise UsageError("this step model takes past_latent (past_seq 0 for a prefill)")
+                k = torch.cat([past_latent.to(k.dtype), k], dim=2)  # (B, 1, P+S, w): every position so far
+            present = (k,)
+            k, v = TORCH_TERMS["latent"][1](self, k)  # (B, N, L, hd), (B, N, L, vhd)
+        else:
+            v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim)
+            record("v", v)
+            v = v.transpose(1, 2)  # (B, Nkv, S, vhd)
+            if c.kv_cache:
+                if past_key is None or past_value is None:
+                    raise UsageError("this step model takes past_key and past_value (past_seq 0 for a prefill)")
+                k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (B, Nkv, P+S, hd): every position so far
+                v = torch.cat([past_value.to(v.dtype), v], dim=2)
+            present = (k, v)
         if c.group_size > 1:
             # Query head n reads key/value head n // group_size.
             k = k.repeat_interleave(c.group_size, dim=1)  # (B, N, L, hd)
@@ -149,8 +167,9 @@ class MultiHeadAttention(nn.Module):
         y = self.out_proj(z)
         record("z", z), record("y", y)
         if c.kv_cache:
-            record("present_key", present_k), record("present_value", present_v)
-            return y, present_k, present_v
+            for spec, value in zip(c.cache_specs(prefix="present_"), present):
+                record(spec.name, value)
+            return (y, *present)
         return y
 
     def _record(self, stage: str, value: torch.Tensor) -> None:
@@ -342,6 +361,32 @@ def _sinks(m: MultiHeadAttention, scores: torch.Tensor) -> torch.Tensor:
     return m.sinks.to(scores.dtype).view(1, N, 1, 1).expand(B, N, T, 1)  # a logit per head
 
 
+def _latent_project(m: MultiHeadAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, T, N, hd), each head [rope part | nope part], and the latents (B, T, 1, rope.dim + kv_lora_rank):
+    [the rope key | the normed compressed kv] (attnx.model.terms.Latent; transformers' DeepseekV3Attention)."""
+    c = m.config
+    B, T, _ = x.shape
+    r, kvr = c.rope.dim, c.latent.kv_lora_rank
+    nope = c.head_dim - r
+    q = m.q_proj(x) if c.latent.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
+    q = q.view(B, T, c.n_heads, c.head_dim)  # transformers' head: [nope | rope]
+    q = torch.cat((q[..., nope:], q[..., :nope]), dim=-1)  # [rope | nope]: the rope term turns the first dims
+    a = m.kv_a_proj_with_mqa(x)  # (B, T, kvr + r): [compressed kv | rope key]
+    latent = torch.cat((a[..., kvr:], m.kv_a_layernorm(a[..., :kvr])), dim=-1)
+    return q, latent.view(B, T, 1, r + kvr)
+
+
+def _latent_expand(m: MultiHeadAttention, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (B, N, L, hd) [the shared rope key | the head's k_nope] and v (B, N, L, vhd) of the latents (B, 1, L, w):
+    kv_b_proj expands the compressed kv to each head's [k_nope | v]."""
+    c = m.config
+    B, _, L, _ = latent.shape
+    r, nope = c.rope.dim, c.head_dim - c.rope.dim
+    kv = m.kv_b_proj(latent[:, 0, :, r:]).view(B, L, c.n_heads, nope + c.v_head_dim).transpose(1, 2)
+    k_rot = latent[..., :r].expand(B, c.n_heads, L, r)
+    return torch.cat((k_rot, kv[..., :nope]), dim=-1), kv[..., nope:]
+
+
 TORCH_TERMS: dict[str, Callable[..., Any]] = {
     "qk_norm": _qk_norm,
     "rope": _rope,
@@ -354,6 +399,8 @@ TORCH_TERMS: dict[str, Callable[..., Any]] = {
     "attention_chunk": _chunk,
     "key_padding_mask": _key_padding,
     "sinks": _sinks,
+    # heads: the term that computes q, k and v itself: (project x -> q, what the cache holds; expand that -> k, v)
+    "latent": (_latent_project, _latent_expand),
 }
 _QK_STAGES = {"qk_norm": "norm", "rope": "rope"}  # the stages the q/k terms' outputs are (attnx.model.stages)
 

@@ -114,6 +114,36 @@ def _sinks(c: AttentionConfig, w: Mapping[str, np.ndarray], head: int) -> list[f
     return [float(np.asarray(w["sinks"])[head])]  # a logit with no value
 
 
+def _matmul(w: Mapping[str, np.ndarray], inp: np.ndarray, name: str) -> np.ndarray:
+    return inp @ np.asarray(w[f"{name}.weight"], dtype=inp.dtype).T  # a projection without bias
+
+
+def _latent_project(c: AttentionConfig, w: Mapping[str, np.ndarray], x: np.ndarray) -> QK:
+    """q [b, t, N, hd], each head [rope part | nope part], and each token's latent [b, t, 1, rope.dim +
+    kv_lora_rank]: [its rope key (one, shared by every head) | its compressed kv, RMS-normed] (attnx.model.terms.Latent)."""
+    L, r = c.latent, c.rope.dim
+    nope = c.head_dim - r
+    if L.q_lora_rank is None:
+        q = _linear(c, w, x, "q_proj")
+    else:
+        qa = _rms(_linear(c, w, x, "q_a_proj"), L.eps) * np.asarray(w["q_a_layernorm.weight"], x.dtype)  # (b, t, qr)
+        q = _matmul(w, qa, "q_b_proj")
+    q = q.reshape(*q.shape[:2], c.n_heads, c.head_dim)  # transformers' head: [nope | rope]
+    q = np.concatenate([q[..., nope:], q[..., :nope]], axis=-1)  # [rope | nope]
+    a = _linear(c, w, x, "kv_a_proj_with_mqa")  # (b, t, kv_lora_rank + r): [compressed kv | rope key]
+    kv = _rms(a[..., : L.kv_lora_rank], L.eps) * np.asarray(w["kv_a_layernorm.weight"], x.dtype)
+    return q, np.concatenate([a[..., L.kv_lora_rank :], kv], axis=-1)[:, :, None, :]
+
+
+def _latent_expand(c: AttentionConfig, w: Mapping[str, np.ndarray], latent: np.ndarray) -> QK:
+    """k [b, s, N, hd] ([the shared rope key | the head's k_nope]) and v [b, s, N, vhd] of the (cached) latents
+    [b, s, 1, rope.dim + kv_lora_rank]: kv_b_proj expands the compressed kv to each head's [k_nope | v]."""
+    r, nope = c.rope.dim, c.head_dim - c.rope.dim
+    kv = _matmul(w, latent[:, :, 0, r:], "kv_b_proj").reshape(*latent.shape[:2], c.n_heads, nope + c.v_head_dim)
+    k_rot = np.broadcast_to(latent[..., :r], (*latent.shape[:2], c.n_heads, r))
+    return np.concatenate([k_rot, kv[..., :nope]], axis=-1), kv[..., nope:]
+
+
 REFERENCE_TERMS: dict[str, Callable[..., Any]] = {
     "qk_norm": _qk_norm,
     "rope": _rope,
@@ -126,6 +156,8 @@ REFERENCE_TERMS: dict[str, Callable[..., Any]] = {
     "attention_chunk": _chunk,
     "key_padding_mask": _key_padding,
     "sinks": _sinks,
+    # heads: the term that computes q, k and v itself: (project x -> q, what the cache holds; expand that -> k, v)
+    "latent": (_latent_project, _latent_expand),
 }
 # Where a term's output is a stage of the formula (attnx.model.stages): q_norm, k_rope, ...
 _QK_STAGES = {"qk_norm": "norm", "rope": "rope"}
@@ -175,15 +207,30 @@ def scored_qk(
     projections, then the q/k terms (qk_norm, rope, ...) in order, in `dtype`; the queries at token indices
     past.. (a step's after its cache). stages: filled with q, k and the q/k terms' stages, [batch, t, heads * hd]."""
     c = config
-    if c.rope is not None and position_ids is None:
-        raise ValueError("a config with rope takes position_ids [batch, seq]")
     x = np.asarray(x, dtype=dtype)
     m = np.asarray(memory, dtype=dtype) if c.cross else x
-    q, k = _linear(c, weights, x, "q_proj"), _linear(c, weights, m, "k_proj")  # (b, t, N*hd), (b, s, Nkv*hd)
-    if stages is not None:
-        stages.update(q=q, k=k)
-    q = q.reshape(*q.shape[:2], c.n_heads, c.head_dim)
-    k = k.reshape(*k.shape[:2], c.n_kv_heads, c.head_dim)
+    q, k = _cached_qk(c, weights, x, m, position_ids, stages, past)
+    if c.latent is not None:  # k scored: the latents expanded (attnx.model.terms.Latent)
+        k = REFERENCE_TERMS["latent"][1](c, weights, k)[0]
+    return q, k
+
+
+def _cached_qk(c: AttentionConfig, weights: Mapping[str, np.ndarray], x: np.ndarray, m: np.ndarray,
+               position_ids: np.ndarray | None, stages: dict[str, np.ndarray] | None, past: int) -> QK:  # fmt: skip
+    """q [b, t, N, hd] and what the cache holds of k: k [b, s, Nkv, hd], or the latents [b, s, 1, rope.dim +
+    kv_lora_rank] (latent), after the q/k terms."""
+    if c.rope is not None and position_ids is None:
+        raise ValueError("a config with rope takes position_ids [batch, seq]")
+    if c.latent is not None:
+        q, k = REFERENCE_TERMS["latent"][0](c, weights, x)
+        if stages is not None:
+            stages.update(q=q.reshape(*q.shape[:2], -1), k=k.reshape(*k.shape[:2], -1))
+    else:
+        q, k = _linear(c, weights, x, "q_proj"), _linear(c, weights, m, "k_proj")  # (b, t, N*hd), (b, s, Nkv*hd)
+        if stages is not None:
+            stages.update(q=q, k=k)
+        q = q.reshape(*q.shape[:2], c.n_heads, c.head_dim)
+        k = k.reshape(*k.shape[:2], c.n_kv_heads, c.head_dim)
     tokens = np.arange(past, past + q.shape[1])
     for term in _terms(c, "qk"):
         q, k = REFERENCE_TERMS[term](c, weights, q, k, position_ids, tokens)
@@ -206,7 +253,8 @@ def reference_attention(
     core_stages: bool = True,
     dtype: Any = np.float64,
     stats: dict[str, float] | None = None,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
+    past_latent: np.ndarray | None = None,
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """y [batch, seq, d_model] in `dtype` (float64 unless asked) for x [batch, seq, d_model]. With
     config.kv_cache, (y, present_key, present_value): the keys/values of past_key/past_value (token
     indices 0..past_seq-1) followed by this step's (past_seq..), query i at index past_seq + i; the cache
@@ -216,17 +264,28 @@ def reference_attention(
     canonical layout; "probs_rows" marks the rows of probs that have a visible key; core_stages=False
     leaves scores and probs out ([batch, n_heads, seq, keys]: too large to hold at long sequences).
     stats: a dict to add "score_sq" and "scores" to: the sum of squares and the count of the visible
-    keys' scores, scale * q.k before the score terms (the quantized error model's score RMS)."""
+    keys' scores, scale * q.k before the score terms (the quantized error model's score RMS).
+    With config.latent (attnx.model.terms.Latent) the cache is the latents: past_latent [batch, 1, past_seq,
+    rope.dim + kv_lora_rank] in, (y, present_latent) out, k and v expanded from them after the cache."""
     c = config
     x = np.asarray(x, dtype=dtype)
     m = np.asarray(memory, dtype=dtype) if c.cross else x
     batch, t, _ = x.shape
-    past = past_key.shape[2] if c.kv_cache else 0
-    q, k = scored_qk(c, weights, x, memory, position_ids, dtype, stages, past)  # (b, t, N, hd), (b, s, Nkv, hd)
-    v = _linear(c, weights, m, "v_proj").reshape(batch, -1, c.n_kv_heads, c.v_head_dim)  # (b, s, Nkv, vhd)
-    if stages is not None:
-        stages["v"] = v.reshape(batch, -1, c.kv_v_dim)
-    if c.kv_cache:  # the cache: [batch, Nkv, past, hd], laid out as the projections [batch, past, Nkv, hd]
+    if c.latent is not None:
+        past = past_latent.shape[2] if c.kv_cache else 0
+        q, latent = _cached_qk(c, weights, x, m, position_ids, stages, past)  # (b, t, N, hd), (b, s, 1, w)
+        if c.kv_cache:  # the cache: [batch, 1, past, w], laid out as the latents [batch, past, 1, w]
+            latent = np.concatenate([np.asarray(past_latent, dtype=dtype).transpose(0, 2, 1, 3), latent], axis=1)
+        k, v = REFERENCE_TERMS["latent"][1](c, weights, latent)  # (b, s, N, hd), (b, s, N, vhd)
+        if stages is not None:
+            stages["v"] = v[:, past:].reshape(batch, -1, c.kv_v_dim)
+    else:
+        past = past_key.shape[2] if c.kv_cache else 0
+        q, k = scored_qk(c, weights, x, memory, position_ids, dtype, stages, past)  # (b, t, N, hd), (b, s, Nkv, hd)
+        v = _linear(c, weights, m, "v_proj").reshape(batch, -1, c.n_kv_heads, c.v_head_dim)  # (b, s, Nkv, vhd)
+        if stages is not None:
+            stages["v"] = v.reshape(batch, -1, c.kv_v_dim)
+    if c.kv_cache and c.latent is None:  # the cache: [batch, Nkv, past, hd], laid out as the projections
         k = np.concatenate([np.asarray(past_key, dtype=dtype).transpose(0, 2, 1, 3), k], axis=1)
         v = np.concatenate([np.asarray(past_value, dtype=dtype).transpose(0, 2, 1, 3), v], axis=1)
     s = k.shape[1]
@@ -278,6 +337,11 @@ def reference_attention(
         stages.update(z=z, y=y)
     if not c.kv_cache:
         return y
+    if c.latent is not None:
+        present_latent = latent.transpose(0, 2, 1, 3)  # (b, 1, s, w)
+        if stages is not None:
+            stages["present_latent"] = present_latent
+        return y, present_latent
     present_key, present_value = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, Nkv, s, d)
     if stages is not None:
         stages.update(present_key=present_key, present_value=present_value)

@@ -40,8 +40,8 @@ from attnx.model.rope import parse_rope
 if TYPE_CHECKING:
     from attnx.model.config import AttentionConfig
 
-__all__ = ["PLACES", "QKNorm", "Temperature", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number",
-           "reach_of", "terms_at"]
+__all__ = ["PLACES", "Latent", "QKNorm", "Temperature", "Term", "TERMS", "LLM_TERMS", "terms_of", "term_tensors", "check_int", "check_number",
+           "reach_of", "terms_at", "projection_shapes"]
 
 # Where a term acts, in the formula's order:
 #   heads     how the projections are laid out (grouped key/value heads, a second sequence)
@@ -110,6 +110,24 @@ class Temperature:
         return np.log1p(np.floor((np.asarray(tokens, np.float64) + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Latent:
+    """The config's `latent`: multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2, MiniCPM3; transformers'
+    DeepseekV3Attention). q from x (q_proj) or through a low-rank latent (q_a_proj to q_lora_rank, RMSNorm
+    q_a_layernorm, q_b_proj); k and v from one latent per token, kv_a_proj_with_mqa's [compressed kv (kv_lora_rank,
+    RMSNorm kv_a_layernorm) | one shared rope key (rope.dim)], the compressed kv expanded by kv_b_proj to each head's
+    [k_nope (head_dim - rope.dim) | v (v_head_dim)]. A head's q and k are laid out [rope part | nope part] (the rope
+    term turns a head's first rope.dim dims; a permutation of the dims leaves q.k unchanged); the cache holds the
+    latent, [rotated rope key | normed compressed kv], one "head" of rope.dim + kv_lora_rank per token."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    eps: float  # the RMSNorms' (transformers' DeepseekV3RMSNorm default, 1e-6: not rms_norm_eps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank, "eps": self.eps}
+
+
 Config = Any  # an AttentionConfig (config.py imports this module: the type is named in TYPE_CHECKING only)
 Weights = dict[str, np.ndarray]
 
@@ -137,6 +155,9 @@ class Term:
     # computed from a token's slot in its batch (padding included), not its position: a left-padded row computes it
     # otherwise than alone, so rows of other lengths cannot share a batch without changing each other's tokens
     by_slot: bool = False
+    # the projections it computes q, k and v with instead of q_proj, k_proj and v_proj: {name: ((out, in), biased)}
+    # (a biased one has a bias when the config's `bias` is true); None: the plain three
+    projections: Callable[[Config], Mapping[str, tuple[tuple[int, int], bool]]] | None = None
 
 
 def _replace(c: Config, **changes: Any) -> Config:
@@ -238,6 +259,55 @@ def _validate_window(c: Config, set_: Callable[[str, Any], None]) -> None:
         raise ConfigError("config key 'sliding_window' needs 'causal': true (query p sees key j only if p - W < j <= p)")
 
 
+def _validate_latent(c: Config, set_: Callable[[str, Any], None]) -> None:
+    if c.latent is None:
+        return
+    value = c.latent.to_dict() if isinstance(c.latent, Latent) else c.latent
+    if not isinstance(value, dict) or set(value) != {"kv_lora_rank", "q_lora_rank", "eps"}:
+        raise ConfigError('config key \'latent\' must be null or an object {"kv_lora_rank": int, "q_lora_rank": '
+                          f'int or null, "eps": number}}, got {c.latent!r}')  # fmt: skip
+    check_int("latent.kv_lora_rank", value["kv_lora_rank"])
+    if value["q_lora_rank"] is not None:
+        check_int("latent.q_lora_rank", value["q_lora_rank"])
+    latent = Latent(value["kv_lora_rank"], value["q_lora_rank"], check_number("latent.eps", value["eps"]))
+    set_("latent", latent)
+    if c.rope is None:
+        raise ConfigError("config key 'latent' needs 'rope': its shared key part is the rope's dims (rope.dim)")
+    rope = parse_rope(c.rope, c.head_dim)  # (the rope term's normal form, set when its own keys are validated)
+    if rope.dim >= c.head_dim:
+        raise ConfigError(f"config key 'latent' needs rope.dim ({rope.dim}) below head_dim ({c.head_dim}): a head "
+                          "is [rope part | nope part], the nope part from the compressed kv")  # fmt: skip
+    if c.n_kv_heads != c.n_heads:
+        raise ConfigError(f"config key 'latent' expands the latent to every head's k and v: n_kv_heads "
+                          f"({c.n_kv_heads}) must equal n_heads ({c.n_heads})")  # fmt: skip
+    for key in ("cross", "qk_norm", "qk_l2_norm"):
+        if getattr(c, key) not in (None, False):
+            raise ConfigError(f"config keys 'latent' and {key!r} do not go together (no model attnx imports has both)")
+
+
+def _latent_projections(c: Config) -> dict[str, tuple[tuple[int, int], bool]]:
+    """transformers' DeepseekV3Attention's projections (attention_bias on q_a_proj, kv_a_proj_with_mqa and o_proj)."""
+    L, nope = c.latent, c.head_dim - c.rope.dim
+    q = ({"q_proj": ((c.q_dim, c.d_model), True)} if L.q_lora_rank is None else
+         {"q_a_proj": ((L.q_lora_rank, c.d_model), True), "q_b_proj": ((c.q_dim, L.q_lora_rank), False)})
+    return {**q, "kv_a_proj_with_mqa": ((L.kv_lora_rank + c.rope.dim, c.d_model), True),
+            "kv_b_proj": ((c.n_heads * (nope + c.v_head_dim), L.kv_lora_rank), False)}  # fmt: skip
+
+
+def _latent_norms(c: Config) -> dict[str, tuple[tuple[int, ...], tuple[float, float]]]:
+    L = c.latent
+    q = {} if L.q_lora_rank is None else {"q_a_layernorm.weight": ((L.q_lora_rank,), (0.5, 1.5))}
+    return {**q, "kv_a_layernorm.weight": ((L.kv_lora_rank,), (0.5, 1.5))}
+
+
+def _roll_latent_heads(c: Config, w: Weights) -> tuple[Config, Weights]:
+    """Head n's k_nope and v expanded with head n+1's rows of kv_b_proj."""
+    out = dict(w)
+    rows = np.asarray(w["kv_b_proj.weight"]).reshape(c.n_heads, -1, c.latent.kv_lora_rank)
+    out["kv_b_proj.weight"] = np.roll(rows, 1, axis=0).reshape(w["kv_b_proj.weight"].shape)
+    return c, out
+
+
 def _validate_softcap(c: Config, set_: Callable[[str, Any], None]) -> None:
     if c.softcap is not None:
         set_("softcap", check_number("softcap", c.softcap))
@@ -308,6 +378,13 @@ TERMS: dict[str, Term] = {
              fault=_permute_kv_heads, fault_summary="key/value heads permuted (k_proj rows rolled by one head)"),
         Term("cross", ("cross", "kv_dim"), "heads", "keys and values projected from a second sequence, memory",
              lambda c: c.cross, _validate_cross),
+        Term("latent", ("latent",), "heads",
+             "multi-head latent attention (MLA): q through a low-rank latent, k and v expanded from one cached latent "
+             "per token (kv_lora_rank + rope.dim), its rope part one key shared by every head",
+             lambda c: c.latent is not None, _validate_latent, tensors=_latent_norms,
+             tolerance="none: K is the longest of d_model, the ranks and head_dim (each a reduction it covers)",
+             fault=_roll_latent_heads, fault_summary="kv_b_proj's heads rolled by one", modern=True,
+             projections=_latent_projections),
         Term("qk_norm", ("qk_norm",), "qk", "RMSNorm of each head's q and k over head_dim, times q_norm/k_norm.weight",
              lambda c: c.qk_norm is not None, _validate_qk_norm,
              tensors=lambda c: {"q_norm.weight": ((c.head_dim,), (0.5, 1.5)),
@@ -386,6 +463,17 @@ def reach_of(config: AttentionConfig) -> int | None:
     before it), None where every query may see every earlier key."""
     reaches = [t.reach(config) for t in TERMS.values() if t.reach is not None and t.uses(config)]
     return min(reaches) if reaches else None
+
+
+def projection_shapes(config: AttentionConfig) -> dict[str, tuple[tuple[int, int], bool]]:
+    """{name: ((out, in), biased)} of the projections that compute q, k and v: q_proj, k_proj and v_proj, or those
+    of the term that replaces them (Term.projections)."""
+    c = config
+    for t in TERMS.values():
+        if t.projections is not None and t.uses(c):
+            return dict(t.projections(c))
+    return {"q_proj": ((c.q_dim, c.d_model), True), "k_proj": ((c.kv_q_dim, c.kv_dim), True),
+            "v_proj": ((c.kv_v_dim, c.kv_dim), True)}  # n_kv_heads heads: fewer than n_heads when grouped
 
 
 def terms_at(config: AttentionConfig, place: str) -> tuple[str, ...]:

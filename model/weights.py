@@ -17,7 +17,7 @@ import numpy as np
 from attnx._io import atomic_path, not_a_file
 from attnx.errors import WeightsError
 from attnx.model.config import AttentionConfig
-from attnx.model.terms import term_tensors
+from attnx.model.terms import projection_shapes, term_tensors
 
 __all__ = [
     "weight_shapes",
@@ -41,15 +41,12 @@ def weight_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a config's weights file must hold, in a fixed order."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, out_f, in_f in (
-        ("q_proj", c.q_dim, c.d_model),
-        ("k_proj", c.kv_q_dim, c.kv_dim),  # n_kv_heads heads: fewer than n_heads when grouped
-        ("v_proj", c.kv_v_dim, c.kv_dim),
-        ("out_proj", c.d_model, c.v_dim),
-    ):
-        shapes[f"{name}.weight"] = (out_f, in_f)
-        if c.bias:
-            shapes[f"{name}.bias"] = (out_f,)
+    # q_proj, k_proj, v_proj (n_kv_heads heads: fewer than n_heads when grouped), or a term's own (latent's)
+    projections = {**projection_shapes(c), "out_proj": ((c.d_model, c.v_dim), True)}
+    for name, (shape, biased) in projections.items():
+        shapes[f"{name}.weight"] = shape
+        if c.bias and biased:
+            shapes[f"{name}.bias"] = (shape[0],)
     # the tensors the config's terms add (attnx.model.terms: q/k norm weights, sinks, ...)
     shapes.update((name, shape) for name, (shape, _) in term_tensors(c).items())
     return shapes

@@ -71,20 +71,27 @@ class ModelSource:
 class DecodeState:
     """Where a decode stands after a prefill or a step of a step model (config kv_cache).
 
-    y: the output of that run, [batch, seq, d_model]; past_key/past_value: the cache to feed
-    next (numpy arrays, or a backend's own buffers: ORT OrtValues, which stay in ORT's memory);
-    key_padding_mask: the mask of every position so far (None when the model takes none);
-    length: total_seq so far."""
+    y: the output of that run, [batch, seq, d_model]; cache: the cache to feed next, one value per tensor of the
+    config's cache_specs (past_key and past_value; past_latent for a latent config), as numpy arrays or a backend's
+    own buffers (ORT OrtValues, which stay in ORT's memory); key_padding_mask: the mask of every position so far
+    (None when the model takes none); length: total_seq so far."""
 
     y: np.ndarray
-    past_key: Any
-    past_value: Any
+    cache: tuple[Any, ...]
     key_padding_mask: np.ndarray | None
     length: int
 
-    def cache_numpy(self) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def past_key(self) -> Any:
+        return self.cache[0]
+
+    @property
+    def past_value(self) -> Any:
+        return self.cache[1]
+
+    def cache_numpy(self) -> tuple[np.ndarray, ...]:
         """The cache as numpy arrays (a copy out of the backend's buffers where it holds them)."""
-        return _as_numpy(self.past_key), _as_numpy(self.past_value)
+        return tuple(_as_numpy(value) for value in self.cache)
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -133,10 +140,9 @@ class Runner:
         config = self._step_config()
         batch = x.shape[0]
         dtype = self._float_dtype()
-        empty_k = np.zeros((batch, config.n_kv_heads, 0, config.head_dim), dtype)
-        empty_v = np.zeros((batch, config.n_kv_heads, 0, config.v_head_dim), dtype)
+        empty = tuple(np.zeros((batch, *spec.shape[1:2], 0, *spec.shape[3:]), dtype) for spec in config.cache_specs())
         mask = np.zeros((batch, 0), bool) if config.key_padding_mask else None
-        _, state = self.step(x, DecodeState(np.zeros((batch, 0, config.d_model)), empty_k, empty_v, mask, 0),
+        _, state = self.step(x, DecodeState(np.zeros((batch, 0, config.d_model)), empty, mask, 0),
                              key_padding_mask, position_ids)  # fmt: skip
         return state
 
@@ -155,7 +161,8 @@ class Runner:
         config = self._step_config()
         if not self.is_loaded:
             raise UsageError(f"runner {self.name!r} is not loaded: call load() or use it as a context manager")
-        feeds: dict[str, Any] = {"x": x, "past_key": state.past_key, "past_value": state.past_value}
+        past = [spec.name for spec in config.cache_specs()]  # past_key, past_value; past_latent
+        feeds: dict[str, Any] = {"x": x, **dict(zip(past, state.cache))}
         mask = None
         if config.key_padding_mask:
             new = np.zeros(tuple(x.shape[:2]), bool) if key_padding_mask is None else np.asarray(key_padding_mask)
@@ -176,15 +183,16 @@ class Runner:
             raise InputError("this model takes no position_ids (its config has no rope)")
         out = self.run_step_impl(feeds)
         y = _as_numpy(out["y"])
-        return y, DecodeState(y, out["present_key"], out["present_value"], mask, state.length + int(x.shape[1]))
+        present = tuple(out[spec.name] for spec in config.cache_specs(prefix="present_"))
+        return y, DecodeState(y, present, mask, state.length + int(x.shape[1]))
 
     def run_step_impl(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """One run of the step model. Default: the cache as numpy arrays in the model's input dtype
         (the float64 reference's cache is fed back as the float32 its inputs declare)."""
         dtype = self._float_dtype()
         feeds = dict(feeds)
-        for name in ("past_key", "past_value"):
-            feeds[name] = _as_numpy(feeds[name]).astype(dtype, copy=False)
+        for spec in self._step_config().cache_specs():
+            feeds[spec.name] = _as_numpy(feeds[spec.name]).astype(dtype, copy=False)
         return self.run(feeds)
 
     def _step_config(self) -> AttentionConfig:
@@ -202,7 +210,7 @@ class Runner:
         return config
 
     def _float_dtype(self) -> np.dtype:
-        spec = next((s for s in self.inputs if s.name == "past_key"), None)
+        spec = next((s for s in self.inputs if s.name in ("past_key", "past_latent")), None)
         name = spec.dtype if spec is not None else self.source.dtype
         return np.dtype(DTYPES[name].numpy or "float32")
 

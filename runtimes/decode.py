@@ -67,11 +67,11 @@ DEFAULT_PREFILLS = (0, 1, 37)
 DEFAULT_STEPS = 64
 
 
-def empty_cache(config: AttentionConfig, batch: int, dtype: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
-    """past_key, past_value with past_seq 0: what a prefill feeds."""
+def empty_cache(config: AttentionConfig, batch: int, dtype: str = "fp32") -> tuple[np.ndarray, ...]:
+    """past_key, past_value (past_latent for a latent config: config.cache_specs) with past_seq 0: what a prefill
+    feeds."""
     dt = numpy_dtype(dtype)
-    return (np.zeros((batch, config.n_kv_heads, 0, config.head_dim), dt),
-            np.zeros((batch, config.n_kv_heads, 0, config.v_head_dim), dt))  # fmt: skip
+    return tuple(np.zeros((batch, *spec.shape[1:2], 0, *spec.shape[3:]), dt) for spec in config.cache_specs())
 
 
 class BufferDecoder:
@@ -164,8 +164,8 @@ def is_buffer_form(runner: Runner) -> bool:
 
 def decode_sequence(
     runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int, config: AttentionConfig | None = None
-) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """y over every position and the final cache (present_key, present_value as numpy): a
+) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """y over every position and the final cache (present_key, present_value, or present_latent, as numpy): a
     prefill of `prefill` tokens (an empty one when 0: the first token is then a step like the
     others), then one token per step, each feeding the cache back. A step model of either form:
     the growing form through runner.prefill/step, the buffer form through a BufferDecoder of
@@ -179,7 +179,7 @@ def decode_sequence(
 
 def decode_runs(
     runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int, config: AttentionConfig | None = None
-) -> Iterator[tuple[int, int, np.ndarray, Callable[[], tuple[np.ndarray, np.ndarray]]]]:
+) -> Iterator[tuple[int, int, np.ndarray, Callable[[], tuple[np.ndarray, ...]]]]:
     """The runs of decode_sequence, one at a time: (start, stop, y, cache) with the run's tokens
     start..stop-1, their y, and a callable giving the cache as it stands after the run (numpy
     copies; called only when wanted: on ONNX Runtime the cache stays in its buffers)."""

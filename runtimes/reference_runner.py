@@ -38,7 +38,8 @@ class ReferenceRunner(Runner):
             position_ids=feeds.get("position_ids"),
             stages=self.stages,
             core_stages=False,
+            past_latent=feeds.get("past_latent"),
         )
-        if self.source.config.kv_cache:  # the step model: y, present_key, present_value
-            return dict(zip(("y", "present_key", "present_value"), out))
+        if self.source.config.kv_cache:  # the step model: y, present_key, present_value (present_latent)
+            return dict(zip(("y", *(s.name for s in self.source.config.cache_specs(prefix="present_"))), out))
         return {"y": out}

@@ -187,7 +187,8 @@ PLAIN_KEYS = {
 # its own (the anchor). A type not here is an error of the build: the page cannot show a Python type.
 JSON_TYPES = {"int": "integer", "float": "number", "bool": "true or false", "str": "string", "None": "null",
               "Rope": "object ([rope](#rope))", "QKNorm": "object ([qk_norm](#qk_norm))",
-              "RopeScaling": "object (below)", "Temperature": "object ([attn_temperature](#attn_temperature))"}  # fmt: skip
+              "RopeScaling": "object (below)", "Temperature": "object ([attn_temperature](#attn_temperature))",
+              "Latent": "object ([latent](#latent))"}  # fmt: skip
 
 
 def _json_type(annotation: str) -> str:
@@ -214,7 +215,7 @@ def config_page() -> str:
     """reference/config.md: every key of AttentionConfig, what it is, the term that uses it, the rope table."""
     from attnx.model import PRESETS, AttentionConfig
     from attnx.model.rope import REFUSED_ROPE_TYPES, SCALING_PARAMS, Rope
-    from attnx.model.terms import TERMS, QKNorm, Temperature
+    from attnx.model.terms import TERMS, Latent, QKNorm, Temperature
 
     owner = {key: term for term in TERMS.values() for key in term.keys}
     fields = dataclasses.fields(AttentionConfig)
@@ -260,6 +261,9 @@ def config_page() -> str:
     lines += ["", "## `attn_temperature`", "", "An object (`attnx.model.terms.Temperature`), both keys required:", "",
               "| key | type | default |", "| --- | --- | --- |"]  # fmt: skip
     lines += [f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} |" for f in dataclasses.fields(Temperature)]
+    lines += ["", "## `latent`", "", "An object (`attnx.model.terms.Latent`: multi-head latent attention), every key "
+              "required:", "", "| key | type | default |", "| --- | --- | --- |"]  # fmt: skip
+    lines += [f"| `{f.name}` | {_json_type(f.type)} | {_default(f)} |" for f in dataclasses.fields(Latent)]
     lines += ["", "## Presets", "", "`--preset NAME`, `attnx.preset(NAME)`: the keys each sets, as a config file would "
               "(the others are their defaults).", "", "| preset | keys |", "| --- | --- |"]  # fmt: skip
     base = {f.name: f.default for f in fields}

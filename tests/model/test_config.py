@@ -23,7 +23,7 @@ def test_json_round_trip_keeps_every_key():
     assert set(data) == {"d_model", "n_heads", "head_dim", "v_head_dim", "kv_dim", "bias", "causal", "cross",
                          "key_padding_mask", "scale", "n_kv_heads", "kv_cache",
                          "rope", "sliding_window", "softcap", "qk_norm", "sinks", "alibi", "qk_l2_norm",
-                         "attn_temperature", "attention_chunk"}  # fmt: skip
+                         "attn_temperature", "attention_chunk", "latent"}  # fmt: skip
     assert AttentionConfig.from_json(c.to_json()) == c
 
 

@@ -25,7 +25,12 @@ STRUCTURAL = {"grouped_heads", "cross", "kv_cache"}
 ALL_TERMS = dataclasses.replace(LLM_CONFIGS["llm"], alibi=True)
 # Llama 4's terms on its two kinds of layer: chunked rope with the norm after it, NoPE with the temperature
 TERM_CONFIGS = {"qk_l2_norm": LLM_CONFIGS["llama4"], "attention_chunk": LLM_CONFIGS["llama4"],
-                "attn_temperature": LLM_CONFIGS["llama4-nope"]}  # fmt: skip
+                "attn_temperature": LLM_CONFIGS["llama4-nope"],
+                # DeepSeek's latent attention (tests/model/test_latent.py)
+                "latent": AttentionConfig(d_model=64, n_heads=4, head_dim=24, v_head_dim=16, causal=True,
+                                          key_padding_mask=True,
+                                          rope={"theta": 10000.0, "dim": 8, "interleaved": True},
+                                          latent={"kv_lora_rank": 32, "q_lora_rank": 16, "eps": 1e-6})}  # fmt: skip
 
 
 def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():

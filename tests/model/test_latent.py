@@ -1,0 +1,125 @@
+"""Multi-head latent attention (the config's `latent`, attnx.model.terms.Latent: DeepSeek-V2/V3's MLA): its config
+keys in their normal form, its weights under transformers' names, the numpy reference and the torch module agreeing
+at float64 full-sequence and step by step over the latent cache (left padding), and the cores that refuse it naming
+the term. Against transformers itself: tests/workflows/test_import_mla.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from attnx.errors import ConfigError
+from attnx.model import AttentionConfig, init_weights, reference_attention
+from attnx.model.cores import CORES, why_not
+from attnx.model.weights import weight_shapes
+from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.decode import decode_sequence, make_decode_inputs
+
+torch = pytest.importorskip("torch")
+
+# heads of 24 (8 rotated, 16 not) for q and k, 16 for v; latent ranks 16 (q) and 32 (kv)
+MLA = AttentionConfig(d_model=64, n_heads=4, head_dim=24, v_head_dim=16, bias=False, causal=True,
+                      key_padding_mask=True, rope={"theta": 10000.0, "dim": 8, "interleaved": True},
+                      latent={"kv_lora_rank": 32, "q_lora_rank": 16, "eps": 1e-6})  # fmt: skip
+# q_proj instead of the q latent, biases, half-split pairs, a yarn rope with its mscale ratio
+PLAIN_Q = dataclasses.replace(MLA, bias=True, latent={"kv_lora_rank": 32, "q_lora_rank": None, "eps": 1e-6},
+                              rope={"theta": 10000.0, "dim": 8, "interleaved": False, "scaling": {
+                                  "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+                                  "mscale": 1.0, "mscale_all_dim": 0.8}})  # fmt: skip
+
+
+def test_the_latent_key_in_its_normal_form_and_its_weights_under_transformers_names():
+    assert MLA.latent.to_dict() == {"kv_lora_rank": 32, "q_lora_rank": 16, "eps": 1e-6}
+    assert AttentionConfig.from_json(MLA.to_json()) == MLA
+    assert MLA.terms == ("latent", "rope", "causal", "key_padding_mask")
+    assert weight_shapes(MLA) == {
+        "q_a_proj.weight": (16, 64), "q_b_proj.weight": (96, 16), "kv_a_proj_with_mqa.weight": (40, 64),
+        "kv_b_proj.weight": (4 * (16 + 16), 32), "out_proj.weight": (64, 64), "q_a_layernorm.weight": (16,),
+        "kv_a_layernorm.weight": (32,)}  # fmt: skip
+    shapes = weight_shapes(PLAIN_Q)  # attention_bias's projections: q_proj, kv_a_proj_with_mqa, out_proj
+    assert {n for n in shapes if n.endswith(".bias")} == {"q_proj.bias", "kv_a_proj_with_mqa.bias", "out_proj.bias"}
+    assert "q_a_layernorm.weight" not in shapes
+    assert MLA.n_params == sum(math.prod(s) for s in weight_shapes(MLA).values())
+    step = dataclasses.replace(MLA, kv_cache=True)  # the cache: the latent, one "head" of 8 + 32
+    assert [(s.name, s.shape) for s in step.inputs() if "latent" in s.name] == [("past_latent", ("batch", 1, "past_seq", 40))]
+    assert [(s.name, s.shape) for s in step.outputs()][1:] == [("present_latent", ("batch", 1, "total_seq", 40))]
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(rope=None), "needs 'rope'"),
+    (dict(n_kv_heads=2), "n_kv_heads"),
+    (dict(rope={"theta": 10000.0, "dim": 24}), "below head_dim"),
+    (dict(latent={"kv_lora_rank": 32}), "'latent' must be null or an object"),
+    (dict(latent={"kv_lora_rank": 0, "q_lora_rank": None, "eps": 1e-6}), "latent.kv_lora_rank"),
+    (dict(qk_norm={"eps": 1e-6}), "'latent' and 'qk_norm'"),
+])  # fmt: skip
+def test_a_latent_config_that_does_not_go_together_is_one_error_naming_the_key(change, needle):
+    with pytest.raises(ConfigError, match=needle):
+        dataclasses.replace(MLA, **change)
+
+
+def _torch_outputs(config, weights, feeds, prefill):
+    """The torch module at float64: the whole sequence, then a prefill and one token per step over its latent cache."""
+    from attnx.model.module import build_module
+
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    t["x"] = t["x"].double()
+    with torch.no_grad():
+        whole = build_module(config, weights).double()(**t).numpy()
+        step_config = dataclasses.replace(config, kv_cache=True)
+        module = build_module(step_config, weights).double()
+        cache = torch.zeros(t["x"].shape[0], 1, 0, config.rope.dim + config.latent.kv_lora_rank, dtype=torch.float64)
+        ys = []
+        for start, stop in [(0, prefill)] + [(i, i + 1) for i in range(prefill, t["x"].shape[1])]:
+            y, cache = module(t["x"][:, start:stop], key_padding_mask=t["key_padding_mask"][:, :stop],
+                              position_ids=t["position_ids"][:, start:stop], past_latent=cache)  # fmt: skip
+            ys.append(y.numpy())
+    return whole, np.concatenate(ys, axis=1), cache.numpy()
+
+
+@pytest.mark.parametrize("config", [MLA, PLAIN_Q], ids=["q-latent", "q-proj-bias-yarn"])
+def test_the_reference_and_the_torch_module_agree_at_float64_full_and_step_by_step(config):
+    weights = init_weights(config, seed=2)
+    feeds = make_decode_inputs(config, 3, 9, seed=4)  # left padding: rows of 0, 2 and 4 padded tokens
+    ref = reference_attention(config, weights, **feeds)
+    whole, steps, cache = _torch_outputs(config, weights, feeds, prefill=5)
+    np.testing.assert_allclose(whole, ref, atol=1e-12)
+    np.testing.assert_allclose(steps, ref, atol=1e-12)
+    # the reference step by step on its own latent cache (float64 throughout): the same outputs and cache
+    step = dataclasses.replace(config, kv_cache=True)
+    past, ys = np.zeros((3, 1, 0, 40)), []
+    for start, stop in [(0, 5)] + [(i, i + 1) for i in range(5, 9)]:
+        y, past = reference_attention(step, weights, feeds["x"][:, start:stop],
+                                      key_padding_mask=feeds["key_padding_mask"][:, :stop],
+                                      position_ids=feeds["position_ids"][:, start:stop], past_latent=past)  # fmt: skip
+        ys.append(y)
+    np.testing.assert_allclose(np.concatenate(ys, axis=1), ref, atol=1e-12)
+    np.testing.assert_allclose(past, cache, atol=1e-12)
+    assert past.shape == (3, 1, 9, 40)
+
+
+def test_the_runners_decode_over_the_latent_cache():
+    """Runner.prefill/step feed past_latent and read present_latent (config.cache_specs), reference and torch."""
+    step = dataclasses.replace(MLA, kv_cache=True)
+    weights = init_weights(MLA, seed=2)
+    feeds = make_decode_inputs(MLA, 3, 7, seed=4)
+    ref = reference_attention(MLA, weights, **feeds)
+    for backend in ("reference", "torch"):
+        with create_runner(backend, ModelSource(step, weights)) as runner:
+            y, cache = decode_sequence(runner, feeds, 3, step)
+        assert len(cache) == 1 and cache[0].shape == (3, 1, 7, 40)
+        np.testing.assert_allclose(y, ref, atol=1e-5)
+
+
+def test_a_core_that_cannot_compute_the_latent_names_it():
+    step = dataclasses.replace(MLA, kv_cache=True)
+    assert why_not("decomposed", MLA) == []
+    assert any("latent in the growing form" in r for r in why_not("decomposed", step))
+    for name, core in CORES.items():
+        if name != "decomposed":
+            form = "full" if "full" in core.forms else "growing"
+            reasons = why_not(name, MLA if form == "full" else step, form=form)
+            assert any("latent" in r for r in reasons), (name, reasons)
