@@ -48,7 +48,7 @@ import numpy as np
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import BUFFER_CORES, DEFAULT_BUFFER_CORE, QUANTIZED_DTYPES
-from attnx.model.cores import core_for
+from attnx.model.cores import LOWERINGS, core_for
 from attnx.model.reference import hidden_keys
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
@@ -95,19 +95,24 @@ class DecodeImpl:
         return self.label
 
 
+# the lowerings bench times in the growing form, the registry's last (the fused) first
+_GROWING = [name for name, lw in reversed(LOWERINGS.items()) if lw.bench and "growing" in lw.cores]
+
+
 def decode_impls(dtypes: Sequence[str] = ("fp32",), openvino: bool = True) -> list[DecodeImpl]:
     """What `attnx bench --decode` times: attnx's buffer form with each core, its growing forms, OpenVINO on
     the step models it reads, torch's two peers; each quantized dtype's buffer form (the default core and
     auto) and ort-fused growing form after the float ones."""
     ort = [DecodeImpl("ort", "ort-fused", "buffer", core) for core in BUFFER_CORES if core != DEFAULT_BUFFER_CORE]
     ort = [DecodeImpl("ort", "ort-fused", "buffer"), *ort]
-    ort += [DecodeImpl("ort", lowering) for lowering in ("ort-fused", "onnx", "decomposed")]
+    ort += [DecodeImpl("ort", lowering) for lowering in _GROWING]
     for dtype in dtypes:
         if dtype != "fp32":
             ort += [DecodeImpl("ort", "ort-fused", "buffer", dtype=dtype),
                     DecodeImpl("ort", "ort-fused", "buffer", "auto", dtype),
                     DecodeImpl("ort", "ort-fused", dtype=dtype)]  # fmt: skip
-    ov = [DecodeImpl("openvino", lowering) for lowering in ("onnx", "decomposed")] if openvino else []
+    # OpenVINO runs the step models of standard ops (runtimes/openvino_runner.py)
+    ov = [DecodeImpl("openvino", lw) for lw in _GROWING if not LOWERINGS[lw].contrib] if openvino else []
     return [*ort, *ov, DecodeImpl("torch", "eager"), DecodeImpl("torch", "static")]
 
 

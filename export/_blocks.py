@@ -26,10 +26,7 @@ from collections.abc import Callable, Iterator
 import onnx_ir as ir
 
 from attnx.export.cores import GRAPH_CORES, Block, core_of_node
-from attnx.export.passes.walk import (
-    NotRead,
-    reaches_matmul,
-)
+from attnx.export.passes.walk import NotRead
 
 __all__ = ["Block", "Blocks", "block_cores", "block_nodes", "iter_blocks", "read_blocks", "release_external"]
 
@@ -59,10 +56,10 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
         if node.op_type == "If":
             read_whole.update(id(a.value) for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH)
         name = node.name or node.op_type
-        if core == "decomposed" and not reaches_matmul(node.inputs[0], depth=16):
+        if not GRAPH_CORES[core].is_attention(node):
             if others is not None:
-                others.append(f"node {name}: a Softmax whose input comes from no MatMul of two computed operands "
-                              "(q.k): not read as attention")  # fmt: skip
+                others.append(f"node {name}: a {node.op_type} whose input comes from no MatMul of two computed "
+                              "operands (q.k): not read as attention")  # fmt: skip
             continue
         reader = GRAPH_CORES[core].read_block
         if reader is None:
@@ -114,4 +111,4 @@ def block_nodes(model: ir.Model) -> list[str]:
     refuses is still listed here (iter_blocks names it as unread and numbers the blocks after it one lower)."""
     return [node.name or node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
             if (core := core_of_node(node, "")) in block_cores()
-            and (core != "decomposed" or reaches_matmul(node.inputs[0], depth=16))]  # fmt: skip
+            and GRAPH_CORES[core].is_attention(node)]  # fmt: skip

@@ -54,7 +54,7 @@ from attnx.model.contract import (
     QUANT_KEY,
     buffer_form_specs,
 )
-from attnx.model.cores import core_for, form_of
+from attnx.model.cores import TermOps, core_for, form_of
 
 __all__ = ["build_model", "graph_opset", "half_precision", "quantize_model", "with_dtype"]
 
@@ -66,7 +66,7 @@ def graph_opset(config: AttentionConfig, attention: str, form: str | None = None
     Runtime's SimplifiedLayerNormalization is no ONNX op: the checker refuses it), else DEFAULT_OPSET."""
     core = core_for(attention, config, dtype, form, buffer_core, core=core)
     needed = max(DEFAULT_OPSET, core.opset if not core.domain else DEFAULT_OPSET)
-    if core.name != "decomposed" and (terms := fused_opset(config)) is not None:  # the terms' operators' own
+    if core.term_ops is not TermOps.STANDARD and (terms := fused_opset(config)) is not None:  # the terms' ops' own
         needed = max(needed, terms)
     return needed
 

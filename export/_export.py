@@ -111,7 +111,7 @@ def export_onnx(
     gets a fresh copy of the first trace (TRACES), and so does the next process where
     $ATTNX_TRACE_CACHE names a folder: tracing dominates the export of a small model (measurements/build_paths).
     """
-    if attention != "decomposed":
+    if attention not in LOWERINGS or not LOWERINGS[attention].traced:
         raise UsageError(f"export_onnx traces the decomposed form; {attention!r} is written by attnx.export.build_model")
     if config.kv_cache:
         raise UsageError("export_onnx traces the full-sequence model; a step model is written by build_model")

@@ -1,12 +1,12 @@
 """The modern-LLM terms (docs/concepts/formula.md, "Modern LLM attention") as pieces of the hand-built graphs, in
-each lowering's own operators:
+each core's own operators (attnx.model.cores.TermOps, a core's term_ops):
 
-- decomposed: RMSNorm as ReduceMean/Sqrt/Div, rope as Slice/Mul/Concat over cos/sin computed
+- STANDARD (the decomposed core): RMSNorm as ReduceMean/Sqrt/Div, rope as Slice/Mul/Concat over cos/sin computed
   from position_ids (the step model's decomposed form; the full-sequence decomposed graph is
   the torch module's export);
-- onnx: RMSNormalization-23 and RotaryEmbedding-23, fed cos/sin [batch, seq, dim/2] computed for
+- ONNX (the opset-23 Attention): RMSNormalization-23 and RotaryEmbedding-23, fed cos/sin [batch, seq, dim/2] computed for
   the call's own position_ids (no table: any position);
-- ort-fused: RMSNormalization-23 as its own node (GroupQueryAttention's q_norm_weight/k_norm_weight
+- CONTRIB (ONNX Runtime's cores): RMSNormalization-23 as its own node (GroupQueryAttention's q_norm_weight/k_norm_weight
   are CUDA/WebGPU only; ONNX Runtime's SimplifiedLayerNormalization is no ONNX op: the checker
   refuses it) and com.microsoft.RotaryEmbedding, fed the same cos/sin as a [batch*seq, dim/2]
   table indexed by arange(batch*seq): each token's row is its own position's, any position.
@@ -29,6 +29,7 @@ from attnx.export._graph import Graph
 from attnx.export.terms import GRAPH_TERMS
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
+from attnx.model.cores import TermOps
 from attnx.model.rope import rope_frequencies
 from attnx.model.rope import rope_table as cos_sin_table
 from attnx.model.terms import terms_at
@@ -39,17 +40,17 @@ _F = TensorProto.FLOAT
 
 
 def norm_and_rotate(
-    g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str, lowering: str
+    g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray], q: str, k: str, ops: TermOps
 ) -> tuple[str, str]:
     """q [B, S, H*hd] and k [B, S, Hkv*hd] after the norms before rope (each term's emit_styled: attnx.export.terms)
-    and rope, in `lowering`'s operators."""
-    if lowering == "decomposed":
+    and rope, in `ops` (the core's Core.term_ops)."""
+    if ops is TermOps.STANDARD:
         return _decomposed(g, c, weights, q, k)
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
 
     def norm(emit: Any, u: str, heads: int, which: str) -> str:
         u4 = g.op("Reshape", u, g.ints(f"{which}_norm_4d", [0, 0, heads, hd]))  # [B, S, heads, hd]
-        normed = emit(g, c, weights, u4, which, lowering, None)
+        normed = emit(g, c, weights, u4, which, False, None)
         return g.op("Reshape", normed, g.ints(f"{which}_norm_3d", [0, 0, heads * hd]), name=g.stage(f"{which}_norm"))
 
     for name in _styled(c):
@@ -58,7 +59,7 @@ def norm_and_rotate(
     if c.rope is not None:
         cos, sin = _rope_cos_sin(g, c)  # [B, S, 1, dim/2]
         attrs = {"rotary_embedding_dim": c.rope.dim, "interleaved": int(c.rope.interleaved)}
-        if lowering == "onnx":  # RotaryEmbedding-23 without position_ids: cos/sin [B, S, dim/2]
+        if ops is TermOps.ONNX:  # RotaryEmbedding-23 without position_ids: cos/sin [B, S, dim/2]
             axis2 = g.ints("axes_2", [2])
             cos, sin = g.op("Squeeze", cos, axis2), g.op("Squeeze", sin, axis2)
             q = g.op("RotaryEmbedding", q, cos, sin, num_heads=H, name=g.stage("q_rope"), **attrs)
@@ -95,7 +96,7 @@ def _decomposed(g: Graph, c: AttentionConfig, weights: Mapping[str, np.ndarray],
     k4 = g.op("Reshape", k, g.ints("k4_shape", [0, 0, Hkv, hd]))  # [B, S, Hkv, hd]
     for name in _styled(c):
         # with rope the norm's output is held per head only: named there, [B, S, heads, hd]
-        q4, k4 = (GRAPH_TERMS[name].emit_styled(g, c, weights, u4, which, "decomposed",
+        q4, k4 = (GRAPH_TERMS[name].emit_styled(g, c, weights, u4, which, True,
                                                 g.stage(f"{which}_norm", "b t h d") if c.rope is not None else None)
                   for u4, which in ((q4, "q"), (k4, "k")))  # fmt: skip
     if c.rope is not None:

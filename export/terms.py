@@ -105,9 +105,9 @@ class GraphTerm:
     read_paths: Callable[[Mapping[str, Any], dict[str, np.ndarray], dict[str, Any]], Any] | None = None
     # the default-domain opset its operators need beside a fused core (the decomposed core writes it in older ops)
     opset: int | None = None
-    # a term of place "qk" before rope that each style writes in its own operators (attnx.export._llm), one head-split
-    # tensor at a time: emit_styled(g, config, weights, u [B, S, heads, hd], "q" or "k", style, output name or None)
-    emit_styled: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray], str, str, str, str | None], str] | None = None
+    # a term of place "qk" before rope written in its core's operators (attnx.export._llm, Core.term_ops), one head-split
+    # tensor at a time: emit_styled(g, config, weights, u [B, S, heads, hd], "q" or "k", standard ops?, output name)
+    emit_styled: Callable[[Any, AttentionConfig, Mapping[str, np.ndarray], str, str, bool, str | None], str] | None = None
     # a term the graph computes per token index, its values read by running the graph for a prompt (the audit) and
     # fitted: fit_values(values [tokens]) -> (the config's value or None, how it is said or why not)
     fit_values: Callable[[np.ndarray], tuple[Any, str]] | None = None
@@ -131,12 +131,12 @@ def _qk_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx:
     return _presence("q/k norm", g.qk_norm is not None, c.qk_norm is not None, ctx)
 
 
-def _emit_qk_norm(g: Any, c: AttentionConfig, weights: Mapping[str, np.ndarray], u4: str, which: str, style: str,
-                  name: str | None) -> str:  # fmt: skip
-    """RMSNorm of each head times {which}_norm.weight: ReduceMean, Sqrt, Div, Mul (decomposed), else
+def _emit_qk_norm(g: Any, c: AttentionConfig, weights: Mapping[str, np.ndarray], u4: str, which: str,
+                  standard: bool, name: str | None) -> str:  # fmt: skip
+    """RMSNorm of each head times {which}_norm.weight: ReduceMean, Sqrt, Div, Mul (standard ops), else
     RMSNormalization-23 (GroupQueryAttention's q_norm_weight runs on CUDA only: measurements/facts.md)."""
     w = g.const(f"{which}_norm.weight", np.asarray(weights[f"{which}_norm.weight"], np.float32))
-    if style != "decomposed":
+    if not standard:
         return g.op("RMSNormalization", u4, w, axis=-1, epsilon=c.qk_norm.eps, name=name)  # opset 23
     eps = g.const("qk_norm_eps", np.asarray(c.qk_norm.eps, np.float32))
     mean_sq = g.op("ReduceMean", g.op("Mul", u4, u4), g.ints("axes_last", [-1]), keepdims=1)
@@ -466,9 +466,8 @@ GRAPH_TERMS: dict[str, GraphTerm] = {
     )
 }
 # the terms not compared here, and why: cross (the audit reads self-attention), kv_cache and key_padding_mask (the
-# forms and inputs the audit feeds, not the formula: its reference is set without them), latent (no reader of an MLA
-# block yet: the audit's blocks are read from q_proj, k_proj and v_proj)
-NOT_COMPARED = {"cross", "kv_cache", "key_padding_mask", "latent"}
+# forms and inputs the audit feeds, not the formula: its reference is set without them)
+NOT_COMPARED = {"cross", "kv_cache", "key_padding_mask"}
 assert set(GRAPH_TERMS) | NOT_COMPARED == set(TERMS), set(TERMS) ^ (set(GRAPH_TERMS) | NOT_COMPARED)
 
 

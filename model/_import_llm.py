@@ -5,6 +5,7 @@ reads it (the family's class defaults; both spellings of the rope keys), every d
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ from attnx.errors import UsageError, WeightsError
 from attnx.model.checkpoint import Checkpoint
 from attnx.model.config import AttentionConfig
 from attnx.model.families import (
+    _LATENT_EPS,
     _LAYER_TYPE_NAMES,
     _MPT_ATTN_DEFAULTS,
     _MPT_REFUSED,
@@ -241,6 +243,43 @@ def _rope_config(hf: Mapping[str, Any], family: RotaryFamily, model_type: str, l
     return rope, f"rope: rope_type {kind}, theta {params['rope_theta']}, {dim} of {head_dim} dims rotated"
 
 
+def _latent_weights(ckpt: Checkpoint, names: Mapping[str, str], latent: Mapping[str, Any],
+                    bias: bool) -> tuple[dict[str, np.ndarray], list[str], tuple[str, ...]]:  # fmt: skip
+    """An MLA layer's tensors under transformers' names (attnx.model.terms.Latent), the mapping, and the projections
+    with a bias (attention_bias: q_a_proj, kv_a_proj_with_mqa, o_proj; q_proj has none in transformers: zeros)."""
+    weights: dict[str, np.ndarray] = {}
+    mapping: list[str] = []
+    q = ("q_proj",) if latent["q_lora_rank"] is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+    for part in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"):
+        key, weights[f"{part}.weight"] = ckpt.get(names[part] + ".weight")
+        mapping.append(f"{part}.weight <- {key}")
+    if not bias:
+        return weights, mapping, ()
+    for part in (q[0], "kv_a_proj_with_mqa"):
+        if part == "q_proj":  # a projection without bias is one with a zero bias: exact
+            weights["q_proj.bias"] = np.zeros(weights["q_proj.weight"].shape[0], np.float32)
+            mapping.append("q_proj.bias <- zeros (the source's q_proj has no bias)")
+        else:
+            key, weights[f"{part}.bias"] = ckpt.get(names[part] + ".bias")
+            mapping.append(f"{part}.bias <- {key}")
+    return weights, mapping, ("o",)
+
+
+def _latent_scale(hf: Mapping[str, Any], family: RotaryFamily, layer_type: str,
+                  head_dim: int) -> tuple[float | None, str | None]:  # fmt: skip
+    """transformers' DeepseekV3Attention.scaling: head_dim^-1/2 times mscale^2, mscale = 0.1 mscale_all_dim
+    ln(factor) + 1 (1 for factor <= 1), when the rope is scaled and its mscale_all_dim is set (yarn_apply_mscale);
+    None (the default scale) otherwise."""
+    params = _hf_rope_parameters(hf, family, layer_type)
+    m_all = params.get("mscale_all_dim") or 0
+    if params["rope_type"] == "default" or not m_all:
+        return None, None
+    factor = params["factor"]
+    mscale = 1.0 if factor <= 1 else 0.1 * m_all * math.log(factor) + 1.0
+    scale = head_dim**-0.5 * mscale * mscale
+    return scale, f"scale head_dim^-1/2 * mscale^2 = {head_dim}^-1/2 * {mscale!r}^2 = {scale!r} (mscale_all_dim {m_all})"
+
+
 def rotary_widths(folder: str, hf: Mapping[str, Any]) -> tuple[int, int, int, int]:
     """(d_model, n_heads, n_kv_heads, head_dim) of a rotary decoder's config (its family's defaults merged in)."""
 
@@ -270,7 +309,20 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
             raise UsageError(f"{folder!r} config.json: {key!r} must be a positive integer, got {value!r}")
         return value
 
-    d_model, n_heads, n_kv_heads, head_dim = rotary_widths(folder, hf)
+    v_head_dim = latent = None
+    if family.latent:  # MLA: a head is [nope | rope] for q and k, v_head_dim apart; k and v for every head
+        d_model, n_heads = number("hidden_size"), number("num_attention_heads")
+        n_kv_heads, rope_dim = n_heads, number("qk_rope_head_dim")
+        head_dim, v_head_dim = number("qk_nope_head_dim") + rope_dim, number("v_head_dim")
+        if hf["num_key_value_heads"] not in (None, n_heads):
+            raise UsageError(f"{model_type} with num_key_value_heads {hf['num_key_value_heads']} for "
+                             f"{n_heads} heads: its latent expands k and v for every head, and transformers' eager "
+                             "attention would repeat those heads again: not imported")  # fmt: skip
+        q_lora = hf["q_lora_rank"]
+        latent = {"kv_lora_rank": number("kv_lora_rank"),
+                  "q_lora_rank": None if q_lora is None else number("q_lora_rank"), "eps": _LATENT_EPS}  # fmt: skip
+    else:
+        d_model, n_heads, n_kv_heads, head_dim = rotary_widths(folder, hf)
     n_layers = number("num_hidden_layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise UsageError(f"--layer must be a non-negative integer, got {layer!r}")
@@ -302,7 +354,10 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
     rotates = _rope_layers(hf, family, n_layers)[layer]
     rope = l2_norm = temperature = None
     if rotates:
-        rope, rope_note = _rope_config(hf, family, model_type, layer_type, head_dim)
+        rope, rope_note = _rope_config(hf, family, model_type, layer_type, rope_dim if family.latent else head_dim)
+        if family.interleave_key is not None:
+            rope["interleaved"] = bool(hf[family.interleave_key])
+            rope_note += f", {family.interleave_key} {rope['interleaved']}"
         notes.append(f"layer {layer} ({layer_type}): {rope_note}" if family.windows == "layer_types" else rope_note)
         if family.l2_norm_key is not None and hf.get(family.l2_norm_key):
             l2_norm = hf["rms_norm_eps"]
@@ -320,7 +375,12 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
         raise UsageError(f"{model_type} has no layer {layer} ({names['o']}.weight is not in the checkpoint)")
     weights: dict[str, np.ndarray] = {}
     mapping: list[str] = []
-    if family.fused_qkv:
+    if family.latent:
+        weights, mapping, biased = _latent_weights(ckpt, names, latent, hf["attention_bias"])
+        notes.append(f"latent: q {'from q_proj' if latent['q_lora_rank'] is None else 'through q_lora_rank ' + str(latent['q_lora_rank'])}, "
+                     f"k and v from kv_lora_rank {latent['kv_lora_rank']} + a shared rope key of {rope_dim}; "
+                     f"heads of {head_dim} (q, k) and {v_head_dim} (v)")  # fmt: skip
+    elif family.fused_qkv:
         key, qkv = ckpt.get(names["qkv"] + ".weight")  # [(N + 2 Nkv) hd, d_model], rows q | k | v
         q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
         if qkv.shape[0] != q_rows + 2 * kv_rows:
@@ -335,11 +395,14 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
             mapping.append(f"{ours}.weight <- {key}")
     key, weights["out_proj.weight"] = ckpt.get(names["o"] + ".weight")
     mapping.append(f"out_proj.weight <- {key}")
-    biased = {"config": ("q", "k", "v", "o") if hf["attention_bias"] else (), "qkv": ("q", "k", "v"),
-              "none": ()}[family.bias]  # fmt: skip
+    if not family.latent:
+        biased = {"config": ("q", "k", "v", "o") if hf["attention_bias"] else (), "qkv": ("q", "k", "v"),
+                  "none": ()}[family.bias]  # fmt: skip
     for ours, theirs in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "o")):
         if not biased:
             break
+        if family.latent and ours != "out_proj":
+            continue  # the latent's biases are read with its projections
         if theirs in biased:
             key, weights[f"{ours}.bias"] = ckpt.get(names[theirs] + ".bias")
             mapping.append(f"{ours}.bias <- {key}")
@@ -363,6 +426,10 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
         key, weights["sinks"] = ckpt.get(f"{names['base']}.sinks")
         mapping.append(f"sinks <- {key}")
     scale = None
+    if family.latent and rope is not None:  # transformers' yarn_apply_mscale: the scale times mscale^2
+        scale, scale_note = _latent_scale(hf, family, layer_type, head_dim)
+        if scale_note:
+            notes.append(scale_note)
     if family.scale_key is not None:
         pre = hf[family.scale_key]
         if isinstance(pre, bool) or not isinstance(pre, (int, float)) or not pre > 0:
@@ -375,7 +442,8 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
             d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             bias=bool(biased), causal=True, key_padding_mask=True if key_padding_mask is None else key_padding_mask,
             scale=scale, rope=rope, sliding_window=window, softcap=softcap, qk_norm=qk_norm, sinks=family.sinks,
-            qk_l2_norm=l2_norm, attn_temperature=temperature, attention_chunk=chunk,
+            qk_l2_norm=l2_norm, attn_temperature=temperature, attention_chunk=chunk, v_head_dim=v_head_dim,
+            latent=latent,
         )  # fmt: skip
     except UsageError as e:
         raise WeightsError(f"{folder!r}: layer {layer} does not fit attnx's config: {e}") from None

@@ -20,6 +20,7 @@ tables (docs/reference/capabilities.md: core_table(), capability_table()) are al
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Iterable, Mapping
 
 from attnx.errors import UsageError
@@ -29,6 +30,7 @@ from attnx.model.terms import TERMS
 __all__ = [
     "FORMS",
     "Takes",
+    "TermOps",
     "Core",
     "CORES",
     "Lowering",
@@ -73,6 +75,14 @@ class Takes:
 Limits = Callable[[AttentionConfig, str, str], Iterable[str]]
 
 
+class TermOps(enum.Enum):
+    """The operators a core's graph writes the q/k norms and the rotation in (attnx.export._llm.norm_and_rotate)."""
+
+    STANDARD = "standard ops"  # ReduceMean, Sqrt, Div, Mul; Slice, Mul, Concat: any opset
+    ONNX = "ONNX's opset-23 ops"  # RMSNormalization-23, RotaryEmbedding-23
+    CONTRIB = "com.microsoft's"  # RMSNormalization-23 and com.microsoft.RotaryEmbedding
+
+
 def _no_limits(config: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
     return ()
 
@@ -91,6 +101,8 @@ class Core:
     terms: Mapping[str, Takes]
     limits: Limits = _no_limits  # reasons beyond the terms: its kernel's own refusals
     summary: str = ""
+    term_ops: TermOps = TermOps.CONTRIB  # the operators of its q/k norms and rotation
+    holds_scores: bool = False  # its kernel holds the whole score matrix (the memory estimate's)
 
     def takes(self, term: str, form: str) -> bool:
         t = self.terms.get(term)
@@ -172,10 +184,8 @@ CORES: dict[str, Core] = {
                 "attention_chunk": Takes(_BOOL_GRID),
                 "key_padding_mask": Takes(_BOOL_GRID),
                 "sinks": Takes("a logit column joined before the Softmax, dropped after it"),
-                "latent": Takes("the latent's MatMuls and RMSNorms before the core, kv_b_proj's MatMul expanding each "
-                                "head's k and v (traced from the torch module)", ("full",)),
             },
-            summary="standard ops, runs anywhere",
+            summary="standard ops, runs anywhere", term_ops=TermOps.STANDARD, holds_scores=True,
         ),
         Core(
             "attention23", "Attention (opset 23)", "", "Attention", 23, ("full", "growing"), _EVERY_DTYPE,
@@ -194,7 +204,7 @@ CORES: dict[str, Core] = {
                 "attention_chunk": Takes("a boolean attn_mask over token index"),
                 "key_padding_mask": Takes("a boolean attn_mask over token index"),
             },
-            summary="the standard operator",
+            summary="the standard operator", term_ops=TermOps.ONNX, holds_scores=True,
         ),
         Core(
             "mha", f"{MS_DOMAIN}.MultiHeadAttention", MS_DOMAIN, "MultiHeadAttention", 1, ("full", "growing"),
@@ -340,6 +350,20 @@ class Lowering:
         return " or ".join(dict.fromkeys(CORES[c].label for cores in self.cores.values() for c in cores))
 
     @property
+    def traced(self) -> bool:
+        """Its full form is the torch module's export (attnx.export.export_onnx), not written from the registry."""
+        return self.torch_core is not None
+
+    @property
+    def contrib(self) -> bool:
+        """It writes ONNX Runtime's contrib operators (com.microsoft) in some form."""
+        return any(CORES[c].domain == MS_DOMAIN for cores in self.cores.values() for c in cores)
+
+    def holds_scores(self, form: str = "full") -> bool:
+        """Its cores of `form` hold the whole score matrix (Core.holds_scores)."""
+        return any(CORES[c].holds_scores for c in self.cores.get(form, ()))
+
+    @property
     def opset(self) -> int:
         """The default-domain opset it is written at, at least."""
         return max(18, *(CORES[c].opset for cores in self.cores.values() for c in cores if not CORES[c].domain))
@@ -431,7 +455,7 @@ def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: 
         reasons.append(f"{what} {lowering} has no {form} form (it has: {', '.join(has)})")
     others = [lw for lw in lowerings_for(config, dtype, form, buffer_core) if lw != lowering]
     advice = f"; use {what} {' or '.join(others)}" if others else ""
-    if form == "buffer" and not others and lowering == "ort-fused":
+    if form == "buffer" and not others and "buffer" in LOWERINGS[lowering].cores:
         fine = [b for b in BUFFER_CORES if not why_not(b, config, dtype, form)]
         advice = f"; use --buffer-core {' or '.join(fine)}" if fine else "; use the growing form (--decode-form growing)"
     raise UsageError(f"{what} {lowering} cannot build {what_form} of this config in {dtype}: "

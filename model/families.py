@@ -90,8 +90,8 @@ ARCHITECTURES: dict[str, dict[tuple[str, str], Layout]] = {
 
 
 # Architectures whose layers attnx's formula cannot reproduce, and why (checked before anything is read).
-_MLA = ("multi-head latent attention (MLA): q, k and v come from low-rank latents and only part of each "
-        "head is rotated (a separate rope key head), which attnx's formula does not include")
+_MLA = ("multi-head latent attention (MLA) in a family whose attention attnx has not checked against transformers "
+        "(the `latent` key computes DeepSeek-V2/V3's): not imported")
 
 
 # transformers 5.24's Falcon (models/falcon/modeling_falcon.py; measured: measurements/alibi_transformers)
@@ -103,7 +103,11 @@ _FALCON_ALIBI = ("transformers' Falcon adds its ALiBi bias before the scale (slo
 
 
 NOT_EXPRESSIBLE = {
-    **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")},
+    **{t: _MLA for t in ("minicpm3",)},
+    # Kimi K2's checkpoints name DeepseekV3ForCausalLM with model_type kimi_k2, a class of their own code
+    # (trust_remote_code) that transformers 5.24 does not have: no class to read the config with or check against
+    "kimi_k2": ("model_type kimi_k2 is a class of Kimi K2's own code (trust_remote_code), not transformers': its "
+                "attention is DeepSeek-V3's (import a copy whose config.json says model_type deepseek_v3)"),
 }  # fmt: skip
 
 
@@ -161,9 +165,18 @@ class RotaryFamily:
     rope_layers: str | None = None
     l2_norm_key: str | None = None
     temperature: bool = False
+    # multi-head latent attention (the config's `latent`: DeepSeek-V2/V3): its projections, the latent's ranks and
+    # head sizes read from qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank and kv_lora_rank; the key
+    # saying whether its rope pairs are interleaved (None: `interleaved`)
+    latent: bool = False
+    interleave_key: str | None = None
 
     def names(self, layer: int) -> dict[str, str]:
         base = f"layers.{layer}.self_attn"
+        if self.latent:
+            return {**{p: f"{base}.{p}" for p in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
+                                                  "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")},
+                    "o": f"{base}.o_proj", "base": base}  # fmt: skip
         if self.fused_qkv:
             return {"qkv": f"{base}.qkv_proj", "o": f"{base}.o_proj", "base": base}
         return {"q": f"{base}.q_proj", "k": f"{base}.k_proj", "v": f"{base}.v_proj", "o": f"{base}.o_proj",
@@ -219,7 +232,19 @@ ROTARY_FAMILIES: dict[str, RotaryFamily] = {
                                                  "beta_slow": 1.0, "truncate": False,
                                                  "original_max_position_embeddings": 4096}},
                             sinks=True, windows="layer_types"),
+    # models/deepseek_v3, models/deepseek_v2: DeepseekV3Attention, DeepseekV2Attention (MLA; the latents' RMSNorms
+    # at their class default eps 1e-6, not rms_norm_eps; V2 rotates adjacent pairs as complex numbers)
+    "deepseek_v3": RotaryFamily({**_COMMON, "hidden_size": 7168, "num_attention_heads": 128,
+                                 "num_key_value_heads": 128, "max_position_embeddings": 4096, "kv_lora_rank": 512,
+                                 "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                                 "qk_nope_head_dim": 128, "rope_interleave": True},
+                                latent=True, interleave_key="rope_interleave"),
+    "deepseek_v2": RotaryFamily({**_COMMON, "hidden_size": 4096, "num_attention_heads": 32,
+                                 "max_position_embeddings": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                                 "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128},
+                                latent=True, interleaved=True),
 }  # fmt: skip
+_LATENT_EPS = 1e-6  # DeepseekV3RMSNorm's and DeepseekV2RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
 
 
 # Every model_type `attnx import` reads.

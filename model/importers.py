@@ -5,16 +5,17 @@ transformers and no network, into attnx's contract (an AttentionConfig and its w
     ARCHITECTURES[model_type][(stack, attention)] -> Layout: where the four projections are,
     how they are stored, the config keys of the widths and head count, masks and scale.
     ROTARY_FAMILIES[model_type] -> RotaryFamily: the rotary decoders (Llama, Mistral, Qwen2/3,
-    Gemma 2/3, Phi-3, gpt-oss), their config read as transformers reads it (class defaults, both
-    spellings of the rope keys) into the modern-LLM keys: rope, sliding_window, softcap, qk_norm, sinks.
+    Gemma 2/3, Phi-3, gpt-oss, Llama 4, DeepSeek-V2/V3), their config read as transformers reads it (class
+    defaults, both spellings of the rope keys) into the modern-LLM keys: rope, sliding_window, softcap,
+    qk_norm, sinks, latent (DeepSeek's multi-head latent attention).
     ALIBI_FAMILIES[model_type] -> AlibiFamily: the ALiBi decoders (BLOOM, MPT), their fused q/k/v
     projection split into attnx's, into the `alibi` key.
 
 Every tensor the import reads and how it became an attnx tensor (transposed, split, a zero bias
 for a projection that has none) is recorded in ImportResult.mapping. What attnx's formula does
 not include is refused by name, never approximated: T5's self-attention adds a relative position
-bias, BERT's relative_key variants add position terms, DeepSeek's latent attention (MLA) factors
-its scores otherwise, Falcon's ALiBi is scaled and rounded to bfloat16 (measurements/alibi_transformers), dynamic NTK
+bias, BERT's relative_key variants add position terms, MiniCPM3's latent attention is not checked against
+transformers yet, Falcon's ALiBi is scaled and rounded to bfloat16 (measurements/alibi_transformers), dynamic NTK
 rope depends on each run's length. A pickle checkpoint (pytorch_model.bin) is refused, never unpickled.
 
 The pieces: the tables (attnx.model.families), the safetensors reading (attnx.model.checkpoint), the rotary and

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
+from attnx.model.cores import LOWERINGS
 
 __all__ = [
     "Estimate",
@@ -102,9 +103,10 @@ def weights_bytes(config: AttentionConfig) -> int:
 
 
 def materializes_scores(config: AttentionConfig, core: str) -> bool:
-    """Whether a lowering (or the torch module's core) holds the whole score matrix."""
-    if core in ("decomposed", "onnx"):
-        return True
+    """Whether a lowering (its full form's cores: Core.holds_scores) or the torch module's core holds the whole score
+    matrix."""
+    if core in LOWERINGS:
+        return LOWERINGS[core].holds_scores()
     return core == "sdpa" and config.key_padding_mask
 
 

@@ -63,6 +63,7 @@ import numpy as np
 
 from attnx.errors import ModelFileError, ProviderUnavailable, UsageError
 from attnx.model.contract import CONFIG_KEY, MS_DOMAIN, OPENVINO, QUANTIZATIONS, describe, float_dtype, host_dtype
+from attnx.model.cores import CORES, LOWERINGS
 from attnx.runtimes._iobinding import contiguous
 from attnx.runtimes.base import Runner, register_backend, require_source, runtime_threads
 
@@ -151,9 +152,9 @@ class OpenvinoRunner(Runner):
 
         path = self.source.model_path
         info = describe(path)  # the contract's names and dims (OpenVINO keeps none); a missing file: ModelFileError
-        if info.decode is not None and info.lowering == "ort-fused":  # decomposed and onnx step models pass
+        if info.decode is not None and LOWERINGS[info.lowering].contrib:  # decomposed and onnx step models pass
             raise ProviderUnavailable(
-                f"backend {OPENVINO!r} cannot run the ort-fused step model ({info.decode} cache): OpenVINO "
+                f"backend {OPENVINO!r} cannot run the {info.lowering} step model ({info.decode} cache): OpenVINO "
                 f"{ov.__version__} fails at run time on com.microsoft MultiHeadAttention/GroupQueryAttention with a "
                 "past (a Reshape whose pattern disagrees with its input)"
             )
@@ -244,15 +245,19 @@ class OpenvinoRunner(Runner):
         del self.compiled
 
 
+_SCALE_IGNORED = (MS_DOMAIN, "Attention")  # an op whose scale attribute OpenVINO ignores (measured)
+
+
 def _known_fault(path: str, lowering: str) -> str | None:
     """Why OpenVINO would compute this model wrongly, for the faults measured (module doc), or None."""
-    if lowering != "ort-attention":
+    if not any((CORES[c].domain, CORES[c].op_type) == _SCALE_IGNORED for cs in LOWERINGS[lowering].cores.values()
+               for c in cs):  # fmt: skip
         return None
     import onnx
 
     graph = onnx.load(path, load_external_data=False).graph
     for node in graph.node:
-        if node.domain != MS_DOMAIN or node.op_type != "Attention":
+        if (node.domain, node.op_type) != _SCALE_IGNORED:
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         hidden = attrs.get("qkv_hidden_sizes")

@@ -33,7 +33,7 @@ from attnx.model.contract import (
     check_opset,
     describe,
 )
-from attnx.model.cores import core_for, export_core
+from attnx.model.cores import LOWERINGS, core_for, export_core
 from attnx.model.int8 import INT8_BITS_KEY, int8_bits_of, int8_bits_text, int8_weight_bits
 from attnx.model.resources import check_memory, estimate_export
 from attnx.model.weights import check_finite, check_fits, check_weights, init_weights, load_weights
@@ -110,7 +110,7 @@ def export_model(
                                   buffer_core=buffer_core, int8_bits=int8_bits)  # fmt: skip
     # The decomposed form is the torch module's export (traced from PyTorch); every other lowering is
     # written from the registry (build_model), and auto measures those candidates that compute the config.
-    traced = attention == "decomposed"
+    traced = attention in LOWERINGS and LOWERINGS[attention].traced
     if traced:
         opset = check_opset(attention, opset)
     elif attention != AUTO:

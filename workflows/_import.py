@@ -233,14 +233,14 @@ def _check_decoder(
     weights = result.weights
     batch, tokens, prefill = DECODE_CHECK["batch"], DECODE_CHECK["tokens"], DECODE_CHECK["prefill"]
     feeds = make_decode_inputs(full, batch, tokens, seed=11)
-    pk, pv = empty_cache(step, batch)
+    past = dict(zip((spec.name for spec in step.cache_specs()), empty_cache(step, batch)))  # past_key, ..
     ref_y = reference_attention(full, weights, **feeds)
     # The reference decodes too, step by step: longrope switches to its long factors for a whole call
     # once its largest position + 1 passes the original length, so keys cached before the switch keep
     # the short rotation (transformers' rule) and the steps differ from the full forward after it.
     with create_runner(REFERENCE, ModelSource(step, weights)) as reference:
-        ref_steps, (ref_k, ref_v) = decode_sequence(reference, feeds, prefill, step)
-    size = problem_size(step, weights, {**feeds, "past_key": pk, "past_value": pv})
+        ref_steps, ref_cache = decode_sequence(reference, feeds, prefill, step)
+    size = problem_size(step, weights, {**feeds, **past})
     tol = tolerance_for("fp32")
     keep = _visible_rows(full, feeds)
     label = f"[batch={batch},tokens={tokens},prefill={prefill}]"
@@ -256,7 +256,7 @@ def _check_decoder(
         compare_arrays(f"source layer vs attnx reference, prefill + steps{label} (rows with a visible key)",
                        theirs_steps[keep], ref_steps[keep], tol, size),
     ]  # fmt: skip
-    cache_size = rotated_cache_size(step, size, ref_k)
+    cache_size = rotated_cache_size(step, size, ref_cache[0])  # present_key (present_latent): keys as rotated
     with tempfile.TemporaryDirectory(prefix="attnx-import-check-") as tmp:
         for lowering in lowerings:
             for form, config in (("full", full), ("step", step)):
@@ -277,9 +277,10 @@ def _check_decoder(
                         checks.append(compare_arrays(f"attnx {lowering} {what} vs attnx reference{label}", ours,
                                                      ref_y, tol, size))  # fmt: skip
                         continue
-                    y, (k, v) = decode_sequence(runner, feeds, prefill, config)
-                for out, got, ref, out_size in (("y", y, ref_steps, size), ("present_key", k, ref_k, cache_size),
-                                                ("present_value", v, ref_v, size)):  # fmt: skip
+                    y, cache = decode_sequence(runner, feeds, prefill, config)
+                presents = [(spec.name, got, ref, cache_size if i == 0 else size) for i, (spec, got, ref) in
+                            enumerate(zip(step.cache_specs(prefix="present_"), cache, ref_cache))]  # fmt: skip
+                for out, got, ref, out_size in [("y", y, ref_steps, size), *presents]:
                     checks.append(compare_arrays(f"attnx {lowering} {what} {out} vs attnx reference, prefill + "
                                                  f"steps{label}", got, ref, tol, out_size))  # fmt: skip
     return checks

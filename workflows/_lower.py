@@ -30,9 +30,10 @@ from attnx.workflows._checks import compare_models
 
 __all__ = ["AUTO_CANDIDATES", "AUTO_SHAPE", "AutoChoice", "LoweringResult", "choose_lowering", "lower"]
 
-# What auto measures: the decomposed form (the reference the others are compared with on the runtime)
-# and every lowering the registry marks as an auto candidate, each where its core computes the config.
-AUTO_CANDIDATES = ("decomposed", *(name for name, lw in LOWERINGS.items() if lw.auto))
+# What auto measures: the decomposed form (the torch module's export: the reference the others are compared with on
+# the runtime) and every lowering the registry marks as an auto candidate, each where its core computes the config.
+_BASE = next(name for name, lw in LOWERINGS.items() if lw.traced)
+AUTO_CANDIDATES = (_BASE, *(name for name, lw in LOWERINGS.items() if lw.auto))
 # (batch, seq, mem_seq) auto times at: the size the targets are set at.
 AUTO_SHAPE = (1, 512, 512)
 AUTO_REPEAT = 5
@@ -157,14 +158,14 @@ def choose_lowering(
     it; the gpt3 preset's candidates are 2.4 GB each, so one exists at a time."""
     backend = get_provider(provider, "--provider").backend
     # each candidate is timed at `shape`; the decomposed form may hold the whole score matrix there
-    check_memory(estimate_case(config, backend, "decomposed", *shape, dtype))
+    check_memory(estimate_case(config, backend, _BASE, *shape, dtype))
     options = {"block_size": block_size, "accuracy_level": accuracy_level, "int8_bits": int8_bits,
                "keep_io_fp32": keep_io_fp32, "opset": opset}  # fmt: skip
     times: dict[str, float | None] = {}
     status: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="attnx-auto-") as tmp:
         base_path = os.path.join(tmp, "decomposed.onnx")
-        onnx.save(_build(config, weights, "decomposed", dtype, **options)[0], base_path)
+        onnx.save(_build(config, weights, _BASE, dtype, **options)[0], base_path)
         for name in candidates:
             cores = LOWERINGS[name].cores["full"]
             reasons = [r for core in cores for r in why_not(core, config, dtype, "full")]
@@ -172,7 +173,7 @@ def choose_lowering(
                 status[name], times[name] = f"not applicable: {'; '.join(reasons)}", None
                 continue
             path = base_path
-            if name != "decomposed":
+            if name != _BASE:  # the base model, written once above
                 progress(f"auto: writing {name}")
                 path = os.path.join(tmp, f"candidate-{name}.onnx")
                 onnx.save(_build(config, weights, name, dtype, **options)[0], path)

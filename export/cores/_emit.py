@@ -124,12 +124,12 @@ class Emit:
             out[f"{name}.bias"] = np.concatenate([np.asarray(self.weights[f"{n}_proj.bias"], np.float32) for n in "qkv"])
         return out
 
-    def scored(self, q: str, k: str, style: str) -> tuple[str, str]:
-        """q and k after the terms of place "qk": the norms and rotation in `style`'s operators
-        (attnx.export._llm.norm_and_rotate: decomposed, onnx, ort-fused), then the terms written in standard ops
-        whatever the style (attnx.export.terms.emit_qk: the norm after rope, the temperature)."""
+    def scored(self, q: str, k: str) -> tuple[str, str]:
+        """q and k after the terms of place "qk": the norms and rotation in the core's operators (Core.term_ops,
+        attnx.export._llm.norm_and_rotate), then the terms written in standard ops whatever the core
+        (attnx.export.terms.emit_qk: the norm after rope, the temperature)."""
         if set(terms_at(self.c, "qk")) & {"qk_norm", "rope"}:
-            q, k = norm_and_rotate(self.g, self.c, self.weights, q, k, style)
+            q, k = norm_and_rotate(self.g, self.c, self.weights, q, k, self.core.term_ops)
         return emit_qk(self.g, self.c, q, k, self.step)  # the terms after them, in standard ops
 
     def visible_rows(self, keep: str) -> str:

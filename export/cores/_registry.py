@@ -2,7 +2,7 @@
 node of it is read back (what the node states of the config), and how a block around it is read from a graph
 whoever wrote it. One entry a core, in one table:
 
-    GRAPH_CORES[name]      CoreGraph(emit, read, read_block, claims)
+    GRAPH_CORES[name]      CoreGraph(emit, read, read_block, claims, is_attention)
     core_of_node(node)     the core a node is: the declarations whose op and domain it has, told apart by claims()
 
 Each core's module (attnx.export.cores.<core>) registers its entry; a new core is its declaration and one module.
@@ -28,13 +28,16 @@ class CoreGraph:
     """One core's graph half (the module doc). emit(e) writes the core into e.g (an Emit) and returns z; read(node)
     gives what a node of it states ({config key: value}); read_block(index, node, keep_weights) reads the block
     around it (a Block: attnx.export.cores._block), None where the audit reads no such block; claims(node,
-    graph_core) says whether a node of the declaration's op is this core (several cores share MultiHeadAttention)."""
+    graph_core) says whether a node of the declaration's op is this core (several cores share MultiHeadAttention);
+    is_attention(node) whether such a node computes attention at all (the decomposed core's Softmax: one of q.k, not
+    a router's or a classifier's)."""
 
     name: str
     emit: Callable[[Any], str]
     read: Callable[[ir.Node], dict[str, Any]] | None = None
     read_block: Callable[..., Any] | None = None
     claims: Callable[[ir.Node, str], bool] = lambda node, graph_core: True
+    is_attention: Callable[[ir.Node], bool] = lambda node: True
 
 
 GRAPH_CORES: dict[str, CoreGraph] = {}

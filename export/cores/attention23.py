@@ -23,7 +23,7 @@ def _attention23(e: Emit) -> str:
     cache as past_key/past_value."""
     c, g = e.c, e.g
     q, k, v = e.projections()
-    q, k = e.scored(q, k, "onnx")
+    q, k = e.scored(q, k)
     masks = {t for t in c.terms if TERMS[t].place == "mask"}
     if not e.step and masks == {"causal"} and not adds_bias(c):
         attrs = {"q_num_heads": c.n_heads, "kv_num_heads": c.n_kv_heads, "scale": c.softmax_scale, "is_causal": 1,

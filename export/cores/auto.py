@@ -61,7 +61,7 @@ def _auto_growing(e: Emit) -> str:
     c, g = e.c, e.g
     e.ms()
     q, k, v = e.packed_projections()
-    q, k = e.scored(q, k, "ort-fused")
+    q, k = e.scored(q, k)
     past, _ = span(g, True)  # scalar: the cache's length before the call
     tokens = call_seq(g)  # scalar: the call's token count
     # GroupQueryAttention takes more than one token after a past for batch 1 alone (ONNX Runtime 1.31: "batch_size

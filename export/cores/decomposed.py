@@ -17,6 +17,7 @@ from attnx.export.passes.walk import (
     head_dim,
     projection,
     projection_node,
+    reaches_matmul,
     score_chain,
 )
 from attnx.export.terms import emit_scores, emit_softmax, read_paths, read_scores, read_softmax
@@ -32,7 +33,7 @@ def _decomposed(e: Emit) -> str:
     c, g = e.c, e.g
     H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
     q, k, v = e.projections()
-    q, k = e.scored(q, k, "decomposed")
+    q, k = e.scored(q, k)
     present_k, present_v = cache_heads(e, k, v)
     hidden, visible = visibility(g, c, e.kpm, e.step)
     # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]
@@ -151,4 +152,9 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     return keep(block, config, weights, keep_weights)
 
 
-register(CoreGraph("decomposed", _decomposed, _read_decomposed, _read_decomposed_block))
+def _of_qk(node: ir.Node) -> bool:
+    """A Softmax whose input comes from a MatMul of two computed operands (q.k): attention, not a router's."""
+    return reaches_matmul(node.inputs[0], depth=16)
+
+
+register(CoreGraph("decomposed", _decomposed, _read_decomposed, _read_decomposed_block, is_attention=_of_qk))

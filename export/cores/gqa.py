@@ -54,7 +54,7 @@ def _gqa(e: Emit) -> str:
         return _gqa_buffer(e)
     e.ms()
     q, k, v = e.projections()
-    q, k = e.scored(q, k, "ort-fused")
+    q, k = e.scored(q, k)
     return gqa_attend(e, q, k, v)
 
 
@@ -108,7 +108,8 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
     if set(terms_at(c, "qk")) - {"rope"}:  # a term on q and k besides the op's own rotation (do_rotary), the
         # norms: they need q and k apart, so the packed projection is split
         q, k, v = qkv_inputs if apart else e.packed_projections(qkv)
-        q, k = norm_and_rotate(g, dataclasses.replace(c, rope=None), e.weights, q, k, "ort-fused")  # the op rotates
+        # rope=None: the op itself rotates (do_rotary)
+        q, k = norm_and_rotate(g, dataclasses.replace(c, rope=None), e.weights, q, k, e.core.term_ops)
         qkv_inputs = [q, k, v]
     inputs = [*qkv_inputs, "past_key", "past_value", "seqlens_k", "total_sequence_length", "", "", "", "", ""]
     attrs = _gqa_attrs(c)
@@ -182,6 +183,7 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     for role, i in (("past_key", 3), ("past_value", 4), ("seqlens_k", 5), ("total_sequence_length", 6)):
         if inputs[i] is not None:
             block.inputs[role] = inputs[i].name
+    block.padding = "right"  # a row's length in seqlens_k: its keys past it are padding
     if inputs[10] is not None:  # an attention bias (a key padding mask, as attnx writes it): read by the audit
         block.mask = inputs[10].name
     rope = None

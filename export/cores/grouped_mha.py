@@ -64,7 +64,7 @@ def _grouped_mha_growing(e: Emit) -> str:
     in standard ops (Emit.scored). A fully hidden row (padding) is set to 0 after, as the formula says."""
     e.ms()
     q, k, v = e.packed_projections()
-    q, k = e.scored(q, k, "ort-fused")
+    q, k = e.scored(q, k)
     return grouped_mha_attend(e, q, k, v)
 
 
@@ -102,7 +102,7 @@ def _grouped_mha_buffer(e: Emit, qkv: str | None = None) -> str:
         batch = g.op("Slice", shape, g.ints("d0", [0]), g.ints("d1", [1]))
         g.op("Expand", g.op("Unsqueeze", tokens, axis0), g.op("Concat", batch, g.op("Unsqueeze", seq, axis0), axis=0),
              name="position_ids")  # fmt: skip
-        q, k = norm_and_rotate(g, c, e.weights, q, k, "ort-fused")
+        q, k = norm_and_rotate(g, c, e.weights, q, k, e.core.term_ops)
     hidden, _ = visibility(g, c, None, True, span_=(past, total))  # [1, 1, S, total]: a step model is causal
     bias = _rows_bias(e, hidden)
     past32 = g.op("Reshape", g.op("Cast", past, to=TensorProto.INT32), g.ints("one_d", [1]))

@@ -366,22 +366,23 @@ def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Val
             consts.append((node.op_type, const))
         elif node.op_type != "Tanh" and id(node) not in additive:
             return
-    expected = (["Mul", "Div"] if "softcap" in c.terms else []) + ["Mul"]  # from the scores back: cap * tanh(s / cap)
+    expected = (["Mul", "Div"] if c.softcap is not None else []) + ["Mul"]  # from the scores back: cap * tanh(s / cap)
     if [op for op, _ in consts] != expected or not _layout_heads(scores, c.n_heads):
         return
     stage("scores", scores, "b h t s")
     stage("probs", probs, "b h t s")
     # A constant is named for its term only when that term alone reads it (the exporter shares equal
     # constants: a softcap of 2 is also the norm's exponent).
-    if "softcap" in c.terms and consts[0][1] is consts[1][1] and len(_users(consts[0][1])) == 2:
+    if c.softcap is not None and consts[0][1] is consts[1][1] and len(_users(consts[0][1])) == 2:
         names[consts[0][1]] = "softcap"
     if len(_users(consts[-1][1])) == 1:
         names[consts[-1][1]] = "scale"
     # q and k per head [B, heads, T, d] as scored: after the rotation (q_rope) or the norm (q_norm)
     held = {s.name for s in stages_of(c)}
-    term = "rope" if "q_rope" in held else "norm" if "q_norm" in held else None
-    if term is None:
+    rotated_stage = "q_rope" in held  # else the norm's stage
+    if not rotated_stage and "q_norm" not in held:
         return
+    stage_name = "rope" if rotated_stage else "norm"
     for label, operand, heads in (("q", qk.inputs[0], c.n_heads), ("k", qk.inputs[1], c.n_kv_heads)):
         value = operand
         while (p := value.producer()) is not None and p.domain in _STD and p.op_type in (
@@ -391,8 +392,8 @@ def _core_stages(softmax: ir.Node, c: AttentionConfig, stage, names: dict[ir.Val
             if perm is not None and list(perm) == [0, 2, 1, 3] and _layout_heads(value, heads):
                 rotated = _ancestors_reach(value, "position_ids")
                 normed = _is(p.inputs[0].producer(), "Mul")  # times the norm's weight
-                if term == "rope" and rotated or term == "norm" and not rotated and normed:
-                    stage(f"{label}_{term}", value, "b h t d")
+                if rotated if rotated_stage else not rotated and normed:
+                    stage(f"{label}_{stage_name}", value, "b h t d")
                 break
             value = p.inputs[0]
 

@@ -483,7 +483,7 @@ def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
     # local_window_size, the checkpoint's sliding_window
     hint = max(block.facts.get("local_window_size", -1), block.facts.get("reach_hint") or 0)
     tokens = probe_tokens(graph, max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX)))
-    masks = block.masks or [(block.mask, "additive" if block.core != "attention23" else "kept")]
+    masks = block.masks or [(block.mask, "the core's input")]  # float: added; boolean or integer: keeps where true
     allowed = np.ones((tokens, tokens), bool)
     for (name, how), mask in zip(masks, evaluate(graph, block, [m for m, _ in masks], tokens)):
         # a float mask is added to the scores (a large negative hides); a boolean one keeps where True (ONNX's

@@ -1,0 +1,118 @@
+"""attnx import of DeepSeek's multi-head latent attention (MLA; the config's `latent`): tiny random DeepSeek-V3 and
+V2 checkpoints (transformers, dense MLP layers), imported and checked against transformers' own DeepseekV3Attention
+and DeepseekV2Attention on a left-padded batch with Hugging Face's position_ids, full-sequence and as a prefill then
+single-token steps: q through q_lora_rank and from a plain q_proj, v_head_dim unlike the qk head size, interleaved
+and half-split rope pairs, a yarn rope whose mscale enters the softmax scale. Every lowering that cannot build a
+form refuses it naming the term; a planted fault fails the check.
+
+Cost: four checkpoints saved once (~3 s); the full-sequence graph through torch's dynamo exporter is the slow test."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from attnx.errors import UsageError  # noqa: E402
+from attnx.model.importers import import_weights  # noqa: E402
+from attnx.model.terms import TERMS  # noqa: E402
+from attnx.workflows import check_against_source  # noqa: E402
+from tests.workflows._checkpoints import save_wide  # noqa: E402
+
+# hidden 64, 4 heads of 16 + 8 (q, k) and 16 (v); kv rank 16, q rank 32; both layers dense (first_k_dense_replace)
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=16,
+             vocab_size=64, first_k_dense_replace=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+             v_head_dim=16)  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
+
+
+def _models():
+    t = transformers
+    return {
+        "v3": lambda: t.DeepseekV3Model(t.DeepseekV3Config(**SMALL, q_lora_rank=32)),
+        # a plain q_proj, biases (attention_bias), v heads of 12 against q/k heads of 24, half-split rope pairs
+        "v3-plain-q": lambda: t.DeepseekV3Model(t.DeepseekV3Config(**{**SMALL, "v_head_dim": 12}, q_lora_rank=None,
+                                                                   rope_interleave=False, attention_bias=True)),
+        "v3-yarn": lambda: t.DeepseekV3Model(t.DeepseekV3Config(**SMALL, q_lora_rank=32, max_position_embeddings=64,
+                                                                rope_parameters=YARN)),
+        "v2": lambda: t.DeepseekV2Model(t.DeepseekV2Config(**SMALL, q_lora_rank=32)),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return save_wide(tmp_path_factory.mktemp("hf-mla"), _models())
+
+
+def _expected(name, config):
+    rope, latent = config.rope, config.latent
+    assert config.head_dim == 24 and config.n_kv_heads == 4 and rope.dim == 8 and latent.kv_lora_rank == 16
+    assert latent.eps == 1e-6 and config.causal and config.key_padding_mask
+    assert rope.interleaved == (name != "v3-plain-q")
+    if name == "v3-plain-q":
+        assert latent.q_lora_rank is None and config.v_head_dim == 12 and config.bias and config.scale is None
+    else:
+        assert latent.q_lora_rank == 32 and config.v_head_dim == 16 and not config.bias
+    if name == "v3-yarn":  # transformers' yarn_apply_mscale: 24^-1/2 * (0.1 * 0.8 * ln 4 + 1)^2
+        assert config.scale == pytest.approx(24**-0.5 * (0.08 * math.log(4.0) + 1) ** 2)
+        mscale = (0.1 * math.log(4.0) + 1) / (0.08 * math.log(4.0) + 1)  # attention_factor: the mscale ratio
+        assert rope.scaling["attention_factor"] == pytest.approx(mscale)
+
+
+@pytest.mark.parametrize("name", list(_models()))
+def test_each_mla_layer_agrees_with_transformers_and_each_lowering_refuses_its_step_model_by_name(checkpoints, name):
+    """The source layer (eager) full-sequence and prefill + steps against attnx's float64 reference, within 1e-4; the
+    step model no lowering builds yet is skipped with a reason naming the latent term."""
+    result = import_weights(checkpoints[name], layer=1)
+    _expected(name, result.config)
+    skipped = []
+    checks = check_against_source(result, checkpoints[name], ("decomposed", "onnx", "ort-fused"), skipped=skipped,
+                                  forms=("step",))  # fmt: skip
+    assert len(checks) == 3 and all(checks), [str(c) for c in checks if not c]
+    assert [c.name.split(" vs ")[0] for c in checks] == ["rope table", "source layer", "source layer"]
+    assert "full sequence" in checks[1].name and "prefill + steps" in checks[2].name
+    assert max(c.max_abs for c in checks[1:]) <= 1e-4  # the issue's target
+    assert len(skipped) == 3 and all("latent" in s for s in skipped), skipped
+
+
+@pytest.mark.slow
+def test_the_decomposed_full_sequence_graph_agrees_and_the_others_refuse_it_by_name(checkpoints):
+    """The full-sequence graph through torch's dynamo exporter (decomposed, ~15 s), and the lowerings that refuse it
+    naming the term: the yarn case (its scale and attention factor in the graph)."""
+    result = import_weights(checkpoints["v3-yarn"], layer=1)
+    skipped = []
+    checks = check_against_source(result, checkpoints["v3-yarn"], ("decomposed", "onnx", "ort-fused"),
+                                  skipped=skipped, forms=("full",))  # fmt: skip
+    assert len(checks) == 4 and all(checks), [str(c) for c in checks if not c]
+    assert checks[3].name.startswith("attnx decomposed full-sequence graph") and checks[3].max_abs <= 1e-4
+    assert len(skipped) == 2 and all("latent" in s for s in skipped), skipped
+
+
+def test_a_planted_fault_in_the_latent_fails_the_check(checkpoints):
+    result = import_weights(checkpoints["v3"], layer=1)
+    _, result.weights = TERMS["latent"].fault(result.config, result.weights)  # kv_b_proj's heads rolled
+    checks = check_against_source(result, checkpoints["v3"], (), forms=())
+    assert checks[0] and not checks[1] and not checks[2], [str(c) for c in checks]
+
+
+def test_what_the_latent_import_does_not_take_is_refused_by_name(checkpoints, tmp_path):
+    def edited(name, change):
+        target = tmp_path / name
+        shutil.copytree(checkpoints["v3"], target)
+        data = json.loads((target / "config.json").read_text())
+        change(data)
+        (target / "config.json").write_text(json.dumps(data))
+        return str(target)
+
+    cases = {"num_key_value_heads 2": lambda d: d.update(num_key_value_heads=2),
+             "trust_remote_code": lambda d: d.update(model_type="kimi_k2"),
+             "multi-head latent attention": lambda d: d.update(model_type="minicpm3")}  # fmt: skip
+    for i, (needle, change) in enumerate(cases.items()):
+        with pytest.raises(UsageError, match=needle):
+            import_weights(edited(f"c{i}", change), layer=0)
