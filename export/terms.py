@@ -466,8 +466,9 @@ GRAPH_TERMS: dict[str, GraphTerm] = {
     )
 }
 # the terms not compared here, and why: cross (the audit reads self-attention), kv_cache and key_padding_mask (the
-# forms and inputs the audit feeds, not the formula: its reference is set without them)
-NOT_COMPARED = {"cross", "kv_cache", "key_padding_mask"}
+# forms and inputs the audit feeds, not the formula: its reference is set without them), latent (no reader of an MLA
+# block yet: the audit's blocks are read from q_proj, k_proj and v_proj)
+NOT_COMPARED = {"cross", "kv_cache", "key_padding_mask", "latent"}
 assert set(GRAPH_TERMS) | NOT_COMPARED == set(TERMS), set(TERMS) ^ (set(GRAPH_TERMS) | NOT_COMPARED)
 
 
