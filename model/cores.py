@@ -184,8 +184,8 @@ CORES: dict[str, Core] = {
                 "attention_chunk": Takes(_BOOL_GRID),
                 "key_padding_mask": Takes(_BOOL_GRID),
                 "sinks": Takes("a logit column joined before the Softmax, dropped after it"),
-                "latent": Takes("the latent's MatMuls and RMSNorms before the core, kv_b_proj's MatMul expanding each "
-                                "head's k and v (traced from the torch module)", ("full",)),
+                "latent": Takes("the latent's MatMuls and RMSNorms, the latent cache (past_latent), kv_b_proj's MatMul "
+                                "expanding each head's k and v"),
             },
             summary="standard ops, runs anywhere", term_ops=TermOps.STANDARD, holds_scores=True,
         ),

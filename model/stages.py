@@ -15,6 +15,7 @@ rope, scale * q.k, softcap, masks, softmax with sink, times v, out projection):
                                                                     [batch, seq, n_heads * v_head_dim]
     y               the output                                      [batch, seq, d_model]
     present_key, present_value  a step model's cache after the step [batch, n_kv_heads, keys, dim]
+    present_latent  a latent config's (attnx.model.terms.Latent) instead [batch, 1, keys, rope.dim + kv_lora_rank]
 
 k and v are this call's keys and values (a step model's new tokens; the cache holds the earlier
 ones), keys is every key a query is scored against (past + new for a step model). A fully hidden
@@ -76,8 +77,12 @@ def _term(name: str) -> Callable[[AttentionConfig, bool], bool]:
     return lambda config, step: TERMS[name].uses(config)
 
 
-def _step(config: AttentionConfig, step: bool) -> bool:
-    return step
+def _per_head_step(config: AttentionConfig, step: bool) -> bool:
+    return step and config.latent is None
+
+
+def _latent_step(config: AttentionConfig, step: bool) -> bool:
+    return step and config.latent is not None  # its cache: the latents (attnx.model.terms.Latent)
 
 
 STAGES: tuple[Stage, ...] = (
@@ -92,8 +97,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("probs", "softmax over the visible keys", "b h t s", _always, "probs", ("q", "k")),
     Stage("z", "the heads' outputs, concatenated", "b t (h d)", _always, "attention", ("q", "k", "v")),
     Stage("y", "y = z Wo (+ bo)", "b t (h d)", _always, "output", ("q", "k", "v", "out")),
-    Stage("present_key", "the cache of keys after the step", "b h s d", _step, "projection", ("k",)),
-    Stage("present_value", "the cache of values after the step", "b h s d", _step, "projection", ("v",)),
+    Stage("present_key", "the cache of keys after the step", "b h s d", _per_head_step, "projection", ("k",)),
+    Stage("present_value", "the cache of values after the step", "b h s d", _per_head_step, "projection", ("v",)),
+    Stage("present_latent", "the cache of latents after the step (rotated rope key, normed compressed kv)",
+          "b h s d", _latent_step, "projection", ("k",)),
 )
 _BY_NAME = {s.name: s for s in STAGES}
 

@@ -603,11 +603,12 @@ def stage_tolerance(stage: str, config: AttentionConfig, tol: Tolerance, size: P
     float_tol = Tolerance(tol.dtype, tol.eps, tol.ulps) if quant is not None else tol
     plain = dataclasses.replace(size, score_max=0.0, rope_position=0.0, rope_qk=0.0)
     if kind in ("projection", "rotated"):
-        role = "k" if stage in ("k", "k_norm", "k_rope", "present_key") else "v" if stage in ("v", "present_value") else "q"
+        keys = ("k", "k_norm", "k_rope", "present_key", "present_latent")
+        role = "k" if stage in keys else "v" if stage in ("v", "present_value") else "q"
         own_tol = quant.for_cache(role) if quant is not None else float_tol
         if stage == "present_value":  # a cache is held to what decode parity holds it to
             return StageBound(own_tol, size)
-        if stage == "present_key":
+        if stage in ("present_key", "present_latent"):  # the latents' first rope.dim dims: the rotated key
             return StageBound(own_tol, rotated_cache_size(config, size, ref))
         if kind == "rotated":
             heads = config.n_heads if stage == "q_rope" else config.n_kv_heads

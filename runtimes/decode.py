@@ -262,8 +262,8 @@ def run_decode_parity(
         for i, prefill in enumerate(prefills):
             total = prefill + steps
             feeds = make_decode_inputs(config, batch, total, float_source.dtype, seed + i, position_offset, buffer)
-            pk, pv = empty_cache(config, batch, float_source.dtype)
-            full = {**feeds, "past_key": pk, "past_value": pv}
+            past = (spec.name for spec in config.cache_specs())  # past_key, past_value; past_latent
+            full = {**feeds, **dict(zip(past, empty_cache(config, batch, float_source.dtype)))}
             progress(f"decode case {i + 1}/{len(prefills)}: prefill {prefill} + {steps} steps")
             ran = any(isinstance(r, Runner) for r in runners.values())
             expected = ref.run(full) if ran else {}  # no reference forward for backends that cannot run
@@ -271,8 +271,8 @@ def run_decode_parity(
                 # longrope picks its factors per call (transformers' rule): a decode whose calls choose
                 # differently from the full forward keeps keys rotated before the switch, so the
                 # reference decodes the same calls (step by step, float64) to be compared with.
-                y, (k, v) = decode_sequence(ref, feeds, prefill, config)
-                expected = {"y": y, "present_key": k, "present_value": v}
+                y, cache = decode_sequence(ref, feeds, prefill, config)
+                expected = {"y": y, **dict(zip(_presents(config), cache))}
             size = problem_size(config, source.weights, full, activations=quantization is not None) if ran else None
             for name, runner in runners.items():
                 quantized = quantization is not None and name not in MODULE_BACKENDS
@@ -308,7 +308,12 @@ def _output_bounds(config: AttentionConfig, tol: Tolerance, size: ProblemSize,
     """The bound of each compared output (tolerance.stage_tolerance, the stages' one rule): y's, and
     the caches' own (a quantized model's k and v projection errors; the rotated keys' rope term)."""
     return {out: stage_tolerance(out, config, tol, size, np.asarray(expected[out]))
-            for out in ("y", "present_key", "present_value")}  # fmt: skip
+            for out in ("y", *_presents(config))}  # fmt: skip
+
+
+def _presents(config: AttentionConfig) -> tuple[str, ...]:
+    """The step model's cache outputs: present_key, present_value; present_latent (config.cache_specs)."""
+    return tuple(spec.name for spec in config.cache_specs(prefix="present_"))
 
 
 def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype: str, feeds: dict[str, np.ndarray],
@@ -321,19 +326,14 @@ def _decode_case(name: str, runner: Runner | str, config: AttentionConfig, dtype
     if isinstance(runner, str):
         return ParityCase(**common, status="skipped", reason=runner, max_abs=None, max_rel=None, atol=0.0,
                           rtol=tol.rtol)  # fmt: skip
-    y, (pk, pv) = decode_sequence(runner, feeds, prefill, config)
+    y, cache = decode_sequence(runner, feeds, prefill, config)
     label = f"[batch={batch},prefill={prefill},steps={steps}{',buffer' if is_buffer_form(runner) else ''}]"
     bounds = _output_bounds(config, tol, size, expected)
     cmps = [compare_arrays(f"{out}{label}", got, expected[out], bounds[out].tol, bounds[out].size)
-            for out, got in (("y", y), ("present_key", pk), ("present_value", pv))]  # fmt: skip
+            for out, got in (("y", y), *zip(_presents(config), cache))]  # fmt: skip
     failed = [c for c in cmps if not c]
     return ParityCase(**common, status="fail" if failed else "pass", reason=str(failed[0]) if failed else None,
                       atol=cmps[0].atol, rtol=cmps[0].rtol, **cmps[0].stats())  # fmt: skip
-
-
-# The outputs a step writes, in the order the formula computes them: a tie (the same step and
-# position) names the cache, which y of that position is computed from.
-_STEP_OUTPUTS = ("present_key", "present_value", "y")
 
 
 def first_divergence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: int, expected: Mapping[str, np.ndarray],
@@ -348,19 +348,20 @@ def first_divergence(runner: Runner, feeds: Mapping[str, np.ndarray], prefill: i
     the whole sequence (_decode_case: the tolerance, size and scale of the whole expected output)."""
     config = config or runner.source.config
     bounds = _output_bounds(config, tol, size, expected)
-    scales = {out: float(np.sqrt(np.mean(np.square(np.asarray(expected[out], np.float64))))) for out in _STEP_OUTPUTS}
+    # the outputs in the order the formula computes them: a tie (the same step and position) names the cache, which
+    # y of that position is computed from
+    order = (*_presents(config), "y")
+    scales = {out: float(np.sqrt(np.mean(np.square(np.asarray(expected[out], np.float64))))) for out in order}
     for step, (start, stop, y, cache) in enumerate(decode_runs(runner, feeds, prefill, config)):
-        pk, pv = cache()
         found = {}
-        for out, got, want, offset in (("present_key", pk, expected["present_key"][:, :, : pk.shape[2]], 0),
-                                       ("present_value", pv, expected["present_value"][:, :, : pv.shape[2]], 0),
-                                       ("y", y, expected["y"][:, start:stop], start)):  # fmt: skip
+        outs = [(out, got, expected[out][:, :, : got.shape[2]], 0) for out, got in zip(_presents(config), cache())]
+        for out, got, want, offset in [*outs, ("y", y, expected["y"][:, start:stop], start)]:
             axis = 1 if out == "y" else 2
             at = _first_position(got, want, axis, bounds[out].tol, bounds[out].size, scales[out])
             if at is not None:
                 found[out] = offset + at
         if found:
-            out = min(found, key=lambda o: (found[o], _STEP_OUTPUTS.index(o)))
+            out = min(found, key=lambda o: (found[o], order.index(o)))
             return step, found[out], out, start, stop
     return None
 
@@ -424,9 +425,9 @@ def localise_decode(
     if why is not None:
         return Localisation(runner.name, None, [], [], [], [], step=step, position=position, output=output, note=why)
     dtype = runner._float_dtype()
-    step_feeds = {"x": np.ascontiguousarray(feeds["x"][:, start:stop]),
-                  "past_key": np.ascontiguousarray(expected["present_key"][:, :, :start], dtype),
-                  "past_value": np.ascontiguousarray(expected["present_value"][:, :, :start], dtype)}  # fmt: skip
+    step_feeds = {"x": np.ascontiguousarray(feeds["x"][:, start:stop])}
+    for past, present in zip((spec.name for spec in config.cache_specs()), _presents(config)):
+        step_feeds[past] = np.ascontiguousarray(expected[present][:, :, :start], dtype)
     if "key_padding_mask" in feeds:
         step_feeds["key_padding_mask"] = np.ascontiguousarray(feeds["key_padding_mask"][:, :stop])
     if "position_ids" in feeds:

@@ -168,6 +168,7 @@ def reference_stages(config: AttentionConfig, weights: Mapping[str, np.ndarray],
     reference_attention(
         config, weights, feeds["x"], feeds.get("memory"), feeds.get("key_padding_mask"), feeds.get("past_key"),
         feeds.get("past_value"), feeds.get("position_ids"), stages=stages, core_stages=core,
+        past_latent=feeds.get("past_latent"),
     )  # fmt: skip
     return stages
 
@@ -176,15 +177,16 @@ def core_bytes(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
     """The bytes of one float64 copy of the case's scores (or probs): [batch, n_heads, seq, keys]."""
     batch, seq = feeds["x"].shape[:2]
     keys = feeds["memory"].shape[1] if config.cross else seq
-    if feeds.get("past_key") is not None:
-        keys += feeds["past_key"].shape[2]
+    past = feeds.get("past_key", feeds.get("past_latent"))  # a step's cache (a latent config's: past_latent)
+    if past is not None:
+        keys += past.shape[2]
     return batch * config.n_heads * seq * keys * 8
 
 
 def case_flops(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
     """The FLOPs of the case (attention_flops), the keys of a past cache counted in its core."""
     batch, seq = feeds["x"].shape[:2]
-    memory, past_key = feeds.get("memory"), feeds.get("past_key")
+    memory, past_key = feeds.get("memory"), feeds.get("past_key", feeds.get("past_latent"))
     return attention_flops(config, batch, seq, None if memory is None else memory.shape[1],
                            0 if past_key is None else past_key.shape[2])  # fmt: skip
 
@@ -261,7 +263,7 @@ def localise_case(
                              None if core else _outside_core(graph), "disabled" if ort_levels else None)  # fmt: skip
     result = _compare(backend, config, step, found, ref, tol, size, graph)
     if ort_levels:
-        outputs = ("y", "present_key", "present_value") if step else ("y",)
+        outputs = ("y", *(s.name for s in config.cache_specs(prefix="present_"))) if step else ("y",)
         off = "fail" if any(c.status == "fail" for c in result.checks if c.stage in outputs) else "pass"
         optimization = {"disabled": off}
         if off == "pass":  # each level in turn, up to the first that fails; its stages then
@@ -485,7 +487,7 @@ def _levels(graph: _Graph, source: ModelSource, backend: str, feeds: Mapping[str
             step: bool) -> dict[str, str]:  # fmt: skip
     """y (and a step's cache) of the original model at each optimization level after "disabled", up to
     the first that fails: {level: "pass" | "fail"}."""
-    outputs = ("y", "present_key", "present_value") if step else ("y",)
+    outputs = ("y", *(s.name for s in source.config.cache_specs(prefix="present_"))) if step else ("y",)
 
     def verdict(name: str) -> str:
         try:

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from attnx.export._latent import latent_heads
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
 from attnx.export.cores._emit import Emit, cache_heads
 from attnx.export.cores._registry import CoreGraph, register
@@ -32,9 +33,12 @@ def _decomposed(e: Emit) -> str:
     logit column dropped after the softmax (each term's entry in attnx.export.terms)."""
     c, g = e.c, e.g
     H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
-    q, k, v = e.projections()
-    q, k = e.scored(q, k)
-    present_k, present_v = cache_heads(e, k, v)
+    if c.latent is not None:  # k and v expanded from the cached latents (attnx.export._latent)
+        q, present_k, present_v = latent_heads(e)
+    else:
+        q, k, v = e.projections()
+        q, k = e.scored(q, k)
+        present_k, present_v = cache_heads(e, k, v)
     hidden, visible = visibility(g, c, e.kpm, e.step)
     # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]
     q5 = g.op("Transpose", g.op("Reshape", q, g.ints("q_shape", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
