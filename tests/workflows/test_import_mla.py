@@ -19,6 +19,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from attnx.cli import main  # noqa: E402
 from attnx.errors import UsageError  # noqa: E402
 from attnx.model.importers import import_weights  # noqa: E402
 from attnx.model.terms import TERMS  # noqa: E402
@@ -96,6 +97,20 @@ def test_the_decomposed_full_sequence_graph_agrees_and_the_others_refuse_it_by_n
     assert len(checks) == 4 and all(checks), [str(c) for c in checks if not c]
     assert checks[3].name.startswith("attnx decomposed full-sequence graph") and checks[3].max_abs <= 1e-4
     assert len(skipped) == 2 and all("latent" in s for s in skipped), skipped
+
+
+def test_the_imported_layers_step_model_exports_and_passes_decode_parity(checkpoints, tmp_path):
+    """The existing machinery on an imported layer: attnx import, attnx export --decode (validated against the
+    reference when written) and attnx parity --decode of the step model over its latent cache (left-padded rows)."""
+    out, model = tmp_path / "layer", str(tmp_path / "step.onnx")
+    assert main(["import", checkpoints["v3-plain-q"], "--layer", "1", "--out", str(out)]) == 0
+    files = ["--config", str(out / "config.json"), "--weights", str(out / "weights.safetensors")]
+    assert main(["export", *files, "--decode", "--attention", "decomposed", "--out", model]) == 0
+    report = tmp_path / "parity.json"
+    assert main(["parity", *files, "--model", model, "--decode", "--prefill", "0,3", "--steps", "4", "--batch", "3",
+                 "--backends", "ort-cpu,torch", "--json", str(report)]) == 0  # fmt: skip
+    cases = json.loads(report.read_text())["cases"]
+    assert len(cases) == 4 and all(c["status"] == "pass" for c in cases), cases
 
 
 def test_a_planted_fault_in_the_latent_fails_the_check(checkpoints):
