@@ -108,6 +108,7 @@ __all__ = [
     "all_nodes",
     "ModelInfo",
     "describe",
+    "io_specs",
     "ModelForm",
     "model_form",
     "config_from_metadata",
@@ -449,6 +450,11 @@ def _specs(values: Any) -> tuple[TensorSpec, ...]:
     )
 
 
+def io_specs(proto: Any) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """(inputs, outputs) a ModelProto declares, as describe() reads them: name, dtype, dims (a dim's name or size)."""
+    return _specs(proto.graph.input), _specs(proto.graph.output)
+
+
 def _dim(d: Any) -> int | str:
     """A dim's name, else its size, else "?" (a dim shape inference left unknown: neither is set)."""
     return d.dim_param or (d.dim_value if d.HasField("dim_value") else "?")
@@ -470,7 +476,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
     lowering_name = lowering_from_nodes(
         (n.domain, n.op_type, producers.get(n.input[0]) if n.input else None) for n in nodes
     )
-    inputs = _specs(proto.graph.input)
+    inputs, outputs = io_specs(proto)
     floats = [s for s in inputs if s.dtype in ("fp32", "fp16", "bf16")]  # a whole model's first is input_ids
     x = next((s for s in inputs if s.name == "x"), floats[0] if floats else inputs[0] if inputs else None)
     io_dtype = x.dtype if x is not None else "fp32"
@@ -482,7 +488,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         dtype=metadata.get(DTYPE_KEY, io_dtype),
         io_dtype=io_dtype,
         inputs=inputs,
-        outputs=_specs(proto.graph.output),
+        outputs=outputs,
         ir_version=proto.ir_version,
         opsets={o.domain or "ai.onnx": o.version for o in proto.opset_import},
         producer=f"{proto.producer_name} {proto.producer_version}".strip(),

@@ -16,6 +16,7 @@ from attnx._io import not_a_file
 from attnx.errors import CheckFailed, ConfigError, PackageError, UsageError
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MODEL_DTYPES, external_data_locations, external_data_tensors
+from attnx.model.onnx_tensors import external_tensors
 
 __all__ = ["Check", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MANIFEST_SUM", "check_external_data", "check_model_data",
            "check_names", "file_sha256", "manifest_bytes", "member_path", "package_root", "parse_manifest", "read_manifest"]
@@ -94,15 +95,17 @@ def member_path(root: str, name: Any, what: str) -> str:
     return path
 
 
-def check_external_data(model_path: str) -> None:
+def check_external_data(model_path: str, proto: Any = None) -> None:
     """Refuse (UsageError, exit 2) a model file whose external data does not lie, whole, inside its own
     folder: every location a plain file name (member_path's rule), present, and at least as long as the
     bytes its tensors claim. Read from the model's protobuf alone, before any runtime opens the file: one
-    rule for every backend (ONNX Runtime refuses such a file, OpenVINO reads it)."""
+    rule for every backend (ONNX Runtime refuses such a file, OpenVINO reads it). proto: the file's protobuf
+    where the caller has read it already (without its data), so that it is not parsed again."""
     root = os.path.realpath(os.path.dirname(os.path.abspath(model_path)))
     what = f"the external data location of {os.path.basename(model_path)!r}"
     ends: dict[str, int] = {}
-    for tensor in external_data_tensors(model_path):
+    tensors = external_data_tensors(model_path) if proto is None else external_tensors(proto, model_path)
+    for tensor in tensors:
         entries = {e.key: e.value for e in tensor.external_data}
         location = entries.get("location", "")
         path = member_path(root, location, what)

@@ -1,7 +1,8 @@
 """A model file attnx did not make, checked as untrusted input before anything parses it for real.
 
 `check_untrusted_model` reads the model's protobuf without its external data (onnx.load with
-load_external_data=False: the data files are stat'ed, never read) and refuses (UsageError, exit 2)
+load_external_data=False: the data files are stat'ed, never read; `read_untrusted_model` returns that protobuf
+to a caller that goes on to use it, so the file is parsed once) and refuses (UsageError, exit 2)
 with one line naming the tensor, node or path:
 
 - external data outside the model's folder, missing or truncated (attnx.runtimes.package.check_external_data);
@@ -32,10 +33,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from attnx.errors import ModelFileError, UsageError
+from attnx.model.contract import require_model_file
 from attnx.model.resources import GB, ResourceError, available_memory_bytes
 from attnx.runtimes._manifest import check_external_data
 
-__all__ = ["KNOWN_DOMAINS", "check_untrusted_model", "check_cut_fits", "tensor_bytes"]
+__all__ = ["KNOWN_DOMAINS", "check_cut_fits", "check_untrusted_model", "read_untrusted_model", "tensor_bytes"]
 
 # The operator domains a backend attnx runs knows ('ai.onnx' is the default domain's other name).
 KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")
@@ -52,13 +54,23 @@ def check_untrusted_model(model_path: str, *, whole_model: bool = False, max_mem
     """Refuse (UsageError, exit 2) a model file that is unsafe or unsound to parse and run (the module's
     list), reading its protobuf only. whole_model: the caller's runtime holds every tensor at once (attnx
     parity), so their sum must fit too; max_mem_gb: the memory allowed instead of the memory available."""
+    read_untrusted_model(model_path, whole_model=whole_model, max_mem_gb=max_mem_gb)
+
+
+def read_untrusted_model(model_path: str, *, whole_model: bool = False, max_mem_gb: float | None = None) -> Any:
+    """check_untrusted_model's checks, and the ModelProto they were made on (read once, without its external
+    data): what a caller that goes on to use the model reads instead of parsing the file again."""
     import onnx
 
-    check_external_data(model_path)
+    require_model_file(model_path)
     try:
         proto = onnx.load_model(model_path, load_external_data=False)
     except Exception as e:  # noqa: BLE001 - protobuf's and onnx's own error types: not a model
         raise ModelFileError(f"{model_path!r} is not an ONNX model: {str(e).strip()[:200] or type(e).__name__}") from None
+    if not proto.graph.node and not proto.graph.input and not proto.graph.output:
+        # protobuf parses many non-ONNX byte strings as an empty ModelProto (attnx.model.contract's rule)
+        raise ModelFileError(f"{model_path!r} is not an ONNX model: it has no graph")
+    check_external_data(model_path, proto)
     where = f"{model_path}: "
     _check_opsets(proto, where)
     functions = {(f.domain, f.name) for f in proto.functions}
@@ -88,6 +100,7 @@ def check_untrusted_model(model_path: str, *, whole_model: bool = False, max_mem
                                 where)  # fmt: skip
     if whole_model:
         _check_fits("its tensors together", total, limit, source, where, verb="claim")
+    return proto
 
 
 def check_cut_fits(cut: Any, base_dir: str, what: str) -> None:
