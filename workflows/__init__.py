@@ -40,7 +40,8 @@ from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choo
 from attnx.workflows._optimize import OptimizeResult, optimize_file
 from attnx.workflows._proof import Proof, ProofStats, ProofStatus
 from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
-from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model, written_by_another_tool
+from attnx.workflows.audit.whole import WholeModel, open_whole_model
+from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model
 
 set_decomposed_writer(write_decomposed_form)  # localisation's look inside a fused operator: the exporter's form
 
@@ -81,7 +82,8 @@ __all__ = [
     "lower",
     "optimize_file",
     "optimize_model",
-    "written_by_another_tool",
+    "WholeModel",
+    "open_whole_model",
     "ModelOptimizeReport",
     "parity_markdown",
     "torch_expected",

@@ -59,6 +59,7 @@ from attnx.workflows._buffer_form import BufferFormResult, prove_buffer_form, wr
 from attnx.workflows._build import _check_target
 from attnx.workflows._package_files import versions, write_npz
 from attnx.workflows.audit.sources import original_length
+from attnx.workflows.audit.whole import open_whole_model
 from attnx.workflows.rewrite import ModelOptimizeReport, optimize_model
 from attnx.workflows.rewrite.choose import AUTO_CORE
 from attnx.workflows.rewrite.prove import TWINS_SAID, float32_twins, int8_activations, longest_reduction
@@ -130,8 +131,9 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
         core = SERVED_CORE
         progress(f"--core {AUTO_CORE} on {provider}: each block written as {SERVED_CORE} where it computes it (the "
                  "buffer form generate serves needs its per-row lengths)")  # fmt: skip
+    model = open_whole_model(model_path)  # checked as untrusted input and parsed, once: optimize reads it from here
     with output_lock(out), Staging(out, folder=True) as stage:
-        report = optimize_model(model_path, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
+        report = optimize_model(model, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
                                 core=core, weights=weights, progress=progress)  # fmt: skip
         report.out = os.path.join(out, MODEL_FILE)  # where it will be, not the stage's name
         if not report.passed:

@@ -60,14 +60,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def run_model(args: argparse.Namespace, flows: Any) -> int:
-    """A whole model another tool exported (attnx.workflows.optimize_model)."""
+def run_model(args: argparse.Namespace, flows: Any, model: Any) -> int:
+    """A whole model another tool exported (attnx.workflows.optimize_model), opened once (`model`)."""
     given = [f for f, v in (("--attention", args.attention != "ort-fused"), ("--dtype", args.dtype),
                             ("--auto-seq", args.auto_seq)) if v]  # fmt: skip
     if given:
         raise UsageError(f"{given[0]} is for a model attnx wrote; a whole model is rewritten into the ort-fused "
                          "lowering's cores (--core)")  # fmt: skip
-    report = flows.optimize_model(args.model, args.out, checkpoint=args.checkpoint, json_path=args.json,
+    report = flows.optimize_model(model, args.out, checkpoint=args.checkpoint, json_path=args.json,
                                   provider=args.provider, core=args.core or "auto", weights=args.weights,
                                   progress=Progress())  # fmt: skip
     print("\n".join(report.lines()))
@@ -76,8 +76,9 @@ def run_model(args: argparse.Namespace, flows: Any) -> int:
 
 def run(args: argparse.Namespace) -> int:
     flows = workflows("optimize", needs=("onnx_ir", "onnxscript"))
-    if flows.written_by_another_tool(args.model):
-        return run_model(args, flows)
+    model = flows.open_whole_model(args.model)  # checked as untrusted input and parsed, once
+    if model.written_by_another_tool:
+        return run_model(args, flows, model)
     whole = [f for f, v in (("--checkpoint", args.checkpoint), ("--json", args.json), ("--core", args.core),
                             ("--weights", args.weights)) if v]  # fmt: skip
     if whole:

@@ -14,9 +14,10 @@ rounding of z where the kernel's own z may fall on the other side of a midpoint 
 decoding is run once (_decode_whole). The model is untrusted input: it is checked before anything parses it
 (attnx.runtimes._untrusted.check_untrusted_model: external data inside its folder, sizes, cycles, domains).
 
-The pieces: shapes (what the model's dims allow), sources (what a block is held to), compare (its terms against
-its source's), cut (a block out of its model, and what the graph computes for it), run (a block on a backend, its
-checks, its localisation; the whole model's decoding), report (the verdicts), audit (audit_model).
+The pieces: whole (the model opened once, and the reading of its blocks that attnx optimize shares), shapes (what
+the model's dims allow), sources (what a block is held to), compare (its terms against its source's), cut (a block
+out of its model, and what the graph computes for it), run (a block on a backend, its checks, its localisation; the
+whole model's decoding), report (the verdicts), audit (audit_model).
 """
 
 from __future__ import annotations

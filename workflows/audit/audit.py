@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import onnx_ir as ir
 
 from attnx.errors import UsageError
-from attnx.export._blocks import iter_blocks
-from attnx.export.cores import Unread, UnreadKind
+from attnx.export.cores import UnreadKind
 from attnx.model.contract import AUDIT_BACKENDS
 from attnx.model.tolerance import Requantization, problem_size, tolerance_for
-from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.workflows.audit import run as _run
 from attnx.workflows.audit.compare import compare_terms, reference_of
 from attnx.workflows.audit.cut import (
@@ -25,75 +21,65 @@ from attnx.workflows.audit.cut import (
     AuditGraph,
     compute_in_cut,
     cut_block,
-    cut_extractor,
     cut_file,
     graph_inputs_needed,
-    read_computed_terms,
 )
 from attnx.workflows.audit.report import AuditReport, BlockAudit
 from attnx.workflows.audit.run import first_line
-from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers, StatedConfig, pairing_findings, stated_config
+from attnx.workflows.audit.whole import WholeModel, open_whole_model, read_blocks
 
 __all__ = ["audit_model"]
 
 
 def audit_model(
-    model_path: str,
+    model: str | WholeModel,
     *,
     checkpoint: str | None = None,
     layers: Sequence[int] | None = None,
     backends: Sequence[str] = ("ort-cpu",),
     strict: bool = False,
     progress: Callable[[str], None] | None = None,
+    source: CheckpointLayers | None = None,
 ) -> AuditReport:
-    """Audit every attention block of `model_path` (see the module's docstring). strict: a check the model cannot
-    run (a gap, AuditReport.gaps) fails the audit; without it, the gap is named and the verdict is what was run."""
+    """Audit every attention block of `model` (a path, or the model opened once: attnx.workflows.audit.whole; see
+    the module's docstring). strict: a check the model cannot run (a gap, AuditReport.gaps) fails the audit; without
+    it, the gap is named and the verdict is what was run. source: `checkpoint`'s layers where the caller has read
+    them already."""
     say = progress or (lambda _m: None)
     for name in backends:
         if name not in AUDIT_BACKENDS:
             raise UsageError(f"backend {name!r}: the audit runs on {', '.join(AUDIT_BACKENDS)}")
-    check_untrusted_model(model_path)  # untrusted input: refused before anything parses it for real
-    import onnx
-
-    model = ir.load(model_path)  # external data read tensor by tensor, as a block reaches it
-    # the structure the blocks are cut from, without its data, typed once (Extractor runs shape inference)
-    structure = onnx.load(model_path, load_external_data=False)
-    try:
-        extractor = cut_extractor(onnx.shape_inference.infer_shapes(structure))
-    except onnx.shape_inference.InferenceError as e:
-        raise UsageError(f"{model_path}: its shapes contradict each other: {first_line(e)}") from None
-    graph = AuditGraph(model, extractor, os.path.dirname(os.path.abspath(model_path)), model_shapes(model))
+    # untrusted input: refused before anything parses it for real, then parsed once
+    whole = model if isinstance(model, WholeModel) else open_whole_model(model, whole_model=False)
+    graph = whole.graph
     # a model attnx wrote states its config (attnx.config): the source each block is held to, as a checkpoint's
     # layer would be, with the graph's own weights (what `attnx parity --model` holds it to)
-    stated = stated_config(structure) if checkpoint is None else None
-    source = CheckpointLayers(checkpoint) if checkpoint is not None else None
-    report = AuditReport(model_path, checkpoint, [], [], strict=strict)
+    stated = stated_config(whole.proto) if checkpoint is None else None
+    if checkpoint is not None and source is None:
+        source = CheckpointLayers(checkpoint)
+    report = AuditReport(whole.path, checkpoint, [], [], strict=strict)
     seen = 0
-    caches: dict[str, tuple[int, int, int]] = {}  # a block's cache input -> (kv heads, capacity, head_dim)
     asked = set(layers) if layers is not None else None
-    for block in iter_blocks(model, report.unread, None if asked is None else asked.__contains__, report.others):
+    hints = source if source is not None else StatedConfig(stated, {}) if stated is not None else None
+    for block in read_blocks(whole, report.unread, hints, None if asked is None else asked.__contains__,
+                             report.others):  # fmt: skip
         seen += 1
-        if block.config is not None:
-            capacity = block.facts.get("cache_capacity", 0)
-            for role in ("past_key", "past_value"):
-                if role in block.inputs:
-                    caches[block.inputs[role]] = (block.config.n_kv_heads, capacity, block.config.head_dim)
         if layers is not None and block.index not in layers:
             continue
         say(f"block {block.index}: {block.node}")
-        if stated is not None and block.weights is not None:
-            source = StatedConfig(stated, block.weights)
-        report.blocks.append(audit_block(graph, block, source, backends, report.skipped, strict))
-        block.weights = None  # one block's weights at a time
+        held = StatedConfig(stated, block.weights) if stated is not None and block.weights is not None else source
+        report.blocks.append(audit_block(graph, block, held, backends, report.skipped, strict))
+        del block  # one block's weights and tables at a time: the next block's are read before it is handed over
     if not seen and not report.unread:
-        raise UsageError(f"{model_path}: no attention block found")
+        raise UsageError(f"{whole.path}: no attention block found")
+    caches = whole.caches
     report.not_applicable = [line for line in graph.shapes.not_applicable()
                              if caches or not line.startswith("decoding")]  # fmt: skip
     if isinstance(source, CheckpointLayers):
         pairing_findings(report, source, whole=layers is None)
     if layers is None and seen and "ort-cpu" in backends:
-        _run.decode_whole(model_path, graph, caches, report)
+        _run.decode_whole(whole.path, graph, caches, report)
     missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
     if missing:
         raise UsageError(f"--layers {','.join(map(str, missing))}: the model has {seen} block(s) read"
@@ -104,15 +90,8 @@ def audit_model(
 def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[str], skipped: list[str],
                  strict: bool = False) -> BlockAudit:  # fmt: skip
     findings, not_checked, checks = [], [], []
+    """One block read by read_blocks (its computed terms read), cut out, run on each backend, held to `source`."""
     layer = None
-    if source is not None:
-        block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
-    if block.config is not None:
-        try:
-            read_computed_terms(graph, block)
-        except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
-            block.unread = Unread(f"what the graph computes for it (its mask, its rotary tables) does not run: "
-                                  f"{first_line(e)}")  # fmt: skip
     config, weights = block.config, block.weights
     imported = source is not None
     if source is not None:

@@ -1,5 +1,6 @@
-"""A whole model another tool exported, opened once (`open_whole_model`) and handed down: what reads it reads it
-from this object, never from its file again.
+"""A whole model another tool exported, opened once (`open_whole_model`) and handed down: `attnx audit`, `attnx
+optimize` and `attnx build --model` read it from this object, never from its file again; and the one reading of
+its blocks that the audit and optimize share (`read_blocks`).
 
 Opening checks the file as untrusted input and parses it once (attnx.runtimes._untrusted.read_untrusted_model:
 external data inside its folder, sizes, cycles, domains); what is derived from that parse is made on first use and
@@ -16,19 +17,21 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from attnx.errors import UsageError
-from attnx.export.cores import Block
+from attnx.export._blocks import iter_blocks
+from attnx.export.cores import Block, Unread
 from attnx.model.config import TensorSpec
 from attnx.model.contract import CONFIG_KEY, io_specs
 from attnx.model.onnx_tensors import external_locations
 from attnx.runtimes._untrusted import read_untrusted_model
-from attnx.workflows.audit.cut import AuditGraph, cut_extractor
+from attnx.workflows.audit.cut import AuditGraph, cut_extractor, read_computed_terms
 from attnx.workflows.audit.run import first_line
 from attnx.workflows.audit.shapes import model_shapes
 
-__all__ = ["CacheRead", "WholeModel", "open_whole_model"]
+__all__ = ["CacheRead", "WholeModel", "open_whole_model", "read_blocks"]
 
 
 class CacheRead(NamedTuple):
@@ -45,7 +48,7 @@ class WholeModel:
     never edited), the I/O it declares (TensorSpec: the contract's names, dtypes and dims), the external data it
     names, who wrote it; and, made from that parse on first use, the onnx-ir model (which optimize edits in place)
     and the typed structure blocks are cut from (graph: AuditGraph). The caches (`caches`: each past input's
-    CacheRead; `presents`: each past input's present output) are recorded as its blocks are read (record_caches)."""
+    CacheRead; `presents`: each past input's present output) are recorded as read_blocks reads the blocks."""
 
     def __init__(self, path: str, proto: Any) -> None:
         self.path = path
@@ -110,3 +113,25 @@ def open_whole_model(path: str | os.PathLike[str], *, whole_model: bool = True) 
     path = os.fspath(path)
     return WholeModel(path, read_untrusted_model(path, whole_model=whole_model))
 
+
+def read_blocks(whole: WholeModel, unread: list[str], source: Any = None, wanted: Callable[[int], bool] | None = None,
+                others: list[str] | None = None) -> Iterator[Block]:  # fmt: skip
+    """Every attention block of the model, read as the audit and optimize both read it (attnx.export._blocks'
+    iter_blocks: `unread`, `others`, `wanted` are its own), each block's caches recorded on `whole`; and of each
+    block wanted whose config is read, the terms the graph computes rather than states (cut.read_computed_terms,
+    reaching as far as `source`, a checkpoint's layers or a config attnx stated, says: its reach and its rope's
+    original length). A computation that does not run is the block's Unread (named, never raised): an untrusted
+    model's subgraph, in the runtime's own error types. A block's terms are read before it is handed over, so a
+    caller that holds one block at a time drops it before asking for the next (its weights and its tables: the rotary
+    tables read at several lengths are tens of MB)."""
+    for block in iter_blocks(whole.model, unread, wanted, others):
+        whole.record_caches(block)
+        if block.config is not None and (wanted is None or wanted(block.index)):
+            if source is not None:
+                block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
+            try:
+                read_computed_terms(whole.graph, block)
+            except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
+                block.unread = Unread(f"what the graph computes for it (its mask, its rotary tables) does not run: "
+                                      f"{first_line(e)}")  # fmt: skip
+        yield block

@@ -32,20 +32,15 @@ import os
 import tempfile
 from collections.abc import Callable
 
-import onnx_ir as ir
-
 from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import save_model
-from attnx.export._blocks import iter_blocks
-from attnx.model.contract import CONFIG_KEY, PROVIDERS
+from attnx.model.contract import PROVIDERS
 from attnx.model.dtypes import check_choice
-from attnx.runtimes._untrusted import check_untrusted_model
 from attnx.runtimes.base import backend_unavailable_reason
 from attnx.workflows._proof import Proof, ProofStatus
-from attnx.workflows.audit.cut import AuditGraph, cut_extractor, read_computed_terms
-from attnx.workflows.audit.shapes import model_shapes
 from attnx.workflows.audit.sources import CheckpointLayers
+from attnx.workflows.audit.whole import WholeModel, open_whole_model, read_blocks
 from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
 from attnx.workflows.rewrite.plan import LOWERING, Plan, plan_block
 from attnx.workflows.rewrite.prove import prove
@@ -53,37 +48,32 @@ from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, fo
 from attnx.workflows.rewrite.splice import splice_blocks
 from attnx.workflows.rewrite.weights import distance_said, quantize_weights_file, weights_distance
 
-__all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model", "written_by_another_tool"]
+__all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model"]
 
 
-def written_by_another_tool(path: str) -> bool:
-    """Whether the model at `path` carries no attnx.config (attnx did not write it), read without its data after the
-    untrusted-file checks."""
-    import onnx
-
-    check_untrusted_model(os.fspath(path))
-    return CONFIG_KEY not in {p.key for p in onnx.load(os.fspath(path), load_external_data=False).metadata_props}
-
-
-def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
-                   provider: str = "cpu", core: str = AUTO_CORE, weights: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> ModelOptimizeReport:  # fmt: skip
-    """Rewrite every block of `model_path` that a core computes into the fastest such core on `provider` (core
-    "auto", measured: attnx.workflows.rewrite.choose; or the core named, wherever it computes the block), prove OUT
-    on the provider, publish it (the module doc). weights "int4" / "int8": the model's MatMul weights quantized first
-    (attnx.workflows.rewrite.weights), the quantized model optimized and proven, its distance from the input said."""
+def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
+                   json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
+                   weights: str | None = None, progress: Callable[[str], None] | None = None,
+                   source: CheckpointLayers | None = None) -> ModelOptimizeReport:  # fmt: skip
+    """Rewrite every block of `model` (a path, or the model opened once: attnx.workflows.audit.whole) that a core
+    computes into the fastest such core on `provider` (core "auto", measured: attnx.workflows.rewrite.choose; or the
+    core named, wherever it computes the block), prove OUT on the provider, publish it (the module doc). weights
+    "int4" / "int8": the model's MatMul weights quantized first (attnx.workflows.rewrite.weights), the quantized
+    model optimized and proven, its distance from the input said. source: `checkpoint`'s layers where the caller
+    has read them already."""
     if weights is None:
-        return _optimize_model(model_path, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
-                               core=core, progress=progress)  # fmt: skip
+        return _optimize_model(model, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
+                               core=core, progress=progress, source=source)  # fmt: skip
     say = progress or (lambda _m: None)
-    model_path, out_path = os.fspath(model_path), os.fspath(out_path)
+    out_path = os.fspath(out_path)
     check_output_file(out_path, "--out")
-    check_untrusted_model(model_path, whole_model=True)
+    whole = model if isinstance(model, WholeModel) else open_whole_model(model)
+    model_path = whole.path
     folder = os.path.dirname(os.path.abspath(out_path))  # beside OUT: the same disk, never the input's folder
     with tempfile.TemporaryDirectory(prefix=".attnx-weights-", dir=folder) as work:
-        quantized, record = quantize_weights_file(model_path, weights, work, save_model, say)
+        quantized, record = quantize_weights_file(whole.model, model_path, weights, work, save_model, say)
         report = _optimize_model(quantized, out_path, checkpoint=checkpoint, provider=provider, core=core,
-                                 progress=progress)  # fmt: skip
+                                 progress=progress, source=source)  # fmt: skip
         report.model = model_path
         report.weights = record.to_dict()
         report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
@@ -96,49 +86,39 @@ def optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = N
     return report
 
 
-def _optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = None, json_path: str | None = None,
-                    provider: str = "cpu", core: str = AUTO_CORE,
-                    progress: Callable[[str], None] | None = None) -> ModelOptimizeReport:  # fmt: skip
+def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
+                    json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
+                    progress: Callable[[str], None] | None = None,
+                    source: CheckpointLayers | None = None) -> ModelOptimizeReport:  # fmt: skip
     say = progress or (lambda _m: None)
     check_choice("--provider", provider, PROVIDERS)
     unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place
     if unavailable is not None:
         raise ProviderUnavailable(f"--provider {provider}: {unavailable}")
-    model_path, out_path = os.fspath(model_path), os.fspath(out_path)
+    model_path = model.path if isinstance(model, WholeModel) else os.fspath(model)
+    out_path = os.fspath(out_path)
     check_output_file(out_path, "--out")
     if os.path.abspath(out_path) == os.path.abspath(model_path):
         raise UsageError("--out must differ from the input model: the input is what the output is proven against")
-    check_untrusted_model(model_path, whole_model=True)
-    import onnx
-
-    model = ir.load(model_path)
-    structure = onnx.load(model_path, load_external_data=False)
-    graph = AuditGraph(model, cut_extractor(onnx.shape_inference.infer_shapes(structure)),
-                       os.path.dirname(os.path.abspath(model_path)), model_shapes(model))  # fmt: skip
-    source = CheckpointLayers(checkpoint) if checkpoint is not None else None
+    whole = model if isinstance(model, WholeModel) else open_whole_model(model_path)
+    graph = whole.graph
+    if checkpoint is not None and source is None:
+        source = CheckpointLayers(checkpoint)
     report = ModelOptimizeReport(model_path, out_path, checkpoint, [], [], provider=provider)
     unread: list[str] = []
     planned: list[tuple[BlockRewrite, Plan]] = []  # each block read and planned, then its core chosen
     plans = []
     measured: dict = {}  # blocks of one shape are timed once
-    caches: dict[str, tuple[int, int, int]] = {}  # each cache input: (kv heads, capacity, head_dim), as read
     limit = source.max_positions if source is not None else None
-    for block in iter_blocks(model, unread):
+    for block in read_blocks(whole, unread, source):
         say(f"reading block {block.index}: {block.node}")
         rewrite = BlockRewrite(block.index, block.node, block.core)
         report.blocks.append(rewrite)
         if block.padding == "right" or "seqlens_k" in block.inputs:  # how the model reads a padded batch
             report.padding = "right"
-        for role in ("past_key", "past_value"):  # a window kept in a ring buffer: its past holds the window
-            if block.config is not None and role in block.inputs:
-                caches[block.inputs[role]] = (block.config.n_kv_heads, block.facts.get("cache_capacity", 0),
-                                              block.config.head_dim if role == "past_key" else block.config.v_head_dim)
         if block.config is None:
             rewrite.kept = f"not read: {block.unread}"
             continue
-        if source is not None:
-            block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
-        read_computed_terms(graph, block)
         plan = plan_block(block, rewrite, source, graph)
         if plan is None:
             continue
@@ -147,6 +127,7 @@ def _optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = 
             rewrite.formula = formula_said(plan.config) + " (no --checkpoint: nothing to hold it to)"
         rewrite.splice = "the core alone, at the graph's projections" if plan.bound != "x" else "the whole block"
         planned.append((rewrite, plan))
+    caches = whole.caches  # each cache input as read: a window kept in a ring buffer, its past holds the window
     for rewrite, plan in planned:  # the blocks planned compute alike what they compute from the model's inputs
         rewrite.choice = choose_core(plan, graph, provider, LOWERING, core=core, limit=limit,
                                      repaired=bool(rewrite.repairs), shared_by=len(planned), memo=measured,
@@ -162,11 +143,11 @@ def _optimize_model(model_path: str, out_path: str, *, checkpoint: str | None = 
                          "metadata): nothing to optimize")  # fmt: skip
     report.proofs += [Proof(ProofStatus.NOT_READ, line) for line in unread]
     if plans:
-        splice_blocks(model, plans)
+        splice_blocks(whole.model, plans)
     with output_lock(out_path), Staging(out_path) as stage:
         say(f"writing {len(plans)} rewritten block(s) to a staging file")
-        save_model(model, stage.path())
-        report.passed = prove(report, model_path, stage.path(), checkpoint, plans, say, provider, caches)
+        save_model(whole.model, stage.path())
+        report.passed = prove(report, whole, stage.path(), checkpoint, plans, say, provider, caches, source)
         if report.passed and plans:  # with no block rewritten, before and after are one graph
             say(f"timing the whole model before and after on {provider}")
             # the whole model's within every block's positions (a block's own rotary table may be shorter)

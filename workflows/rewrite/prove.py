@@ -19,6 +19,8 @@ from attnx.workflows._proof import Proof, ProofStats, ProofStatus
 from attnx.workflows.audit import audit_model
 from attnx.workflows.audit.cut import NP_DTYPES, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
+from attnx.workflows.audit.sources import CheckpointLayers
+from attnx.workflows.audit.whole import WholeModel, open_whole_model
 from attnx.workflows.rewrite.report import ModelOptimizeReport
 
 __all__ = ["empty_cache", "float32_twins", "int8_activations", "prove", "same_model", "same_tokens"]
@@ -27,12 +29,14 @@ __all__ = ["empty_cache", "float32_twins", "int8_activations", "prove", "same_mo
 TWINS_SAID = "each with its MatMulNBits computing in float32 (accuracy_level 1; served at 4)"
 
 
-def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoint: str | None, plans: list[Any],
-           say: Callable[[str], None], provider: str = "cpu",
-          caches: dict[str, tuple[int, int, int]] | None = None) -> bool:  # fmt: skip
-    """The written model's proofs (the module doc), each a Proof of the report; whether all hold. caches: each cache
-    input's (kv heads, capacity, head_dim) as its block reads it (capacity: the positions it holds before the first
-    token, a window kept in a ring buffer), where the model's dims do not say."""
+def prove(report: ModelOptimizeReport, model: str | WholeModel, out_path: str, checkpoint: str | None,
+          plans: list[Any], say: Callable[[str], None], provider: str = "cpu",
+          caches: dict[str, tuple[int, int, int]] | None = None,
+          source: CheckpointLayers | None = None) -> bool:  # fmt: skip
+    """The written model's proofs (the module doc), each a Proof of the report; whether all hold. model: the input
+    (a path, or the model opened once). caches: each cache input's (kv heads, capacity, head_dim) as its block reads
+    it (capacity: the positions it holds before the first token, a window kept in a ring buffer), where the model's
+    dims do not say. source: `checkpoint`'s layers, as read for the input."""
     if not plans:
         fastest = [b.index for b in report.blocks if b.choice is not None and b.choice.fastest]
         if not fastest:
@@ -44,7 +48,9 @@ def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoin
                                    "inputs and outputs (timed above); the model written as it is"))  # fmt: skip
         return True
     say("auditing the written model's blocks")
-    audit = audit_model(out_path, checkpoint=checkpoint, backends=(PROVIDERS[provider].backend,))
+    written = open_whole_model(out_path, whole_model=False)  # what attnx wrote, opened once for its audit and proofs
+    audit = audit_model(written, checkpoint=checkpoint, backends=(PROVIDERS[provider].backend,), source=source)
+    written.release()  # its protobuf alone is read from here on, beside the runtimes' own copies
     read = {b.index: b for b in audit.blocks}
     ok = True
     for finding in audit.findings:  # of the whole model: its decoding as written fails, a layer paired twice
@@ -77,58 +83,67 @@ def prove(report: ModelOptimizeReport, model_path: str, out_path: str, checkpoin
                                    "the checkpoint's reference above"))  # fmt: skip
         return ok
     dtype = next((plan.dtype for plan in plans if plan.dtype != "fp32"), "fp32")
-    ok &= same_model(report, model_path, out_path, right, provider, len(plans), dtype, caches)
+    ok &= same_model(report, model, written, right, provider, len(plans), dtype, caches)
     return ok
 
 
-def same_model(report: ModelOptimizeReport, model_path: str, out_path: str, right: bool = False,
+def same_model(report: ModelOptimizeReport, model: str | WholeModel, out: str | WholeModel, right: bool = False,
                provider: str = "cpu", rewritten: int = 1, dtype: str = "fp32",
                caches: dict[str, tuple[int, int, int]] | None = None) -> bool:  # fmt: skip
-    """The written model against the input, each loaded through the runner registry on ort-cpu (cut.runner_for, as
-    the audit's whole-model decode): the same inputs and outputs (names, dtypes, dims), and on a left-padded batch,
-    full sequence then prefill + single steps through each one's own cache (present.* fed back as
+    """The written model against the input (each a path, or the model opened once), each loaded through the runner
+    registry on ort-cpu (cut.runner_for, as the audit's whole-model decode: an ONNX Runtime session of its path,
+    attnx.workflows.audit.whole says why): the same inputs and outputs (names, dtypes, dims), and on a left-padded
+    batch, full sequence then prefill + single steps through each one's own cache (present.* fed back as
     past_key_values.*), the same greedy tokens (logits' argmax at every unpadded position); the largest logits
     difference is said."""
+    protos = [m.proto if isinstance(m, WholeModel) else _structure(m) for m in (model, out)]
+    model_path, out_path = (m.path if isinstance(m, WholeModel) else os.fspath(m) for m in (model, out))
     with contextlib.ExitStack() as stack:
         runners = []
         paths = (model_path, out_path)
-        twins = any(int8_activations(p) for p in paths)
+        twins = any(int8_activations(p) for p in protos)
         if twins:  # int8 activations: one value rounded to the next level parts two graphs past the bound
-            paths = stack.enter_context(float32_twins(paths, os.path.dirname(os.path.abspath(out_path))))
+            paths = stack.enter_context(float32_twins(paths, os.path.dirname(os.path.abspath(out_path)), protos))
         for path in paths:
             runner = runner_for(PROVIDERS[provider].backend, path)
             if isinstance(runner, str):
                 report.proofs.append(Proof(ProofStatus.FAIL, "the whole model not run", runner))
                 return False
             runners.append(stack.enter_context(runner))
-        before, after = declared_io(model_path), declared_io(out_path)
+        before, after = declared_io(protos[0]), declared_io(protos[1])
         if before != after:  # as the files declare them (a runtime may type an output further from its producer)
             which = next(a[0] for a, b in zip(before + [("-",)], after + [("-",)]) if a != b)
             report.proofs.append(Proof(ProofStatus.FAIL, "the written model's inputs or outputs differ from the "
                                                          f"input's (first: {which})"))  # fmt: skip
             return False
         return same_tokens(report, *runners, right, whole_model_tolerance(dtype, rewritten),
-                           ProblemSize(longest_reduction(model_path)), caches,
+                           ProblemSize(longest_reduction(protos[0])), caches,
                            named=f"the whole model ({TWINS_SAID})" if twins else "the whole model")  # fmt: skip
 
 
-def int8_activations(path: str) -> bool:
-    """Whether any MatMulNBits of the model at `path` quantizes its input to int8 (accuracy_level 4), read without
-    its data."""
+def _structure(model: Any) -> Any:
+    """A ModelProto as given, or the one at a path read without its data."""
     import onnx
 
-    graph = onnx.load(path, load_external_data=False).graph
+    return onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) else model
+
+
+def int8_activations(model: Any) -> bool:
+    """Whether any MatMulNBits of `model` (a path, or its ModelProto) quantizes its input to int8 (accuracy_level
+    4), read without its data."""
+    graph = _structure(model).graph
     return any(a.name == "accuracy_level" and a.i == 4 for n in graph.node if n.op_type == "MatMulNBits"
                for a in n.attribute)  # fmt: skip
 
 
 @contextlib.contextmanager
-def float32_twins(paths: Sequence[str], near: str) -> Iterator[list[str]]:
+def float32_twins(paths: Sequence[str], near: str, protos: Sequence[Any] | None = None) -> Iterator[list[str]]:
     """Each model of `paths` with every MatMulNBits at accuracy_level 1 (float32 compute), every other byte the same:
     written into a scratch folder in `near` (the output's), beside links to its own external data files (hard links,
     else symbolic ones), removed after. Two graphs of the same int8-computing weights part by one value rounded to
     the next int8 level where their float32 noise differs; their twins show what the graphs compute, the int8
-    rounding being the kernels', alike in both."""
+    rounding being the kernels', alike in both. protos: each path's ModelProto where the caller holds it already
+    (copied, never edited)."""
     import onnx
 
     with tempfile.TemporaryDirectory(prefix=".attnx-twins-", dir=near) as scratch:
@@ -143,7 +158,11 @@ def float32_twins(paths: Sequence[str], near: str) -> Iterator[list[str]]:
                     os.link(source, link)
                 except OSError:  # another file system
                     os.symlink(os.path.abspath(source), link)
-            model = onnx.load(path, load_external_data=False)
+            if protos is None:
+                model = onnx.load(path, load_external_data=False)
+            else:
+                model = onnx.ModelProto()
+                model.CopyFrom(protos[i])
             for node in model.graph.node:
                 for attribute in node.attribute:
                     if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
@@ -153,11 +172,10 @@ def float32_twins(paths: Sequence[str], near: str) -> Iterator[list[str]]:
         yield twins
 
 
-def declared_io(path: str) -> list[tuple[str, int, list[Any]]]:
-    """The inputs and outputs a model file declares: name, element type, dims (a dim's name or size)."""
-    import onnx
-
-    graph = onnx.load(path, load_external_data=False).graph
+def declared_io(model: Any) -> list[tuple[str, int, list[Any]]]:
+    """The inputs and outputs a model (a path, or its ModelProto) declares: name, element type, dims (a dim's name
+    or size)."""
+    graph = _structure(model).graph
     return [(v.name, v.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
             for v in [*graph.input, *graph.output]]  # fmt: skip
 
@@ -172,12 +190,10 @@ def empty_cache(spec: Any, batch: int, read: tuple[int, int, int] | None) -> np.
     return np.zeros((batch, heads, capacity, size), NP_DTYPES.get(spec.dtype, np.float32))
 
 
-def longest_reduction(model_path: str) -> int:
-    """K of the tolerance rule for a whole model: its longest sum, the widest input of a MatMul's constant weights
-    (a MatMulNBits' K), read from the graph without its data."""
-    import onnx
-
-    graph = onnx.load(model_path, load_external_data=False).graph
+def longest_reduction(model: Any) -> int:
+    """K of the tolerance rule for a whole model (a path, or its ModelProto): its longest sum, the widest input of a
+    MatMul's constant weights (a MatMulNBits' K), read from the graph without its data."""
+    graph = _structure(model).graph
     dims = {t.name: list(t.dims) for t in graph.initializer}
     widths = [dims[n.input[1]][0] for n in graph.node if n.op_type == "MatMul" and len(dims.get(n.input[1], [])) == 2]
     widths += [a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "K"]

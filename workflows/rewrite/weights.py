@@ -31,14 +31,17 @@ __all__ = ["DISTANCE_PROMPTS", "quantize_weights_file", "weights_distance"]
 DISTANCE_PROMPTS = ((16, 0), (48, 1), (96, 2), (128, 3))
 
 
-def quantize_weights_file(model_path: str, weights: str, folder: str, save: Callable[[ir.Model, str], object],
+def quantize_weights_file(model: ir.Model | str, model_path: str, weights: str, folder: str,
+                          save: Callable[[ir.Model, str], object],
                           say: Callable[[str], None] = lambda _m: None) -> tuple[str, WeightsRecord]:  # fmt: skip
-    """`model_path` (an fp32 whole model, checked as untrusted by the caller) with its MatMul weights quantized to
-    `weights`, written into `folder` by `save` (its external data beside it); the path and what was done."""
+    """`model` (an fp32 whole model read from `model_path`, checked as untrusted by the caller: its onnx-ir model,
+    quantized in place, or its path) with its MatMul weights quantized to `weights`, written into `folder` by `save`
+    (its external data beside it); the path and what was done."""
     if weights not in WEIGHT_BITS:
         raise UsageError(f"--weights {weights}: must be one of {', '.join(WEIGHT_BITS)}")
     say(f"quantizing the model's MatMul weights to {weights} (ONNX Runtime's MatMulNBits quantizer)")
-    model = ir.load(model_path)
+    if isinstance(model, str):
+        model = ir.load(model)
     floats = [v for v in model.graph.initializers.values() if v.const_value is not None]
     if any(v.const_value.dtype == ir.DataType.FLOAT16 for v in floats) and not any(
             v.const_value.dtype == ir.DataType.FLOAT for v in floats):  # fmt: skip
