@@ -1,20 +1,26 @@
 """The latent term's graph half (attnx.model.terms.Latent: DeepSeek-V2/V3's multi-head latent attention) in standard
-ops, for the decomposed core's emitter: q and the per-token latents from x, the latent cache, and each head's k and v
-expanded from it (the expanded form: the same q.k and p.v as the formula, every head's keys and values computed).
+ops, for the decomposed core's emitter: q and the per-token latents from x, the latent cache, and the heads the core
+scores, in one of two forms that compute the same q.k and p.v as the formula:
 
-    q        [B, S, H*hd]   each head [rope part | nope part], the rope part turned (attnx.export._llm's rotation)
+    expanded (the full-sequence graph): each head's k and v expanded from the latents by kv_b_proj,
+        q [B, S, H*hd] (each head [rope part | nope part]), k [B, H, T, hd], v [B, H, T, vhd]
+    absorbed (the step model: decode): kv_b_proj's k half folded into q and its v half applied to each head's
+        output, attention over the latents as one key/value head (the latents read once a step, never expanded):
+        q' [B, S, H*(r + R)] = [q's rope part | q_nope W_uk], k = the latents [B, 1, T, r + R],
+        v = their compressed kv [B, 1, T, R], a head's z = (p v) W_uv^T
+
     latent   [B, 1, T, r + R]  the cache: each token's turned rope key, then its RMS-normed compressed kv
                                (present_latent: past_latent joined before this call's, growing form)
-    k, v     [B, H, T, hd], [B, H, T, vhd]  kv_b_proj's MatMul of the compressed kv, the rope key repeated per head
 
-r = rope.dim, R = kv_lora_rank, nope = head_dim - r. The projections and norms compute in float32, as
-transformers' DeepseekV3RMSNorm does.
+r = rope.dim, R = kv_lora_rank, nope = head_dim - r; W_uk, W_uv: head n's rows of kv_b_proj's k and v halves.
+The projections and norms compute in float32, as transformers' DeepseekV3RMSNorm does.
 """
 
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -24,12 +30,26 @@ from attnx.export._llm import _rope_cos_sin, _rotate
 if TYPE_CHECKING:  # (export.cores' decomposed emitter imports this module)
     from attnx.export.cores._emit import Emit
 
-__all__ = ["latent_heads"]
+__all__ = ["LatentHeads", "latent_heads"]
 
 
-def latent_heads(e: Emit) -> tuple[str, str, str]:
-    """q [B, S, H*hd] as scored, and the keys and values every query is scored against, per head: present_k
-    [B, H, T, hd] and present_v [B, H, T, vhd], expanded from the latents (the cache's and this call's)."""
+class LatentHeads(NamedTuple):
+    """What the core scores (the module doc's two forms): q [B, S, H * qk_dim], k [B, kv_heads, T, qk_dim], v
+    [B, kv_heads, T, v_dim], and `finish`, which makes the heads' outputs [B, H, S, v_dim] each head's z [B, H, S,
+    v_head_dim] (None: they are)."""
+
+    q: str
+    k: str
+    v: str
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    finish: Callable[[str], str] | None = None
+
+
+def latent_heads(e: Emit) -> LatentHeads:
+    """The heads the decomposed core scores for a latent config: the expanded form in the full-sequence graph, the
+    absorbed form in the step model (the module doc), from the latents of the cache and this call."""
     c, g, w = e.c, e.g, e.weights
     L, r, hd, H = c.latent, c.rope.dim, c.head_dim, c.n_heads
     nope, R = hd - r, c.latent.kv_lora_rank
@@ -61,8 +81,30 @@ def latent_heads(e: Emit) -> tuple[str, str, str]:
     latent = g.op("Unsqueeze", latent, g.ints("latent_axis_1", [1]))  # [B, 1, S, r + R]: one "head"
     if e.step:
         latent = g.op("Concat", "past_latent", latent, axis=2, name="present_latent")  # [B, 1, T, r + R]
+    if e.step:
+        return _absorbed(e, q, latent, cut)
     kv = linear(g, cut(latent, r, r + R), w, "kv_b_proj", False)  # [B, 1, T, H*(nope + vhd)]
     kv = g.op("Transpose", g.op("Reshape", kv, g.ints("latent_kv4", [0, -1, H, nope + c.v_head_dim])),
               perm=[0, 2, 1, 3])  # [B, H, T, nope + vhd]  # fmt: skip
     k_rot = g.op("Expand", cut(latent, 0, r), g.ints("latent_heads", [1, H, 1, 1]))  # [B, H, T, r]
-    return q, g.op("Concat", k_rot, cut(kv, 0, nope), axis=-1), cut(kv, nope, nope + c.v_head_dim)
+    k = g.op("Concat", k_rot, cut(kv, 0, nope), axis=-1)
+    return LatentHeads(q, k, cut(kv, nope, nope + c.v_head_dim), H, hd, c.v_head_dim)
+
+
+def _absorbed(e: Emit, q: str, latent: str, cut: Callable[[str, int, int], str]) -> LatentHeads:
+    """The absorbed form (the module doc) of q [B, S, H*hd] ([rope | nope] heads) and the latents [B, 1, T, r + R]."""
+    c, g = e.c, e.g
+    H, r, R, hd, vhd = c.n_heads, c.rope.dim, c.latent.kv_lora_rank, c.head_dim, c.v_head_dim
+    nope = hd - r
+    w_kv = np.asarray(e.weights["kv_b_proj.weight"], np.float32).reshape(H, nope + vhd, R)  # head n: [k_nope | v] rows
+    w_uk = g.const("kv_b_proj.k_half", np.ascontiguousarray(w_kv[:, :nope]))  # [H, nope, R]
+    w_uv = g.const("kv_b_proj.v_half.T", np.ascontiguousarray(w_kv[:, nope:].transpose(0, 2, 1)))  # [H, R, vhd]
+    q4 = g.op("Transpose", g.op("Reshape", q, g.ints("latent_q4", [0, 0, H, hd])), perm=[0, 2, 1, 3])  # [B, H, S, hd]
+    q_lat = g.op("MatMul", cut(q4, r, hd), w_uk)  # [B, H, S, R]: q_nope W_uk, the nope part scored on the latent
+    q_abs = g.op("Transpose", g.op("Concat", cut(q4, 0, r), q_lat, axis=-1), perm=[0, 2, 1, 3])  # [B, S, H, r + R]
+    q_abs = g.op("Reshape", q_abs, g.ints("latent_q_abs", [0, 0, H * (r + R)]))
+
+    def finish(z: str) -> str:  # [B, H, S, R] -> [B, H, S, vhd]: each head's W_uv
+        return g.op("MatMul", z, w_uv)
+
+    return LatentHeads(q_abs, latent, cut(latent, r, r + R), 1, r + R, R, finish)

@@ -155,6 +155,13 @@ def _auto_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
         yield from _grouped_mha_limits(c, dtype, form)
 
 
+def _decomposed_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    if c.latent is not None and dtype in _QUANTIZED:
+        # the quantization pass finds q_proj, k_proj, v_proj and out_proj (attnx.export.passes.quantize)
+        yield (f"latent in {dtype}: attnx quantizes q_proj, k_proj, v_proj and out_proj, not the latent's "
+               "projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj)")
+
+
 _MASKS = {
     "causal": Takes("the causal mask"),
     "key_padding_mask": Takes("the padding mask"),
@@ -184,10 +191,11 @@ CORES: dict[str, Core] = {
                 "attention_chunk": Takes(_BOOL_GRID),
                 "key_padding_mask": Takes(_BOOL_GRID),
                 "sinks": Takes("a logit column joined before the Softmax, dropped after it"),
-                "latent": Takes("the latent's MatMuls and RMSNorms, the latent cache (past_latent), kv_b_proj's MatMul "
-                                "expanding each head's k and v"),
+                "latent": Takes("the latent's MatMuls and RMSNorms, the latent cache (past_latent); kv_b_proj's MatMul "
+                                "expanding each head's k and v (full), folded into q and the heads' outputs (the "
+                                "step: absorbed, the latents one key/value head)"),
             },
-            summary="standard ops, runs anywhere", term_ops=TermOps.STANDARD, holds_scores=True,
+            _decomposed_limits, summary="standard ops, runs anywhere", term_ops=TermOps.STANDARD, holds_scores=True,
         ),
         Core(
             "attention23", "Attention (opset 23)", "", "Attention", 23, ("full", "growing"), _EVERY_DTYPE,

@@ -33,8 +33,10 @@ def _decomposed(e: Emit) -> str:
     logit column dropped after the softmax (each term's entry in attnx.export.terms)."""
     c, g = e.c, e.g
     H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
-    if c.latent is not None:  # k and v expanded from the cached latents (attnx.export._latent)
-        q, present_k, present_v = latent_heads(e)
+    finish = None  # what makes the heads' outputs each head's z (the latent's absorbed form: W_uv)
+    if c.latent is not None:  # the heads of the cached latents: expanded, or absorbed in a step (attnx.export._latent)
+        q, present_k, present_v, Hkv, hd, vhd, finish = latent_heads(e)
+        G = H // Hkv
     else:
         q, k, v = e.projections()
         q, k = e.scored(q, k)
@@ -56,9 +58,12 @@ def _decomposed(e: Emit) -> str:
     p = emit_softmax(g, c, e.weights, scores, g.stage("probs", "b h t s"))  # with a sink's column, dropped after
     p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
     z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
+    if finish is not None:
+        z = finish(z)  # [B, H, S, v_head_dim]
     if visible is not None:
         z = g.op("Where", visible, z, e.zero())  # all-hidden rows: 0
-    return g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), g.ints("z_shape", [0, 0, H * vhd]), name=g.stage("z"))
+    z_shape = g.ints("z_shape", [0, 0, c.v_dim])
+    return g.op("Reshape", g.op("Transpose", z, perm=[0, 2, 1, 3]), z_shape, name=g.stage("z"))
 
 
 def _read_decomposed(node: ir.Node) -> dict[str, Any]:

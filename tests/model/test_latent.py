@@ -117,6 +117,7 @@ def test_the_runners_decode_over_the_latent_cache():
 def test_a_core_that_cannot_compute_the_latent_names_it():
     step = dataclasses.replace(MLA, kv_cache=True)
     assert why_not("decomposed", MLA) == [] and why_not("decomposed", step) == []
+    assert any("latent in int8" in r for r in why_not("decomposed", MLA, "int8"))  # its projections not quantized
     for name, core in CORES.items():
         if name != "decomposed":
             form = "full" if "full" in core.forms else "growing"
@@ -126,8 +127,10 @@ def test_a_core_that_cannot_compute_the_latent_names_it():
 
 @pytest.mark.parametrize("config", [MLA, PLAIN_Q], ids=["q-latent", "q-proj-bias-yarn"])
 def test_the_decomposed_graphs_agree_with_the_reference_full_and_over_the_latent_cache(config, tmp_path):
-    """The decomposed core's emitted graphs (attnx.export._latent): the full sequence, and the step model whose cache
-    is past_latent/present_latent, a prefill then single steps on ONNX Runtime, left-padded."""
+    """The decomposed core's emitted graphs (attnx.export._latent): the full sequence (k and v expanded), and the step
+    model in the absorbed form (kv_b_proj's halves folded into q and the heads' outputs, attention over the latents as
+    one key/value head) whose cache is past_latent/present_latent, a prefill then single steps on ONNX Runtime,
+    left-padded, each against the float64 formula."""
     import onnx
 
     from attnx.export._emit import build_model
@@ -141,7 +144,10 @@ def test_the_decomposed_graphs_agree_with_the_reference_full_and_over_the_latent
     size, tol = problem_size(config, weights, feeds), tolerance_for("fp32")
     for cfg, name in ((config, "full"), (step, "step")):
         path = str(tmp_path / f"{name}.onnx")
-        onnx.save(build_model(cfg, weights, "decomposed"), path)
+        model = build_model(cfg, weights, "decomposed")
+        folded = {"kv_b_proj.k_half", "kv_b_proj.v_half.T"} & {t.name for t in model.graph.initializer}
+        assert bool(folded) == (name == "step")  # absorbed in the step model alone
+        onnx.save(model, path)
         with create_runner("ort-cpu", ModelSource(cfg, None, path)) as runner:
             if name == "full":
                 y = runner.run(feeds)["y"]
