@@ -313,7 +313,9 @@ def import_rotary(folder: str, hf: Mapping[str, Any], model_type: str, layer: in
     if family.latent:  # MLA: a head is [nope | rope] for q and k, v_head_dim apart; k and v for every head
         d_model, n_heads = number("hidden_size"), number("num_attention_heads")
         n_kv_heads, rope_dim = n_heads, number("qk_rope_head_dim")
-        head_dim, v_head_dim = number("qk_nope_head_dim") + rope_dim, number("v_head_dim")
+        head_dim = number("qk_nope_head_dim") + rope_dim
+        # null: hidden_size / heads (MiniCPM3Config's rule; DeepSeek's classes default it to 128)
+        v_head_dim = number("v_head_dim") if hf["v_head_dim"] is not None else number("v_head_dim", d_model // n_heads)
         if hf["num_key_value_heads"] not in (None, n_heads):
             raise UsageError(f"{model_type} with num_key_value_heads {hf['num_key_value_heads']} for "
                              f"{n_heads} heads: its latent expands k and v for every head, and transformers' eager "

@@ -89,11 +89,6 @@ ARCHITECTURES: dict[str, dict[tuple[str, str], Layout]] = {
 }  # fmt: skip
 
 
-# Architectures whose layers attnx's formula cannot reproduce, and why (checked before anything is read).
-_MLA = ("multi-head latent attention (MLA) in a family whose attention attnx has not checked against transformers "
-        "(the `latent` key computes DeepSeek-V2/V3's): not imported")
-
-
 # transformers 5.24's Falcon (models/falcon/modeling_falcon.py; measured: measurements/alibi_transformers)
 _FALCON_ALIBI = ("transformers' Falcon adds its ALiBi bias before the scale (slope / sqrt(head_dim) per unit of "
                  "distance, not the slopes of BLOOM and MPT) and rounds the slopes and each slope * position to "
@@ -102,8 +97,8 @@ _FALCON_ALIBI = ("transformers' Falcon adds its ALiBi bias before the scale (slo
                  "attention also adds the bias twice, its sdpa attention and Falcon-RW's own code once")
 
 
+# Architectures whose layers attnx cannot import, and why (checked before anything is read).
 NOT_EXPRESSIBLE = {
-    **{t: _MLA for t in ("minicpm3",)},
     # Kimi K2's checkpoints name DeepseekV3ForCausalLM with model_type kimi_k2, a class of their own code
     # (trust_remote_code) that transformers 5.24 does not have: no class to read the config with or check against
     "kimi_k2": ("model_type kimi_k2 is a class of Kimi K2's own code (trust_remote_code), not transformers': its "
@@ -243,6 +238,12 @@ ROTARY_FAMILIES: dict[str, RotaryFamily] = {
                                  "max_position_embeddings": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
                                  "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128},
                                 latent=True, interleaved=True),
+    # models/minicpm3: MiniCPM3Attention, DeepSeek-V2's MLA with half-split rope pairs; v_head_dim null is
+    # hidden_size / heads (its config's rule)
+    "minicpm3": RotaryFamily({**_COMMON, "hidden_size": 2560, "num_attention_heads": 40, "num_key_value_heads": 40,
+                              "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "kv_lora_rank": 256,
+                              "q_lora_rank": 768, "qk_rope_head_dim": 32, "v_head_dim": None,
+                              "qk_nope_head_dim": 64}, latent=True),
 }  # fmt: skip
 _LATENT_EPS = 1e-6  # DeepseekV3RMSNorm's and DeepseekV2RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
 

@@ -5,7 +5,7 @@ transformers and no network, into attnx's contract (an AttentionConfig and its w
     ARCHITECTURES[model_type][(stack, attention)] -> Layout: where the four projections are,
     how they are stored, the config keys of the widths and head count, masks and scale.
     ROTARY_FAMILIES[model_type] -> RotaryFamily: the rotary decoders (Llama, Mistral, Qwen2/3,
-    Gemma 2/3, Phi-3, gpt-oss, Llama 4, DeepSeek-V2/V3), their config read as transformers reads it (class
+    Gemma 2/3, Phi-3, gpt-oss, Llama 4, DeepSeek-V2/V3, MiniCPM3), their config read as transformers reads it (class
     defaults, both spellings of the rope keys) into the modern-LLM keys: rope, sliding_window, softcap,
     qk_norm, sinks, latent (DeepSeek's multi-head latent attention).
     ALIBI_FAMILIES[model_type] -> AlibiFamily: the ALiBi decoders (BLOOM, MPT), their fused q/k/v
@@ -14,8 +14,8 @@ transformers and no network, into attnx's contract (an AttentionConfig and its w
 Every tensor the import reads and how it became an attnx tensor (transposed, split, a zero bias
 for a projection that has none) is recorded in ImportResult.mapping. What attnx's formula does
 not include is refused by name, never approximated: T5's self-attention adds a relative position
-bias, BERT's relative_key variants add position terms, MiniCPM3's latent attention is not checked against
-transformers yet, Falcon's ALiBi is scaled and rounded to bfloat16 (measurements/alibi_transformers), dynamic NTK
+bias, BERT's relative_key variants add position terms, Kimi K2's own model_type has no transformers class to
+check against, Falcon's ALiBi is scaled and rounded to bfloat16 (measurements/alibi_transformers), dynamic NTK
 rope depends on each run's length. A pickle checkpoint (pytorch_model.bin) is refused, never unpickled.
 
 The pieces: the tables (attnx.model.families), the safetensors reading (attnx.model.checkpoint), the rotary and

@@ -103,7 +103,7 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
 @pytest.mark.parametrize(
     ("config", "tensors", "kwargs", "error", "message"),
     [({"model_type": "electra"}, {}, {}, UsageError, "unknown architecture 'electra' (known: bert"),
-     ({"model_type": "minicpm3"}, {}, {}, UsageError, "multi-head latent attention (MLA)"),
+     ({"model_type": "kimi_k2"}, {}, {}, UsageError, "its attention is DeepSeek-V3's"),
      ({"model_type": "falcon", "alibi": True}, {}, {}, UsageError, "falcon with alibi: transformers' Falcon adds its "
       "ALiBi bias before the scale"),
      ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, {}, {}, UsageError, "qk_ln True: a LayerNorm of q and k"),

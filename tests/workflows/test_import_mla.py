@@ -1,6 +1,6 @@
-"""attnx import of DeepSeek's multi-head latent attention (MLA; the config's `latent`): tiny random DeepSeek-V3 and
-V2 checkpoints (transformers, dense MLP layers), imported and checked against transformers' own DeepseekV3Attention
-and DeepseekV2Attention on a left-padded batch with Hugging Face's position_ids, full-sequence and as a prefill then
+"""attnx import of DeepSeek's multi-head latent attention (MLA; the config's `latent`): tiny random DeepSeek-V3, V2 and
+MiniCPM3 checkpoints (transformers, dense MLP layers), imported and checked against transformers' own
+DeepseekV3Attention, DeepseekV2Attention and MiniCPM3Attention on a left-padded batch with Hugging Face's position_ids, full-sequence and as a prefill then
 single-token steps: q through q_lora_rank and from a plain q_proj, v_head_dim unlike the qk head size, interleaved
 and half-split rope pairs, a yarn rope whose mscale enters the softmax scale; the decomposed lowering's step model
 over the latent cache too. Every lowering that cannot build a form refuses it naming the term; a planted fault
@@ -44,6 +44,10 @@ def _models():
         "v3-yarn": lambda: t.DeepseekV3Model(t.DeepseekV3Config(**SMALL, q_lora_rank=32, max_position_embeddings=64,
                                                                 rope_parameters=YARN)),
         "v2": lambda: t.DeepseekV2Model(t.DeepseekV2Config(**SMALL, q_lora_rank=32)),
+        # DeepSeek-V2's MLA with half-split pairs; v_head_dim null: hidden_size / heads (16)
+        "minicpm3": lambda: t.MiniCPM3Model(t.MiniCPM3Config(**{k: v for k, v in SMALL.items()
+                                                                if k not in ("first_k_dense_replace", "v_head_dim")},
+                                                             q_lora_rank=32, v_head_dim=None)),
     }  # fmt: skip
 
 
@@ -56,7 +60,7 @@ def _expected(name, config):
     rope, latent = config.rope, config.latent
     assert config.head_dim == 24 and config.n_kv_heads == 4 and rope.dim == 8 and latent.kv_lora_rank == 16
     assert latent.eps == 1e-6 and config.causal and config.key_padding_mask
-    assert rope.interleaved == (name != "v3-plain-q")
+    assert rope.interleaved == (name not in ("v3-plain-q", "minicpm3"))
     if name == "v3-plain-q":
         assert latent.q_lora_rank is None and config.v_head_dim == 12 and config.bias and config.scale is None
     else:
@@ -130,8 +134,7 @@ def test_what_the_latent_import_does_not_take_is_refused_by_name(checkpoints, tm
         return str(target)
 
     cases = {"num_key_value_heads 2": lambda d: d.update(num_key_value_heads=2),
-             "trust_remote_code": lambda d: d.update(model_type="kimi_k2"),
-             "multi-head latent attention": lambda d: d.update(model_type="minicpm3")}  # fmt: skip
+             "trust_remote_code": lambda d: d.update(model_type="kimi_k2")}  # fmt: skip
     for i, (needle, change) in enumerate(cases.items()):
         with pytest.raises(UsageError, match=needle):
             import_weights(edited(f"c{i}", change), layer=0)
