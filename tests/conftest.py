@@ -77,6 +77,41 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: first.get(os.path.relpath(str(item.path), root), len(first)))
 
 
+# The search for the named scaling a rotary table is (attnx.model.rope_fit.named_rope: linear, llama3, yarn candidates
+# against the table) is most of an audit of a model with a scaled rope, and the audit tests read the same fixture
+# models again and again (the gallery: every fault of a model with its other layers as they were): 107 searches of 23
+# distinct tables in test_audit, test_optimize_model, test_audit_unseen and test_rope_fit. Its answers, per worker.
+_NAMED_ROPES: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def rope_tables_named_once():
+    """For a module that audits the same models repeatedly: named_rope, a pure function of the table, its fit and
+    the pairs' layout, searched once per distinct input (a digest of the bytes) and its answer reused; a table
+    that differs by one bit is another key and is searched afresh."""
+    import hashlib
+
+    import numpy as np
+
+    from attnx.model import rope_fit
+
+    search = rope_fit.named_rope
+
+    def once(cos, sin, inv_freq, factor, interleaved):
+        digest = hashlib.sha256(repr((float(factor), bool(interleaved))).encode())
+        for a in (cos, sin, inv_freq):
+            a = np.ascontiguousarray(a)
+            digest.update(f"|{a.dtype.str} {a.shape}|".encode() + a.tobytes())
+        key = digest.hexdigest()
+        if key not in _NAMED_ROPES:
+            _NAMED_ROPES[key] = search(cos, sin, inv_freq, factor, interleaved)
+        return _NAMED_ROPES[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rope_fit, "named_rope", once)
+        yield
+
+
 # The registry of small models every test draws from: each feature of the contract once.
 CONFIGS: dict[str, AttentionConfig] = {
     "self": AttentionConfig(d_model=32, n_heads=4),

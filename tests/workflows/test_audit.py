@@ -19,6 +19,9 @@ from attnx.cli import main
 from attnx.model.importers import import_weights, read_projection
 from attnx.workflows.audit import audit_model
 
+# the same fixture models read again and again: each rotary table's named scaling searched once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rope_tables_named_once")
+
 GENAI = Path(__file__).resolve().parents[1] / "fixtures" / "genai"
 CLEAN = ["llama/fp32", "qwen2/fp32", "qwen3/fp32", "phi3/fp32", "llama/int4-acc1", "qwen3/int4-acc1", "llama/int4",
          "qwen3/int4"]

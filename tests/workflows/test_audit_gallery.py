@@ -15,8 +15,9 @@ import pytest
 from attnx.workflows.audit import audit_model
 from tests.workflows import _gallery
 
-# the slow tier: the 222-fault gallery (test_audit.py's planted faults stay in the fast tier)
-pytestmark = pytest.mark.slow
+# the slow tier: the 222-fault gallery (test_audit.py's planted faults stay in the fast tier); each fault is audited
+# with the model's other layers, and so its rotary tables, as they were (tests/conftest.py: rope_tables_named_once)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rope_tables_named_once")]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GENAI = FIXTURES / "genai"
@@ -48,35 +49,6 @@ def _cases():
         for fault in _gallery.FAULTS:
             if _gallery.applies(fault, model):
                 yield pytest.param(name, fault, id=f"{name}:{fault}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _each_rope_table_named_once():
-    """Every fault of a model is audited with the model's other layers as they were, and so with the same rotary
-    tables: the search for the named scaling a table is (attnx.model.rope_fit.named_rope, a pure function of the table
-    and its fit: two thirds of an audit of a scaled rope's model) runs once per distinct table, its answer reused for
-    the same bytes. A table a fault changed is another key and is searched afresh."""
-    import hashlib
-
-    import numpy as np
-
-    from attnx.model import rope_fit
-
-    search, answers = rope_fit.named_rope, {}
-
-    def once(cos, sin, inv_freq, factor, interleaved):
-        digest = hashlib.sha256(repr((float(factor), bool(interleaved))).encode())
-        for a in (cos, sin, inv_freq):
-            a = np.ascontiguousarray(a)
-            digest.update(f"|{a.dtype.str} {a.shape}|".encode() + a.tobytes())
-        key = digest.hexdigest()
-        if key not in answers:
-            answers[key] = search(cos, sin, inv_freq, factor, interleaved)
-        return answers[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rope_fit, "named_rope", once)
-        yield
 
 
 @functools.cache

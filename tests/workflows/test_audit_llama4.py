@@ -14,6 +14,9 @@ import pytest
 
 from attnx.workflows.audit import audit_model
 
+# the same fixture models read again and again: each rotary table's named scaling searched once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rope_tables_named_once")
+
 LLAMA4 = Path(__file__).resolve().parents[1] / "fixtures" / "exported" / "torch-dynamo" / "llama4"
 ROTATING, NOPE = ["grouped_heads", "rope", "qk_l2_norm", "attention_chunk"], ["grouped_heads", "attn_temperature"]
 

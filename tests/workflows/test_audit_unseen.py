@@ -13,6 +13,9 @@ import pytest
 from attnx.cli import main
 from attnx.workflows.audit import audit_model
 
+# the same fixture models read again and again: each rotary table's named scaling searched once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rope_tables_named_once")
+
 UNSEEN = Path(__file__).resolve().parents[1] / "fixtures" / "unseen"
 MODELS = {m["path"].removesuffix("/model.onnx"): m for m in json.loads((UNSEEN / "models.json").read_text())}
 

@@ -21,6 +21,9 @@ from attnx.workflows import optimize_model
 from attnx.workflows.rewrite.choose import Timing, candidates, pick
 from tests.workflows import _gallery
 
+# the same fixture models read again and again: each rotary table's named scaling searched once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("rope_tables_named_once")
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DYNAMO = FIXTURES / "exported" / "torch-dynamo"
 
