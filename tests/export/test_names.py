@@ -170,7 +170,9 @@ def check_names(model: onnx.ModelProto, config: AttentionConfig, weights, feeds,
 @pytest.mark.parametrize(("label", "config", "lowering", "dtype"), FULL,
                          ids=[f"{f[0]}-{f[2]}-{f[3]}" for f in FULL])  # fmt: skip
 def test_full_sequence_forms_name_their_stages(label, config, lowering, dtype):
-    weights = init_weights(config, 1)
+    # the weights `attnx export --preset tiny` draws (seed 0), and the registry's elsewhere (seed 1, as
+    # tests.conftest.weights_for): a torch export is keyed by its weights, so these reuse the suite's traces
+    weights = init_weights(config, 0 if label == "tiny" else 1)
     model = _full_model(config, lowering, dtype, weights)
     feeds = make_inputs(config, 2, 5, 4 if config.cross else None, seed=11)
     expected = expected_stages(config, lowering)
