@@ -57,9 +57,11 @@ from attnx.model.contract import (
     MODEL_DTYPES,
     PROVIDERS,
     QUANTIZED_DTYPES,
+    backend_device,
     core_for,
     provider_of_backend,
 )
+from attnx.model.cores import why_not_on_cuda
 from attnx.runtimes import ModelSource
 from attnx.runtimes.base import backend_unavailable_reason
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_buffer_parity, run_decode_parity
@@ -216,9 +218,20 @@ def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Resu
                 entry: dict[str, Any] = {"model": f"{args.decode_preset}-rope", "lowering": lowering,
                                          "dtype": dtype, "backends": backends}  # fmt: skip
                 try:
-                    core_for("ort-fused", config, dtype, form, core if form == "buffer" else None)
+                    chosen = core_for("ort-fused", config, dtype, form, core if form == "buffer" else None)
                 except AttnxError as e:  # this core does not take this dtype (the grouped ones: no fp16)
                     entry.update(status="skipped", reason=str(e))
+                    step["runs"].append(entry)
+                    continue
+                # a core whose CUDA kernel refuses the run (why_not_on_cuda: measured) runs on the other backends
+                why_cuda = "; ".join(why_not_on_cuda(chosen, config, dtype, form))
+                refused = {b: why_cuda for b in backends
+                           if why_cuda and provider_of_backend(b) is not None and backend_device(b) == "cuda"}  # fmt: skip
+                run_on = [b for b in backends if b not in refused]
+                if refused:
+                    entry.update(backends=run_on, refused=refused)
+                if not run_on:
+                    entry.update(status="skipped", reason="; ".join(f"{b}: {r}" for b, r in refused.items()))
                     step["runs"].append(entry)
                     continue
                 logger.info("decode parity %s %s on %s", lowering, dtype, ",".join(backends))
@@ -229,9 +242,9 @@ def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Resu
                     onnx.save(build_step_model(config, weights, "ort-fused", form, dtype, buffer_core=buffer_core), path)
                     source = ModelSource(config, weights, path, dtype)
                     if form == "growing":
-                        reports = [run_decode_parity(source, backends, batch=3, localise="off")]
+                        reports = [run_decode_parity(source, run_on, batch=3, localise="off")]
                     else:
-                        reports = [run_buffer_parity(source, b) for b in backends]
+                        reports = [run_buffer_parity(source, b) for b in run_on]
                 except AttnxError as e:  # a model that cannot be built or run here is a result of this matrix
                     entry.update(status="failed", reason=str(e))
                 else:

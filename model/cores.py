@@ -9,6 +9,7 @@ name in attnx.export.cores (GRAPH_CORES: one module a core), as transformers' at
 in ALL_ATTENTION_FUNCTIONS.
 
     why_not(core, config, dtype, form)  every reason the core cannot compute the config, [] when it can
+    why_not_on_cuda(...)                the same, and what ONNX Runtime's CUDA kernel refuses beyond it
     core_for(lowering, config, ...)     the core a lowering (--attention) writes for a config, or one
                                         UsageError with every candidate's reasons
     LOWERINGS                           the user's choices (--attention) and the cores behind each
@@ -43,6 +44,7 @@ __all__ = [
     "MS_DOMAIN",
     "form_of",
     "why_not",
+    "why_not_on_cuda",
     "attention_help",
     "buffer_core_help",
     "core_for",
@@ -103,6 +105,7 @@ class Core:
     summary: str = ""
     term_ops: TermOps = TermOps.CONTRIB  # the operators of its q/k norms and rotation
     holds_scores: bool = False  # its kernel holds the whole score matrix (the memory estimate's)
+    cuda_limits: Limits = _no_limits  # what ONNX Runtime's CUDA kernel refuses beyond `limits` (why_not_on_cuda)
 
     def takes(self, term: str, form: str) -> bool:
         t = self.terms.get(term)
@@ -153,6 +156,24 @@ def _auto_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
     yield from _gqa_limits(c, dtype, form)
     if form == "growing":
         yield from _grouped_mha_limits(c, dtype, form)
+
+
+# What ONNX Runtime's CUDA kernels refuse, measured on an H200 with onnxruntime-gpu 1.31.1 (2026-12-04, python -m
+# attnx.bench.gpu_check and the cuda-marked tests): a refusal the CPU kernels do not share.
+def _gqa_cuda_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    if dtype == "fp32":  # the session placed the fp32 op on CPUExecutionProvider
+        yield f"ONNX Runtime's CUDA {MS_DOMAIN}.GroupQueryAttention has no fp32 kernel (it runs fp16)"
+
+
+def _grouped_mha_cuda_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    if form == "buffer":  # CUDA error 700 (an illegal memory access) at the first step, the process aborted
+        yield (f"ONNX Runtime's CUDA {MS_DOMAIN}.MultiHeadAttention writes a cache in place only with "
+               "cache_indirection (beam search): over past_sequence_length alone it writes past the buffer")
+
+
+def _auto_cuda_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
+    yield from _gqa_cuda_limits(c, dtype, form)
+    yield from _grouped_mha_cuda_limits(c, dtype, form)
 
 
 def _decomposed_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
@@ -265,7 +286,7 @@ CORES: dict[str, Core] = {
                 "key_padding_mask": Takes("an additive attention_bias", ("full", "growing")),
                 "sinks": Takes("head_sink"),
             },
-            _gqa_limits, summary="ONNX Runtime's grouped-query kernel",
+            _gqa_limits, summary="ONNX Runtime's grouped-query kernel", cuda_limits=_gqa_cuda_limits,
         ),
         Core(
             "grouped-mha", f"{MS_DOMAIN}.MultiHeadAttention, a group's query heads as rows", MS_DOMAIN,
@@ -286,6 +307,7 @@ CORES: dict[str, Core] = {
             },
             _grouped_mha_limits,
             summary="a group's query heads as rows: each key/value head read once a step (a CPU form: no fp16)",
+            cuda_limits=_grouped_mha_cuda_limits,
         ),
         Core(
             "auto", "If on the call: gqa for a prompt (growing: one with no padding), grouped-mha otherwise", MS_DOMAIN,
@@ -301,7 +323,7 @@ CORES: dict[str, Core] = {
                 "sliding_window": Takes("both branches"),
                 "key_padding_mask": Takes("a padded call takes the grouped branch", ("growing",)),
             },
-            _auto_limits, summary="what gqa and grouped-mha both express",
+            _auto_limits, summary="what gqa and grouped-mha both express", cuda_limits=_auto_cuda_limits,
         ),
     )
 }  # fmt: skip
@@ -339,6 +361,13 @@ def why_not(core: str | Core, config: AttentionConfig, dtype: str = "fp32", form
         reasons.append(f"{core.label} does not express {', '.join(lacks)}{where}")
     reasons += list(core.limits(config, dtype, form))
     return reasons
+
+
+def why_not_on_cuda(core: str | Core, config: AttentionConfig, dtype: str = "fp32", form: str | None = None) -> list[str]:
+    """why_not, and every reason ONNX Runtime's CUDA kernel of `core` refuses the config (Core.cuda_limits): a
+    core the CPU runs and CUDA places off the GPU or runs out of bounds; [] when CUDA runs it."""
+    core = CORES[core] if isinstance(core, str) else core
+    return why_not(core, config, dtype, form) + list(core.cuda_limits(config, dtype, form_of(config, form)))
 
 
 # Lowerings: the user's choice (--attention), and the cores behind it --------------------------------

@@ -53,6 +53,7 @@ __all__ = [
     "provider_option_mismatches",
     "unreported_options",
     "placement_problems",
+    "cuda_kernel_problems",
     "placements_from_assignment_info",
     "placements_from_profile",
     "ASSIGNMENT_INFO_KEY",
@@ -322,6 +323,35 @@ def placement_problems(
         if p.op_type in compute_ops and p.provider != provider:
             label = op_label(p.domain or "", p.op_type)
             problems.append(f"{label} {p.name!r} on {p.provider}" if p.name else f"{label} on {p.provider}")
+    return problems
+
+
+# MultiHeadAttention's inputs: 8 past_sequence_length, 9 cache_indirection (com.microsoft's schema)
+_PAST_SEQUENCE_LENGTH, _CACHE_INDIRECTION = 8, 9
+
+
+def cuda_kernel_problems(model_path: str) -> list[str]:
+    """The nodes of a model that ONNX Runtime's CUDA kernels would run out of bounds, each named: a
+    com.microsoft.MultiHeadAttention that writes its cache in place (past_sequence_length) without
+    cache_indirection, which its CUDA kernel reads as a growing past and writes past the buffer (measured on an
+    H200, onnxruntime-gpu 1.31.1: CUDA error 700, the process aborted; attnx.model.cores.why_not_on_cuda says it
+    of the cores attnx writes). Read before the first run: such a run cannot be caught, it ends the process."""
+    import onnx
+
+    def nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+        for node in graph.node:
+            yield node
+            for attr in node.attribute:
+                for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
+                    yield from nodes(sub)
+
+    problems = []
+    for node in nodes(onnx.load(model_path, load_external_data=False).graph):
+        ins = list(node.input) + [""] * (_CACHE_INDIRECTION + 1 - len(node.input))
+        if node.domain == "com.microsoft" and node.op_type == "MultiHeadAttention" \
+                and ins[_PAST_SEQUENCE_LENGTH] and not ins[_CACHE_INDIRECTION]:  # fmt: skip
+            problems.append(f"{op_label(node.domain, node.op_type)} {node.name!r} writes its cache in place "
+                            "(past_sequence_length) without cache_indirection, which its CUDA kernel writes past")
     return problems
 
 
