@@ -117,6 +117,8 @@ def build_model(
     if keep_io_fp32 and form != "full":
         raise UsageError("--keep-io-fp32 is for a full-sequence model: a step model's cache is the buffer itself")
     g = Graph()
+    if c.kv_cache:
+        g.cache_from = c.cache_specs()[0].name  # past_key; past_latent
     if c.rope is not None and form != "buffer":  # position_ids [batch, seq]: the tokens' count, as x states it
         g.seq_from = "position_ids"
     if form == "growing" and c.key_padding_mask and not ring_cache and not c.cross:  # [batch, past_seq + seq]

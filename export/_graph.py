@@ -35,6 +35,7 @@ class Graph:
         # (attnx.export.passes.share); x and past_key are one block's own
         self.seq_from = "x"
         self.total_from: str | None = None
+        self.cache_from = "past_key"  # the cache input whose axis 2 is its length (the config's first cache_specs)
 
     def stage(self, name: str, layout: str = "b t (h d)") -> str:
         """`name`, recorded as a stage the graph holds in `layout` (attnx.model.stages): for the
@@ -143,7 +144,7 @@ def span(g: Any, step: bool) -> tuple[str, str]:
     if g.total_from is not None:
         total = g.op("Squeeze", g.op("Shape", g.total_from, start=1, end=2), g.ints("axis0b", [0]))
         return g.op("Sub", total, seq), total
-    past = g.op("Squeeze", g.op("Shape", "past_key", start=2, end=3), g.ints("axis0", [0]))
+    past = g.op("Squeeze", g.op("Shape", g.cache_from, start=2, end=3), g.ints("axis0", [0]))
     return past, g.op("Add", past, seq)
 
 

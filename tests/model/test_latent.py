@@ -125,7 +125,9 @@ def test_a_core_that_cannot_compute_the_latent_names_it():
             assert any("latent" in r for r in reasons), (name, reasons)
 
 
-@pytest.mark.parametrize("config", [MLA, PLAIN_Q], ids=["q-latent", "q-proj-bias-yarn"])
+# without a padding mask the step model takes the past length from its cache input, past_latent (not past_key)
+@pytest.mark.parametrize("config", [MLA, PLAIN_Q, dataclasses.replace(MLA, key_padding_mask=False)],
+                         ids=["q-latent", "q-proj-bias-yarn", "no-padding"])  # fmt: skip
 def test_the_decomposed_graphs_agree_with_the_reference_full_and_over_the_latent_cache(config, tmp_path):
     """The decomposed core's emitted graphs (attnx.export._latent): the full sequence (k and v expanded), and the step
     model in the absorbed form (kv_b_proj's halves folded into q and the heads' outputs, attention over the latents as
