@@ -7,7 +7,7 @@ scores, in one of two forms that compute the same q.k and p.v as the formula:
     absorbed (the step model: decode): kv_b_proj's k half folded into q and its v half applied to each head's
         output, attention over the latents as one key/value head (the latents read once a step, never expanded):
         q' [B, S, H*(r + R)] = [q's rope part | q_nope W_uk], k = the latents [B, 1, T, r + R],
-        v = their compressed kv [B, 1, T, R], a head's z = (p v) W_uv^T
+        v = the latents too, a head's z = (p v)[..., r:] W_uv^T (p.v's compressed kv columns)
 
     latent   [B, 1, T, r + R]  the cache: each token's turned rope key, then its RMS-normed compressed kv
                                (present_latent: past_latent joined before this call's, growing form)
@@ -104,7 +104,9 @@ def _absorbed(e: Emit, q: str, latent: str, cut: Callable[[str, int, int], str])
     q_abs = g.op("Transpose", g.op("Concat", cut(q4, 0, r), q_lat, axis=-1), perm=[0, 2, 1, 3])  # [B, S, H, r + R]
     q_abs = g.op("Reshape", q_abs, g.ints("latent_q_abs", [0, 0, H * (r + R)]))
 
-    def finish(z: str) -> str:  # [B, H, S, R] -> [B, H, S, vhd]: each head's W_uv
-        return g.op("MatMul", z, w_uv)
+    def finish(z: str) -> str:  # [B, H, S, r + R] -> [B, H, S, vhd]: the compressed kv's columns, each head's W_uv
+        return g.op("MatMul", cut(z, r, r + R), w_uv)
 
-    return LatentHeads(q_abs, latent, cut(latent, r, r + R), 1, r + R, R, finish)
+    # v: the latents whole, so that the cache is read as it is (a Slice of its compressed kv would copy the cache a
+    # step: measurements/mla_decode_gpu); the rope key's columns of p.v are dropped from the small output instead
+    return LatentHeads(q_abs, latent, latent, 1, r + R, r + R, finish)
