@@ -263,7 +263,8 @@ class MultiHeadAttention(nn.Module):
         if hidden is None:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
         c = self.config
-        if self._terms["mask"] == ["causal"] and not c.kv_cache:
+        only = self._terms["mask"]
+        if len(only) == 1 and TERMS[only[0]].sdpa_is_causal and not c.kv_cache:
             # (is_causal aligns the mask top-left: right only without a cache, where T == S.)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         # The mask is expanded to (B, 1, T, S): ONNX Runtime's Attention op does not

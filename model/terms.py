@@ -13,6 +13,8 @@ attention"). Each entry says:
                 adds to the largest absolute score, by which the table scales the scores' bound
     table()     the constants its formula is built from, where a check compares them with a source's
     fault       the wrong form of the term the tests plant, to show a check finds it
+    said()      how a formula's one line says it (or leaves it out); listed: whether an audit's block line
+                lists it; sdpa_is_causal: whether SDPA's is_causal computes it alone (the torch half)
 
 Its functions live with the formula they belong to, one mapping per array library, keyed by the
 term's name: the numpy reference's (attnx.model.reference.REFERENCE_TERMS) and the torch module's
@@ -35,7 +37,7 @@ import numpy as np
 
 from attnx.errors import ConfigError
 from attnx.model.alibi import alibi_slopes
-from attnx.model.rope import parse_rope
+from attnx.model.rope import parse_rope, rope_said
 
 if TYPE_CHECKING:
     from attnx.model.config import AttentionConfig
@@ -158,6 +160,21 @@ class Term:
     # the projections it computes q, k and v with instead of q_proj, k_proj and v_proj: {name: ((out, in), biased)}
     # (a biased one has a bias when the config's `bias` is true); None: the plain three
     projections: Callable[[Config], Mapping[str, tuple[tuple[int, int], bool]]] | None = None
+    # how a formula's one line says it (said(): attnx.workflows.rewrite.report.formula_said): its values (None: its
+    # keys'), or not at all where unsaid (the heads are said with their counts; the cache and the padding are how a
+    # model runs, causal how every decoder attends)
+    says: Callable[[Config], list[Any]] | None = None
+    unsaid: bool = False
+    listed: bool = True  # a block's audit line lists it (causal, every decoder block's, is not)
+    sdpa_is_causal: bool = False  # SDPA's is_causal computes it alone (the only mask term, no cache: the torch half)
+
+    def said(self, c: Config) -> str | None:
+        """The term in a formula's one line, with its values (a value of True or None unsaid); None: left out."""
+        if self.unsaid:
+            return None
+        values = self.says(c) if self.says is not None else [getattr(c, key) for key in self.keys]
+        out = ", ".join(str(v) for v in values if v is not None and v is not True)
+        return f"{self.name} {out}" if out else self.name
 
 
 def _replace(c: Config, **changes: Any) -> Config:
@@ -369,13 +386,19 @@ def _no_causal_mask(c: Config, w: Weights) -> tuple[Config, Weights]:
     return _replace(c, causal=False, sliding_window=None), w
 
 
+def _rope_says(c: Config) -> list[Any]:
+    r = c.rope
+    return [rope_said(r) + (f", dim {r.dim}" if r.dim != c.head_dim else "") + (", interleaved" if r.interleaved else "")]
+
+
 TERMS: dict[str, Term] = {
     t.name: t
     for t in (
         Term("grouped_heads", ("n_kv_heads",), "heads",
              "n_kv_heads key/value heads, each read by a group of n_heads / n_kv_heads query heads",
              lambda c: c.n_kv_heads != c.n_heads, _validate_grouped,
-             fault=_permute_kv_heads, fault_summary="key/value heads permuted (k_proj rows rolled by one head)"),
+             fault=_permute_kv_heads, fault_summary="key/value heads permuted (k_proj rows rolled by one head)",
+             unsaid=True),
         Term("cross", ("cross", "kv_dim"), "heads", "keys and values projected from a second sequence, memory",
              lambda c: c.cross, _validate_cross),
         Term("latent", ("latent",), "heads",
@@ -384,7 +407,9 @@ TERMS: dict[str, Term] = {
              lambda c: c.latent is not None, _validate_latent, tensors=_latent_norms,
              tolerance="none: K is the longest of d_model, the ranks and head_dim (each a reduction it covers)",
              fault=_roll_latent_heads, fault_summary="kv_b_proj's heads rolled by one", modern=True,
-             projections=_latent_projections),
+             projections=_latent_projections,
+             says=lambda c: [f"kv_lora_rank {c.latent.kv_lora_rank}", f"q_lora_rank {c.latent.q_lora_rank}"
+                             if c.latent.q_lora_rank is not None else "q_proj"]),  # fmt: skip
         Term("qk_norm", ("qk_norm",), "qk", "RMSNorm of each head's q and k over head_dim, times q_norm/k_norm.weight",
              lambda c: c.qk_norm is not None, _validate_qk_norm,
              tensors=lambda c: {"q_norm.weight": ((c.head_dim,), (0.5, 1.5)),
@@ -396,7 +421,7 @@ TERMS: dict[str, Term] = {
              lambda c: c.rope is not None, _validate_rope,
              tolerance="4 eps32 P B rms(ref): the float32 angle's rounding at position P (tolerance, 'Rotary positions')",
              fault=_flip_rope_layout, fault_summary="the pair layout flipped (interleaved <-> half-split)",
-             modern=True),
+             modern=True, says=_rope_says),
         Term("qk_l2_norm", ("qk_l2_norm",), "qk",
              "each head's q and k divided by sqrt(mean(x^2) + eps) after rope, no weights (Llama 4's L2Norm)",
              lambda c: c.qk_l2_norm is not None, _validate_l2_norm,
@@ -408,7 +433,7 @@ TERMS: dict[str, Term] = {
              tolerance="S (the largest absolute score) is taken from q as scaled",
              fault=_double_temperature, fault_summary="attn_scale doubled", modern=True, by_slot=True),
         Term("kv_cache", ("kv_cache",), "cache", "the step model: past keys/values joined before the scores",
-             lambda c: c.kv_cache, _validate_cache),
+             lambda c: c.kv_cache, _validate_cache, unsaid=True),
         Term("softcap", ("softcap",), "scores", "s -> c tanh(s / c), after the scale, before the masks",
              lambda c: c.softcap is not None, _validate_softcap,
              tolerance="none: the slope of c tanh(s / c) is at most 1",
@@ -422,7 +447,8 @@ TERMS: dict[str, Term] = {
              fault=_drop_alibi, fault_summary="the bias dropped", modern=True),
         Term("causal", ("causal",), "mask", "key j hidden from query i when j > i (token index)",
              lambda c: c.causal, lambda c, set_: _check_bool("causal", c.causal),
-             fault=_no_causal_mask, fault_summary="the causal mask dropped"),
+             fault=_no_causal_mask, fault_summary="the causal mask dropped", unsaid=True, listed=False,
+             sdpa_is_causal=True),
         Term("sliding_window", ("sliding_window",), "mask", "key j hidden from query i when j <= i - W",
              lambda c: c.sliding_window is not None, _validate_window, reach=lambda c: c.sliding_window,
              fault=_window_off_by_one, fault_summary="the window one key wider (W + 1)", modern=True),
@@ -432,7 +458,8 @@ TERMS: dict[str, Term] = {
              lambda c: c.attention_chunk is not None, _validate_chunk, reach=lambda c: c.attention_chunk,
              fault=_chunk_off_by_one, fault_summary="the chunk one key longer (C + 1)", modern=True),
         Term("key_padding_mask", ("key_padding_mask",), "mask", "keys marked True in key_padding_mask hidden",
-             lambda c: c.key_padding_mask, lambda c, set_: _check_bool("key_padding_mask", c.key_padding_mask)),
+             lambda c: c.key_padding_mask, lambda c, set_: _check_bool("key_padding_mask", c.key_padding_mask),
+             unsaid=True),
         Term("sinks", ("sinks",), "softmax", "one more logit per query head in the softmax (tensor sinks), no value",
              lambda c: c.sinks, lambda c, set_: _check_bool("sinks", c.sinks),
              tensors=lambda c: {"sinks": ((c.n_heads,), (-2.0, 2.0))},

@@ -40,17 +40,6 @@ NOT_THE_NAME = {
     ("attnx.workflows.audit.cut", "key_padding_mask"): "a feed's name",
     ("attnx.workflows.rewrite.splice", "key_padding_mask"): "a feed's name",
 }
-# (module, name): a branch on a term's name that its entry should answer; known, left for the one entry per term
-# (issue 52, deliverable 2: TORCH_TERMS and the report's words move into model/terms.py's entries). None may be added.
-NOT_YET_MOVED = {
-    ("attnx.model.module", "causal"): "TORCH_TERMS' half: SDPA's is_causal when causal is the only mask term",
-    ("attnx.workflows.audit.audit", "causal"): "the terms a block's audit lists leave causal out",
-    ("attnx.workflows.rewrite.report", "rope"): "formula_said: how a term's values are said",
-    ("attnx.workflows.rewrite.report", "grouped_heads"): "formula_said: the terms left unsaid",
-    ("attnx.workflows.rewrite.report", "causal"): "formula_said: the terms left unsaid",
-    ("attnx.workflows.rewrite.report", "kv_cache"): "formula_said: the terms left unsaid",
-    ("attnx.workflows.rewrite.report", "key_padding_mask"): "formula_said: the terms left unsaid",
-}
 
 
 def _names() -> frozenset[str]:
@@ -94,7 +83,7 @@ def check_names(sources: dict[str, str], names: frozenset[str]) -> list[str]:
         if module.startswith(ENTRY_MODULES):
             continue
         for line, name in name_comparisons(module, text, names):
-            if (module, name) not in NOT_THE_NAME and (module, name) not in NOT_YET_MOVED:
+            if (module, name) not in NOT_THE_NAME:
                 problems.append(f"{module}:{line} compares {name!r}: read the entry's field instead")
     return problems
 
@@ -104,7 +93,7 @@ def test_no_core_lowering_or_term_name_is_compared_outside_its_entry():
     assert {"gqa", "decomposed", "ort-fused", "rope"} <= names
     assert check_names(sources, names) == []
     # every exception still names a comparison there (one made good leaves the lists)
-    stale = [key for key in (*NOT_THE_NAME, *NOT_YET_MOVED)
+    stale = [key for key in NOT_THE_NAME
              if key[1] not in {n for _, n in name_comparisons(key[0], sources[key[0]], names)}]  # fmt: skip
     assert not stale, f"no longer compared there: drop them from the lists: {stale}"
 

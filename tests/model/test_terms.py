@@ -82,3 +82,21 @@ def test_each_planted_fault_is_told_from_the_formula(name):
     # rows whose keys are all hidden give z = 0 either way; the others are the fault's
     assert not compare_arrays("y", wrong, ref, tol, size), f"{name}: {TERMS[name].fault_summary} passed"
     assert np.isfinite(wrong).all()
+
+
+def test_each_term_says_itself_in_a_formula_line_or_is_left_out():
+    """Term.said: the one line of attnx optimize's report (formula_said) reads each entry, no branch on a name."""
+    from attnx.model import AttentionConfig
+    from attnx.model.terms import TERMS
+    from attnx.workflows.rewrite.report import formula_said
+
+    c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=24, v_head_dim=16, causal=True,
+                        key_padding_mask=True, kv_cache=True, softcap=30.0,
+                        rope={"theta": 10000.0, "dim": 8, "interleaved": True})  # fmt: skip
+    assert [TERMS[t].said(c) for t in ("grouped_heads", "causal", "kv_cache", "key_padding_mask")] == [None] * 4
+    assert TERMS["softcap"].said(c) == "softcap 30.0"
+    assert formula_said(c) == "4 heads over 2; head_dim 24; scale 0.2041; rope theta 10000, dim 8, interleaved; softcap 30.0"
+    mla = AttentionConfig(d_model=64, n_heads=4, head_dim=24, v_head_dim=16, rope={"theta": 10000.0, "dim": 8},
+                          latent={"kv_lora_rank": 32, "q_lora_rank": None, "eps": 1e-6})  # fmt: skip
+    assert TERMS["latent"].said(mla) == "latent kv_lora_rank 32, q_proj"
+    assert [t for t in TERMS.values() if not t.listed] == [TERMS["causal"]]  # the audit line's one omission

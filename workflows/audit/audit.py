@@ -13,6 +13,7 @@ import numpy as np
 from attnx.errors import UsageError
 from attnx.export.cores import UnreadKind
 from attnx.model.contract import AUDIT_BACKENDS
+from attnx.model.terms import TERMS
 from attnx.model.tolerance import Requantization, problem_size, tolerance_for
 from attnx.workflows.audit import run as _run
 from attnx.workflows.audit.compare import compare_terms, reference_of
@@ -104,7 +105,7 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
             config, weights = paired.config, paired.weights  # the reference is the checkpoint's layer
     if config is not None:
         config = dataclasses.replace(config, kv_cache=False, key_padding_mask=False)
-    terms = tuple(t for t in (config.terms if config is not None else ()) if t != "causal")
+    terms = tuple(t for t in (config.terms if config is not None else ()) if TERMS[t].listed)
     audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
                        "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer", strict=strict)  # fmt: skip
     # a table no theta fits (a scaled rope) is held to the source's rope instead (compare_terms): read, with one

@@ -7,7 +7,6 @@ import dataclasses
 from typing import Any
 
 from attnx._text import format_table
-from attnx.model.rope import rope_said
 from attnx.model.terms import TERMS
 from attnx.workflows._proof import Proof
 from attnx.workflows.rewrite.choose import CoreChoice, Timing
@@ -77,17 +76,7 @@ def formula_said(config: Any) -> str:
     not use is not said: no softcap, no window)."""
     said = [f"{config.n_heads} heads over {config.n_kv_heads}" if config.n_kv_heads != config.n_heads
             else f"{config.n_heads} heads", f"head_dim {config.head_dim}", f"scale {config.softmax_scale:.4g}"]  # fmt: skip
-    for name in config.terms:
-        if name == "rope" and config.rope is not None:
-            r = config.rope
-            values = [rope_said(r) + (f", dim {r.dim}" if r.dim != config.head_dim else "")
-                      + (", interleaved" if r.interleaved else "")]  # fmt: skip
-        elif name in ("grouped_heads", "causal", "kv_cache", "key_padding_mask"):
-            continue
-        else:
-            values = [getattr(config, key) for key in TERMS[name].keys]
-        out = ", ".join(str(v) for v in values if v is not None and v is not True)
-        said.append(f"{name} {out}" if out else name)
+    said += [line for line in (TERMS[name].said(config) for name in config.terms) if line is not None]
     return "; ".join(said)
 
 
