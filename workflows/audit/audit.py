@@ -80,7 +80,7 @@ def audit_model(
     if isinstance(source, CheckpointLayers):
         pairing_findings(report, source, whole=layers is None)
     if layers is None and seen and "ort-cpu" in backends:
-        _run.decode_whole(whole.path, graph, caches, report)
+        _run.decode_whole(whole.path, graph, caches, whole.presents, report)
     missing = sorted(set(layers or ()) - {b.index for b in report.blocks})
     if missing:
         raise UsageError(f"--layers {','.join(map(str, missing))}: the model has {seen} block(s) read"

@@ -77,7 +77,7 @@ def localise_block(graph: AuditGraph, block: Any, backend: str, needs: Sequence[
                 return f"block {block.index}: not localised: {runner}"
             with runner:
                 empty = empty_cache(block, x.shape[0])
-                values = dict(zip(names, run_block(runner, block, needs, x, 0, (empty, empty))))
+                values = dict(zip(names, run_block(runner, block, needs, x, 0, empty)))
     except Exception as e:  # noqa: BLE001 - the runtime's own error types
         return f"block {block.index}: not localised: the block with its stages exposed fails on {backend}: {first_line(e)}"
     found = {}
@@ -102,7 +102,8 @@ def localise_block(graph: AuditGraph, block: Any, backend: str, needs: Sequence[
     return f"block {block.index}: localised to stage {result.stage} (tensor {block.stages[result.stage][0]}): {error}{agree}"
 
 
-def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int, int, int]], report: AuditReport) -> None:
+def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int, int, int]], presents: dict[str, str],
+                 report: AuditReport) -> None:  # fmt: skip
     """The whole model as exported, on ONNX Runtime's CPU: a prefill then single steps through its own cache (every
     present fed back as the next past), which fails in some exports though every block cut out alone runs (a
     buffer the runtime plans from the graph's dim labels). It only has to run: its numbers are the blocks'."""
@@ -134,17 +135,17 @@ def decode_whole(model_path: str, graph: AuditGraph, caches: dict[str, tuple[int
     if isinstance(runner, str):
         return  # ort-cpu is not here: each block says so
     with runner:
-        decode_steps(runner, caches, shapes, report)
+        decode_steps(runner, caches, presents, shapes, report)
 
 
-def decode_steps(runner: Runner, caches: dict[str, tuple[int, int, int]], shapes: Shapes, report: AuditReport) -> None:
-    """decode_whole's prefill and steps on the loaded whole model."""
+def decode_steps(runner: Runner, caches: dict[str, tuple[int, int, int]], presents: dict[str, str], shapes: Shapes,
+                 report: AuditReport) -> None:  # fmt: skip
+    """decode_whole's prefill and steps on the loaded whole model: each cache input fed its block's present output
+    (`presents`: as the blocks were read, WholeModel.presents)."""
     types = {s.name: s.dtype for s in runner.inputs}
     batch, prefill, steps = shapes.batch, shapes.prefill, shapes.tokens - shapes.prefill
     past = {name: np.zeros((batch, kv, capacity, hd), NP_DTYPES.get(types.get(name, ""), np.float32))
             for name, (kv, capacity, hd) in caches.items()}  # fmt: skip
-    presents = {name: "present" + name[len("past_key_values"):] if name.startswith("past_key_values") else None
-                for name in caches}  # fmt: skip
     done = 0
     for step, tokens in enumerate([prefill] + [1] * steps):
         feeds = {"input_ids": np.ones((batch, tokens), np.int64),
@@ -157,20 +158,23 @@ def decode_steps(runner: Runner, caches: dict[str, tuple[int, int, int]], shapes
         except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
             report.findings.append(f"the whole model as exported fails at {what} on ort-cpu: {first_line(e)}")
             return
-        if any(presents[n] not in outputs for n in caches):
-            report.not_checked.append("the whole model's decoding: its cache outputs are not named present.* after "
-                                      "its past_key_values.* inputs")  # fmt: skip
+        unfed = [n for n in caches if presents.get(n) not in outputs]
+        if unfed:
+            report.not_checked.append(f"the whole model's decoding: no output of the model is the present its blocks "
+                                      f"write for {', '.join(unfed[:3])}")  # fmt: skip
             return
         past = {n: outputs[presents[n]] for n in caches}
         done += tokens
 
 
-def empty_cache(block: Any, batch: int) -> np.ndarray:
-    """A block's past before its first token: no position, or a window's worth where the window is kept in a ring
-    buffer (GroupQueryAttention's sliding_window_cache, whose past has the window's capacity)."""
+def empty_cache(block: Any, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """A block's past keys and values before its first token, each its own head size (head_dim, v_head_dim): no
+    position, or a window's worth where the window is kept in a ring buffer (GroupQueryAttention's
+    sliding_window_cache, whose past has the window's capacity)."""
     config = block.config
     capacity = block.facts.get("cache_capacity", 0)
-    return np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), np.float32)
+    return tuple(np.zeros((batch, config.n_kv_heads, capacity, size), np.float32)  # type: ignore[return-value]
+                 for size in (config.head_dim, config.v_head_dim))  # fmt: skip
 
 
 def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],
@@ -194,7 +198,7 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
     right = block.padding == "right"  # as the block's reader found it (GroupQueryAttention's seqlens_k: right)
 
     def full() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        return run(x, 0, (empty, empty))[0], ref, slack
+        return run(x, 0, empty)[0], ref, slack
 
     def padded() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         # the last row `padding` tokens shorter, the others whole; each row at its own tokens' positions (the short
@@ -203,7 +207,7 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
         lengths = np.array([tokens] * (batch - 1) + [short])
         if right:  # right padding: each row's length in seqlens_k (GroupQueryAttention's rule) or its mask
             row, row_rq = reference(**{k: v[-1:, :short] for k, v in feeds.items()})
-            y = run(x, 0, (empty, empty), lengths=lengths)[0]
+            y = run(x, 0, empty, lengths=lengths)[0]
             row_slack = None if row_rq is None else row_rq.slack
             mine = y[-1:, :short]
         else:  # transformers' convention: left padding in attention_mask, the row's tokens at the end
@@ -216,7 +220,7 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
                 call["position_ids"] = np.maximum(np.arange(tokens) - pad, 0)[None, :].astype(np.int64)
             row, row_rq = reference(**call)
             row, row_slack = row[:, pad:], None if row_rq is None else row_rq.slack[:, pad:]
-            y = run(np.concatenate([x[:-1], shifted]), 0, (empty, empty), left=tokens - lengths)[0]
+            y = run(np.concatenate([x[:-1], shifted]), 0, empty, left=tokens - lengths)[0]
             mine = y[-1:, pad:]
         expected = np.concatenate([ref[:-1], np.concatenate([row, fill], axis=1)])
         held = None if slack is None or row_slack is None else \
@@ -228,7 +232,7 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
     def decode() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         # the model's own cache: what the block returns as present is the next step's past (a window kept in
         # a ring buffer, sliding_window_cache, returns its buffer of the window's capacity)
-        y, pk, pv = run(x[:, : shapes.prefill], 0, (empty, empty))
+        y, pk, pv = run(x[:, : shapes.prefill], 0, empty)
         steps = [y]
         for t in range(shapes.prefill, tokens):
             y, pk, pv = run(x[:, t : t + 1], t, (pk, pv))
