@@ -16,7 +16,6 @@ the reference outputs recorded in the first half.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
@@ -59,7 +58,7 @@ from attnx.runtimes.package import (
 )
 from attnx.runtimes.parity import DEFAULT_BATCHES, DEFAULT_MEM_SEQS, DEFAULT_SEQS, ParityReport, run_parity
 from attnx.workflows._checks import VALIDATION_SHAPES, check_against_expected, check_model_file, torch_expected
-from attnx.workflows._export import export_model
+from attnx.workflows._export import export_model, release_weights, weights_nbytes
 from attnx.workflows._package_files import (
     MODEL_FILE,
     PARITY_JSON,
@@ -334,8 +333,9 @@ def _build_into(
     golden = write_golden(tmp, config, weights, dtype, plan.golden_shapes)
     progress("spilling the weights to scratch files: onnxruntime loads the model next")
     spilled = _SpilledWeights(scratch, weights)
+    held = weights_nbytes(weights)
     del weights, source
-    gc.collect()
+    release_weights(held)
 
     # Second half: onnxruntime, one session at a time. ------------------------------------
     progress("checking the saved model (onnx checker, dims, onnxruntime load)")
@@ -422,8 +422,9 @@ def _build_step_into(
         )
     progress("golden decode sequence (reference backend, float64)")
     golden = [write_golden_decode(tmp, config, weights, dtype, buffer=decode_form == "buffer")]
+    held = weights_nbytes(weights)
     del weights, source
-    gc.collect()
+    release_weights(held)
     return _write_and_verify(
         tmp, config, dtype, attention, exported, providers, parity, golden, weights_info, [], progress
     )

@@ -59,6 +59,25 @@ class ExportReport:
     passes: list[str] = dataclasses.field(default_factory=list)  # one line per graph pass
 
 
+# The weights below which the reference cycles still holding them (torch's exported program and module) are left to
+# the collector's own schedule: a full collection walks every object of the process (a test worker holds millions:
+# 82 calls took 20 s of CPU in one), and what it frees below this is less than one runtime session's arena (a
+# GPT-2-size layer, 9.4 MB of weights: export's peak RSS 571 MB collected, 579 MB not; the gpt3 preset's 2.4 GB are
+# collected: measurements/ci_time/README.md).
+COLLECT_ABOVE_BYTES = 64 << 20
+
+
+def weights_nbytes(weights: Mapping[str, np.ndarray]) -> int:
+    return sum(int(np.asarray(w).nbytes) for w in weights.values())
+
+
+def release_weights(nbytes: int) -> None:
+    """After the last use of `nbytes` of weights: collect the cycles that still hold them where it pays (a large
+    model's weights, freed before a runtime loads its own copy: measurements/facts.md, the gpt3 preset)."""
+    if nbytes >= COLLECT_ABOVE_BYTES:
+        gc.collect()
+
+
 def export_model(
     config: AttentionConfig,
     out: str | os.PathLike[str],
@@ -148,8 +167,9 @@ def export_model(
                 shapes_text = ", ".join(f"{b}x{s}" for b, s, _ in VALIDATION_SHAPES)
                 progress(f"running torch at the validation shapes {shapes_text}")
                 expected = torch_expected(config, weights, dtype, VALIDATION_SHAPES, io_dtype)
+            held = weights_nbytes(weights)
             del weights  # torch is done with them: onnxruntime loads its own copy next
-            gc.collect()  # the exported program and torch module hold them in reference cycles
+            release_weights(held)  # the exported program and torch module hold them in reference cycles
             progress("checking the saved model (onnx checker, dims, onnxruntime load)")
             label = f"{os.fspath(out)} (not written)"
             check_model_file(stage.path(), config, label)
