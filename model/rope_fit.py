@@ -6,7 +6,7 @@ the audit reads a graph's rotation with. numpy only."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -95,10 +95,14 @@ def _round(value: float) -> list[float]:
     return list(dict.fromkeys([float(f"{value:.5g}"), float(f"{value:.3g}"), value]))
 
 
-def _candidates(inv_freq: np.ndarray, factor: float, dim: int, interleaved: bool) -> Iterator[Rope]:
+def _candidates(inv_freq: np.ndarray, factor: float, dim: int, interleaved: bool,
+                factor_fits: Callable[[float], bool]) -> Iterator[Rope]:  # fmt: skip
     """Named scalings (ROPE_INIT_FUNCTIONS) whose parameters the fitted frequencies suggest: theta from the high
     frequencies every scaling keeps (or, for linear, from their ratios), the factor from the lowest, the original
-    length and the ramps' ends from the values checkpoints use."""
+    length and the ramps' ends from the values checkpoints use. Left out unbuilt, as named_rope's screens would
+    refuse them: a (theta, factor) whose llama3 and yarn frequencies cannot come within 1e-4 of the fit (each of
+    theirs lies between theta's own, kept, and theta's divided by the factor), and a yarn attention factor that
+    factor_fits refuses (yarn's table is multiplied by its attention_factor as it is)."""
     lengths = [2**k for k in range(4, 21)]
     high_theta = float(inv_freq[1]) ** (-dim / 2.0)
     scale = float(inv_freq[0] ** -1)
@@ -113,17 +117,33 @@ def _candidates(inv_freq: np.ndarray, factor: float, dim: int, interleaved: bool
         for f in _round(lowest / float(inv_freq[-1])):
             if f <= 1:
                 continue
+            kept, _ = rope_frequencies(Rope(theta, dim, interleaved))
+            if not _between(inv_freq, kept / f, kept):
+                continue
             for original, (low, high) in itertools.product(lengths, ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0), (1.0, 8.0))):
                 params = (("factor", f), ("high_freq_factor", high), ("low_freq_factor", low),
                           ("original_max_position_embeddings", original))  # fmt: skip
                 yield Rope(theta, dim, interleaved, RopeScaling("llama3", params))
             # the attention factor transformers resolves (exact where it is the one), else the table's own
+            attentions = dict.fromkeys([SCALING_PARAMS["yarn"].attention_factor({"factor": f}), factor])
             for attention, original, fast, slow, truncate in itertools.product(
-                    dict.fromkeys([SCALING_PARAMS["yarn"].attention_factor({"factor": f}), factor]), lengths,
-                    (32.0, 16.0, 8.0, 4.0), (1.0, 2.0), (True, False)):  # fmt: skip
+                    [a for a in attentions if factor_fits(a)], lengths, (32.0, 16.0, 8.0, 4.0), (1.0, 2.0),
+                    (True, False)):  # fmt: skip
                 params = (("attention_factor", attention), ("beta_fast", fast), ("beta_slow", slow), ("factor", f),
                           ("original_max_position_embeddings", original), ("truncate", truncate))  # fmt: skip
                 yield Rope(theta, dim, interleaved, RopeScaling("yarn", params))
+
+
+# named_rope's screen on frequencies: each within this of the fitted one, relative
+FREQ_SCREEN = 1e-4
+
+
+def _between(inv_freq: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> bool:
+    """Whether frequencies from `lower` to `upper` (each entry's own range, with a rounding's slack) can pass
+    named_rope's screen of `inv_freq`: False only where one fitted frequency is beyond FREQ_SCREEN of its range."""
+    slack = 1e-12
+    return bool(np.all(inv_freq * (1 - FREQ_SCREEN) < upper * (1 + slack))
+                and np.all(inv_freq * (1 + FREQ_SCREEN) > lower * (1 - slack)))  # fmt: skip
 
 
 def named_rope(cos: np.ndarray, sin: np.ndarray, inv_freq: np.ndarray, factor: float,
@@ -133,14 +153,18 @@ def named_rope(cos: np.ndarray, sin: np.ndarray, inv_freq: np.ndarray, factor: f
     frequencies (1e-4 relative to the fit) and attention factor before the table is compared entry by entry."""
     dim = 2 * inv_freq.shape[0]
     bound = stored_bound(np.asarray(cos).dtype)
-    for rope in _candidates(inv_freq, factor, dim, interleaved):
+
+    def factor_fits(expected_factor: float) -> bool:
+        return not abs(expected_factor - factor) > 4 * bound * max(1.0, abs(factor))
+
+    for rope in _candidates(inv_freq, factor, dim, interleaved, factor_fits):
         try:
             expected, expected_factor = rope_frequencies(rope)
         except (ValueError, ZeroDivisionError, OverflowError):
             continue
-        if abs(expected_factor - factor) > 4 * bound * max(1.0, abs(factor)):
+        if not factor_fits(expected_factor):
             continue
-        if not np.all(np.abs(expected / inv_freq - 1) < 1e-4):
+        if not np.all(np.abs(expected / inv_freq - 1) < FREQ_SCREEN):
             continue
         if rope_table_error(cos, sin, expected, expected_factor)[1] <= 1:
             return rope, rope_said(rope)
