@@ -152,7 +152,7 @@ def step_bytes(config: AttentionConfig, past: int, batch: int = 1, itemsize: int
     read (the keys the new token sees of past + 1: with a sliding window W, the last W; in a chunk, its chunk's), the
     new keys/values written, x and y."""
     c = config
-    cache_row = c.n_kv_heads * (c.head_dim + c.v_head_dim) * itemsize * batch
+    cache_row = c.cache_values() * itemsize * batch  # the cache's layout (cache_specs): keys and values, or a latent
     weights = c.n_params * itemsize if dtype == "fp32" else weight_bytes(c, dtype, block_size)
     seen = int((~hidden_keys(c, past, past + 1)).sum())  # the keys its mask terms let it see (a window's W)
     return weights + cache_row * seen + cache_row + 2 * batch * c.d_model * itemsize

@@ -167,6 +167,12 @@ class AttentionConfig:
         return [TensorSpec(f"{prefix}key", dtype, ("batch", self.n_kv_heads, length, self.head_dim)),
                 TensorSpec(f"{prefix}value", dtype, ("batch", self.n_kv_heads, length, self.v_head_dim))]  # fmt: skip
 
+    def cache_values(self) -> int:
+        """The values one token adds to the step model's cache (each cache_specs tensor's heads x size): 2 x
+        n_kv_heads x head_dim for keys and values of one size, rope.dim + kv_lora_rank for a latent (the memory a
+        step reads a cached token for: bench's bound, the memory estimates)."""
+        return sum(spec.shape[1] * spec.shape[3] for spec in self.cache_specs())
+
     def input_names(self) -> list[str]:
         return [spec.name for spec in self.inputs()]
 

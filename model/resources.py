@@ -179,8 +179,9 @@ def estimate_parity(
 
 
 def cache_bytes(config: AttentionConfig, batch: int, positions: int, itemsize: int = 4) -> int:
-    """A key/value cache of `positions` positions: keys and values of every key/value head."""
-    return batch * config.n_kv_heads * (config.head_dim + config.v_head_dim) * positions * itemsize
+    """A step model's cache of `positions` positions, as its config lays it out (cache_values: keys and values of
+    every key/value head, or a latent)."""
+    return batch * config.cache_values() * positions * itemsize
 
 
 def estimate_decode_bench(config: AttentionConfig, pasts: Iterable[int], sessions: int) -> Estimate:

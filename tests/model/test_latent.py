@@ -158,3 +158,17 @@ def test_the_decomposed_graphs_agree_with_the_reference_full_and_over_the_latent
                 y, (latent,) = decode_sequence(runner, feeds, 5, step)
                 assert latent.shape == (3, 1, 9, 40)
         assert compare_arrays(f"decomposed {name}", y, ref, tol, size)
+
+
+def test_what_a_cached_token_costs_is_read_from_the_cache_layout():
+    """cache_values: the memory a step reads a cached token for (bench's bound, the memory estimate): 1 x (rope +
+    kv_lora_rank) for MLA, n_kv_heads x (head_dim + v_head_dim) for keys and values."""
+    from attnx.bench._decode import step_bytes
+    from attnx.model.resources import cache_bytes
+
+    step = dataclasses.replace(MLA, kv_cache=True)
+    assert step.cache_values() == 8 + 32
+    plain = dataclasses.replace(step, latent=None)
+    assert plain.cache_values() == 4 * (24 + 16)
+    assert cache_bytes(step, 2, 10) == 2 * 10 * 40 * 4
+    assert step_bytes(step, 99) - step_bytes(step, 49) == 50 * 40 * 4  # 50 more cached tokens read
