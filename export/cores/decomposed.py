@@ -138,6 +138,14 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
     path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
     proj_node = projection_node(paths["q"].projection)
+    kv_node = projection_node(paths["k"].projection)
+    if kv_node is projection_node(paths["v"].projection) and kv_node is not proj_node \
+            and 2 * weights["k_proj.weight"].shape[1] < weights["k_proj.weight"].shape[0]:  # fmt: skip
+        # one projection widens a low-rank input into both k and v (more than a packed k|v of its width would):
+        # DeepSeek's MLA, kv_b_proj over the latent, where a cross attention's packed k|v keeps its width
+        raise NotRead(f"k and v expanded by one projection ({kv_node.name}) from {kv_node.inputs[0].name}, q by "
+                      "another: multi-head latent attention (the latent term), which attnx imports from a checkpoint "
+                      "(attnx import) but does not read from a graph in this version")  # fmt: skip
     if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
     hidden_state(block, proj_node)
