@@ -62,10 +62,16 @@ def no_trace_cache(monkeypatch):
 # beside the others: each run tags its processes and reads the process table for its own tag alone.
 # (pytest-xdist's loadgroup would group across files, but sets a test id pytest 9 no longer reads.)
 # The files that take longest are handed out first (docs/about.md, "The tests"): one started last would leave
-# the other workers idle at the end.
-LONGEST_FIRST = ("tests/matrix/test_matrix.py", "tests/workflows/test_import.py", "tests/faults/test_signals.py",
-                 "tests/export/test_export.py", "tests/test_docs.py", "tests/faults/test_interrupts.py", "tests/test_readme.py",
-                 "tests/runtimes/test_quant_parity.py", "tests/cli/test_cli.py")  # fmt: skip
+# the other workers idle at the end. The order is the suite's, by the sum of each file's durations
+# (measurements/ci_time/README.md, suite_2f3a007.json's runs after the change): the audit files sit in the last
+# folder, which collection order handed out last. tests/serve/test_serve_ray.py (20 s) starts a Ray cluster too, and
+# is left in collection order, away from the matrix's.
+LONGEST_FIRST = ("tests/test_docs.py", "tests/matrix/test_matrix.py", "tests/faults/test_signals.py",
+                 "tests/workflows/test_audit_gallery.py", "tests/workflows/test_import.py", "tests/export/test_export.py",
+                 "tests/workflows/test_audit.py", "tests/runtimes/test_quant_parity.py",
+                 "tests/export/test_llm_lowerings.py", "tests/export/test_decomposed_builders.py", "tests/cli/test_cli.py",
+                 "tests/workflows/test_optimize_model.py", "tests/bench/test_bench_sweep.py",
+                 "tests/runtimes/test_localise.py", "tests/faults/test_interrupts.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
