@@ -52,6 +52,7 @@ from attnx.model.cores import LOWERINGS, core_for
 from attnx.model.reference import hidden_keys
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
+from attnx.runtimes.decode import bind_cache
 
 __all__ = ["DECODE_DTYPES", "DEFAULT_IMPLS", "DecodeBenchRow", "DecodeImpl", "decode_impls", "measure_bandwidth",
            "run_decode_bench", "step_bytes", "weight_bytes"]
@@ -83,8 +84,8 @@ class DecodeImpl:
 
     def unavailable(self, config: AttentionConfig) -> str | None:
         """Why this implementation cannot run `config` (its core's reasons, the registry's), or None."""
-        if self.runtime == "torch":
-            return None
+        if self.runtime == "torch":  # the peers attend over per-head k and v (_TorchPeer)
+            return "the torch peers cache per-head keys and values, not a latent" if config.latent else None
         try:
             core_for(self.lowering, config, self.dtype, self.form, self.core)
         except UsageError as e:
@@ -287,31 +288,25 @@ def run_decode_bench(
     rows = []
     for past in pasts:
         cap = past + 1
-        key = rng.standard_normal((1, c.n_kv_heads, cap, c.head_dim), dtype=np.float32)
-        value = rng.standard_normal((1, c.n_kv_heads, cap, c.v_head_dim), dtype=np.float32)
+        # the cache as the config's core lays it out (cache_specs): keys and values, or one latent
+        cache = [(spec, rng.standard_normal(spec.sized(1, cap), dtype=np.float32)) for spec in c.cache_specs()]
+        pasts_of = {spec.name: np.ascontiguousarray(a.take(range(past), axis=spec.grows)) for spec, a in cache}
         steps: dict[str, Callable[[], Any]] = {}
         for impl, sess in sessions.items():
             if impl.form == "buffer":
-                kv = ort.OrtValue.ortvalue_from_numpy(key)
-                vv = ort.OrtValue.ortvalue_from_numpy(value)
                 b = sess.io_binding()
                 b.bind_cpu_input("x", x)
                 b.bind_cpu_input("seqlens_k", np.full(1, past, np.int32))
                 b.bind_cpu_input("total_sequence_length", np.asarray(past + 1, np.int32))
-                b.bind_ortvalue_input("past_key", kv)
-                b.bind_ortvalue_input("past_value", vv)
                 b.bind_output("y")
-                b.bind_ortvalue_output("present_key", kv)  # one buffer: the step writes position `past`
-                b.bind_ortvalue_output("present_value", vv)
+                # one buffer each, past and present: the step writes position `past`
+                bind_cache(b, [(spec, ort.OrtValue.ortvalue_from_numpy(a)) for spec, a in cache])
 
                 def fn(sess=sess, b=b):
                     sess.run_with_iobinding(b)
             else:
-                feeds = {
-                    "x": ort.OrtValue.ortvalue_from_numpy(x),
-                    "past_key": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(key[:, :, :past])),
-                    "past_value": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value[:, :, :past])),
-                }
+                feeds = {"x": ort.OrtValue.ortvalue_from_numpy(x)}
+                feeds.update({name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in pasts_of.items()})
                 if c.rope is not None:  # the new token at position `past`
                     feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.full((1, 1), past, np.int64))
                 names = [o.name for o in sess.get_outputs()]
@@ -321,16 +316,15 @@ def run_decode_bench(
 
             steps[impl.label] = fn
         for impl, runner in openvino.items():
-            ov_feeds = {"x": x, "past_key": np.ascontiguousarray(key[:, :, :past]),
-                        "past_value": np.ascontiguousarray(value[:, :, :past])}  # fmt: skip
+            ov_feeds = {"x": x, **pasts_of}
             if c.rope is not None:
                 ov_feeds["position_ids"] = np.full((1, 1), past, np.int64)
             steps[impl] = lambda runner=runner, ov_feeds=ov_feeds: runner.run_impl(ov_feeds)
-        peer = _TorchPeer(c, weights, past)
         labels = {impl.label for impl in impls}
+        if labels & {"torch eager", "torch static"}:  # per-head keys and values (DecodeImpl.unavailable)
+            peer, (key, value) = _TorchPeer(c, weights, past), (a for _, a in cache)
         if "torch eager" in labels:
-            kc = torch.from_numpy(np.ascontiguousarray(key[:, :, :past]))
-            vc = torch.from_numpy(np.ascontiguousarray(value[:, :, :past]))
+            kc, vc = (torch.from_numpy(pasts_of[spec.name]) for spec, _ in cache)
             xt = torch.from_numpy(x)
 
             def torch_step(xt=xt, kc=kc, vc=vc, peer=peer):

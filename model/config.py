@@ -23,7 +23,7 @@ from attnx.model.terms import (
     terms_of,
 )
 
-__all__ = ["AttentionConfig", "Latent", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
+__all__ = ["AttentionConfig", "CacheSpec", "Latent", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
 
 # The keys of modern LLM attention (docs/concepts/formula.md, "Modern LLM attention"): absent or null, the formula is
 # the one without them. A core that cannot express one refuses it by name (attnx.model.cores).
@@ -40,6 +40,34 @@ class TensorSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec(TensorSpec):
+    """One tensor of a step model's cache, as its core lays it out (AttentionConfig.cache_specs): `role` ("key",
+    "value", "latent") names it past_<role> in and present_<role> out; batch first; `grows` is the dim a token
+    adds a position to (2); the other dims are fixed sizes. Whatever allocates, feeds, binds or times a cache
+    reads these, never per-head k and v."""
+
+    role: str = ""
+    grows: int = 2
+
+    @property
+    def past(self) -> str:
+        return f"past_{self.role}"
+
+    @property
+    def present(self) -> str:
+        return f"present_{self.role}"
+
+    def sized(self, batch: int, length: int) -> tuple[int, ...]:
+        """The concrete shape of `batch` rows of `length` positions."""
+        return tuple(batch if i == 0 else length if i == self.grows else int(d) for i, d in enumerate(self.shape))
+
+    @property
+    def token_values(self) -> int:
+        """The values one position of one row holds (the fixed dims' product: n_kv_heads x head_dim; 1 x latent)."""
+        return math.prod(int(d) for i, d in enumerate(self.shape) if i not in (0, self.grows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,21 +185,22 @@ class AttentionConfig:
             n += out_f * in_f + (out_f if self.bias and biased else 0)
         return n + sum(math.prod(shape) for shape, _ in term_tensors(self).values())
 
-    def cache_specs(self, dtype: str = "fp32", length: str = "past_seq", prefix: str = "past_") -> list[TensorSpec]:
+    def cache_specs(self, dtype: str = "fp32", length: str = "past_seq", prefix: str = "past_") -> list[CacheSpec]:
         """The step model's cache, batch first and one growing dim (`length`, axis 2): past_key [batch, n_kv_heads,
         length, head_dim] and past_value [.., v_head_dim]; with `latent` one tensor, past_latent [batch, 1, length,
         rope.dim + kv_lora_rank] (each token's rotated rope key, then its normed compressed kv). present_*
         (prefix "present_") are the same with total_seq."""
         if self.latent is not None:
-            return [TensorSpec(f"{prefix}latent", dtype, ("batch", 1, length, self.rope.dim + self.latent.kv_lora_rank))]
-        return [TensorSpec(f"{prefix}key", dtype, ("batch", self.n_kv_heads, length, self.head_dim)),
-                TensorSpec(f"{prefix}value", dtype, ("batch", self.n_kv_heads, length, self.v_head_dim))]  # fmt: skip
+            latent = self.rope.dim + self.latent.kv_lora_rank
+            return [CacheSpec(f"{prefix}latent", dtype, ("batch", 1, length, latent), "latent")]
+        return [CacheSpec(f"{prefix}key", dtype, ("batch", self.n_kv_heads, length, self.head_dim), "key"),
+                CacheSpec(f"{prefix}value", dtype, ("batch", self.n_kv_heads, length, self.v_head_dim), "value")]  # fmt: skip
 
     def cache_values(self) -> int:
         """The values one token adds to the step model's cache (each cache_specs tensor's heads x size): 2 x
         n_kv_heads x head_dim for keys and values of one size, rope.dim + kv_lora_rank for a latent (the memory a
         step reads a cached token for: bench's bound, the memory estimates)."""
-        return sum(spec.shape[1] * spec.shape[3] for spec in self.cache_specs())
+        return sum(spec.token_values for spec in self.cache_specs())
 
     def input_names(self) -> list[str]:
         return [spec.name for spec in self.inputs()]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, ProviderUnavailable, UsageError
-from attnx.model.config import AttentionConfig
+from attnx.model.config import AttentionConfig, CacheSpec
 from attnx.model.contract import (
     DECODE_KEY,
     REFERENCE,
@@ -50,6 +50,8 @@ __all__ = [
     "DEFAULT_PREFILLS",
     "DEFAULT_STEPS",
     "BufferDecoder",
+    "bind_cache",
+    "cache_buffers",
     "DecodeState",
     "decode_runs",
     "empty_cache",
@@ -99,12 +101,9 @@ class BufferDecoder:
         device = getattr(runner, "binding_device", "cpu")
         self.device = device
         self.dtype = runner._float_dtype()  # the cache's (and x's) dtype, as the model declares past_key
-        self.key = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((batch, config.n_kv_heads, capacity, config.head_dim), self.dtype), device, 0
-        )
-        self.value = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((batch, config.n_kv_heads, capacity, config.v_head_dim), self.dtype), device, 0
-        )
+        # the cache as the config's core lays it out (cache_specs): keys and values, or one latent
+        self.cache = [(spec, ort.OrtValue.ortvalue_from_numpy(buffer, device, 0))
+                      for spec, buffer in cache_buffers(config, batch, capacity, self.dtype)]  # fmt: skip
         self.binding = session.io_binding()
         self.length = 0
 
@@ -121,19 +120,31 @@ class BufferDecoder:
         b.bind_cpu_input("x", np.ascontiguousarray(x, self.dtype))
         b.bind_cpu_input("seqlens_k", np.full(self.batch, total - 1, np.int32))
         b.bind_cpu_input("total_sequence_length", np.asarray(total, np.int32))
-        b.bind_ortvalue_input("past_key", self.key)
-        b.bind_ortvalue_input("past_value", self.value)
         b.bind_output("y", self.device)
-        b.bind_ortvalue_output("present_key", self.key)  # the same buffer: written in place
-        b.bind_ortvalue_output("present_value", self.value)
+        bind_cache(b, self.cache)
         self.session.run_with_iobinding(b)
         self.length = total
         return b.get_outputs()[0].numpy()
 
-    def cache_numpy(self) -> tuple[np.ndarray, np.ndarray]:
-        """The filled part of the cache, [batch, n_kv_heads, length, ..]: a copy (OrtValue.numpy() of a
-        CPU buffer may be a view of its memory, freed with the decoder)."""
-        return self.key.numpy()[:, :, : self.length].copy(), self.value.numpy()[:, :, : self.length].copy()
+    def cache_numpy(self) -> tuple[np.ndarray, ...]:
+        """The filled part of each cache tensor (past_key, past_value; past_latent), its first `length` positions: a
+        copy (OrtValue.numpy() of a CPU buffer may be a view of its memory, freed with the decoder)."""
+        return tuple(np.take(value.numpy(), range(self.length), axis=spec.grows).copy() for spec, value in self.cache)
+
+
+def cache_buffers(config: AttentionConfig, batch: int, capacity: int, dtype: Any) -> list[tuple[CacheSpec, np.ndarray]]:
+    """The buffer form's cache, zeros of `capacity` positions, one array for each tensor the config's core declares
+    (cache_specs): [batch, n_kv_heads, capacity, head_dim] and [.., v_head_dim]; [batch, 1, capacity, rope +
+    kv_lora_rank] for a latent."""
+    return [(spec, np.zeros(spec.sized(batch, capacity), dtype)) for spec in config.cache_specs()]
+
+
+def bind_cache(binding: Any, cache: Sequence[tuple[CacheSpec, Any]]) -> None:
+    """Binds each cache buffer (an OrtValue) as its past_<role> input and its present_<role> output: one buffer, the
+    step writes its new positions in place."""
+    for spec, value in cache:
+        binding.bind_ortvalue_input(spec.past, value)
+        binding.bind_ortvalue_output(spec.present, value)
 
 
 def make_decode_inputs(config: AttentionConfig, batch: int, total: int, dtype: str = "fp32",

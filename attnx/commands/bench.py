@@ -149,8 +149,7 @@ def run_decode(args: argparse.Namespace) -> int:
             flushed, warm = r.times_ms[f"{impl.label} flushed"], r.times_ms[f"{impl.label} warm"]
             nbytes, bound = r.bound_for(impl)
             table.append((r.past, impl.label, f"{flushed:.3f}", f"{warm:.3f}", f"{nbytes / 1e6:.1f}", f"{bound:.3f}",
-                          f"{flushed / bound:.2f}", f"{r.times_ms['torch eager flushed'] / flushed:.2f}",
-                          f"{r.times_ms['torch static flushed'] / flushed:.2f}"))  # fmt: skip
+                          f"{flushed / bound:.2f}", *(_peer_ratio(r, peer, flushed) for peer in ("eager", "static"))))
     machine = machine_info()
     print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
           f"{','.join(dtypes)}, {_threads(args)} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
@@ -162,6 +161,12 @@ def run_decode(args: argparse.Namespace) -> int:
         write_json_atomic(args.json, {"config": config.to_dict(), "threads": _threads(args), "machine": machine,
                                       "rows": [r.to_dict() for r in rows]})  # fmt: skip
     return 0
+
+
+def _peer_ratio(row: Any, peer: str, flushed: float) -> str:
+    """A torch peer's time over this step's, or "-" where the peer did not run (a latent cache: DecodeImpl.unavailable)."""
+    peer_ms = row.times_ms.get(f"torch {peer} flushed")
+    return "-" if peer_ms is None else f"{peer_ms / flushed:.2f}"
 
 
 def _plan(args: argparse.Namespace) -> Any:

@@ -161,3 +161,19 @@ def test_cli_bench_decode_of_a_rope_config(tmp_path, capsys):
     out = capsys.readouterr()
     assert "torch static" in out.out and "ort-fused buffer" in out.out and "onnx growing" not in out.out
     assert "onnx growing" in out.err and "sinks" in out.err
+
+
+def test_cli_bench_decode_of_a_latent_config(tmp_path, capsys):
+    """A latent (MLA) config's step timed over its own cache (past_latent, cache_specs); the cores that cannot
+    express it and the torch peers (per-head k and v) left out with their reasons; its bound reads 1 x (rope +
+    kv_lora_rank) values a cached token."""
+    from tests.model.test_latent import MLA
+
+    path, out = tmp_path / "c.json", tmp_path / "o.json"
+    path.write_text(json.dumps(MLA.to_dict()))
+    assert main(["bench", "--config", str(path), "--decode", "--past", "8,40", "--repeat", "2", "--rounds", "1",
+                 "--threads", "1", "--json", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr()
+    assert "decomposed growing" in text.out and "torch static" not in text.out and "torch eager" in text.err
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[1]["step_bytes"] - rows[0]["step_bytes"] == 32 * (8 + 32) * 4  # 32 more cached tokens, 4 B a value

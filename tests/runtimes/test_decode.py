@@ -410,3 +410,39 @@ def test_the_grouped_buffer_core_switches_longrope_mid_decode(tmp_path):
     onnx.save(build_step_model(c, w, "ort-fused", form="buffer", buffer_core="grouped-mha"), path)
     report = run_buffer_parity(ModelSource(c, w, path), prefills=(0, 3, 8), steps=6, batch=2)
     assert report.passed, [x.reason for x in report.cases if x.status != "pass"]
+
+
+class _Binding:
+    """What bind_cache asks of an IOBinding: the names bound, each to its buffer."""
+
+    def __init__(self) -> None:
+        self.inputs, self.outputs = {}, {}
+
+    def bind_ortvalue_input(self, name, value):
+        self.inputs[name] = value
+
+    def bind_ortvalue_output(self, name, value):
+        self.outputs[name] = value
+
+
+def test_the_device_cache_is_allocated_and_bound_as_the_config_lays_it_out():
+    """cache_buffers/bind_cache (BufferDecoder's and the bench's device cache) read cache_specs: a GQA config's keys
+    and values, n_kv_heads x (head_dim + v_head_dim) a token; a latent one's one buffer of 1 x (rope +
+    kv_lora_rank); each buffer bound as both its past and its present (written in place)."""
+    from attnx.runtimes.decode import bind_cache, cache_buffers
+
+    gqa = AttentionConfig(d_model=48, n_heads=4, n_kv_heads=2, head_dim=12, v_head_dim=8, causal=True, kv_cache=True)
+    mla = AttentionConfig(d_model=64, n_heads=4, head_dim=24, v_head_dim=16, bias=False, causal=True, kv_cache=True,
+                          rope={"theta": 10000.0, "dim": 8, "interleaved": True},
+                          latent={"kv_lora_rank": 32, "q_lora_rank": 16, "eps": 1e-6})  # fmt: skip
+    for config, shapes in ((gqa, [(3, 2, 7, 12), (3, 2, 7, 8)]), (mla, [(3, 1, 7, 8 + 32)])):
+        cache = cache_buffers(config, 3, 7, np.float16)
+        assert [a.shape for _, a in cache] == shapes and {a.dtype for _, a in cache} == {np.dtype(np.float16)}
+        per_token = sum(a.size for _, a in cache) // (3 * 7)
+        assert per_token == config.cache_values() == sum(spec.token_values for spec, _ in cache)
+        binding = _Binding()
+        bind_cache(binding, cache)
+        assert list(binding.inputs) == config.input_names()[1 : 1 + len(cache)]
+        assert list(binding.outputs) == [s.name for s in config.outputs()[1:]]
+        assert all(binding.inputs[s.past] is binding.outputs[s.present] for s, _ in cache)
+    assert gqa.cache_values() == 2 * (12 + 8) and mla.cache_values() == 1 * (8 + 32)
