@@ -18,7 +18,7 @@ together):
   (weight_bytes: the weights as that model stores them).
 - with a modern-LLM config (rope, qk_norm): the growing forms take the step's position_ids, the
   buffer form rotates inside GroupQueryAttention (do_rotary) at its token index; the torch peers are
-  the torch module's own projections and q/k terms (attnx.model.module.TORCH_TERMS); "torch static" is
+  the torch module's own projections and q/k terms (each Term.torch: attnx.model.terms); "torch static" is
   the static-cache peer (a preallocated cache written in place with index_copy_, as transformers'
   StaticCache, then SDPA over it); "openvino onnx growing" and "openvino decomposed growing" run
   attnx's onnx and decomposed step models on OpenVINO (f32, the step's threads). With softcap or sinks the peers attend as transformers' eager attention
@@ -50,6 +50,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.contract import BUFFER_CORES, DEFAULT_BUFFER_CORE, QUANTIZED_DTYPES
 from attnx.model.cores import LOWERINGS, core_for
 from attnx.model.reference import hidden_keys
+from attnx.model.terms import TERMS
 from attnx.model.weights import init_weights, weight_shapes
 from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.decode import bind_cache
@@ -375,7 +376,7 @@ def run_decode_bench(
 
 class _TorchPeer:
     """The torch peers' step, from the torch module's own functions (attnx.model.module, the model
-    defined once): its projections and q/k terms (TORCH_TERMS: the norms, the rotation at position
+    defined once): its projections and q/k terms (Term.torch: the norms, the rotation at position
     `past`), then the core over the cache as transformers attends: SDPA (grouped heads by enable_gqa),
     or with softcap or sinks its eager attention (Gemma 2, gpt-oss), which is the module's decomposed
     core over the repeated key/value heads; the out projection."""
@@ -383,9 +384,9 @@ class _TorchPeer:
     def __init__(self, config: AttentionConfig, weights: dict, past: int) -> None:
         import torch
 
-        from attnx.model.module import TORCH_TERMS, build_module
+        from attnx.model.module import build_module
 
-        self.c, self.m, self.terms = config, build_module(config, weights), TORCH_TERMS
+        self.c, self.m = config, build_module(config, weights)
         self.position = torch.tensor([[past]], dtype=torch.int64)
 
     def qkv(self, xt):
@@ -393,7 +394,7 @@ class _TorchPeer:
         q = m.q_proj(xt).view(1, 1, c.n_heads, c.head_dim)
         k = m.k_proj(xt).view(1, 1, c.n_kv_heads, c.head_dim)
         for term in m._terms["qk"]:  # qk_norm, rope
-            q, k = self.terms[term](m, q, k, self.position, self.position[0])
+            q, k = TERMS[term].torch(m, q, k, self.position, self.position[0])
         v = m.v_proj(xt).view(1, 1, c.n_kv_heads, c.v_head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

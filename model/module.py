@@ -2,7 +2,7 @@
 modern LLM terms (docs/concepts/formula.md, "Modern LLM attention"): qk_norm, rope, softcap, ALiBi, sliding window, sinks.
 
 The terms of the formula are the registry's (attnx.model.terms.TERMS), each computed here by its
-function in TORCH_TERMS, in the formula's order (the numpy reference's are REFERENCE_TERMS):
+entry's torch function (Term.torch; the numpy reference's is Term.reference), in the formula's order:
 
     qk       (module, q [B, T, N, hd], k [B, S, Nkv, hd], position_ids, query token indices [T]) -> (q, k)
     scores   (module, scores [B, N, T, S], query token indices [T], key token indices [S]) -> scores
@@ -13,8 +13,7 @@ function in TORCH_TERMS, in the formula's order (the numpy reference's are REFER
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -22,14 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnx.errors import UsageError
-from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import TORCH_CORES, sdpa_core_expresses
 from attnx.model.rope import rope_frequencies
 from attnx.model.terms import PLACES, TERMS, projection_shapes
 from attnx.model.weights import check_weights, init_weights
 
-__all__ = ["MultiHeadAttention", "TORCH_TERMS", "build_module"]
+__all__ = ["MultiHeadAttention", "build_module"]
 
 
 class HeadRMSNorm(nn.Module):
@@ -58,7 +56,7 @@ class MultiHeadAttention(nn.Module):
             raise UsageError(f"unknown attention core {core!r} (known: {', '.join(TORCH_CORES)})")
         self.config = config
         self.core = core
-        # The config's terms by their place in the formula (attnx.model.terms), each computed by TORCH_TERMS.
+        # The config's terms by their place in the formula (attnx.model.terms), each computed by its Term.torch.
         self._terms = {place: [t for t in config.terms if TERMS[t].place == place] for place in PLACES}
         # Localisation (attnx.runtimes.localise): a dict to fill with each stage's value as this module
         # computes it (attnx.model.stages, canonical layouts), or None (always while exporting).
@@ -114,7 +112,7 @@ class MultiHeadAttention(nn.Module):
         S = m.shape[1]
         record = self._record
         if c.latent is not None:
-            q, k = TORCH_TERMS["latent"][0](self, x)  # (B, T, N, hd), (B, T, 1, w): the latents
+            q, k = TERMS["latent"].torch[0](self, x)  # (B, T, N, hd), (B, T, 1, w): the latents
             past_key = past_latent  # what the cache holds, joined below
         else:
             q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)  # (B, T, N, hd)
@@ -125,9 +123,9 @@ class MultiHeadAttention(nn.Module):
         past = past_key.shape[2] if c.kv_cache and past_key is not None else 0
         tokens = torch.arange(T, device=x.device) + past  # the queries' token indices
         for term in self._terms["qk"]:  # qk_norm, rope, ...
-            q, k = TORCH_TERMS[term](self, q, k, position_ids, tokens)
-            if term in _QK_STAGES:
-                record(f"q_{_QK_STAGES[term]}", q), record(f"k_{_QK_STAGES[term]}", k)
+            q, k = TERMS[term].torch(self, q, k, position_ids, tokens)
+            if TERMS[term].stage is not None:
+                record(f"q_{TERMS[term].stage}", q), record(f"k_{TERMS[term].stage}", k)
         q = q.transpose(1, 2)  # (B, N, T, hd)
         k = k.transpose(1, 2)  # (B, Nkv, S, hd); the latents (B, 1, S, w)
         if c.latent is not None:
@@ -136,7 +134,7 @@ class MultiHeadAttention(nn.Module):
                     raise UsageError("this step model takes past_latent (past_seq 0 for a prefill)")
                 k = torch.cat([past_latent.to(k.dtype), k], dim=2)  # (B, 1, P+S, w): every position so far
             present = (k,)
-            k, v = TORCH_TERMS["latent"][1](self, k)  # (B, N, L, hd), (B, N, L, vhd)
+            k, v = TERMS["latent"].torch[1](self, k)  # (B, N, L, hd), (B, N, L, vhd)
         else:
             v = self.v_proj(m).view(B, S, c.n_kv_heads, c.v_head_dim)
             record("v", v)
@@ -212,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         self, x: torch.Tensor, T: int, S: int, key_padding_mask: torch.Tensor | None, past: int = 0
     ) -> torch.Tensor | None:
         """True where key j is hidden from query i, broadcastable to (B, N, T, S): the union of what
-        each mask term hides (TORCH_TERMS). With a cache, query i sits at token index past + i and key
+        each mask term hides (Term.torch). With a cache, query i sits at token index past + i and key
         j at index j: the mask is over token index (never over position_ids)."""
         if self.config.key_padding_mask and key_padding_mask is None:
             raise UsageError("this model takes a key_padding_mask input")
@@ -220,7 +218,7 @@ class MultiHeadAttention(nn.Module):
         j = torch.arange(S, device=x.device)  # key token indices (S = past + T)
         hidden = None
         for term in self._terms["mask"]:
-            h = TORCH_TERMS[term](self, i, j, key_padding_mask)
+            h = TERMS[term].torch(self, i, j, key_padding_mask)
             hidden = h if hidden is None else hidden | h
         return hidden
 
@@ -234,13 +232,13 @@ class MultiHeadAttention(nn.Module):
             i = torch.arange(T, device=q.device) + (S - T)  # query token indices (a step's after its past)
             j = torch.arange(S, device=q.device)
             for term in self._terms["scores"]:  # softcap
-                scores = TORCH_TERMS[term](self, scores, i, j)
+                scores = TERMS[term].torch(self, scores, i, j)
         self._record("scores", scores)
         if hidden is not None:
             # The dtype's lowest finite value, not -inf: exp(lowest - max) is exactly 0 for a
             # hidden key, and a fully hidden row stays finite (fp16 included).
             scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        extra = [TORCH_TERMS[term](self, scores) for term in self._terms["softmax"]]  # sinks
+        extra = [TERMS[term].torch(self, scores) for term in self._terms["softmax"]]  # sinks
         if extra:
             n = scores.shape[-1]
             p = torch.softmax(torch.cat((scores, *extra), dim=-1), dim=-1)[..., :n]  # more logits, no value
@@ -257,7 +255,7 @@ class MultiHeadAttention(nn.Module):
             bias = q.new_zeros(1, N, T, S)
             i, j = torch.arange(T, device=q.device) + (S - T), torch.arange(S, device=q.device)
             for term in self._terms["scores"]:
-                bias = TORCH_TERMS[term](self, bias, i, j)
+                bias = TERMS[term].torch(self, bias, i, j)
             mask = bias if hidden is None else bias.masked_fill(hidden, torch.finfo(bias.dtype).min)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         if hidden is None:
@@ -287,123 +285,6 @@ class MultiHeadAttention(nn.Module):
             state[name] = torch.from_numpy(array)
         self.load_state_dict(state, strict=True, assign=share)
         return self
-
-
-# The terms' functions (the module doc), by the registry's names --------------------------------------
-def _qk_norm(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
-             tokens: torch.Tensor):  # fmt: skip
-    return m.q_norm(q), m.k_norm(k)  # over head_dim, each head alike
-
-
-def _rope(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor):
-    cos, sin = m._rope_cos_sin(positions, q.dtype)  # (B, T, 1, dim/2)
-    return m._rotate(q, cos, sin), m._rotate(k, cos, sin)
-
-
-def _l2_norm(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
-             tokens: torch.Tensor):  # fmt: skip
-    """x / sqrt(mean(x^2) + eps) over head_dim, no weights, in float32 at least (as transformers' L2Norm)."""
-
-    def norm(u: torch.Tensor) -> torch.Tensor:
-        h = u if u.dtype == torch.float64 else u.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.config.qk_l2_norm)).to(u.dtype)
-
-    return norm(q), norm(k)
-
-
-def _temperature(m: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
-                 tokens: torch.Tensor):  # fmt: skip
-    """q (B, T, N, hd) times its token index's factor, computed in float32 at least."""
-    t = m.config.attn_temperature
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    factor = torch.log1p(torch.floor((tokens.to(dtype) + 1.0) / t.floor_scale)) * t.attn_scale + 1.0  # (T,)
-    return (q.to(dtype) * factor[None, :, None, None]).to(q.dtype), k
-
-
-def _softcap(m: MultiHeadAttention, scores: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(scores / m.config.softcap) * m.config.softcap
-
-
-def _alibi(m: MultiHeadAttention, scores: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """slope_h * (j - i) over token index, added to the scores: computed in float32 at least (as the rope
-    angle is) and rounded once to the scores' dtype."""
-    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    slopes = torch.tensor(alibi_slopes(m.config.n_heads), dtype=dtype, device=scores.device).view(1, -1, 1, 1)
-    distance = (j[None, :] - i[:, None]).to(dtype)  # (T, S)
-    return scores + (slopes * distance).to(scores.dtype)  # (B, N, T, S)
-
-
-def _causal(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
-    return (j[None, :] > i[:, None])[None, None]  # (1, 1, T, S): key j after query i
-
-
-def _window(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
-    return (j[None, :] <= i[:, None] - m.config.sliding_window)[None, None]  # outside p - W < j
-
-
-def _chunk(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor | None) -> torch.Tensor:
-    """(B|1, 1, T, S): key j in another chunk than query i, chunks counted from each row's first unpadded key."""
-    size = m.config.attention_chunk
-    if kpm is None:
-        start = torch.zeros(1, 1, dtype=i.dtype, device=i.device)
-    else:  # the leading padded keys of each row: those before its first kept one
-        start = ((~kpm.to(torch.bool)).to(i.dtype).cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1)
-    qc = torch.div(i[None, :] - start, size, rounding_mode="floor")  # (B|1, T)
-    kc = torch.div(j[None, :] - start, size, rounding_mode="floor")  # (B|1, S)
-    return (qc[:, :, None] != kc[:, None, :])[:, None]
-
-
-def _key_padding(m: MultiHeadAttention, i: torch.Tensor, j: torch.Tensor, kpm: torch.Tensor) -> torch.Tensor:
-    return kpm.to(torch.bool)[:, None, None, :]  # (B, 1, 1, S): True hides
-
-
-def _sinks(m: MultiHeadAttention, scores: torch.Tensor) -> torch.Tensor:
-    B, N, T, _ = scores.shape
-    return m.sinks.to(scores.dtype).view(1, N, 1, 1).expand(B, N, T, 1)  # a logit per head
-
-
-def _latent_project(m: MultiHeadAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, T, N, hd), each head [rope part | nope part], and the latents (B, T, 1, rope.dim + kv_lora_rank):
-    [the rope key | the normed compressed kv] (attnx.model.terms.Latent; transformers' DeepseekV3Attention)."""
-    c = m.config
-    B, T, _ = x.shape
-    r, kvr = c.rope.dim, c.latent.kv_lora_rank
-    nope = c.head_dim - r
-    q = m.q_proj(x) if c.latent.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
-    q = q.view(B, T, c.n_heads, c.head_dim)  # transformers' head: [nope | rope]
-    q = torch.cat((q[..., nope:], q[..., :nope]), dim=-1)  # [rope | nope]: the rope term turns the first dims
-    a = m.kv_a_proj_with_mqa(x)  # (B, T, kvr + r): [compressed kv | rope key]
-    latent = torch.cat((a[..., kvr:], m.kv_a_layernorm(a[..., :kvr])), dim=-1)
-    return q, latent.view(B, T, 1, r + kvr)
-
-
-def _latent_expand(m: MultiHeadAttention, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k (B, N, L, hd) [the shared rope key | the head's k_nope] and v (B, N, L, vhd) of the latents (B, 1, L, w):
-    kv_b_proj expands the compressed kv to each head's [k_nope | v]."""
-    c = m.config
-    B, _, L, _ = latent.shape
-    r, nope = c.rope.dim, c.head_dim - c.rope.dim
-    kv = m.kv_b_proj(latent[:, 0, :, r:]).view(B, L, c.n_heads, nope + c.v_head_dim).transpose(1, 2)
-    k_rot = latent[..., :r].expand(B, c.n_heads, L, r)
-    return torch.cat((k_rot, kv[..., :nope]), dim=-1), kv[..., nope:]
-
-
-TORCH_TERMS: dict[str, Callable[..., Any]] = {
-    "qk_norm": _qk_norm,
-    "rope": _rope,
-    "qk_l2_norm": _l2_norm,
-    "attn_temperature": _temperature,
-    "softcap": _softcap,
-    "alibi": _alibi,
-    "causal": _causal,
-    "sliding_window": _window,
-    "attention_chunk": _chunk,
-    "key_padding_mask": _key_padding,
-    "sinks": _sinks,
-    # heads: the term that computes q, k and v itself: (project x -> q, what the cache holds; expand that -> k, v)
-    "latent": (_latent_project, _latent_expand),
-}
-_QK_STAGES = {"qk_norm": "norm", "rope": "rope"}  # the stages the q/k terms' outputs are (attnx.model.stages)
 
 
 def build_module(

@@ -15,6 +15,7 @@ from attnx.model import AttentionConfig, build_module, init_weights, reference_a
 from attnx.model.alibi import alibi_slopes
 from attnx.model.cores import form_of
 from attnx.model.inputs import make_inputs
+from attnx.model.terms import TERMS
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.runtimes.compare import compare_arrays
 
@@ -161,17 +162,18 @@ def test_a_wrong_slope_or_distance_fails_the_comparison(monkeypatch):
     w = init_weights(c, 1)
     feeds = make_inputs(c, 3, 33, seed=2)
     size, tol = problem_size(c, w, feeds), tolerance_for("fp32")
-    import attnx.model.module as module_file
+    import attnx.model.terms.alibi as term_file
 
     module = build_module(c, w)
     ref = reference_attention(c, w, **feeds)
     assert compare_arrays("y", _torch(module, feeds), ref, tol, size)
     for wrong in (alibi_slopes(6) / 2, -alibi_slopes(6)):  # the slopes the module's term reads, planted wrong
-        monkeypatch.setattr(module_file, "alibi_slopes", lambda n, wrong=wrong: wrong)
+        monkeypatch.setattr(term_file, "alibi_slopes", lambda n, wrong=wrong: wrong)
         assert not compare_arrays("y", _torch(module, feeds), ref, tol, size)
-    monkeypatch.setattr(module_file, "alibi_slopes", alibi_slopes)
-    right = module_file.TORCH_TERMS["alibi"]
-    monkeypatch.setitem(module_file.TORCH_TERMS, "alibi", lambda m, s, i, j: right(m, s, i + 1, j))  # past + i + 1
+    monkeypatch.setattr(term_file, "alibi_slopes", alibi_slopes)
+    right = term_file.TERM.torch
+    shifted = dataclasses.replace(term_file.TERM, torch=lambda m, s, i, j: right(m, s, i + 1, j))  # past + i + 1
+    monkeypatch.setitem(TERMS, "alibi", shifted)
     assert compare_arrays("y", _torch(module, feeds), ref, tol, size)
     plain = reference_attention(dataclasses.replace(c, alibi=False), w, **feeds)
     assert not compare_arrays("y", plain, ref, tol, size)

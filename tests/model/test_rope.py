@@ -18,8 +18,8 @@ from transformers.models.phi3 import modeling_phi3  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 from attnx.model import AttentionConfig, build_module, reference_attention  # noqa: E402
-from attnx.model.reference import REFERENCE_TERMS  # noqa: E402
 from attnx.model.rope import parse_rope, rope_frequencies, uses_long_factors  # noqa: E402
+from attnx.model.terms import TERMS  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 HEAD_DIM, ROT_DIM, THETA, ORIGINAL = 32, 16, 1000.0, 64
@@ -95,7 +95,7 @@ def test_rotation_matches_transformers(name, interleaved):
         # the angles are float32 in transformers: |d theta| <= eps32 * position * inv_freq (tolerance table)
         bound = 4 * EPS32 * (positions.max() * rope_frequencies(config.rope)[0].max() + 4) * np.abs(q).max()
         heads = q.transpose(0, 2, 1, 3)  # (B, T, H, hd): per head, as the reference's q/k terms take it
-        ref, _ = REFERENCE_TERMS["rope"](config, {}, heads, heads, positions, np.arange(T))
+        ref, _ = TERMS["rope"].reference(config, {}, heads, heads, positions, np.arange(T))
         np.testing.assert_allclose(ref.transpose(0, 2, 1, 3), want, rtol=0, atol=bound)
         cos, sin = module._rope_cos_sin(torch.from_numpy(positions), torch.float64)
         turned = module._rotate(torch.from_numpy(q).transpose(1, 2), cos, sin).transpose(1, 2).numpy()
@@ -127,7 +127,7 @@ def test_qk_norm_matches_qwen3_rmsnorm():
     with torch.no_grad():
         want = norm(torch.from_numpy(u).view(2, 5, 4, 16)).reshape(2, 5, 64).numpy()
     heads = u.astype(np.float64).reshape(2, 5, 4, 16)
-    got, _ = REFERENCE_TERMS["qk_norm"](config, {"q_norm.weight": weight, "k_norm.weight": weight}, heads, heads, None, np.arange(heads.shape[1]))
+    got, _ = TERMS["qk_norm"].reference(config, {"q_norm.weight": weight, "k_norm.weight": weight}, heads, heads, None, np.arange(heads.shape[1]))
     got = got.reshape(2, 5, 64)
     np.testing.assert_allclose(got, want, rtol=0, atol=16 * EPS32 * np.abs(want).max())
 

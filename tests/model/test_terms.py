@@ -5,13 +5,13 @@ tolerance table tells from the right formula."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import numpy as np
 import pytest
 
 from attnx.model import AttentionConfig, init_weights, reference_attention
 from attnx.model.inputs import make_inputs
-from attnx.model.reference import REFERENCE_TERMS
 from attnx.model.terms import PLACES, TERMS, term_tensors
 from attnx.model.tolerance import problem_size, tolerance_for
 from attnx.model.weights import weight_shapes
@@ -34,18 +34,14 @@ TERM_CONFIGS = {"qk_l2_norm": LLM_CONFIGS["llama4"], "attention_chunk": LLM_CONF
 
 
 def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():
-    from attnx.model.module import TORCH_TERMS
-
     fields = {f.name for f in dataclasses.fields(AttentionConfig)}
     places = [PLACES.index(t.place) for t in TERMS.values()]
     assert places == sorted(places), "TERMS is in the formula's order"
     for name, term in TERMS.items():
         assert set(term.keys) <= fields, name
-        if name in STRUCTURAL:
-            assert name not in REFERENCE_TERMS and name not in TORCH_TERMS
-        else:
-            assert name in REFERENCE_TERMS and name in TORCH_TERMS, name
-    assert set(REFERENCE_TERMS) == set(TORCH_TERMS) == set(TERMS) - STRUCTURAL
+        # one entry a term: its module holds the declaration and both functions (the graph half: test_graph_terms)
+        assert importlib.import_module(f"attnx.model.terms.{name}").TERM is term, name
+        assert (term.reference is None) == (term.torch is None) == (name in STRUCTURAL), name
 
 
 def test_a_configs_terms_and_their_tensors():
