@@ -50,7 +50,7 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if id(node.graph) in read_whole:
             continue
-        core = core_of_node(node, "")
+        core = core_of_node(node)
         if core is None:
             continue
         if node.op_type == "If":
@@ -110,5 +110,5 @@ def block_nodes(model: ir.Model) -> list[str]:
     graph alone (no weight read): how many blocks a model has before any is read. A node its reader then
     refuses is still listed here (iter_blocks names it as unread and numbers the blocks after it one lower)."""
     return [node.name or node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
-            if (core := core_of_node(node, "")) in block_cores()
+            if (core := core_of_node(node)) in block_cores()
             and GRAPH_CORES[core].is_attention(node)]  # fmt: skip

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.errors import UsageError
-from attnx.export.cores import GRAPH_CORES, core_of_node
+from attnx.export.cores import GRAPH_CORES, core_of_graph, core_of_node, seen
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import (
     is_op,
@@ -33,7 +33,6 @@ from attnx.export.passes.walk import (
 )
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN, lowering_from_nodes
-from attnx.model.cores import core_from_nodes
 from attnx.model.weights import weight_shapes
 
 __all__ = ["CoreReading", "core_of", "lowering_of", "qk_weights", "read_cores", "read_weights",
@@ -42,24 +41,15 @@ __all__ = ["CoreReading", "core_of", "lowering_of", "qk_weights", "read_cores", 
 _STD = ("", "ai.onnx")
 
 
-def _node_triples(model: ir.Model) -> list[tuple[str, str, str | None]]:
-    def first_producer(node: ir.Node) -> str | None:
-        source = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
-        return source.op_type if source is not None else None
-
-    nodes = ir.traversal.RecursiveGraphIterator(model.graph)  # an If's branches too
-    return [(n.domain, n.op_type, first_producer(n)) for n in nodes]
-
-
 def lowering_of(model: ir.Model) -> str:
     """'ort-attention', 'ort-fused-packed', 'ort-fused', 'onnx' or 'decomposed': the contract's
     one probe (lowering_from_nodes), over this onnx-ir graph."""
-    return lowering_from_nodes(_node_triples(model))
+    return lowering_from_nodes(seen(node) for node in model.graph)
 
 
 def core_of(model: ir.Model) -> str:
-    """The registry's core the graph holds (attnx.model.cores.core_from_nodes)."""
-    return core_from_nodes(_node_triples(model))
+    """The registry's core the graph holds (attnx.model.recognise.graph_core)."""
+    return core_of_graph(model.graph)
 
 
 def _core_qk(model: ir.Model) -> tuple[tuple, tuple] | None:
@@ -160,10 +150,9 @@ def read_cores(model: ir.Model) -> list[CoreReading]:
         from onnx_ir.passes.common import ShapeInferencePass
 
         ShapeInferencePass()(model)
-    core = core_of(model)
     out = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        name = core_of_node(node, core)
+        name = core_of_node(node)
         if name is not None:
             out.append(CoreReading(name, node.name or node.op_type, GRAPH_CORES[name].read(node)))
     return out

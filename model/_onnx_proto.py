@@ -50,7 +50,7 @@ FIELDS: dict[str, tuple[tuple[str, int, int | str, bool], ...]] = {
         ("attribute", 5, "AttributeProto", True), ("domain", 7, _STRING, False),
     ),
     "AttributeProto": (
-        ("t", 5, "TensorProto", False), ("g", 6, "GraphProto", False), ("tensors", 10, "TensorProto", True),
+        ("name", 1, _STRING, False), ("ints", 8, _INT64, True), ("t", 5, "TensorProto", False), ("g", 6, "GraphProto", False), ("tensors", 10, "TensorProto", True),
         ("graphs", 11, "GraphProto", True), ("sparse_tensor", 22, "SparseTensorProto", False),
         ("sparse_tensors", 23, "SparseTensorProto", True),
     ),

@@ -37,7 +37,6 @@ from attnx.model.cores import (
     LOWERINGS,
     MS_DOMAIN,
     core_for,
-    core_from_nodes,
 )
 from attnx.model.dtypes import (
     BF16_RUNTIMES,
@@ -56,6 +55,8 @@ from attnx.model.dtypes import (
     numpy_dtype,
 )
 from attnx.model.onnx_tensors import all_nodes, external_locations, external_tensors, initializer_bytes
+from attnx.model.recognise import graph_core
+from attnx.model.seen import Seen, seen_in
 from attnx.model.stages import STAGES, STAGES_KEY, stage_layouts
 
 __all__ = [
@@ -320,12 +321,11 @@ def op_counts(nodes: Iterable[Any]) -> dict[str, int]:
     return dict(collections.Counter(op_label(n.domain, n.op_type) for n in nodes))
 
 
-def lowering_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
-    """The lowering a graph holds, read from its nodes, each given as (domain, op_type, the
-    op_type of the node producing its first input, or None): the lowering of the core found
-    (attnx.model.cores.core_from_nodes). The one probe: the passes read onnx-ir graphs through
-    it, describe() files."""
-    return LOWERING_OF_CORE[core_from_nodes(nodes)]
+def lowering_from_nodes(nodes: Iterable[Seen]) -> str:
+    """The lowering a graph holds, read from its nodes (attnx.model.seen.Seen: seen_in(graph) for a GraphProto):
+    the lowering of the core found (attnx.model.recognise.graph_core). The one probe: the passes read onnx-ir
+    graphs through it, describe() files."""
+    return LOWERING_OF_CORE[graph_core(nodes)]
 
 
 # Reading a model file ---------------------------------------------------------------------------
@@ -472,10 +472,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
     except ModelFileError as e:
         config, config_error = None, str(e)
     nodes = list(all_nodes(proto.graph))  # an If's branches too (the buffer form's auto core)
-    producers = {out: node.op_type for node in nodes for out in node.output}
-    lowering_name = lowering_from_nodes(
-        (n.domain, n.op_type, producers.get(n.input[0]) if n.input else None) for n in nodes
-    )
+    lowering_name = lowering_from_nodes(seen_in(proto.graph))
     inputs, outputs = io_specs(proto)
     floats = [s for s in inputs if s.dtype in ("fp32", "fp16", "bf16")]  # a whole model's first is input_ids
     x = next((s for s in inputs if s.name == "x"), floats[0] if floats else inputs[0] if inputs else None)

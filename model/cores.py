@@ -13,6 +13,7 @@ in ALL_ATTENTION_FUNCTIONS.
     core_for(lowering, config, ...)     the core a lowering (--attention) writes for a config, or one
                                         UsageError with every candidate's reasons
     LOWERINGS                           the user's choices (--attention) and the cores behind each
+    Core.found(seen)                    whether a graph's node is the core (attnx.model.recognise asks each entry)
 
 The checks of export, build, optimize, parity and bench, the CLI's choices and the docs' capability
 tables (docs/reference/capabilities.md: core_table(), capability_table()) are all read from these tables. No torch and no onnx here.
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
+from attnx.model.seen import Found, Seen, tells_auto, tells_grouped, tells_mha, tells_packed
 from attnx.model.terms import TERMS
 
 __all__ = [
@@ -38,7 +40,6 @@ __all__ = [
     "LOWERINGS",
     "AUTO",
     "LOWERING_OF_CORE",
-    "core_from_nodes",
     "BUFFER_CORES",
     "DEFAULT_BUFFER_CORE",
     "MS_DOMAIN",
@@ -106,6 +107,14 @@ class Core:
     term_ops: TermOps = TermOps.CONTRIB  # the operators of its q/k norms and rotation
     holds_scores: bool = False  # its kernel holds the whole score matrix (the memory estimate's)
     cuda_limits: Limits = _no_limits  # what ONNX Runtime's CUDA kernel refuses beyond `limits` (why_not_on_cuda)
+    tells: Callable[[Seen], Found] = lambda seen: Found.NODE  # its node from another core's of its op (model.seen)
+    fallback: bool = False  # the core a graph holds where none other is found (its op stays beside a fused core)
+
+    def found(self, seen: Seen) -> Found:
+        """Whether a node is this core (recognise): its op in its domain, told apart by `tells`."""
+        if (seen.domain, seen.op_type) != (self.node_domain, self.op_type):
+            return Found.NO
+        return self.tells(seen)
 
     def takes(self, term: str, form: str) -> bool:
         t = self.terms.get(term)
@@ -217,6 +226,7 @@ CORES: dict[str, Core] = {
                                 "step: absorbed, the latents one key/value head)"),
             },
             _decomposed_limits, summary="standard ops, runs anywhere", term_ops=TermOps.STANDARD, holds_scores=True,
+            fallback=True,
         ),
         Core(
             "attention23", "Attention (opset 23)", "", "Attention", 23, ("full", "growing"), _EVERY_DTYPE,
@@ -247,7 +257,7 @@ CORES: dict[str, Core] = {
                 "causal": Takes("unidirectional=1"),
                 "key_padding_mask": Takes("key_padding_mask int32 (1 keeps); fully hidden rows zeroed after"),
             },
-            _mha_limits, summary="ONNX Runtime's fused kernel (flash attention on CPU and CUDA)",
+            _mha_limits, summary="ONNX Runtime's fused kernel (flash attention on CPU and CUDA)", tells=tells_mha,
         ),
         Core(
             "mha-packed", f"one q/k/v MatMul, Split, {MS_DOMAIN}.MultiHeadAttention", MS_DOMAIN, "MultiHeadAttention",
@@ -257,7 +267,7 @@ CORES: dict[str, Core] = {
                 "causal": Takes("unidirectional=1"),
                 "key_padding_mask": Takes("key_padding_mask int32 (1 keeps); fully hidden rows zeroed after"),
             },
-            summary="one GEMM for q, k and v",
+            summary="one GEMM for q, k and v", tells=tells_packed,
         ),
         Core(
             "ms-attention", f"{MS_DOMAIN}.Attention (packed q/k/v weights)", MS_DOMAIN, "Attention", 1, ("full",),
@@ -307,7 +317,7 @@ CORES: dict[str, Core] = {
             },
             _grouped_mha_limits,
             summary="a group's query heads as rows: each key/value head read once a step (a CPU form: no fp16)",
-            cuda_limits=_grouped_mha_cuda_limits,
+            cuda_limits=_grouped_mha_cuda_limits, tells=tells_grouped,
         ),
         Core(
             "auto", "If on the call: gqa for a prompt (growing: one with no padding), grouped-mha otherwise", MS_DOMAIN,
@@ -324,6 +334,7 @@ CORES: dict[str, Core] = {
                 "key_padding_mask": Takes("a padded call takes the grouped branch", ("growing",)),
             },
             _auto_limits, summary="what gqa and grouped-mha both express", cuda_limits=_auto_cuda_limits,
+            tells=tells_auto,
         ),
     )
 }  # fmt: skip
@@ -428,35 +439,6 @@ for _lw in LOWERINGS.values():
     for _cores in _lw.cores.values():
         for _core in _cores:
             LOWERING_OF_CORE.setdefault(_core, _lw.name)
-
-
-# The order a graph's nodes are asked for each core (core_from_nodes): a core whose graph also holds another core's
-# op is asked first (auto's If holds GroupQueryAttention and MultiHeadAttention; mha-packed is a MultiHeadAttention
-# fed by a Split). grouped-mha's buffer graphs are read as mha's (the same op and lowering); decomposed is the rest.
-_FOUND_ORDER = ("ms-attention", "auto", "gqa", "mha-packed", "mha", "attention23")
-
-
-def _found(core: Core, ops: set[tuple[str, str]], feeds: list[str | None]) -> bool:
-    """Whether nodes holding `ops` (and MultiHeadAttention's first inputs made by `feeds`) are `core`'s graph: its
-    entry's op in its domain, and for auto and mha-packed what tells them from gqa and mha."""
-    if (core.node_domain, core.op_type) not in ops:
-        return False
-    if core.name == "auto":
-        return (MS_DOMAIN, "GroupQueryAttention") in ops and (MS_DOMAIN, "MultiHeadAttention") in ops
-    if core.name == "mha-packed":
-        return all(p == "Split" for p in feeds)
-    return True
-
-
-def core_from_nodes(nodes: Iterable[tuple[str, str, str | None]]) -> str:
-    """The core a graph holds, read from its nodes (an If's branches included), each given as (domain,
-    op_type, the op_type of the node producing its first input, or None): the first of _FOUND_ORDER whose entry's op
-    and domain the nodes hold (_found), else decomposed. What describe() and the graph passes name a graph's
-    lowering by."""
-    nodes = [(d if d not in ("", "ai.onnx") else "", t, p) for d, t, p in nodes]
-    ops = {(d, t) for d, t, _ in nodes}
-    feeds = [p for d, t, p in nodes if (d, t) == (MS_DOMAIN, "MultiHeadAttention")]
-    return next((name for name in _FOUND_ORDER if _found(CORES[name], ops, feeds)), "decomposed")
 
 
 def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: str | None = None,

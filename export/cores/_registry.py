@@ -2,8 +2,9 @@
 node of it is read back (what the node states of the config), and how a block around it is read from a graph
 whoever wrote it. One entry a core, in one table:
 
-    GRAPH_CORES[name]      CoreGraph(emit, read, read_block, claims, is_attention)
-    core_of_node(node)     the core a node is: the declarations whose op and domain it has, told apart by claims()
+    GRAPH_CORES[name]      CoreGraph(emit, read, read_block, is_attention)
+    core_of_node(node)     the core a node is, by the one recogniser (attnx.model.recognise, each core's Core.tells)
+    core_of_graph(graph)   the core a graph holds, by the same
 
 Each core's module (attnx.export.cores.<core>) registers its entry; a new core is its declaration and one module.
 """
@@ -17,8 +18,10 @@ from typing import Any
 import onnx_ir as ir
 
 from attnx.model.cores import CORES
+from attnx.model.recognise import graph_core, recognise
+from attnx.model.seen import ROWS_PERM, Found, Seen
 
-__all__ = ["CoreGraph", "GRAPH_CORES", "core_of_node", "register"]
+__all__ = ["CoreGraph", "GRAPH_CORES", "core_of_graph", "core_of_node", "register", "seen"]
 
 _STD = ("", "ai.onnx")
 
@@ -27,16 +30,13 @@ _STD = ("", "ai.onnx")
 class CoreGraph:
     """One core's graph half (the module doc). emit(e) writes the core into e.g (an Emit) and returns z; read(node)
     gives what a node of it states ({config key: value}); read_block(index, node, keep_weights) reads the block
-    around it (a Block: attnx.export.cores._block), None where the audit reads no such block; claims(node,
-    graph_core) says whether a node of the declaration's op is this core (several cores share MultiHeadAttention);
-    is_attention(node) whether such a node computes attention at all (the decomposed core's Softmax: one of q.k, not
+    around it (a Block: attnx.export.cores._block), None where the audit reads no such block; is_attention(node) whether such a node computes attention at all (the decomposed core's Softmax: one of q.k, not
     a router's or a classifier's)."""
 
     name: str
     emit: Callable[[Any], str]
     read: Callable[[ir.Node], dict[str, Any]] | None = None
     read_block: Callable[..., Any] | None = None
-    claims: Callable[[ir.Node, str], bool] = lambda node, graph_core: True
     is_attention: Callable[[ir.Node], bool] = lambda node: True
 
 
@@ -51,17 +51,28 @@ def register(entry: CoreGraph) -> CoreGraph:
     return entry
 
 
-def core_of_node(node: ir.Node, graph_core: str) -> str | None:
-    """The registry's core a node is, given the core the graph holds: the declarations whose op and domain it has
-    (Core.op_type, Core.node_domain) and whose reader claims it; None for a node of no core (the buffer form's auto If is
-    read as its branches' cores; the growing form's is the auto core)."""
-    domain = "" if node.domain in _STD else node.domain
-    for name, core in CORES.items():
-        entry = GRAPH_CORES.get(name)
-        if core.op_type == node.op_type and core.node_domain == domain and entry is not None and entry.read is not None \
-                and entry.claims(node, graph_core):  # fmt: skip
-            return name
-    return None
+def seen(node: ir.Node) -> Seen:
+    """An onnx-ir node as the recogniser sees it (attnx.model.seen.Seen; seen_in reads a GraphProto the same way)."""
+    first = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    moved = first.inputs[0].producer() if first is not None and first.op_type == "Reshape" and first.inputs \
+        and first.inputs[0] is not None else None  # fmt: skip
+    rows = moved is not None and moved.op_type == "Transpose" \
+        and tuple(moved.attributes.get_ints("perm", [])) == ROWS_PERM  # fmt: skip
+    branches = tuple(seen(n) for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH for n in a.value)
+    return Seen("" if node.domain in _STD else node.domain, node.op_type, first.op_type if first is not None else None,
+                tuple(value is not None for value in node.inputs), rows, branches)  # fmt: skip
+
+
+def core_of_node(node: ir.Node) -> str | None:
+    """The registry's core a node is (attnx.model.recognise.recognise); None for a node of no core, and for one read
+    as the cores inside it (the buffer form's auto If: its branches' cores; the growing form's is the auto core)."""
+    name, found = recognise(seen(node))
+    return name if found is Found.NODE else None
+
+
+def core_of_graph(graph: ir.Graph) -> str:
+    """The registry's core a graph holds (attnx.model.recognise.graph_core)."""
+    return graph_core(seen(node) for node in graph)
 
 
 def present(node: ir.Node, index: int) -> bool:

@@ -17,7 +17,7 @@ from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.cores.gqa import _gqa_buffer, gqa_attend
-from attnx.export.cores.grouped_mha import _grouped_mha, as_rows, grouped_mha_attend, rows_bias_grid
+from attnx.export.cores.grouped_mha import _grouped_mha, grouped_mha_attend, rows_bias_grid
 from attnx.export.passes.walk import NotRead
 from attnx.export.visibility import visibility
 from attnx.model.contract import MS_DOMAIN
@@ -111,13 +111,6 @@ def _branch_ops(node: ir.Node) -> tuple[ir.Node | None, ir.Node | None]:
     return ops.get("MultiHeadAttention"), ops.get("GroupQueryAttention")
 
 
-def _claims(node: ir.Node, graph_core: str) -> bool:
-    """An If whose branches hold the grouped core over its own past/present (the growing form) and
-    GroupQueryAttention: the buffer form's If (the shared cache) is read as its branches' cores."""
-    mha, gqa = _branch_ops(node)
-    return mha is not None and gqa is not None and as_rows(mha) and present(mha, 6) and not present(mha, 8)
-
-
 def _read_auto(node: ir.Node) -> dict[str, Any]:
     mha, _ = _branch_ops(node)
     return {"n_kv_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None,
@@ -144,4 +137,4 @@ def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Bl
     return block
 
 
-register(CoreGraph("auto", _auto, _read_auto, _read_auto_block, _claims))
+register(CoreGraph("auto", _auto, _read_auto, _read_auto_block))

@@ -16,16 +16,15 @@ from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, presen
 from attnx.export.passes.walk import NotRead, is_op
 from attnx.export.visibility import visibility
 from attnx.model.contract import MS_DOMAIN
+from attnx.model.seen import ROWS_PERM
 from attnx.model.terms import terms_at
-
-ROWS_PERM = [0, 1, 3, 2, 4]  # [B, S, Hkv, G, hd] <-> [B, S, G, Hkv, hd]: a group's query heads after each token
 
 
 def _as_rows(e: Emit, q: str) -> str:
     """q [B, S, H*hd] as the op's query [B, S*G, Hkv*hd]: row s*G + j of head n holds query head n*G + j of token s."""
     c, g = e.c, e.g
     rows = g.op("Transpose", g.op("Reshape", q, g.ints("q_groups", [0, 0, c.n_kv_heads, c.group_size, c.head_dim])),
-                perm=ROWS_PERM)  # fmt: skip
+                perm=list(ROWS_PERM))  # fmt: skip
     return g.op("Reshape", rows, g.ints("q_rows", [0, -1, c.n_kv_heads * c.head_dim]))
 
 
@@ -33,7 +32,7 @@ def _from_rows(e: Emit, z: str, name: str | None) -> str:
     """The op's output [B, S*G, Hkv*hd] back as z [B, S, H*hd]."""
     c, g = e.c, e.g
     z = g.op("Transpose", g.op("Reshape", z, g.ints("z_groups", [0, -1, c.group_size, c.n_kv_heads, c.head_dim])),
-             perm=ROWS_PERM)  # fmt: skip
+             perm=list(ROWS_PERM))  # fmt: skip
     return g.op("Reshape", z, g.ints("z_heads", [0, 0, c.n_heads * c.head_dim]), name=name)
 
 
@@ -118,16 +117,6 @@ def _read_grouped_mha(node: ir.Node) -> dict[str, Any]:
             "kv_cache": present(node, 6)}
 
 
-def as_rows(node: ir.Node) -> bool:
-    """Whether a MultiHeadAttention's query is a group's heads as rows (_as_rows: a Reshape of the Transpose that
-    moves a group's heads after the tokens), or it reads the shared cache (past_sequence_length): the grouped core."""
-    if present(node, 8):
-        return True
-    rows = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
-    moved = rows.inputs[0].producer() if is_op(rows, "Reshape") else None
-    return is_op(moved, "Transpose") and list(moved.attributes.get_ints("perm", [])) == ROWS_PERM
-
-
 def rows_bias_grid(bias: ir.Value | None) -> ir.Value | None:
     """The token grid (bool [B|1, 1, S, T], True where hidden) an additive bias over a token's rows is made from
     (_rows_bias: Where over the grid's rows, reshaped from its Expand), or None."""
@@ -154,5 +143,4 @@ def _read_grouped_mha_block(index: int, node: ir.Node, keep_weights: bool = True
                          grouped_rows=True)  # fmt: skip
 
 
-register(CoreGraph("grouped-mha", _grouped_mha, _read_grouped_mha, _read_grouped_mha_block,
-                   lambda node, graph_core: as_rows(node)))
+register(CoreGraph("grouped-mha", _grouped_mha, _read_grouped_mha, _read_grouped_mha_block))

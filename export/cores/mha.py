@@ -11,7 +11,6 @@ from attnx.export._graph import linear
 from attnx.export.cores._block import Block, read_separate
 from attnx.export.cores._emit import Emit
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
-from attnx.export.cores.grouped_mha import as_rows
 from attnx.export.passes.walk import NotRead
 from attnx.export.visibility import score_bias, visibility
 from attnx.model.contract import MS_DOMAIN
@@ -93,7 +92,6 @@ def _read_mha_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
                           packed_bias=inputs[3], own_cache=cache)
 
 
-register(CoreGraph("mha", _mha, _read_mha, _read_mha_block,
-                   lambda node, graph_core: not as_rows(node) and graph_core != "mha-packed"))
-register(CoreGraph("mha-packed", _mha_packed, _read_mha, None,
-                   lambda node, graph_core: not as_rows(node) and graph_core == "mha-packed"))
+register(CoreGraph("mha", _mha, _read_mha, _read_mha_block))
+# a Split's q, k and v read as separate ones (a foreign model's, the packed form's own): the block is mha's
+register(CoreGraph("mha-packed", _mha_packed, _read_mha, _read_mha_block))

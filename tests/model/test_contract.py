@@ -83,12 +83,14 @@ def test_lowering_tables_are_views_of_one_table():
 
 
 def test_lowering_from_nodes_tells_every_form_apart():
+    from attnx.model.seen import Seen
+
     ms = contract.MS_DOMAIN
-    assert lowering_from_nodes([("", "MatMul", None), ("", "Softmax", "MatMul")]) == "decomposed"
-    assert lowering_from_nodes([("ai.onnx", "Attention", "Transpose")]) == "onnx"
-    assert lowering_from_nodes([(ms, "MultiHeadAttention", "MatMul")]) == "ort-fused"
-    assert lowering_from_nodes([(ms, "MultiHeadAttention", "Split")]) == "ort-fused-packed"
-    assert lowering_from_nodes([(ms, "Attention", None)]) == "ort-attention"
+    assert lowering_from_nodes([Seen("", "MatMul"), Seen("", "Softmax", "MatMul")]) == "decomposed"
+    assert lowering_from_nodes([Seen("", "Attention", "Transpose")]) == "onnx"
+    assert lowering_from_nodes([Seen(ms, "MultiHeadAttention", "MatMul")]) == "ort-fused"
+    assert lowering_from_nodes([Seen(ms, "MultiHeadAttention", "Split")]) == "ort-fused-packed"
+    assert lowering_from_nodes([Seen(ms, "Attention")]) == "ort-attention"
 
 
 @pytest.mark.parametrize("lowering", ["ort-fused", "ort-fused-packed", "ort-attention"])
@@ -146,17 +148,33 @@ def test_the_backends_that_run_model_files_run_the_quantized_forms_and_torch_say
     assert "runs no ONNX graph" in reason and "MatMulNBits" in reason
 
 
-@pytest.mark.parametrize(("nodes", "core"), [
-    ([("com.microsoft", "Attention", "Add")], "ms-attention"),
-    ([("", "If", None), ("com.microsoft", "GroupQueryAttention", "MatMul"),
-      ("com.microsoft", "MultiHeadAttention", "MatMul")], "auto"),
-    ([("com.microsoft", "GroupQueryAttention", "MatMul")], "gqa"),
-    ([("com.microsoft", "MultiHeadAttention", "Split")], "mha-packed"),
-    ([("com.microsoft", "MultiHeadAttention", "Split"), ("com.microsoft", "MultiHeadAttention", "Add")], "mha"),
-    ([("ai.onnx", "Attention", "Reshape")], "attention23"),
-    ([("", "MatMul", None), ("", "Softmax", "Add")], "decomposed"),
-])  # fmt: skip
-def test_a_graph_s_core_is_found_by_its_entry_s_op_and_domain(nodes, core):
-    from attnx.model.cores import core_from_nodes
+def _graphs():
+    from attnx.model.seen import Seen
 
-    assert core_from_nodes(nodes) == core
+    ms, mha, gqa = contract.MS_DOMAIN, "MultiHeadAttention", "GroupQueryAttention"
+    own = (True,) * 8  # past_key and past_value given, past_sequence_length not (the growing form)
+    shared = (True,) * 9  # past_sequence_length given: the shared cache (the buffer form)
+    growing_if = Seen("", "If", branches=(Seen(ms, mha, "Reshape", own, rows=True), Seen(ms, gqa, "MatMul")))
+    buffer_if = Seen("", "If", branches=(Seen(ms, mha, "Reshape", shared, rows=True), Seen(ms, gqa, "MatMul")))
+    return [
+        ([Seen(ms, "Attention", "Add")], "ms-attention", ["ms-attention"]),
+        ([growing_if], "auto", ["auto"]),  # the growing form's If is the core
+        ([buffer_if], "auto", [None]),  # the buffer form's is read as its branches' cores
+        ([Seen(ms, gqa, "MatMul")], "gqa", ["gqa"]),
+        ([Seen(ms, mha, "Split")], "mha-packed", ["mha-packed"]),
+        ([Seen(ms, mha, "Split"), Seen(ms, mha, "Add")], "mha", ["mha-packed", "mha"]),
+        ([Seen(ms, mha, "Reshape", own, rows=True)], "grouped-mha", ["grouped-mha"]),
+        ([Seen("", "Attention", "Reshape")], "attention23", ["attention23"]),
+        ([Seen("", "MatMul"), Seen("", "Softmax", "Add")], "decomposed", [None, "decomposed"]),
+        ([Seen("", "Softmax", "Add"), Seen(ms, gqa, "MatMul")], "gqa", ["decomposed", "gqa"]),  # a router's Softmax
+        ([Seen("", "If", branches=(Seen(ms, gqa, "MatMul"),))], "gqa", [None]),  # a core inside another If
+    ]
+
+
+@pytest.mark.parametrize(("nodes", "core", "each"), _graphs())
+def test_a_graph_s_core_is_found_by_its_entry_s_op_domain_and_tells(nodes, core, each):
+    from attnx.model.recognise import graph_core, recognise
+    from attnx.model.seen import Found
+
+    assert graph_core(nodes) == core
+    assert [name if found is Found.NODE else None for name, found in map(recognise, nodes)] == each
