@@ -45,20 +45,21 @@ class TensorSpec:
 @dataclasses.dataclass(frozen=True)
 class CacheSpec(TensorSpec):
     """One tensor of a step model's cache, as its core lays it out (AttentionConfig.cache_specs): `role` ("key",
-    "value", "latent") names it past_<role> in and present_<role> out; batch first; `grows` is the dim a token
+    "value", "latent") names it past_<role> in and present_<role> out (a whole model's own names: `pair`); batch first; `grows` is the dim a token
     adds a position to (2); the other dims are fixed sizes. Whatever allocates, feeds, binds or times a cache
     reads these, never per-head k and v."""
 
     role: str = ""
     grows: int = 2
+    pair: tuple[str, str] | None = None  # (past input, present output) where a whole model names them its own way
 
     @property
     def past(self) -> str:
-        return f"past_{self.role}"
+        return self.pair[0] if self.pair else f"past_{self.role}"
 
     @property
     def present(self) -> str:
-        return f"present_{self.role}"
+        return self.pair[1] if self.pair else f"present_{self.role}"
 
     def sized(self, batch: int, length: int) -> tuple[int, ...]:
         """The concrete shape of `batch` rows of `length` positions."""

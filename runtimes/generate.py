@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import InputError, UsageError
+from attnx.model.config import CacheSpec
 from attnx.model.contract import ROPE_POSITIONS_KEY
 from attnx.model.resources import available_memory_bytes
 from attnx.runtimes.base import Runner
@@ -64,8 +65,7 @@ class ModelIO:
     """A whole model's own inputs and outputs, as generation feeds them (ModelIO.of)."""
 
     logits: str
-    caches: tuple[tuple[str, str], ...]  # (past input, present output), in the model's order
-    cache_dims: tuple[tuple[int, int], ...]  # each cache's (heads, head_dim)
+    caches: tuple[CacheSpec, ...]  # each cache's layout (past input, present output, sizes), in the model's order
     cache_dtype: Any
     positions: bool  # the model takes position_ids
     mask: bool  # the model takes attention_mask
@@ -84,7 +84,7 @@ class ModelIO:
         if "input_ids" not in inputs:
             raise UsageError("the model takes no input_ids: attnx generate feeds token ids")
         logits = "logits" if "logits" in outputs else runner.outputs[0].name
-        caches, dims = [], []
+        caches = []
         for name, spec in inputs.items():
             if not name.startswith(_CACHE_IN):
                 continue
@@ -98,10 +98,9 @@ class ModelIO:
             if len(spec.shape) != 4 or not isinstance(heads, int) or not isinstance(size, int):
                 raise UsageError(f"the model's cache input {name} is {list(spec.shape)}: not [batch, heads, past, "
                                  "head_dim] with its heads and head_dim fixed, or said by its blocks")  # fmt: skip
-            caches.append((name, present))
-            dims.append((heads, size))
+            caches.append(CacheSpec(name, spec.dtype, ("batch", heads, spec.shape[2], size), pair=(name, present)))
         form = "buffer" if _SEQLENS in inputs else "growing"
-        known = {"input_ids", "attention_mask", "position_ids"} | {p for p, _ in caches}
+        known = {"input_ids", "attention_mask", "position_ids"} | {s.past for s in caches}
         if form == "buffer":
             known |= {_SEQLENS, _TOTAL}
         other = sorted(set(inputs) - known)
@@ -113,8 +112,8 @@ class ModelIO:
             raise UsageError(f"the model takes {_SEQLENS} but no cache: not attnx's buffer form")
         vocab = outputs[logits].shape[-1] if outputs[logits].shape else None
         batch = inputs["input_ids"].shape[0] if inputs["input_ids"].shape else None
-        dtype = _NP.get(inputs[caches[0][0]].dtype, np.float32) if caches else np.float32
-        return cls(logits, tuple(caches), tuple(dims), dtype, "position_ids" in inputs, "attention_mask" in inputs,
+        dtype = _NP.get(caches[0].dtype, np.float32) if caches else np.float32
+        return cls(logits, tuple(caches), dtype, "position_ids" in inputs, "attention_mask" in inputs,
                    vocab if isinstance(vocab, int) else None, batch if isinstance(batch, int) else None,
                    form, _NP.get(outputs[logits].dtype, np.float32))  # fmt: skip
 
@@ -179,7 +178,7 @@ class _GrowingCache:
     def __init__(self, engine: Engine) -> None:
         self.engine, self.io = engine, engine.io
         self.rows: list[Request] = []
-        self.caches: list[np.ndarray] = [np.zeros((0, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
+        self.caches: list[np.ndarray] = [np.zeros(s.sized(0, 0), self.io.cache_dtype) for s in self.io.caches]
         self.mask = np.zeros((0, 0), np.int64)
         self.positions = np.zeros(0, np.int64)
         self._joining: list[np.ndarray] | None = None
@@ -193,7 +192,7 @@ class _GrowingCache:
         if start or end not in (None, len(request.prompt)):
             raise UsageError("the model's own I/O prefills a prompt whole: chunks need the buffer form")
         n = len(request.prompt)
-        empty = [np.zeros((1, h, 0, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
+        empty = [np.zeros(s.sized(1, 0), self.io.cache_dtype) for s in self.io.caches]
         logits, self._joining = self._run(np.asarray([request.prompt], np.int64), np.ones((1, n), np.int64),
                                           np.arange(n, dtype=np.int64)[None], empty)  # fmt: skip
         return logits[0]
@@ -202,8 +201,8 @@ class _GrowingCache:
         """The row just prefilled joins: its cache [1, h, L, d] and the batch's left-padded to the longer of the two."""
         length = len(request.prompt)
         total = max(self.length, length)
-        self.caches = [np.concatenate([_left_pad(c, total), _left_pad(new, total)], axis=0)
-                       for c, new in zip(self.caches, self._joining)]  # fmt: skip
+        self.caches = [np.concatenate([_left_pad(c, total, s.grows), _left_pad(new, total, s.grows)], axis=0)
+                       for s, c, new in zip(self.io.caches, self.caches, self._joining)]  # fmt: skip
         own = np.concatenate([np.zeros((1, total - length), np.int64), np.ones((1, length), np.int64)], axis=1)
         self.mask = np.concatenate([_left_pad(self.mask, total, axis=1), own], axis=0)
         self.positions = np.append(self.positions, length)
@@ -234,7 +233,8 @@ class _GrowingCache:
         used = np.flatnonzero(self.mask.any(axis=0))
         start = int(used[0]) if used.size else self.length
         self.mask = self.mask[:, start:]
-        self.caches = [c[keep][:, :, start:] for c in self.caches]
+        self.caches = [np.take(c[keep], range(start, c.shape[s.grows]), axis=s.grows)
+                       for s, c in zip(self.io.caches, self.caches)]  # fmt: skip
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
              caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
@@ -243,12 +243,12 @@ class _GrowingCache:
             feeds["attention_mask"] = mask
         if self.io.positions:
             feeds["position_ids"] = positions
-        feeds.update({past: c for (past, _), c in zip(self.io.caches, caches)})
+        feeds.update({s.past: c for s, c in zip(self.io.caches, caches)})
         out = self.engine.runner.run(feeds)
-        return out[self.io.logits], [out[present] for _, present in self.io.caches]
+        return out[self.io.logits], [out[s.present] for s in self.io.caches]
 
 
-def _left_pad(a: np.ndarray, total: int, axis: int = 2) -> np.ndarray:
+def _left_pad(a: np.ndarray, total: int, axis: int) -> np.ndarray:
     """`a` with zeros before it along `axis` to `total` entries."""
     missing = total - a.shape[axis]
     if missing <= 0:
@@ -282,7 +282,7 @@ class _SharedCache:
         if table is not None and capacity > int(table):  # the op's rotation reads a table of so many rows
             raise InputError(f"a request reaches position {capacity - 1}, past the model's rope table (positions 0 to "
                              f"{int(table) - 1}): shorten its prompt or --max-new-tokens")  # fmt: skip
-        self.buffers = [np.zeros((rows, h, capacity, d), self.io.cache_dtype) for h, d in self.io.cache_dims]
+        self.buffers = [np.zeros(s.sized(rows, capacity), self.io.cache_dtype) for s in self.io.caches]
         self.rows: list[Request] = []
         self.lengths = np.zeros(rows, np.int64)  # positions filled, per slot
         # a step's inputs and logits, bound by address: [:B] of each is the step of B rows
@@ -295,9 +295,9 @@ class _SharedCache:
     def _binding(self, first: int, rows: int) -> Any:
         """A binding of every cache input and its present to slots first..first+rows-1 of its buffer, by address."""
         b = self.session.io_binding()
-        for (past, present), buffer in zip(self.io.caches, self.buffers):
+        for spec, buffer in zip(self.io.caches, self.buffers):
             view = buffer[first:first + rows]
-            for name, bind in ((past, b.bind_input), (present, b.bind_output)):
+            for name, bind in ((spec.past, b.bind_input), (spec.present, b.bind_output)):
                 bind(name, "cpu", 0, buffer.dtype.type, view.shape, view.ctypes.data)
         return b
 
@@ -382,8 +382,10 @@ class _SharedCache:
             self._move(free, len(self.rows), self.partial)
 
     def _move(self, source: int, slot: int, n: int) -> None:
-        for buffer in self.buffers:
-            buffer[slot, :, :n] = buffer[source, :, :n]
+        for spec, buffer in zip(self.io.caches, self.buffers):  # its first n positions, along the growing dim
+            at = [slice(None)] * buffer.ndim
+            at[spec.grows] = slice(0, n)
+            buffer[slot][tuple(at[1:])] = buffer[source][tuple(at[1:])]
         self.lengths[slot] = n
 
 
@@ -418,7 +420,7 @@ class Engine:
 
     def row_bytes(self, capacity: int) -> int:
         """The bytes of one row's cache of `capacity` positions."""
-        return capacity * np.dtype(self.io.cache_dtype).itemsize * sum(h * d for h, d in self.io.cache_dims)
+        return capacity * np.dtype(self.io.cache_dtype).itemsize * sum(s.token_values for s in self.io.caches)
 
     def batch_rows(self, requests: Sequence[Request]) -> int:
         """The rows decoded at once: max_batch where it was given (or the model fixes it), else every request,

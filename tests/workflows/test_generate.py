@@ -101,7 +101,7 @@ def test_the_default_batch_is_every_request_within_half_the_memory_available(pac
         requests = [generate.Request(i, p, NEW) for i, p in enumerate(prompts)]
         assert engine.batch_rows(requests) == len(prompts)
         longest = max(len(p) for p in prompts) + NEW
-        row = longest * 4 * sum(h * d for h, d in engine.io.cache_dims)  # float32 caches
+        row = longest * 4 * sum(s.token_values for s in engine.io.caches)  # float32 caches
         monkeypatch.setattr(generate, "available_memory_bytes", lambda: 2 * 2 * row + 1)  # half of it: 2 rows
         assert engine.batch_rows(requests) == 2
         tokens = model.generate(prompts, max_new_tokens=NEW)
@@ -307,3 +307,28 @@ def test_run_refuses_a_whole_models_package_and_inspect_describes_it(packages, t
     assert main(["inspect", str(pkg)]) == 0
     out = capsys.readouterr().out
     assert "kind: model" in out and '"lengths": [3, 11, 6, 17]' in out
+
+
+def test_a_whole_models_caches_are_read_as_their_layouts_a_latent_one_included():
+    """ModelIO.of reads each cache input as a layout (CacheSpec: its past and present, sizes, the growing dim): a
+    latent cache [batch, 1, past, 576] (MLA's, one "head") costs a row 576 values a position, per-head keys and
+    values heads x (head_dim + v_head_dim); a size the model names is taken from what its blocks said."""
+    from types import SimpleNamespace
+
+    from attnx.model.config import TensorSpec
+    from attnx.runtimes.generate import Engine
+
+    def runner(caches):
+        inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
+                  *(TensorSpec(f"past_key_values.0.{n}", "fp32", shape) for n, shape in caches)]  # fmt: skip
+        outputs = [TensorSpec("logits", "fp32", ("batch", "seq", 32)),
+                   *(TensorSpec(f"present.0.{n}", "fp32", shape) for n, shape in caches)]  # fmt: skip
+        return SimpleNamespace(inputs=inputs, outputs=outputs, name="fake")
+
+    latent = Engine(runner([("latent", ("batch", 1, "past", 576))]))
+    (spec,) = latent.io.caches
+    assert (spec.past, spec.present, spec.sized(3, 5)) == ("past_key_values.0.latent", "present.0.latent", (3, 1, 5, 576))
+    assert latent.row_bytes(10) == 10 * 4 * 576
+    kv = Engine(runner([("key", ("batch", 2, "past", "kv_cache_dim")), ("value", ("batch", 2, "past", 8))]),
+                cache_dims={"past_key_values.0.key": [2, 16]})  # fmt: skip
+    assert kv.row_bytes(10) == 10 * 4 * 2 * (16 + 8)
