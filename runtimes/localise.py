@@ -177,18 +177,21 @@ def core_bytes(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
     """The bytes of one float64 copy of the case's scores (or probs): [batch, n_heads, seq, keys]."""
     batch, seq = feeds["x"].shape[:2]
     keys = feeds["memory"].shape[1] if config.cross else seq
-    past = feeds.get("past_key", feeds.get("past_latent"))  # a step's cache (a latent config's: past_latent)
-    if past is not None:
-        keys += past.shape[2]
+    keys += _past_length(config, feeds)
     return batch * config.n_heads * seq * keys * 8
 
 
 def case_flops(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
     """The FLOPs of the case (attention_flops), the keys of a past cache counted in its core."""
     batch, seq = feeds["x"].shape[:2]
-    memory, past_key = feeds.get("memory"), feeds.get("past_key", feeds.get("past_latent"))
-    return attention_flops(config, batch, seq, None if memory is None else memory.shape[1],
-                           0 if past_key is None else past_key.shape[2])  # fmt: skip
+    memory = feeds.get("memory")
+    return attention_flops(config, batch, seq, None if memory is None else memory.shape[1], _past_length(config, feeds))
+
+
+def _past_length(config: AttentionConfig, feeds: Mapping[str, np.ndarray]) -> int:
+    """The positions a step's cache holds (its first cache_specs tensor along its growing dim), 0 without one."""
+    spec = config.cache_specs()[0]
+    return feeds[spec.name].shape[spec.grows] if config.kv_cache and spec.name in feeds else 0
 
 
 def localise_case(

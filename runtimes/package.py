@@ -243,8 +243,8 @@ def _replay_decode(runner: Runner, case: Mapping[str, Any], feeds: dict[str, np.
     prefill = decode.get("prefill") if isinstance(decode, dict) else None
     if not isinstance(prefill, int) or isinstance(prefill, bool) or not 0 <= prefill < feeds["x"].shape[1]:
         raise _BadGolden(f"its 'decode' entry {decode!r} gives no prefill length within its {feeds['x'].shape[1]} tokens")
-    y, (present_key, present_value) = decode_sequence(runner, feeds, prefill)
-    return {"y": y, "present_key": present_key, "present_value": present_value}
+    y, cache = decode_sequence(runner, feeds, prefill)  # present_key, present_value; present_latent (cache_specs)
+    return {"y": y, **{spec.name: a for spec, a in zip(runner.source.config.cache_specs(prefix="present_"), cache)}}
 
 
 def _check_golden(root: str, manifest: Mapping[str, Any], runner: Runner) -> list[Check]:
