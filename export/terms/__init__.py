@@ -5,7 +5,10 @@ or a model's attnx.config), and how each core writes and reads it. Each entry's 
 line each, "layer N: ..."; compare_terms() runs them in the formula's order (TERMS) after the core's own (heads,
 scale), so a new term is its module here and its entry there, never a branch in the audit.
 
-    compare(graph, facts, source, ctx) -> [finding]     graph, source: AttentionConfig; facts: what the reader noted
+    compares(graph, reading, source, ctx) -> [finding]  graph, source: AttentionConfig; reading: what the block's
+                                                        reading holds of the term, typed (the entry's reading(facts):
+                                                        RopeReading, MaskReading; None where the configs suffice)
+    compare(graph, facts, source, ctx)                  the same from a block's facts
 
 Why found by the term's name, not registered: the entry (attnx.model.terms) is the ground layer, which may not
 import this one; the graph half is the module of the entry's name in this package, so adding one is writing the

@@ -23,7 +23,22 @@ class Context:
         return f"{self.where}: {graph} in the graph, {source} in {self.source}{why}"
 
 
-Compare = Callable[[AttentionConfig, dict[str, Any], AttentionConfig, Context], list[str]]
+# compares(graph, reading, source, ctx) -> [finding]: the graph's config, the term's reading (GraphTerm.reading)
+Compare = Callable[[AttentionConfig, Any, AttentionConfig, Context], list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskReading:
+    """What a block's reading says of its mask, the mask terms' reading: how a computed mask was read (its grid
+    said: "causal, window 4"; None: not read) and the local_window_size GroupQueryAttention states (None: no node
+    states one)."""
+
+    mask: str | None = None
+    local_window_size: int | None = None
+
+    @classmethod
+    def of(cls, facts: Mapping[str, Any]) -> MaskReading:
+        return cls(facts.get("mask"), facts.get("local_window_size"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +67,7 @@ class GraphTerm:
     """The graph side of one term (the module doc)."""
 
     name: str
-    compare: Compare
+    compares: Compare
     attributes: Mapping[str, OpAttribute] = dataclasses.field(default_factory=dict)  # {core: its attribute}
     # from the scalings between q.k and a Softmax (ScoreChain.scalings, from the Softmax back): the term's value and
     # the scalings left; None where the term is not among them
@@ -91,6 +106,14 @@ class GraphTerm:
     # a term of place "qk" written in standard ops whatever the core (after the norms and rotation written per
     # style: attnx.export._llm): emit_qk(g, config, q, k, step) -> (q, k), each [B, S, heads * head_dim]
     emit_qk: Callable[[Any, AttentionConfig, str, str, bool], tuple[str, str]] | None = None
+    # what the block's reading holds of the term, typed (RopeReading, MaskReading), from the reader's facts; None:
+    # compares() reads the configs alone
+    reading: Callable[[Mapping[str, Any]], Any] = lambda facts: None
+
+    def compare(self, graph: AttentionConfig, facts: Mapping[str, Any], source: AttentionConfig,
+                ctx: Context) -> list[str]:  # fmt: skip
+        """The findings of the graph's value of the term against the source's, from a block's facts (its reading)."""
+        return self.compares(graph, self.reading(facts), source, ctx)
 
 
 def presence(name: str, graph: bool, source: bool, ctx: Context) -> list[str]:

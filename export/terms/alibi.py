@@ -12,7 +12,7 @@ from attnx.model.alibi import alibi_slopes
 from attnx.model.config import AttentionConfig
 
 
-def _alibi(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def _alibi(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context) -> list[str]:
     return presence("the ALiBi bias", g.alibi, c.alibi, ctx)
 
 

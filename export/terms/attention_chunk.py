@@ -7,16 +7,16 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from attnx.export.terms._base import Context, GraphTerm
+from attnx.export.terms._base import Context, GraphTerm, MaskReading
 from attnx.model.config import AttentionConfig
 
 
-def compare_chunk(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def compare_chunk(g: AttentionConfig, reading: MaskReading, c: AttentionConfig, ctx: Context) -> list[str]:
     if g.attention_chunk == c.attention_chunk:
         return []
     graph = f"chunks of {g.attention_chunk}" if g.attention_chunk else "no chunks"
     source = f"attention_chunk {c.attention_chunk}" if c.attention_chunk else "no chunks"
-    return [f"{ctx.where}: {graph} in the graph (its mask: {facts.get('mask', 'not read')}), {source} in "
+    return [f"{ctx.where}: {graph} in the graph (its mask: {reading.mask or 'not read'}), {source} in "
             f"{ctx.source}"]  # fmt: skip
 
 
@@ -48,4 +48,5 @@ def fit_chunk(allowed: np.ndarray) -> tuple[int | None, str | None]:
     return (size, f"chunks of {size}") if np.array_equal(allowed, chunked) else (None, None)
 
 
-GRAPH = GraphTerm("attention_chunk", compare_chunk, hides=hides_other_chunk, fit_grid=fit_chunk)
+GRAPH = GraphTerm("attention_chunk", compare_chunk, hides=hides_other_chunk, fit_grid=fit_chunk,
+                  reading=MaskReading.of)

@@ -16,7 +16,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.terms import Temperature
 
 
-def _temperature(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def _temperature(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context) -> list[str]:
     ours, theirs = g.attn_temperature, c.attn_temperature
     if (ours is None) != (theirs is None):
         return presence("the attention temperature", ours is not None, theirs is not None, ctx)

@@ -6,14 +6,14 @@ from typing import Any
 
 import numpy as np
 
-from attnx.export.terms._base import Context, GraphTerm
+from attnx.export.terms._base import Context, GraphTerm, MaskReading
 from attnx.model.config import AttentionConfig
 
 
-def compare_causal(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def compare_causal(g: AttentionConfig, reading: MaskReading, c: AttentionConfig, ctx: Context) -> list[str]:
     if g.causal == c.causal:
         return []
-    mask = f" ({facts['mask']})" if "mask" in facts else ""
+    mask = f" ({reading.mask})" if reading.mask is not None else ""
     return [ctx.said(f"{'a causal mask' if g.causal else 'no causal mask'}{mask}", "causal" if c.causal else "not causal")]
 
 
@@ -27,4 +27,5 @@ def fit_causal(allowed: np.ndarray) -> tuple[bool, str | None]:
     return causal, "causal" if causal else None
 
 
-GRAPH = GraphTerm("causal", compare_causal, hides=hides_later, fit_grid=fit_causal)
+GRAPH = GraphTerm("causal", compare_causal, hides=hides_later, fit_grid=fit_causal,
+                  reading=MaskReading.of)

@@ -12,7 +12,7 @@ from attnx.export.terms._base import Context, GraphTerm, presence
 from attnx.model.config import AttentionConfig
 
 
-def _l2_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def _l2_norm(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context) -> list[str]:
     if (g.qk_l2_norm is None) != (c.qk_l2_norm is None):
         return presence("the q/k norm after rope", g.qk_l2_norm is not None, c.qk_l2_norm is not None, ctx)
     if g.qk_l2_norm is not None and not np.isclose(g.qk_l2_norm, c.qk_l2_norm, rtol=1e-3):

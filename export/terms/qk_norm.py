@@ -14,7 +14,7 @@ from attnx.model.config import AttentionConfig
 from attnx.model.terms import QKNorm
 
 
-def _qk_norm(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def _qk_norm(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context) -> list[str]:
     return presence("q/k norm", g.qk_norm is not None, c.qk_norm is not None, ctx)
 
 

@@ -14,7 +14,7 @@ from attnx.export.terms._base import Context, GraphTerm, OpInput, presence
 from attnx.model.config import AttentionConfig
 
 
-def _sinks(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def _sinks(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context) -> list[str]:
     return presence("sinks", g.sinks, c.sinks, ctx)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from attnx.export.terms._base import Context, GraphTerm, OpAttribute
+from attnx.export.terms._base import Context, GraphTerm, MaskReading, OpAttribute
 from attnx.model.config import AttentionConfig
 
 # local_window_size W is attnx's window: GroupQueryAttention shows key j to query p iff p - W < j <= p (measured
@@ -16,11 +16,11 @@ _WINDOW = OpAttribute("local_window_size", lambda c: c.sliding_window,
                       lambda value: value if value is not None and value > 0 else None)  # fmt: skip
 
 
-def compare_window(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def compare_window(g: AttentionConfig, reading: MaskReading, c: AttentionConfig, ctx: Context) -> list[str]:
     if g.sliding_window == c.sliding_window:
         return []
-    how = (f"local_window_size {facts['local_window_size']}" if "local_window_size" in facts
-           else f"its mask: {facts.get('mask', 'not read')}")  # fmt: skip
+    how = (f"local_window_size {reading.local_window_size}" if reading.local_window_size is not None
+           else f"its mask: {reading.mask or 'not read'}")  # fmt: skip
     graph = f"window {g.sliding_window}" if g.sliding_window else "no window"
     source = f"sliding_window {c.sliding_window}" if c.sliding_window else "no window"
     why = f": every query past {c.sliding_window} sees keys it must not" if c.sliding_window and not g.sliding_window else ""
@@ -43,4 +43,4 @@ def fit_window(allowed: np.ndarray) -> tuple[int | None, str | None]:
 
 
 GRAPH = GraphTerm("sliding_window", compare_window, {"gqa": _WINDOW}, stated=("sliding_window",),
-                  hides=hides_outside, fit_grid=fit_window)
+                  hides=hides_outside, fit_grid=fit_window, reading=MaskReading.of)

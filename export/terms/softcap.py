@@ -13,7 +13,7 @@ from attnx.export.terms._base import Context, GraphTerm, OpAttribute
 from attnx.model.config import AttentionConfig
 
 
-def _softcap(g: AttentionConfig, facts: dict[str, Any], c: AttentionConfig, ctx: Context) -> list[str]:
+def _softcap(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context) -> list[str]:
     if (g.softcap or None) == (c.softcap or None) or (g.softcap and c.softcap and np.isclose(g.softcap, c.softcap,
                                                                                              rtol=1e-6)):  # fmt: skip
         return []

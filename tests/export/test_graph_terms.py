@@ -75,3 +75,23 @@ def test_a_term_missing_from_the_graph_says_its_tensors_once():
 def test_alibi_a_graph_does_not_compute_is_a_finding():
     graph = dataclasses.replace(ALIBI, alibi=False)
     assert compare_terms(graph, {}, ALIBI, CTX) == ["layer 3: the ALiBi bias missing from the graph, in the checkpoint"]
+
+
+def test_the_terms_that_read_a_block_s_facts_compare_a_typed_reading():
+    """rope and the mask terms compare a reading (RopeReading, MaskReading) made from the facts once; the rest
+    compare the configs alone (reading None), and a reading finds what the facts it came from say."""
+    from attnx.export.terms._base import MaskReading
+    from attnx.export.terms.rope import RopeReading
+
+    facts = {**_facts(FULL), "mask": "causal, window 5", "local_window_size": 5}
+    readings = {name: term.reading(facts) for name, term in GRAPH_TERMS.items()}
+    assert {n for n, r in readings.items() if r is not None} == {"rope", "causal", "sliding_window", "attention_chunk"}
+    rope = readings["rope"]
+    assert isinstance(rope, RopeReading) and rope.tables is facts["rope_tables"] and rope.interleaved is False
+    assert rope.tables_at is None and np.isnan(rope.theta)
+    assert readings["causal"] == MaskReading("causal, window 5", 5) == readings["sliding_window"]
+    wider = dataclasses.replace(FULL, sliding_window=5)
+    assert GRAPH_TERMS["sliding_window"].compares(wider, readings["sliding_window"], FULL, CTX) == [
+        "layer 3: window 5 in the graph (local_window_size 5), sliding_window 4 in the checkpoint"]
+    flipped = GRAPH_TERMS["rope"].compares(FULL, dataclasses.replace(rope, interleaved=True), FULL, CTX)
+    assert flipped == ["layer 3: rotary_interleaved 1 in the graph, the checkpoint's rope pairs (i, i+dim/2)"]
