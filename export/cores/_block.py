@@ -173,7 +173,7 @@ def keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray], 
     releases them after each block); without keep_weights none is copied, so none of their pages is read. A rope
     that no theta fits is said (Block.unread)."""
     block.config = config
-    block.weight_dtype = np.asarray(weights["q_proj.weight"]).dtype.name
+    block.weight_dtype = np.asarray(weights["out_proj.weight"]).dtype.name  # (a latent block has no q_proj)
     block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
     if config.rope is None and "rope" in block.facts:
         block.unread = Unread(f"rope {block.facts['rope']}", UnreadKind.UNFIT_TABLE, "rope")

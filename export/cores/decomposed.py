@@ -10,6 +10,7 @@ import onnx_ir as ir
 from attnx.export._latent import latent_heads
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
 from attnx.export.cores._emit import Emit, cache_heads
+from attnx.export.cores._latent_block import read_latent_block
 from attnx.export.cores._registry import CoreGraph, register
 from attnx.export.passes._masks import classify_hidden
 from attnx.export.passes.walk import (
@@ -143,9 +144,8 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
             and 2 * weights["k_proj.weight"].shape[1] < weights["k_proj.weight"].shape[0]:  # fmt: skip
         # one projection widens a low-rank input into both k and v (more than a packed k|v of its width would):
         # DeepSeek's MLA, kv_b_proj over the latent, where a cross attention's packed k|v keeps its width
-        raise NotRead(f"k and v expanded by one projection ({kv_node.name}) from {kv_node.inputs[0].name}, q by "
-                      "another: multi-head latent attention (the latent term), which attnx imports from a checkpoint "
-                      "(attnx import) but does not read from a graph in this version")  # fmt: skip
+        block.masks, block.mask = masks, masks[0][0] if masks else None
+        return read_latent_block(block, paths["q"].projection, kv_node, pv, hd, facts, keep_weights)
     if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
     hidden_state(block, proj_node)

@@ -23,7 +23,7 @@ from attnx.export.passes.quantize import dequantize_node
 from attnx.model.contract import MS_DOMAIN
 
 __all__ = ["NotRead", "Path", "ScoreChain", "find_projection", "head_dim", "is_op", "last_axis_slice", "past_cache",
-           "computed_from", "flat_gemm", "flattened_input", "plain_norm", "position_factor", "positions_of",
+           "computed_from", "flat_gemm", "flattened_input", "pairs_interleaved", "plain_norm", "position_factor", "positions_of",
            "projection", "projection_node", "reaches_matmul", "rms_norm", "score_chain",
            "sink_logits", "strip_layout", "walk"]
 
@@ -314,7 +314,7 @@ def find_projection(value: ir.Value, limit: int = 96) -> tuple[ir.Value, Path]:
             continue  # the table's own inputs (position_ids, inv_freq) hold no projection
         if node.op_type in ("Shape", "Size"):
             continue  # a size, not values: the shape arithmetic above it is not the block's
-        if _pairs_interleaved(node):
+        if pairs_interleaved(node):
             path.interleaved = True
         if node.op_type in ("Mul", "Div") and node.domain in ("", "ai.onnx"):
             consts = [c for i in node.inputs if (c := const_array(i)) is not None]
@@ -424,7 +424,7 @@ def position_factor(value: ir.Value) -> bool:
     return computed_from(value, ("Log",))
 
 
-def _pairs_interleaved(node: ir.Node) -> bool:
+def pairs_interleaved(node: ir.Node) -> bool:
     """A rotation's read of pairs (2i, 2i + 1): a Gather of index 0 or 1 on the last axis, or a Slice of step 2 on it."""
     if is_op(node, "Gather") and (index := const_array(node.inputs[1])) is not None and index.size == 1 \
             and int(index.ravel()[0]) in (0, 1):  # fmt: skip

@@ -271,12 +271,13 @@ class NotFed(Exception):
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
-def graph_feeds(names: Sequence[str], mask: np.ndarray, past_len: int,
-                 cache: np.ndarray | None) -> dict[str, np.ndarray]:  # fmt: skip
+def graph_feeds(names: Sequence[str], mask: np.ndarray, past_len: int, cache: np.ndarray | None,
+                specs: Sequence[Any] = ()) -> dict[str, np.ndarray]:  # fmt: skip
     """The graph inputs a block's cut reads besides its boundary, as transformers makes them for a batch whose
     attention_mask is `mask` [batch, past_len + tokens] (position_ids counted from each row's first token, ids read
     for their shape, attnx's key_padding_mask True where a key is hidden); `cache`: what a cache input is fed (read
-    for its length), None where the block has none to give."""
+    for its length), None where the block has none to give; `specs`: the runner's inputs (TensorSpec), whose static
+    heads and size a cache input of another shape than `cache` is fed at (MLA's two latent parts)."""
     batch, tokens = mask.shape[0], mask.shape[1] - past_len
     positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[:, past_len:]
     feeds: dict[str, np.ndarray] = {}
@@ -290,7 +291,12 @@ def graph_feeds(names: Sequence[str], mask: np.ndarray, past_len: int,
         elif name == "key_padding_mask":  # attnx's own: True hides a key
             feeds[name] = mask == 0
         elif name.startswith("past") and cache is not None:
-            feeds[name] = np.zeros_like(cache)
+            spec = next((s for s in specs if s.name == name and len(s.shape) == 4), None)
+            heads, size = (spec.shape[1], spec.shape[3]) if spec is not None else (None, None)
+            if isinstance(heads, int) and isinstance(size, int) and cache.ndim == 4:
+                feeds[name] = np.zeros((cache.shape[0], heads, cache.shape[2], size), cache.dtype)
+            else:
+                feeds[name] = np.zeros_like(cache)
         else:
             raise NotFed(f"the block reads graph input {name!r}, which the audit does not feed (it feeds "
                          "attention_mask, position_ids, input_ids and token_type_ids as transformers makes them, and "
@@ -316,7 +322,8 @@ def evaluator(graph: AuditGraph, block: Any, names: Sequence[str]) -> Iterator[C
             def run(tokens: int) -> list[np.ndarray]:
                 feeds = {x: np.zeros((batch, tokens, block.config.d_model), dtype)} if x in inputs else {}  # its shape
                 empty = np.zeros((batch, block.config.n_kv_heads, 0, block.config.head_dim), dtype)  # no past
-                feeds.update(graph_feeds([n for n in inputs if n != x], np.ones((batch, tokens), np.int64), 0, empty))
+                feeds.update(graph_feeds([n for n in inputs if n != x], np.ones((batch, tokens), np.int64), 0, empty,
+                                           runner.inputs))  # fmt: skip
                 return [np.asarray(a) for a in runner.run(feeds).values()]
 
             yield run

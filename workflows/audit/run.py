@@ -53,7 +53,7 @@ def run_block(runner: Runner, block: Any, needs: Sequence[str], x: np.ndarray, p
     elif lengths is not None:  # right padding: each row's keys past its length
         mask[np.arange(total)[None, :] >= np.asarray(lengths)[:, None]] = 0
     other_cache = feeds.get(block.inputs.get("past_key"))  # another layer's cache input, read for its length
-    feeds.update(graph_feeds(needs, mask, past_len, other_cache))
+    feeds.update(graph_feeds(needs, mask, past_len, other_cache, runner.inputs))
     outputs = list(runner.run(feeds).values())  # in the cut's order: y, presents (or the stages asked)
     if block.y_bias is not None:  # the output projection's bias, added by the fused op after the block
         outputs[0] = outputs[0] + block.y_bias
@@ -171,10 +171,16 @@ def empty_cache(block: Any, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """A block's past keys and values before its first token, each its own head size (head_dim, v_head_dim): no
     position, or a window's worth where the window is kept in a ring buffer (GroupQueryAttention's
     sliding_window_cache, whose past has the window's capacity)."""
-    config = block.config
     capacity = block.facts.get("cache_capacity", 0)
-    return tuple(np.zeros((batch, config.n_kv_heads, capacity, size), np.float32)  # type: ignore[return-value]
-                 for size in (config.head_dim, config.v_head_dim))  # fmt: skip
+    return tuple(np.zeros((batch, heads, capacity, size), np.float32)  # type: ignore[return-value]
+                 for heads, size in cache_sizes(block))  # fmt: skip
+
+
+def cache_sizes(block: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, size) of a block's key cache and value cache: as its reader found them (facts["cache_sizes"]: MLA's
+    latent parts), or n_kv_heads of head_dim and of v_head_dim."""
+    c = block.config
+    return block.facts.get("cache_sizes") or ((c.n_kv_heads, c.head_dim), (c.n_kv_heads, c.v_head_dim))
 
 
 def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],

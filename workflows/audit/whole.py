@@ -28,7 +28,7 @@ from attnx.model.contract import CONFIG_KEY, io_specs
 from attnx.model.onnx_tensors import external_locations
 from attnx.runtimes._untrusted import read_untrusted_model
 from attnx.workflows.audit.cut import AuditGraph, cut_extractor, read_computed_terms
-from attnx.workflows.audit.run import first_line
+from attnx.workflows.audit.run import cache_sizes, first_line
 from attnx.workflows.audit.shapes import model_shapes
 
 __all__ = ["CacheRead", "WholeModel", "open_whole_model", "read_blocks"]
@@ -99,10 +99,10 @@ class WholeModel:
         if block.config is None:
             return
         capacity = block.facts.get("cache_capacity", 0)
-        for role, size in (("key", block.config.head_dim), ("value", block.config.v_head_dim)):
+        for role, (heads, size) in zip(("key", "value"), cache_sizes(block)):
             past = block.inputs.get(f"past_{role}")
             if past is not None:
-                self.caches[past] = CacheRead(block.config.n_kv_heads, capacity, size)
+                self.caches[past] = CacheRead(heads, capacity, size)
                 if f"present_{role}" in block.outputs:
                     self.presents[past] = block.outputs[f"present_{role}"]
 

@@ -1,0 +1,262 @@
+"""Reading an exported block of multi-head latent attention (the latent term, attnx.model.terms.Latent: DeepSeek-V2/V3's
+MLA, as transformers' DeepseekV3Attention computes it and torch.onnx writes it) into its config and weights.
+
+The decomposed core's reader (export.cores.decomposed) has found the Softmax between q.k and p.v, and k and v made by
+one projection (kv_b_proj) that widens a low-rank input into both. From there, back to the hidden state:
+
+    kv_b_proj       <- [the cache's Concat(past, new)] <- the RMS norm kv_a_layernorm <- the compressed kv, columns
+                       [0, kv_lora_rank) of kv_a_proj_with_mqa (a Split or a Slice of its output)
+    the rope key    <- columns [kv_lora_rank, kv_lora_rank + rope dim) of kv_a_proj_with_mqa, turned by the graph's
+                       cos and sin tables, [the cache's Concat(past, new)]
+    q               <- q_b_proj <- the RMS norm q_a_layernorm <- q_a_proj <- x (q_lora_rank), or q_proj <- x
+
+and each head's q laid out [nope | rope] as transformers' projection writes it (attnx.model.terms.latent). What is read
+is the structure and the numbers (weights, both norms' eps, the scale, which tables turn the rope parts, whether the rope
+part is read in pairs); how the graph turns, joins and scores them is what the audit's proof holds against the float64
+formula. The cache, where the graph has one, is two tensors (transformers': the normed compressed kv as the key, the
+turned rope key as the value, each [batch, 1, tokens, size]): named as the block's past/present key and value, their
+sizes in facts["cache_sizes"]. What does not fit raises NotRead naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from attnx.export.cores._block import Block, hidden_state, keep, output_projection
+from attnx.export.passes._base import const_array
+from attnx.export.passes.walk import NotRead, is_op, last_axis_slice, pairs_interleaved, projection, rms_input, rms_norm
+from attnx.model.config import AttentionConfig, Latent
+from attnx.model.rope import Rope
+
+__all__ = ["read_latent_block"]
+
+_LAYOUT = ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Cast")
+
+
+def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Node, head_dim: int,
+                      facts: dict[str, Any], keep_weights: bool) -> Block:  # fmt: skip
+    """The block of `kv_b` (the MatMul expanding the compressed kv into each head's [k_nope | v]) and `q_value` (q's
+    projection output), its core's p.v `pv`; facts: what the core's reader found (the scale, the masks' tensors)."""
+    w_kvb, b_kvb = _projection_of(kv_b.outputs[0], "kv_b_proj")
+    if b_kvb is not None and np.any(b_kvb):
+        raise NotRead(f"{kv_b.name}: kv_b_proj with a bias, which the latent term has not")
+    normed, past_kv, present_kv = _through_cache(kv_b.inputs[0])
+    kv_norm, eps, compressed = _norm_of(normed, "kv_a_layernorm")
+    split, kv_a_value = _columns(compressed)
+    w_kva, b_kva = _projection_of(kv_a_value, "kv_a_proj_with_mqa")
+    R = int(kv_norm.shape[0])
+    r = w_kva.shape[1] - R
+    if _part_columns(split, compressed) != (0, R) or r <= 0 or r % 2:
+        raise NotRead(f"{compressed.name}: not the first {R} columns of kv_a_proj_with_mqa ({w_kva.shape[1]} wide) "
+                      "with an even rope part after them")  # fmt: skip
+    rope_part = _other_part(split, compressed, (R, R + r))
+    x = kv_a_value.producer().inputs[0]
+    weights: dict[str, np.ndarray] = {}
+    q_node = q_value.producer()
+    if q_node.inputs[0] is x:  # q_proj from the hidden state
+        q_lora, w_q, b_q = None, *_projection_of(q_value, "q_proj")
+        weights.update({"q_proj.weight": w_q.T, "q_proj.bias": _bias(b_q, w_q)})
+        first = q_node
+    else:  # q_a_proj, q_a_layernorm, q_b_proj
+        w_qb, b_qb = _projection_of(q_value, "q_b_proj")
+        if b_qb is not None and np.any(b_qb):
+            raise NotRead(f"{q_node.name}: q_b_proj with a bias, which the latent term has not")
+        q_norm, q_eps, q_a = _norm_of(q_node.inputs[0], "q_a_layernorm")
+        if q_eps != eps:
+            raise NotRead(f"q_a_layernorm's eps {q_eps!r} and kv_a_layernorm's {eps!r} differ: the latent term has one")
+        w_qa, b_qa = _projection_of(q_a, "q_a_proj")
+        first = q_a.producer()
+        if first.inputs[0] is not x:
+            raise NotRead(f"q_a_proj reads {first.inputs[0].name}, kv_a_proj_with_mqa {x.name}: not one hidden state")
+        q_lora = int(q_norm.shape[0])
+        weights.update({"q_a_proj.weight": w_qa.T, "q_a_proj.bias": _bias(b_qa, w_qa), "q_a_layernorm.weight": q_norm,
+                        "q_b_proj.weight": w_qb.T})  # fmt: skip
+    weights.update({"kv_a_proj_with_mqa.weight": w_kva.T, "kv_a_proj_with_mqa.bias": _bias(b_kva, w_kva),
+                    "kv_a_layernorm.weight": kv_norm, "kv_b_proj.weight": w_kvb.T})  # fmt: skip
+    q_width = next(w for k, w in weights.items() if k in ("q_proj.weight", "q_b_proj.weight")).shape[0]
+    if q_width % head_dim or head_dim <= r:
+        raise NotRead(f"q {q_width} wide is not heads of {head_dim} with a rope part of {r} in each")
+    n_heads, nope = q_width // head_dim, head_dim - r
+    v_head_dim = w_kvb.shape[1] // n_heads - nope
+    if w_kvb.shape[1] % n_heads or v_head_dim <= 0:
+        raise NotRead(f"kv_b_proj {w_kvb.shape[1]} wide is not {n_heads} heads' k_nope ({nope}) and v")
+    hidden_state(block, first)
+    block.outputs["y"] = output_projection(pv.outputs[0], weights, block).name
+    facts["rotary_interleaved"] = interleaved = _rope_tables(rope_part, q_value, facts)
+    past_rope, present_rope = _rope_cache(rope_part)
+    if (past_kv is None) != (past_rope is None):
+        raise NotRead("a cache of the compressed kv or of the rope key alone")
+    if past_kv is not None:
+        block.inputs.update(past_key=past_kv.name, past_value=past_rope.name)
+        block.outputs.update(present_key=present_kv.name, present_value=present_rope.name)
+        facts["cache_sizes"] = ((1, R), (1, r))  # (heads, size) of the key cache and the value cache
+    # the rope's frequencies are read from the graph's tables by running them (the audit's read_computed_terms),
+    # which replaces this one (theta unread: 10000 until then)
+    config = AttentionConfig(
+        d_model=w_kva.shape[0], n_heads=n_heads, head_dim=head_dim, v_head_dim=v_head_dim, n_kv_heads=n_heads,
+        bias=True, causal=False, scale=facts["scale"], rope=Rope(10000.0, r, interleaved),
+        latent=Latent(R, q_lora, eps),
+    )  # fmt: skip
+    block.facts.update(facts)
+    return keep(block, config, weights, keep_weights)
+
+
+def _projection_of(value: ir.Value, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    found = projection(value)
+    if found is None:
+        raise NotRead(f"{name} {value.name}: not read as a projection of constant weights")
+    return found
+
+
+def _bias(b: np.ndarray | None, w: np.ndarray) -> np.ndarray:
+    return b if b is not None else np.zeros(w.shape[1], np.float32)
+
+
+def _through_cache(value: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
+    """Back from kv_b_proj's input through the heads' layout and the cache's Concat(past, new): (the new latents,
+    the past graph input, the Concat's output) or (value, None, None) without a cache."""
+    past = present = None
+    while (node := value.producer()) is not None:
+        if is_op(node, "Concat") and len(node.inputs) == 2 and node.inputs[0].is_graph_input() and past is None:
+            past, present, value = node.inputs[0], node.outputs[0], node.inputs[1]
+        elif node.op_type in _LAYOUT and node.domain in ("", "ai.onnx"):
+            value = node.inputs[0]
+        else:
+            break
+    return value, past, present
+
+
+def _norm_of(value: ir.Value, name: str) -> tuple[np.ndarray, float, ir.Value]:
+    """(weight, eps, the normed input) of the RMS norm `name` whose output is `value`."""
+    node = value.producer()
+    read = rms_norm(node) if is_op(node, "Mul") else None
+    if read is None:
+        raise NotRead(f"{name} {value.name}: not read as an RMS norm (made by {node.op_type if node else 'an input'})")
+    weight, eps = read
+    normed = rms_input(node)
+    if len(normed) != 1:
+        raise NotRead(f"{name} {value.name}: the value it normalizes is not one tensor")
+    value = normed[0]
+    while is_op(value.producer(), "Cast"):
+        value = value.producer().inputs[0]
+    return np.asarray(weight), eps, value
+
+
+def _columns(part: ir.Value) -> tuple[ir.Node, ir.Value]:
+    """The Split or Slice that takes `part` from a projection's output, and that output."""
+    node = part.producer()
+    if is_op(node, "Split") or (is_op(node, "Slice") and last_axis_slice(node) is not None):
+        return node, node.inputs[0]
+    raise NotRead(f"{part.name}: not columns of kv_a_proj_with_mqa (made by {node.op_type if node else 'an input'})")
+
+
+def _part_columns(node: ir.Node, part: ir.Value) -> tuple[int, int] | None:
+    if node.op_type == "Slice":
+        cols = last_axis_slice(node)
+        return cols.start, cols.stop
+    sizes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+    if sizes is None:
+        return None
+    index = list(node.outputs).index(part)
+    start = int(np.sum(sizes[:index]))
+    return start, start + int(sizes[index])
+
+
+def _other_part(node: ir.Node, part: ir.Value, cols: tuple[int, int]) -> ir.Value:
+    """The rope key: the Split's other output, or a Slice of the same projection output, at columns `cols`."""
+    if node.op_type == "Split":
+        others = [o for o in node.outputs if o is not part]
+        if len(others) == 1 and _part_columns(node, others[0]) == cols:
+            return others[0]
+    else:
+        for user, _ in node.inputs[0].uses():
+            if is_op(user, "Slice") and (s := last_axis_slice(user)) is not None and (s.start, s.stop) == cols:
+                return user.outputs[0]
+    raise NotRead(f"kv_a_proj_with_mqa's columns {cols[0]}..{cols[1]} (the rope key): not taken apart")
+
+
+def _forward(value: ir.Value, limit: int = 24) -> tuple[list[ir.Node], bool]:
+    """The Muls reached from `value` through layout, Slice and Gather ops (breadth first), and whether a Slice or a
+    Gather on the way reads pairs (2i, 2i + 1) (walk's rule: an interleaved rotation)."""
+    seen, queue, muls, pairs = set(), [value], [], False
+    while queue and len(seen) < limit:
+        for user, _ in queue.pop(0).uses():
+            if id(user) in seen:
+                continue
+            seen.add(id(user))
+            if is_op(user, "Mul"):
+                muls.append(user)
+            elif user.op_type in (*_LAYOUT, "Slice", "Gather", "Neg", "Split") and user.domain in ("", "ai.onnx"):
+                pairs = pairs or pairs_interleaved(user)
+                queue += list(user.outputs)
+    return muls, pairs
+
+
+def _table_op(value: ir.Value, limit: int = 8) -> ir.Node | None:
+    """The Cos or Sin node a table value is computed by, through the layout, Slice and Gather ops."""
+    for _ in range(limit):
+        node = value.producer()
+        if node is None:
+            return None
+        if node.op_type in ("Cos", "Sin"):
+            return node
+        if node.op_type not in (*_LAYOUT, "Slice", "Gather", "Expand"):
+            return None
+        value = node.inputs[0] if node.op_type != "Gather" or const_array(node.inputs[0]) is None else node.inputs[1]
+    return None
+
+
+def _tables_turning(value: ir.Value) -> tuple[dict[str, ir.Value], bool]:
+    """The cos and sin values of the Muls that turn `value` (a rope part), and whether it is read in pairs
+    (transformers' rope_interleave: Slices of step 2)."""
+    found: dict[str, ir.Value] = {}
+    muls, pairs = _forward(value)
+    for mul in muls:
+        for i in mul.inputs:
+            op = _table_op(i)
+            if op is not None:
+                found.setdefault(op.op_type, i)
+    if set(found) != {"Cos", "Sin"}:
+        raise NotRead(f"{value.name}: the rope part is not turned by a cos and a sin table")
+    return found, pairs
+
+
+def _rope_tables(rope_key: ir.Value, q_value: ir.Value, facts: dict[str, Any]) -> bool:
+    """The tables turning the rope key and q's rope parts (the same Cos and Sin), named in facts["rope_tensors"] for
+    the audit to read by running them; whether the parts are read in pairs."""
+    k_tables, k_pairs = _tables_turning(rope_key)
+    q_parts = [o for node in _q_splits(q_value) for o in node.outputs[1:]]
+    if not q_parts:
+        raise NotRead(f"{q_value.name}: q's heads are not taken apart into nope and rope parts")
+    q_tables, q_pairs = _tables_turning(q_parts[0])
+    if {k: _table_op(v) for k, v in k_tables.items()} != {k: _table_op(v) for k, v in q_tables.items()} \
+            or k_pairs != q_pairs:  # fmt: skip
+        raise NotRead("q's rope parts and the rope key are turned by different tables")
+    facts["rope_tensors"] = (k_tables["Cos"].name, k_tables["Sin"].name)
+    return k_pairs
+
+
+def _q_splits(q_value: ir.Value) -> list[ir.Node]:
+    """The Split (or the Slices) taking each head of q apart into its nope and rope parts, below the heads' layout."""
+    value = q_value
+    while (users := [u for u, _ in value.uses()]) and len(users) == 1 and users[0].op_type in _LAYOUT:
+        value = users[0].outputs[0]
+    return [u for u, _ in value.uses() if is_op(u, "Split") and len(u.outputs) == 2]
+
+
+def _rope_cache(rope_key: ir.Value) -> tuple[ir.Value | None, ir.Value | None]:
+    """The cache's Concat(past, new) of the turned rope key, where the graph has one: (past input, present)."""
+    seen, queue = set(), [rope_key]
+    while queue and len(seen) < 32:
+        for user, i in queue.pop(0).uses():
+            if id(user) in seen:
+                continue
+            seen.add(id(user))
+            if is_op(user, "Concat") and len(user.inputs) == 2 and user.inputs[0].is_graph_input() and i == 1:
+                return user.inputs[0], user.outputs[0]
+            if user.op_type in (*_LAYOUT, "Slice", "Mul", "Sub", "Add", "Neg", "Concat") and user.domain in ("", "ai.onnx"):
+                queue += list(user.outputs)
+    return None, None
