@@ -53,6 +53,7 @@ GRAPH_TERMS: dict[str, GraphTerm] = {t.name: g for t in TERMS.values() if (g := 
 NOT_COMPARED = {"cross", "kv_cache", "key_padding_mask", "latent"}
 assert set(GRAPH_TERMS) | NOT_COMPARED == set(TERMS), set(TERMS) ^ (set(GRAPH_TERMS) | NOT_COMPARED)
 assert all(g.name == n for n, g in GRAPH_TERMS.items()), "a graph half's name is its module's (its entry's)"
+assert _HALVES <= set(TERMS), f"a graph half of no term (its module is named as its term): {_HALVES - set(TERMS)}"
 
 
 def compare_terms(graph: AttentionConfig, facts: dict[str, Any], source: AttentionConfig, ctx: Context) -> list[str]:

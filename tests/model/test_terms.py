@@ -44,6 +44,16 @@ def test_every_term_is_in_the_formulas_order_with_its_keys_and_functions():
         assert (term.reference is None) == (term.torch is None) == (name in STRUCTURAL), name
 
 
+def test_every_module_of_the_terms_package_is_an_entry_in_the_order():
+    """A term's module left out of _IN_ORDER would be silently no term: every public module is one."""
+    import pkgutil
+
+    import attnx.model.terms as package
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")}
+    assert modules == set(TERMS) and len(TERMS) == 15
+
+
 def test_a_configs_terms_and_their_tensors():
     assert ALL_TERMS.terms == ("grouped_heads", "qk_norm", "rope", "softcap", "alibi", "causal", "sliding_window",
                                "key_padding_mask", "sinks")  # fmt: skip
