@@ -11,10 +11,11 @@ import numpy as np
 import onnx
 import pytest
 
+from attnx.cli import main
 from attnx.workflows.audit.audit import audit_model
 
-MODEL = os.path.join(os.path.dirname(__file__), "..", "fixtures", "exported", "torch-dynamo", "deepseek_v3", "sdpa",
-                     "model.onnx")  # fmt: skip
+HERE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "exported", "torch-dynamo", "deepseek_v3")
+MODEL, CHECKPOINT = os.path.join(HERE, "sdpa", "model.onnx"), os.path.join(HERE, "checkpoint")
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +69,20 @@ def test_a_block_whose_two_norms_differ_in_eps_is_named_not_read(tmp_path):
     assert [b.index for b in found.blocks] == [0] and found.blocks[0].passed
     assert len(found.unread) == 1 and not found.passed
     assert "q_a_layernorm's eps" in found.unread[0] and "latent term has one" in found.unread[0]
+
+
+def test_each_block_pairs_with_its_checkpoint_layer_and_states_what_it_imports(capsys):
+    # the layers sampled by o_proj alone (a latent layer has no q, k, v projections); the terms and weights read
+    # from the graph are the ones `attnx import` reads from the checkpoint: no finding
+    assert main(["audit", MODEL, "--checkpoint", CHECKPOINT]) == 0
+    out = capsys.readouterr().out
+    assert "block 0 = checkpoint layer 0: pass" in out and "block 1 = checkpoint layer 1: pass" in out
+
+
+def test_optimize_keeps_each_mla_block_naming_the_latent_no_fused_core_expresses(tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", MODEL, "--out", str(out)]) == 1
+    said = capsys.readouterr()
+    kept = [line for line in (said.out + said.err).splitlines() if line.startswith("block ") and " kept: " in line]
+    assert len(kept) == 2 and all("does not express latent" in line for line in kept)
+    assert not out.exists()  # nothing written

@@ -10,6 +10,7 @@ import numpy as np
 
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import CONFIG_KEY, config_from_metadata
+from attnx.model.families import ROTARY_FAMILIES
 from attnx.model.importers import PROJECTIONS, import_weights, projection_shape, read_checkpoint_config, read_projection
 from attnx.model.terms import reach_of
 from attnx.workflows.audit.report import AuditReport
@@ -43,9 +44,12 @@ class CheckpointLayers:
         self.folder = folder
         # layer -> attnx's weight name -> (the projection's shape, the rows sampled, their values)
         self.samples: dict[int, dict[str, tuple[tuple[int, ...], np.ndarray, np.ndarray]]] = {}
+        family = ROTARY_FAMILIES.get(hf.get("model_type")) if isinstance(hf.get("model_type"), str) else None
+        # multi-head latent attention has no q, k and v projections: its layers are paired by o_proj alone
+        roles = {"o": PROJECTIONS["o"]} if family is not None and family.latent else PROJECTIONS
         for i in range(n_layers):
             self.samples[i] = {}
-            for role, name in PROJECTIONS.items():
+            for role, name in roles.items():
                 shape = projection_shape(folder, i, role)
                 rows = self._rows(shape[0])
                 self.samples[i][name] = (tuple(shape), rows, read_projection(folder, i, role, rows))
@@ -80,9 +84,11 @@ class CheckpointLayers:
             return None
         best = min(scores.values())
         tied = [i for i, score in scores.items() if score == best]
+        if len(tied) == 1 or "q_proj.weight" not in self.samples[tied[0]] or "q_proj.weight" not in weights:
+            return tied[0]  # (a latent layer's, sampled by o_proj alone: tied where their o_proj rows tie)
         q = weights["q_proj.weight"]
         shape, rows, _ = self.samples[tied[0]]["q_proj.weight"]
-        if len(tied) == 1 or tuple(q.shape) != shape or len(rows) == q.shape[0]:
+        if tuple(q.shape) != shape or len(rows) == q.shape[0]:
             return tied[0]
         return min(tied, key=lambda i: float(errors(read_projection(self.folder, i, "q"), q).max()))
 
