@@ -83,6 +83,7 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
     v_head_dim = w_kvb.shape[1] // n_heads - nope
     if w_kvb.shape[1] % n_heads or v_head_dim <= 0:
         raise NotRead(f"kv_b_proj {w_kvb.shape[1]} wide is not {n_heads} heads' k_nope ({nope}) and v")
+    facts.update(n_heads=n_heads, n_kv_heads=n_heads)  # every head's k and v expanded from the one latent
     hidden_state(block, first)
     block.outputs["y"] = output_projection(pv.outputs[0], weights, block).name
     facts["rotary_interleaved"] = interleaved = _rope_tables(rope_part, q_value, facts)
