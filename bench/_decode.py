@@ -111,7 +111,7 @@ def decode_impls(dtypes: Sequence[str] = ("fp32",), openvino: bool = True) -> li
     for dtype in dtypes:
         if dtype != "fp32":
             ort += [DecodeImpl("ort", "ort-fused", "buffer", dtype=dtype),
-                    DecodeImpl("ort", "ort-fused", "buffer", "auto", dtype),
+                    DecodeImpl("ort", "ort-fused", "buffer", "switch", dtype),
                     DecodeImpl("ort", "ort-fused", dtype=dtype)]  # fmt: skip
     # OpenVINO runs the step models of standard ops (runtimes/openvino_runner.py)
     ov = [DecodeImpl("openvino", lw) for lw in _GROWING if not LOWERINGS[lw].contrib] if openvino else []

@@ -46,7 +46,7 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
     wanted(index) false: the block is read (its structure, config and index) without its weights (Block.weights
     None), whose bytes are then never read."""
     index = 0
-    read_whole: set[int] = set()  # the branches of an If read as one block (the auto core's): not read again
+    read_whole: set[int] = set()  # the branches of an If read as one block (the switch core's): not read again
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if id(node.graph) in read_whole:
             continue

@@ -144,7 +144,7 @@ class CoreReading:
 
 def read_cores(model: ir.Model) -> list[CoreReading]:
     """Every attention core of the graph (an If's branches included), in graph order, with what its
-    node states (its GRAPH_CORES entry's read); the auto core's If is read as its two branches' cores. The graph's
+    node states (its GRAPH_CORES entry's read); the switch core's If is read as its two branches' cores. The graph's
     values are typed first where they are not (onnx's shape inference: a mask is read by its type)."""
     if any(v.type is None for node in model.graph for v in node.outputs):
         from onnx_ir.passes.common import ShapeInferencePass

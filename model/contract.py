@@ -471,7 +471,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         config, config_error = config_from_metadata(metadata, path), None
     except ModelFileError as e:
         config, config_error = None, str(e)
-    nodes = list(all_nodes(proto.graph))  # an If's branches too (the buffer form's auto core)
+    nodes = list(all_nodes(proto.graph))  # an If's branches too (the buffer form's switch core)
     lowering_name = lowering_from_nodes(seen_in(proto.graph))
     inputs, outputs = io_specs(proto)
     floats = [s for s in inputs if s.dtype in ("fp32", "fp16", "bf16")]  # a whole model's first is input_ids

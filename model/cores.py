@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.seen import Found, Seen, tells_auto, tells_grouped, tells_mha, tells_packed
+from attnx.model.seen import Found, Seen, tells_grouped, tells_mha, tells_packed, tells_switch
 from attnx.model.terms import TERMS
 
 __all__ = [
@@ -39,6 +39,8 @@ __all__ = [
     "Lowering",
     "LOWERINGS",
     "AUTO",
+    "MEASURE",
+    "OLD_SPELLINGS",
     "LOWERING_OF_CORE",
     "BUFFER_CORES",
     "DEFAULT_BUFFER_CORE",
@@ -122,7 +124,7 @@ class Core:
 
     @property
     def node_domain(self) -> str:
-        """The domain of the node a reader finds it by: its own, but the default domain's for an If (the auto core:
+        """The domain of the node a reader finds it by: its own, but the default domain's for an If (the switch core:
         an If around its branches' ops of its domain)."""
         return "" if self.op_type == "If" else self.domain
 
@@ -320,7 +322,7 @@ CORES: dict[str, Core] = {
             cuda_limits=_grouped_mha_cuda_limits, tells=tells_grouped,
         ),
         Core(
-            "auto", "If on the call: gqa for a prompt (growing: one with no padding), grouped-mha otherwise", MS_DOMAIN,
+            "switch", "If on the call: gqa for a prompt (growing: one with no padding), grouped-mha otherwise", MS_DOMAIN,
             "If", 1,
             ("growing", "buffer"), ("fp32", *_QUANTIZED),
             {
@@ -334,7 +336,7 @@ CORES: dict[str, Core] = {
                 "key_padding_mask": Takes("a padded call takes the grouped branch", ("growing",)),
             },
             _auto_limits, summary="what gqa and grouped-mha both express", cuda_limits=_auto_cuda_limits,
-            tells=tells_auto,
+            tells=tells_switch,
         ),
     )
 }  # fmt: skip
@@ -391,7 +393,7 @@ class Lowering:
     cores: Mapping[str, tuple[str, ...]]  # {form: cores}; the buffer form's is --buffer-core's
     torch_core: str | None = None  # the torch module's core this lowering's full form is traced from
     export: bool = True  # a choice of `attnx export/build/optimize --attention`
-    auto: bool = False  # a candidate `auto` measures
+    auto: bool = False  # a candidate `measure` measures (MEASURE)
     bench: bool = False  # timed by `attnx bench` on ONNX Runtime by default
 
     @property
@@ -425,14 +427,28 @@ LOWERINGS: dict[str, Lowering] = {
         Lowering("decomposed", {"full": ("decomposed",), "growing": ("decomposed",)}, torch_core="decomposed",
                  bench=True),
         Lowering("onnx", {"full": ("attention23",), "growing": ("attention23",)}, bench=True),
-        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa", "grouped-mha", "auto"),
+        Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa", "grouped-mha", "switch"),
                                 "buffer": BUFFER_CORES},
                  auto=True, bench=True),
         Lowering("ort-fused-packed", {"full": ("mha-packed",)}, export=False, auto=True),
         Lowering("ort-attention", {"full": ("ms-attention",)}, export=False, auto=True),
     )
 }  # fmt: skip
-AUTO = "auto"  # not a lowering: the fastest of the candidates that passes parity, measured
+MEASURE = "measure"  # neither a lowering nor a core: the fastest of the candidates that passes parity, measured
+AUTO = MEASURE  # the constant's old name (its value was "auto")
+
+# A spelling users have in scripts, now another's: (flag, old) -> (the new one, what it is). "auto" named the measured
+# choice of --attention and --core, and the switch core (--buffer-core): three things, each with its own name now.
+OLD_SPELLINGS: dict[tuple[str, str], tuple[str, str]] = {
+    ("--attention", "auto"): (MEASURE, "the fastest lowering that passes parity, measured"),
+    ("--core", "auto"): (MEASURE, "the fastest core, measured; the switch core is --core switch"),
+    ("--buffer-core", "auto"): ("switch", "the If of gqa for a prompt and grouped-mha for a step"),
+}
+
+
+def _respelled(flag: str, value: str) -> str:
+    """The new spelling of an old one, for an error (the Python API takes no old spelling: the CLI does)."""
+    return f"; {value} is spelled {OLD_SPELLINGS[flag, value][0]} now" if (flag, value) in OLD_SPELLINGS else ""
 # The lowering each core is written by (the first that lists it).
 LOWERING_OF_CORE: dict[str, str] = {}
 for _lw in LOWERINGS.values():
@@ -448,13 +464,14 @@ def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: 
     the form, as a measured choice names it). One UsageError otherwise, with every candidate's reasons and the
     lowerings that would compute it."""
     if lowering not in LOWERINGS:
-        raise UsageError(f"unknown {what} {lowering!r} (known: {', '.join(LOWERINGS)})")
+        raise UsageError(f"unknown {what} {lowering!r} (known: {', '.join(LOWERINGS)}){_respelled(what, lowering)}")
     form = form_of(config, form)
     candidates = LOWERINGS[lowering].cores.get(form, ())
     if form == "buffer" and candidates:
         core = DEFAULT_BUFFER_CORE if buffer_core is None else buffer_core
         if core not in BUFFER_CORES:
-            raise UsageError(f"unknown --buffer-core {core!r} (known: {', '.join(BUFFER_CORES)})")
+            raise UsageError(f"unknown --buffer-core {core!r} (known: {', '.join(BUFFER_CORES)})"
+                             f"{_respelled('--buffer-core', core)}")
         candidates = (core,)
     elif buffer_core not in (None, DEFAULT_BUFFER_CORE):
         raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
@@ -494,7 +511,7 @@ def export_core(config: AttentionConfig, attention: str, dtype: str = "fp32", de
         form_of(config, "buffer")  # raises: the form is a step model's
     if attention == AUTO:
         if config.kv_cache:
-            raise UsageError("--attention auto does not measure step models; choose one of "
+            raise UsageError(f"--attention {MEASURE} does not measure step models; choose one of "
                              + ", ".join(lw for lw in LOWERINGS if "growing" in LOWERINGS[lw].cores))  # fmt: skip
         return None
     return core_for(attention, config, dtype, decode_form if config.kv_cache else "full", buffer_core)
@@ -573,7 +590,7 @@ def term_table() -> str:
 @generated_table("lowerings")
 def lowering_table() -> str:
     """The table of lowerings (--attention): the cores each writes, per form (Markdown)."""
-    rows = [["--attention", "full sequence", "growing cache (step)", "buffer (step)", "export", "auto measures"],
+    rows = [["--attention", "full sequence", "growing cache (step)", "buffer (step)", "export", f"{MEASURE} times"],
             ["---"] * 6]  # fmt: skip
     for lw in LOWERINGS.values():
         cells = [f"`{lw.name}`"]

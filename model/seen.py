@@ -18,7 +18,7 @@ import enum
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Found", "ROWS_PERM", "Seen", "seen_in", "tells_auto", "tells_grouped", "tells_mha", "tells_packed"]
+__all__ = ["Found", "ROWS_PERM", "Seen", "seen_in", "tells_switch", "tells_grouped", "tells_mha", "tells_packed"]
 
 _STD = ("", "ai.onnx")
 _MS = "com.microsoft"
@@ -67,7 +67,7 @@ def tells_packed(seen: Seen) -> Found:
     return Found.NODE if not _grouped(seen) and seen.fed_by == "Split" else Found.NO
 
 
-def tells_auto(seen: Seen) -> Found:
+def tells_switch(seen: Seen) -> Found:
     """An If whose branches hold GroupQueryAttention and the grouped MultiHeadAttention: the growing form's (the
     grouped branch over its own past/present) is read as the core; the buffer form's (the shared cache) as its
     branches' cores."""

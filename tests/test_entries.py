@@ -27,8 +27,6 @@ def test_no_product_file_is_over_650_lines():
 ENTRY_MODULES = ("attnx.model.cores", "attnx.model.terms", "attnx.export.cores", "attnx.export.terms")
 # (module, name): where the string compared is not that core, lowering or term, with the reason
 NOT_THE_NAME = {
-    ("attnx._ray", "auto"): "Ray's address 'auto' (join the running cluster)",
-    ("attnx.model.int8", "auto"): "--int8-bits auto: the bits chosen by the host",
     ("attnx.model.importers", "cross"): "--attention self or cross: which of a checkpoint's attentions to import",
     ("attnx.workflows._import", "cross"): "the same choice, as the import's result records it",
     ("attnx.commands.optimize", "ort-fused"): "--attention's default, compared to tell whether the flag was given",

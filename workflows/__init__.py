@@ -1,7 +1,7 @@
 """attnx.workflows: what combines the graph layer and the run layer.
 
 Export with its validation at unseen shapes (export_model), optimize's parity gate
-(optimize_file), auto's measured choice of lowering (lower with attention="auto"), the
+(optimize_file), the measured choice of lowering (lower with attention="measure"), the
 deployment package build (build_package), and the import of a model people have, checked
 against its source (import_model), and the audit of a whole model another tool exported
 (audit_model). Below: attnx.model, attnx.export, attnx.runtimes;

@@ -12,6 +12,7 @@ from typing import Any
 
 from attnx.errors import ConfigError, UsageError
 from attnx.model import PRESETS, AttentionConfig, init_weights, load_config, load_weights, preset
+from attnx.model.cores import OLD_SPELLINGS
 from attnx.model.int8 import INT8_BITS_CHOICES, INT8_BITS_FLAG
 from attnx.runtimes.localise import set_decomposed_writer
 
@@ -213,6 +214,21 @@ def int_list(text: str) -> list[int]:
 
 def str_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def renamed(flag: str) -> Any:
+    """An argparse type for `flag` that takes an old spelling (attnx.model.cores.OLD_SPELLINGS) as its new one,
+    with one deprecation line on stderr; any other value as given (argparse's choices check it)."""
+
+    def parse(text: str) -> str:
+        if (flag, text) not in OLD_SPELLINGS:
+            return text
+        new, means = OLD_SPELLINGS[flag, text]
+        print(f"attnx: warning: {flag} {text} is deprecated: say {flag} {new} ({means}); the old spelling will be "
+              "refused in a later version", file=sys.stderr)  # fmt: skip
+        return new
+
+    return parse
 
 
 # Reduced precision (issue 12) ------------------------------------------------------------------

@@ -14,13 +14,14 @@ from attnx.commands._common import (
     add_model_args,
     add_quant_args,
     load_step_config_arg,
+    renamed,
     str_list,
     workflows,
 )
 from attnx.commands.optimize import WEIGHT_CHOICES, WHOLE_MODEL_CORES
 from attnx.errors import UsageError
 from attnx.model.contract import BUFFER_CORES, BUILD_ATTENTION, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
-from attnx.model.cores import DEFAULT_BUFFER_CORE, attention_help, buffer_core_help
+from attnx.model.cores import DEFAULT_BUFFER_CORE, MEASURE, attention_help, buffer_core_help
 
 HELP = COMMANDS["build"].help
 
@@ -31,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "golden generations recorded, packaged for attnx verify and attnx generate")
     p.add_argument(
         "--attention",
+        type=renamed("--attention"),
         choices=EXPORT_ATTENTIONS,
         default=BUILD_ATTENTION,
         help=attention_help(EXPORT_ATTENTIONS, BUILD_ATTENTION),
@@ -41,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
                    help="with --decode (or a kv_cache config), the step model's form: growing (default) or buffer "
                    "(ort-fused, one preallocated cache bound as past and present; runs on ONNX Runtime)")  # fmt: skip
-    p.add_argument("--buffer-core", choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE, help=buffer_core_help())
+    p.add_argument("--buffer-core", type=renamed("--buffer-core"), choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE,
+                   help=buffer_core_help())
     p.add_argument(
         "--provider",
         type=str_list,
@@ -61,8 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --model: the folder of its tokenizer files (tokenizer.json, tokenizer_config.json, "
                    "generation_config.json, chat_template.jinja), copied into the package and checked by verify "
                    "(default: --checkpoint's, where it holds tokenizer.json)")
-    p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
-                   help="with --model: the core each block is written as (default auto: measured, as attnx optimize)")
+    p.add_argument("--core", type=renamed("--core"), choices=WHOLE_MODEL_CORES, default=None,
+                   help=f"with --model: the core each block is written as (default {MEASURE}: measured, as attnx "
+                   "optimize)")
     p.set_defaults(run=run)
 
 
@@ -85,7 +89,7 @@ def run_model(args: argparse.Namespace) -> int:
                          "its cores are measured and it is verified")  # fmt: skip
     flows = workflows("build", needs=("onnx_ir", "onnxscript"))
     report = flows.build_model_package(args.model, args.out, checkpoint=args.checkpoint, provider=providers[0],
-                                       core=args.core or "auto", force=args.force, weights=quantize,
+                                       core=args.core or MEASURE, force=args.force, weights=quantize,
                                        tokenizer=args.tokenizer, progress=Progress())  # fmt: skip
     print("\n".join(report.optimize.lines()))
     m = report.manifest

@@ -13,6 +13,7 @@ from attnx.commands._common import (
     add_model_args,
     add_quant_args,
     load_step_config_arg,
+    renamed,
     workflows,
 )
 from attnx.model.contract import BUFFER_CORES, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
@@ -24,7 +25,7 @@ HELP = COMMANDS["export"].help
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help=HELP, description=HELP)
     add_model_args(p)
-    p.add_argument("--attention", choices=EXPORT_ATTENTIONS, default="decomposed",
+    p.add_argument("--attention", type=renamed("--attention"), choices=EXPORT_ATTENTIONS, default="decomposed",
                    help=attention_help(EXPORT_ATTENTIONS, "decomposed"))  # fmt: skip
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default="fp32", help="bf16: refused, saying where it runs")
     add_quant_args(p)
@@ -35,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
                    help="with --decode (or a kv_cache config), the step model's form: growing (past -> present, every "
                    "lowering) or buffer (ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
-    p.add_argument("--buffer-core", choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE, help=buffer_core_help())
+    p.add_argument("--buffer-core", type=renamed("--buffer-core"), choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE,
+                   help=buffer_core_help())
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write, once its checks pass")
     p.set_defaults(run=run)

@@ -7,17 +7,17 @@ from typing import Any
 
 from attnx._text import format_table
 from attnx.commands import COMMANDS
-from attnx.commands._common import Progress, add_quant_args, workflows
+from attnx.commands._common import Progress, add_quant_args, renamed, workflows
 from attnx.errors import UsageError
 from attnx.model.contract import LOWERINGS, MODEL_DTYPES, OPTIMIZE_ATTENTIONS, PROVIDERS
-from attnx.model.cores import attention_help
+from attnx.model.cores import MEASURE, attention_help
 
 HELP = COMMANDS["optimize"].help
 WEIGHT_CHOICES = ("int4", "int8")  # --weights of a whole model (attnx.export.passes.quantize_weights.WEIGHT_BITS)
-# what a whole model's blocks may be written as: measured (auto), or one core of the ort-fused lowering
-# auto: measure (the growing form's auto core, an If of gqa and grouped-mha, is one of the cores it measures)
-WHOLE_MODEL_CORES = tuple(dict.fromkeys(["auto", *(c for form in ("full", "growing")
-                                                   for c in LOWERINGS["ort-fused"].cores[form])]))  # fmt: skip
+# what a whole model's blocks may be written as: measured (MEASURE), or one core of the ort-fused lowering (the
+# growing form's switch core, an If of gqa and grouped-mha, among them)
+WHOLE_MODEL_CORES = (MEASURE, *dict.fromkeys(c for form in ("full", "growing")
+                                             for c in LOWERINGS["ort-fused"].cores[form]))  # fmt: skip
 
 
 def _shape(text: str) -> int:
@@ -36,14 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "exported (each attention block rewritten into a fused core, proven, the interface kept)")
     p.add_argument("--out", required=True, metavar="OUT.onnx", help="the ONNX file to write, once its parity check passes")
     p.add_argument(
-        "--attention", choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
-        help=attention_help(OPTIMIZE_ATTENTIONS, "ort-fused") + " (auto measures each on --provider)",
+        "--attention", type=renamed("--attention"), choices=OPTIMIZE_ATTENTIONS, default="ort-fused",
+        help=attention_help(OPTIMIZE_ATTENTIONS, "ort-fused") + f" ({MEASURE} measures each on --provider)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default=None, help="default: the input model's")
     add_quant_args(p)
     p.add_argument("--keep-io-fp32", action="store_true", help="with --dtype fp16: keep float32 inputs and output")
-    p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help="where parity is checked and auto times")
-    p.add_argument("--auto-seq", type=_shape, default=None, help="sequence length auto times at (default 512)")
+    p.add_argument("--provider", choices=list(PROVIDERS), default="cpu", help=f"where parity is checked and {MEASURE} times")
+    p.add_argument("--auto-seq", type=_shape, default=None, help=f"sequence length {MEASURE} times at (default 512)")
     p.add_argument("--checkpoint", default=None, metavar="HF_DIR",
                    help="a whole model's Hugging Face checkpoint: each block written as its layer states it, each "
                         "difference a named repair")  # fmt: skip
@@ -53,10 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "MatMulNBits quantizer (symmetric blocks of 32, accuracy_level 4; at int4 the embeddings too, as "
                         "GatherBlockQuantized), each "
                         "block proven with its quantized weights, the distance from the fp32 model said")  # fmt: skip
-    p.add_argument("--core", choices=WHOLE_MODEL_CORES, default=None,
-                   help="a whole model: the core each block is written as (default auto: the fastest that computes "
-                        "the block, measured on --provider, the auto core's If among them, or the block kept where "
-                        "the graph's own is faster); a core named is written wherever it computes the block")  # fmt: skip
+    p.add_argument("--core", type=renamed("--core"), choices=WHOLE_MODEL_CORES, default=None,
+                   help=f"a whole model: the core each block is written as (default {MEASURE}: the fastest that "
+                        "computes the block, measured on --provider, the switch core's If among them, or the block "
+                        "kept where the graph's own is faster); a core named is written wherever it computes the "
+                        "block")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -68,7 +69,7 @@ def run_model(args: argparse.Namespace, flows: Any, model: Any) -> int:
         raise UsageError(f"{given[0]} is for a model attnx wrote; a whole model is rewritten into the ort-fused "
                          "lowering's cores (--core)")  # fmt: skip
     report = flows.optimize_model(model, args.out, checkpoint=args.checkpoint, json_path=args.json,
-                                  provider=args.provider, core=args.core or "auto", weights=args.weights,
+                                  provider=args.provider, core=args.core or MEASURE, weights=args.weights,
                                   progress=Progress())  # fmt: skip
     print("\n".join(report.lines()))
     return 0 if report.passed else 1

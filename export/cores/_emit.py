@@ -91,7 +91,7 @@ class Emit:
     def packed_projections(self, qkv: str | None = None) -> tuple[str, str, str]:
         """q, k and v as Emit.projections gives them, from one packed q/k/v MatMul and a Split (packed_projection)
         where q, k and v all project x (or the model's own packed input, split): one GEMM instead of three, the
-        weights read in one pass. qkv: the packed projection made already (the buffer form's auto core makes it
+        weights read in one pass. qkv: the packed projection made already (the buffer form's switch core makes it
         once for both branches), split."""
         if qkv is None:
             if self.c.cross or self.bound == "separate":  # k and v project memory, or the model's q, k, v are bound

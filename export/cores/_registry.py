@@ -65,7 +65,7 @@ def seen(node: ir.Node) -> Seen:
 
 def core_of_node(node: ir.Node) -> str | None:
     """The registry's core a node is (attnx.model.recognise.recognise); None for a node of no core, and for one read
-    as the cores inside it (the buffer form's auto If: its branches' cores; the growing form's is the auto core)."""
+    as the cores inside it (the buffer form's switch If: its branches' cores; the growing form's is the switch core)."""
     name, found = recognise(seen(node))
     return name if found is Found.NODE else None
 

@@ -1,4 +1,4 @@
-"""The auto core: an If on the call, the grouped core for a step, GroupQueryAttention for a prompt. The buffer form:
+"""The switch core: an If on the call, the grouped core for a step, GroupQueryAttention for a prompt. The buffer form:
 on the call's token count. The growing form: on the token count and the padding (a padded call takes the grouped
 core, which masks each row as its padding asks)."""
 
@@ -53,7 +53,7 @@ def _branches(e: Emit, builds: dict[str, Callable[[], str]]) -> dict[str, object
 
 
 def _auto_growing(e: Emit) -> str:
-    """z of the growing form's auto core: q, k and v projected (one packed MatMul) and scored (their norms and
+    """z of the growing form's switch core: q, k and v projected (one packed MatMul) and scored (their norms and
     rotation at each row's positions) once, then an If: a step (one token), a chunk after a past or a padded call
     takes the grouped core, which reads each key/value head once and masks each row as its padding asks (an additive
     bias over a token's rows, a fully hidden row set to 0); a prompt with no padding takes GroupQueryAttention with
@@ -82,7 +82,7 @@ def _auto_growing(e: Emit) -> str:
 
 
 def _auto_buffer(e: Emit) -> str:
-    """z of the buffer form's auto core: an If on the call's token count, the grouped core for one
+    """z of the buffer form's switch core: an If on the call's token count, the grouped core for one
     token, GroupQueryAttention's for more; the faster of the two for each on the CPU (docs/concepts/step-forms.md, "The buffer form"). Each branch writes the shared cache in place as its op does alone: ONNX Runtime
     hands the If's outputs, bound to the cache, to the branch's op. A branch's values carry its core's
     name (q/grouped-mha, ...), so that no name is made twice; the constants stay in the main graph,
@@ -118,7 +118,7 @@ def _read_auto(node: ir.Node) -> dict[str, Any]:
 
 
 def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
-    """The growing form's auto core as attnx writes it into a whole model, read through its grouped branch (which
+    """The growing form's switch core as attnx writes it into a whole model, read through its grouped branch (which
     computes every call; the other branch the same formula for a prompt with no padding, held to it by the audit's
     runs, which take both): q, k and v and the cache from outside the If, the If's outputs the block's z and
     presents, its mask the token grid the branch's bias is made from (outside the If, where the audit runs it)."""
@@ -129,7 +129,7 @@ def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Bl
         raise NotRead(f"{node.name}: the grouped branch's bias is not made from a token grid outside the If")
     facts = {"n_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None, "causal": False,
              "key_padding_mask": False, "kv_cache": True}  # fmt: skip
-    block = read_separate(index, mha, "auto", facts, inputs[:3], grid, keep_weights,
+    block = read_separate(index, mha, "switch", facts, inputs[:3], grid, keep_weights,
                           own_cache=(inputs[6], inputs[7], node.outputs[1], node.outputs[2]), grouped_rows=True,
                           z=node.outputs[0])  # fmt: skip
     block.node = node.name or node.op_type
@@ -137,4 +137,4 @@ def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Bl
     return block
 
 
-register(CoreGraph("auto", _auto, _read_auto, _read_auto_block))
+register(CoreGraph("switch", _auto, _read_auto, _read_auto_block))

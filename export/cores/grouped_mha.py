@@ -69,7 +69,7 @@ def _grouped_mha_growing(e: Emit) -> str:
 
 def grouped_mha_attend(e: Emit, q: str, k: str, v: str, seen: tuple[str, str] | None = None) -> str:
     """The growing form's attention over q, k and v as projected and scored (_grouped_mha_growing): z. seen: the
-    (hidden, visible) grids of visibility, made before (the auto core makes them outside its If, where the audit
+    (hidden, visible) grids of visibility, made before (the switch core makes them outside its If, where the audit
     reads them)."""
     c, g = e.c, e.g
     hidden, visible = seen or visibility(g, c, e.kpm, True)  # [B|1, 1, S, T]: a step model is causal, never None

@@ -24,7 +24,7 @@ import numpy as np
 from attnx._io import write_json_atomic
 
 HERE = Path(__file__).resolve().parent
-CORES = ("grouped-mha", "auto", "gqa")
+CORES = ("grouped-mha", "switch", "gqa")
 
 
 def main() -> int:

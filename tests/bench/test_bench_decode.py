@@ -39,7 +39,7 @@ def test_cli_bench_decode(tmp_path, capsys):
         assert r["bandwidth_gbs"] == max(r["copies_gbs"].values())
         impls = {k.rsplit(" ", 1)[0] for k in r["times_ms"]}
         ov = {"openvino onnx growing", "openvino decomposed growing"} if openvino_runs else set()
-        assert impls == {"ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer auto", "ort-fused growing",
+        assert impls == {"ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer switch", "ort-fused growing",
                          "onnx growing",
                          "decomposed growing", "torch eager", "torch static", *ov}  # fmt: skip
         assert all(t > 0 for t in r["times_ms"].values())
@@ -93,10 +93,10 @@ def test_cli_bench_decode_dtypes(tmp_path, capsys):
     impls = {k.rsplit(" ", 1)[0] for k in row["times_ms"]}
     assert {
         "ort-fused buffer int8",
-        "ort-fused buffer auto int8",
+        "ort-fused buffer switch int8",
         "ort-fused growing int8",
         "ort-fused buffer int4",
-        "ort-fused buffer auto int4",
+        "ort-fused buffer switch int4",
         "ort-fused growing int4",
     } <= impls
     assert row["step_bytes"] > row["dtype_bytes"]["int8"] > row["dtype_bytes"]["int4"]

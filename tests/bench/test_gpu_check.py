@@ -94,10 +94,10 @@ def test_the_decode_step_on_the_cpu_backends(tmp_path, capsys):
         ("ort-fused growing", "fp16", ["ort-cpu", "torch"], "done"),
         ("ort-fused buffer", "fp32", ["ort-cpu"], "done"),
         ("ort-fused buffer grouped-mha", "fp32", ["ort-cpu"], "done"),
-        ("ort-fused buffer auto", "fp32", ["ort-cpu"], "done"),
+        ("ort-fused buffer switch", "fp32", ["ort-cpu"], "done"),
         ("ort-fused buffer", "fp16", ["ort-cpu"], "done"),
         ("ort-fused buffer grouped-mha", "fp16", ["ort-cpu"], "skipped"),  # the grouped cores: no fp16
-        ("ort-fused buffer auto", "fp16", ["ort-cpu"], "skipped"),
+        ("ort-fused buffer switch", "fp16", ["ort-cpu"], "skipped"),
     ]  # fmt: skip
     assert all("is not built in fp16" in r["reason"] for r in step["runs"] if r["status"] == "skipped")
     for run in [r for r in step["runs"] if r["status"] == "done"]:

@@ -199,3 +199,30 @@ def test_export_writes_the_int8_width_asked(tmp_path, capsys):
     assert "precision: int8 projections (QuantizeProjections), 7-bit weights" in capsys.readouterr().out
     assert main(["inspect", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["metadata"]["attnx.int8_weight_bits"] == "7"
+
+
+@pytest.mark.parametrize(("command", "flag", "old", "new"), [
+    ("export", "--attention", "auto", "measure"),
+    ("optimize", "--attention", "auto", "measure"),
+    ("optimize", "--core", "auto", "measure"),
+    ("build", "--core", "auto", "measure"),
+    ("export", "--buffer-core", "auto", "switch"),
+    ("build", "--buffer-core", "auto", "switch"),
+])  # fmt: skip
+def test_the_old_auto_spellings_still_parse_as_their_new_names_with_one_line(command, flag, old, new, capsys):
+    """"auto" named three things: measuring the lowerings (--attention), measuring the cores (--core) and the If core
+    (--buffer-core). Each has its own name now (measure, measure, switch); the old spelling parses as the new one with
+    one deprecation line on stderr, and the new one parses silently. The switch core can be forced (--core switch)."""
+    from attnx.cli import build_parser
+
+    parser = build_parser(command)
+    model = ["--preset", "tiny"] if command != "optimize" else ["m.onnx"]
+    dest = flag.lstrip("-").replace("-", "_")
+    args = parser.parse_args([command, *model, flag, old, "--out", "o"])
+    err = capsys.readouterr().err.splitlines()
+    assert getattr(args, dest) == new and len(err) == 1, err
+    assert f"{flag} {old} is deprecated: say {flag} {new}" in err[0]
+    assert getattr(parser.parse_args([command, *model, flag, new, "--out", "o"]), dest) == new
+    assert capsys.readouterr().err == ""
+    if flag == "--core":
+        assert parser.parse_args([command, *model, flag, "switch", "--out", "o"]).core == "switch"

@@ -100,7 +100,7 @@ def _unused_initializers(model: onnx.ModelProto) -> set[str]:
 
 STEPS = [(LLM_FUSED_CONFIGS["buffer"], "ort-fused", "buffer", core) for core in ("gqa",)] + [
     (dataclasses.replace(LLM_FUSED_CONFIGS["buffer"], softcap=None, sinks=False), "ort-fused", "buffer", core)
-    for core in ("grouped-mha", "auto")
+    for core in ("grouped-mha", "switch")
 ] + [(dataclasses.replace(LLM_FUSED_CONFIGS["ort-fused"], kv_cache=True), lw, "growing", None)
      for lw in ("decomposed", "ort-fused")] + [
     (AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True, kv_cache=True), lw, "growing", None)
@@ -179,7 +179,7 @@ def _saved(model: onnx.ModelProto) -> str:
 def test_auto_measures_the_candidates_that_compute_the_config_and_records_its_choice():
     name = "cross_kpm"  # the packed forms do not take cross-attention: not applicable, with the reason
     config, weights = CONFIGS[name], weights_for(name)
-    result = lower(config, weights, attention="auto", auto_shape=(1, 16, 16))
+    result = lower(config, weights, attention="measure", auto_shape=(1, 16, 16))
     meta = {p.key: p.value for p in result.model.metadata_props}
     auto = json.loads(meta["attnx.auto"])
     assert auto["provider"] == "cpu" and auto["shape"] == [1, 16, 16]
@@ -339,7 +339,7 @@ def test_the_growing_auto_core_takes_each_branch_where_it_computes_the_formula(c
     positions = np.maximum(np.cumsum(~kpm, axis=1) - 1, 0)[:, past:]  # transformers' position_ids
     feeds = {"x": x, "past_key": past_kv[0], "past_value": past_kv[1], "key_padding_mask": kpm,
              "position_ids": positions.astype(np.int64)}  # fmt: skip
-    model = build_model(c, w, "ort-fused", "growing", core="auto")
+    model = build_model(c, w, "ort-fused", "growing", core="switch")
     assert [n.op_type for n in model.graph.node].count("If") == 1
     options = ort.SessionOptions()
     options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
@@ -367,9 +367,9 @@ def test_the_audit_reads_the_growing_auto_core_as_one_block_and_runs_both_branch
     c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, bias=False,
                         rope=Rope(theta=10000.0, dim=16), key_padding_mask=True, sliding_window=5)  # fmt: skip
     path = tmp_path / "auto.onnx"
-    onnx.save(build_model(c, init_weights(c, 3), "ort-fused", "growing", core="auto"), path)
+    onnx.save(build_model(c, init_weights(c, 3), "ort-fused", "growing", core="switch"), path)
     report = audit_model(str(path))
     (block,) = report.blocks
-    assert block.core == "auto" and not block.findings and not report.unread and not report.findings
+    assert block.core == "switch" and not block.findings and not report.unread and not report.findings
     assert {"grouped_heads", "rope", "sliding_window"} <= set(block.terms)
     assert len(block.checks) == 3 and all(": PASS " in str(check) for check in block.checks), block.checks

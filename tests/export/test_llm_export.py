@@ -62,7 +62,7 @@ def test_llm_export_takes_position_ids_and_describes_itself(exported, name):
         ({"dtype": "bf16"}, "--dtype bf16"),
         ({"kv_cache": True, "attention": "ort-fused"}, "a multiple of 8"),
         ({"kv_cache": True, "attention": "onnx"}, r"Attention \(opset 23\) does not express sinks"),
-        ({"kv_cache": True, "attention": "auto"}, "--attention auto does not measure step models"),
+        ({"kv_cache": True, "attention": "measure"}, "--attention measure does not measure step models"),
     ],
 )
 def test_other_forms_are_refused_before_any_work(tmp_path, change, message):

@@ -127,7 +127,7 @@ def test_buffer_form_parity_and_its_rope_table(tmp_path):
         session.run(None, feeds)
 
 
-@pytest.mark.parametrize("core", ["grouped-mha", "auto"])
+@pytest.mark.parametrize("core", ["grouped-mha", "switch"])
 def test_buffer_form_cores_with_rope_qk_norm_and_a_window(tmp_path, core):
     """The buffer form's other cores on a modern-LLM config they take (no softcap, no sinks): rope (yarn,
     partial, interleaved pairs) and q/k norms by their own nodes in the grouped core, inside
@@ -224,7 +224,7 @@ def test_what_a_form_cannot_express_is_refused_by_name(tmp_path):
         model = build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="grouped-mha")
         assert "MultiHeadAttention" in [n.op_type for n in model.graph.node]
         with pytest.raises(UsageError, match=refusal):  # auto prefills with GroupQueryAttention: its limits
-            build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="auto")
+            build_step_model(plain, init_weights(plain, 1), "ort-fused", "buffer", buffer_core="switch")
     with pytest.raises(UsageError, match="Attention \\(opset 23\\) does not express sinks"):
         build_step_model(buffer, weights, "onnx")
     out = tmp_path / "m.onnx"

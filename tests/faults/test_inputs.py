@@ -188,7 +188,7 @@ NUMERIC_CASES = {
                                          w / "b.json"], ["b.json"]),
     "bench --seq": (lambda v, a, w: ["bench", "--config", a["config"], *QUICK_BENCH, "--seq", v, "--json",
                                      w / "b.json"], ["b.json"]),
-    "optimize --auto-seq": (lambda v, a, w: ["optimize", a["model"], "--attention", "auto", "--auto-seq", v,
+    "optimize --auto-seq": (lambda v, a, w: ["optimize", a["model"], "--attention", "measure", "--auto-seq", v,
                                              "--out", w / "o.onnx"], ["o.onnx"]),
     "import --layer": (lambda v, a, w: ["import", a["checkpoint"], "--layer", v, "--out", w / "imp"], ["imp"]),
     "generate --max-new-tokens": (lambda v, a, w: ["generate", a["model_pkg"], "--prompts", a["prompts"],

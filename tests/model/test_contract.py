@@ -75,8 +75,8 @@ def test_providers_backends_and_devices_agree_with_the_runtime_registry():
 
 
 def test_lowering_tables_are_views_of_one_table():
-    assert contract.EXPORT_ATTENTIONS == ("decomposed", "onnx", "ort-fused", "auto")
-    assert contract.OPTIMIZE_ATTENTIONS == ("decomposed", "onnx", "ort-fused", "ort-fused-packed", "ort-attention", "auto")
+    assert contract.EXPORT_ATTENTIONS == ("decomposed", "onnx", "ort-fused", "measure")
+    assert contract.OPTIMIZE_ATTENTIONS == ("decomposed", "onnx", "ort-fused", "ort-fused-packed", "ort-attention", "measure")
     assert contract.BENCH_ORT_LOWERINGS == ("decomposed", "onnx", "ort-fused")
     assert {lw.torch_core for lw in LOWERINGS.values()} - {None} <= set(contract.TORCH_CORES)
     assert contract.BUILD_ATTENTION in contract.EXPORT_ATTENTIONS
@@ -158,8 +158,8 @@ def _graphs():
     buffer_if = Seen("", "If", branches=(Seen(ms, mha, "Reshape", shared, rows=True), Seen(ms, gqa, "MatMul")))
     return [
         ([Seen(ms, "Attention", "Add")], "ms-attention", ["ms-attention"]),
-        ([growing_if], "auto", ["auto"]),  # the growing form's If is the core
-        ([buffer_if], "auto", [None]),  # the buffer form's is read as its branches' cores
+        ([growing_if], "switch", ["switch"]),  # the growing form's If is the core
+        ([buffer_if], "switch", [None]),  # the buffer form's is read as its branches' cores
         ([Seen(ms, gqa, "MatMul")], "gqa", ["gqa"]),
         ([Seen(ms, mha, "Split")], "mha-packed", ["mha-packed"]),
         ([Seen(ms, mha, "Split"), Seen(ms, mha, "Add")], "mha", ["mha-packed", "mha"]),

@@ -24,7 +24,7 @@ def test_the_cores_say_what_their_cuda_kernels_refuse():
     assert why_not("grouped-mha", STEP, "fp32", "buffer") == []
     assert any("cache_indirection" in r for r in why_not_on_cuda("grouped-mha", STEP, "fp32", "buffer"))
     assert why_not_on_cuda("grouped-mha", STEP, "fp32", "growing") == []  # its growing form is not refused
-    auto = why_not_on_cuda("auto", STEP, "fp32", "buffer")
+    auto = why_not_on_cuda("switch", STEP, "fp32", "buffer")
     assert any("no fp32 kernel" in r for r in auto) and any("cache_indirection" in r for r in auto)
 
 

@@ -176,7 +176,7 @@ def _fused_ops(graph: onnx.GraphProto) -> list[str]:
 
 
 BUFFER_CORE_OPS = {"grouped-mha": ["MultiHeadAttention"], "gqa": ["GroupQueryAttention"],
-                   "auto": [{"then": ["MultiHeadAttention"], "else": ["GroupQueryAttention"]}]}  # fmt: skip
+                   "switch": [{"then": ["MultiHeadAttention"], "else": ["GroupQueryAttention"]}]}  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -217,7 +217,7 @@ def test_the_buffer_forms_grouped_core_is_asked_for_and_refused_where_it_cannot_
         other = dataclasses.replace(c, **change)
         with pytest.raises(UsageError, match=message):
             build_step_model(other, init_weights(other, 0), "ort-fused", "buffer", buffer_core="grouped-mha")
-    for core in ("grouped-mha", "auto"):
+    for core in ("grouped-mha", "switch"):
         with pytest.raises(UsageError, match="is not built in fp16"):
             build_step_model(c, w, "ort-fused", "buffer", "fp16", buffer_core=core)
     from attnx.workflows import export_model
@@ -369,7 +369,7 @@ def test_commands_that_do_not_take_a_step_model_say_so(step_models, tmp_path, ca
         (["bench", "--config", str(cfg), "--seq", "8"], "attnx bench --decode"),
         (["bench", "--model", model], "attnx bench --decode"),
         (["optimize", model, "--out", str(tmp_path / "o.onnx")], "not optimize"),
-        (["export", "--config", str(cfg), "--attention", "auto", "--out", str(tmp_path / "a.onnx")], "auto"),
+        (["export", "--config", str(cfg), "--attention", "measure", "--out", str(tmp_path / "a.onnx")], "measure"),
         (["export", "--config", str(cfg), "--dtype", "fp16", "--keep-io-fp32", "--out", str(tmp_path / "h.onnx")],
          "--keep-io-fp32 is for the full-sequence model"),
     ):

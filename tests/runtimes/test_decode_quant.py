@@ -75,7 +75,7 @@ def test_buffer_form_decode_parity(step_models, dtype):
     assert all(1e-4 < c.rel_rms < (0.05 if dtype == "int8" else 0.3) for c in report.cases)
 
 
-@pytest.mark.parametrize("core", ["grouped-mha", "auto"])
+@pytest.mark.parametrize("core", ["grouped-mha", "switch"])
 def test_buffer_form_cores_quantized(tmp_path, core):
     """int8 projections outside the core: the grouped and auto cores (an If whose branches read the
     quantized qkv projection's output) decode as the default core does."""
@@ -181,7 +181,7 @@ def test_build_step_model_int8_weights_only_change():
 
 
 @pytest.mark.parametrize(("config", "dtype", "form", "core"), [(GQA, "int8", "growing", "gqa"),
-                                                                (PLAIN, "int4", "buffer", "auto")])  # fmt: skip
+                                                                (PLAIN, "int4", "buffer", "switch")])  # fmt: skip
 def test_quantized_step_package(tmp_path, capsys, config, dtype, form, core):
     """attnx build --dtype int8|int4 of a step model: the quantized model, its decode parity and the
     golden decode replayed by verify under the quantized error model (the manifest's quantization);

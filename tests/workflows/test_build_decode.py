@@ -75,7 +75,7 @@ def test_load_prefill_step(package):
     assert np.allclose(np.concatenate([prompt.y, y], axis=1), full.y, atol=1e-5)
 
 
-@pytest.mark.parametrize("core", ["gqa", "auto"])
+@pytest.mark.parametrize("core", ["gqa", "switch"])
 def test_buffer_form_package(tmp_path, core):
     """--decode-form buffer: the package holds the buffer form (manifest: decode "buffer", its inputs),
     its parity is the reference's and ONNX Runtime's (the form runs there alone), its golden sequence has
@@ -119,8 +119,8 @@ def test_buffer_form_package_refusals(tmp_path):
 
     for kwargs, message in (
         ({"attention": "decomposed", "decode_form": "buffer"}, "decomposed has no buffer form"),
-        ({"attention": "ort-fused", "buffer_core": "auto"}, "is the buffer form's"),
-        ({"attention": "ort-fused", "decode_form": "buffer", "dtype": "fp16", "buffer_core": "auto"},
+        ({"attention": "ort-fused", "buffer_core": "switch"}, "is the buffer form's"),
+        ({"attention": "ort-fused", "decode_form": "buffer", "dtype": "fp16", "buffer_core": "switch"},
          "is not built in fp16"),
     ):
         with pytest.raises(UsageError, match=message):

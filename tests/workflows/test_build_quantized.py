@@ -65,7 +65,7 @@ def test_optimize_quantizes_and_auto_times_the_forms_that_quantize(tmp_path):
     config = CONFIGS["causal_kpm"]
     src = str(tmp_path / "m.onnx")
     save_model(export_onnx(config, weights_for("causal_kpm")), src)
-    result = optimize_file(src, tmp_path / "q.onnx", attention="auto", dtype="int8", auto_shape=(1, 64, 64))
+    result = optimize_file(src, tmp_path / "q.onnx", attention="measure", dtype="int8", auto_shape=(1, 64, 64))
     assert result.passed and describe(tmp_path / "q.onnx").dtype == "int8"
     assert result.lowering.auto.status["ort-attention"].startswith("not applicable")
     assert all(result.lowering.auto.status[name] == "pass" for name in ("ort-fused", "ort-fused-packed"))

@@ -135,7 +135,7 @@ def test_optimize_cuda_unavailable_exits_2(exported, tmp_path, capsys):
 
 def test_optimize_auto_fp16_records_choice(exported, tmp_path, capsys):
     out = tmp_path / "auto.onnx"
-    args = ["optimize", exported("kpm"), "--out", str(out), "--attention", "auto", "--auto-seq", "16"]
+    args = ["optimize", exported("kpm"), "--out", str(out), "--attention", "measure", "--auto-seq", "16"]
     assert main([*args, "--dtype", "fp16", "--keep-io-fp32"]) == 0
     printed = capsys.readouterr().out
     assert "auto on cpu, batch 1 seq 16: chose" in printed

@@ -61,12 +61,12 @@ def test_every_block_is_rewritten_into_a_fused_core_and_proven(export, checkpoin
 
 
 def test_each_core_is_the_one_its_measured_times_choose(tmp_path):
-    """The default, --core auto: every core that computes a block is timed on the provider (MultiHeadAttention does
+    """The default, --core measure: every core that computes a block is timed on the provider (MultiHeadAttention does
     not take a softcap: Gemma 2's blocks have GroupQueryAttention alone), and the graph's own block too; each block
     is what pick() makes of those times: the cheapest core, or kept where the graph's own is cheaper. Which one wins
     is the machine's (the times are not asserted here). Either way the model passes: a block kept is kept as the
     fastest, and OUT is written."""
-    for export, checkpoint, cores in (("llama/sdpa-opset20", "llama", {"gqa", "grouped-mha", "auto"}),
+    for export, checkpoint, cores in (("llama/sdpa-opset20", "llama", {"gqa", "grouped-mha", "switch"}),
                                       ("gemma2/eager-opset20", "gemma2", {"gqa"})):  # fmt: skip
         out = tmp_path / f"{checkpoint}.onnx"
         report = optimize_model(str(DYNAMO / export / "model.onnx"), str(out),
@@ -358,8 +358,8 @@ def test_a_core_the_audit_cannot_read_back_is_never_a_candidate(monkeypatch):
 
     c = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, causal=True, kv_cache=True, key_padding_mask=True,
                         bias=False, rope=Rope(theta=10000.0, dim=16))  # fmt: skip
-    assert candidates(c, "growing", "ort-fused") == ["gqa", "grouped-mha", "auto"]
-    monkeypatch.setitem(GRAPH_CORES, "auto", dataclasses.replace(GRAPH_CORES["auto"], read_block=None))
+    assert candidates(c, "growing", "ort-fused") == ["gqa", "grouped-mha", "switch"]
+    monkeypatch.setitem(GRAPH_CORES, "switch", dataclasses.replace(GRAPH_CORES["switch"], read_block=None))
     assert candidates(c, "growing", "ort-fused") == ["gqa", "grouped-mha"]
 
 
@@ -373,13 +373,13 @@ def test_the_auto_core_is_written_read_back_and_proven_in_every_block(tmp_path, 
     import attnx.workflows.rewrite.choose as choose
 
     every = choose.candidates
-    monkeypatch.setattr(choose, "candidates", lambda *a, **k: [c for c in every(*a, **k) if c == "auto"])
-    monkeypatch.setattr(choose, "pick", lambda before, times, *a, **k: ("auto", "the test's choice"))
+    monkeypatch.setattr(choose, "candidates", lambda *a, **k: [c for c in every(*a, **k) if c == "switch"])
+    monkeypatch.setattr(choose, "pick", lambda before, times, *a, **k: ("switch", "the test's choice"))
     out = tmp_path / "out.onnx"
     report = optimize_model(str(DYNAMO / "llama" / "sdpa-opset20" / "model.onnx"), str(out),
                             checkpoint=str(FIXTURES / "genai" / "llama" / "checkpoint"))  # fmt: skip
-    assert report.passed and {b.written for b in report.blocks} == {"auto"}, report.lines()
-    assert sum(line.startswith(f"pass: block {b.index} (auto)") for b in report.blocks
+    assert report.passed and {b.written for b in report.blocks} == {"switch"}, report.lines()
+    assert sum(line.startswith(f"pass: block {b.index} (switch)") for b in report.blocks
                for line in _proofs(report)) == len(report.blocks)  # fmt: skip
     graph = onnx.load(str(out)).graph
     ifs = [n for n in graph.node if n.op_type == "If"]
@@ -599,7 +599,7 @@ def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_laye
     assert said is not None
     source = tmp_path / "model.onnx"
     onnx.save(proto, str(source))
-    core = "gqa" if "-opset" in model else "auto"  # a builder's block: measured, as a user runs it
+    core = "gqa" if "-opset" in model else "measure"  # a builder's block: measured, as a user runs it
     faulty = optimize_model(str(source), str(tmp_path / "kept.onnx"), core=core)
     if "-opset" in model:  # decomposed: rewritten into the graph's own formula, whose tokens the input's are
         assert faulty.passed and faulty.blocks[layer].written == "gqa", faulty.lines()
@@ -623,7 +623,7 @@ def test_a_planted_fault_is_kept_without_the_checkpoint_and_repaired_in_its_laye
         assert "MatMulNBits" in {n.op_type for n in onnx.load(str(tmp_path / "out.onnx")).graph.node}
 
 
-@pytest.mark.parametrize("core", ["grouped-mha", "auto"])
+@pytest.mark.parametrize("core", ["grouped-mha", "switch"])
 def test_a_block_splits_into_what_the_model_shares_and_its_own_part(core):
     """What a block computes from the model's inputs alone (its rotary table from position_ids, its token grid from
     the padding mask) cut apart from the rest, as the choice times it (split_shared: the written model computes it

@@ -56,7 +56,7 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
                    weights: str | None = None, progress: Callable[[str], None] | None = None,
                    source: CheckpointLayers | None = None) -> ModelOptimizeReport:  # fmt: skip
     """Rewrite every block of `model` (a path, or the model opened once: attnx.workflows.audit.whole) that a core
-    computes into the fastest such core on `provider` (core "auto", measured: attnx.workflows.rewrite.choose; or the
+    computes into the fastest such core on `provider` (core "measure", measured: attnx.workflows.rewrite.choose; or the
     core named, wherever it computes the block), prove OUT on the provider, publish it (the module doc). weights
     "int4" / "int8": the model's MatMul weights quantized first (attnx.workflows.rewrite.weights), the quantized
     model optimized and proven, its distance from the input said. source: `checkpoint`'s layers where the caller

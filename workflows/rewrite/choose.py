@@ -35,7 +35,7 @@ from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import GRAPH_CORES, build_model
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import LOWERINGS, PROVIDERS
-from attnx.model.cores import why_not
+from attnx.model.cores import MEASURE, why_not
 from attnx.runtimes.base import Runner, time_runner
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, cut_block, cut_file, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
@@ -43,7 +43,7 @@ from attnx.workflows.audit.run import first_line
 __all__ = ["AUTO_CORE", "TIME_SHAPE", "CoreChoice", "Timing", "candidates", "choose_core", "own_is_fastest", "pick",
            "time_runner", "time_whole"]
 
-AUTO_CORE = "auto"  # measure the candidates (optimize_model's core=)
+AUTO_CORE = MEASURE  # measure the candidates (optimize_model's core=)
 # a request, as a block is timed and costed: a prompt of `prefill` tokens, then `steps` single steps, each timed at a
 # cache of `past` (the middle of a long generation)
 TIME_SHAPE = {"prefill": 512, "past": 2048, "steps": 128}
@@ -293,7 +293,7 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
                 memo: dict[str, CoreChoice] | None = None,
                 say: Callable[[str], None] = lambda _m: None) -> CoreChoice:  # fmt: skip
     """The core a planned block (attnx.workflows.rewrite.plan.Plan, read from `graph`) is written as (the module
-    doc): with core "auto" the fastest of every core of `lowering` that computes its config under its I/O
+    doc): with core MEASURE ("measure") the fastest of every core of `lowering` that computes its config under its I/O
     (Plan.cores), or the graph's own block where it is faster and computes the same formula (not `repaired`); a core
     named: that one wherever it computes the block, timed for the report. Each is timed as it would be written
     (Plan.bound): the whole block, against the graph's block as the audit cuts it; or the core alone, against the
