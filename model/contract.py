@@ -460,12 +460,13 @@ def _dim(d: Any) -> int | str:
     return d.dim_param or (d.dim_value if d.HasField("dim_value") else "?")
 
 
-def describe(path: str | os.PathLike[str]) -> ModelInfo:
+def describe(path: str | os.PathLike[str], proto: Any = None) -> ModelInfo:
     """Read what the model file at `path` is: config, lowering (from the graph), dtype, inputs
     and outputs with dim names, IR version, opsets, operators, external data. ModelFileError
-    (exit 2) for a file that is not an ONNX model."""
+    (exit 2) for a file that is not an ONNX model. proto: the file's ModelProto as a command read it already
+    (attnx.workflows.audit.whole: the input parsed once), not read again."""
     path = os.fspath(path)
-    proto = _load_proto(path)
+    proto = _load_proto(path) if proto is None else proto
     metadata = {p.key: p.value for p in proto.metadata_props}
     try:
         config, config_error = config_from_metadata(metadata, path), None

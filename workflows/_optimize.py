@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import onnx_ir as ir
 
@@ -67,19 +68,21 @@ def optimize_file(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     int8_bits: int | str = "auto",
+    opened: Any = None,
 ) -> OptimizeResult:
     """Lower IN, check OUT against IN on `provider` at `shapes`, write OUT only if it passes.
 
     dtype None keeps IN's dtype; int8_bits: an int8 model's weight width (7, 8, auto: attnx.model.int8). A
     failed check raises CheckFailed (exit 1), or with raise_on_failure=False returns a result whose `files`
-    is empty."""
+    is empty. opened: IN as the command opened it (attnx.workflows.audit.whole.open_whole_model), read from
+    that parse, never parsed again."""
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     backend = get_provider(provider, "--provider").backend
     check_output_file(out_path, "--out")
     if os.path.abspath(out_path) == os.path.abspath(in_path):
         raise UsageError("--out must differ from the input model: the input is the reference of the parity check")
     progress(f"loading {in_path}")
-    info = describe(in_path)
+    info = describe(in_path, opened.proto if opened is not None else None)
     config = info.require_config("optimize works on models written by attnx export")
     if config.kv_cache:
         raise UsageError(
@@ -98,12 +101,14 @@ def optimize_file(
         with create_runner(backend, ModelSource(config, None, in_path, info.dtype)):
             pass  # ProviderUnavailable (exit 2) with ORT's reason otherwise
     try:
-        model = ir.load(in_path)
+        model = ir.load(in_path) if opened is None else opened.model
     except Exception as e:  # noqa: BLE001 - describe() read it: only its external data can fail here
         raise ModelFileError(f"{in_path!r} cannot be loaded: {str(e).strip().splitlines()[0]}") from None
     progress(f"reading the weights of {in_path}")
     weights = read_weights(model, config)  # the tolerance is sized from them too
     del model
+    if opened is not None:
+        opened.release()  # the weights are copies: ONNX Runtime checks parity on its own copy of the file
     progress(f"writing the {attention} graph ({dtype})")
     result = lower(
         config, weights, attention=attention, dtype=dtype, keep_io_fp32=keep_io_fp32, provider=provider,

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     result = flows.optimize_file(
         args.model, args.out, attention=args.attention, dtype=args.dtype, keep_io_fp32=args.keep_io_fp32,
         block_size=args.block_size, accuracy_level=args.accuracy_level, int8_bits=args.int8_bits,
-        provider=args.provider, auto_shape=auto_shape, raise_on_failure=False, progress=progress,
+        provider=args.provider, auto_shape=auto_shape, raise_on_failure=False, progress=progress, opened=model,
     )  # fmt: skip
     lowering = result.lowering
     print("\n".join(lowering.lines()))  # auto's measurements, the core written, the precision

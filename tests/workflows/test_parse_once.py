@@ -124,3 +124,14 @@ def test_build_model_parses_its_input_and_checkpoint_once(monkeypatch, tmp_path)
     said = sorted(parses.counts.items())
     assert parses.parses("input") == {"parse": 1, "shapes": 1}, said
     assert parses.parses("checkpoint") == {"layers": 1}, said
+
+
+def test_optimize_parses_a_model_attnx_wrote_once(monkeypatch, tmp_path):
+    """A model attnx export wrote: the command's one read (its untrusted-input checks) is what optimize_file
+    describes and reads the weights from; ONNX Runtime's sessions (parity) read their own copies."""
+    source = tmp_path / "tiny.onnx"
+    assert main(["export", "--preset", "tiny", "--out", str(source), "--no-validate"]) == 0
+    parses = Parses(monkeypatch, source, "out.onnx")
+    assert main(["optimize", str(source), "--out", str(tmp_path / "out.onnx")]) == 0
+    said = sorted(parses.counts.items())
+    assert parses.parses("input") == {"parse": 1}, said
