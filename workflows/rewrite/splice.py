@@ -80,7 +80,14 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
                 # the graph adds the output bias after the block (a SkipLayerNormalization): the block ends at the
                 # output projection's MatMul, before its bias Add (linear), which is then dead
                 y = y.producer().inputs[0]
-            values[block.outputs["y"]].replace_all_uses_with(y)
+            old = values[block.outputs["y"]]
+            if old in g.outputs:  # a model that is one layer (attnx's own export): y keeps its name and dims
+                name = old.name
+                old.name = f"{prefix}replaced/{name}"
+                old.replace_all_uses_with(y, replace_graph_outputs=True)
+                y.name, y.shape, y.type = name, old.shape, old.type
+            else:
+                old.replace_all_uses_with(y)
         else:  # the core alone: its z into the graph's own output projection
             values[plan.binds["z"]].replace_all_uses_with(outputs["z"])
         for role in ("present_key", "present_value"):
