@@ -458,13 +458,16 @@ for _lw in LOWERINGS.values():
 
 
 def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: str | None = None,
-             buffer_core: str | None = None, what: str = "--attention", core: str | None = None) -> Core:  # fmt: skip
+             buffer_core: str | None = None, what: str | None = "--attention", core: str | None = None) -> Core:  # fmt: skip
     """The core `lowering` writes for `config` in `dtype` and `form` (None: the config's own): the first
     of its cores that computes it (for the buffer form, `buffer_core`; `core`: that one of the lowering's cores for
     the form, as a measured choice names it). One UsageError otherwise, with every candidate's reasons and the
-    lowerings that would compute it."""
+    lowerings that would compute it (what: the flag that chose it, advised; None: no flag, as in a whole model's
+    plan, where the reasons alone are said)."""
+    label = lowering if what is None else f"{what} {lowering}"
     if lowering not in LOWERINGS:
-        raise UsageError(f"unknown {what} {lowering!r} (known: {', '.join(LOWERINGS)}){_respelled(what, lowering)}")
+        raise UsageError(f"unknown {what or 'lowering'} {lowering!r} (known: {', '.join(LOWERINGS)})"
+                         f"{_respelled(what or '--attention', lowering)}")  # fmt: skip
     form = form_of(config, form)
     candidates = LOWERINGS[lowering].cores.get(form, ())
     if form == "buffer" and candidates:
@@ -477,7 +480,7 @@ def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: 
         raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
     if core is not None:
         if core not in candidates:
-            raise UsageError(f"{what} {lowering} writes no {core} core in the {form} form (it writes: "
+            raise UsageError(f"{label} writes no {core} core in the {form} form (it writes: "
                              f"{', '.join(candidates) or 'none'})")  # fmt: skip
         candidates = (core,)
     reasons: list[str] = []
@@ -490,13 +493,13 @@ def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: 
                  "buffer": "the buffer form"}[form]  # fmt: skip
     if not candidates:
         has = [f for f in FORMS if f in LOWERINGS[lowering].cores]
-        reasons.append(f"{what} {lowering} has no {form} form (it has: {', '.join(has)})")
-    others = [lw for lw in lowerings_for(config, dtype, form, buffer_core) if lw != lowering]
+        reasons.append(f"{label} has no {form} form (it has: {', '.join(has)})")
+    others = [lw for lw in lowerings_for(config, dtype, form, buffer_core) if lw != lowering] if what else []
     advice = f"; use {what} {' or '.join(others)}" if others else ""
-    if form == "buffer" and not others and "buffer" in LOWERINGS[lowering].cores:
+    if what and form == "buffer" and not others and "buffer" in LOWERINGS[lowering].cores:
         fine = [b for b in BUFFER_CORES if not why_not(b, config, dtype, form)]
         advice = f"; use --buffer-core {' or '.join(fine)}" if fine else "; use the growing form (--decode-form growing)"
-    raise UsageError(f"{what} {lowering} cannot build {what_form} of this config in {dtype}: "
+    raise UsageError(f"{label} cannot build {what_form} of this config in {dtype}: "
                      f"{'; '.join(dict.fromkeys(reasons))}{advice}")  # fmt: skip
 
 

@@ -85,4 +85,6 @@ def test_optimize_keeps_each_mla_block_naming_the_latent_no_fused_core_expresses
     said = capsys.readouterr()
     kept = [line for line in (said.out + said.err).splitlines() if line.startswith("block ") and " kept: " in line]
     assert len(kept) == 2 and all("does not express latent" in line for line in kept)
+    # no advice of a flag a whole model does not take (core_for's what=None: the reasons alone)
+    assert not any("--attention" in line for line in kept)
     assert not out.exists()  # nothing written

@@ -130,7 +130,7 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         if config.rope is not None and not _bind_positions(block, plan, graph, inputs, rewrite):
             return None
     try:
-        core_for(LOWERING, plan.config, plan.dtype, plan.form, core=plan.cores[0] if plan.cores else None)
+        core_for(LOWERING, plan.config, plan.dtype, plan.form, core=plan.cores[0] if plan.cores else None, what=None)
     except UsageError as e:
         rewrite.kept = str(e)
         return None
