@@ -49,6 +49,12 @@ def check_bool(key: str, value: Any) -> None:
         raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
 
 
+def self_attention_only(c: Config, key: str) -> None:
+    """One ConfigError where a term of self-attention is set on a cross-attention config (`cross`)."""
+    if c.cross:
+        raise ConfigError(f"config key {key!r} is for self-attention ('cross': false)")
+
+
 def number_object(key: str, value: Any, cls: type) -> Any:
     """`cls` (a frozen dataclass of numbers: QKNorm, Temperature) from a config object with exactly its fields, each
     a finite positive number; one ConfigError naming the key (or key.field) otherwise."""

@@ -7,15 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import ConfigError
 from attnx.model.alibi import alibi_slopes
-from attnx.model.terms._base import Config, Setter, Term, Weights, replace
+from attnx.model.terms._base import Config, Setter, Term, Weights, replace, self_attention_only
 
 
 def _validate(c: Config, set_: Setter) -> None:
-    if c.alibi and c.cross:
-        # A distance between a query and a key of another sequence: no model attnx imports has it.
-        raise ConfigError("config key 'alibi' is for self-attention ('cross': false)")
+    if c.alibi:  # a distance between a query and a key of another sequence: no model attnx imports has it
+        self_attention_only(c, "alibi")
 
 
 def _drop_alibi(c: Config, w: Weights) -> tuple[Config, Weights]:

@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import ConfigError
-from attnx.model.terms._base import Config, Setter, Term, Weights, number_object, replace
+from attnx.model.terms._base import Config, Setter, Term, Weights, number_object, replace, self_attention_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +33,7 @@ def _validate(c: Config, set_: Setter) -> None:
     if c.attn_temperature is None:
         return
     set_("attn_temperature", number_object("attn_temperature", c.attn_temperature, Temperature))
-    if c.cross:
-        raise ConfigError("config key 'attn_temperature' is for self-attention ('cross': false)")
+    self_attention_only(c, "attn_temperature")
 
 
 def _double_temperature(c: Config, w: Weights) -> tuple[Config, Weights]:

@@ -7,16 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import ConfigError
-from attnx.model.terms._base import Config, Setter, Term, Weights, check_number, replace, rms
+from attnx.model.terms._base import Config, Setter, Term, Weights, check_number, replace, rms, self_attention_only
 
 
 def _validate(c: Config, set_: Setter) -> None:
     if c.qk_l2_norm is None:
         return
     set_("qk_l2_norm", check_number("qk_l2_norm", c.qk_l2_norm))
-    if c.cross:
-        raise ConfigError("config key 'qk_l2_norm' is for self-attention ('cross': false)")
+    self_attention_only(c, "qk_l2_norm")
 
 
 def _drop_l2_norm(c: Config, w: Weights) -> tuple[Config, Weights]:

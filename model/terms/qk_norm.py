@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import ConfigError
-from attnx.model.terms._base import Config, Setter, Term, Weights, number_object, rms
+from attnx.model.terms._base import Config, Setter, Term, Weights, number_object, rms, self_attention_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +26,7 @@ def _validate(c: Config, set_: Setter) -> None:
     if c.qk_norm is None:
         return
     set_("qk_norm", number_object("qk_norm", c.qk_norm, QKNorm))
-    if c.cross:
-        raise ConfigError("config key 'qk_norm' is for self-attention ('cross': false)")
+    self_attention_only(c, "qk_norm")
 
 
 def _swap_qk_norms(c: Config, w: Weights) -> tuple[Config, Weights]:

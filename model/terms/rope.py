@@ -9,16 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from attnx.errors import ConfigError
 from attnx.model.rope import parse_rope, rope_cos_sin, rope_pairs, rope_said
-from attnx.model.terms._base import Config, Setter, Term, Weights, replace
+from attnx.model.terms._base import Config, Setter, Term, Weights, replace, self_attention_only
 
 
 def _validate(c: Config, set_: Setter) -> None:
     set_("rope", parse_rope(c.rope, c.head_dim))
-    if c.cross and c.rope is not None:
-        # Positions of a second sequence: no model attnx imports has them.
-        raise ConfigError("config key 'rope' is for self-attention ('cross': false)")
+    if c.rope is not None:  # positions of a second sequence: no model attnx imports has them
+        self_attention_only(c, "rope")
 
 
 def _flip_rope_layout(c: Config, w: Weights) -> tuple[Config, Weights]:
