@@ -180,7 +180,8 @@ def _other_part(node: ir.Node, part: ir.Value, cols: tuple[int, int]) -> ir.Valu
 
 
 def _forward(value: ir.Value, limit: int = 24) -> tuple[list[ir.Node], bool]:
-    """The Muls reached from `value` through layout, Slice and Gather ops (breadth first), and whether a Slice or a
+    """The Muls reached from `value` through layout, Slice, Gather and Concat ops (breadth first: rotate_half's
+    cat(-x2, x1) of the half-split pairs before its Mul by sin), and whether a Slice or a
     Gather on the way reads pairs (2i, 2i + 1) (walk's rule: an interleaved rotation)."""
     seen, queue, muls, pairs = set(), [value], [], False
     while queue and len(seen) < limit:
@@ -190,7 +191,7 @@ def _forward(value: ir.Value, limit: int = 24) -> tuple[list[ir.Node], bool]:
             seen.add(id(user))
             if is_op(user, "Mul"):
                 muls.append(user)
-            elif user.op_type in (*_LAYOUT, "Slice", "Gather", "Neg", "Split") and user.domain in ("", "ai.onnx"):
+            elif user.op_type in (*_LAYOUT, "Slice", "Gather", "Neg", "Split", "Concat") and user.domain in ("", "ai.onnx"):
                 pairs = pairs or pairs_interleaved(user)
                 queue += list(user.outputs)
     return muls, pairs

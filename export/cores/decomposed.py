@@ -139,11 +139,11 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
     path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
     proj_node = projection_node(paths["q"].projection)
-    kv_node = projection_node(paths["k"].projection)
-    if kv_node is projection_node(paths["v"].projection) and kv_node is not proj_node \
-            and 2 * weights["k_proj.weight"].shape[1] < weights["k_proj.weight"].shape[0]:  # fmt: skip
-        # one projection widens a low-rank input into both k and v (more than a packed k|v of its width would):
-        # DeepSeek's MLA, kv_b_proj over the latent, where a cross attention's packed k|v keeps its width
+    kv_node = projection_node(paths["v"].projection)
+    if kv_node is not proj_node and 2 * weights["v_proj.weight"].shape[1] < weights["v_proj.weight"].shape[0]:
+        # v's projection widens a low-rank input into more than twice its width (into both k and v: k's path may
+        # end there, or at the rope key's projection beside it): DeepSeek's MLA, kv_b_proj over the latent, where a
+        # cross attention's v keeps about its input's width
         block.masks, block.mask = masks, masks[0][0] if masks else None
         return read_latent_block(block, paths["q"].projection, kv_node, pv, hd, facts, keep_weights)
     if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):

@@ -79,6 +79,17 @@ def test_each_block_pairs_with_its_checkpoint_layer_and_states_what_it_imports(c
     assert "block 0 = checkpoint layer 0: pass" in out and "block 1 = checkpoint layer 1: pass" in out
 
 
+def test_a_plain_q_half_split_eager_export_is_read_and_pairs_with_its_checkpoint(capsys):
+    """The other variant of make_mla.py: q from a plain q_proj, half-split pairs (rotate_half: a Concat before the
+    Mul by sin), v heads of 12, eager attention. k's path ends at the rope key's projection there, not kv_b_proj's:
+    the block is told by v's widening projection; before, it was "a cross attention", not read."""
+    model, checkpoint = os.path.join(HERE, "eager-plain-q", "model.onnx"), os.path.join(HERE, "checkpoint-plain-q")
+    assert main(["audit", model, "--checkpoint", checkpoint]) == 0
+    out = capsys.readouterr().out
+    assert "block 0 = checkpoint layer 0: pass" in out and "block 1 = checkpoint layer 1: pass" in out
+    assert "latent,rope" in out
+
+
 def test_optimize_keeps_each_mla_block_naming_the_latent_no_fused_core_expresses(tmp_path, capsys):
     out = tmp_path / "out.onnx"
     assert main(["optimize", MODEL, "--out", str(out)]) == 1
