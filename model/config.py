@@ -23,7 +23,7 @@ from attnx.model.terms import (
     terms_of,
 )
 
-__all__ = ["AttentionConfig", "CacheSpec", "Latent", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
+__all__ = ["AttentionConfig", "CacheSpec", "COMPRESSED_KV", "ROPE_KEY", "Latent", "QKNorm", "TensorSpec", "PRESETS", "preset", "load_config", "LLM_KEYS"]
 
 # The keys of modern LLM attention (docs/concepts/formula.md, "Modern LLM attention"): absent or null, the formula is
 # the one without them. A core that cannot express one refuses it by name (attnx.model.cores).
@@ -42,6 +42,10 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
+# the latent cache's parts (CacheSpec.parts): each token's turned rope key, its normed compressed kv
+ROPE_KEY, COMPRESSED_KV = "rope_key", "compressed_kv"
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSpec(TensorSpec):
     """One tensor of a step model's cache, as its core lays it out (AttentionConfig.cache_specs): `role` ("key",
@@ -52,6 +56,9 @@ class CacheSpec(TensorSpec):
     role: str = ""
     grows: int = 2
     pair: tuple[str, str] | None = None  # (past input, present output) where a whole model names them its own way
+    # the named column ranges of its last dim, in order, where it joins tensors another model keeps apart (the
+    # latent: the rope key, then the compressed kv; a whole model's reader names its tensors by these): (name, width)
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def past(self) -> str:
@@ -193,7 +200,8 @@ class AttentionConfig:
         (prefix "present_") are the same with total_seq."""
         if self.latent is not None:
             latent = self.rope.dim + self.latent.kv_lora_rank
-            return [CacheSpec(f"{prefix}latent", dtype, ("batch", 1, length, latent), "latent")]
+            parts = ((ROPE_KEY, self.rope.dim), (COMPRESSED_KV, self.latent.kv_lora_rank))
+            return [CacheSpec(f"{prefix}latent", dtype, ("batch", 1, length, latent), "latent", parts=parts)]
         return [CacheSpec(f"{prefix}key", dtype, ("batch", self.n_kv_heads, length, self.head_dim), "key"),
                 CacheSpec(f"{prefix}value", dtype, ("batch", self.n_kv_heads, length, self.v_head_dim), "value")]  # fmt: skip
 

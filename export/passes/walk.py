@@ -448,7 +448,7 @@ def rms_input(node: ir.Node) -> list[ir.Value]:
         if n is None or id(n) in seen:
             continue
         seen.add(id(n))
-        if n.op_type == "Pow":
+        if n.op_type == "Pow" or (n.op_type == "Mul" and n.inputs[0] is n.inputs[1]):  # x^2, or x * x (attnx's)
             return [n.inputs[0]]
         if n.op_type in ("Mul", "Div", "Sqrt", "Reciprocal", "Add", "ReduceMean", "Cast"):
             queue += [i for i in n.inputs if i is not None and const_array(i) is None]

@@ -90,12 +90,56 @@ def test_a_plain_q_half_split_eager_export_is_read_and_pairs_with_its_checkpoint
     assert "latent,rope" in out
 
 
-def test_optimize_keeps_each_mla_block_naming_the_latent_no_fused_core_expresses(tmp_path, capsys):
-    out = tmp_path / "out.onnx"
-    assert main(["optimize", MODEL, "--out", str(out)]) == 1
-    said = capsys.readouterr()
-    kept = [line for line in (said.out + said.err).splitlines() if line.startswith("block ") and " kept: " in line]
-    assert len(kept) == 2 and all("does not express latent" in line for line in kept)
-    # no advice of a flag a whole model does not take (core_for's what=None: the reasons alone)
-    assert not any("--attention" in line for line in kept)
-    assert not out.exists()  # nothing written
+PLAIN_Q = os.path.join(HERE, "eager-plain-q", "model.onnx"), os.path.join(HERE, "checkpoint-plain-q")
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory):
+    """Both exports optimized against their checkpoints (which bound the times to 128 positions): model -> (report,
+    the written model's path)."""
+    from attnx.workflows.rewrite import optimize_model
+
+    out = {}
+    for name, (model, checkpoint) in {"sdpa": (MODEL, CHECKPOINT), "eager-plain-q": PLAIN_Q}.items():
+        path = str(tmp_path_factory.mktemp(name) / "out.onnx")
+        out[name] = optimize_model(model, path, checkpoint=checkpoint), path
+    return out
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager-plain-q"])
+def test_optimize_writes_each_mla_block_as_the_absorbed_latent_step_and_proves_it(optimized, name):
+    """No fused kernel computes the latent: each block is written by the decomposed core (plan.LOWERINGS_TRIED), its
+    step absorbed (q.k and p.v over the latents, never expanded by kv_b_proj), the graph's two cache tensors joined
+    into its latent and its present split back under their own names; read back and held to the checkpoint."""
+    report, path = optimized[name]
+    assert report.passed and report.written, report.proofs
+    assert [(b.written, b.repairs) for b in report.blocks] == [("decomposed", [])] * 2
+    said = [str(p) for p in report.proofs]
+    assert sum(line.startswith("pass: block") and "against the float64 reference and the checkpoint" in line
+               for line in said) == 2  # fmt: skip
+    assert any(line.startswith("pass: the whole model, prefill + steps") for line in said)
+    written, given = onnx.load(path), onnx.load(MODEL if name == "sdpa" else PLAIN_Q[0])
+    assert [i.name for i in written.graph.input] == [i.name for i in given.graph.input]
+    assert [o.name for o in written.graph.output] == [o.name for o in given.graph.output]
+    made = _producers(written)
+    for layer in (0, 1):  # the latent [rope key | compressed kv] from the graph's value and key, and back
+        joined = made[f"attnx/block{layer}/past_latent"]
+        assert joined.op_type == "Concat" and list(joined.input) == [f"past_key_values.{layer}.value",
+                                                                     f"past_key_values.{layer}.key"]  # fmt: skip
+        for part in ("key", "value"):
+            assert made[f"present.{layer}.{part}"].op_type == "Slice"
+    # absorbed: kv_b_proj's halves are [heads, nope, rank] and [heads, rank, v] constants, no 2-D kv_b_proj MatMul
+    kv_b = [t for t in written.graph.initializer if "kv_b_proj" in t.name]
+    assert kv_b and all(len(t.dims) == 3 for t in kv_b)
+
+
+def test_a_written_absorbed_block_whose_w_uv_differs_is_found_against_the_checkpoint(optimized, tmp_path):
+    """The reader rebuilds kv_b_proj from the absorbed halves: a changed W_uv in block 1 is named against layer 1."""
+    model = onnx.load(optimized["sdpa"][1])
+    w_uv = next(t for t in model.graph.initializer if t.name.startswith("attnx/block1/") and "v_half" in t.name)
+    w_uv.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(w_uv) * 1.01, w_uv.name))
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    found = audit_model(str(path), checkpoint=CHECKPOINT)
+    assert not found.passed
+    assert not found.blocks[0].findings and any("kv_b_proj" in f for f in found.blocks[1].findings)

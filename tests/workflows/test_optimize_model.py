@@ -472,7 +472,8 @@ class _Logits:
         self.token = None
         self.inputs = [TensorSpec("input_ids", "int64", ("batch", "sequence")),
                        TensorSpec("attention_mask", "int64", ("batch", "sequence"))]  # fmt: skip
-        self.outputs = [TensorSpec("logits", "float32", ("batch", "sequence", 7))]
+        # its vocabulary not declared: the proof's token ids below 100, each of its 7 logits a function of the id
+        self.outputs = [TensorSpec("logits", "float32", ("batch", "sequence", "vocab"))]
 
     def run(self, feeds):
         ids, mask = feeds["input_ids"], feeds["attention_mask"]

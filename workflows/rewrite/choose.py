@@ -33,9 +33,9 @@ import numpy as np
 
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import GRAPH_CORES, build_model
-from attnx.model.config import AttentionConfig
+from attnx.model.config import AttentionConfig, TensorSpec
 from attnx.model.contract import LOWERINGS, PROVIDERS
-from attnx.model.cores import MEASURE, why_not
+from attnx.model.cores import CORES, MEASURE, why_not
 from attnx.runtimes.base import Runner, time_runner
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, cut_block, cut_file, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
@@ -145,8 +145,8 @@ def time_shape(limit: int | None) -> dict[str, int]:
 def positions_limit(block: Any, checkpoint_limit: int | None) -> int | None:
     """The positions a block can be fed: the checkpoint's, and its own rotary table's rows where the graph holds one."""
     limits = [n for n in (checkpoint_limit,) if n]
-    tables = block.facts.get("rope_tables")
-    if tables is not None and "rope_tables_at" not in block.facts:  # a constant table (not one computed, then probed)
+    tables = block.reading.rope.tables
+    if tables is not None and block.reading.rope.tables_at is None:  # a constant table (not one computed, then probed)
         limits.append(int(np.asarray(tables[0]).shape[0]))
     return min(limits) if limits else None
 
@@ -173,20 +173,24 @@ def _block_feeds(specs: Sequence[Any], config: AttentionConfig, tokens: int, pas
               "qkv": config.q_dim + config.kv_q_dim + config.kv_v_dim}  # a core alone is fed its projections
     feeds: dict[str, np.ndarray] = {names[role]: rng.standard_normal((1, tokens, width)).astype(dtype)
                                     for role, width in widths.items() if names.get(role) in taken}  # fmt: skip
-    for role in ("past_key", "past_value"):
-        if names.get(role) in taken:
-            feeds[names[role]] = cache
+    for role, name in names.items():  # each cache input zeros of `past` positions, its other dims as it declares
+        if role.startswith(_CACHE_ROLE) and name in taken:  # them (a latent's one "head" of its own width)
+            dims = next(s.shape for s in specs if s.name == name)
+            fixed = [d if isinstance(d, int) else None for d in dims] if len(dims) == cache.ndim else [None] * 4
+            feeds[name] = np.zeros([cache.shape[0], fixed[1] or cache.shape[1], cache.shape[2],
+                                    fixed[3] or cache.shape[3]], dtype)  # fmt: skip
     if lengths:
         feeds[names["seqlens_k"]] = np.array([(past or 0) + tokens - 1], np.int32)
         feeds[names["total_sequence_length"]] = np.array((past or 0) + tokens, np.int32)
     rest = [s.name for s in specs if s.name not in feeds]
-    feeds.update(graph_feeds(rest, np.ones((1, (past or 0) + tokens), np.int64), past or 0, cache))
+    feeds.update(graph_feeds(rest, np.ones((1, (past or 0) + tokens), np.int64), past or 0, cache, specs))
     return feeds
 
 
 # a block's own inputs, by role: what one block reads that another does not (the rest, position_ids, the padding
 # mask, GroupQueryAttention's lengths, is the model's, read alike by every block)
-_OWN_ROLES = ("x", "q", "k", "v", "qkv", "past_key", "past_value")
+_OWN_ROLES = ("x", "q", "k", "v", "qkv")
+_CACHE_ROLE = "past_"  # and its cache: each input whose role starts so (past_key, past_value; a latent's past_latent)
 
 
 def split_shared(model: Any, own: set[str]) -> tuple[Any, Any] | None:
@@ -240,7 +244,9 @@ def _split_files(path: str, folder: str, own: set[str]) -> tuple[list[str], list
     except Exception:  # noqa: BLE001 - the docstring's fallback
         return None
     initializers = {t.name for t in model.graph.initializer}
-    return paths, [i for i in model.graph.input if i.name not in initializers]
+    return paths, [TensorSpec(i.name, "", tuple(d.dim_value if d.HasField("dim_value") else d.dim_param
+                                              for d in i.type.tensor_type.shape.dim))
+                   for i in model.graph.input if i.name not in initializers]  # fmt: skip
 
 
 def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], provider: str, shape: Mapping[str, int],
@@ -250,7 +256,7 @@ def time_block(path: str, config: AttentionConfig, names: Mapping[str, str], pro
     What the block computes from the model's inputs alone (split_shared) is timed apart and counted once for the
     `shared_by` blocks that compute it alike, as the written model computes it: a block's time is its own part's and
     its share of that."""
-    own = {names[role] for role in _OWN_ROLES if role in names}
+    own = {name for role, name in names.items() if role in _OWN_ROLES or role.startswith(_CACHE_ROLE)}
     with tempfile.TemporaryDirectory(prefix="attnx-block-") as folder:
         split = _split_files(path, folder, own) if shared_by > 1 else None
         try:
@@ -323,12 +329,15 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
                     for c in pool if c not in plan.cores]  # fmt: skip
         return CoreChoice(None, f"no core of the {lowering} lowering computes it: {'; '.join(dict.fromkeys(why))}",
                           shape)  # fmt: skip
-    itself = names == [block.core] and not repaired and asked is None  # the rewrite would be the block itself
+    # the rewrite would be the block itself: the same fused node (standard ops, the fallback core's, are the graph's
+    # own structure, which attnx's emitter writes otherwise: multi-head latent attention's absorbed step)
+    itself = names == [block.core] and not CORES[block.core].fallback and not repaired and asked is None
     if itself:
         names = []  # the graph's own block alone is timed, for the report
     choice = CoreChoice(None, "", shape)
     cached = config.kv_cache
     dtype = NP_DTYPES.get(block.dtype, np.float32)
+    core_inputs = {**_CORE_INPUTS, **{spec.name: spec.name for spec in config.cache_specs()}}  # its cache's own names
     with tempfile.TemporaryDirectory(prefix="attnx-optimize-") as folder:
         say(f"timing block {block.index} as the graph has it, on {provider}")
         if plan.bound == "x":
@@ -347,7 +356,7 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
                                 rope_positions=max(shape["prefill"], shape["past"] + 1))  # fmt: skip
             with open(path, "wb") as f:
                 f.write(model.SerializeToString())
-            choice.times[name] = time_block(path, config, _CORE_INPUTS, provider, shape, cached, dtype, repeat=repeat,
+            choice.times[name] = time_block(path, config, core_inputs, provider, shape, cached, dtype, repeat=repeat,
                                             shared_by=shared_by)  # fmt: skip
     if itself:
         choice.fastest = True

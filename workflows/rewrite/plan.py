@@ -31,9 +31,13 @@ from attnx.workflows.audit.compare import compare_weights
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, graph_value
 from attnx.workflows.rewrite.report import BlockRewrite
 
-__all__ = ["LENGTHS_CORES", "LOWERING", "Plan", "plan_block"]
+__all__ = ["LENGTHS_CORES", "LOWERING", "LOWERINGS_TRIED", "Plan", "plan_block"]
 
 LOWERING = "ort-fused"
+# the lowerings a block's core is taken from, in this order: the first whose cores compute its formula under its I/O
+# (ONNX Runtime's fused kernels, then standard ops, which express every term: multi-head latent attention's absorbed
+# step, which no fused kernel computes)
+LOWERINGS_TRIED = (LOWERING, "decomposed")
 # the buffer-form cores that read each row's length from seqlens_k (GroupQueryAttention's rule: right padding, a past
 # buffer longer than what is filled); grouped-mha's buffer form reads one past_sequence_length for every row
 LENGTHS_CORES = ("gqa",)
@@ -55,6 +59,7 @@ class Plan:
     dtype: str
     bound: str
     binds: dict[str, str]
+    lowering: str = LOWERING  # the lowering its core is written by (LOWERINGS_TRIED)
     ring_cache: bool = False
     rope_positions: int | None = None  # the rows of a cos/sin table of its own (not bound to the graph's)
     positions_expand: bool = False  # the graph's positions are not [batch, seq]: expanded to it
@@ -85,7 +90,7 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
             return None
         paired = source.layer(rewrite.layer)
         ctx = Context(f"layer {rewrite.layer}", source.label)
-        terms = compare_graph_terms(block.config, block.facts, paired.config, ctx)
+        terms = compare_graph_terms(block.config, block.reading, paired.config, ctx)
         differ = compare_weights(block, paired.config, paired.weights, rewrite.layer, source.label)
         rewrite.repairs = terms + list(differ.values())  # written as the checkpoint states, unless kept
         fixed = [name for name in differ if name in PROJECTIONS]
@@ -93,7 +98,7 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
             rewrite.kept = (f"{', '.join(fixed)} differ from the checkpoint's, and its projections "
                             f"({projections_said(block)}) are kept as they are: not repaired")  # fmt: skip
             return None
-        rope_repaired = bool(GRAPH_TERMS["rope"].compare(block.config, block.facts, paired.config, ctx))
+        rope_repaired = bool(GRAPH_TERMS["rope"].compare(block.config, block.reading, paired.config, ctx))
         config, weights = paired.config, paired.weights
     inputs = {v.name for v in graph.model.graph.inputs}
     binds = {"x": block.inputs["x"]}
@@ -109,18 +114,18 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
             return None
         plan.form = "buffer"
         binds.update(seqlens_k=block.inputs["seqlens_k"], total_sequence_length=block.inputs["total_sequence_length"])
-        plan.ring_cache = bool(block.facts.get("sliding_window_cache"))
+        plan.ring_cache = block.ring_cache
         if plan.ring_cache and config.sliding_window != block.config.sliding_window:
             rewrite.kept = ("its cache is a ring buffer of the graph's window (sliding_window_cache): the "
                             "checkpoint's window needs another cache, not rewritten in place")  # fmt: skip
             return None
         plan.config = dataclasses.replace(config, kv_cache=True, key_padding_mask=False)
         if config.rope is not None:
-            caches = block.facts.get("rope_caches")
+            caches = block.reading.rope.caches
             if caches is not None and not rope_repaired:  # the op's own cos/sin caches: the rope as the block has it
                 binds.update(rope_cos_cache=caches[0], rope_sin_cache=caches[1])
             else:
-                tables = block.facts.get("rope_tables")
+                tables = block.reading.rope.tables
                 rows = [n for n in (tables[0].shape[0] if tables is not None else None,
                                     source.max_positions if source is not None else None) if n]  # fmt: skip
                 plan.rope_positions = max(rows) if rows else None
@@ -129,12 +134,18 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         plan.config = dataclasses.replace(config, kv_cache=cached, key_padding_mask="attention_mask" in inputs)
         if config.rope is not None and not _bind_positions(block, plan, graph, inputs, rewrite):
             return None
-    try:
-        core_for(LOWERING, plan.config, plan.dtype, plan.form, core=plan.cores[0] if plan.cores else None, what=None)
-    except UsageError as e:
-        rewrite.kept = str(e)
-        return None
-    return plan
+    reasons = []
+    for lowering in LOWERINGS_TRIED:
+        try:
+            core_for(lowering, plan.config, plan.dtype, plan.form, core=plan.cores[0] if plan.cores else None,
+                     what=None)  # fmt: skip
+        except UsageError as e:
+            reasons.append(str(e))
+            continue
+        plan.lowering = lowering
+        return plan
+    rewrite.kept = reasons[0]  # the fused lowering's reasons: what a reader compares against first
+    return None
 
 
 def projections_said(block: Any) -> str:
@@ -177,7 +188,7 @@ def _bind_positions(block: Any, plan: Plan, graph: AuditGraph, inputs: set[str],
     if "position_ids" in inputs:
         plan.binds["position_ids"] = "position_ids"
         return True
-    tables = block.facts.get("rope_computed_from")
+    tables = block.reading.rope.tensors
     cos = graph_value(graph.model, tables[0]) if tables else None
     found = positions_of(cos) if cos is not None else None
     if found is None:

@@ -23,7 +23,7 @@ from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.audit.whole import WholeModel, open_whole_model
 from attnx.workflows.rewrite.report import ModelOptimizeReport
 
-__all__ = ["empty_cache", "float32_twins", "int8_activations", "prove", "same_model", "same_tokens"]
+__all__ = ["empty_cache", "float32_twins", "int8_activations", "prove", "same_model", "same_tokens", "vocab_of"]
 
 # said of a comparison run on float32-compute twins (float32_twins)
 TWINS_SAID = "each with its MatMulNBits computing in float32 (accuracy_level 1; served at 4)"
@@ -200,6 +200,13 @@ def longest_reduction(model: Any) -> int:
     return max(widths, default=1)
 
 
+def vocab_of(runner: Runner, most: int) -> int:
+    """The tokens a whole model takes: its logits' last dim where it is static, at most `most` (ids below it)."""
+    spec = next((s for s in runner.outputs if s.name == "logits"), runner.outputs[0])
+    last = spec.shape[-1] if spec.shape else None
+    return min(int(last), most) if isinstance(last, int) else most
+
+
 def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, right: bool, tol: Tolerance,
                 size: ProblemSize, read: dict[str, tuple[int, int, int]] | None = None, *,
                 named: str = "the whole model") -> bool:  # fmt: skip
@@ -225,7 +232,7 @@ def same_tokens(report: ModelOptimizeReport, before: Runner, after: Runner, righ
     if batch > 1:  # the last row padded by 3, beside whole ones
         mask[-1, slice(-3, None) if right else slice(0, 3)] = 0
     rows = f"a {side}-padded batch" if batch > 1 else "one row (the model's batch is fixed at 1)"
-    ids = np.random.default_rng(0).integers(1, 100, (batch, tokens))
+    ids = np.random.default_rng(0).integers(1, vocab_of(before, 100), (batch, tokens))
     specs = {spec.name: spec for spec in before.inputs if spec.name.startswith("past_key_values")}
     caches = {name: spec.shape for name, spec in specs.items()}
     empty = {n: empty_cache(specs[n], batch, (read or {}).get(n)) for n in caches}

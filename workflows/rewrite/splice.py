@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from attnx.export import build_model
 from attnx.export.passes.share import ShareRepeated
-from attnx.workflows.rewrite.plan import LOWERING, Plan
+from attnx.workflows.rewrite.plan import Plan
 
 __all__ = ["splice_blocks"]
 
@@ -30,7 +30,7 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
     shared: dict[str, ir.Value] = {}  # what blocks share: the padding mask, positions expanded
     for plan in plans:
         block = plan.block
-        sub = ir.from_proto(build_model(plan.config, plan.weights, LOWERING, plan.form, plan.dtype, core=plan.core,
+        sub = ir.from_proto(build_model(plan.config, plan.weights, plan.lowering, plan.form, plan.dtype, core=plan.core,
                                         bound=plan.bound, ring_cache=plan.ring_cache,
                                         rope_positions=plan.rope_positions))  # fmt: skip
         for domain, version in sub.opset_imports.items():
@@ -49,6 +49,10 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
                 dims = _shared(g, shared, f"attnx/batch_seq/{x.name}", "Shape", [x], start=0, end=2)
                 bound["position_ids"] = _shared(g, shared, f"attnx/position_ids/{positions.name}/{x.name}", "Expand",
                                                 [positions, dims])  # fmt: skip
+        for spec in plan.config.cache_specs():  # a cache the graph keeps apart, joined as the core keeps it
+            if spec.parts and spec.name in ours:
+                parts = [values[block.cache_parts[part][0]] for part, _ in spec.parts]
+                bound[spec.name] = _append(g, "Concat", parts, f"{prefix}{spec.name}", axis=-1)
         initializers = list(sub.graph.initializers.values())
         for value in initializers:
             sub.graph.initializers.pop(value.name)
@@ -90,20 +94,40 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
                 old.replace_all_uses_with(y)
         else:  # the core alone: its z into the graph's own output projection
             values[plan.binds["z"]].replace_all_uses_with(outputs["z"])
-        for role in ("present_key", "present_value"):
-            if role not in block.outputs:
+        for spec in plan.config.cache_specs(prefix="present_"):  # each present under the graph's own name
+            if spec.name not in outputs:
                 continue
-            old = values[block.outputs[role]]
-            name, at = old.name, list(g.outputs).index(old)
-            old.name = f"{prefix}replaced/{name}"
-            outputs[role].name = name
-            outputs[role].shape, outputs[role].type = old.shape, old.type  # the interface's own dims, as they were
-            g.outputs[at] = outputs[role]
+            if not spec.parts:
+                if spec.name in block.outputs:
+                    _replace_output(g, values[block.outputs[spec.name]], outputs[spec.name], prefix)
+                continue
+            start = 0
+            for part, width in spec.parts:  # the graph's tensors: the core's columns of each part
+                cols = [_const(g, f"attnx/cols_{n}", np.asarray([n], np.int64)) for n in (start, start + width, -1)]
+                piece = _append(g, "Slice", [outputs[spec.name], *cols], f"{prefix}{spec.name}/{part}")
+                _replace_output(g, values[block.cache_parts[part][1]], piece, prefix)
+                start += width
     RemoveUnusedNodesPass()(model)
     g.sort()  # the spliced nodes were appended: back into an order where each comes after what it reads
     # what every block computes alike from the model's own inputs (rotary tables from position_ids, the token grid
     # from the padding mask and the lengths): computed once, the rest of the graph untouched
     ShareRepeated(prefix="attnx/")(model)
+
+
+def _replace_output(g: ir.Graph, old: ir.Value, new: ir.Value, prefix: str) -> None:
+    """`new` the graph output `old` was: its name, place, dims and type (the interface as it was)."""
+    name, at = old.name, list(g.outputs).index(old)
+    old.name = f"{prefix}replaced/{name}"
+    new.name = name
+    new.shape, new.type = old.shape, old.type
+    g.outputs[at] = new
+
+
+def _append(g: ir.Graph, op_type: str, inputs: list[ir.Value], name: str, **attributes: int) -> ir.Value:
+    """The output `name` of a new node of the graph."""
+    node = ir.node(op_type, inputs, attributes, outputs=[ir.Value(name=name)], name=name)
+    g.append(node)
+    return node.outputs[0]
 
 
 def _const(g: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

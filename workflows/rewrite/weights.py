@@ -23,7 +23,7 @@ from attnx.export.passes.quantize_weights import WEIGHT_BITS, QuantizeWeights, W
 from attnx.model.contract import PROVIDERS
 from attnx.workflows._proof import Proof, ProofStatus
 from attnx.workflows.audit.cut import graph_feeds, runner_for
-from attnx.workflows.rewrite.prove import empty_cache
+from attnx.workflows.rewrite.prove import empty_cache, vocab_of
 
 __all__ = ["DISTANCE_PROMPTS", "quantize_weights_file", "weights_distance"]
 
@@ -68,7 +68,7 @@ def weights_distance(fp32_path: str, quantized_path: str, caches: Mapping[str, t
             if isinstance(runner, str):
                 raise ProviderUnavailable(f"--provider {provider}: {runner}")
             runners.append(stack.enter_context(runner))
-        vocab = _vocab(runners[0])
+        vocab = vocab_of(runners[0], 256)
         squares = references = agree = positions = 0.0
         rows = []
         for tokens, seed in DISTANCE_PROMPTS:
@@ -92,12 +92,6 @@ def distance_said(distance: Mapping[str, Any], weights: str) -> Proof:
                                    f"relative RMS {distance['rel_rms']:.3g} (worst prompt "
                                    f"{distance['worst_rel_rms']:.3g}), top-1 agreement {distance['top1']:.1%} (worst "
                                    f"prompt {distance['worst_top1']:.1%})")  # fmt: skip
-
-
-def _vocab(runner: Any) -> int:
-    spec = next((s for s in runner.outputs if s.name == "logits"), runner.outputs[0])
-    last = spec.shape[-1] if spec.shape else None
-    return int(last) if isinstance(last, int) else 256
 
 
 def _logits(runner: Any, ids: np.ndarray, caches: Mapping[str, tuple[int, int, int]] | None) -> np.ndarray:
