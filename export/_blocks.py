@@ -15,7 +15,7 @@ own before it), MultiHeadAttention (the builder's fp16 models), ONNX's opset-23 
 From a core, each of q, k and v is followed back to its projection by the one walker (attnx.export.passes.walk: walk
 for the fused ops' inputs, find_projection breadth first for the decomposed form), noting the rotation, norm, cache and scalings met. What the graph computes
 rather than states (rotary tables from position_ids, masks from attention_mask) is named for the audit, which reads it
-by running it (Block.facts["rope_tensors"], Block.mask, Block.masks).
+by running it (Block.reading.rope.tensors, Block.mask, Block.masks).
 """
 
 from __future__ import annotations

@@ -135,11 +135,12 @@ def v_weights(model: ir.Model) -> dict[str, np.ndarray] | None:
 @dataclasses.dataclass
 class CoreReading:
     """One attention core found in a graph: its registry name, its node, and the config keys the node
-    itself states (the rest of a config, the projections' widths and weights, is read beside it)."""
+    itself states (`stated`: its core's CoreGraph.read; the rest of a config, the projections' widths and weights, is
+    read beside it)."""
 
     core: str
     node: str
-    facts: dict[str, Any]
+    stated: dict[str, Any]
 
 
 def read_cores(model: ir.Model) -> list[CoreReading]:

@@ -5,16 +5,36 @@ the audit reads a graph's rotation with. numpy only."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 
 from attnx.model.rope import SCALING_PARAMS, Rope, RopeScaling, rope_frequencies, rope_said
 from attnx.model.tolerance import rope_table_bound, stored_bound
 
-__all__ = ["fit_rope", "half_table", "named_rope", "rope_of_table", "rope_table_error"]
+__all__ = ["RopeFit", "fit_rope", "half_table", "named_rope", "rope_of_table", "rope_table_error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeFit:
+    """How a rotary table cos/sin [positions, dim/2] was read (rope_of_table): its rows and rotated dims, theta fitted
+    to its frequencies (nan: no fit), the table's max error against that theta's and its ratio to the table's bound
+    (above 1: not that theta's table; where no named rope fits, against the table's own frequencies), the attention
+    factor it is multiplied by, and in words what it matches ("theta 10000", a named scaling, "the graph's own
+    table") or why it is not read as a rotation ("not read: ..."; then no Rope). switch: the prompt length past which
+    the graph changes tables (longrope's rule; None: one table)."""
+
+    positions: int
+    dim: int
+    theta: float = float("nan")
+    error: float = float("nan")
+    bound_ratio: float = float("nan")
+    factor: float = float("nan")
+    matches: str | None = None
+    unread: str | None = None
+    switch: int | None = None
 
 
 def fit_rope(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
@@ -49,40 +69,39 @@ def half_table(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return cos, sin
 
 
-def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, dict[str, Any]]:
-    """The Rope whose table is the graph's (within rope_table_error's bound), with the fit's error: theta^(-2i/dim)
-    for a theta; else the named scaling it matches (named_rope: "llama3, factor 8, ..."); else the graph's own
-    table (rope type "table": its frequencies and attention factor as numbers). facts["rope_matches"] says which.
-    None (and why) only where the table is no rotation at all: its entries not cos/sin of position * a frequency."""
+def rope_of_table(cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> tuple[Rope | None, RopeFit]:
+    """The Rope whose table is the graph's (within rope_table_error's bound), with the fit: theta^(-2i/dim) for a
+    theta; else the named scaling it matches (named_rope: "llama3, factor 8, ..."); else the graph's own table (rope
+    type "table": its frequencies and attention factor as numbers). RopeFit.matches says which. None (and why:
+    RopeFit.unread) only where the table is no rotation at all: its entries not cos/sin of position * a frequency."""
     cos, sin = half_table(cos, sin)
     inv_freq, factor = fit_rope(cos, sin)
     dim = 2 * inv_freq.shape[0]
-    facts: dict[str, Any] = {"rope_positions": int(cos.shape[0]), "rope_dim": dim}
+    fit = RopeFit(positions=int(cos.shape[0]), dim=dim)
     if dim < 4 or np.any(inv_freq[1:] <= 0):
-        return None, {**facts, "rope": "not read: fewer than 2 frequencies, or one not positive"}
+        return None, dataclasses.replace(fit, unread="not read: fewer than 2 frequencies, or one not positive")
     # inv_freq_i = theta^(-2i/dim): log theta from every frequency past the first (which is 1 for any theta)
     i = np.arange(1, dim // 2, dtype=np.float64)
     theta = float(np.exp(-(np.log(inv_freq[1:]) @ i) / (2.0 / dim * (i @ i))))
     rope = Rope(theta=theta, dim=dim, interleaved=interleaved)
     expected, _ = rope_frequencies(rope)
     error, ratio = rope_table_error(cos, sin, expected)
-    facts.update(rope_theta=theta, rope_fit_error=error, rope_fit_bound_ratio=ratio, rope_factor=factor)
+    fit = dataclasses.replace(fit, theta=theta, error=error, bound_ratio=ratio, factor=factor)
     if ratio <= 1 and abs(factor - 1.0) <= stored_bound(np.asarray(cos).dtype):
-        return rope, {**facts, "rope_matches": rope_said(rope)}
+        return rope, dataclasses.replace(fit, matches=rope_said(rope))
     named = named_rope(cos, sin, inv_freq, factor, interleaved)
     if named is not None:
         rope, said = named
-        return rope, {**facts, "rope_matches": said}
+        return rope, dataclasses.replace(fit, matches=said)
     own_error, own_ratio = rope_table_error(cos, sin, inv_freq, factor)
     if own_ratio > 1:
-        return None, {**facts, "rope": f"not read: the table is not cos/sin of position * a frequency (max error "
-                                       f"{own_error:.2g}, {own_ratio:.3g} times its bound)"}  # fmt: skip
+        return None, dataclasses.replace(fit, unread=f"not read: the table is not cos/sin of position * a frequency "
+                                                     f"(max error {own_error:.2g}, {own_ratio:.3g} times its bound)")
     # the high frequencies of every named scaling are theta's own: theta as its second frequency says it
     scaling = RopeScaling("table", (("attention_factor", factor), ("inv_freq", tuple(float(f) for f in inv_freq))))
     rope = Rope(theta=max(float(inv_freq[1]) ** (-dim / 2.0), 1.0 + 1e-9), dim=dim, interleaved=interleaved,
                 scaling=scaling)  # fmt: skip
-    return rope, {**facts, "rope_fit_error": own_error, "rope_fit_bound_ratio": own_ratio,
-                  "rope_matches": rope_said(rope)}
+    return rope, dataclasses.replace(fit, error=own_error, bound_ratio=own_ratio, matches=rope_said(rope))
 
 
 # the bases checkpoints use, tried beside the fitted one: a scaling with a short original length keeps no high

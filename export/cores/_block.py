@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from attnx.export.passes.walk import (
     projection_node,
     walk,
 )
-from attnx.export.terms import read_paths, stated_terms
+from attnx.export.terms import Reading, RopeReading, read_paths, stated_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import MS_DOMAIN
 from attnx.model.rope import Rope
@@ -58,7 +59,8 @@ class Unread:
 @dataclasses.dataclass
 class Block:
     """One attention block of a graph: its core node, the config and weights read from it, the graph's
-    tensors at its boundary (role -> value name), and what the reading found on the way."""
+    tensors at its boundary (role -> value name), and what the reading found on the way (its terms' Reading, the
+    cache's layout, the masks' tensors)."""
 
     index: int
     node: str
@@ -67,7 +69,7 @@ class Block:
     weights: dict[str, np.ndarray] | None = None
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # x, seqlens_k, total_sequence_length, past_*
     outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # y, present_key, present_value
-    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # as the node states them (local_window_size, ...)
+    reading: Reading = dataclasses.field(default_factory=Reading)  # what was read of its terms beside the config
     quantization: dict[str, Any] | None = None  # MatMulNBits: bits, block_size, accuracy_level
     unread: Unread | None = None  # why the block was not read into a config
     dtype: str = "fp32"  # what the block computes in: its hidden state's type
@@ -78,16 +80,25 @@ class Block:
     masks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (tensor, how it masks), decomposed cores
     # the formula's stages (attnx.model.stages) the graph holds as tensors: stage -> (tensor, its columns or None)
     stages: dict[str, tuple[str, tuple[int, int] | None]] = dataclasses.field(default_factory=dict)
+    # (heads, size) of the key cache and of the value cache where they are not n_kv_heads of head_dim and of
+    # v_head_dim (MLA's latent parts: cache_sizes(), attnx.workflows.audit.run)
+    cache_sizes: tuple[tuple[int, int], tuple[int, int]] | None = None
+    ring_cache: bool = False  # the past keeps the window alone, a ring buffer (GroupQueryAttention's sliding_window_cache)
+    cache_capacity: int = 0  # the positions its past holds before the first token: a ring's window, else none
+    rows_per_token: int = 1  # the grouped core: its mask has a row per query head of a group
+    # the length inputs (seqlens_k, ...) the audit computes in the block's cut from the graph inputs, not fed
+    computed_inputs: list[str] = dataclasses.field(default_factory=list)
+    # a cache the graph keeps as several tensors that one core's cache joins (CacheSpec.parts): part -> (past input,
+    # present output); per-head keys and values are inputs["past_key"] and outputs["present_key"] and the like
+    cache_parts: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "node": self.node, "core": self.core,
                 "config": self.config.to_dict() if self.config is not None else None, "inputs": self.inputs,
-                "outputs": self.outputs, "facts": _jsonable(self.facts), "quantization": self.quantization,
-                "unread": None if self.unread is None else str(self.unread), "dtype": self.dtype, "mask": self.mask}  # fmt: skip
-
-
-def _jsonable(facts: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)) for k, v in facts.items()}
+                "outputs": self.outputs, "reading": self.reading.to_dict(), "quantization": self.quantization,
+                "unread": None if self.unread is None else str(self.unread), "dtype": self.dtype, "mask": self.mask,
+                "cache": {"sizes": self.cache_sizes, "ring": self.ring_cache, "capacity": self.cache_capacity},
+                "rows_per_token": self.rows_per_token, "computed_inputs": self.computed_inputs}  # fmt: skip
 
 
 def quantization(node: ir.Node) -> dict[str, Any] | None:
@@ -175,8 +186,9 @@ def keep(block: Block, config: AttentionConfig, weights: dict[str, np.ndarray], 
     block.config = config
     block.weight_dtype = np.asarray(weights["out_proj.weight"]).dtype.name  # (a latent block has no q_proj)
     block.weights = {k: np.array(v, np.float32, order="C") for k, v in weights.items()} if keep_weights else None
-    if config.rope is None and "rope" in block.facts:
-        block.unread = Unread(f"rope {block.facts['rope']}", UnreadKind.UNFIT_TABLE, "rope")
+    fit = block.reading.rope.fit
+    if config.rope is None and fit is not None and fit.unread is not None:
+        block.unread = Unread(f"rope {fit.unread}", UnreadKind.UNFIT_TABLE, "rope")
     return block
 
 
@@ -190,9 +202,10 @@ def rotary_tables(node: ir.Node) -> tuple[ir.Value, ir.Value, bool, str | None]:
     return cos, sin, interleaved, positions.name if positions is not None and positions.is_graph_input() else None
 
 
-def rotary_of(paths: dict[str, Path], facts: dict[str, Any], block: Block) -> Rope | None:
-    """The rope of the RotaryEmbedding nodes met on q's and k's way (one table for both), or None; tables the graph
-    computes are named in facts["rope_tensors"] for the audit to read by running them."""
+def rotary_of(paths: dict[str, Path], block: Block) -> Rope | None:
+    """The rope of the RotaryEmbedding nodes met on q's and k's way (one table for both), or None, read into the
+    block's Reading.rope; tables the graph computes are named (RopeReading.tensors) for the audit to read by running
+    them."""
     rope = None
     if (paths["q"].rotary is None) != (paths["k"].rotary is None):
         raise NotRead(f"a RotaryEmbedding on {'q' if paths['q'].rotary is not None else 'k'} alone")
@@ -205,31 +218,32 @@ def rotary_of(paths: dict[str, Path], facts: dict[str, Any], block: Block) -> Ro
                                                            and np.array_equal(sin, k_sin))  # fmt: skip
         if (not same and not computed) or interleaved != k_interleaved:
             raise NotRead("q and k rotated by different tables")
-        facts["rotary_interleaved"] = interleaved
         if computed:  # tables the graph computes (from position_ids): the audit reads them by running them
-            facts["rope_tensors"] = (cos_v.name, sin_v.name)
-            if not same:  # computed apart for q and k: the audit holds k's to q's
-                facts["k_rope_tensors"] = (k_cos_v.name, k_sin_v.name)
+            block.reading.rope = RopeReading(
+                interleaved=interleaved, tensors=(cos_v.name, sin_v.name),
+                k_tensors=None if same else (k_cos_v.name, k_sin_v.name),  # computed apart: the audit holds k's to q's
+            )  # fmt: skip
         else:
-            rope, rope_facts = rope_of_table(cos, sin, interleaved)
-            facts.update(rope_facts)
-            facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
+            rope, fit = rope_of_table(cos, sin, interleaved)
+            # copies: the graph's tensors are released
+            block.reading.rope = RopeReading(tables=(np.array(cos), np.array(sin)), interleaved=interleaved, fit=fit)
         if positions is not None:
             block.inputs["position_ids"] = positions
     return rope
 
 
-def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], qkv: list[ir.Value | None],
+def read_separate(index: int, node: ir.Node, core: str, stated: Mapping[str, Any], qkv: list[ir.Value | None],
                    mask: ir.Value | None, keep_weights: bool, packed_bias: ir.Value | None = None,
                    own_cache: tuple[ir.Value, ...] | None = None, grouped_rows: bool = False,
                    z: ir.Value | None = None) -> Block:  # fmt: skip
     """A core taking query, key and value apart: each walked back to its projection through a RotaryEmbedding, a
     per-head norm, the cache's Concat(past, new) and the repeat of a GQA group; the mask tensor is named for the
-    audit, which reads its terms by running it. grouped_rows: the op's heads are the key/value heads and a group's
-    query heads are rows of its query (the grouped core): the query's heads come from its projection's width, and
-    the mask has a row per query head of a group (facts["rows_per_token"]). z: the value the output projection reads
-    where it is not the op's own output (an If's, around the op's branch)."""
-    block = Block(index, node.name or node.op_type, core, facts=facts)
+    audit, which reads its terms by running it. stated: the config keys the node states (its core's CoreGraph.read:
+    n_heads, causal, scale, its terms'). grouped_rows: the op's heads are the key/value heads and a group's query
+    heads are rows of its query (the grouped core): the query's heads come from its projection's width, and the mask
+    has a row per query head of a group (Block.rows_per_token). z: the value the output projection reads where it is
+    not the op's own output (an If's, around the op's branch)."""
+    block = Block(index, node.name or node.op_type, core)
     weights: dict[str, np.ndarray] = {}
     paths = {}
     for role, value in zip("qkv", qkv):
@@ -248,22 +262,21 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
         ends = np.cumsum([0] + [weights[f"{r}_proj.weight"].shape[0] for r in "qkv"])
         for role, a, e in zip("qkv", ends[:-1], ends[1:]):
             weights[f"{role}_proj.bias"] = weights[f"{role}_proj.bias"] + packed_bias[a:e]
-    n_heads = facts["n_heads"]
+    n_heads = stated["n_heads"]
     if grouped_rows:  # the op's heads are the key/value heads: each holds q's width / k's width query heads
         group = weights["q_proj.weight"].shape[0] // weights["k_proj.weight"].shape[0]
-        n_heads = facts["n_heads"] = n_heads * group
-        facts["rows_per_token"] = group
+        n_heads = n_heads * group
+        block.rows_per_token = group
     if n_heads is None:  # a 4D query [batch, heads, tokens, head_dim]: the op's attributes do not say
         shape = qkv[0].shape
         if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
             raise NotRead(f"query {qkv[0].name}: its heads are neither an attribute nor a static dimension")
-        n_heads = facts["n_heads"] = shape[1]
+        n_heads = shape[1]
     hd = weights["q_proj.weight"].shape[0] // n_heads
     n_kv = weights["k_proj.weight"].shape[0] // hd
-    facts["n_kv_heads"] = n_kv
     proj_node = projection_node(paths["q"].projection)
     hidden_state(block, proj_node)
-    path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
+    path_terms = read_paths(paths, weights, block.reading)  # the terms met on q's and k's paths (the norms)
     block.outputs["y"] = output_projection(node.outputs[0] if z is None else z, weights, block).name
     if own_cache is not None:
         if paths["k"].past is not None:
@@ -272,11 +285,11 @@ def read_separate(index: int, node: ir.Node, core: str, facts: dict[str, Any], q
         block.inputs.update(past_key=past_k.name, past_value=past_v.name)
         block.outputs.update(present_key=present_k.name, present_value=present_v.name)
     path_cache(block, paths)
-    rope = rotary_of(paths, facts, block)
+    rope = rotary_of(paths, block)
     block.mask = mask.name if mask is not None else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        **path_terms, **stated_terms(facts),
+        causal=stated["causal"], scale=stated.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
+        **path_terms, **stated_terms(stated),
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)

@@ -15,20 +15,28 @@ is the structure and the numbers (weights, both norms' eps, the scale, which tab
 part is read in pairs); how the graph turns, joins and scores them is what the audit's proof holds against the float64
 formula. The cache, where the graph has one, is two tensors (transformers': the normed compressed kv as the key, the
 turned rope key as the value, each [batch, 1, tokens, size]): named as the block's past/present key and value, their
-sizes in facts["cache_sizes"]. What does not fit raises NotRead naming it.
+sizes in Block.cache_sizes. What does not fit raises NotRead naming it.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection
 from attnx.export.passes._base import const_array
-from attnx.export.passes.walk import NotRead, is_op, last_axis_slice, pairs_interleaved, projection, rms_input, rms_norm
-from attnx.model.config import AttentionConfig, Latent
+from attnx.export.passes.walk import (
+    NotRead,
+    is_op,
+    last_axis_slice,
+    pairs_interleaved,
+    projection,
+    projection_node,
+    rms_input,
+    rms_norm,
+)
+from attnx.export.terms import RopeReading
+from attnx.model.config import COMPRESSED_KV, ROPE_KEY, AttentionConfig, Latent
 from attnx.model.rope import Rope
 
 __all__ = ["read_latent_block"]
@@ -37,9 +45,9 @@ _LAYOUT = ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Cast")
 
 
 def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Node, head_dim: int,
-                      facts: dict[str, Any], keep_weights: bool) -> Block:  # fmt: skip
+                      scale: float, keep_weights: bool) -> Block:  # fmt: skip
     """The block of `kv_b` (the MatMul expanding the compressed kv into each head's [k_nope | v]) and `q_value` (q's
-    projection output), its core's p.v `pv`; facts: what the core's reader found (the scale, the masks' tensors)."""
+    projection output), its core's p.v `pv`, the scale its core's reader found."""
     w_kvb, b_kvb = _projection_of(kv_b.outputs[0], "kv_b_proj")
     if b_kvb is not None and np.any(b_kvb):
         raise NotRead(f"{kv_b.name}: kv_b_proj with a bias, which the latent term has not")
@@ -53,27 +61,8 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
         raise NotRead(f"{compressed.name}: not the first {R} columns of kv_a_proj_with_mqa ({w_kva.shape[1]} wide) "
                       "with an even rope part after them")  # fmt: skip
     rope_part = _other_part(split, compressed, (R, R + r))
-    x = kv_a_value.producer().inputs[0]
-    weights: dict[str, np.ndarray] = {}
-    q_node = q_value.producer()
-    if q_node.inputs[0] is x:  # q_proj from the hidden state
-        q_lora, w_q, b_q = None, *_projection_of(q_value, "q_proj")
-        weights.update({"q_proj.weight": w_q.T, "q_proj.bias": _bias(b_q, w_q)})
-        first = q_node
-    else:  # q_a_proj, q_a_layernorm, q_b_proj
-        w_qb, b_qb = _projection_of(q_value, "q_b_proj")
-        if b_qb is not None and np.any(b_qb):
-            raise NotRead(f"{q_node.name}: q_b_proj with a bias, which the latent term has not")
-        q_norm, q_eps, q_a = _norm_of(q_node.inputs[0], "q_a_layernorm")
-        if q_eps != eps:
-            raise NotRead(f"q_a_layernorm's eps {q_eps!r} and kv_a_layernorm's {eps!r} differ: the latent term has one")
-        w_qa, b_qa = _projection_of(q_a, "q_a_proj")
-        first = q_a.producer()
-        if first.inputs[0] is not x:
-            raise NotRead(f"q_a_proj reads {first.inputs[0].name}, kv_a_proj_with_mqa {x.name}: not one hidden state")
-        q_lora = int(q_norm.shape[0])
-        weights.update({"q_a_proj.weight": w_qa.T, "q_a_proj.bias": _bias(b_qa, w_qa), "q_a_layernorm.weight": q_norm,
-                        "q_b_proj.weight": w_qb.T})  # fmt: skip
+    x = projection_node(kv_a_value).inputs[0]
+    q_lora, weights, first = read_q(q_value, x, eps)
     weights.update({"kv_a_proj_with_mqa.weight": w_kva.T, "kv_a_proj_with_mqa.bias": _bias(b_kva, w_kva),
                     "kv_a_layernorm.weight": kv_norm, "kv_b_proj.weight": w_kvb.T})  # fmt: skip
     q_width = next(w for k, w in weights.items() if k in ("q_proj.weight", "q_b_proj.weight")).shape[0]
@@ -83,26 +72,48 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
     v_head_dim = w_kvb.shape[1] // n_heads - nope
     if w_kvb.shape[1] % n_heads or v_head_dim <= 0:
         raise NotRead(f"kv_b_proj {w_kvb.shape[1]} wide is not {n_heads} heads' k_nope ({nope}) and v")
-    facts.update(n_heads=n_heads, n_kv_heads=n_heads)  # every head's k and v expanded from the one latent
     hidden_state(block, first)
     block.outputs["y"] = output_projection(pv.outputs[0], weights, block).name
-    facts["rotary_interleaved"] = interleaved = _rope_tables(rope_part, q_value, facts)
+    block.reading.rope = _rope_tables(rope_part, q_value)
+    interleaved = block.reading.rope.interleaved
     past_rope, present_rope = _rope_cache(rope_part)
     if (past_kv is None) != (past_rope is None):
         raise NotRead("a cache of the compressed kv or of the rope key alone")
     if past_kv is not None:
         block.inputs.update(past_key=past_kv.name, past_value=past_rope.name)
         block.outputs.update(present_key=present_kv.name, present_value=present_rope.name)
-        facts["cache_sizes"] = ((1, R), (1, r))  # (heads, size) of the key cache and the value cache
+        block.cache_sizes = ((1, R), (1, r))  # (heads, size) of the key cache and the value cache
+        block.cache_parts = {COMPRESSED_KV: (past_kv.name, present_kv.name),
+                             ROPE_KEY: (past_rope.name, present_rope.name)}  # fmt: skip
     # the rope's frequencies are read from the graph's tables by running them (the audit's read_computed_terms),
-    # which replaces this one (theta unread: 10000 until then)
+    # which replaces this one (theta unread: 10000 until then); every head's k and v expanded from the one latent
     config = AttentionConfig(
         d_model=w_kva.shape[0], n_heads=n_heads, head_dim=head_dim, v_head_dim=v_head_dim, n_kv_heads=n_heads,
-        bias=True, causal=False, scale=facts["scale"], rope=Rope(10000.0, r, interleaved),
+        bias=True, causal=False, scale=scale, rope=Rope(10000.0, r, interleaved),
         latent=Latent(R, q_lora, eps),
     )  # fmt: skip
-    block.facts.update(facts)
     return keep(block, config, weights, keep_weights)
+
+
+def read_q(q_value: ir.Value, x: ir.Value, eps: float) -> tuple[int | None, dict[str, np.ndarray], ir.Node]:
+    """q's projections back from `q_value` (q_b_proj's or q_proj's output) to the hidden state `x`: (q_lora_rank or
+    None for a plain q_proj, their weights under transformers' names, the first projection's node)."""
+    q_node = projection_node(q_value)  # its MatMul, past a bias Add
+    if q_node.inputs[0] is x:  # q_proj from the hidden state
+        w_q, b_q = _projection_of(q_value, "q_proj")
+        return None, {"q_proj.weight": w_q.T, "q_proj.bias": _bias(b_q, w_q)}, q_node
+    w_qb, b_qb = _projection_of(q_value, "q_b_proj")  # q_a_proj, q_a_layernorm, q_b_proj
+    if b_qb is not None and np.any(b_qb):
+        raise NotRead(f"{q_node.name}: q_b_proj with a bias, which the latent term has not")
+    q_norm, q_eps, q_a = _norm_of(q_node.inputs[0], "q_a_layernorm")
+    if q_eps != eps:
+        raise NotRead(f"q_a_layernorm's eps {q_eps!r} and kv_a_layernorm's {eps!r} differ: the latent term has one")
+    w_qa, b_qa = _projection_of(q_a, "q_a_proj")
+    first = projection_node(q_a)
+    if first.inputs[0] is not x:
+        raise NotRead(f"q_a_proj reads {first.inputs[0].name}, kv_a_proj_with_mqa {x.name}: not one hidden state")
+    return int(q_norm.shape[0]), {"q_a_proj.weight": w_qa.T, "q_a_proj.bias": _bias(b_qa, w_qa),
+                                  "q_a_layernorm.weight": q_norm, "q_b_proj.weight": w_qb.T}, first  # fmt: skip
 
 
 def _projection_of(value: ir.Value, name: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -205,6 +216,9 @@ def _table_op(value: ir.Value, limit: int = 8) -> ir.Node | None:
             return None
         if node.op_type in ("Cos", "Sin"):
             return node
+        if is_op(node, "Mul") and (scaled := [i for i in node.inputs if const_array(i) is None]) and len(scaled) == 1:
+            value = scaled[0]  # a table times a constant (attnx's: yarn's attention factor)
+            continue
         if node.op_type not in (*_LAYOUT, "Slice", "Gather", "Expand"):
             return None
         value = node.inputs[0] if node.op_type != "Gather" or const_array(node.inputs[0]) is None else node.inputs[1]
@@ -226,19 +240,23 @@ def _tables_turning(value: ir.Value) -> tuple[dict[str, ir.Value], bool]:
     return found, pairs
 
 
-def _rope_tables(rope_key: ir.Value, q_value: ir.Value, facts: dict[str, Any]) -> bool:
-    """The tables turning the rope key and q's rope parts (the same Cos and Sin), named in facts["rope_tensors"] for
-    the audit to read by running them; whether the parts are read in pairs."""
-    k_tables, k_pairs = _tables_turning(rope_key)
+def _rope_tables(rope_key: ir.Value, q_value: ir.Value) -> RopeReading:
+    """The tables turning the rope key and q's rope parts (the same Cos and Sin), named (RopeReading.tensors) for the
+    audit to read by running them, and whether the parts are read in pairs (RopeReading.interleaved)."""
     q_parts = [o for node in _q_splits(q_value) for o in node.outputs[1:]]
     if not q_parts:
         raise NotRead(f"{q_value.name}: q's heads are not taken apart into nope and rope parts")
-    q_tables, q_pairs = _tables_turning(q_parts[0])
+    return rope_tables(rope_key, q_parts[0])
+
+
+def rope_tables(rope_key: ir.Value, q_rope: ir.Value) -> RopeReading:
+    """_rope_tables of q's rope part `q_rope` found."""
+    k_tables, k_pairs = _tables_turning(rope_key)
+    q_tables, q_pairs = _tables_turning(q_rope)
     if {k: _table_op(v) for k, v in k_tables.items()} != {k: _table_op(v) for k, v in q_tables.items()} \
             or k_pairs != q_pairs:  # fmt: skip
         raise NotRead("q's rope parts and the rope key are turned by different tables")
-    facts["rope_tensors"] = (k_tables["Cos"].name, k_tables["Sin"].name)
-    return k_pairs
+    return RopeReading(interleaved=k_pairs, tensors=(k_tables["Cos"].name, k_tables["Sin"].name))
 
 
 def _q_splits(q_value: ir.Value) -> list[ir.Node]:

@@ -49,26 +49,25 @@ def _attention23(e: Emit) -> str:
 
 
 def _read_attention23(node: ir.Node) -> dict[str, Any]:
-    facts = {"n_heads": int_attr(node, "q_num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
-             "scale": float_attr(node, "scale") or None, **read_attributes(node, "attention23"),
-             "kv_cache": present(node, 4)}  # fmt: skip
+    stated = {"n_heads": int_attr(node, "q_num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
+              "scale": float_attr(node, "scale") or None, **read_attributes(node, "attention23"),
+              "kv_cache": present(node, 4)}  # fmt: skip
     if int_attr(node, "is_causal", 0):  # the causal mask alone (a mask input is a grid, read with its masks)
-        facts["causal"] = True
-    return facts
+        stated["causal"] = True
+    return stated
 
 
 def _read_attention23_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
     """ONNX's Attention (opset 23): query, key and value, a mask input (boolean: True attends; or additive), the op's
     own past_key/past_value -> present_key/present_value, is_causal."""
     inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
-    facts = _read_attention23(node)
-    facts["causal"] = bool(facts.get("causal"))
+    stated = {**_read_attention23(node), "causal": bool(int_attr(node, "is_causal", 0))}
     cache = None
     if inputs[4] is not None:
         if not (inputs[4].is_graph_input() and inputs[5] is not None and inputs[5].is_graph_input()):
             raise NotRead("past_key/past_value that are not graph inputs")
         cache = (inputs[4], inputs[5], node.outputs[1], node.outputs[2])
-    return read_separate(index, node, "attention23", facts, inputs[:3], inputs[3], keep_weights, own_cache=cache)
+    return read_separate(index, node, "attention23", stated, inputs[:3], inputs[3], keep_weights, own_cache=cache)
 
 
 register(CoreGraph("attention23", _attention23, _read_attention23, _read_attention23_block))

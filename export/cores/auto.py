@@ -127,9 +127,9 @@ def _read_auto_block(index: int, node: ir.Node, keep_weights: bool = True) -> Bl
     grid = rows_bias_grid(inputs[5])
     if grid is None or grid.producer() is not None and grid.producer().graph is not node.graph:
         raise NotRead(f"{node.name}: the grouped branch's bias is not made from a token grid outside the If")
-    facts = {"n_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None, "causal": False,
-             "key_padding_mask": False, "kv_cache": True}  # fmt: skip
-    block = read_separate(index, mha, "switch", facts, inputs[:3], grid, keep_weights,
+    stated = {"n_heads": int_attr(mha, "num_heads"), "scale": float_attr(mha, "scale") or None, "causal": False,
+              "key_padding_mask": False, "kv_cache": True}  # fmt: skip
+    block = read_separate(index, mha, "switch", stated, inputs[:3], grid, keep_weights,
                           own_cache=(inputs[6], inputs[7], node.outputs[1], node.outputs[2]), grouped_rows=True,
                           z=node.outputs[0])  # fmt: skip
     block.node = node.name or node.op_type

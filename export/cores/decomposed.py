@@ -8,6 +8,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export._latent import latent_heads
+from attnx.export.cores._absorbed_block import absorbed_latents, read_absorbed_block
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
 from attnx.export.cores._emit import Emit, cache_heads
 from attnx.export.cores._latent_block import read_latent_block
@@ -22,7 +23,7 @@ from attnx.export.passes.walk import (
     reaches_matmul,
     score_chain,
 )
-from attnx.export.terms import emit_scores, emit_softmax, read_paths, read_scores, read_softmax
+from attnx.export.terms import RopeReading, emit_scores, emit_softmax, read_paths, read_scores, read_softmax
 from attnx.export.visibility import score_bias, visibility
 from attnx.model.config import AttentionConfig
 
@@ -72,20 +73,20 @@ def _read_decomposed(node: ir.Node) -> dict[str, Any]:
     a Where(hidden, lowest, scores), a sink's column (a Concat before the Softmax)."""
     chain = score_chain(node)
     try:
-        facts: dict[str, Any] = dict(read_softmax(chain)[0])  # a sink's column
+        stated: dict[str, Any] = dict(read_softmax(chain)[0])  # a sink's column
     except NotRead:  # a column whose logits are not read: those terms not stated
-        facts = {}
+        stated = {}
     for where, hidden, how in chain.masks:
         if how == "where-masked":
-            facts.update(_read_mask(hidden, where.outputs[0]))
+            stated.update(_read_mask(hidden, where.outputs[0]))
     try:
-        scale, stated = read_scores(chain.scalings)
+        scale, scored = read_scores(chain.scalings)
     except NotRead:  # a scaling no term explains: the scale and those terms not stated
-        return facts
-    facts.update({key: value for key, value in stated.items() if value is not None})
+        return stated
+    stated.update({key: value for key, value in scored.items() if value is not None})
     if any(entry[0] == "scale" for entry in chain.scalings):
-        facts["scale"] = scale
-    return facts
+        stated["scale"] = scale
+    return stated
 
 
 def _read_mask(hidden: ir.Value, scores: ir.Value) -> dict[str, Any]:
@@ -104,7 +105,6 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     """A Softmax between MatMul(q, k^T) and MatMul(p, v): the projections found above each side (through the heads'
     layout, a GQA repeat, a decomposed rotary and the cache's Concat), the scale and softcap as the reader of attnx's
     core reads them, each mask tensor named for the audit to read by running it."""
-    facts: dict[str, Any] = {}
     chain = score_chain(node)
     if chain.constant_bias:
         raise NotRead("a constant added to the scores (a folded mask or a position bias): not read in this version")
@@ -117,7 +117,11 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     scale, stated = read_scores(chain.scalings)
     if pv is None:
         raise NotRead(f"{node.outputs[0].name}: the probabilities are not multiplied by values")
-    block = Block(index, node.name or node.op_type, "decomposed", facts=facts)
+    block = Block(index, node.name or node.op_type, "decomposed")
+    latents = absorbed_latents(qk, pv)
+    if latents is not None:  # q.k and p.v read one tensor: attnx's absorbed step of multi-head latent attention
+        block.masks, block.mask = masks, masks[0][0] if masks else None
+        return read_absorbed_block(block, latents, qk, pv, scale, keep_weights)
     weights: dict[str, np.ndarray] = {}
     paths = {}
     for role, value in (("q", qk.inputs[0]), ("k", qk.inputs[1]), ("v", pv.inputs[1])):
@@ -136,8 +140,8 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
     n_heads, n_kv = weights["q_proj.weight"].shape[0] // hd, weights["k_proj.weight"].shape[0] // hd
     softmax_terms, term_weights = read_softmax(chain, n_heads)  # a sink's column before the Softmax
     weights.update(term_weights)
-    facts.update(stated, n_heads=n_heads, n_kv_heads=n_kv, scale=scale * paths["q"].scale * paths["k"].scale)
-    path_terms = read_paths(paths, weights, facts)  # the terms met on q's and k's paths (the norms)
+    scale *= paths["q"].scale * paths["k"].scale
+    path_terms = read_paths(paths, weights, block.reading)  # the terms met on q's and k's paths (the norms)
     proj_node = projection_node(paths["q"].projection)
     kv_node = projection_node(paths["v"].projection)
     if kv_node is not proj_node and 2 * weights["v_proj.weight"].shape[1] < weights["v_proj.weight"].shape[0]:
@@ -145,7 +149,7 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         # end there, or at the rope key's projection beside it): DeepSeek's MLA, kv_b_proj over the latent, where a
         # cross attention's v keeps about its input's width
         block.masks, block.mask = masks, masks[0][0] if masks else None
-        return read_latent_block(block, paths["q"].projection, kv_node, pv, hd, facts, keep_weights)
+        return read_latent_block(block, paths["q"].projection, kv_node, pv, hd, scale, keep_weights)
     if any(projection_node(paths[r].projection).inputs[0] is not proj_node.inputs[0] for r in "kv"):
         raise NotRead("q, k and v projected from different tensors (a cross attention): not read in this version")
     hidden_state(block, proj_node)
@@ -158,13 +162,13 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         if set(tables) != {"Cos", "Sin"}:
             raise NotRead("a rotary with a cos or a sin table alone")
         # rotate_half's (i, i + dim/2) pairs, or (2i, 2i + 1) read apart (Llama 4's complex product, attnx's Slice)
-        facts["rotary_interleaved"] = paths["q"].interleaved
-        facts["rope_tensors"] = (tables["Cos"].name, tables["Sin"].name)
+        block.reading.rope = RopeReading(interleaved=paths["q"].interleaved,
+                                         tensors=(tables["Cos"].name, tables["Sin"].name))  # fmt: skip
     block.masks = masks
     block.mask = masks[0][0] if masks else None
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv, bias=True,
-        causal=False, scale=facts["scale"], **path_terms, **stated, **softmax_terms,
+        causal=False, scale=scale, **path_terms, **stated, **softmax_terms,
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
 

@@ -20,6 +20,8 @@ from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import NotRead, Path, projection, projection_node, strip_layout, walk
 from attnx.export.terms import (
     GRAPH_TERMS,
+    MaskReading,
+    RopeReading,
     read_attributes,
     read_inputs,
     read_paths,
@@ -134,19 +136,19 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
 
 
 def _read_gqa(node: ir.Node) -> dict[str, Any]:
-    facts: dict[str, Any] = {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
-                             "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
-                             **read_attributes(node, "gqa"), **read_inputs(node, "gqa")[0],
-                             "kv_cache": present(node, 3)}  # fmt: skip
+    stated: dict[str, Any] = {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
+                              "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
+                              **read_attributes(node, "gqa"), **read_inputs(node, "gqa")[0],
+                              "kv_cache": present(node, 3)}  # fmt: skip
     if int_attr(node, "do_rotary", 0):
-        facts["rope_interleaved"] = bool(int_attr(node, "rotary_interleaved", 0))
-    return facts
+        stated["rope_interleaved"] = bool(int_attr(node, "rotary_interleaved", 0))
+    return stated
 
 
 def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:
-    facts = _read_gqa(node)
-    block = Block(index, node.name or node.op_type, "gqa", facts=facts)
-    n_heads, n_kv = facts["n_heads"], facts["n_kv_heads"]
+    stated = _read_gqa(node)
+    block = Block(index, node.name or node.op_type, "gqa")
+    n_heads, n_kv = stated["n_heads"], stated["n_kv_heads"]
     inputs = list(node.inputs) + [None] * (12 - len(node.inputs))
     weights: dict[str, np.ndarray] = {}
     paths: dict[str, Path] = {}
@@ -187,31 +189,33 @@ def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Blo
     if inputs[10] is not None:  # an attention bias (a key padding mask, as attnx writes it): read by the audit
         block.mask = inputs[10].name
     rope = None
-    if facts.pop("rope_interleaved", None) is not None:
+    if int_attr(node, "do_rotary", 0):
         cos, sin = const_array(inputs[7]), const_array(inputs[8])
-        facts["rotary_interleaved"] = bool(node.attributes.get_int("rotary_interleaved", 0))
-        if inputs[7] is not None and inputs[8] is not None:  # the op's own cos/sin caches (attnx optimize binds them)
-            facts["rope_caches"] = (inputs[7].name, inputs[8].name)
+        interleaved = bool(int_attr(node, "rotary_interleaved", 0))
+        # the op's own cos/sin caches (attnx optimize binds them)
+        caches = (inputs[7].name, inputs[8].name) if inputs[7] is not None and inputs[8] is not None else None
         if cos is None or sin is None:  # caches the graph computes (the builder's longrope: an If on the length)
-            if inputs[7] is None or inputs[8] is None:
+            if caches is None:
                 raise NotRead("do_rotary without cos/sin caches")
-            facts["rope_tensors"] = (inputs[7].name, inputs[8].name)
+            block.reading.rope = RopeReading(interleaved=interleaved, tensors=caches, caches=caches)
         else:
-            rope, rope_facts = rope_of_table(cos, sin, facts["rotary_interleaved"])
-            facts.update(rope_facts)
-            facts["rope_tables"] = (np.array(cos), np.array(sin))  # copies: the graph's tensors are released
+            rope, fit = rope_of_table(cos, sin, interleaved)
+            # copies: the graph's tensors are released
+            block.reading.rope = RopeReading(tables=(np.array(cos), np.array(sin)), interleaved=interleaved, fit=fit,
+                                             caches=caches)  # fmt: skip
     elif paths:  # a RotaryEmbedding of its own before the core (as attnx writes it)
-        rope = rotary_of(paths, facts, block)
-    stated, term_weights = read_inputs(node, "gqa")  # the terms it takes as inputs (head_sink)
+        rope = rotary_of(paths, block)
+    input_terms, term_weights = read_inputs(node, "gqa")  # the terms it takes as inputs (head_sink)
     weights.update(term_weights)
-    facts["local_window_size"] = node.attributes.get_int("local_window_size", -1)
-    facts["sliding_window_cache"] = node.attributes.get_int("sliding_window_cache", 0)
+    window = node.attributes.get_int("local_window_size", -1)
+    block.reading.mask = MaskReading(local_window_size=window)
+    block.ring_cache = bool(node.attributes.get_int("sliding_window_cache", 0))
     # a window kept in a ring buffer: the past the op takes holds the window's keys, whatever the step
-    facts["cache_capacity"] = max(facts["local_window_size"], 0) if facts["sliding_window_cache"] else 0
+    block.cache_capacity = max(window, 0) if block.ring_cache else 0
     config = AttentionConfig(
         d_model=weights["q_proj.weight"].shape[1], n_heads=n_heads, head_dim=hd, n_kv_heads=n_kv,
-        bias=True, causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
-        **stated_terms(facts), **stated, **read_paths(paths, weights, facts),
+        bias=True, causal=stated["causal"], scale=stated.get("scale") or 1.0 / math.sqrt(hd), rope=rope,
+        **stated_terms(stated), **input_terms, **read_paths(paths, weights, block.reading),
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
 

@@ -136,10 +136,10 @@ def _read_grouped_mha_block(index: int, node: ir.Node, keep_weights: bool = True
     inputs = list(node.inputs) + [None] * (10 - len(node.inputs))
     if present(node, 8):
         raise NotRead("the buffer form's grouped core (past_sequence_length): not read as a block in this version")
-    facts = {"n_heads": int_attr(node, "num_heads"), "scale": float_attr(node, "scale") or None, "causal": False,
-             "key_padding_mask": False, "kv_cache": present(node, 6)}  # fmt: skip
+    stated = {"n_heads": int_attr(node, "num_heads"), "scale": float_attr(node, "scale") or None, "causal": False,
+              "key_padding_mask": False, "kv_cache": present(node, 6)}  # fmt: skip
     cache = (inputs[6], inputs[7], node.outputs[1], node.outputs[2]) if present(node, 6) else None
-    return read_separate(index, node, "grouped-mha", facts, inputs[:3], inputs[5], keep_weights, own_cache=cache,
+    return read_separate(index, node, "grouped-mha", stated, inputs[:3], inputs[5], keep_weights, own_cache=cache,
                          grouped_rows=True)  # fmt: skip
 
 

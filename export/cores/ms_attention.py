@@ -55,21 +55,21 @@ def _read_ms_attention_block(index: int, node: ir.Node, keep_weights: bool = Tru
         raise NotRead("the op's packed past input: not read in this version")
     if any(v is not None for v in inputs[5:]):
         raise NotRead("an attention bias or a past sequence length: not read in this version")
-    facts = _read_ms_attention(node)
+    stated = _read_ms_attention(node)
     w = const_array(inputs[1])
     if w is None or w.ndim != 2:
         raise NotRead(f"{inputs[1].name}: the packed qkv weight is not a constant")
     b = const_array(inputs[2]) if inputs[2] is not None else np.zeros(w.shape[1], w.dtype)
     sizes = node.attributes.get_ints("qkv_hidden_sizes", None) or [w.shape[1] // 3] * 3
-    if len(sizes) != 3 or sum(sizes) != w.shape[1] or min(sizes) <= 0 or not facts["n_heads"]:
-        raise NotRead(f"qkv_hidden_sizes {list(sizes)} and num_heads {facts['n_heads']} do not split a weight of "
+    if len(sizes) != 3 or sum(sizes) != w.shape[1] or min(sizes) <= 0 or not stated["n_heads"]:
+        raise NotRead(f"qkv_hidden_sizes {list(sizes)} and num_heads {stated['n_heads']} do not split a weight of "
                       f"{w.shape[1]} columns into heads")  # fmt: skip
     ends = np.cumsum([0, *sizes])
-    block = Block(index, node.name or node.op_type, "ms-attention", facts=facts)
+    block = Block(index, node.name or node.op_type, "ms-attention")
     weights: dict[str, np.ndarray] = {}
     for role, a, e in zip("qkv", ends[:-1], ends[1:]):
         weights[f"{role}_proj.weight"], weights[f"{role}_proj.bias"] = w[:, a:e].T, b[a:e]
-    n_heads = facts["n_heads"]
+    n_heads = stated["n_heads"]
     hd = int(sizes[0]) // n_heads
     block.inputs["x"] = inputs[0].name
     block.dtype = dtype_of(inputs[0])
@@ -79,7 +79,7 @@ def _read_ms_attention_block(index: int, node: ir.Node, keep_weights: bool = Tru
         block.padding = "right"  # a row's length: its keys past it are padding
     config = AttentionConfig(
         d_model=w.shape[0], n_heads=n_heads, head_dim=hd, n_kv_heads=int(sizes[1]) // hd, bias=True,
-        causal=facts["causal"], scale=facts.get("scale") or 1.0 / math.sqrt(hd),
+        causal=stated["causal"], scale=stated.get("scale") or 1.0 / math.sqrt(hd),
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
 

@@ -1,14 +1,15 @@
 """The graph side of each term of the formula (attnx.model.terms declares them), one module a term, of the term's
 name (attnx.export.terms.rope, ...), each holding its GraphTerm, GRAPH: how a graph's value of the term, as a reader
-read it (the block's config and its facts: attnx.export._blocks), is compared with a source's (a checkpoint's layer
+read it (the block's config and its reading, Reading: attnx.export._blocks), is compared with a source's (a checkpoint's layer
 or a model's attnx.config), and how each core writes and reads it. Each entry's compare() returns the findings, one
 line each, "layer N: ..."; compare_terms() runs them in the formula's order (TERMS) after the core's own (heads,
 scale), so a new term is its module here and its entry there, never a branch in the audit.
 
     compares(graph, reading, source, ctx) -> [finding]  graph, source: AttentionConfig; reading: what the block's
-                                                        reading holds of the term, typed (the entry's reading(facts):
-                                                        RopeReading, MaskReading; None where the configs suffice)
-    compare(graph, facts, source, ctx)                  the same from a block's facts
+                                                        reading holds of the term, typed (the entry's
+                                                        reading(Reading): RopeReading, MaskReading; None where the
+                                                        configs suffice)
+    compare(graph, reading, source, ctx)                the same from a block's whole Reading
 
 Why found by the term's name, not registered: the entry (attnx.model.terms) is the ground layer, which may not
 import this one; the graph half is the module of the entry's name in this package, so adding one is writing the
@@ -29,13 +30,16 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export.passes.walk import NotRead
-from attnx.export.terms._base import Context, GraphTerm, OpAttribute, OpInput
+from attnx.export.terms._base import Context, GraphTerm, MaskReading, OpAttribute, OpInput
+from attnx.export.terms._reading import ComputedTerm, Reading
+from attnx.export.terms.rope import RopeReading
 from attnx.model.config import AttentionConfig
 from attnx.model.terms import TERMS, Term
 
-__all__ = ["Context", "GRAPH_TERMS", "GraphTerm", "OpAttribute", "OpInput", "compare_terms", "emit_qk", "emit_scores",
-           "emit_softmax", "fused_opset", "graph_of", "read_attributes", "read_inputs", "read_paths", "read_scores",
-           "read_softmax", "said_by_terms", "stated_terms", "term_attributes", "term_inputs", "used_terms"]
+__all__ = ["ComputedTerm", "Context", "GRAPH_TERMS", "GraphTerm", "MaskReading", "OpAttribute", "OpInput", "Reading",
+           "RopeReading", "compare_terms", "emit_qk", "emit_scores", "emit_softmax", "fused_opset", "graph_of",
+           "read_attributes", "read_inputs", "read_paths", "read_scores", "read_softmax", "said_by_terms",
+           "stated_terms", "term_attributes", "term_inputs", "used_terms"]
 
 _HALVES = frozenset(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
@@ -56,7 +60,7 @@ assert all(g.name == n for n, g in GRAPH_TERMS.items()), "a graph half's name is
 assert _HALVES <= set(TERMS), f"a graph half of no term (its module is named as its term): {_HALVES - set(TERMS)}"
 
 
-def compare_terms(graph: AttentionConfig, facts: dict[str, Any], source: AttentionConfig, ctx: Context) -> list[str]:
+def compare_terms(graph: AttentionConfig, reading: Reading, source: AttentionConfig, ctx: Context) -> list[str]:
     """Every difference between the formula a graph states and its source's: the core's own (the query heads, the
     head size, the scale), then each term's, in the formula's order."""
     found = [ctx.said(f"{key} {getattr(graph, key)}", str(getattr(source, key)))
@@ -65,7 +69,7 @@ def compare_terms(graph: AttentionConfig, facts: dict[str, Any], source: Attenti
         found.append(ctx.said(f"scale {graph.softmax_scale:.6g}", f"{source.softmax_scale:.6g}"))
     for name in TERMS:
         if name in GRAPH_TERMS:
-            found += GRAPH_TERMS[name].compare(graph, facts, source, ctx)
+            found += GRAPH_TERMS[name].compare(graph, reading, source, ctx)
     return found
 
 
@@ -128,14 +132,15 @@ def emit_scores(g: Any, config: AttentionConfig, scores: str) -> str:
     return scores
 
 
-def read_paths(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> dict[str, Any]:
+def read_paths(paths: Mapping[str, Any], weights: dict[str, np.ndarray], reading: Reading) -> dict[str, Any]:
     """{config key: value} of the terms read from q's and k's paths (each entry's read_paths: the norms), their
-    weights into `weights`; each absent without paths (a packed projection the core splits itself)."""
+    weights into `weights`, what else they read into the block's `reading`; each absent without paths (a packed
+    projection the core splits itself)."""
     out: dict[str, Any] = {}
     for name, term in GRAPH_TERMS.items():
         if term.read_paths is not None:
             (key,) = TERMS[name].keys
-            out[key] = term.read_paths(paths, weights, facts) if paths else None
+            out[key] = term.read_paths(paths, weights, reading) if paths else None
     return out
 
 
@@ -145,9 +150,10 @@ def fused_opset(config: AttentionConfig) -> int | None:
     return max(needs) if needs else None
 
 
-def stated_terms(facts: dict[str, Any]) -> dict[str, Any]:
-    """The config keys a reading stated for the terms read from a node (each entry's `stated`), as config values."""
-    return {key: facts.get(key) for term in GRAPH_TERMS.values() for key in term.stated}
+def stated_terms(stated: Mapping[str, Any]) -> dict[str, Any]:
+    """Of the config keys a core's node states (its CoreGraph.read), those of the terms read from a node (each
+    entry's `stated`), None where the node does not state one."""
+    return {key: stated.get(key) for term in GRAPH_TERMS.values() for key in term.stated}
 
 
 def said_by_terms(graph: AttentionConfig, source: AttentionConfig) -> frozenset[str]:

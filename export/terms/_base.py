@@ -29,16 +29,12 @@ Compare = Callable[[AttentionConfig, Any, AttentionConfig, Context], list[str]]
 
 @dataclasses.dataclass(frozen=True)
 class MaskReading:
-    """What a block's reading says of its mask, the mask terms' reading: how a computed mask was read (its grid
-    said: "causal, window 4"; None: not read) and the local_window_size GroupQueryAttention states (None: no node
-    states one)."""
+    """What a block's reading says of its mask (Reading.mask), the mask terms' reading: how a computed mask was read
+    (its grid said: "causal, window 4"; None: not read) and the local_window_size GroupQueryAttention states (None:
+    no node states one)."""
 
     mask: str | None = None
     local_window_size: int | None = None
-
-    @classmethod
-    def of(cls, facts: Mapping[str, Any]) -> MaskReading:
-        return cls(facts.get("mask"), facts.get("local_window_size"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +70,7 @@ class GraphTerm:
     recognise: Callable[[list[tuple[Any, ...]]], tuple[Any, list[tuple[Any, ...]]]] | None = None
     # the decomposed core's operators for the term on the scores (a graph, the config, the scores) -> the scores
     emit_scores: Callable[[Any, AttentionConfig, str], str] | None = None
-    # the config keys the graph's reading states for the term (facts -> config), for a term read from a node
+    # the config keys the graph's node states for the term (its CoreGraph.read -> config), for a term read from a node
     stated: tuple[str, ...] = ()
     # a term of place "mask": the keys it hides, bool [B|1, 1, S, T], from this call's queries' token indices
     # qcol [1, 1, S, 1] and every key's krow [1, 1, 1, T] (int64), and the padding mask (None without):
@@ -93,8 +89,9 @@ class GraphTerm:
     # sees key j): fit_grid(allowed) -> (the config's value, how the mask is said, None without the term)
     fit_grid: Callable[[np.ndarray], tuple[Any, str | None]] | None = None
     # a term read from what the walk met on q's and k's paths (attnx.export.passes.walk.Path): read_paths(paths,
-    # weights, facts) -> the config's value (None: absent), its weights into `weights`
-    read_paths: Callable[[Mapping[str, Any], dict[str, np.ndarray], dict[str, Any]], Any] | None = None
+    # weights, reading) -> the config's value (None: absent), its weights into `weights`, what else it reads into
+    # the block's reading (attnx.export.terms.Reading: a norm's eps, a tensor the audit runs)
+    read_paths: Callable[[Mapping[str, Any], dict[str, np.ndarray], Any], Any] | None = None
     # the default-domain opset its operators need beside a fused core (the decomposed core writes it in older ops)
     opset: int | None = None
     # a term of place "qk" before rope written in its core's operators (attnx.export._llm, Core.term_ops), one head-split
@@ -106,14 +103,13 @@ class GraphTerm:
     # a term of place "qk" written in standard ops whatever the core (after the norms and rotation written per
     # style: attnx.export._llm): emit_qk(g, config, q, k, step) -> (q, k), each [B, S, heads * head_dim]
     emit_qk: Callable[[Any, AttentionConfig, str, str, bool], tuple[str, str]] | None = None
-    # what the block's reading holds of the term, typed (RopeReading, MaskReading), from the reader's facts; None:
-    # compares() reads the configs alone
-    reading: Callable[[Mapping[str, Any]], Any] = lambda facts: None
+    # the part of the block's reading (attnx.export.terms.Reading, which this module cannot name: it collects the
+    # terms' readings) that compares() takes, typed (Reading.rope, Reading.mask); None: it reads the configs alone
+    reading: Callable[[Any], Any] = lambda reading: None
 
-    def compare(self, graph: AttentionConfig, facts: Mapping[str, Any], source: AttentionConfig,
-                ctx: Context) -> list[str]:  # fmt: skip
-        """The findings of the graph's value of the term against the source's, from a block's facts (its reading)."""
-        return self.compares(graph, self.reading(facts), source, ctx)
+    def compare(self, graph: AttentionConfig, reading: Any, source: AttentionConfig, ctx: Context) -> list[str]:
+        """The findings of the graph's value of the term against the source's, from a block's reading (Reading)."""
+        return self.compares(graph, self.reading(reading), source, ctx)
 
 
 def presence(name: str, graph: bool, source: bool, ctx: Context) -> list[str]:

@@ -49,4 +49,4 @@ def fit_chunk(allowed: np.ndarray) -> tuple[int | None, str | None]:
 
 
 GRAPH = GraphTerm("attention_chunk", compare_chunk, hides=hides_other_chunk, fit_grid=fit_chunk,
-                  reading=MaskReading.of)
+                  reading=lambda reading: reading.mask)

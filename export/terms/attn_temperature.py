@@ -12,6 +12,7 @@ from onnx import TensorProto
 from attnx.export._graph import span
 from attnx.export.passes.walk import NotRead
 from attnx.export.terms._base import Context, GraphTerm, presence
+from attnx.export.terms._reading import ComputedTerm, Reading
 from attnx.model.config import AttentionConfig
 from attnx.model.terms import Temperature
 
@@ -27,13 +28,13 @@ def _temperature(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Con
     return []
 
 
-def _read_temperature(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> None:
-    """A factor the graph computes per position on q (Path.factor): named for the audit to run (facts["computed_terms"]),
+def _read_temperature(paths: Mapping[str, Any], weights: dict[str, np.ndarray], reading: Reading) -> None:
+    """A factor the graph computes per position on q (Path.factor): named for the audit to run (Reading.computed),
     its value fitted after (fit_values); None until then."""
     if paths["k"].factor is not None:
         raise NotRead("a factor computed per position on k: not a temperature")
     if paths["q"].factor is not None:
-        facts.setdefault("computed_terms", {})["attn_temperature"] = paths["q"].factor.name
+        reading.computed[GRAPH.name] = ComputedTerm(paths["q"].factor.name)
     return None
 
 

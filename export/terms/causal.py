@@ -28,4 +28,4 @@ def fit_causal(allowed: np.ndarray) -> tuple[bool, str | None]:
 
 
 GRAPH = GraphTerm("causal", compare_causal, hides=hides_later, fit_grid=fit_causal,
-                  reading=MaskReading.of)
+                  reading=lambda reading: reading.mask)

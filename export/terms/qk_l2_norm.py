@@ -20,7 +20,7 @@ def _l2_norm(g: AttentionConfig, reading: None, c: AttentionConfig, ctx: Context
     return []
 
 
-def _read_l2_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> float | None:
+def _read_l2_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], reading: Any) -> float | None:
     """The eps of the norms without weights met on q's and k's paths (Path.plain_norm), or None; one alone is not
     read."""
     q, k = paths["q"].plain_norm, paths["k"].plain_norm

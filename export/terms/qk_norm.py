@@ -10,6 +10,7 @@ import numpy as np
 
 from attnx.export.passes.walk import NotRead
 from attnx.export.terms._base import Context, GraphTerm, presence
+from attnx.export.terms._reading import Reading
 from attnx.model.config import AttentionConfig
 from attnx.model.terms import QKNorm
 
@@ -30,15 +31,16 @@ def _emit_qk_norm(g: Any, c: AttentionConfig, weights: Mapping[str, np.ndarray],
     return g.op("Mul", g.op("Div", u4, g.op("Sqrt", g.op("Add", mean_sq, eps))), w, name=name)
 
 
-def _read_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], facts: dict[str, Any]) -> QKNorm | None:
-    """The per-head RMS norms met on q's and k's paths (their weights into `weights`), or None; one alone is not read."""
+def _read_norms(paths: Mapping[str, Any], weights: dict[str, np.ndarray], reading: Reading) -> QKNorm | None:
+    """The per-head RMS norms met on q's and k's paths (their weights into `weights`, both eps into the reading), or
+    None; one alone is not read."""
     q, k = paths["q"].norm, paths["k"].norm
     if q is None and k is None:
         return None
     if q is None or k is None:
         raise NotRead(f"a norm on {'q' if q is not None else 'k'} alone")
     (weights["q_norm.weight"], q_eps), (weights["k_norm.weight"], k_eps) = q, k
-    facts["qk_norm_eps"] = [float(q_eps), float(k_eps)]
+    reading.qk_norm_eps = (float(q_eps), float(k_eps))
     return QKNorm(eps=float(q_eps))
 
 

@@ -4,6 +4,7 @@ by each core's emitter: attnx.export._llm, attnx.export.cores)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,25 +13,45 @@ import numpy as np
 from attnx.export.terms._base import Context, GraphTerm
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_frequencies
-from attnx.model.rope_fit import rope_table_error
+from attnx.model.rope_fit import RopeFit, rope_table_error
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeReading:
-    """What a block's reading holds of its rotation: the cos and sin tables ([positions, rotated dims / 2] each;
-    None: no rotary read), the tables at each prompt length the audit ran where the graph computes them (None: a
-    constant table), theta fitted to them (attnx.model.rope_fit; nan: not fitted) and the pairing of the rotated dims
-    (True: (2i, 2i+1); None: not read)."""
+    """What a block's reading holds of its rotation (Reading.rope), each None where not read:
+
+    tables      the cos and sin tables [positions, rotated dims / 2] each, constants of the graph or computed by it
+                and run by the audit (at AUDIT_SHAPE's prompt)
+    tables_at   the tables at each prompt length the audit ran where the graph computes them (None: a constant table)
+    interleaved the pairing of the rotated dims (True: (2i, 2i+1))
+    fit         how the tables were read as a rope (attnx.model.rope_fit.RopeFit: theta, its error, what it matches,
+                or why no rope fits it)
+    tensors     q's cos and sin tensors where the graph computes them (from position_ids): what the audit runs, and
+                what attnx optimize binds the new core to
+    k_tensors   k's, where the graph computes them apart from q's (the audit holds them to q's)
+    caches      GroupQueryAttention's own cos/sin cache inputs (attnx optimize binds them as they are)"""
 
     tables: tuple[np.ndarray, np.ndarray] | None = None
     tables_at: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None
-    theta: float = float("nan")
     interleaved: bool | None = None
+    fit: RopeFit | None = None
+    tensors: tuple[str, str] | None = None
+    k_tensors: tuple[str, str] | None = None
+    caches: tuple[str, str] | None = None
 
-    @classmethod
-    def of(cls, facts: Mapping[str, Any]) -> RopeReading:
-        return cls(facts.get("rope_tables"), facts.get("rope_tables_at"), facts.get("rope_theta", float("nan")),
-                   facts.get("rotary_interleaved"))  # fmt: skip
+    @property
+    def theta(self) -> float:
+        """theta fitted to the tables (nan: not fitted)."""
+        return self.fit.theta if self.fit is not None else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        """What is read, in JSON's types (the tables by their rows, not their entries)."""
+        fit = self.fit
+        return {"interleaved": self.interleaved, "tensors": self.tensors, "k_tensors": self.k_tensors,
+                "caches": self.caches, "positions": None if self.tables is None else int(self.tables[0].shape[0]),
+                "lengths_read": None if self.tables_at is None else sorted(self.tables_at),
+                "fit": None if fit is None else {k: v for k, v in dataclasses.asdict(fit).items()
+                                                 if not (isinstance(v, float) and math.isnan(v))}}  # fmt: skip
 
 
 def _rope(g: AttentionConfig, reading: RopeReading, c: AttentionConfig, ctx: Context) -> list[str]:
@@ -61,4 +82,4 @@ def _rope(g: AttentionConfig, reading: RopeReading, c: AttentionConfig, ctx: Con
     return found
 
 
-GRAPH = GraphTerm("rope", _rope, reading=RopeReading.of)
+GRAPH = GraphTerm("rope", _rope, reading=lambda reading: reading.rope)

@@ -43,4 +43,4 @@ def fit_window(allowed: np.ndarray) -> tuple[int | None, str | None]:
 
 
 GRAPH = GraphTerm("sliding_window", compare_window, {"gqa": _WINDOW}, stated=("sliding_window",),
-                  hides=hides_outside, fit_grid=fit_window, reading=MaskReading.of)
+                  hides=hides_outside, fit_grid=fit_window, reading=lambda reading: reading.mask)

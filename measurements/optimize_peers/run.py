@@ -160,7 +160,7 @@ def caches_of(src: Path) -> dict[str, tuple[int, int, int]]:
     for block in iter_blocks(ir.load(str(src)), [], lambda _i: False):
         for role in ("past_key", "past_value"):
             if block.config is not None and role in block.inputs:
-                found[block.inputs[role]] = (block.config.n_kv_heads, block.facts.get("cache_capacity", 0),
+                found[block.inputs[role]] = (block.config.n_kv_heads, block.cache_capacity,
                                              block.config.head_dim)  # fmt: skip
     return found
 

@@ -71,10 +71,10 @@ def test_each_lowering_writes_its_core_and_agrees_with_the_reference(name, lower
         np.testing.assert_array_equal(read[key], value, err_msg=key)
     (reading,) = read_cores(irm)
     assert reading.core == core.name
-    for key, value in reading.facts.items():
+    for key, value in reading.stated.items():
         if key in ("n_heads", "n_kv_heads", "causal", "softcap", "sliding_window", "sinks", "key_padding_mask"):
             assert value == getattr(config, key), (key, value)
-    assert reading.facts["scale"] == pytest.approx(config.softmax_scale, rel=1e-6)
+    assert reading.stated["scale"] == pytest.approx(config.softmax_scale, rel=1e-6)
 
 
 @pytest.mark.parametrize("name", list(FULL))
@@ -268,11 +268,11 @@ def test_the_torch_export_is_read_back_too(exported, name):
         np.testing.assert_array_equal(read[key], value, err_msg=key)
     (reading,) = read_cores(model)
     assert reading.core == "decomposed"
-    assert reading.facts["scale"] == pytest.approx(config.softmax_scale, rel=1e-6)
+    assert reading.stated["scale"] == pytest.approx(config.softmax_scale, rel=1e-6)
     if name == "causal_kpm":
-        assert reading.facts["causal"] and reading.facts["key_padding_mask"]
+        assert reading.stated["causal"] and reading.stated["key_padding_mask"]
     else:
-        assert reading.facts["sinks"] and reading.facts["softcap"] == pytest.approx(config.softcap)
+        assert reading.stated["sinks"] and reading.stated["softcap"] == pytest.approx(config.softcap)
 
 
 @pytest.mark.parametrize(("form", "core", "bound", "dtype"), [

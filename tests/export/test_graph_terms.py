@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attnx.export.terms import GRAPH_TERMS, Context, compare_terms, said_by_terms
+from attnx.export.terms import GRAPH_TERMS, Context, MaskReading, Reading, RopeReading, compare_terms, said_by_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.rope import rope_frequencies
 from attnx.model.terms import TERMS
@@ -25,14 +25,14 @@ NOPE = AttentionConfig(d_model=64, n_heads=4, causal=True, attn_temperature={"fl
 SOURCES = {"alibi": ALIBI, "attention_chunk": LLAMA4, "qk_l2_norm": LLAMA4, "attn_temperature": NOPE}
 
 
-def _facts(config: AttentionConfig) -> dict:
-    """What a reader notes of a graph computing `config` (its rotary table, read at 128 positions)."""
+def _reading(config: AttentionConfig) -> Reading:
+    """What a reader reads of a graph computing `config` (its rotary table, read at 128 positions)."""
     if config.rope is None:
-        return {}
+        return Reading()
     inv_freq, factor = rope_frequencies(config.rope, 128)
     angles = np.arange(128)[:, None] * inv_freq[None]
-    return {"rope_tables": (np.cos(angles) * factor, np.sin(angles) * factor),
-            "rotary_interleaved": config.rope.interleaved}  # fmt: skip
+    return Reading(rope=RopeReading(tables=(np.cos(angles) * factor, np.sin(angles) * factor),
+                                    interleaved=config.rope.interleaved))  # fmt: skip
 
 
 CTX = Context("layer 3", "the checkpoint")
@@ -40,7 +40,7 @@ CTX = Context("layer 3", "the checkpoint")
 
 @pytest.mark.parametrize("source", [FULL, ALIBI, LLAMA4, NOPE], ids=["rope-terms", "alibi", "llama4", "nope"])
 def test_a_graph_that_states_its_source_s_formula_has_no_finding(source):
-    assert compare_terms(source, _facts(source), source, CTX) == []
+    assert compare_terms(source, _reading(source), source, CTX) == []
 
 
 def _faulted(name: str) -> tuple[AttentionConfig, AttentionConfig]:
@@ -60,34 +60,31 @@ def test_the_faults_compared_here_are_every_config_fault():
 @pytest.mark.parametrize("name", CONFIG_FAULTS)
 def test_each_term_s_planted_fault_is_its_own_finding(name):
     source, graph = _faulted(name)
-    found = compare_terms(graph, _facts(graph), source, CTX)
+    found = compare_terms(graph, _reading(graph), source, CTX)
     assert found and all(f.startswith("layer 3: ") for f in found), found
 
 
 def test_a_term_missing_from_the_graph_says_its_tensors_once():
     """sinks dropped: one finding of the term; its tensor is not said again by the weights' comparison."""
     graph = dataclasses.replace(FULL, sinks=False)
-    assert compare_terms(graph, _facts(graph), FULL, CTX) == ["layer 3: sinks missing from the graph, in the checkpoint"]
+    assert compare_terms(graph, _reading(graph), FULL, CTX) == ["layer 3: sinks missing from the graph, in the checkpoint"]
     assert said_by_terms(graph, FULL) == {"sinks"}
     assert said_by_terms(FULL, FULL) == set()
 
 
 def test_alibi_a_graph_does_not_compute_is_a_finding():
     graph = dataclasses.replace(ALIBI, alibi=False)
-    assert compare_terms(graph, {}, ALIBI, CTX) == ["layer 3: the ALiBi bias missing from the graph, in the checkpoint"]
+    assert compare_terms(graph, Reading(), ALIBI, CTX) == ["layer 3: the ALiBi bias missing from the graph, in the checkpoint"]
 
 
-def test_the_terms_that_read_a_block_s_facts_compare_a_typed_reading():
-    """rope and the mask terms compare a reading (RopeReading, MaskReading) made from the facts once; the rest
-    compare the configs alone (reading None), and a reading finds what the facts it came from say."""
-    from attnx.export.terms._base import MaskReading
-    from attnx.export.terms.rope import RopeReading
-
-    facts = {**_facts(FULL), "mask": "causal, window 5", "local_window_size": 5}
-    readings = {name: term.reading(facts) for name, term in GRAPH_TERMS.items()}
+def test_the_terms_that_read_a_block_s_reading_compare_their_typed_part():
+    """rope and the mask terms compare their part of the block's Reading (RopeReading, MaskReading); the rest
+    compare the configs alone (reading None), and a part finds what the reader read."""
+    block_reading = dataclasses.replace(_reading(FULL), mask=MaskReading("causal, window 5", 5))
+    readings = {name: term.reading(block_reading) for name, term in GRAPH_TERMS.items()}
     assert {n for n, r in readings.items() if r is not None} == {"rope", "causal", "sliding_window", "attention_chunk"}
     rope = readings["rope"]
-    assert isinstance(rope, RopeReading) and rope.tables is facts["rope_tables"] and rope.interleaved is False
+    assert isinstance(rope, RopeReading) and rope is block_reading.rope and rope.interleaved is False
     assert rope.tables_at is None and np.isnan(rope.theta)
     assert readings["causal"] == MaskReading("causal, window 5", 5) == readings["sliding_window"]
     wider = dataclasses.replace(FULL, sliding_window=5)

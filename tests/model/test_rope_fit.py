@@ -48,8 +48,8 @@ def test_a_named_scaling_is_read_from_its_table_alone(name, positions):
     same config), named in words, whether 128 rows of it are read or 8192."""
     config, said = NAMED[name]
     rope = parse_rope(config, 64)
-    read, facts = rope_of_table(*_table(rope, positions), False)
-    assert read is not None and facts["rope_matches"] == said, facts
+    read, fit = rope_of_table(*_table(rope, positions), False)
+    assert read is not None and fit.matches == said, fit
     if name == "default":
         assert read.scaling is None and abs(read.theta / rope.theta - 1) < 1e-6
     else:
@@ -65,8 +65,8 @@ def test_a_table_no_named_scaling_fits_is_read_as_the_graphs_own():
     inv_freq = rope_frequencies(base)[0] / factors
     rope = Rope(10000.0, 16, False, RopeScaling("table", (("attention_factor", 1.19), ("inv_freq", tuple(inv_freq)))))
     cos, sin = _table(rope, 128)
-    read, facts = rope_of_table(cos, sin, False)
-    assert read.rope_type == "table" and facts["rope_matches"] == "the graph's own table (8 frequencies)"
+    read, fit = rope_of_table(cos, sin, False)
+    assert read.rope_type == "table" and fit.matches == "the graph's own table (8 frequencies)" and fit.unread is None
     got, factor = rope_frequencies(read)
     assert rope_table_error(cos, sin, got, factor)[1] <= 1 and abs(factor - 1.19) < 1e-6
     config = AttentionConfig(d_model=32, n_heads=2, causal=True, rope=read)
@@ -77,8 +77,9 @@ def test_a_table_that_is_no_rotation_is_not_read():
     """A rotary table with one entry off by 1e-3 (far past float32's rounding) is no rope's: not read, and why."""
     cos, sin = _table(parse_rope({"theta": 10000.0}, 16), 128)
     cos[50, 3] += 1e-3
-    read, facts = rope_of_table(cos, sin, False)
-    assert read is None and facts["rope"].startswith("not read: the table is not cos/sin of position * a frequency")
+    read, fit = rope_of_table(cos, sin, False)
+    assert read is None and fit.unread.startswith("not read: the table is not cos/sin of position * a frequency")
+    assert fit.matches is None
 
 
 def test_a_table_with_a_long_one_switches_as_longrope_does():

@@ -96,7 +96,7 @@ def test_a_computed_mask_and_a_rotary_node_are_read_from_the_graph_alone(monkeyp
     assert [b.config.rope.theta for b in blocks] == pytest.approx([10000.0] * 2, rel=1e-4)
     assert all(b.mask == "/model/attn_mask_reformat/Tile/output_0" and not b.config.causal for b in blocks)
     assert audit_model(path, layers=[1]).blocks[0].passed
-    monkeypatch.setattr(cut, "read_mask_terms", lambda graph, block: block.config)
+    monkeypatch.setattr(cut, "read_mask_terms", lambda graph, block, reach: block.config)
     [block] = audit_model(path, layers=[1]).blocks
     assert not block.passed and block.findings[0].endswith("first at position 0")
 
@@ -286,8 +286,8 @@ def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
     from attnx.model.rope_fit import rope_table_error
 
     cos, sin = _float32_table(500000.0)
-    rope, facts = _rope_of(cos, sin, False)
-    assert rope is not None and abs(rope.theta / 500000.0 - 1) < 1e-6 and facts["rope_fit_error"] > 1e-4
+    rope, fit = _rope_of(cos, sin, False)
+    assert rope is not None and abs(rope.theta / 500000.0 - 1) < 1e-6 and fit.error > 1e-4
     exact, _ = rope_frequencies(Rope(theta=500000.0, dim=128))
     assert rope_table_error(cos, sin, exact)[1] < 1
     assert rope_table_error(*_float32_table(500000.0 * (1 + 1e-4)), exact)[1] > 1
@@ -295,9 +295,9 @@ def test_llama_3_s_rotary_table_in_float32_is_read_and_another_theta_is_not():
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 128)  # fmt: skip
     table = _float32_table(0, inv_freq=rope_frequencies(scaled)[0])
     assert rope_table_error(*table, exact)[1] > 1
-    read, facts = _rope_of(*table, False)  # no theta fits it: the named scaling it is, read from the table alone
-    assert read == scaled and facts["rope_matches"] == ("llama3, theta 500000, factor 8, low_freq_factor 1, "
-                                                        "high_freq_factor 4, original 8192")  # fmt: skip
+    read, fit = _rope_of(*table, False)  # no theta fits it: the named scaling it is, read from the table alone
+    assert read == scaled and fit.matches == ("llama3, theta 500000, factor 8, low_freq_factor 1, "
+                                              "high_freq_factor 4, original 8192")  # fmt: skip
 
 
 # Planted faults -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from attnx.workflows.audit.shapes import Shapes
 
 def test_a_blocks_empty_cache_has_its_values_own_head_size():
     config = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=24, v_head_dim=16)
-    key, value = empty_cache(types.SimpleNamespace(config=config, facts={"cache_capacity": 3}), 2)
+    key, value = empty_cache(types.SimpleNamespace(config=config, cache_capacity=3, cache_sizes=None), 2)
     assert key.shape == (2, 2, 3, 24) and value.shape == (2, 2, 3, 16)
 
 

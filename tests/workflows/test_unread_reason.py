@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
+
 from attnx.export.cores import Block, Unread, UnreadKind
+from attnx.export.terms import Reading, RopeReading
 from attnx.workflows.audit.audit import audit_block
 from attnx.workflows.rewrite.plan import plan_block
 from attnx.workflows.rewrite.report import BlockRewrite
@@ -15,12 +18,13 @@ from attnx.workflows.rewrite.report import BlockRewrite
 # the text says "rope" in both: only the kind tells them apart
 UNFIT = Unread("rope a table no theta fits", UnreadKind.UNFIT_TABLE, "rope")
 OTHER = Unread("rope its rotary tables not read: position_ids not fed", term="rope")
+TABLES = (np.ones((4, 2)), np.zeros((4, 2)))  # a rotary table read from the graph (its values do not matter here)
 CHECKPOINT = types.SimpleNamespace(reach=None, rope_original=None, pair=lambda weights: None, label="checkpoint")
 
 
 def _block(unread: Unread) -> Block:
     # bf16: the first check after the reading's refuses it, so what stopped the block is visible
-    return Block(0, "attn", "decomposed", unread=unread, dtype="bf16", facts={"rope_tables": ()})
+    return Block(0, "attn", "decomposed", unread=unread, dtype="bf16", reading=Reading(rope=RopeReading(tables=TABLES)))
 
 
 def test_the_kind_not_the_text_is_what_holds_a_block_to_its_checkpoint():

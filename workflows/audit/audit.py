@@ -109,7 +109,7 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     audit = BlockAudit(block.index, block.node, block.core, layer, terms, findings, checks, not_checked,
                        "attnx.config" if isinstance(source, StatedConfig) else "checkpoint layer", strict=strict)  # fmt: skip
     # a table no theta fits (a scaled rope) is held to the source's rope instead (compare_terms): read, with one
-    rope_held = (imported and "rope_tables" in block.facts and block.unread is not None
+    rope_held = (imported and block.reading.rope.tables is not None and block.unread is not None
                  and block.unread.kind is UnreadKind.UNFIT_TABLE)  # fmt: skip
     if block.unread and not rope_held:
         if not imported:  # nothing to hold the block to: nothing is run

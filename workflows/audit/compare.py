@@ -19,7 +19,7 @@ def compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nda
                   source: str = "the checkpoint") -> list[str]:  # fmt: skip
     """Every difference between the formula the graph states and the source layer's: each term's
     (attnx.export.terms, in the formula's order), then each weight's."""
-    found = graph_terms.compare_terms(block.config, block.facts, config, graph_terms.Context(f"layer {layer}", source))
+    found = graph_terms.compare_terms(block.config, block.reading, config, graph_terms.Context(f"layer {layer}", source))
     return found + list(compare_weights(block, config, weights, layer, source).values())
 
 

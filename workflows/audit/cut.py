@@ -22,7 +22,7 @@ from attnx.export.visibility import read_mask_grid
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import PROVIDERS, provider_of_backend
 from attnx.model.rope import Rope, RopeScaling, rope_frequencies, rope_said
-from attnx.model.rope_fit import half_table, rope_of_table
+from attnx.model.rope_fit import RopeFit, half_table, rope_of_table
 from attnx.model.terms import TERMS
 from attnx.runtimes._untrusted import check_cut_fits
 from attnx.runtimes.base import ModelSource, Runner, backend_unavailable_reason, create_runner
@@ -93,7 +93,7 @@ def compute_in_cut(model: Any, block: Any) -> None:
             continue
         needed = graph_inputs_needed(model, block, [name], within=False)
         if needed and all(n in FED or n.startswith("past") for n in needed) and not made_with(model, name, x):
-            block.facts.setdefault("computed", []).append(role)
+            block.computed_inputs.append(role)
             del block.inputs[role]
 
 
@@ -344,17 +344,17 @@ class _NotOneTable(Exception):
     """q's and k's tables differ, or the tables change with the length otherwise than one switch."""
 
 
-def _read_rope_tables(graph: AuditGraph, block: Any) -> None:
-    """The rotary tables a block's graph computes from position_ids, read by running them at several prompt lengths
-    (facts rope_tables_at), and the Rope they are (rope_of_table). With the source's original length (a checkpoint's
-    hint): read on each side of it. Without: where the tables at 2 tokens and at ROPE_PROBE_MAX differ, the length
-    at which they switch is found by bisection (longrope's rule: one table up to it, the other past it), and the
-    rope holds both tables and the switch; tables that change more than once (a dynamic rope) are not read."""
+def _read_rope_tables(graph: AuditGraph, block: Any, original: int) -> None:
+    """The rotary tables a block's graph computes from position_ids (RopeReading.tensors), read by running them at
+    several prompt lengths (RopeReading.tables_at), and the Rope they are (rope_of_table). With the source's original
+    length `original` (a checkpoint's hint; 0: none): read on each side of it. Without: where the tables at 2 tokens
+    and at ROPE_PROBE_MAX differ, the length at which they switch is found by bisection (longrope's rule: one table up
+    to it, the other past it), and the rope holds both tables and the switch; tables that change more than once (a
+    dynamic rope) are not read."""
     positions = probe_tokens(graph, AUDIT_SHAPE["rope_positions"])
-    names = list(block.facts.pop("rope_tensors")) + list(block.facts.pop("k_rope_tensors", ()))
-    block.facts["rope_computed_from"] = tuple(names[:2])  # the graph's own tables (attnx optimize binds them)
-    original = block.facts.get("rope_hint") or 0
-    interleaved = block.facts["rotary_interleaved"]
+    read = block.reading.rope
+    names = list(read.tensors) + list(read.k_tensors or ())
+    interleaved = read.interleaved
     at: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     try:
         with evaluator(graph, block, names) as run:
@@ -385,15 +385,15 @@ def _read_rope_tables(graph: AuditGraph, block: Any) -> None:
         return
     cos, sin = at[positions]
     if switch is None:
-        rope, facts = rope_of_table(cos, sin, interleaved)
+        rope, fit = rope_of_table(cos, sin, interleaved)
         at = {n: at[n] for n in wanted}  # the lengths the source's rope is held to (the bisection's probes are not)
     else:
-        rope, facts = _switching_rope(at, switch, interleaved)
+        rope, fit = _switching_rope(at, switch, interleaved)
         at = {n: at[n] for n in dict.fromkeys((positions, switch, switch + 1))}
-    block.facts.update(facts, rope_tables=(cos, sin), rope_tables_at=at)
+    block.reading.rope = dataclasses.replace(read, tables=(cos, sin), tables_at=at, fit=fit)
     block.config = dataclasses.replace(block.config, rope=rope)
     if rope is None:
-        block.unread = Unread(f"rope {facts['rope']}", UnreadKind.UNFIT_TABLE, "rope")
+        block.unread = Unread(f"rope {fit.unread}", UnreadKind.UNFIT_TABLE, "rope")
 
 
 def _rope_switch(table: Callable[[int], tuple[np.ndarray, np.ndarray]], positions: int) -> int | None:
@@ -431,39 +431,42 @@ def _rope_switch(table: Callable[[int], tuple[np.ndarray, np.ndarray]], position
 
 
 def _switching_rope(at: dict[int, tuple[np.ndarray, np.ndarray]], switch: int,
-                    interleaved: bool) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+                    interleaved: bool) -> tuple[Any, RopeFit]:  # fmt: skip
     """The rope of two tables the graph switches between past `switch` tokens (longrope's rule): each read as the
-    table it is (rope_of_table), held as the graph's own tables with the switch; None (and why) where either is not
-    read or their attention factors differ."""
-    short_rope, facts = rope_of_table(*at[switch], interleaved)
-    long_rope, long_facts = rope_of_table(*at[max(at)], interleaved)
+    table it is (rope_of_table), held as the graph's own tables with the switch; None (and why: RopeFit.unread) where
+    either is not read or their attention factors differ. The fit is the short table's."""
+    short_rope, fit = rope_of_table(*at[switch], interleaved)
+    long_rope, long_fit = rope_of_table(*at[max(at)], interleaved)
     if short_rope is None or long_rope is None:
-        return None, {**facts, "rope": (facts if short_rope is None else long_facts)["rope"]}
+        return None, dataclasses.replace(fit, unread=(fit if short_rope is None else long_fit).unread)
     (short, factor), (long, long_factor) = rope_frequencies(short_rope), rope_frequencies(long_rope)
     if abs(factor - long_factor) > 1e-6 * abs(factor):
-        return None, {**facts, "rope": f"not read: its tables switch past {switch} tokens with attention factors "
-                                       f"{factor:.6g} and {long_factor:.6g} (one factor for both is read)"}  # fmt: skip
+        return None, dataclasses.replace(fit, unread=f"not read: its tables switch past {switch} tokens with attention "
+                                                     f"factors {factor:.6g} and {long_factor:.6g} (one factor for "
+                                                     "both is read)")  # fmt: skip
     scaling = RopeScaling("table", (("attention_factor", factor), ("inv_freq", tuple(map(float, short))),
                                     ("long_inv_freq", tuple(map(float, long))),
                                     ("original_max_position_embeddings", switch)))  # fmt: skip
     rope = Rope(short_rope.theta, short_rope.dim, interleaved, scaling)
-    said = f"{rope_said(rope)}: {facts['rope_matches']} up to {switch} tokens, {long_facts['rope_matches']} past it"
-    return rope, {**facts, "rope_matches": said, "rope_switch": switch}
+    said = f"{rope_said(rope)}: {fit.matches} up to {switch} tokens, {long_fit.matches} past it"
+    return rope, dataclasses.replace(fit, matches=said, switch=switch)
 
 
-def read_computed_terms(graph: AuditGraph, block: Any) -> None:
-    """The terms of a block that the graph computes rather than states, read by running what computes them: its
-    rotary tables (from position_ids) and its mask's (causal, a window)."""
-    if "rope_tensors" in block.facts:
-        _read_rope_tables(graph, block)
+def read_computed_terms(graph: AuditGraph, block: Any, reach: int = 0, rope_original: int = 0) -> None:
+    """The terms of a block that the graph computes rather than states, read by running what computes them into its
+    Reading: its rotary tables (from position_ids), its mask's (causal, a window), each computed term's values (a
+    temperature). reach, rope_original: how far the source says its terms reach (a window, a chunk; 0: not said) and
+    its rope's original length (where a scaled rope switches tables; 0: none), from a checkpoint's layers."""
+    if block.reading.rope.tensors is not None:
+        _read_rope_tables(graph, block, rope_original)
     if block.mask is not None:
         try:
-            block.config = read_mask_terms(graph, block)
+            block.config = read_mask_terms(graph, block, reach)
         except NotFed as e:
             block.unread = Unread(f"its mask {block.mask} not read: {e}")
-    for name, tensor in block.facts.pop("computed_terms", {}).items():  # each term's values per token (a temperature)
-        tokens = probe_tokens(graph, max(AUDIT_SHAPE["rope_positions"], min(block.facts.get("reach_hint") or 0,
-                                                                            ROPE_PROBE_MAX)))  # fmt: skip
+    for name, term in block.reading.computed.items():  # each term's values per token (a temperature)
+        tensor = term.tensor
+        tokens = probe_tokens(graph, max(AUDIT_SHAPE["rope_positions"], min(reach, ROPE_PROBE_MAX)))
         try:
             (values,) = evaluate(graph, block, [tensor], tokens)
         except NotFed as e:
@@ -476,19 +479,21 @@ def read_computed_terms(graph: AuditGraph, block: Any) -> None:
                                   "tokens", term=name)  # fmt: skip
             continue
         value, said = GRAPH_TERMS[name].fit_values(np.moveaxis(values, axis, 0).reshape(tokens, -1)[:, 0])
-        block.facts[name] = said
+        term.said = said
         if value is None:
             block.unread = Unread(f"its {name} ({tensor}) not read: {said}", term=name)
             continue
         block.config = dataclasses.replace(block.config, **{TERMS[name].keys[0]: value})
 
 
-def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
+def read_mask_terms(graph: AuditGraph, block: Any, reach: int = 0) -> AttentionConfig:
     """The block's config with the mask terms of the mask the graph computes for its core (each term's fit_grid:
-    causal, a window), run for a full prompt past any mask's reach."""
+    causal, a window), run for a full prompt past any mask's reach (the source's `reach`, the graph's window); how
+    the mask was read into the block's Reading.mask."""
     # past the farthest reach the graph or the source states (a window wider than the prompt reads as none): GQA's
     # local_window_size, the checkpoint's sliding_window
-    hint = max(block.facts.get("local_window_size", -1), block.facts.get("reach_hint") or 0)
+    window = block.reading.mask.local_window_size
+    hint = max(window if window is not None else -1, reach)
     tokens = probe_tokens(graph, max(AUDIT_SHAPE["tokens"], min(hint + 2, MASK_PROBE_MAX)))
     masks = block.masks or [(block.mask, "the core's input")]  # float: added; boolean or integer: keeps where true
     allowed = np.ones((tokens, tokens), bool)
@@ -498,7 +503,7 @@ def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
         kept = mask > MASKED if mask.dtype.kind == "f" else mask.astype(bool) ^ (how == "where-masked")
         while kept.ndim > 2:  # [batch, heads, queries, keys]: the first row's first head
             kept = kept[0]
-        rows = block.facts.get("rows_per_token", 1)  # the grouped core: a row per query head of a group
+        rows = block.rows_per_token  # the grouped core: a row per query head of a group
         if kept.ndim == 2 and rows > 1 and kept.shape[0] == rows * tokens:
             kept = kept[::rows]  # row s*G + j is token s
         if kept.ndim == 1 or kept.shape[0] == 1:  # a mask of the keys alone ([batch, keys], [.., 1, keys])
@@ -509,7 +514,8 @@ def read_mask_terms(graph: AuditGraph, block: Any) -> AttentionConfig:
     if block.config.causal:  # the op hides later keys itself (GroupQueryAttention's causal): its mask input need not
         allowed &= np.tri(tokens, dtype=bool)
     try:  # with what the op itself states (GroupQueryAttention's causal and local_window_size, Attention's is_causal)
-        config, block.facts["mask"] = read_mask_grid(allowed, block.config)
+        config, said = read_mask_grid(allowed, block.config)
     except ValueError as e:
         raise NotFed(str(e)) from None
+    block.reading.mask = dataclasses.replace(block.reading.mask, mask=said)
     return config

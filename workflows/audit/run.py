@@ -171,16 +171,16 @@ def empty_cache(block: Any, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """A block's past keys and values before its first token, each its own head size (head_dim, v_head_dim): no
     position, or a window's worth where the window is kept in a ring buffer (GroupQueryAttention's
     sliding_window_cache, whose past has the window's capacity)."""
-    capacity = block.facts.get("cache_capacity", 0)
+    capacity = block.cache_capacity
     return tuple(np.zeros((batch, heads, capacity, size), np.float32)  # type: ignore[return-value]
                  for heads, size in cache_sizes(block))  # fmt: skip
 
 
 def cache_sizes(block: Any) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(heads, size) of a block's key cache and value cache: as its reader found them (facts["cache_sizes"]: MLA's
+    """(heads, size) of a block's key cache and value cache: as its reader found them (Block.cache_sizes: MLA's
     latent parts), or n_kv_heads of head_dim and of v_head_dim."""
     c = block.config
-    return block.facts.get("cache_sizes") or ((c.n_kv_heads, c.head_dim), (c.n_kv_heads, c.v_head_dim))
+    return block.cache_sizes or ((c.n_kv_heads, c.head_dim), (c.n_kv_heads, c.v_head_dim))
 
 
 def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, needs: Sequence[str],
@@ -266,7 +266,7 @@ def run_checks(run: Callable[..., list[np.ndarray]], backend: str, block: Any, n
             audit.not_checked.append(f"block {block.index}: {name}: {e}")
             continue
         except Exception as e:  # noqa: BLE001 - the runtime's own error types, on the model as exported
-            if check is padded and block.facts.get("sliding_window_cache"):
+            if check is padded and block.ring_cache:
                 # ORT 1.31 refuses a row shorter than the prompt when the window is kept in a ring buffer
                 audit.not_checked.append(f"block {block.index}: {name}: {backend} refuses it with a "
                                          f"sliding_window_cache ({first_line(e)}): on {backend} this model cannot "

@@ -98,7 +98,7 @@ class WholeModel:
         """The block's cache inputs (CacheRead) and their present outputs, where it reads a config."""
         if block.config is None:
             return
-        capacity = block.facts.get("cache_capacity", 0)
+        capacity = block.cache_capacity
         for role, (heads, size) in zip(("key", "value"), cache_sizes(block)):
             past = block.inputs.get(f"past_{role}")
             if past is not None:
@@ -127,10 +127,9 @@ def read_blocks(whole: WholeModel, unread: list[str], source: Any = None, wanted
     for block in iter_blocks(whole.model, unread, wanted, others):
         whole.record_caches(block)
         if block.config is not None and (wanted is None or wanted(block.index)):
-            if source is not None:
-                block.facts["reach_hint"], block.facts["rope_hint"] = source.reach, source.rope_original
+            hints = (source.reach or 0, source.rope_original or 0) if source is not None else (0, 0)
             try:
-                read_computed_terms(whole.graph, block)
+                read_computed_terms(whole.graph, block, *hints)
             except Exception as e:  # noqa: BLE001 - the runtime's own error types, on a subgraph of an untrusted model
                 block.unread = Unread(f"what the graph computes for it (its mask, its rotary tables) does not run: "
                                       f"{first_line(e)}")  # fmt: skip
