@@ -46,20 +46,22 @@ class WeightsRecord:
     lm_head: str | None = None  # the MatMul whose N is the logits' width, where one is quantized
     kept: list[str] = dataclasses.field(default_factory=list)  # "name: why"
     embeddings: str | None = None  # the Gather's table quantized (int4: GatherBlockQuantized), where one was
+    # the Gathers' tables kept float32 (each also in `kept`, with why)
+    embeddings_kept: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def said(self) -> str:
         head = "quantized" if self.lm_head is not None else "kept float32"
-        embeddings = [k for k in self.kept if k.endswith("(the embeddings)")]
         table = (f"quantized ({self.bits} bits, blocks of {self.block_size} along the hidden size: "
                  "GatherBlockQuantized)" if self.embeddings is not None
-                 else "kept float32 (a Gather)" if embeddings else "not found as a Gather of a constant table")
+                 else "kept float32 (a Gather)" if self.embeddings_kept
+                 else "not found as a Gather of a constant table")  # fmt: skip
         return (f"{self.weights}: {len(self.quantized)} MatMul weight(s) quantized by ONNX Runtime's MatMulNBits "
                 f"quantizer ({self.bits} bits, {'symmetric' if self.symmetric else 'asymmetric'} blocks of "
                 f"{self.block_size}, accuracy_level {self.accuracy_level}); the LM head {head}; the embeddings "
-                f"{table}; {len(self.kept) - len(embeddings)} other weight(s) kept")  # fmt: skip
+                f"{table}; {len(self.kept) - len(self.embeddings_kept)} other weight(s) kept")  # fmt: skip
 
 
 class QuantizeWeights(ir.passes.InPlacePass):
@@ -86,6 +88,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
                 if r.bits == 4 and r.symmetric and self._gather(graph, node, quantizer):
                     continue
                 r.kept.append(f"{node.inputs[0].name}: a Gather's table (the embeddings)")
+                r.embeddings_kept.append(node.inputs[0].name)
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
                 continue
             weight = node.inputs[1]

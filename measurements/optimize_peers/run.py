@@ -128,6 +128,7 @@ def run_attnx(src: Path, out: Path, ckpt: Path, encoder: bool) -> dict:
            "repairs": [r for b in report.blocks for r in b.repairs],
            "proofs": [str(p) for p in report.proofs]}  # fmt: skip
     if not report.written:  # the verdict, and why each block was kept
+        got["written"] = False
         kept = "; ".join(f"block {b.index} kept: {b.kept}" for b in report.blocks if b.kept)
         got["error"] = "nothing written" + (f": {kept}" if kept else "") + "; " + next(
             (str(p) for p in report.proofs if not p), "")  # fmt: skip
@@ -346,7 +347,7 @@ SHORT = {"com.microsoft.MultiHeadAttention": "MHA", "com.microsoft.GroupQueryAtt
 def cores(got: dict) -> str:
     """A table cell: the attention nodes of a model, or why there is none."""
     if "error" in got:
-        return "not written" if got["error"].startswith("nothing written") else "failed"
+        return "not written" if got.get("written") is False else "failed"
     text = ", ".join(f"{n} {SHORT[k]}" for k, n in sorted(got["ops"].items()))
     return text + (" (refused by ONNX Runtime)" if got["load error"] else "")
 

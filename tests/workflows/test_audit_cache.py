@@ -46,3 +46,11 @@ def test_the_whole_models_decoding_feeds_each_cache_the_present_its_block_writes
     unpaired = AuditReport("m.onnx", None, [], [])
     decode_steps(_Runner(), caches, {"cache_k.0": "out_k.0"}, Shapes(2, 5, 3), unpaired)  # no present for values
     assert unpaired.not_checked and "cache_v.0" in unpaired.not_checked[0]
+
+
+def test_a_fixed_sequence_rules_out_decoding_only_in_a_model_that_decodes():
+    """Shapes.not_applicable(decoding=...): a model without a cache has no decoding check to rule out (told by the
+    flag, not by reading its lines)."""
+    fixed = Shapes(2, 12, None, {"sequence": "input input_ids [2, 12]"})
+    assert [line.split(":")[0] for line in fixed.not_applicable()] == ["decoding step by step"]
+    assert fixed.not_applicable(decoding=False) == []

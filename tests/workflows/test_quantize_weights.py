@@ -43,10 +43,11 @@ def test_an_fp32_export_is_quantized_then_each_block_proven_and_its_distance_sai
     assert (record["bits"], record["block_size"], record["accuracy_level"]) == (bits, 32, 4)
     assert len(record["quantized"]) == 15 and record["lm_head"] is not None
     if bits == 4:
-        assert record["kept"] == [] and record["embeddings"] == "model.embed_tokens.weight"
+        assert record["kept"] == record["embeddings_kept"] == [] and record["embeddings"] == "model.embed_tokens.weight"
         assert "the embeddings quantized (4 bits, blocks of 32 along the hidden size: GatherBlockQuantized)" in text
     else:
         assert record["kept"] == ["model.embed_tokens.weight: a Gather's table (the embeddings)"]
+        assert record["embeddings_kept"] == ["model.embed_tokens.weight"]  # typed: said() never parses `kept`
         assert record["embeddings"] is None and "the embeddings kept float32 (a Gather)" in text
     assert f"said: {weights}: 15 MatMul weight(s) quantized by ONNX Runtime's MatMulNBits quantizer ({bits} bits" in text
     assert all(b["written"] and b["splice"] == "the core alone, at the graph's projections" for b in report["blocks"])

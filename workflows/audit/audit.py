@@ -75,8 +75,7 @@ def audit_model(
     if not seen and not report.unread:
         raise UsageError(f"{whole.path}: no attention block found")
     caches = whole.caches
-    report.not_applicable = [line for line in graph.shapes.not_applicable()
-                             if caches or not line.startswith("decoding")]  # fmt: skip
+    report.not_applicable = graph.shapes.not_applicable(decoding=bool(caches))
     if isinstance(source, CheckpointLayers):
         pairing_findings(report, source, whole=layers is None)
     if layers is None and seen and "ort-cpu" in backends:

@@ -28,15 +28,16 @@ class Shapes:
         """Whether a padded batch fits: two rows or more, and a row shorter than the sequence."""
         return self.batch >= 2 and self.tokens > self.padding
 
-    def not_applicable(self) -> list[str]:
-        """The checks the model's dims rule out, each with the dim and the input that fixes it."""
+    def not_applicable(self, decoding: bool = True) -> list[str]:
+        """The checks the model's dims rule out, each with the dim and the input that fixes it; decoding: whether the
+        model decodes at all (has a cache), else a fixed sequence rules out no decoding check."""
         lines = []
         if self.batch < 2:
             lines.append(f"a padded batch: the model's batch is fixed at {self.batch} ({self.fixed['batch']})")
         elif not self.padded:
             lines.append(f"a padded batch: the model's sequence is fixed at {self.tokens} tokens "
                          f"({self.fixed['sequence']}), too short to pad a row by {self.padding}")  # fmt: skip
-        if "sequence" in self.fixed:
+        if "sequence" in self.fixed and decoding:
             lines.append(f"decoding step by step: the model's sequence is fixed at {self.tokens} tokens "
                          f"({self.fixed['sequence']}), so no single-token step can be fed")  # fmt: skip
         return lines
