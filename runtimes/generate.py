@@ -3,7 +3,7 @@ waiting request joining between steps (continuous batching).
 
     ModelIO     what the model's I/O is: input_ids, attention_mask, position_ids where it has them, its cache
                 (past_key_values.N.key/value in, present.N.key/value out), its logits; its form: the buffer form
-                where it takes seqlens_k and total_sequence_length (attnx.export.passes.buffer_form), else growing
+                where it takes seqlens_k and total_sequence_length (attnx.workflows.rewrite.serve), else growing
     Request     one request's state: its prompt, its limits, its sampling's generator, its new tokens
     Sampling    how a token is chosen (attnx.runtimes.sampling): greedy (argmax) without a temperature, else
                 transformers' processors in order and a draw from the request's own seeded generator
@@ -56,7 +56,7 @@ _GREEDY = Sampling()  # the default: argmax
 
 _CACHE_IN = "past_key_values"
 _CACHE_OUT = "present"
-_SEQLENS, _TOTAL = "seqlens_k", "total_sequence_length"  # the buffer form's (attnx.export.passes.buffer_form)
+_SEQLENS, _TOTAL = "seqlens_k", "total_sequence_length"  # the buffer form's (attnx.workflows.rewrite.serve)
 _NP = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}
 
 
@@ -259,7 +259,7 @@ def _left_pad(a: np.ndarray, total: int, axis: int) -> np.ndarray:
 
 
 class _SharedCache:
-    """The buffer form (attnx.export.passes.buffer_form): one buffer a cache input, [max_batch, heads, capacity,
+    """The buffer form (attnx.workflows.rewrite.serve): one buffer a cache input, [max_batch, heads, capacity,
     head_dim], allocated once for the run and bound through ONNX Runtime's IOBinding as both the past input and the
     present output, so that a call writes only its new tokens' keys and values, in place. Row b of the batch is slot
     b: its keys are its first lengths[b] positions, its new token lands at its own length (seqlens_k), its positions

@@ -4,7 +4,7 @@
                          its proof, the golden generations, the bound they are replayed under, the optimization's
                          report, context, vocabulary, padding, the build machine
     model.onnx           the optimized model: its own inputs and outputs (the growing cache)
-    decode.onnx          its buffer form (attnx.export.passes.buffer_form), where attnx could write it: the cache
+    decode.onnx          its buffer form (attnx.workflows.rewrite.serve), where attnx could write it: the cache
                          written in place, each row its own length; the two read one weights file, model.onnx.data
     generations.npz      golden generations, recorded from the served form: per request its prompt, its greedy tokens,
                          the prompt's logits (at every position [L, V], or at its last alone [1, V] where the served

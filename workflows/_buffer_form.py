@@ -1,17 +1,19 @@
-"""The buffer form in a whole model's package (attnx build --model): written from the optimized model by
-attnx.export.passes.buffer_form, its weights shared with it, and proven against it before anything is recorded from it.
+"""The buffer form in a whole model's package (attnx build --model): written from the plans attnx optimize proved, by
+each core's own emitter, into the model as it came (attnx.workflows.rewrite.serve), its weights shared with the
+optimized model, and proven against it before anything is recorded from it.
 
     write    the optimized model's tensors moved into one data file (DATA_FILE), unless they are there already; the
-             buffer form written beside it (DECODE_FILE, serve_passes: the cache in place, the rotation in the
-             core, then the rest of its graph for a step: RMS norms fused, sibling MatMuls packed, the packed
-             q/k/v fed to the core, the logits of the last position alone), its weights the same entries of the
-             same file: the package holds them once
+             buffer form spliced (the cache in place, each row its own length, GroupQueryAttention rotating q and k
+             itself), then the rest of its graph for a step (serve_passes: RMS norms fused, sibling MatMuls packed,
+             the packed q/k/v fed to the core, the logits of the last position alone), written beside it
+             (DECODE_FILE): each of its tensors that the optimized model holds, the same bytes, is that model's entry
+             of the same file, so the package holds it once
     prove    the same prompts (the golden ones: other lengths, joining between steps) through the generation engine
              on the model's own I/O, recorded, then fed through the buffer form: the same greedy tokens at every step,
              every logit within the tolerance table's whole-model bound of the model's own (a prompt's at its last
              position, where the buffer form computes no other)
 
-A model whose form does not fit (a cache read by a block attnx did not rewrite, a bias holding more than the padding:
+A model whose form does not fit (a cache read by a block attnx did not rewrite, a block no buffer core computes:
 NotBufferable's reason) keeps its own I/O, the reason in the manifest.
 """
 
@@ -26,8 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export import save_model
-from attnx.export.passes.buffer_form import BufferForm, NotBufferable, PackedQkv, RotateInCore
-from attnx.export.passes.serve import FuseRmsNorm, FuseSkipRmsNorm, LastLogits, PackMatMuls
+from attnx.export.passes.serve import FuseRmsNorm, FuseSkipRmsNorm, LastLogits, PackedQkv, PackMatMuls
 from attnx.model.contract import DEFAULT_ROPE_POSITIONS, PROVIDERS, external_data_locations
 from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
@@ -35,6 +36,7 @@ from attnx.runtimes.generate import Request
 from attnx.runtimes.model_package import BUFFER_PROVIDER, engine_for, recorded_cases, replay_cases
 from attnx.workflows._proof import Proof, ProofStats
 from attnx.workflows.rewrite.prove import longest_reduction
+from attnx.workflows.rewrite.serve import NotBufferable, splice_served
 
 __all__ = ["DATA_FILE", "DECODE_FILE", "BufferFormResult", "prove_buffer_form", "serve_passes", "write_buffer_form"]
 
@@ -52,6 +54,7 @@ class BufferFormResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     proofs: list[Proof] = dataclasses.field(default_factory=list)
     passed: bool = False
+    cores: list[str] = dataclasses.field(default_factory=list)  # each block's core in the form written
 
     def to_dict(self) -> dict[str, Any]:
         """Its fields, each proof as its line (as the manifest says it), their statuses and statistics beside."""
@@ -59,30 +62,50 @@ class BufferFormResult:
                 "proofs": [str(p) for p in self.proofs], "proof_results": [p.to_dict() for p in self.proofs]}
 
 
-def serve_passes(positions: int) -> list[Any]:
-    """The passes that write the buffer form, in order (the pipeline as data): the cache in place, then the rest of
-    the graph for a step (attnx.export.passes.serve), the rotation in the core over a table of `positions` rows."""
-    return [BufferForm(), RotateInCore(positions), FuseRmsNorm(), FuseSkipRmsNorm(), PackMatMuls(), PackedQkv(),
-            LastLogits()]
+def serve_passes() -> list[Any]:
+    """The passes over the rest of the buffer form's graph for a step, in order (the pipeline as data;
+    attnx.export.passes.serve)."""
+    return [FuseRmsNorm(), FuseSkipRmsNorm(), PackMatMuls(), PackedQkv(), LastLogits()]
 
 
-def write_buffer_form(folder: str, model_file: str, positions: int = DEFAULT_ROPE_POSITIONS) -> BufferFormResult:
-    """The buffer form of `folder`/`model_file` written as `folder`/DECODE_FILE (the module doc), or why not;
-    `positions`: the most a row can reach (the model's context where known), the rows of its rope table."""
-    path = os.path.join(folder, model_file)
+def write_buffer_form(folder: str, model_file: str, served: tuple[ir.Model, list[Any]] | None,
+                      positions: int = DEFAULT_ROPE_POSITIONS) -> BufferFormResult:  # fmt: skip
+    """The buffer form of `folder`/`model_file` (optimized from `served`: the model as it came and its plans,
+    ModelOptimizeReport.served) written as `folder`/DECODE_FILE (the module doc), or why not; `positions`: the most a
+    row can reach (the model's context where known), the rows of its rope table."""
+    if served is None or not served[1]:
+        return BufferFormResult(None, "no block was planned: the model's caches are not attnx's to write in place")
+    model, plans = served
     try:
-        BufferForm()(ir.load(path))  # whether it fits, before any file is touched
+        served_plans = splice_served(model, plans, positions)
     except NotBufferable as e:
         return BufferFormResult(None, str(e))
+    cores = [plan.core for plan in served_plans]
+    notes = [f"{cores.count(core)} block(s) written in the buffer form by their core's emitter ({core}): the cache "
+             "in place, each row its own length" for core in dict.fromkeys(cores)]  # fmt: skip
+    path = os.path.join(folder, model_file)
     if not external_data_locations(path):  # DATA_FILE: save_model's `<name>.data` of the package's model.onnx
         save_model(ir.load(path), path, external_data=True)
-    model = ir.load(path)  # its tensors the data file's entries, kept where they are by save_model below
-    notes = []
-    for step in serve_passes(positions):
+    _share_tensors(model, ir.load(path))
+    for step in serve_passes():
         step(model)
         notes += step.notes
     save_model(model, os.path.join(folder, DECODE_FILE), external_data=False)
-    return BufferFormResult(DECODE_FILE, notes=notes)
+    return BufferFormResult(DECODE_FILE, notes=notes, cores=cores)
+
+
+def _share_tensors(model: ir.Model, optimized: ir.Model) -> None:
+    """Each initializer of `model` that `optimized` (read from its file) holds under its name, the same dtype, shape
+    and bytes, made that model's (an entry of its data file); any other read into memory, so that `model` refers to
+    no file but its package's."""
+    theirs = optimized.graph.initializers
+    for name, value in model.graph.initializers.items():
+        mine, other = value.const_value, theirs[name].const_value if name in theirs else None
+        if other is not None and (mine.dtype, tuple(mine.shape)) == (other.dtype, tuple(other.shape)) \
+                and np.array_equal(mine.numpy(), other.numpy()):  # fmt: skip
+            value.const_value = other
+        elif isinstance(mine, ir.ExternalTensor):
+            value.const_value = ir.tensor(mine.numpy(), name=name)
 
 
 def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, said: Mapping[str, Any],

@@ -3,11 +3,11 @@ generations recorded from it, packaged with its manifest into a folder that `att
 deployment machine and `attnx generate` serves (attnx.runtimes.model_package holds the deployment side).
 
     optimize     attnx.workflows.rewrite.optimize_model into the stage: a model it cannot prove is not packaged
-                 (CheckFailed, exit 1, its failing proofs said); --core auto on the CPU writes SERVED_CORE wherever it
-                 computes a block, as the buffer form needs
-    buffer form  on the CPU provider, the optimized model's buffer form written beside it, their weights shared, and
-                 proven against it (attnx.workflows._buffer_form): a proof that fails is not packaged (CheckFailed);
-                 a model whose form does not fit keeps its own I/O, the reason in the manifest
+                 (CheckFailed, exit 1, its failing proofs said); each block in the core measured fastest (or --core)
+    buffer form  on the CPU provider, the blocks' plans written again in the buffer form by their cores' emitters
+                 (each block's first buffer core that reads each row's length), beside the optimized model, their
+                 weights shared, and proven against it (attnx.workflows._buffer_form): a proof that fails is not
+                 packaged (CheckFailed); a model whose form does not fit keeps its own I/O, the reason in the manifest
     golden       prompts of different lengths (short ones, one past the widest window, one whose steps cross the
                  rope's original length, where the model has them), run together through the generation engine
                  with continuous batching (fewer rows than prompts: some join between steps), greedy, on the form
@@ -72,9 +72,6 @@ GOLDEN_LENGTHS = (3, 11, 6, 17)  # short prompts, in an order that makes rows of
 GOLDEN_STEPS = 8  # greedy tokens recorded per prompt
 GOLDEN_BATCH = 3  # rows at once: fewer than the prompts, so that waiting prompts join between steps
 GOLDEN_SEED = 0
-# the core build --model writes on the provider the buffer form is served on (--core auto): GroupQueryAttention reads
-# and writes each row's own length (seqlens_k); MultiHeadAttention's buffer form has one past length for every row
-SERVED_CORE = "gqa"
 
 
 @dataclasses.dataclass
@@ -127,14 +124,11 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
     out = os.path.abspath(os.fspath(out))
     _check_target(out, force)
     text_from = _text_source(tokenizer, checkpoint, progress)
-    if core == AUTO_CORE and provider == BUFFER_PROVIDER:
-        core = SERVED_CORE
-        progress(f"--core {AUTO_CORE} on {provider}: each block written as {SERVED_CORE} where it computes it (the "
-                 "buffer form generate serves needs its per-row lengths)")  # fmt: skip
     model = open_whole_model(model_path)  # checked as untrusted input and parsed, once: optimize reads it from here
     with output_lock(out), Staging(out, folder=True) as stage:
         report = optimize_model(model, stage.path(MODEL_FILE), checkpoint=checkpoint, provider=provider,
-                                core=core, weights=weights, progress=progress)  # fmt: skip
+                                core=core, weights=weights, progress=progress,
+                                serve=provider == BUFFER_PROVIDER)  # fmt: skip
         report.out = os.path.join(out, MODEL_FILE)  # where it will be, not the stage's name
         if not report.passed:
             failed = [str(p) for p in report.proofs if not p]
@@ -146,7 +140,8 @@ def build_model_package(model_path: str, out: str | os.PathLike[str], *, checkpo
                 "one_row": one_row(report),  # how the engine batches and feeds, as the manifest will say
                 "cache_dims": {name: [heads, size] for name, (heads, _, size) in report.caches.items()}}
         lengths = golden_lengths(window, original, context)
-        buffer = _buffer_form(stage.path(), provider, said, lengths, len(report.blocks), progress, model_path)
+        buffer = _buffer_form(stage.path(), provider, said, lengths, report, progress, model_path)
+        report.served = None  # the model as it came: its memory freed before the golden generations
         progress("recording golden generations")
         golden = _record_golden(stage.path(), provider, said, lengths, buffer.file or MODEL_FILE)
         text = _copy_text(text_from, stage.path(), golden)
@@ -208,15 +203,16 @@ def _copy_text(folder: str | None, stage: str, golden: dict[str, Any]) -> dict[s
     return text_manifest(text, names, golden["tokens"])
 
 
-def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list[int], blocks: int,
+def _buffer_form(folder: str, provider: str, said: dict[str, Any], lengths: list[int], report: ModelOptimizeReport,
                  progress: Callable[[str], None], model_path: str) -> BufferFormResult:  # fmt: skip
-    """The buffer form written beside the optimized model and proven against it (attnx.workflows._buffer_form), on
-    the provider it is served on; CheckFailed where its proof fails."""
+    """The buffer form written from the report's plans beside the optimized model and proven against it
+    (attnx.workflows._buffer_form), on the provider it is served on; CheckFailed where its proof fails."""
+    blocks = len(report.blocks)
     if provider != BUFFER_PROVIDER:
         return BufferFormResult(None, f"the buffer form is served on ONNX Runtime's {BUFFER_PROVIDER} provider only "
                                       "in this version")  # fmt: skip
     progress("writing the buffer form (the cache written in place, each row its own length)")
-    result = write_buffer_form(folder, MODEL_FILE, said["context"] or DEFAULT_ROPE_POSITIONS)
+    result = write_buffer_form(folder, MODEL_FILE, report.served, said["context"] or DEFAULT_ROPE_POSITIONS)
     if result.file is None:
         progress(f"no buffer form: {result.reason}; generate serves the model's own inputs and outputs")
         return result
@@ -321,7 +317,7 @@ def _manifest(folder: str, model_path: str, checkpoint: str | None, provider: st
              for n in names}  # fmt: skip
     logits = next(o for o in golden["outputs"] if o["name"] == "logits") if any(
         o["name"] == "logits" for o in golden["outputs"]) else golden["outputs"][0]  # fmt: skip
-    cores = [b.written or f"kept {b.core}" for b in report.blocks]
+    cores = buffer.cores if buffer.file is not None else [b.written or f"kept {b.core}" for b in report.blocks]
     if buffer.file is not None:
         decode = {"form": "buffer: the cache written in place (past and present one buffer), each row its own length",
                   "file": buffer.file, "served_on": [BUFFER_PROVIDER],

@@ -1,5 +1,5 @@
-"""Passes over the rest of a whole model's graph for the form generate serves (after BufferForm): fewer, larger
-kernels a decode step, the weights kept where they are.
+"""Passes over the rest of a whole model's graph for the form generate serves (after its blocks are written in the
+buffer form: attnx.workflows.rewrite.serve): fewer, larger kernels a decode step, the weights kept where they are.
 
     FuseRmsNorm   Pow(x, 2) -> ReduceMean(last axis) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x, .) -> Mul(w, .)
                   (the RMS norm as torch.onnx exports transformers' LlamaRMSNorm in float32) -> one
@@ -11,6 +11,8 @@ kernels a decode step, the weights kept where they are.
                   along N (and the biases where each has one), then Split: one GEMV a step reads them all; the
                   Concat is of the model's own initializers, which ONNX Runtime folds when it loads the model, so
                   the package holds each weight once
+    PackedQkv     after PackMatMuls: a GroupQueryAttention whose q, k and v are the three outputs of a Split takes
+                  the Split's input as its packed query: the op splits it itself, with no copy
     LastLogits    the logits of the last position alone: the hidden state sliced to its last token before the
                   language-model head (a MatMul of constant weights, or ONNX Runtime's MatMulNBits: an int4 or
                   int8 head; logits [batch, 1, vocab]): a prompt's only logits generation reads, its head
@@ -37,7 +39,7 @@ from attnx.export.passes._base import AttnxPass, const_array, matmul_weight
 from attnx.export.passes.walk import is_op
 from attnx.model.contract import MS_DOMAIN
 
-__all__ = ["FuseRmsNorm", "FuseSkipRmsNorm", "LastLogits", "PackMatMuls", "LOGITS"]
+__all__ = ["FuseRmsNorm", "FuseSkipRmsNorm", "LastLogits", "PackMatMuls", "PackedQkv", "LOGITS"]
 
 LOGITS = "logits"
 # what may lie between the head's MatMul and the logits output: the same on every position (a final softcap)
@@ -301,3 +303,28 @@ class LastLogits(AttnxPass):
         return ir.passes.PassResult(model, modified=True)
 
 
+class PackedQkv(AttnxPass):
+    """After the packing of sibling MatMuls (attnx.export.passes.serve.PackMatMuls): a GroupQueryAttention whose q,
+    k and v are the three outputs, in order, of a Split it alone reads takes the Split's input as its packed query
+    (key and value empty): the op splits it itself, with no copy."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        packed = 0
+        for core in list(model.graph):
+            if not is_op(core, "GroupQueryAttention", (MS_DOMAIN,)) or len(core.inputs) < 3 or core.inputs[1] is None:
+                continue
+            split = core.inputs[0].producer()
+            if not is_op(split, "Split") or len(split.outputs) != 3 \
+                    or [core.inputs[i] for i in range(3)] != list(split.outputs) \
+                    or any(len(list(v.uses())) != 1 for v in split.outputs):  # fmt: skip
+                continue
+            core.replace_input_with(0, split.inputs[0])
+            core.replace_input_with(1, None)
+            core.replace_input_with(2, None)
+            packed += 1
+        if packed:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+            RemoveUnusedNodesPass()(model)
+            self.notes.append(f"{packed} GroupQueryAttention(s) take the packed q/k/v projection")
+        return ir.passes.PassResult(model, modified=bool(packed))

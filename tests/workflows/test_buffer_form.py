@@ -1,4 +1,4 @@
-"""The buffer form of a whole model (attnx.export.passes.buffer_form) and how generate serves it
+"""The buffer form of a whole model (attnx.workflows.rewrite.serve) and how generate serves it
 (attnx.runtimes.generate's shared cache): its inputs and outputs, the cache written in place in a row's own slot, rows
 that leave replaced by the last so that the rows decoded are one block, no row's tokens depending on its batch-mates,
 and a package that proves the form before it records from it (attnx.workflows._buffer_form); a model the form does
@@ -15,7 +15,6 @@ import onnx_ir as ir
 import pytest
 
 from attnx.errors import InputError
-from attnx.export.passes.buffer_form import BufferForm, NotBufferable
 from attnx.model.tolerance import ProblemSize, whole_model_tolerance
 from attnx.runtimes.base import ModelSource, create_runner
 from attnx.runtimes.compare import compare_arrays
@@ -24,6 +23,7 @@ from attnx.runtimes.model_package import served_model
 from attnx.workflows import build_model_package, optimize_model
 from attnx.workflows._buffer_form import BufferFormResult, prove_buffer_form, write_buffer_form
 from attnx.workflows.rewrite.prove import longest_reduction
+from attnx.workflows.rewrite.serve import NotBufferable, splice_served
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 EXPORT = FIXTURES / "exported" / "torch-dynamo" / "llama" / "sdpa-opset20" / "model.onnx"
@@ -51,19 +51,26 @@ def _logits(request: Request) -> np.ndarray:
 
 
 def test_the_buffer_form_takes_each_rows_length_and_no_padding_mask(package):
-    """Its inputs and outputs; and the serving passes: each core rotating q and k itself from a table of the
-    context's 128 positions, the 5 RMS norms fused, 4 of them with the residual add before them, each block's q/k/v
-    and each MLP's gate/up projections one MatMul (2 layers: 9 MatMuls where there were 15), the packed q/k/v fed to
-    the core, the logits of the last position alone (the golden generations record a prompt's there)."""
+    """Its inputs and outputs; each block written by GroupQueryAttention's own buffer-form emitter (the first core that
+    reads each row's length), rotating q and k itself from one table of the context's 128 positions for both blocks;
+    and the serving passes: the 5 RMS norms fused, 4 of them with the residual add before them, each MLP's gate/up
+    projections one MatMul (the core packs its q/k/v itself: 9 MatMuls), the logits of the last position alone
+    (the golden generations record a prompt's there)."""
     manifest = json.loads((package / "manifest.json").read_text())
-    assert manifest["decode"]["notes"][-6:] == [
-        "2 GroupQueryAttention(s) rotate q and k themselves (do_rotary, a table of 128 positions)",
+    assert manifest["decode"]["cores"] == ["gqa", "gqa"]
+    assert manifest["decode"]["notes"] == [
+        "2 block(s) written in the buffer form by their core's emitter (gqa): the cache in place, each row its own "
+        "length",
         "5 RMS norm(s) fused into SimplifiedLayerNormalization",
         "4 residual add(s) fused into their norm (SkipSimplifiedLayerNormalization)",
-        "10 MatMuls packed into 4 (groups of [2, 3])",
-        "2 GroupQueryAttention(s) take the packed q/k/v projection",
+        "4 MatMuls packed into 2 (groups of [2])",
         "logits: the last position's alone (the head computed for one position)"]  # fmt: skip
     assert manifest["generations"]["prompt_logits"] == "last"
+    model = ir.load(package / "decode.onnx")
+    cores = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(cores) == 2 and all(n.attributes.get_int("do_rotary", 0) == 1 for n in cores)
+    assert len({n.inputs[7].name for n in cores}) == 1 and cores[0].inputs[7].const_value.shape[0] == 128
+    assert sum(n.op_type == "MatMul" for n in model.graph) == 9
     with _runner(package / "decode.onnx") as runner:
         inputs = {s.name: s.shape for s in runner.inputs}
         outputs = {s.name: s.shape for s in runner.outputs}
@@ -142,16 +149,18 @@ def test_a_buffer_form_that_computes_otherwise_fails_its_proof_by_prompt_and_ste
 
 
 def test_a_model_the_buffer_form_does_not_fit_keeps_its_own_io_and_says_why(tmp_path):
-    """Blocks written as MultiHeadAttention (one past length for every row): no buffer form, the reason naming the
-    cache and its reader; the model's file untouched. The raw export (a Concat reads its cache) likewise."""
-    optimize_model(str(EXPORT), str(tmp_path / "model.onnx"), checkpoint=str(CHECKPOINT), core="grouped-mha")
+    """A cache read by a block attnx did not rewrite: no buffer form, the reason naming the cache, before anything is
+    changed; with no block planned at all, nothing to write from. The optimized model's file untouched."""
+    report = optimize_model(str(EXPORT), str(tmp_path / "model.onnx"), checkpoint=str(CHECKPOINT), serve=True)
+    model, plans = report.served
+    with pytest.raises(NotBufferable, match=r"past_key_values.1.key is read by a block attnx did not rewrite"):
+        splice_served(model, plans[:1], 128)
+    assert "seqlens_k" not in {v.name for v in model.graph.inputs}  # refused before the model was changed
     before = (tmp_path / "model.onnx").read_bytes()
-    result = write_buffer_form(str(tmp_path), "model.onnx")
+    result = write_buffer_form(str(tmp_path), "model.onnx", (model, []))
     assert result.file is None and not (tmp_path / "decode.onnx").exists()
-    assert result.reason.startswith("the cache input past_key_values.0.key is read by MultiHeadAttention attnx/block0/")
+    assert result.reason.startswith("no block was planned")
     assert (tmp_path / "model.onnx").read_bytes() == before
-    with pytest.raises(NotBufferable, match=r"past_key_values.0.key is read by Concat"):
-        BufferForm()(ir.load(EXPORT))
 
 
 def test_the_served_model_is_the_buffer_form_on_the_cpu_provider_only():

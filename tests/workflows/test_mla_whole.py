@@ -143,3 +143,40 @@ def test_a_written_absorbed_block_whose_w_uv_differs_is_found_against_the_checkp
     found = audit_model(str(path), checkpoint=CHECKPOINT)
     assert not found.passed
     assert not found.blocks[0].findings and any("kv_b_proj" in f for f in found.blocks[1].findings)
+
+
+def test_build_model_serves_the_latent_in_the_buffer_form_and_generate_writes_it_in_place(tmp_path):
+    """attnx build --model of the DeepSeek-V3 export: each block written again in the buffer form by the decomposed
+    core's emitter (no fused core computes the latent), its cache one latent buffer a layer, written in place by
+    TensorScatter; generate's rows of other lengths, three at once, the same tokens as the model's own I/O one at a
+    time; a prompt writes its row's first positions of the buffer the engine allocated, and nothing else."""
+    import json
+
+    from attnx.runtimes.base import ModelSource, create_runner
+    from attnx.runtimes.generate import Engine, Request
+    from attnx.workflows import build_model_package
+
+    out = tmp_path / "pkg"
+    build_model_package(MODEL, out, checkpoint=CHECKPOINT)
+    decode = json.loads((out / "manifest.json").read_text())["decode"]
+    assert decode["file"] == "decode.onnx" and decode["cores"] == ["decomposed", "decomposed"]
+    graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
+    assert [i.name for i in graph.input if i.name.startswith("past")] == [f"past_key_values.{n}.latent" for n in (0, 1)]
+    assert sum(n.op_type == "TensorScatter" for n in graph.node) == 2
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (7, 3, 12, 5)]
+    tokens = {}
+    for name, batch in (("decode.onnx", 3), ("model.onnx", 1)):
+        with create_runner("ort-cpu", ModelSource(model_path=str(out / name))).load() as runner:
+            engine = Engine(runner, max_batch=batch, context=128)
+            requests = [Request(i, p, 6) for i, p in enumerate(prompts)]
+            if name == "decode.onnx":
+                cache = engine._cache(requests[:2])
+                assert [b.shape for b in cache.buffers] == [(2, 1, 13, 24)] * 2  # 7 + 6 positions of [rope | kv]
+                cache.prefill(requests[0])
+                for buffer in cache.buffers:
+                    assert np.abs(buffer[0, 0, :7]).max(axis=-1).all() and not buffer[0, 0, 7:].any()
+                    assert not buffer[1].any()
+            engine.run(requests)
+        tokens[name] = [r.tokens for r in requests]
+    assert tokens["decode.onnx"] == tokens["model.onnx"] and all(len(t) == 6 for t in tokens["model.onnx"])

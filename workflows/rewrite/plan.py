@@ -40,7 +40,7 @@ LOWERING = "ort-fused"
 LOWERINGS_TRIED = (LOWERING, "decomposed")
 # the buffer-form cores that read each row's length from seqlens_k (GroupQueryAttention's rule: right padding, a past
 # buffer longer than what is filled); grouped-mha's buffer form reads one past_sequence_length for every row
-LENGTHS_CORES = ("gqa",)
+LENGTHS_CORES = ("gqa", "decomposed")
 # the projections a core bound at them does not write (its own weights, q/k norms and sinks, it does)
 PROJECTIONS = tuple(f"{p}_proj.{t}" for p in ("q", "k", "v", "out") for t in ("weight", "bias"))
 

@@ -104,6 +104,9 @@ class ModelOptimizeReport:
     # --weights: what was quantized (attnx.export.passes.quantize_weights.WeightsRecord) and, once written, the
     # distance of the written model from the fp32 input (attnx.workflows.rewrite.weights)
     weights: dict[str, Any] | None = None
+    # what the form served is written from (optimize_model's serve=True; attnx.workflows.rewrite.serve): the model as
+    # it came, and the plans of the blocks written, their cores chosen. Not a report's field: never serialized
+    served: tuple[Any, list[Any]] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def caches_read(self) -> dict[str, tuple[int, int, int]]:
         return {name: (kv, capacity, size) for name, (kv, capacity, size) in self.caches.items()}

@@ -3,11 +3,15 @@ what the old block leaves dead removed."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+
 import numpy as np
 import onnx_ir as ir
 
 from attnx.export import build_model
 from attnx.export.passes.share import ShareRepeated
+from attnx.model.config import CacheSpec
 from attnx.workflows.rewrite.plan import Plan
 
 __all__ = ["splice_blocks"]
@@ -16,18 +20,21 @@ __all__ = ["splice_blocks"]
 _BOUND_TABLES = ("rope_cos_cache", "rope_sin_cache")
 
 
-def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
+def splice_blocks(model: ir.Model, plans: list[Plan]) -> list[ir.Node]:
     """Each planned block's core (Plan, its core chosen) spliced into `model` in place of the block: the core's model
     (attnx.export.build_model: the whole block, or the core alone at the graph's projections) with each input bound
     to the graph's tensor the plan names (transformers' attention_mask as its padding mask, positions the graph
     computes expanded to [batch, seq]), its output replacing the block's (y) or feeding the graph's output projection
-    (z), its presents the graph's outputs under their own names and dims; then what is dead removed."""
+    (z), its presents the graph's outputs under their own names and dims; then what is dead removed. Returns the
+    nodes it wrote (the blocks' cores, what they share)."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     g = model.graph
     values = {v.name: v for node in g for v in node.outputs} | {v.name: v for v in g.inputs}
     values |= dict(g.initializers)
     shared: dict[str, ir.Value] = {}  # what blocks share: the padding mask, positions expanded
+    written: list[ir.Node] = []
+    tables: dict[tuple[str, bytes], ir.Value] = {}  # the rotary tables written, by their bytes
     for plan in plans:
         block = plan.block
         sub = ir.from_proto(build_model(plan.config, plan.weights, plan.lowering, plan.form, plan.dtype, core=plan.core,
@@ -42,23 +49,33 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
             zero = _const(g, "attnx/zero_i64", np.asarray(0, np.int64))
             bound["key_padding_mask"] = _shared(g, shared, "attnx/key_padding_mask", "Equal",
                                                 [values["attention_mask"], zero])  # fmt: skip
-        if "position_ids" in plan.binds:
+        if "position_ids" in plan.binds and "position_ids" in ours:
             positions = bound["position_ids"] = values[plan.binds["position_ids"]]
             if plan.positions_expand:  # the graph's own positions ([seq] or [1, seq]) for every row: [batch, seq]
                 x = values["input_ids"] if "input_ids" in values else values[plan.binds["x"]]  # [batch, seq, ...]
                 dims = _shared(g, shared, f"attnx/batch_seq/{x.name}", "Shape", [x], start=0, end=2)
                 bound["position_ids"] = _shared(g, shared, f"attnx/position_ids/{positions.name}/{x.name}", "Expand",
                                                 [positions, dims])  # fmt: skip
+        joined: dict[str, ir.Value] = {}  # the buffer form's one buffer in place of the graph's parts, by spec
         for spec in plan.config.cache_specs():  # a cache the graph keeps apart, joined as the core keeps it
             if spec.parts and spec.name in ours:
                 parts = [values[block.cache_parts[part][0]] for part, _ in spec.parts]
-                bound[spec.name] = _append(g, "Concat", parts, f"{prefix}{spec.name}", axis=-1)
+                if plan.form == "buffer":  # written in place: one buffer, an input of the model's own
+                    bound[spec.name] = joined[spec.role] = _joined_input(g, parts, spec)
+                else:  # joined each call: the model's I/O as it was
+                    bound[spec.name] = _append(g, "Concat", parts, f"{prefix}{spec.name}", axis=-1)
         initializers = list(sub.graph.initializers.values())
         for value in initializers:
             sub.graph.initializers.pop(value.name)
         for value in initializers:
+            if value.name in _BOUND_TABLES and value.name not in bound:  # a rotary table a block before wrote alike:
+                key = (value.name, value.const_value.tobytes())  # one for them all (its bytes the same)
+                if key in tables:
+                    bound[value.name] = tables[key]
+                else:
+                    tables[key] = value
             if value.name in _BOUND_TABLES and value.name in bound:
-                ours[value.name] = value  # bound to the graph's own table: not copied
+                ours[value.name] = value  # bound to the graph's own table, or to the one written: not copied
                 continue
             value.name = prefix + value.name
             g.register_initializer(value)
@@ -78,6 +95,7 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
                 value.name = prefix + value.name
         for node in nodes:
             g.append(node)
+        written += nodes + inner  # an If's branches read the cache too (the switch core)
         if plan.bound == "x":
             y = outputs["y"]
             if block.y_bias is not None and y.producer() is not None and y.producer().op_type == "Add":
@@ -101,6 +119,18 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
                 if spec.name in block.outputs:
                     _replace_output(g, values[block.outputs[spec.name]], outputs[spec.name], prefix)
                 continue
+            if spec.role in joined:  # the buffer form: one output, the buffer, in place of the parts'
+                olds = [values[block.cache_parts[part][1]] for part, _ in spec.parts]
+                new = outputs[spec.name]
+                new.name = _common(o.name for o in olds) + spec.role
+                new.shape = ir.Shape(joined[spec.role].shape)
+                new.type = olds[0].type
+                g.outputs[list(g.outputs).index(olds[0])] = new
+                for old in olds[1:]:
+                    g.outputs.remove(old)
+                for old in olds:
+                    old.name = f"{prefix}replaced/{old.name}"
+                continue
             start = 0
             for part, width in spec.parts:  # the graph's tensors: the core's columns of each part
                 cols = [_const(g, f"attnx/cols_{n}", np.asarray([n], np.int64)) for n in (start, start + width, -1)]
@@ -112,6 +142,25 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> None:
     # what every block computes alike from the model's own inputs (rotary tables from position_ids, the token grid
     # from the padding mask and the lengths): computed once, the rest of the graph untouched
     ShareRepeated(prefix="attnx/")(model)
+    return written
+
+
+def _common(names: Iterable[str]) -> str:
+    """The names' common prefix (past_key_values.0. of past_key_values.0.key and .value)."""
+    return os.path.commonprefix(list(names))
+
+
+def _joined_input(g: ir.Graph, parts: list[ir.Value], spec: CacheSpec) -> ir.Value:
+    """The buffer form's one cache input in place of the graph's `parts` inputs (their columns joined as `spec`
+    lays them out), named as theirs are with the spec's role (past_key_values.0.latent); the parts leave the inputs."""
+    dims = list(parts[0].shape)
+    dims[-1] = sum(width for _, width in spec.parts)
+    value = ir.Value(name=_common(p.name for p in parts) + spec.role, type=parts[0].type, shape=ir.Shape(dims))
+    at = list(g.inputs).index(parts[0])
+    for part in parts:
+        g.inputs.remove(part)
+    g.inputs.insert(at, value)
+    return value
 
 
 def _replace_output(g: ir.Graph, old: ir.Value, new: ir.Value, prefix: str) -> None:
