@@ -96,16 +96,64 @@ def write_buffer_form(folder: str, model_file: str, served: tuple[ir.Model, list
 
 def _share_tensors(model: ir.Model, optimized: ir.Model) -> None:
     """Each initializer of `model` that `optimized` (read from its file) holds under its name, the same dtype, shape
-    and bytes, made that model's (an entry of its data file); any other read into memory, so that `model` refers to
-    no file but its package's."""
+    and bytes, made that model's (an entry of its data file); one that is the columns (or rows) of several of the
+    model's, in order (a core's packed q/k/v where the growing form's core keeps them apart), their Concat,
+    which ONNX Runtime folds when it loads the model; any other read into memory, so that `model` refers to no file
+    but its package's and the package holds each weight once."""
     theirs = optimized.graph.initializers
-    for name, value in model.graph.initializers.items():
+    for name, value in list(model.graph.initializers.items()):
         mine, other = value.const_value, theirs[name].const_value if name in theirs else None
         if other is not None and (mine.dtype, tuple(mine.shape)) == (other.dtype, tuple(other.shape)) \
                 and np.array_equal(mine.numpy(), other.numpy()):  # fmt: skip
             value.const_value = other
+            continue
+        parts = _as_parts(mine, theirs)
+        if parts is not None:
+            axis, values = parts
+            model.graph.initializers.pop(name)
+            shared = []
+            for part in values:
+                if part.name not in model.graph.initializers:
+                    model.graph.register_initializer(ir.Value(name=part.name, shape=part.shape, type=part.type,
+                                                              const_value=part.const_value))  # fmt: skip
+                shared.append(model.graph.initializers[part.name])
+            concat = ir.node("Concat", shared, {"axis": axis}, outputs=[ir.Value(name=f"{name}/joined")],
+                             name=f"{name}/Concat")  # fmt: skip
+            model.graph.insert_before(next(iter(model.graph)), concat)
+            value.replace_all_uses_with(concat.outputs[0])
         elif isinstance(mine, ir.ExternalTensor):
             value.const_value = ir.tensor(mine.numpy(), name=name)
+
+
+def _as_parts(mine: Any, theirs: Mapping[str, ir.Value]) -> tuple[int, list[ir.Value]] | None:
+    """(axis, initializers of `theirs` whose Concat along axis is `mine`, byte for byte), or None."""
+    array = mine.numpy()
+    if array.ndim < 2:
+        return None
+    pool = [v for v in theirs.values() if v.const_value is not None and v.const_value.dtype == mine.dtype
+            and len(v.const_value.shape) == array.ndim]  # fmt: skip
+    for axis in (array.ndim - 1, 0):
+        at, found = 0, []
+        while at < array.shape[axis]:
+            piece = next((v for v in pool if v not in found and _is_slice(array, axis, at, v.const_value)), None)
+            if piece is None:
+                break
+            found.append(piece)
+            at += piece.const_value.shape[axis]
+        if at == array.shape[axis] and len(found) > 1:
+            return axis, found
+    return None
+
+
+def _is_slice(array: np.ndarray, axis: int, at: int, tensor: Any) -> bool:
+    """Whether `tensor` is `array`'s slice [at, at + its length) along `axis`: its shape, then its first row (cheap:
+    most candidates of one shape differ there), then every byte."""
+    shape = tuple(tensor.shape)
+    if shape[axis] > array.shape[axis] - at or any(shape[d] != array.shape[d] for d in range(array.ndim) if d != axis):
+        return False
+    part = np.take(array, range(at, at + shape[axis]), axis=axis)
+    theirs = tensor.numpy()
+    return np.array_equal(part.reshape(-1)[:64], theirs.reshape(-1)[:64]) and np.array_equal(part, theirs)
 
 
 def prove_buffer_form(folder: str, model_file: str, result: BufferFormResult, said: Mapping[str, Any],

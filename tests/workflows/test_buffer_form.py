@@ -180,3 +180,35 @@ def test_a_request_past_the_rope_table_is_refused_before_its_first_call(package)
         with pytest.raises(InputError, match=r"reaches position 139, past the model's rope table \(positions 0 to 127\)"):
             engine.run([Request(0, _prompts((100,))[0], 40)])
         assert engine.stats.prefills == 0
+
+
+def test_a_weight_the_buffer_form_packs_is_the_concat_of_the_optimized_models_entries():
+    """The buffer form's core packs q/k/v where the growing form's keeps them apart: its packed weight becomes the
+    Concat of the optimized model's three (each byte compared), so the package holds each weight once; a weight that is
+    no such columns stays its own, and one of the same name and bytes is the optimized model's."""
+    from attnx.workflows._buffer_form import _share_tensors
+
+    rng = np.random.default_rng(0)
+    q, k, v, o = (rng.standard_normal((8, n)).astype(np.float32) for n in (8, 4, 4, 8))
+
+    def model(weights: dict[str, np.ndarray]) -> ir.Model:
+        x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 8]))
+        graph = ir.Graph([x], [], nodes=[], name="g")
+        for name, array in weights.items():
+            value = ir.Value(name=name, const_value=ir.tensor(array), shape=ir.Shape(array.shape),
+                             type=ir.TensorType(ir.DataType.FLOAT))  # fmt: skip
+            graph.register_initializer(value)
+            node = ir.node("MatMul", [x, value], outputs=[ir.Value(name=f"{name}/y")])
+            graph.append(node)
+            graph.outputs.append(node.outputs[0])
+        return ir.Model(graph, ir_version=10)
+
+    optimized = model({"q.T": q, "k.T": k, "v.T": v, "o.T": o})
+    served = model({"qkv.T": np.concatenate([q, k, v], axis=1), "o.T": o, "other.T": q + 1})
+    _share_tensors(served, optimized)
+    inits = served.graph.initializers
+    assert "qkv.T" not in inits and inits["o.T"].const_value is optimized.graph.initializers["o.T"].const_value
+    joined = next(n for n in served.graph if n.op_type == "Concat")
+    assert [i.name for i in joined.inputs] == ["q.T", "k.T", "v.T"] and joined.attributes.get_int("axis") == 1
+    assert all(inits[n].const_value is optimized.graph.initializers[n].const_value for n in ("q.T", "k.T", "v.T"))
+    assert np.array_equal(inits["other.T"].const_value.numpy(), q + 1)  # no columns of theirs: its own
