@@ -45,7 +45,6 @@ _EXPORTS = {
     "describe": "attnx.model",
     "export_model": "attnx.workflows",
     "export_onnx": "attnx.export",
-    "optimize_file": "attnx.workflows",
     "optimize_model": "attnx.workflows",
     "build_package": "attnx.workflows",
     "build_model_package": "attnx.workflows",

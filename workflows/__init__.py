@@ -1,7 +1,8 @@
 """attnx.workflows: what combines the graph layer and the run layer.
 
-Export with its validation at unseen shapes (export_model), optimize's parity gate
-(optimize_file), the measured choice of lowering (lower with attention="measure"), the
+Export with its validation at unseen shapes (export_model), the one optimizer of every model
+(optimize_model: a model attnx wrote is a whole model with one block), the measured choice of
+lowering (lower with attention="measure"), the
 deployment package build (build_package), and the import of a model people have, checked
 against its source (import_model), and the audit of a whole model another tool exported
 (audit_model). Below: attnx.model, attnx.export, attnx.runtimes;
@@ -37,7 +38,6 @@ from attnx.workflows._checks import (
 from attnx.workflows._export import ExportReport, export_model, write_decomposed_form
 from attnx.workflows._import import ImportReport, check_against_source, import_model
 from attnx.workflows._lower import AUTO_CANDIDATES, AUTO_SHAPE, AutoChoice, choose_lowering, lower
-from attnx.workflows._optimize import OptimizeResult, optimize_file
 from attnx.workflows._proof import Proof, ProofStats, ProofStatus
 from attnx.workflows.audit import AuditReport, BlockAudit, audit_model
 from attnx.workflows.audit.whole import WholeModel, open_whole_model
@@ -63,7 +63,6 @@ __all__ = [
     "Expected",
     "ExportReport",
     "ImportReport",
-    "OptimizeResult",
     "Proof",
     "ProofStats",
     "ProofStatus",
@@ -80,7 +79,6 @@ __all__ = [
     "write_decomposed_form",
     "import_model",
     "lower",
-    "optimize_file",
     "optimize_model",
     "WholeModel",
     "open_whole_model",

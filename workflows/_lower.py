@@ -28,7 +28,7 @@ from attnx.runtimes import ModelSource, create_runner
 from attnx.runtimes.base import time_runner
 from attnx.workflows._checks import compare_models
 
-__all__ = ["AUTO_CANDIDATES", "AUTO_SHAPE", "AutoChoice", "LoweringResult", "choose_lowering", "lower"]
+__all__ = ["AUTO_CANDIDATES", "AUTO_SHAPE", "AutoChoice", "LoweringResult", "choose_lowering", "lower", "median_ms"]
 
 # What auto measures: the decomposed form (the torch module's export: the reference the others are compared with on
 # the runtime) and every lowering the registry marks as an auto candidate, each where its core computes the config.
@@ -91,9 +91,11 @@ def lower(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     int8_bits: int | str = "auto",
+    core: str | None = None,
 ) -> LoweringResult:
     """The full-sequence graph of `config` with `weights` in `attention` (auto: each candidate measured
-    on `provider`, the fastest that passes parity written), its metadata saying what it holds."""
+    on `provider`, the fastest that passes parity written), its metadata saying what it holds. core: that one of
+    the lowering's cores (None: the registry's for the config)."""
     options = {"block_size": block_size, "accuracy_level": accuracy_level, "int8_bits": int8_bits,
                "keep_io_fp32": keep_io_fp32, "opset": opset}  # fmt: skip
     auto = None
@@ -104,7 +106,7 @@ def lower(
     else:
         chosen = attention
     progress(f"writing the {chosen} graph")
-    model, notes = _build(config, weights, chosen, dtype, **options)
+    model, notes = _build(config, weights, chosen, dtype, core=core, **options)
     if auto is not None:
         model.metadata_props.add(key=AUTO_KEY, value=auto.to_json())
     return LoweringResult(model, attention, chosen, notes, auto)
@@ -113,18 +115,19 @@ def lower(
 def _build(config: AttentionConfig, weights: Mapping[str, np.ndarray], attention: str, dtype: str, *,
            keep_io_fp32: bool = False, opset: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
            accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-           int8_bits: int | str = "auto") -> tuple[onnx.ModelProto, list[str]]:  # fmt: skip
-    """build_model, and one line each for the core written and the precision."""
+           int8_bits: int | str = "auto", core: str | None = None) -> tuple[onnx.ModelProto, list[str]]:  # fmt: skip
+    """build_model (`core`: that one of the lowering's), and one line each for the core written and the precision."""
     import onnx_ir as ir
 
     notes: list[str] = []
     if dtype == "fp16":  # the float32 graph converted, with the conversion's notes
-        model = build_model(config, weights, attention, "full", "fp32", opset=opset)
+        model = build_model(config, weights, attention, "full", "fp32", opset=opset, core=core)
         model, fp16_notes = half_precision(model, keep_io_fp32)
         notes.append("precision: fp16 (ConvertToFloat16)" + "".join(f"; {n}" for n in fp16_notes))
     else:
         model = build_model(config, weights, attention, "full", dtype, opset=opset, block_size=block_size,
-                            accuracy_level=accuracy_level, int8_bits=int8_bits, keep_io_fp32=keep_io_fp32)  # fmt: skip
+                            accuracy_level=accuracy_level, int8_bits=int8_bits, keep_io_fp32=keep_io_fp32,
+                            core=core)  # fmt: skip
         if dtype != "fp32":
             bits = {p.key: p.value for p in model.metadata_props}.get(INT8_BITS_KEY)
             notes.append(f"precision: {dtype} projections (QuantizeProjections)"
@@ -184,7 +187,7 @@ def choose_lowering(
                     status[name], times[name] = f"fails parity: {failed[0]}", None
                     continue
             progress(f"auto: timing {name}")
-            times[name] = _median_ms(path, config, dtype, provider, shape, repeat)
+            times[name] = median_ms(path, config, dtype, provider, shape, repeat)
             status[name] = "pass"
             if path != base_path:
                 os.remove(path)
@@ -195,8 +198,8 @@ def choose_lowering(
     return AutoChoice(best, provider, tuple(shape), times, status)
 
 
-def _median_ms(
-    path: str, config: AttentionConfig, dtype: str, provider: str, shape: tuple[int, int, int], repeat: int
+def median_ms(
+    path: str, config: AttentionConfig, dtype: str, provider: str, shape: tuple[int, int, int], repeat: int = AUTO_REPEAT
 ) -> float:
     """Median milliseconds of `repeat` runs after two warm-up runs, timed around run only (time_runner)."""
     batch, seq, mem_seq = shape

@@ -19,7 +19,7 @@ from attnx.errors import ModelFileError
 from attnx.export import export_onnx, save_model
 from attnx.model.contract import INT8_BITS_KEY, describe
 from attnx.runtimes.package import MANIFEST, MANIFEST_SUM, verify_package
-from attnx.workflows import build_package, optimize_file, write_npz
+from attnx.workflows import build_package, optimize_model, write_npz
 from attnx.workflows._package_files import MODEL_FILE
 from tests.conftest import CONFIGS, weights_for
 
@@ -65,10 +65,11 @@ def test_optimize_quantizes_and_auto_times_the_forms_that_quantize(tmp_path):
     config = CONFIGS["causal_kpm"]
     src = str(tmp_path / "m.onnx")
     save_model(export_onnx(config, weights_for("causal_kpm")), src)
-    result = optimize_file(src, tmp_path / "q.onnx", attention="measure", dtype="int8", auto_shape=(1, 64, 64))
-    assert result.passed and describe(tmp_path / "q.onnx").dtype == "int8"
-    assert result.lowering.auto.status["ort-attention"].startswith("not applicable")
-    assert all(result.lowering.auto.status[name] == "pass" for name in ("ort-fused", "ort-fused-packed"))
+    report = optimize_model(src, str(tmp_path / "q.onnx"), lowering="measure", dtype="int8", auto_seq=64)
+    assert report.passed and describe(tmp_path / "q.onnx").dtype == "int8"
+    times = report.blocks[0].choice.times  # each lowering measured: its time, or why it was not timed
+    assert times["ort-attention"].error.startswith("not applicable")
+    assert all(times[name].error is None and times[name].prefill_ms > 0 for name in ("ort-fused", "ort-fused-packed"))
 
 
 @pytest.fixture(scope="module")

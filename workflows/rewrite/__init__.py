@@ -35,14 +35,17 @@ from collections.abc import Callable
 from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import save_model
+from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 from attnx.model.contract import PROVIDERS
 from attnx.model.dtypes import check_choice
+from attnx.model.int8 import INT8_BITS_FLAG
 from attnx.runtimes.base import backend_unavailable_reason
+from attnx.workflows._optimize import LayerOptions, optimize_layer
 from attnx.workflows._proof import Proof, ProofStatus
 from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.audit.whole import WholeModel, open_whole_model, read_blocks
 from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
-from attnx.workflows.rewrite.plan import LOWERING, Plan, plan_block
+from attnx.workflows.rewrite.plan import Plan, plan_block
 from attnx.workflows.rewrite.prove import prove
 from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, formula_said
 from attnx.workflows.rewrite.splice import splice_blocks
@@ -50,30 +53,71 @@ from attnx.workflows.rewrite.weights import distance_said, quantize_weights_file
 
 __all__ = ["BlockRewrite", "ModelOptimizeReport", "optimize_model"]
 
+# what a model attnx wrote takes in place of --weights
+WEIGHTS_SAID = (" (its projections are quantized by --dtype int4|int8, attnx's own quantizer: --block-size, "
+                "--accuracy-level, --int8-bits)")  # fmt: skip
+
+
+def _given(value: object, default: object) -> object:
+    """A quantization option's value where it was given other than its default, else None."""
+    return None if value is None or value == default else value
+
+
+def _default(value: object, default: object) -> object:
+    return default if value is None else value
+
 
 def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
-                   json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
-                   weights: str | None = None, progress: Callable[[str], None] | None = None,
-                   source: CheckpointLayers | None = None) -> ModelOptimizeReport:  # fmt: skip
+                   json_path: str | None = None, provider: str = "cpu", core: str | None = None,
+                   weights: str | None = None, lowering: str | None = None, dtype: str | None = None,
+                   keep_io_fp32: bool = False, auto_seq: int | None = None, block_size: int | None = None,
+                   accuracy_level: int | None = None, int8_bits: int | str | None = None,
+                   progress: Callable[[str], None] | None = None, source: CheckpointLayers | None = None,
+                   serve: bool = False) -> ModelOptimizeReport:  # fmt: skip
     """Rewrite every block of `model` (a path, or the model opened once: attnx.workflows.audit.whole) that a core
-    computes into the fastest such core on `provider` (core "measure", measured: attnx.workflows.rewrite.choose; or the
-    core named, wherever it computes the block), prove OUT on the provider, publish it (the module doc). weights
-    "int4" / "int8": the model's MatMul weights quantized first (attnx.workflows.rewrite.weights), the quantized
-    model optimized and proven, its distance from the input said. source: `checkpoint`'s layers where the caller
-    has read them already."""
+    computes into the fastest such core on `provider` (core "measure", the default, measured:
+    attnx.workflows.rewrite.choose; or the core named, wherever it computes the block), prove OUT on the provider,
+    publish it (the module doc). weights "int4" / "int8": the model's MatMul weights quantized first
+    (attnx.workflows.rewrite.weights), the quantized model optimized and proven, its distance from the input said.
+    source: `checkpoint`'s layers where the caller has read them already. serve: the model as it came and the plans
+    kept in report.served, for the form served to be written from them (attnx.workflows.rewrite.serve).
+
+    A model attnx wrote is a whole model with one block, the graph itself (attnx.workflows._optimize): `lowering`
+    (default ort-fused; "measure": measured), `dtype` (default the model's), keep_io_fp32, auto_seq (the sequence
+    length measure times at), block_size / accuracy_level (int4) and int8_bits (int8) say how it is written, core
+    None the lowering's own core. Those options are refused (UsageError) for a model another tool exported, and
+    `checkpoint` and `weights` for a model attnx wrote: a flag means one thing or is refused, never guessed at."""
+    whole = model if isinstance(model, WholeModel) else open_whole_model(model)
+    layer = {"--attention": lowering, "--dtype": dtype, "--keep-io-fp32": keep_io_fp32 or None,
+             "--auto-seq": auto_seq, "--block-size": _given(block_size, DEFAULT_BLOCK_SIZE),
+             "--accuracy-level": _given(accuracy_level, DEFAULT_ACCURACY_LEVEL), INT8_BITS_FLAG: _given(int8_bits, "auto")}
+    if not whole.written_by_another_tool:
+        given = [flag for flag, value in (("--checkpoint", checkpoint), ("--weights", weights)) if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} is for a whole model another tool exported; {whole.path} was written by "
+                             f"attnx export" + (WEIGHTS_SAID if given[0] == "--weights" else ""))  # fmt: skip
+        options = LayerOptions(lowering or "ort-fused", core, dtype, keep_io_fp32, auto_seq,
+                               _default(block_size, DEFAULT_BLOCK_SIZE), _default(accuracy_level, DEFAULT_ACCURACY_LEVEL),
+                               _default(int8_bits, "auto"))  # fmt: skip
+        return optimize_layer(whole, out_path, options, provider=provider, json_path=json_path, progress=progress)
+    given = [flag for flag, value in layer.items() if value is not None]
+    if given:
+        raise UsageError(f"{given[0]} is for a model attnx wrote (attnx export: its attnx.config); a whole model "
+                         "another tool exported takes --core (the core each block is written as) and --weights "
+                         "int4|int8 (its MatMul weights quantized)")  # fmt: skip
+    core = AUTO_CORE if core is None else core
     if weights is None:
-        return _optimize_model(model, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
-                               core=core, progress=progress, source=source)  # fmt: skip
+        return _optimize_model(whole, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
+                               core=core, progress=progress, source=source, serve=serve)  # fmt: skip
     say = progress or (lambda _m: None)
     out_path = os.fspath(out_path)
     check_output_file(out_path, "--out")
-    whole = model if isinstance(model, WholeModel) else open_whole_model(model)
     model_path = whole.path
     folder = os.path.dirname(os.path.abspath(out_path))  # beside OUT: the same disk, never the input's folder
     with tempfile.TemporaryDirectory(prefix=".attnx-weights-", dir=folder) as work:
         quantized, record = quantize_weights_file(whole.model, model_path, weights, work, save_model, say)
         report = _optimize_model(quantized, out_path, checkpoint=checkpoint, provider=provider, core=core,
-                                 progress=progress, source=source)  # fmt: skip
+                                 progress=progress, source=source, serve=serve)  # fmt: skip
         report.model = model_path
         report.weights = record.to_dict()
         report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
@@ -88,8 +132,8 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
 
 def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
                     json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
-                    progress: Callable[[str], None] | None = None,
-                    source: CheckpointLayers | None = None) -> ModelOptimizeReport:  # fmt: skip
+                    progress: Callable[[str], None] | None = None, source: CheckpointLayers | None = None,
+                    serve: bool = False) -> ModelOptimizeReport:  # fmt: skip
     say = progress or (lambda _m: None)
     check_choice("--provider", provider, PROVIDERS)
     unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place
@@ -129,7 +173,7 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
         planned.append((rewrite, plan))
     caches = whole.caches  # each cache input as read: a window kept in a ring buffer, its past holds the window
     for rewrite, plan in planned:  # the blocks planned compute alike what they compute from the model's inputs
-        rewrite.choice = choose_core(plan, graph, provider, LOWERING, core=core, limit=limit,
+        rewrite.choice = choose_core(plan, graph, provider, plan.lowering, core=core, limit=limit,
                                      repaired=bool(rewrite.repairs), shared_by=len(planned), memo=measured,
                                      say=say)  # fmt: skip
         plan.core = rewrite.written = rewrite.choice.core
@@ -142,6 +186,9 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
         raise UsageError(f"{model_path}: no attention block found (a model attnx did not write: no 'attnx.config' "
                          "metadata): nothing to optimize")  # fmt: skip
     report.proofs += [Proof(ProofStatus.NOT_READ, line) for line in unread]
+    if serve:  # the model as it came (its tensors shared, not copied), and every block planned (a block kept as the
+        # fastest in the growing form too: the form served writes each block again), for the form served
+        report.served = (whole.model.clone(), [plan for _, plan in planned])
     if plans:
         splice_blocks(whole.model, plans)
     with output_lock(out_path), Staging(out_path) as stage:
