@@ -61,7 +61,7 @@ from attnx.model.contract import (
     core_for,
     provider_of_backend,
 )
-from attnx.model.cores import why_not_on_cuda
+from attnx.model.cores import LOWERING_OF_CORE, why_not_on_cuda
 from attnx.runtimes import ModelSource
 from attnx.runtimes.base import backend_unavailable_reason
 from attnx.runtimes.decode import DEFAULT_PREFILLS, DEFAULT_STEPS, run_buffer_parity, run_decode_parity
@@ -214,11 +214,12 @@ def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Resu
             weights = init_weights(config, seed=0)
             cores = BUFFER_CORES if form == "buffer" else (DEFAULT_BUFFER_CORE,)
             for dtype, core in [(d, c) for d in args.dtypes for c in cores] if backends else ():
-                lowering = f"ort-fused {form}" + ("" if core == DEFAULT_BUFFER_CORE else f" {core}")  # default unnamed
+                writer = LOWERING_OF_CORE[core] if form == "buffer" else "ort-fused"  # the lowering of the core
+                lowering = f"{writer} {form}" + ("" if core in (DEFAULT_BUFFER_CORE, writer) else f" {core}")  # default unnamed
                 entry: dict[str, Any] = {"model": f"{args.decode_preset}-rope", "lowering": lowering,
                                          "dtype": dtype, "backends": backends}  # fmt: skip
                 try:
-                    chosen = core_for("ort-fused", config, dtype, form, core if form == "buffer" else None)
+                    chosen = core_for(writer, config, dtype, form, core if form == "buffer" else None)
                 except AttnxError as e:  # this core does not take this dtype (the grouped ones: no fp16)
                     entry.update(status="skipped", reason=str(e))
                     step["runs"].append(entry)
@@ -239,7 +240,7 @@ def run_decode_matrix(args: argparse.Namespace, usable: list[str], results: Resu
                 try:
                     path = os.path.join(tmp, f"{form}-{core}-{dtype}.onnx")
                     buffer_core = core if form == "buffer" else None
-                    onnx.save(build_step_model(config, weights, "ort-fused", form, dtype, buffer_core=buffer_core), path)
+                    onnx.save(build_step_model(config, weights, writer, form, dtype, buffer_core=buffer_core), path)
                     source = ModelSource(config, weights, path, dtype)
                     if form == "growing":
                         reports = [run_decode_parity(source, run_on, batch=3, localise="off")]

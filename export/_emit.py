@@ -61,11 +61,12 @@ __all__ = ["build_model", "graph_opset", "half_precision", "quantize_model", "wi
 _F = TensorProto.FLOAT
 def graph_opset(config: AttentionConfig, attention: str, form: str | None = None, buffer_core: str | None = None,
                 dtype: str = "fp32", core: str | None = None) -> int:  # fmt: skip
-    """The default-domain opset the graph of `config` in `attention` needs: its core's (23 for the
-    opset-23 Attention), 23 for a q/k norm written as RMSNormalization-23 beside a contrib core (ONNX
-    Runtime's SimplifiedLayerNormalization is no ONNX op: the checker refuses it), else DEFAULT_OPSET."""
+    """The default-domain opset the graph of `config` in `attention` needs: its core's in the form (23 for the
+    opset-23 Attention, 24 for the decomposed buffer form's TensorScatter), 23 for a q/k norm written as
+    RMSNormalization-23 beside a contrib core (ONNX Runtime's SimplifiedLayerNormalization is no ONNX op: the checker
+    refuses it), else DEFAULT_OPSET."""
     core = core_for(attention, config, dtype, form, buffer_core, core=core)
-    needed = max(DEFAULT_OPSET, core.opset if not core.domain else DEFAULT_OPSET)
+    needed = max(DEFAULT_OPSET, core.opset_of(form_of(config, form)) if not core.domain else DEFAULT_OPSET)
     if core.term_ops is not TermOps.STANDARD and (terms := fused_opset(config)) is not None:  # the terms' ops' own
         needed = max(needed, terms)
     return needed

@@ -79,10 +79,8 @@ def latent_heads(e: Emit) -> LatentHeads:
     latent = g.op("Concat", g.op("Squeeze", k_rot, g.ints("latent_axis_2b", [2])), rms(cut(a, 0, R), "kv_a_layernorm"),
                   axis=-1)  # [B, S, r + R]  # fmt: skip
     latent = g.op("Unsqueeze", latent, g.ints("latent_axis_1", [1]))  # [B, 1, S, r + R]: one "head"
-    if e.step:
-        latent = g.op("Concat", "past_latent", latent, axis=2, name="present_latent")  # [B, 1, T, r + R]
-    if e.step:
-        return _absorbed(e, q, latent, cut)
+    if e.step:  # the cache's latents and this call's, [B, 1, T, r + R] (growing: joined; buffer: written in place)
+        return _absorbed(e, q, e.cached("past_latent", latent, "present_latent"), cut)
     kv = linear(g, cut(latent, r, r + R), w, "kv_b_proj", False)  # [B, 1, T, H*(nope + vhd)]
     kv = g.op("Transpose", g.op("Reshape", kv, g.ints("latent_kv4", [0, -1, H, nope + c.v_head_dim])),
               perm=[0, 2, 1, 3])  # [B, H, T, nope + vhd]  # fmt: skip

@@ -22,27 +22,28 @@ __all__ = ["adds_bias", "hidden_by", "read_mask_grid", "score_bias", "visibility
 
 
 def hidden_by(g: Any, c: AttentionConfig, names: list[str], kpm: str | None, step: bool,
-              span_: tuple[str, str] | None = None) -> str | None:  # fmt: skip
+              span_: tuple[str, str] | None = None, indices: tuple[str, str] | None = None) -> str | None:  # fmt: skip
     """bool [B|1, 1, S, T]: key j hidden from query i by any of the named mask terms (each entry's hides, over token
-    index; the padding mask only where a term counts from it), or None without one."""
+    index; the padding mask only where a term counts from it), or None without one. indices: (qcol [B|1, 1, S, 1],
+    krow [1, 1, 1, T]) where each row's queries sit at their own positions (the decomposed buffer form's)."""
     hidden = None
     if names:
-        qcol, krow = token_indices(g, *(span_ if span_ is not None else span(g, step)), rank=4)
+        qcol, krow = indices or token_indices(g, *(span_ if span_ is not None else span(g, step)), rank=4)
         for name in names:
             part = GRAPH_TERMS[name].hides(g, c, qcol, krow, kpm)  # [B|1, 1, S, T]
             hidden = part if hidden is None else g.op("Or", hidden, part)
     return hidden
 
 
-def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool,
-               span_: tuple[str, str] | None = None) -> tuple[str | None, str | None]:  # fmt: skip
+def visibility(g: Any, c: AttentionConfig, kpm: str | None, step: bool, span_: tuple[str, str] | None = None,
+               indices: tuple[str, str] | None = None) -> tuple[str | None, str | None]:  # fmt: skip
     """(hidden bool [B|1, 1, S, T], visible-rows bool [B|1, 1, S, 1]), over token index: key j hidden from query i
     (at index past_seq + i in the step model, i otherwise) by any mask term the config uses (each entry's hides:
     after it, outside the window) or padded (key_padding_mask). (None, None) when nothing is hidden (a
     full-sequence model without mask or padding). span_: the step's (past_seq, T) as int64 scalars where
-    past_key's length is not past_seq (the buffer form: its capacity)."""
+    past_key's length is not past_seq (the buffer form: its capacity); indices: hidden_by's."""
     hidden = hidden_by(g, c, [name for name in GRAPH_TERMS if GRAPH_TERMS[name].hides is not None
-                               and TERMS[name].uses(c)], kpm, step, span_)  # fmt: skip
+                               and TERMS[name].uses(c)], kpm, step, span_, indices)  # fmt: skip
     if kpm is not None:
         padded = g.op("Unsqueeze", kpm, g.ints("axes_12", [1, 2]))  # [B, 1, 1, T]
         if hidden is None:  # one row per query all the same: [B, 1, S, T] (Attention-23 broadcasts no query axis)

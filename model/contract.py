@@ -277,24 +277,22 @@ def contract_dims(config: AttentionConfig, decode: str | None = None) -> dict[st
 # fixed-capacity cache as both past and present and writes only the new token's keys/values.
 DECODE_FORMS = ("growing", "buffer")
 def buffer_form_specs(config: AttentionConfig, dtype: str = "fp32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of the step model's buffer form (docs/concepts/step-forms.md): the cache is one
-    buffer of `capacity` positions bound as both past_* and present_* (the same memory);
-    seqlens_k int32 [batch] is the number of positions filled after this step minus 1 and
-    total_sequence_length int32 [] the number filled after this step."""
+    """Inputs and outputs of the step model's buffer form (docs/concepts/step-forms.md): each cache tensor the
+    config's core declares (config.cache_specs: past_key and past_value, or past_latent) is one buffer of `capacity`
+    positions bound as both past_* and present_* (the same memory); seqlens_k int32 [batch] is the number of
+    positions filled after this step minus 1 (each row its own) and total_sequence_length int32 [] the number filled
+    after this step (the longest row's)."""
     c = config
-    cache_k = ("batch", c.n_kv_heads, "capacity", c.head_dim)
-    cache_v = ("batch", c.n_kv_heads, "capacity", c.v_head_dim)
+    caches = c.cache_specs(dtype, "capacity")
     inputs = [
         TensorSpec("x", dtype, ("batch", "seq", c.d_model)),
-        TensorSpec("past_key", dtype, cache_k),
-        TensorSpec("past_value", dtype, cache_v),
+        *(TensorSpec(spec.name, dtype, spec.shape) for spec in caches),
         TensorSpec("seqlens_k", "int32", ("batch",)),
         TensorSpec("total_sequence_length", "int32", ()),
     ]
     outputs = [
         TensorSpec("y", dtype, ("batch", "seq", c.d_model)),
-        TensorSpec("present_key", dtype, cache_k),
-        TensorSpec("present_value", dtype, cache_v),
+        *(TensorSpec(spec.present, dtype, spec.shape) for spec in caches),
     ]
     return inputs, outputs
 

@@ -26,6 +26,20 @@ import enum
 from collections.abc import Callable, Iterable, Mapping
 
 from attnx.errors import UsageError
+from attnx.model._core_limits import (
+    MS_DOMAIN,
+    QUANTIZED,
+    Limits,
+    decomposed_limits,
+    gqa_cuda_limits,
+    gqa_limits,
+    grouped_mha_cuda_limits,
+    grouped_mha_limits,
+    mha_limits,
+    no_limits,
+    switch_cuda_limits,
+    switch_limits,
+)
 from attnx.model.config import AttentionConfig
 from attnx.model.seen import Found, Seen, tells_grouped, tells_mha, tells_packed, tells_switch
 from attnx.model.terms import TERMS
@@ -45,6 +59,7 @@ __all__ = [
     "BUFFER_CORES",
     "DEFAULT_BUFFER_CORE",
     "MS_DOMAIN",
+    "buffer_core_of",
     "form_of",
     "why_not",
     "why_not_on_cuda",
@@ -61,12 +76,10 @@ __all__ = [
     "update_markdown",
 ]
 
-MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators
 # The forms a core is built in: the full-sequence model, and the step model's two (docs/concepts/step-forms.md):
 # a growing cache (past in, past + new out) or one fixed-capacity buffer written in place.
 FORMS = ("full", "growing", "buffer")
-_QUANTIZED = ("int8", "int4")  # the projections quantized, the core float32 (attnx.model.contract.QUANTIZATIONS)
-_EVERY_DTYPE = ("fp32", "fp16", *_QUANTIZED)
+_EVERY_DTYPE = ("fp32", "fp16", *QUANTIZED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +90,12 @@ class Takes:
     forms: tuple[str, ...] = FORMS
 
 
-Limits = Callable[[AttentionConfig, str, str], Iterable[str]]
-
-
 class TermOps(enum.Enum):
     """The operators a core's graph writes the q/k norms and the rotation in (attnx.export._llm.norm_and_rotate)."""
 
     STANDARD = "standard ops"  # ReduceMean, Sqrt, Div, Mul; Slice, Mul, Concat: any opset
     ONNX = "ONNX's opset-23 ops"  # RMSNormalization-23, RotaryEmbedding-23
     CONTRIB = "com.microsoft's"  # RMSNormalization-23 and com.microsoft.RotaryEmbedding
-
-
-def _no_limits(config: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +110,18 @@ class Core:
     forms: tuple[str, ...]
     dtypes: tuple[str, ...]
     terms: Mapping[str, Takes]
-    limits: Limits = _no_limits  # reasons beyond the terms: its kernel's own refusals
+    limits: Limits = no_limits  # reasons beyond the terms: its kernel's own refusals
     summary: str = ""
     term_ops: TermOps = TermOps.CONTRIB  # the operators of its q/k norms and rotation
     holds_scores: bool = False  # its kernel holds the whole score matrix (the memory estimate's)
-    cuda_limits: Limits = _no_limits  # what ONNX Runtime's CUDA kernel refuses beyond `limits` (why_not_on_cuda)
+    cuda_limits: Limits = no_limits  # what ONNX Runtime's CUDA kernel refuses beyond `limits` (why_not_on_cuda)
     tells: Callable[[Seen], Found] = lambda seen: Found.NODE  # its node from another core's of its op (model.seen)
     fallback: bool = False  # the core a graph holds where none other is found (its op stays beside a fused core)
+    form_opsets: Mapping[str, int] = dataclasses.field(default_factory=dict)  # a form's own opset above `opset`
+
+    def opset_of(self, form: str) -> int:
+        """The lowest opset of its domain's ops that its `form` needs (the decomposed buffer form: TensorScatter-24)."""
+        return max(self.opset, self.form_opsets.get(form, self.opset))
 
     def found(self, seen: Seen) -> Found:
         """Whether a node is this core (recognise): its op in its domain, told apart by `tells`."""
@@ -129,71 +140,6 @@ class Core:
         return "" if self.op_type == "If" else self.domain
 
 
-def _same_head_sizes(c: AttentionConfig, what: str) -> Iterable[str]:
-    if c.v_head_dim != c.head_dim:
-        # measured: MultiHeadAttention's past_value and GroupQueryAttention's value refuse it
-        yield f"{what} needs v_head_dim == head_dim (this config: {c.v_head_dim} and {c.head_dim})"
-
-
-def _mha_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    if form == "growing":
-        yield from _same_head_sizes(c, f"{MS_DOMAIN}.MultiHeadAttention with a cache")
-
-
-def _gqa_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    yield from _same_head_sizes(c, f"{MS_DOMAIN}.GroupQueryAttention")
-    if c.head_dim % 8:  # measured: 'head_size must be a multiple of 8'
-        yield f"{MS_DOMAIN}.GroupQueryAttention needs a head_dim that is a multiple of 8 (this config: {c.head_dim})"
-    if form == "buffer" and c.rope is not None:
-        yield from _gqa_table_rope(c)
-
-
-def _gqa_table_rope(c: AttentionConfig) -> Iterable[str]:
-    """GroupQueryAttention rotating q and k itself (do_rotary, the buffer form) reads one cos/sin table."""
-    if c.rope.switch_at is not None:
-        yield (f"GroupQueryAttention's rotation (do_rotary) cannot express {c.rope.rope_type}: its factors switch for a whole "
-               "call once the call's largest position passes original_max_position_embeddings, and the op rotates "
-               "from one cos/sin table")  # fmt: skip
-    if (c.rope.dim // 2) % 8:  # measured: 'cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8'
-        yield (f"GroupQueryAttention's rotation (do_rotary) cannot rotate rope dim {c.rope.dim}: it takes a cos/sin "
-               "table of width dim/2 that is a multiple of 8 only")  # fmt: skip
-
-
-def _grouped_mha_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    yield from _same_head_sizes(c, f"{MS_DOMAIN}.MultiHeadAttention with a cache")
-
-
-def _auto_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    yield from _gqa_limits(c, dtype, form)
-    if form == "growing":
-        yield from _grouped_mha_limits(c, dtype, form)
-
-
-# What ONNX Runtime's CUDA kernels refuse, measured on an H200 with onnxruntime-gpu 1.31.1 (2026-12-04, python -m
-# attnx.bench.gpu_check and the cuda-marked tests): a refusal the CPU kernels do not share.
-def _gqa_cuda_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    if dtype == "fp32":  # the session placed the fp32 op on CPUExecutionProvider
-        yield f"ONNX Runtime's CUDA {MS_DOMAIN}.GroupQueryAttention has no fp32 kernel (it runs fp16)"
-
-
-def _grouped_mha_cuda_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    if form == "buffer":  # CUDA error 700 (an illegal memory access) at the first step, the process aborted
-        yield (f"ONNX Runtime's CUDA {MS_DOMAIN}.MultiHeadAttention writes a cache in place only with "
-               "cache_indirection (beam search): over past_sequence_length alone it writes past the buffer")
-
-
-def _auto_cuda_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    yield from _gqa_cuda_limits(c, dtype, form)
-    yield from _grouped_mha_cuda_limits(c, dtype, form)
-
-
-def _decomposed_limits(c: AttentionConfig, dtype: str, form: str) -> Iterable[str]:
-    if c.latent is not None and dtype in _QUANTIZED:
-        # the quantization pass finds q_proj, k_proj, v_proj and out_proj (attnx.export.passes.quantize)
-        yield (f"latent in {dtype}: attnx quantizes q_proj, k_proj, v_proj and out_proj, not the latent's "
-               "projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj)")
-
-
 _MASKS = {
     "causal": Takes("the causal mask"),
     "key_padding_mask": Takes("the padding mask"),
@@ -207,28 +153,29 @@ CORES: dict[str, Core] = {
     c.name: c
     for c in (
         Core(
-            "decomposed", "MatMul, Softmax, MatMul", "", "Softmax", 18, ("full", "growing"), _EVERY_DTYPE,
+            "decomposed", "MatMul, Softmax, MatMul", "", "Softmax", 18, FORMS, _EVERY_DTYPE,
             {
                 "grouped_heads": Takes("a group's query heads stacked on the query axis (no copy of the keys)"),
                 "cross": Takes("k and v projected from memory", ("full",)),
                 "qk_norm": Takes("ReduceMean, Sqrt, Div, Mul"),
-                "rope": Takes("Slice, Mul, Concat over cos/sin of position_ids"),
+                "rope": Takes("Slice, Mul, Concat over cos/sin of position_ids (buffer: each row's, from seqlens_k)"),
                 "qk_l2_norm": Takes(_PLAIN_NORM),
-                "attn_temperature": Takes(_TEMPERATURE),
-                "kv_cache": Takes("Concat onto past_key/past_value", ("growing",)),
+                "attn_temperature": Takes(_TEMPERATURE, ("full", "growing")),
+                "kv_cache": Takes("Concat onto past_key/past_value (growing); TensorScatter-24 writing each row's new "
+                                  "tokens into the buffer at seqlens_k (buffer)", ("growing", "buffer")),
                 "softcap": Takes("Div, Tanh, Mul"),
-                "alibi": Takes("an Add of slope_h * (j - i) (Range, Sub, Mul)"),
+                "alibi": Takes("an Add of slope_h * (j - i) (Range, Sub, Mul)", ("full", "growing")),
                 "causal": Takes(_BOOL_GRID),
                 "sliding_window": Takes(_BOOL_GRID),
                 "attention_chunk": Takes(_BOOL_GRID),
-                "key_padding_mask": Takes(_BOOL_GRID),
+                "key_padding_mask": Takes(_BOOL_GRID, ("full", "growing")),
                 "sinks": Takes("a logit column joined before the Softmax, dropped after it"),
                 "latent": Takes("the latent's MatMuls and RMSNorms, the latent cache (past_latent); kv_b_proj's MatMul "
                                 "expanding each head's k and v (full), folded into q and the heads' outputs (the "
                                 "step: absorbed, the latents one key/value head)"),
             },
-            _decomposed_limits, summary="standard ops, runs anywhere", term_ops=TermOps.STANDARD, holds_scores=True,
-            fallback=True,
+            decomposed_limits, summary="standard ops, runs anywhere (its buffer form: opset 24's TensorScatter)",
+            term_ops=TermOps.STANDARD, holds_scores=True, fallback=True, form_opsets={"buffer": 24},
         ),
         Core(
             "attention23", "Attention (opset 23)", "", "Attention", 23, ("full", "growing"), _EVERY_DTYPE,
@@ -259,7 +206,7 @@ CORES: dict[str, Core] = {
                 "causal": Takes("unidirectional=1"),
                 "key_padding_mask": Takes("key_padding_mask int32 (1 keeps); fully hidden rows zeroed after"),
             },
-            _mha_limits, summary="ONNX Runtime's fused kernel (flash attention on CPU and CUDA)", tells=tells_mha,
+            mha_limits, summary="ONNX Runtime's fused kernel (flash attention on CPU and CUDA)", tells=tells_mha,
         ),
         Core(
             "mha-packed", f"one q/k/v MatMul, Split, {MS_DOMAIN}.MultiHeadAttention", MS_DOMAIN, "MultiHeadAttention",
@@ -298,11 +245,11 @@ CORES: dict[str, Core] = {
                 "key_padding_mask": Takes("an additive attention_bias", ("full", "growing")),
                 "sinks": Takes("head_sink"),
             },
-            _gqa_limits, summary="ONNX Runtime's grouped-query kernel", cuda_limits=_gqa_cuda_limits,
+            gqa_limits, summary="ONNX Runtime's grouped-query kernel", cuda_limits=gqa_cuda_limits,
         ),
         Core(
             "grouped-mha", f"{MS_DOMAIN}.MultiHeadAttention, a group's query heads as rows", MS_DOMAIN,
-            "MultiHeadAttention", 1, ("growing", "buffer"), ("fp32", *_QUANTIZED),
+            "MultiHeadAttention", 1, ("growing", "buffer"), ("fp32", *QUANTIZED),
             {
                 "grouped_heads": Takes("a group's query heads as rows of one key/value head (each read once a step)"),
                 "qk_norm": Takes("RMSNormalization-23 nodes"),
@@ -317,14 +264,14 @@ CORES: dict[str, Core] = {
                 "attention_chunk": Takes(_ROWS_BIAS, ("growing",)),
                 "key_padding_mask": Takes(_ROWS_BIAS, ("growing",)),
             },
-            _grouped_mha_limits,
+            grouped_mha_limits,
             summary="a group's query heads as rows: each key/value head read once a step (a CPU form: no fp16)",
-            cuda_limits=_grouped_mha_cuda_limits, tells=tells_grouped,
+            cuda_limits=grouped_mha_cuda_limits, tells=tells_grouped,
         ),
         Core(
             "switch", "If on the call: gqa for a prompt (growing: one with no padding), grouped-mha otherwise", MS_DOMAIN,
             "If", 1,
-            ("growing", "buffer"), ("fp32", *_QUANTIZED),
+            ("growing", "buffer"), ("fp32", *QUANTIZED),
             {
                 "grouped_heads": Takes("both branches"),
                 "qk_norm": Takes("both branches"),
@@ -335,14 +282,16 @@ CORES: dict[str, Core] = {
                 "sliding_window": Takes("both branches"),
                 "key_padding_mask": Takes("a padded call takes the grouped branch", ("growing",)),
             },
-            _auto_limits, summary="what gqa and grouped-mha both express", cuda_limits=_auto_cuda_limits,
+            switch_limits, summary="what gqa and grouped-mha both express", cuda_limits=switch_cuda_limits,
             tells=tells_switch,
         ),
     )
 }  # fmt: skip
-# The buffer form's cores (--buffer-core), the default first: GroupQueryAttention takes every term and fp16.
-BUFFER_CORES = tuple(name for name, core in CORES.items() if "buffer" in core.forms)
+# The buffer form's cores (--buffer-core). ort-fused's default is GroupQueryAttention: it takes every term and fp16;
+# the decomposed lowering writes its own (TensorScatter-24: any cache layout, the latent's too).
 DEFAULT_BUFFER_CORE = "gqa"
+BUFFER_CORES = tuple(sorted((name for name, core in CORES.items() if "buffer" in core.forms),
+                            key=lambda name: name != DEFAULT_BUFFER_CORE))  # the default first  # fmt: skip
 
 
 def form_of(config: AttentionConfig, form: str | None = None) -> str:
@@ -424,11 +373,11 @@ class Lowering:
 LOWERINGS: dict[str, Lowering] = {
     lw.name: lw
     for lw in (
-        Lowering("decomposed", {"full": ("decomposed",), "growing": ("decomposed",)}, torch_core="decomposed",
-                 bench=True),
+        Lowering("decomposed", {"full": ("decomposed",), "growing": ("decomposed",), "buffer": ("decomposed",)},
+                 torch_core="decomposed", bench=True),
         Lowering("onnx", {"full": ("attention23",), "growing": ("attention23",)}, bench=True),
         Lowering("ort-fused", {"full": ("mha", "gqa"), "growing": ("mha", "gqa", "grouped-mha", "switch"),
-                                "buffer": BUFFER_CORES},
+                                "buffer": tuple(c for c in BUFFER_CORES if CORES[c].domain == MS_DOMAIN)},
                  auto=True, bench=True),
         Lowering("ort-fused-packed", {"full": ("mha-packed",)}, export=False, auto=True),
         Lowering("ort-attention", {"full": ("ms-attention",)}, export=False, auto=True),
@@ -471,11 +420,14 @@ def core_for(lowering: str, config: AttentionConfig, dtype: str = "fp32", form: 
     form = form_of(config, form)
     candidates = LOWERINGS[lowering].cores.get(form, ())
     if form == "buffer" and candidates:
-        core = DEFAULT_BUFFER_CORE if buffer_core is None else buffer_core
-        if core not in BUFFER_CORES:
-            raise UsageError(f"unknown --buffer-core {core!r} (known: {', '.join(BUFFER_CORES)})"
-                             f"{_respelled('--buffer-core', core)}")
-        candidates = (core,)
+        chosen = buffer_core_of(lowering) if buffer_core is None else buffer_core
+        if chosen not in BUFFER_CORES:
+            raise UsageError(f"unknown --buffer-core {chosen!r} (known: {', '.join(BUFFER_CORES)})"
+                             f"{_respelled('--buffer-core', chosen)}")
+        if chosen not in candidates:
+            raise UsageError(f"{label} writes no {chosen} core in the buffer form (it writes: {', '.join(candidates)}); "
+                             f"--buffer-core {chosen} is --attention {LOWERING_OF_CORE[chosen]}'s")  # fmt: skip
+        candidates = (chosen,)
     elif buffer_core not in (None, DEFAULT_BUFFER_CORE):
         raise UsageError(f"--buffer-core {buffer_core} is the buffer form's (--decode-form buffer)")
     if core is not None:
@@ -527,11 +479,20 @@ def lowerings_for(config: AttentionConfig, dtype: str = "fp32", form: str | None
     out = []
     for name, lw in LOWERINGS.items():
         cores = lw.cores.get(form, ())
-        if form == "buffer":
-            cores = (buffer_core or DEFAULT_BUFFER_CORE,) if cores else ()
+        if form == "buffer" and cores:
+            cores = (buffer_core_of(name),) if buffer_core is None else (buffer_core,) if buffer_core in cores else ()
         if any(not why_not(c, config, dtype, form) for c in cores):
             out.append(name)
     return out
+
+
+def buffer_core_of(lowering: str) -> str:
+    """The core `lowering` writes in the buffer form unless --buffer-core says: DEFAULT_BUFFER_CORE where it is one
+    of the lowering's, else its first."""
+    cores = LOWERINGS[lowering].cores.get("buffer", ())
+    if not cores:
+        raise UsageError(f"--attention {lowering} has no buffer form")
+    return DEFAULT_BUFFER_CORE if DEFAULT_BUFFER_CORE in cores else cores[0]
 
 
 def attention_help(names: Iterable[str], default: str) -> str:
@@ -549,8 +510,9 @@ def attention_help(names: Iterable[str], default: str) -> str:
 
 def buffer_core_help() -> str:
     """The --buffer-core help: each buffer core of the registry, what it is, and the default."""
-    parts = [f"{name} ({CORES[name].label}{', the default' if name == DEFAULT_BUFFER_CORE else ''}: "
-             f"{CORES[name].summary})" for name in BUFFER_CORES]  # fmt: skip
+    parts = [f"{name} ({CORES[name].label}, --attention {LOWERING_OF_CORE[name]}"
+             f"{'' if buffer_core_of(LOWERING_OF_CORE[name]) != name else ', its default'}: {CORES[name].summary})"
+             for name in BUFFER_CORES]  # fmt: skip
     return "with --decode-form buffer, the attention core: " + "; ".join(parts)
 
 

@@ -80,9 +80,9 @@ class BufferDecoder:
     """Steps (the first one the prefill) over an ort-* runner of the buffer form: one cache buffer per tensor,
     [batch, n_kv_heads, capacity, ..], allocated once and bound through IOBinding as both the
     past input and the present output, so each step writes only its new tokens' keys/values.
-    The state is the number of positions filled. With rope, token i of every row is at position i
-    (the op rotates from seqlens_k): positions 0..capacity-1 must lie in the model's cos/sin table
-    (attnx.rope_positions rows), checked here, before any step."""
+    The state is the number of positions each row has filled (lengths; rows may differ: a prompt run into one row,
+    step(x, row=b)). With rope, token i of every row is at position i (the op rotates from seqlens_k): positions
+    0..capacity-1 must lie in the model's cos/sin table (attnx.rope_positions rows), checked here, before any step."""
 
     def __init__(self, runner: Runner, config: AttentionConfig, capacity: int, batch: int) -> None:
         import onnxruntime as ort
@@ -105,31 +105,54 @@ class BufferDecoder:
         self.cache = [(spec, ort.OrtValue.ortvalue_from_numpy(buffer, device, 0))
                       for spec, buffer in cache_buffers(config, batch, capacity, self.dtype)]  # fmt: skip
         self.binding = session.io_binding()
-        self.length = 0
+        self.lengths = np.zeros(batch, np.int64)  # positions filled, per row
 
-    def step(self, x: np.ndarray) -> np.ndarray:
-        """y of the new tokens x [batch, seq, d_model]; their keys/values are written into the
-        buffers at positions length..length+seq-1."""
+    @property
+    def length(self) -> int:
+        """The positions the longest row has filled."""
+        return int(self.lengths.max())
+
+    def step(self, x: np.ndarray, row: int | None = None) -> np.ndarray:
+        """y of the new tokens x [batch, seq, d_model]; each row's keys/values are written into the
+        buffers at its positions lengths[b]..lengths[b]+seq-1 (rows of other lengths in one call: each its own).
+        row: x [1, seq, d_model] is row `row`'s alone (a prompt run into its row: that row's part of each buffer
+        bound by address, the others untouched)."""
         seq = x.shape[1]
-        if x.shape[0] != self.batch:
-            raise InputError(f"x has batch {x.shape[0]}, the cache buffers were made for batch {self.batch}")
-        if self.length + seq > self.capacity:
-            raise InputError(f"the cache holds {self.capacity} positions: {self.length} + {seq} do not fit")
-        total = self.length + seq
-        b = self.binding
+        rows = slice(None) if row is None else slice(row, row + 1)
+        if x.shape[0] != (self.batch if row is None else 1):
+            raise InputError(f"x has batch {x.shape[0]}, the cache buffers were made for batch {self.batch}"
+                             if row is None else f"x for row {row} has batch {x.shape[0]}, not 1")  # fmt: skip
+        if row is not None and not 0 <= row < self.batch:
+            raise InputError(f"row {row}: the cache buffers hold rows 0..{self.batch - 1}")
+        ends = self.lengths[rows] + seq
+        if ends.max() > self.capacity:
+            raise InputError(f"the cache holds {self.capacity} positions: {int(ends.max()) - seq} + {seq} do not fit")
+        b = self.binding if row is None else self.session.io_binding()
         b.bind_cpu_input("x", np.ascontiguousarray(x, self.dtype))
-        b.bind_cpu_input("seqlens_k", np.full(self.batch, total - 1, np.int32))
-        b.bind_cpu_input("total_sequence_length", np.asarray(total, np.int32))
+        b.bind_cpu_input("seqlens_k", (ends - 1).astype(np.int32))
+        b.bind_cpu_input("total_sequence_length", np.asarray(ends.max(), np.int32))
         b.bind_output("y", self.device)
-        bind_cache(b, self.cache)
+        if row is None:
+            bind_cache(b, self.cache)
+        else:
+            _bind_row(b, self.cache, row, self.dtype, self.device)
         self.session.run_with_iobinding(b)
-        self.length = total
+        self.lengths[rows] = ends
         return b.get_outputs()[0].numpy()
 
     def cache_numpy(self) -> tuple[np.ndarray, ...]:
         """The filled part of each cache tensor (past_key, past_value; past_latent), its first `length` positions: a
         copy (OrtValue.numpy() of a CPU buffer may be a view of its memory, freed with the decoder)."""
         return tuple(np.take(value.numpy(), range(self.length), axis=spec.grows).copy() for spec, value in self.cache)
+
+
+def _bind_row(binding: Any, cache: Sequence[tuple[CacheSpec, Any]], row: int, dtype: Any, device: str) -> None:
+    """bind_cache of row `row` alone: each buffer's [1, ...] part at its address (a row is contiguous, batch first)."""
+    for spec, value in cache:
+        shape = [1, *value.shape()[1:]]
+        at = value.data_ptr() + row * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        binding.bind_input(spec.past, device, 0, np.dtype(dtype).type, shape, at)
+        binding.bind_output(spec.present, device, 0, np.dtype(dtype).type, shape, at)
 
 
 def cache_buffers(config: AttentionConfig, batch: int, capacity: int, dtype: Any) -> list[tuple[CacheSpec, np.ndarray]]:
@@ -463,12 +486,70 @@ def _localisation(case: ParityCase, source: ModelSource, runner: Runner, feeds: 
 
 
 def run_buffer_parity(source: ModelSource, backend: str = "ort-cpu", *, prefills: Iterable[int] = DEFAULT_PREFILLS,
-                      steps: int = DEFAULT_STEPS, batch: int = 2, seed: int = 0) -> ParityReport:  # fmt: skip
+                      steps: int = DEFAULT_STEPS, batch: int = 2, seed: int = 0,
+                      rows: Sequence[int] = ()) -> ParityReport:  # fmt: skip
     """run_decode_parity of one ort-* backend over a model of the buffer form: the cache
     preallocated at P + steps positions, one buffer bound as past and present. A backend that
-    cannot run here is an error, not a skip."""
+    cannot run here is an error, not a skip. rows: each row's prompt length, for one more case of rows of other
+    lengths in one call (a core that writes each row at its own length, seqlens_k: the decomposed core and
+    GroupQueryAttention): each prompt run into its own row, then `steps` steps of every row at once, each row held
+    to the reference's full forward over its own tokens (_rows_case)."""
     report = run_decode_parity(source, [backend], prefills=prefills, steps=steps, batch=batch, seed=seed)
+    if rows:
+        report.cases.append(_rows_case(source, backend, list(rows), steps, seed + len(list(prefills))))
     skipped = next((c.reason for c in report.cases if c.status == "skipped"), None)
     if skipped is not None:
         raise ProviderUnavailable(skipped)
     return report
+
+
+def _rows_case(source: ModelSource, backend: str, lengths: list[int], steps: int, seed: int) -> ParityCase:
+    """The buffer form over rows of other lengths (run_buffer_parity's rows): row b's prompt of lengths[b] tokens run
+    into row b alone (BufferDecoder.step(row=b)), then `steps` one-token steps of every row in one call (each row
+    writing and reading at its own length); y and the cache of every row against the reference's full forward of
+    that row (float64), the rows' tokens joined along the token axis to be compared as one output."""
+    config = source.config
+    if any(n < 1 for n in lengths) or steps < 1:
+        raise UsageError(f"rows of other lengths need prompts of 1 token or more and steps >= 1 (got {lengths}, {steps})")
+    quantization = source_quantization(source, "buffer parity", "step model")
+    dtype = source.dtype if quantization is not None else float_dtype(source.dtype)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    xs = [rng.standard_normal((1, n + steps, config.d_model), dtype=np.float32).astype(numpy_dtype(float_dtype(dtype)))
+          for n in lengths]  # fmt: skip
+    ref = create_runner(REFERENCE, dataclasses.replace(source, model_path=None, dtype=float_dtype(source.dtype))).load()
+    runner = create_runner(backend, source).load()
+    try:
+        wanted = []
+        for x in xs:
+            feeds = {"x": x, **dict(zip((spec.name for spec in config.cache_specs()),
+                                        empty_cache(config, 1, float_dtype(dtype))))}  # fmt: skip
+            if config.rope is not None:  # the buffer form's positions: token indices
+                feeds["position_ids"] = np.arange(x.shape[1], dtype=np.int64)[None]
+            wanted.append(ref.run(feeds))
+        size = problem_size(config, source.weights, feeds, activations=quantization is not None)
+        dec = BufferDecoder(runner, config, max(lengths) + steps, len(lengths))
+        ys = [[dec.step(x[:, :n], row=b)] for b, (x, n) in enumerate(zip(xs, lengths))]
+        for t in range(steps):
+            y = dec.step(np.concatenate([x[:, n + t : n + t + 1] for x, n in zip(xs, lengths)]))
+            for b, row in enumerate(ys):
+                row.append(y[b : b + 1])
+        caches = [value.numpy() for _, value in dec.cache]
+    finally:
+        runner.close()
+        ref.close()
+    got = {"y": np.concatenate([np.concatenate(row, axis=1) for row in ys], axis=1)}
+    expected = {"y": np.concatenate([w["y"] for w in wanted], axis=1)}
+    for out, (spec, cache) in zip(_presents(config), zip(config.cache_specs(), caches)):
+        got[out] = np.concatenate([np.take(cache[b : b + 1], range(n + steps), axis=spec.grows)
+                                   for b, n in enumerate(lengths)], axis=spec.grows)  # fmt: skip
+        expected[out] = np.concatenate([w[out] for w in wanted], axis=spec.grows)
+    tol = tolerance_for(dtype, backend, quantization)
+    bounds = _output_bounds(config, tol, size, expected)
+    label = f"[rows={','.join(map(str, lengths))},steps={steps},buffer]"
+    cmps = [compare_arrays(f"{out}{label}", got[out], expected[out], bounds[out].tol, bounds[out].size)
+            for out in ("y", *_presents(config))]  # fmt: skip
+    failed = [c for c in cmps if not c]
+    return ParityCase(backend=backend, reference=REFERENCE, dtype=dtype, batch=len(lengths), seq=max(lengths) + steps,
+                      mem_seq=None, prefill=max(lengths), steps=steps, status="fail" if failed else "pass",
+                      reason=str(failed[0]) if failed else None, atol=cmps[0].atol, rtol=cmps[0].rtol,
+                      **cmps[0].stats())  # fmt: skip

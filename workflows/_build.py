@@ -234,7 +234,7 @@ def build_package(
     block_size: int = 32,
     accuracy_level: int = 4,
     decode_form: str = "growing",
-    buffer_core: str = "gqa",
+    buffer_core: str | None = None,
     int8_bits: int | str = "auto",
 ) -> BuildReport:
     """Export, check and package `config` into the folder `out`.
@@ -384,7 +384,7 @@ def _build_step_into(
     plan: CheckPlan,
     progress: Callable[[str], None],
     decode_form: str = "growing",
-    buffer_core: str = "gqa",
+    buffer_core: str | None = None,
     quant: Mapping[str, int | str] | None = None,
 ) -> BuildReport:
     """The package of a step model: the model, its step-by-step parity on every backend here

@@ -95,7 +95,7 @@ def export_model(
     decode_form: str = "growing",
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-    buffer_core: str = "gqa",
+    buffer_core: str | None = None,
     int8_bits: int | str = "auto",
 ) -> ExportReport:
     """Export `config` to `out`, check the written file (onnx checker, contract dims, loads in
@@ -202,7 +202,7 @@ def _export_step_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     keep_io_fp32: bool = False,
-    buffer_core: str = "gqa",
+    buffer_core: str | None = None,
     int8_bits: int | str = "auto",
 ) -> ExportReport:
     """export_model for a config with kv_cache: the step model (attnx.export.build_step_model),

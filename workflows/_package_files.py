@@ -312,8 +312,8 @@ def write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str,
     quantized = dtype in QUANTIZATIONS  # its inputs are float32; its error model needs the activations
     dtype = float_dtype(dtype)
     feeds = make_decode_inputs(config, batch, prefill + steps, dtype, seed=GOLDEN_SEED, buffer=buffer)
-    pk, pv = empty_cache(config, batch, dtype)
-    full = {**feeds, "past_key": pk, "past_value": pv}
+    presents = [spec.name for spec in config.cache_specs(prefix="present_")]  # present_key, ..; present_latent
+    full = {**feeds, **dict(zip((spec.name for spec in config.cache_specs()), empty_cache(config, batch, dtype)))}
     with create_runner(REFERENCE, ModelSource(config, weights, None, dtype)) as reference:
         if config.rope is None:
             expected = reference.run(full)
@@ -321,8 +321,8 @@ def write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str,
             # With rope the reference decodes the same sequence as verify replays it: each call's
             # positions (position_ids, recorded in the golden file) choose longrope's factors for that
             # call, so keys cached before a switch keep their rotation (transformers' rule).
-            y, (k, v) = decode_sequence(reference, feeds, prefill, config)
-            expected = {"y": y, "present_key": k, "present_value": v}
+            y, cache = decode_sequence(reference, feeds, prefill, config)
+            expected = {"y": y, **dict(zip(presents, cache))}
     name = "golden-decode-0.npz"
     write_npz(os.path.join(tmp, name), {**feeds, **expected})
     return {
@@ -333,7 +333,7 @@ def write_golden_decode(tmp: str, config: AttentionConfig, weights: Mapping[str,
         "seed": GOLDEN_SEED,
         "decode": {"prefill": prefill, "steps": steps},
         "inputs": list(feeds),
-        "outputs": ["y", "present_key", "present_value"],
+        "outputs": ["y", *presents],
         "output_dtype": "fp64",
         "backend": REFERENCE,
         "problem_size": problem_size(config, weights, full, activations=quantized).to_dict(),

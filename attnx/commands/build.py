@@ -21,7 +21,7 @@ from attnx.commands._common import (
 from attnx.commands.optimize import WEIGHT_CHOICES, WHOLE_MODEL_CORES
 from attnx.errors import UsageError
 from attnx.model.contract import BUFFER_CORES, BUILD_ATTENTION, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES, PROVIDERS
-from attnx.model.cores import DEFAULT_BUFFER_CORE, MEASURE, attention_help, buffer_core_help
+from attnx.model.cores import MEASURE, attention_help, buffer_core_help
 
 HELP = COMMANDS["build"].help
 
@@ -42,9 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_decode_arg(p)
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
                    help="with --decode (or a kv_cache config), the step model's form: growing (default) or buffer "
-                   "(ort-fused, one preallocated cache bound as past and present; runs on ONNX Runtime)")  # fmt: skip
-    p.add_argument("--buffer-core", type=renamed("--buffer-core"), choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE,
-                   help=buffer_core_help())
+                   "(ort-fused, decomposed: one preallocated cache bound as past and present; runs on ONNX Runtime)")  # fmt: skip
+    p.add_argument("--buffer-core", type=renamed("--buffer-core"), choices=BUFFER_CORES, help=buffer_core_help())
     p.add_argument(
         "--provider",
         type=str_list,
@@ -79,7 +78,7 @@ def run_model(args: argparse.Namespace) -> int:
     given = [f for f, v in (("--attention", args.attention != BUILD_ATTENTION),
                             ("--dtype", args.dtype != "fp32"), ("--decode", args.decode),
                             ("--decode-form", args.decode_form != "growing"), ("--max-mem-gb", args.max_mem_gb),
-                            ("--buffer-core", args.buffer_core != DEFAULT_BUFFER_CORE)) if v]  # fmt: skip
+                            ("--buffer-core", args.buffer_core is not None)) if v]  # fmt: skip
     if given:
         raise UsageError(f"{given[0]} is for a layer's package (--preset, --config); a whole model (--model) is "
                          "optimized as attnx optimize writes it (--core, --checkpoint)")  # fmt: skip

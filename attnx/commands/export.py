@@ -17,7 +17,7 @@ from attnx.commands._common import (
     workflows,
 )
 from attnx.model.contract import BUFFER_CORES, DECODE_FORMS, EXPORT_ATTENTIONS, MODEL_DTYPES
-from attnx.model.cores import DEFAULT_BUFFER_CORE, attention_help, buffer_core_help
+from attnx.model.cores import attention_help, buffer_core_help
 
 HELP = COMMANDS["export"].help
 
@@ -35,9 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_decode_arg(p)
     p.add_argument("--decode-form", choices=DECODE_FORMS, default="growing",
                    help="with --decode (or a kv_cache config), the step model's form: growing (past -> present, every "
-                   "lowering) or buffer (ort-fused: one preallocated cache bound as past and present)")  # fmt: skip
-    p.add_argument("--buffer-core", type=renamed("--buffer-core"), choices=BUFFER_CORES, default=DEFAULT_BUFFER_CORE,
-                   help=buffer_core_help())
+                   "lowering) or buffer (ort-fused, decomposed: one preallocated cache bound as past and present)")  # fmt: skip
+    p.add_argument("--buffer-core", type=renamed("--buffer-core"), choices=BUFFER_CORES, help=buffer_core_help())
     add_max_mem_arg(p)
     p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write, once its checks pass")
     p.set_defaults(run=run)

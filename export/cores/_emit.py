@@ -1,11 +1,13 @@
 """What a core's emitter writes into and reads from (Emit: the graph, the config and its weights, the form, the
 core), and the pieces cores share: the projections, q and k scored (their norms and rotation), the cache's heads,
-the rows a query sees, a fully hidden row set to 0."""
+the rows a query sees, a fully hidden row set to 0; the buffer form of a core of standard ops (BufferSpan: each row's
+positions from seqlens_k, its new tokens written into the buffer by TensorScatter-24)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 from onnx import TensorProto
@@ -18,7 +20,7 @@ from attnx.model.contract import MS_DOMAIN
 from attnx.model.cores import Core
 from attnx.model.terms import terms_at
 
-__all__ = ["BOUND", "Emit", "Emitter", "LOWEST", "cache_heads", "packed_projection"]
+__all__ = ["BOUND", "BufferSpan", "Emit", "Emitter", "LOWEST", "cache_heads", "packed_projection"]
 
 _F = TensorProto.FLOAT
 LOWEST = float(np.finfo(np.float32).min)
@@ -44,6 +46,7 @@ class Emit:
     # q, k, v; "packed", its input qkv [B, S, (H + 2 Hkv) * hd] (a core spliced at a whole model's own projections)
     bound: str = "x"
     ring_cache: bool = False  # GroupQueryAttention's past keeps only a window (sliding_window_cache), as bound
+    span: BufferSpan | None = None  # the buffer form's positions (Emit.buffer_span), made once
     domains: dict[str, int] = dataclasses.field(default_factory=dict)
     metadata: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
@@ -149,19 +152,58 @@ class Emit:
         row = g.op("Squeeze", visible, g.ints("axes_1b", [1])) if squeeze else visible
         return g.op("Where", row, z, self.zero(), name=g.stage("z"))
 
+    def buffer_span(self) -> BufferSpan:
+        """The call's BufferSpan, made once (Emit.span); each token's position is also the graph value
+        "position_ids" [B, S] (the rope's cos/sin read it, as the growing form's input: attnx.export._llm)."""
+        if self.span is not None:
+            return self.span
+        g = self.g
+        one = g.const("one_i64", np.asarray(1, np.int64))
+        seq = g.op("Shape", "x", start=1, end=2)  # [1]
+        write = g.op("Add", g.op("Sub", g.op("Cast", "seqlens_k", to=TensorProto.INT64), seq), one)  # [B]
+        tokens = g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), g.op("Squeeze", seq), one)  # [S]
+        positions = g.op("Add", g.op("Unsqueeze", write, g.ints("axes_1", [1])), tokens, name="position_ids")  # [B, S]
+        total = g.op("Cast", "total_sequence_length", to=TensorProto.INT64)
+        keys = g.op("Range", g.const("zero_i64", np.asarray(0, np.int64)), total, one)  # [T]
+        self.span = BufferSpan(write, total, g.op("Unsqueeze", positions, g.ints("axes_13", [1, 3])),
+                               g.op("Unsqueeze", keys, g.ints("axes_012", [0, 1, 2])))  # fmt: skip
+        return self.span
+
+    def cached(self, past: str, new: str, present: str) -> str:
+        """What a step's queries are scored against from one cache tensor, [B, heads, T, d]: the growing form's past
+        joined before this call's `new` (present, a new tensor); the buffer form's buffer with each row's new tokens
+        written at its positions (TensorScatter-24 along the length: present, written in place where present is bound
+        to past's memory) and its first total_sequence_length positions read."""
+        g = self.g
+        if self.form != "buffer":
+            return g.op("Concat", past, new, axis=2, name=present)
+        span = self.buffer_span()
+        g.op("TensorScatter", past, new, span.write, axis=2, name=present)
+        end = g.op("Unsqueeze", span.total, g.ints("axis0", [0]))
+        return g.op("Slice", present, g.ints("zero1", [0]), end, g.ints("axis2", [2]))
+
 
 Emitter = Callable[[Emit], str]
 
 
+class BufferSpan(NamedTuple):
+    """Where a call of the buffer form sits in each row (docs/concepts/step-forms.md): row b's new tokens at positions
+    seqlens_k[b] + 1 - seq .. seqlens_k[b], the keys read the buffer's first total_sequence_length positions."""
+
+    write: str  # int64 [B]: each row's first new position, where TensorScatter writes its new tokens
+    total: str  # int64 []: the positions read (total_sequence_length: the longest row's)
+    qcol: str  # int64 [B, 1, S, 1]: each query's position (its token index: the form has no padding)
+    krow: str  # int64 [1, 1, 1, T]: each key's
+
+
 def cache_heads(e: Emit, k: str, v: str) -> tuple[str, str]:
     """The keys and values every query is scored against, per head [B, Hkv, T, d]: the cache's and this
-    call's (present_key/present_value, growing), or this call's alone (full)."""
+    call's (present_key/present_value: growing or buffer, Emit.cached), or this call's alone (full)."""
     c, g = e.c, e.g
     kh, vh = heads(g, k, c.n_kv_heads, c.head_dim, "k"), heads(g, v, c.n_kv_heads, c.v_head_dim, "v")
     if not e.step:
         return kh, vh
-    return (g.op("Concat", "past_key", kh, axis=2, name="present_key"),
-            g.op("Concat", "past_value", vh, axis=2, name="present_value"))  # fmt: skip
+    return e.cached("past_key", kh, "present_key"), e.cached("past_value", vh, "present_value")
 
 
 def packed_projection(e: Emit) -> str:

@@ -32,9 +32,13 @@ def _decomposed(e: Emit) -> str:
     """MatMul, Softmax, MatMul. Grouped heads without a copy of the keys: the query heads of a group
     stacked along the query axis ([B, Hkv, G*S, hd]) multiply their one key head. softcap as
     Div/Tanh/Mul, ALiBi's bias added, the masks as a Where over a boolean grid (token index), a sink as one more
-    logit column dropped after the softmax (each term's entry in attnx.export.terms)."""
+    logit column dropped after the softmax (each term's entry in attnx.export.terms). The buffer form: each row's
+    positions from seqlens_k (Emit.buffer_span), its new tokens written into the cache buffer by TensorScatter-24 and
+    the buffer's first total_sequence_length positions read (Emit.cached), the masks at each row's
+    own positions."""
     c, g = e.c, e.g
     H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
+    span = e.buffer_span() if e.form == "buffer" else None  # before the rope, which reads its positions
     finish = None  # what makes the heads' outputs each head's z (the latent's absorbed form: W_uv)
     if c.latent is not None:  # the heads of the cached latents: expanded, or absorbed in a step (attnx.export._latent)
         q, present_k, present_v, Hkv, hd, vhd, finish = latent_heads(e)
@@ -43,7 +47,7 @@ def _decomposed(e: Emit) -> str:
         q, k, v = e.projections()
         q, k = e.scored(q, k)
         present_k, present_v = cache_heads(e, k, v)
-    hidden, visible = visibility(g, c, e.kpm, e.step)
+    hidden, visible = visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None)
     # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]
     q5 = g.op("Transpose", g.op("Reshape", q, g.ints("q_shape", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
     qg = g.op("Reshape", q5, g.ints("qg_shape", [0, 0, -1, hd]))

@@ -11,7 +11,7 @@ import pytest
 from attnx.export import build_model
 from attnx.model import AttentionConfig, init_weights
 from attnx.model.contract import BUFFER_CORES
-from attnx.model.cores import why_not, why_not_on_cuda
+from attnx.model.cores import LOWERING_OF_CORE, why_not, why_not_on_cuda
 from attnx.runtimes.cuda import cuda_kernel_problems
 
 STEP = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, causal=True, key_padding_mask=False, kv_cache=True)
@@ -31,7 +31,7 @@ def test_the_cores_say_what_their_cuda_kernels_refuse():
 @pytest.mark.parametrize("core", BUFFER_CORES)
 def test_a_cache_cuda_would_write_past_is_found_in_the_graph(tmp_path, core):
     path = str(tmp_path / f"{core}.onnx")
-    onnx.save(build_model(STEP, init_weights(STEP, 0), "ort-fused", "buffer", buffer_core=core), path)
+    onnx.save(build_model(STEP, init_weights(STEP, 0), LOWERING_OF_CORE[core], "buffer", buffer_core=core), path)
     problems = cuda_kernel_problems(path)
     if any("cache_indirection" in r for r in why_not_on_cuda(core, STEP, "fp32", "buffer")):
         # the grouped core's MultiHeadAttention, also inside the auto core's If branches

@@ -180,7 +180,7 @@ BUFFER_CORE_OPS = {"grouped-mha": ["MultiHeadAttention"], "gqa": ["GroupQueryAtt
 
 
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("core", BUFFER_CORES)
+@pytest.mark.parametrize("core", [c for c in BUFFER_CORES if c in BUFFER_CORE_OPS])  # decomposed's: its own file
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 def test_buffer_form_step_parity(tmp_path, heads, kv_heads, core, window):
     """The buffer form: one preallocated cache bound as past and present (IOBinding), P 0/1/37 + 64 steps;
@@ -230,8 +230,8 @@ def test_the_buffer_forms_grouped_core_is_asked_for_and_refused_where_it_cannot_
 def test_buffer_form_refusals():
     c = _step(4, 2, kpm=False)
     w = init_weights(c, 0)
-    with pytest.raises(UsageError, match="decomposed has no buffer form .*; use --attention ort-fused"):
-        build_step_model(c, w, "decomposed", form="buffer")
+    with pytest.raises(UsageError, match="onnx has no buffer form .*; use --attention decomposed or ort-fused"):
+        build_step_model(c, w, "onnx", form="buffer")
     with pytest.raises(UsageError, match="does not express key_padding_mask in the buffer form"):
         build_step_model(_step(4, 2), init_weights(_step(4, 2), 0), "ort-fused", form="buffer")
     with pytest.raises(UsageError, match="ort-attention has no growing form"):
@@ -304,7 +304,8 @@ def test_export_buffer_form_cli(tmp_path, capsys):
     source = ModelSource(_step(4, 2, kpm=False), None, model)
     with create_runner("ort-cpu", source) as runner, pytest.raises(UsageError, match="buffer form"):
         runner.prefill(np.zeros((1, 2, 32), np.float32))
-    assert main(["export", "--config", str(cfg), "--decode-form", "buffer", "--out", str(tmp_path / "d.onnx")]) == 2
+    assert main(["export", "--config", str(cfg), "--attention", "onnx", "--decode-form", "buffer", "--out",
+                 str(tmp_path / "d.onnx")]) == 2  # fmt: skip
     assert main(["export", "--preset", "tiny", "--decode-form", "buffer", "--out", str(tmp_path / "t.onnx")]) == 2
     assert not (tmp_path / "d.onnx").exists() and not (tmp_path / "t.onnx").exists()
 
@@ -338,7 +339,7 @@ def test_buffer_form_on_the_gpu(tmp_path, core):
     if reason:
         pytest.skip(reason)
     from attnx.errors import ProviderUnavailable
-    from attnx.model.cores import CORES, why_not_on_cuda
+    from attnx.model.cores import CORES, LOWERING_OF_CORE, why_not_on_cuda
 
     c = _step(4, 2, kpm=False)
     w = init_weights(c, 0)
@@ -347,7 +348,7 @@ def test_buffer_form_on_the_gpu(tmp_path, core):
     # (measured on an H200: the grouped core's in-place cache, a CUDA error 700 that ended the process)
     dtype = next((d for d in ("fp16", "fp32") if d in CORES[core].dtypes and not why_not_on_cuda(core, c, d, "buffer")),
                  None)  # fmt: skip
-    onnx.save(build_model(c, w, "ort-fused", "buffer", dtype or "fp32", buffer_core=core), path)
+    onnx.save(build_model(c, w, LOWERING_OF_CORE[core], "buffer", dtype or "fp32", buffer_core=core), path)
     source = ModelSource(c, w, path, dtype or "fp32")
     if dtype is None:
         with pytest.raises(ProviderUnavailable, match="cache_indirection"):

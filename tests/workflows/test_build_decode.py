@@ -118,7 +118,7 @@ def test_buffer_form_package_refusals(tmp_path):
     from attnx.errors import UsageError
 
     for kwargs, message in (
-        ({"attention": "decomposed", "decode_form": "buffer"}, "decomposed has no buffer form"),
+        ({"attention": "onnx", "decode_form": "buffer"}, "onnx has no buffer form"),
         ({"attention": "ort-fused", "buffer_core": "switch"}, "is the buffer form's"),
         ({"attention": "ort-fused", "decode_form": "buffer", "dtype": "fp16", "buffer_core": "switch"},
          "is not built in fp16"),
