@@ -54,6 +54,7 @@ __all__ = [
     "unreported_options",
     "placement_problems",
     "cuda_kernel_problems",
+    "cuda_reading",
     "placements_from_assignment_info",
     "placements_from_profile",
     "ASSIGNMENT_INFO_KEY",
@@ -309,15 +310,17 @@ def placement_problems(
     placements: Iterable[NodePlacement],
     provider: str = CUDA_PROVIDER,
     compute_ops: frozenset[str] = COMPUTE_OPS,
+    holds_compute: bool = True,
 ) -> list[str]:
     """Descriptions of the compute nodes (COMPUTE_OPS) that did not land on `provider`, e.g.
     ["MatMul 'node_3' on CPUExecutionProvider"]. An empty list of placements is a problem
-    of its own: a check that saw no nodes has checked nothing."""
+    of its own: a check that saw no nodes has checked nothing; so is a record of no compute node where the model
+    holds one (holds_compute; a model of none, the rotary tables a whole model's blocks share, has none to place)."""
     seen = list(placements)
     if not seen:
         return ["onnxruntime reported no node placements to check"]
     if not any(p.op_type in compute_ops for p in seen):
-        return ["onnxruntime reported no compute node (MatMul, Softmax, attention) to check"]
+        return ["onnxruntime reported no compute node (MatMul, Softmax, attention) to check"] if holds_compute else []
     problems = []
     for p in seen:
         if p.op_type in compute_ops and p.provider != provider:
@@ -336,6 +339,12 @@ def cuda_kernel_problems(model_path: str) -> list[str]:
     cache_indirection, which its CUDA kernel reads as a growing past and writes past the buffer (measured on an
     H200, onnxruntime-gpu 1.31.1: CUDA error 700, the process aborted; attnx.model.cores.why_not_on_cuda says it
     of the cores attnx writes). Read before the first run: such a run cannot be caught, it ends the process."""
+    return cuda_reading(model_path)[0]
+
+
+def cuda_reading(model_path: str, compute_ops: frozenset[str] = COMPUTE_OPS) -> tuple[list[str], bool]:
+    """What an ort-cuda session checks of its model file, read once: (cuda_kernel_problems, whether it holds a
+    compute node: placement_problems' holds_compute)."""
     import onnx
 
     def nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
@@ -345,14 +354,15 @@ def cuda_kernel_problems(model_path: str) -> list[str]:
                 for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
                     yield from nodes(sub)
 
-    problems = []
+    problems, compute = [], False
     for node in nodes(onnx.load(model_path, load_external_data=False).graph):
+        compute = compute or node.op_type in compute_ops
         ins = list(node.input) + [""] * (_CACHE_INDIRECTION + 1 - len(node.input))
         if node.domain == "com.microsoft" and node.op_type == "MultiHeadAttention" \
                 and ins[_PAST_SEQUENCE_LENGTH] and not ins[_CACHE_INDIRECTION]:  # fmt: skip
             problems.append(f"{op_label(node.domain, node.op_type)} {node.name!r} writes its cache in place "
                             "(past_sequence_length) without cache_indirection, which its CUDA kernel writes past")
-    return problems
+    return problems, compute
 
 
 def placements_from_assignment_info(subgraphs: Iterable[Any]) -> list[NodePlacement]:

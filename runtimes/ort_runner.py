@@ -51,7 +51,7 @@ from attnx.runtimes.cuda import (
     CudaOptions,
     NodePlacement,
     capture_native_stderr,
-    cuda_kernel_problems,
+    cuda_reading,
     ort_build_cuda_reason,
     ort_cuda_build_hint,
     ort_cuda_failure_reason,
@@ -332,12 +332,12 @@ class OrtCudaRunner(OrtRunner):
         unreported = unreported_options(asked, reported)
         if unreported:
             logger.debug("%s does not report options %s", self.ort_provider, ", ".join(unreported))
-        unsafe = cuda_kernel_problems(self.source.model_path)
+        unsafe, compute = cuda_reading(self.source.model_path)
         if unsafe:
             raise self.unavailable(f"{os.path.basename(self.source.model_path)} cannot run on {self.ort_provider}: "
                                    f"{'; '.join(unsafe[:3])} (--buffer-core gqa writes a cache CUDA runs in place)")
         self.placements = self.session_placements()
-        problems = placement_problems(self.placements, self.ort_provider)
+        problems = placement_problems(self.placements, self.ort_provider, holds_compute=compute)
         if problems:
             raise self.unavailable(
                 f"onnxruntime placed compute nodes off the GPU for {os.path.basename(self.source.model_path)}: "

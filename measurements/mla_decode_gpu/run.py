@@ -15,7 +15,15 @@ a cached token costs; its bound is the cache's bytes a token over the device's c
 device-to-device copy of 2 GiB: bytes read + written over time). The growing form reads the past once to join it
 (Concat) and writes the present, then the core reads the present: three passes over the cache a step.
 
-    python run.py --out DIR [--provider cuda|cpu] [--small] [--lengths 1024,4096,16384] [--batch 8]
+    latent-buffer (--buffer) the latent step in the decomposed core's buffer form: one buffer of T + 1 positions
+             bound as past_latent and present_latent, TensorScatter writing the new token in place, seqlens_k and
+             total_sequence_length as inputs (no key_padding_mask: each row its own length)
+
+--profile DIR: each latent form once more at the longest length under ONNX Runtime's profiler (--repeat steps): the
+microseconds a step spends in each op type and the ten longest nodes (profile.json).
+
+    python run.py --out DIR [--provider cuda|cpu] [--small] [--lengths 1024,4096,16384] [--batch 8] [--buffer]
+                  [--profile]
 """
 
 from __future__ import annotations
@@ -65,37 +73,74 @@ def bandwidth(provider: str) -> float:
     return 2 * 4 * (n // 8) * 3 / (time.perf_counter() - t)
 
 
-def time_step(path: str, config, provider: str, batch: int, length: int, repeat: int, warmup: int) -> float:
+def time_step(path: str, config, provider: str, batch: int, length: int, repeat: int, warmup: int,
+              buffer: bool = False, profile: str | None = None) -> float:  # fmt: skip
+    """The median step time (s); buffer: the buffer form (the cache one buffer of length + 1 positions, bound as past
+    and present); profile: a folder for ONNX Runtime's profile of the run, whose per-op summary is returned instead
+    (as a dict, beside the time)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile is not None:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = os.path.join(profile, os.path.basename(path) + ("-buffer" if buffer else ""))
     providers = ["CUDAExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
     session = ort.InferenceSession(path, opts, providers=providers)
     assert session.get_providers()[0] == providers[0], session.get_providers()
     device = "cuda" if provider == "cuda" else "cpu"
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((batch, 1, config.d_model)).astype(np.float16),
-             "position_ids": np.full((batch, 1), length, np.int64)}  # fmt: skip
+    feeds = {"x": rng.standard_normal((batch, 1, config.d_model)).astype(np.float16)}
+    if buffer:
+        feeds.update(seqlens_k=np.full(batch, length, np.int32), total_sequence_length=np.array(length + 1, np.int32))
+    else:
+        feeds["position_ids"] = np.full((batch, 1), length, np.int64)
+    names = {i.name for i in session.get_inputs()}
     binding = session.io_binding()
     for name, value in feeds.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, 0))
+        if name in names:
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, 0))
     for spec in config.cache_specs():  # made where it is read: a 10 GB cache is not made on the host
-        shape = (batch, spec.shape[1], length, spec.shape[3])
+        shape = (batch, spec.shape[1], length + (1 if buffer else 0), spec.shape[3])
         cache = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float16, device, 0)
         if device == "cpu":
             cache.numpy()[...] = 0  # on the GPU left as allocated: the values do not change these kernels' time
         binding.bind_ortvalue_input(spec.name, cache)
+        if buffer:  # the same memory: written in place
+            binding.bind_ortvalue_output(spec.present, cache)
     for out in session.get_outputs():
-        binding.bind_output(out.name, device)
+        if not (buffer and out.name.startswith("present")):
+            binding.bind_output(out.name, device)
     times = []
     for i in range(warmup + repeat):
         t = time.perf_counter()
         session.run_with_iobinding(binding)  # returns once the device's work is done
         if i >= warmup:
             times.append(time.perf_counter() - t)
+    if profile is not None:
+        summary = _profile_summary(session.end_profiling(), warmup + repeat)
+        del session
+        return summary
     del session
     return statistics.median(times)
+
+
+def _profile_summary(path: str, steps: int) -> dict:
+    """Per step: the microseconds of each op type's kernels and the ten longest nodes, from ONNX Runtime's profile."""
+    with open(path) as f:
+        events = json.load(f)
+    by_op: dict[str, float] = {}
+    by_node: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        op = e.get("args", {}).get("op_name", "?")
+        by_op[op] = by_op.get(op, 0.0) + e["dur"] / steps
+        node = e["name"][: -len("_kernel_time")]
+        by_node[f"{op} {node}"] = by_node.get(f"{op} {node}", 0.0) + e["dur"] / steps
+    top = sorted(by_node.items(), key=lambda kv: -kv[1])[:10]
+    return {"us_a_step_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])), "longest_nodes_us": dict(top),
+            "us_a_step": sum(by_op.values())}
 
 
 def main() -> int:
@@ -107,6 +152,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--buffer", action="store_true", help="the latent step in the buffer form too")
+    p.add_argument("--profile", action="store_true", help="profile each latent form at the longest length")
     args = p.parse_args()
     import onnx
 
@@ -120,12 +167,20 @@ def main() -> int:
                           "copy_bandwidth_gb_s": bw / 1e9}, "batch": args.batch, "lengths": lengths, "forms": {}}  # fmt: skip
     if args.provider == "cuda":
         result["machine"]["gpu"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
-    for form, config in configs(args.small).items():
+    forms = [(form, config, "growing") for form, config in configs(args.small).items()]
+    if args.buffer:
+        forms.insert(1, ("latent-buffer", configs(args.small)["latent"], "buffer"))
+    for form, config, step_form in forms:
         path = os.path.join(args.out, f"{form}.onnx")
-        onnx.save(build_step_model(config, init_weights(config, 0), "decomposed", "growing", "fp16"), path,
+        onnx.save(build_step_model(config, init_weights(config, 0), "decomposed", step_form, "fp16"), path,
                   save_as_external_data=True, location=f"{form}.onnx.data")  # fmt: skip
         per_token = config.cache_values() * 2  # fp16 bytes a cached token (the config's cache layout)
-        ms = [time_step(path, config, args.provider, args.batch, t, args.repeat, args.warmup) * 1e3 for t in lengths]
+        buffer = step_form == "buffer"
+        ms = [time_step(path, config, args.provider, args.batch, t, args.repeat, args.warmup, buffer) * 1e3
+              for t in lengths]  # fmt: skip
+        if args.profile and form.startswith("latent"):
+            result.setdefault("profiles", {})[form] = time_step(path, config, args.provider, args.batch, lengths[-1],
+                                                                args.repeat, args.warmup, buffer, profile=args.out)  # fmt: skip
         tokens = np.asarray(lengths, float) * args.batch
         slope_ms, base_ms = np.polyfit(tokens, ms, 1)
         bound_ns = per_token / bw * 1e9

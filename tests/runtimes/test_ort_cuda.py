@@ -190,6 +190,9 @@ def test_placement_check_that_saw_nothing_is_a_problem():
     assert placement_problems([NodePlacement("Shape", CPU)]) == [
         "onnxruntime reported no compute node (MatMul, Softmax, attention) to check"
     ]
+    # a model of no compute node (the rotary tables a whole model's blocks share, timed apart by attnx optimize): none
+    # to place, none missed (seen on an H200: optimize --provider cuda refused its own shared part before)
+    assert placement_problems([NodePlacement("Cos", CPU)], holds_compute=False) == []
 
 
 def _cpu_session(path, record=True, profile_prefix=None):
@@ -578,3 +581,19 @@ def test_cuda_graph_refusal_names_the_fix(exported, monkeypatch):
     runner = OrtCudaRunner(ModelSource(model_path=exported("self")), options=CudaOptions(cuda_graph=True))
     with pytest.raises(ProviderUnavailable, match="graph capture feature.*CudaOptions.fixed_dims"):
         runner.load()
+
+
+def test_cuda_reading_says_whether_a_model_holds_a_compute_node(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from attnx.runtimes.cuda import cuda_reading
+
+    for op, compute in (("Cos", False), ("MatMul", True)):
+        inputs = ["x"] if op == "Cos" else ["x", "x"]
+        graph = helper.make_graph([helper.make_node(op, inputs, ["y"])], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])])  # fmt: skip
+        path = tmp_path / f"{op}.onnx"
+        onnx.save(helper.make_model(graph), path)
+        assert cuda_reading(str(path)) == ([], compute)
