@@ -57,6 +57,7 @@ __all__ = [
     "OLD_SPELLINGS",
     "LOWERING_OF_CORE",
     "BUFFER_CORES",
+    "LENGTHS_CORES",
     "DEFAULT_BUFFER_CORE",
     "MS_DOMAIN",
     "buffer_core_of",
@@ -118,6 +119,9 @@ class Core:
     tells: Callable[[Seen], Found] = lambda seen: Found.NODE  # its node from another core's of its op (model.seen)
     fallback: bool = False  # the core a graph holds where none other is found (its op stays beside a fused core)
     form_opsets: Mapping[str, int] = dataclasses.field(default_factory=dict)  # a form's own opset above `opset`
+    # its buffer form reads each row's own length (seqlens_k: rows of any lengths in one call, a past buffer longer
+    # than what is filled); grouped-mha's reads one past_sequence_length for every row
+    row_lengths: bool = False
 
     def opset_of(self, form: str) -> int:
         """The lowest opset of its domain's ops that its `form` needs (the decomposed buffer form: TensorScatter-24)."""
@@ -175,7 +179,7 @@ CORES: dict[str, Core] = {
                                 "step: absorbed, the latents one key/value head)"),
             },
             decomposed_limits, summary="standard ops, runs anywhere (its buffer form: opset 24's TensorScatter)",
-            term_ops=TermOps.STANDARD, holds_scores=True, fallback=True, form_opsets={"buffer": 24},
+            term_ops=TermOps.STANDARD, holds_scores=True, fallback=True, form_opsets={"buffer": 24}, row_lengths=True,
         ),
         Core(
             "attention23", "Attention (opset 23)", "", "Attention", 23, ("full", "growing"), _EVERY_DTYPE,
@@ -245,7 +249,7 @@ CORES: dict[str, Core] = {
                 "key_padding_mask": Takes("an additive attention_bias", ("full", "growing")),
                 "sinks": Takes("head_sink"),
             },
-            gqa_limits, summary="ONNX Runtime's grouped-query kernel", cuda_limits=gqa_cuda_limits,
+            gqa_limits, summary="ONNX Runtime's grouped-query kernel", cuda_limits=gqa_cuda_limits, row_lengths=True,
         ),
         Core(
             "grouped-mha", f"{MS_DOMAIN}.MultiHeadAttention, a group's query heads as rows", MS_DOMAIN,
@@ -292,6 +296,9 @@ CORES: dict[str, Core] = {
 DEFAULT_BUFFER_CORE = "gqa"
 BUFFER_CORES = tuple(sorted((name for name, core in CORES.items() if "buffer" in core.forms),
                             key=lambda name: name != DEFAULT_BUFFER_CORE))  # the default first  # fmt: skip
+# The buffer cores that read each row's length (Core.row_lengths): what serves rows of other lengths together, and
+# the only ones that compute a block bound to GroupQueryAttention's lengths (attnx optimize's plan)
+LENGTHS_CORES = tuple(name for name in BUFFER_CORES if CORES[name].row_lengths)
 
 
 def form_of(config: AttentionConfig, form: str | None = None) -> str:

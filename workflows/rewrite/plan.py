@@ -26,7 +26,7 @@ from attnx.export.passes.walk import positions_of
 from attnx.export.terms import GRAPH_TERMS, Context
 from attnx.export.terms import compare_terms as compare_graph_terms
 from attnx.model.config import AttentionConfig
-from attnx.model.cores import core_for
+from attnx.model.cores import CORES, LENGTHS_CORES, LOWERING_OF_CORE, core_for
 from attnx.workflows.audit.compare import compare_weights
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, graph_value
 from attnx.workflows.rewrite.report import BlockRewrite
@@ -35,12 +35,9 @@ __all__ = ["LENGTHS_CORES", "LOWERING", "LOWERINGS_TRIED", "Plan", "plan_block"]
 
 LOWERING = "ort-fused"
 # the lowerings a block's core is taken from, in this order: the first whose cores compute its formula under its I/O
-# (ONNX Runtime's fused kernels, then standard ops, which express every term: multi-head latent attention's absorbed
-# step, which no fused kernel computes)
-LOWERINGS_TRIED = (LOWERING, "decomposed")
-# the buffer-form cores that read each row's length from seqlens_k (GroupQueryAttention's rule: right padding, a past
-# buffer longer than what is filled); grouped-mha's buffer form reads one past_sequence_length for every row
-LENGTHS_CORES = ("gqa", "decomposed")
+# (ONNX Runtime's fused kernels, then the lowering of the core in standard ops, Core.fallback, which expresses every
+# term: multi-head latent attention's absorbed step, which no fused kernel computes)
+LOWERINGS_TRIED = (LOWERING, *(LOWERING_OF_CORE[name] for name, core in CORES.items() if core.fallback))
 # the projections a core bound at them does not write (its own weights, q/k norms and sinks, it does)
 PROJECTIONS = tuple(f"{p}_proj.{t}" for p in ("q", "k", "v", "out") for t in ("weight", "bias"))
 
@@ -71,8 +68,10 @@ class Plan:
         return LENGTHS_CORES if "seqlens_k" in self.binds else None
 
 
-def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph) -> Plan | None:
-    """The Plan of a block to rewrite, or None with rewrite.kept saying why."""
+def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph,
+               lowerings: tuple[str, ...] = LOWERINGS_TRIED) -> Plan | None:  # fmt: skip
+    """The Plan of a block to rewrite, or None with rewrite.kept saying why; its lowering the first of `lowerings`
+    whose cores compute it (one lowering: the one asked, attnx optimize --attention)."""
     # a table no theta fits (a scaled rope) is held to the checkpoint's rope (the audit's rule)
     if block.unread and not (source is not None and block.unread.kind is UnreadKind.UNFIT_TABLE):
         rewrite.kept = f"not read: {block.unread}"
@@ -135,7 +134,7 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         if config.rope is not None and not _bind_positions(block, plan, graph, inputs, rewrite):
             return None
     reasons = []
-    for lowering in LOWERINGS_TRIED:
+    for lowering in lowerings:
         try:
             core_for(lowering, plan.config, plan.dtype, plan.form, core=plan.cores[0] if plan.cores else None,
                      what=None)  # fmt: skip
