@@ -47,8 +47,8 @@ import numpy as np
 
 from attnx.errors import UsageError
 from attnx.model.config import AttentionConfig
-from attnx.model.contract import BUFFER_CORES, DEFAULT_BUFFER_CORE, QUANTIZED_DTYPES
-from attnx.model.cores import LOWERINGS, core_for
+from attnx.model.contract import BUFFER_CORES, QUANTIZED_DTYPES
+from attnx.model.cores import LOWERING_OF_CORE, LOWERINGS, buffer_core_of, core_for
 from attnx.model.reference import hidden_keys
 from attnx.model.terms import TERMS
 from attnx.model.weights import init_weights, weight_shapes
@@ -105,8 +105,9 @@ def decode_impls(dtypes: Sequence[str] = ("fp32",), openvino: bool = True) -> li
     """What `attnx bench --decode` times: attnx's buffer form with each core, its growing forms, OpenVINO on
     the step models it reads, torch's two peers; each quantized dtype's buffer form (the default core and
     auto) and ort-fused growing form after the float ones."""
-    ort = [DecodeImpl("ort", "ort-fused", "buffer", core) for core in BUFFER_CORES if core != DEFAULT_BUFFER_CORE]
-    ort = [DecodeImpl("ort", "ort-fused", "buffer"), *ort]
+    # each buffer core under the lowering that writes it, named where it is not that lowering's default
+    ort = [DecodeImpl("ort", LOWERING_OF_CORE[core], "buffer", None if core == buffer_core_of(LOWERING_OF_CORE[core])
+                      else core) for core in BUFFER_CORES]  # fmt: skip
     ort += [DecodeImpl("ort", lowering) for lowering in _GROWING]
     for dtype in dtypes:
         if dtype != "fp32":
@@ -119,7 +120,8 @@ def decode_impls(dtypes: Sequence[str] = ("fp32",), openvino: bool = True) -> li
 
 
 DEFAULT_IMPLS = (DecodeImpl("ort", "ort-fused", "buffer"), DecodeImpl("ort", "ort-fused"), DecodeImpl("ort", "onnx"),
-                 DecodeImpl("ort", "decomposed"), DecodeImpl("torch", "eager"), DecodeImpl("torch", "static"))  # fmt: skip
+                 DecodeImpl("ort", "decomposed", "buffer"), DecodeImpl("ort", "decomposed"), DecodeImpl("torch", "eager"),
+                 DecodeImpl("torch", "static"))  # fmt: skip
 DEFAULT_BLOCK_SIZE = 32  # attnx.export.passes.DEFAULT_BLOCK_SIZE (int4), the block size the bench builds
 
 _FLUSH_BYTES = 256 * 1024**2
@@ -135,6 +137,7 @@ class DecodeBenchRow:
     copies_gbs: dict[str, float] = dataclasses.field(default_factory=dict)  # each large copy measured
     # a quantized step model's own bytes per step and bound ("int8"/"int4"; fp32's are the above)
     dtype_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    batch: int = 1  # rows a step, each at the same past
 
     def bound_for(self, impl: DecodeImpl) -> tuple[int, float]:
         """(bytes per step, bound ms) of `impl`: of its own dtype's weights."""
@@ -256,7 +259,10 @@ def run_decode_bench(
     rounds: int = 3,
     impls: Sequence[DecodeImpl] = DEFAULT_IMPLS,
     progress: Callable[[str], None] = lambda msg: None,
+    batch: int = 1,
 ) -> list[DecodeBenchRow]:
+    """The step (one new token a row, `batch` rows each at past P) of every implementation at each past P, timed
+    flushed and warm; its bound is step_bytes over the best large copy of the run."""
     import onnx
     import onnxruntime as ort
     import torch
@@ -285,19 +291,19 @@ def run_decode_bench(
         else:
             sessions[impl] = _session(model, threads)
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((1, 1, c.d_model), dtype=np.float32)
+    x = rng.standard_normal((batch, 1, c.d_model), dtype=np.float32)
     rows = []
     for past in pasts:
         cap = past + 1
         # the cache as the config's core lays it out (cache_specs): keys and values, or one latent
-        cache = [(spec, rng.standard_normal(spec.sized(1, cap), dtype=np.float32)) for spec in c.cache_specs()]
+        cache = [(spec, rng.standard_normal(spec.sized(batch, cap), dtype=np.float32)) for spec in c.cache_specs()]
         pasts_of = {spec.name: np.ascontiguousarray(a.take(range(past), axis=spec.grows)) for spec, a in cache}
         steps: dict[str, Callable[[], Any]] = {}
         for impl, sess in sessions.items():
             if impl.form == "buffer":
                 b = sess.io_binding()
                 b.bind_cpu_input("x", x)
-                b.bind_cpu_input("seqlens_k", np.full(1, past, np.int32))
+                b.bind_cpu_input("seqlens_k", np.full(batch, past, np.int32))
                 b.bind_cpu_input("total_sequence_length", np.asarray(past + 1, np.int32))
                 b.bind_output("y")
                 # one buffer each, past and present: the step writes position `past`
@@ -309,7 +315,7 @@ def run_decode_bench(
                 feeds = {"x": ort.OrtValue.ortvalue_from_numpy(x)}
                 feeds.update({name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in pasts_of.items()})
                 if c.rope is not None:  # the new token at position `past`
-                    feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.full((1, 1), past, np.int64))
+                    feeds["position_ids"] = ort.OrtValue.ortvalue_from_numpy(np.full((batch, 1), past, np.int64))
                 names = [o.name for o in sess.get_outputs()]
 
                 def fn(sess=sess, feeds=feeds, names=names):
@@ -319,7 +325,7 @@ def run_decode_bench(
         for impl, runner in openvino.items():
             ov_feeds = {"x": x, **pasts_of}
             if c.rope is not None:
-                ov_feeds["position_ids"] = np.full((1, 1), past, np.int64)
+                ov_feeds["position_ids"] = np.full((batch, 1), past, np.int64)
             steps[impl] = lambda runner=runner, ov_feeds=ov_feeds: runner.run_impl(ov_feeds)
         labels = {impl.label for impl in impls}
         if labels & {"torch eager", "torch static"}:  # per-head keys and values (DecodeImpl.unavailable)
@@ -363,11 +369,11 @@ def run_decode_bench(
                 samples[f"{impl} flushed"].append(_median_ms(steps[impl], flush, repeat))
                 samples[f"{impl} warm"].append(_median_ms(steps[impl], None, repeat))
         times = {k: min(v) for k, v in samples.items()}
-        nbytes = step_bytes(c, past)
+        nbytes = step_bytes(c, past, batch)
         quantized = sorted({impl.dtype for impl in impls if impl.dtype in QUANTIZED_DTYPES})
         rows.append(DecodeBenchRow(past, nbytes, bandwidth / 1e9, nbytes / bandwidth * 1e3, times,
                                    {k: v / 1e9 for k, v in copies.items()},
-                                   {d: step_bytes(c, past, dtype=d) for d in quantized}))  # fmt: skip
+                                   {d: step_bytes(c, past, batch, dtype=d) for d in quantized}, batch))  # fmt: skip
     for runner in openvino.values():
         runner.close()
     tmp.cleanup()
@@ -390,12 +396,12 @@ class _TorchPeer:
         self.position = torch.tensor([[past]], dtype=torch.int64)
 
     def qkv(self, xt):
-        c, m = self.c, self.m
-        q = m.q_proj(xt).view(1, 1, c.n_heads, c.head_dim)
-        k = m.k_proj(xt).view(1, 1, c.n_kv_heads, c.head_dim)
+        c, m, rows = self.c, self.m, xt.shape[0]
+        q = m.q_proj(xt).view(rows, 1, c.n_heads, c.head_dim)
+        k = m.k_proj(xt).view(rows, 1, c.n_kv_heads, c.head_dim)
         for term in m._terms["qk"]:  # qk_norm, rope
-            q, k = TERMS[term].torch(m, q, k, self.position, self.position[0])
-        v = m.v_proj(xt).view(1, 1, c.n_kv_heads, c.v_head_dim)
+            q, k = TERMS[term].torch(m, q, k, self.position.expand(rows, 1), self.position[0])
+        v = m.v_proj(xt).view(rows, 1, c.n_kv_heads, c.v_head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q, k_all, v_all):
@@ -413,4 +419,4 @@ class _TorchPeer:
         else:  # transformers' repeat_kv, then eager attention: the module's decomposed core
             z = m._decomposed(q, k_all.repeat_interleave(c.group_size, dim=1),
                               v_all.repeat_interleave(c.group_size, dim=1), None)  # fmt: skip
-        return m.out_proj(z.transpose(1, 2).reshape(1, 1, c.v_dim))
+        return m.out_proj(z.transpose(1, 2).reshape(q.shape[0], 1, c.v_dim))

@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"lowerings to time, each where its backend has it: torch {','.join(TORCH_CORES)}; ort-* "
         f"{','.join(EXPORT_ATTENTIONS)} (default: {','.join(TORCH_CORES)} and {','.join(BENCH_ORT_LOWERINGS)})",
     )
-    p.add_argument("--batch", type=int_list, default=[1], help="default 1")
+    p.add_argument("--batch", type=int_list, default=[1], help="default 1; with --decode one number: the rows a step")
     p.add_argument(
         "--seq", type=int_list, default=list(DEFAULT_SEQS), help=f"default {','.join(map(str, DEFAULT_SEQS))}"
     )
@@ -134,6 +134,9 @@ def run_decode(args: argparse.Namespace) -> int:
             )
     if "fp32" not in dtypes:
         raise UsageError("--decode --dtype must include fp32: the quantized steps are compared with it and torch's")
+    if len(args.batch) != 1 or args.batch[0] < 1:
+        raise UsageError(f"--decode --batch takes one number of rows, 1 or more (got {','.join(map(str, args.batch))})")
+    batch = args.batch[0]
     impls = decode_impls(dtypes, openvino=backend_unavailable_reason("openvino") is None)
     for impl in list(impls):  # an implementation whose core cannot express the config is left out, saying why
         if (why := impl.unavailable(config)) is not None:
@@ -141,7 +144,7 @@ def run_decode(args: argparse.Namespace) -> int:
             print(f"  skipped {impl}: {why}", file=sys.stderr)
     check_memory(estimate_decode_bench(config, args.past, sessions=len(impls) - 1), args.max_mem_gb)
     rows = run_decode_bench(config, args.past, threads=_threads(args), repeat=args.repeat, seed=args.seed,
-                            rounds=args.rounds or 3, impls=impls,
+                            rounds=args.rounds or 3, impls=impls, batch=batch,
                             progress=lambda m: print(f"  {m}", file=sys.stderr))  # fmt: skip
     table = []
     for r in rows:
@@ -151,7 +154,7 @@ def run_decode(args: argparse.Namespace) -> int:
             table.append((r.past, impl.label, f"{flushed:.3f}", f"{warm:.3f}", f"{nbytes / 1e6:.1f}", f"{bound:.3f}",
                           f"{flushed / bound:.2f}", *(_peer_ratio(r, peer, flushed) for peer in ("eager", "static"))))
     machine = machine_info()
-    print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch 1, "
+    print(f"decode step: d_model {config.d_model}, {config.n_heads} heads, {config.n_kv_heads} kv heads, batch {batch}, "
           f"{','.join(dtypes)}, {_threads(args)} threads, {machine['cpu']}; bandwidth {rows[0].bandwidth_gbs:.1f} GB/s (the best "
           f"large copy of this run: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[0].copies_gbs.items())
           + f"); flushed: a 256 MB read before each timed step; lowest median of {args.rounds or 3} rounds")  # fmt: skip

@@ -40,7 +40,7 @@ def test_cli_bench_decode(tmp_path, capsys):
         impls = {k.rsplit(" ", 1)[0] for k in r["times_ms"]}
         ov = {"openvino onnx growing", "openvino decomposed growing"} if openvino_runs else set()
         assert impls == {"ort-fused buffer", "ort-fused buffer grouped-mha", "ort-fused buffer switch", "ort-fused growing",
-                         "onnx growing",
+                         "onnx growing", "decomposed buffer",
                          "decomposed growing", "torch eager", "torch static", *ov}  # fmt: skip
         assert all(t > 0 for t in r["times_ms"].values())
     assert main(["bench", "--preset", "tiny", "--decode", "--kv-heads", "3"]) == 2  # must divide n_heads
@@ -172,8 +172,10 @@ def test_cli_bench_decode_of_a_latent_config(tmp_path, capsys):
     path, out = tmp_path / "c.json", tmp_path / "o.json"
     path.write_text(json.dumps(MLA.to_dict()))
     assert main(["bench", "--config", str(path), "--decode", "--past", "8,40", "--repeat", "2", "--rounds", "1",
-                 "--threads", "1", "--json", str(out)]) == 0  # fmt: skip
+                 "--threads", "1", "--batch", "2", "--json", str(out)]) == 0  # fmt: skip
     text = capsys.readouterr()
     assert "decomposed growing" in text.out and "torch static" not in text.out and "torch eager" in text.err
+    assert "decomposed buffer" in text.out and "ort-fused buffer" in text.err  # the latent's buffer form: its own
     rows = json.loads(out.read_text())["rows"]
-    assert rows[1]["step_bytes"] - rows[0]["step_bytes"] == 32 * (8 + 32) * 4  # 32 more cached tokens, 4 B a value
+    # 32 more cached tokens in each of 2 rows, 4 B a value
+    assert rows[1]["step_bytes"] - rows[0]["step_bytes"] == 2 * 32 * (8 + 32) * 4 and rows[0]["batch"] == 2
