@@ -62,19 +62,20 @@ def test_a_core_named_or_measured_within_the_lowering(exported, tmp_path):
 ])  # fmt: skip
 def test_what_a_model_attnx_wrote_does_not_take_exits_2(exported, tmp_path, capsys, argv, needle):
     out = tmp_path / "o.onnx"
-    assert main(["optimize", exported("cross"), "--out", str(out), *argv]) == 2
+    assert main(["optimize", exported("cross_kpm"), "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], err
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv", [["--attention", "ort-fused"], ["--auto-seq", "64"], ["--keep-io-fp32"],
+@pytest.mark.parametrize("argv", [["--attention", "measure"], ["--auto-seq", "64"], ["--keep-io-fp32"],
                                   ["--block-size", "64"], ["--int8-bits", "7"]])  # fmt: skip
 def test_what_a_whole_model_does_not_take_exits_2(tmp_path, capsys, argv):
     out = tmp_path / "o.onnx"
     assert main(["optimize", str(WHOLE), "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"{argv[0]} is for a model attnx wrote" in err[0], err
+    flag = " ".join(argv) if argv[0] == "--attention" else argv[0]
+    assert len(err) == 1 and f"{flag} is for a model attnx wrote" in err[0], err
     assert not out.exists()
 
 
@@ -90,3 +91,15 @@ def test_a_model_attnx_wrote_is_parsed_once_whatever_its_flags(monkeypatch, tmp_
     said = sorted(parses.counts.items())
     assert parses.parses("input") == {"parse": 1}, said
     assert os.path.exists(tmp_path / "r.json") and _meta(tmp_path / "out.onnx")["attnx.dtype"] == "fp16"
+
+
+def test_a_whole_model_is_written_in_the_lowering_asked(tmp_path, capsys):
+    """--attention means the lowering written for every model: a whole model's blocks in its cores, each proven."""
+    out = tmp_path / "o.onnx"
+    report = optimize_model(str(WHOLE), str(out), lowering="onnx")
+    assert report.passed and report.written and [b.written for b in report.blocks] == ["attention23", "attention23"]
+    assert count_ops(ir.load(str(out))).get("Attention") == 2
+    argv = ["optimize", str(WHOLE), "--out", str(tmp_path / "d.onnx"), "--attention", "decomposed", "--core", "gqa"]
+    assert main(argv) == 2
+    assert "--core gqa: the decomposed lowering writes no gqa core" in capsys.readouterr().err
+    assert not (tmp_path / "d.onnx").exists()

@@ -36,7 +36,8 @@ from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import save_model
 from attnx.export.passes import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
-from attnx.model.contract import PROVIDERS
+from attnx.model.contract import LOWERINGS, PROVIDERS
+from attnx.model.cores import MEASURE
 from attnx.model.dtypes import check_choice
 from attnx.model.int8 import INT8_BITS_FLAG
 from attnx.runtimes.base import backend_unavailable_reason
@@ -45,7 +46,7 @@ from attnx.workflows._proof import Proof, ProofStatus
 from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.audit.whole import WholeModel, open_whole_model, read_blocks
 from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
-from attnx.workflows.rewrite.plan import Plan, plan_block
+from attnx.workflows.rewrite.plan import LOWERINGS_TRIED, Plan, plan_block
 from attnx.workflows.rewrite.prove import prove
 from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, formula_said
 from attnx.workflows.rewrite.splice import splice_blocks
@@ -82,14 +83,20 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
     source: `checkpoint`'s layers where the caller has read them already. serve: the model as it came and the plans
     kept in report.served, for the form served to be written from them (attnx.workflows.rewrite.serve).
 
+    lowering: the lowering each block is written in (None: the first of plan.LOWERINGS_TRIED whose cores compute
+    it), core its cores measured or the one named.
+
     A model attnx wrote is a whole model with one block, the graph itself (attnx.workflows._optimize): `lowering`
     (default ort-fused; "measure": measured), `dtype` (default the model's), keep_io_fp32, auto_seq (the sequence
     length measure times at), block_size / accuracy_level (int4) and int8_bits (int8) say how it is written, core
-    None the lowering's own core. Those options are refused (UsageError) for a model another tool exported, and
-    `checkpoint` and `weights` for a model attnx wrote: a flag means one thing or is refused, never guessed at."""
+    None the lowering's own core. Those options, and lowering "measure", are refused (UsageError) for a model
+    another tool exported, and `checkpoint` and `weights` for a model attnx wrote: a flag means one thing or is
+    refused, never guessed at. serve is for a model with a cache: a model attnx wrote has none to serve
+    (report.served stays None)."""
     whole = model if isinstance(model, WholeModel) else open_whole_model(model)
-    layer = {"--attention": lowering, "--dtype": dtype, "--keep-io-fp32": keep_io_fp32 or None,
-             "--auto-seq": auto_seq, "--block-size": _given(block_size, DEFAULT_BLOCK_SIZE),
+    # a whole model's blocks take a lowering too, each measured within it by --core measure
+    layer = {"--attention": lowering if lowering == MEASURE else None, "--dtype": dtype,
+             "--keep-io-fp32": keep_io_fp32 or None, "--auto-seq": auto_seq, "--block-size": _given(block_size, DEFAULT_BLOCK_SIZE),
              "--accuracy-level": _given(accuracy_level, DEFAULT_ACCURACY_LEVEL), INT8_BITS_FLAG: _given(int8_bits, "auto")}
     if not whole.written_by_another_tool:
         given = [flag for flag, value in (("--checkpoint", checkpoint), ("--weights", weights)) if value is not None]
@@ -102,13 +109,19 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
         return optimize_layer(whole, out_path, options, provider=provider, json_path=json_path, progress=progress)
     given = [flag for flag, value in layer.items() if value is not None]
     if given:
-        raise UsageError(f"{given[0]} is for a model attnx wrote (attnx export: its attnx.config); a whole model "
-                         "another tool exported takes --core (the core each block is written as) and --weights "
-                         "int4|int8 (its MatMul weights quantized)")  # fmt: skip
+        what = f"--attention {MEASURE}" if given[0] == "--attention" else given[0]
+        raise UsageError(f"{what} is for a model attnx wrote (attnx export: its attnx.config); a whole model another "
+                         "tool exported takes --attention (a lowering), --core (the core each block is written as, "
+                         f"{MEASURE}: the fastest of the lowering's) and --weights int4|int8 (its MatMul weights "
+                         "quantized)")  # fmt: skip
+    if lowering is not None:
+        check_choice("--attention", lowering, LOWERINGS)
+    lowerings = LOWERINGS_TRIED if lowering is None else (lowering,)
     core = AUTO_CORE if core is None else core
     if weights is None:
         return _optimize_model(whole, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
-                               core=core, progress=progress, source=source, serve=serve)  # fmt: skip
+                               core=core, progress=progress, source=source, serve=serve,
+                               lowerings=lowerings)  # fmt: skip
     say = progress or (lambda _m: None)
     out_path = os.fspath(out_path)
     check_output_file(out_path, "--out")
@@ -117,7 +130,7 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
     with tempfile.TemporaryDirectory(prefix=".attnx-weights-", dir=folder) as work:
         quantized, record = quantize_weights_file(whole.model, model_path, weights, work, save_model, say)
         report = _optimize_model(quantized, out_path, checkpoint=checkpoint, provider=provider, core=core,
-                                 progress=progress, source=source, serve=serve)  # fmt: skip
+                                 progress=progress, source=source, serve=serve, lowerings=lowerings)  # fmt: skip
         report.model = model_path
         report.weights = record.to_dict()
         report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
@@ -133,7 +146,7 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
 def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
                     json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
                     progress: Callable[[str], None] | None = None, source: CheckpointLayers | None = None,
-                    serve: bool = False) -> ModelOptimizeReport:  # fmt: skip
+                    serve: bool = False, lowerings: tuple[str, ...] = LOWERINGS_TRIED) -> ModelOptimizeReport:  # fmt: skip
     say = progress or (lambda _m: None)
     check_choice("--provider", provider, PROVIDERS)
     unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place
@@ -163,7 +176,7 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
         if block.config is None:
             rewrite.kept = f"not read: {block.unread}"
             continue
-        plan = plan_block(block, rewrite, source, graph)
+        plan = plan_block(block, rewrite, source, graph, lowerings)
         if plan is None:
             continue
         rewrite.config = plan.config.to_dict()
