@@ -29,7 +29,6 @@ ENTRY_MODULES = ("attnx.model.cores", "attnx.model.terms", "attnx.export.cores",
 NOT_THE_NAME = {
     ("attnx.model.importers", "cross"): "--attention self or cross: which of a checkpoint's attentions to import",
     ("attnx.workflows._import", "cross"): "the same choice, as the import's result records it",
-    ("attnx.commands.optimize", "ort-fused"): "--attention's default, compared to tell whether the flag was given",
     # the contract's graph input of that name (a feed), not the term
     ("attnx.model.tolerance", "key_padding_mask"): "a feed's name",
     ("attnx.runtimes.decode", "key_padding_mask"): "a feed's name",
