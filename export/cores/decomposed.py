@@ -117,6 +117,9 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         raise NotRead(f"{chain.end.name}: the Softmax's scores are not traced back to MatMul(q, k^T) "
                       f"(made by {maker.op_type if maker is not None else 'a graph input'})")  # fmt: skip
     qk, pv = chain.qk, chain.pv
+    if (written := _written_in_place(qk.inputs[1])) is not None:
+        raise NotRead(f"{written.name}: the keys read from a cache written in place by TensorScatter (the decomposed "
+                      "core's buffer form): not read as a block in this version")  # fmt: skip
     masks = [(tensor.name, how) for _, tensor, how in chain.masks]
     scale, stated = read_scores(chain.scalings)
     if pv is None:
@@ -175,6 +178,19 @@ def _read_decomposed_block(index: int, node: ir.Node, keep_weights: bool = True)
         causal=False, scale=scale, **path_terms, **stated, **softmax_terms,
     )  # fmt: skip
     return keep(block, config, weights, keep_weights)
+
+
+def _written_in_place(keys: ir.Value | None) -> ir.Node | None:
+    """The TensorScatter the scored keys are read from (the buffer form: through the Slice of the positions read and
+    the keys' Transpose), or None."""
+    node = keys.producer() if keys is not None else None
+    for _ in range(4):
+        if node is None or node.op_type == "TensorScatter":
+            return node
+        if node.op_type not in ("Transpose", "Slice", "Reshape") or node.inputs[0] is None:
+            return None
+        node = node.inputs[0].producer()
+    return None
 
 
 def _of_qk(node: ir.Node) -> bool:

@@ -163,3 +163,17 @@ def test_a_layer_package_of_the_latent_buffer_form_builds_and_verifies(tmp_path)
     assert report.parity.passed and report.verify.passed
     manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
     assert manifest["attention"] == "decomposed" and manifest["golden"][0]["outputs"] == ["y", "present_latent"]
+
+
+@pytest.mark.parametrize("name", ["grouped-window", "mla"])
+def test_a_buffer_form_block_is_not_read_back_and_says_so(models, name):
+    """The reader of the decomposed core does not read the buffer form (its keys come from TensorScatter's buffer):
+    NotRead naming it, never a block read as another (a growing form's block is read: tests/export/test_cores.py)."""
+    import onnx_ir as ir
+
+    from attnx.export.cores import GRAPH_CORES
+    from attnx.export.passes.walk import NotRead
+
+    (softmax,) = [n for n in ir.load(models[name][2]).graph if n.op_type == "Softmax"]
+    with pytest.raises(NotRead, match="TensorScatter .*buffer form.*not read as a block"):
+        GRAPH_CORES["decomposed"].read_block(0, softmax)
