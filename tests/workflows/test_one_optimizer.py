@@ -68,14 +68,19 @@ def test_what_a_model_attnx_wrote_does_not_take_exits_2(exported, tmp_path, caps
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv", [["--attention", "measure"], ["--auto-seq", "64"], ["--keep-io-fp32"],
-                                  ["--block-size", "64"], ["--int8-bits", "7"]])  # fmt: skip
-def test_what_a_whole_model_does_not_take_exits_2(tmp_path, capsys, argv):
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--dtype", "fp16"], "--dtype is for a model attnx wrote"),
+    (["--auto-seq", "64"], "--auto-seq is for a model attnx wrote"),
+    (["--keep-io-fp32"], "--keep-io-fp32 is for a model attnx wrote"),
+    (["--block-size", "64"], "--block-size is for a model attnx wrote"),
+    (["--int8-bits", "7"], "--int8-bits is for a model attnx wrote"),
+    (["--attention", "measure", "--core", "mha"], "--core mha is one core of one lowering"),
+])  # fmt: skip
+def test_what_a_whole_model_does_not_take_exits_2(tmp_path, capsys, argv, needle):
     out = tmp_path / "o.onnx"
     assert main(["optimize", str(WHOLE), "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    flag = " ".join(argv) if argv[0] == "--attention" else argv[0]
-    assert len(err) == 1 and f"{flag} is for a model attnx wrote" in err[0], err
+    assert len(err) == 1 and needle in err[0], err
     assert not out.exists()
 
 
@@ -94,11 +99,18 @@ def test_a_model_attnx_wrote_is_parsed_once_whatever_its_flags(monkeypatch, tmp_
 
 
 def test_a_whole_model_is_written_in_the_lowering_asked(tmp_path, capsys):
-    """--attention means the lowering written for every model: a whole model's blocks in its cores, each proven."""
+    """--attention means the lowering written for every model: a whole model's blocks in its cores, each proven; with
+    measure, the cores of every lowering measured timed and the fastest written (or the block kept)."""
     out = tmp_path / "o.onnx"
     report = optimize_model(str(WHOLE), str(out), lowering="onnx")
     assert report.passed and report.written and [b.written for b in report.blocks] == ["attention23", "attention23"]
     assert count_ops(ir.load(str(out))).get("Attention") == 2
+    measured = optimize_model(str(WHOLE), str(tmp_path / "m.onnx"), lowering="measure")
+    choice = measured.blocks[0].choice  # the cores of each lowering measure times, the graph's own block beside them
+    assert measured.passed and {"decomposed", "switch"} <= set(choice.times)
+    costs = {name: t.cost() for name, t in choice.times.items() if t.cost() is not None}
+    best = min(costs, key=costs.__getitem__)
+    assert choice.core == (None if choice.before.cost() <= costs[best] else best), (choice.core, costs)
     argv = ["optimize", str(WHOLE), "--out", str(tmp_path / "d.onnx"), "--attention", "decomposed", "--core", "gqa"]
     assert main(argv) == 2
     assert "--core gqa: the decomposed lowering writes no gqa core" in capsys.readouterr().err

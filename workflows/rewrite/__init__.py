@@ -28,9 +28,11 @@ from the checkpoint's, or where no core of the lowering computes its formula und
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
@@ -41,11 +43,21 @@ from attnx.model.cores import MEASURE
 from attnx.model.dtypes import check_choice
 from attnx.model.int8 import INT8_BITS_FLAG
 from attnx.runtimes.base import backend_unavailable_reason
+from attnx.workflows._lower import AUTO_CANDIDATES
 from attnx.workflows._optimize import LayerOptions, optimize_layer
 from attnx.workflows._proof import Proof, ProofStatus
 from attnx.workflows.audit.sources import CheckpointLayers
 from attnx.workflows.audit.whole import WholeModel, open_whole_model, read_blocks
-from attnx.workflows.rewrite.choose import AUTO_CORE, choose_core, time_shape, time_whole
+from attnx.workflows.rewrite.choose import (
+    AUTO_CORE,
+    CoreChoice,
+    candidates,
+    choose_core,
+    own_is_fastest,
+    pick,
+    time_shape,
+    time_whole,
+)
 from attnx.workflows.rewrite.plan import LOWERINGS_TRIED, Plan, plan_block
 from attnx.workflows.rewrite.prove import prove
 from attnx.workflows.rewrite.report import BlockRewrite, ModelOptimizeReport, formula_said
@@ -94,8 +106,7 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
     refused, never guessed at. serve is for a model with a cache: a model attnx wrote has none to serve
     (report.served stays None)."""
     whole = model if isinstance(model, WholeModel) else open_whole_model(model)
-    # a whole model's blocks take a lowering too, each measured within it by --core measure
-    layer = {"--attention": lowering if lowering == MEASURE else None, "--dtype": dtype,
+    layer = {"--dtype": dtype,
              "--keep-io-fp32": keep_io_fp32 or None, "--auto-seq": auto_seq, "--block-size": _given(block_size, DEFAULT_BLOCK_SIZE),
              "--accuracy-level": _given(accuracy_level, DEFAULT_ACCURACY_LEVEL), INT8_BITS_FLAG: _given(int8_bits, "auto")}
     if not whole.written_by_another_tool:
@@ -109,19 +120,21 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
         return optimize_layer(whole, out_path, options, provider=provider, json_path=json_path, progress=progress)
     given = [flag for flag, value in layer.items() if value is not None]
     if given:
-        what = f"--attention {MEASURE}" if given[0] == "--attention" else given[0]
-        raise UsageError(f"{what} is for a model attnx wrote (attnx export: its attnx.config); a whole model another "
-                         "tool exported takes --attention (a lowering), --core (the core each block is written as, "
-                         f"{MEASURE}: the fastest of the lowering's) and --weights int4|int8 (its MatMul weights "
-                         "quantized)")  # fmt: skip
-    if lowering is not None:
+        raise UsageError(f"{given[0]} is for a model attnx wrote (attnx export: its attnx.config); a whole model "
+                         "another tool exported takes --attention (a lowering, or measure), --core (the core each "
+                         f"block is written as, {MEASURE}: the fastest of the lowering's) and --weights int4|int8 (its "
+                         "MatMul weights quantized)")  # fmt: skip
+    if lowering == MEASURE and core not in (None, MEASURE):
+        raise UsageError(f"--core {core} is one core of one lowering: name the lowering (--attention), not {MEASURE}")
+    if lowering not in (None, MEASURE):
         check_choice("--attention", lowering, LOWERINGS)
-    lowerings = LOWERINGS_TRIED if lowering is None else (lowering,)
+    # measure: each block's cores of every lowering attnx measures (a model attnx wrote: the same lowerings) timed
+    lowerings = LOWERINGS_TRIED if lowering is None else AUTO_CANDIDATES if lowering == MEASURE else (lowering,)
     core = AUTO_CORE if core is None else core
     if weights is None:
         return _optimize_model(whole, out_path, checkpoint=checkpoint, json_path=json_path, provider=provider,
-                               core=core, progress=progress, source=source, serve=serve,
-                               lowerings=lowerings)  # fmt: skip
+                               core=core, progress=progress, source=source, serve=serve, lowerings=lowerings,
+                               measure_lowerings=lowering == MEASURE)  # fmt: skip
     say = progress or (lambda _m: None)
     out_path = os.fspath(out_path)
     check_output_file(out_path, "--out")
@@ -130,7 +143,8 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
     with tempfile.TemporaryDirectory(prefix=".attnx-weights-", dir=folder) as work:
         quantized, record = quantize_weights_file(whole.model, model_path, weights, work, save_model, say)
         report = _optimize_model(quantized, out_path, checkpoint=checkpoint, provider=provider, core=core,
-                                 progress=progress, source=source, serve=serve, lowerings=lowerings)  # fmt: skip
+                                 progress=progress, source=source, serve=serve, lowerings=lowerings,
+                                 measure_lowerings=lowering == MEASURE)  # fmt: skip
         report.model = model_path
         report.weights = record.to_dict()
         report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
@@ -146,7 +160,8 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
 def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
                     json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
                     progress: Callable[[str], None] | None = None, source: CheckpointLayers | None = None,
-                    serve: bool = False, lowerings: tuple[str, ...] = LOWERINGS_TRIED) -> ModelOptimizeReport:  # fmt: skip
+                    serve: bool = False, lowerings: tuple[str, ...] = LOWERINGS_TRIED,
+                    measure_lowerings: bool = False) -> ModelOptimizeReport:  # fmt: skip
     say = progress or (lambda _m: None)
     check_choice("--provider", provider, PROVIDERS)
     unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place
@@ -186,9 +201,12 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
         planned.append((rewrite, plan))
     caches = whole.caches  # each cache input as read: a window kept in a ring buffer, its past holds the window
     for rewrite, plan in planned:  # the blocks planned compute alike what they compute from the model's inputs
-        rewrite.choice = choose_core(plan, graph, provider, plan.lowering, core=core, limit=limit,
-                                     repaired=bool(rewrite.repairs), shared_by=len(planned), memo=measured,
-                                     say=say)  # fmt: skip
+        options = {"limit": limit, "repaired": bool(rewrite.repairs), "shared_by": len(planned), "memo": measured,
+                   "say": say}  # fmt: skip
+        if measure_lowerings:
+            rewrite.choice, plan.lowering = _measure_lowerings(plan, graph, provider, lowerings, **options)
+        else:
+            rewrite.choice = choose_core(plan, graph, provider, plan.lowering, core=core, **options)
         plan.core = rewrite.written = rewrite.choice.core
         if rewrite.written is None:
             rewrite.kept = rewrite.choice.reason
@@ -221,3 +239,25 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
     if json_path is not None:
         write_json_atomic(json_path, report.to_dict())
     return report
+
+
+def _measure_lowerings(plan: Plan, graph: Any, provider: str, lowerings: tuple[str, ...], *, repaired: bool,
+                       **options: Any) -> tuple[CoreChoice, str]:  # fmt: skip
+    """--attention measure of a whole model: the block's cores of each of `lowerings` that computes it timed
+    (choose_core's measure within each), and choose's rule (pick) over them all, the graph's own block among them;
+    the choice and the lowering of the core chosen (the plan's own where the block is kept)."""
+    choices, lowering_of = {}, {}
+    for lowering in lowerings:
+        if candidates(plan.config, plan.form, lowering, plan.dtype, plan.cores):
+            planned = dataclasses.replace(plan, lowering=lowering)
+            choices[lowering] = choose_core(planned, graph, provider, lowering, core=AUTO_CORE, repaired=repaired,
+                                            **options)  # fmt: skip
+            lowering_of |= dict.fromkeys(choices[lowering].times, lowering)
+    first = next(iter(choices.values()))  # the plan's own lowering computes it: plan_block said so
+    times = {name: t for choice in choices.values() for name, t in choice.times.items()}
+    steps = first.shape["steps"]
+    core, reason = pick(first.before, times, steps, own=not repaired)
+    fastest = core is None and not repaired and (own_is_fastest(first.before, times, steps) or not times)
+    choice = CoreChoice(core, f"{reason} (measured across {', '.join(choices)})", first.shape, first.before, times,
+                        fastest)  # fmt: skip
+    return choice, lowering_of.get(core, plan.lowering)
