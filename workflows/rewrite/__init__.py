@@ -34,6 +34,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import onnx_ir as ir
+
 from attnx._io import Staging, check_output_file, output_lock, write_json_atomic
 from attnx.errors import ProviderUnavailable, UsageError
 from attnx.export import save_model
@@ -148,6 +150,8 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
         report.model = model_path
         report.weights = record.to_dict()
         report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
+        if report.served is not None:  # the quantized model's file goes with `work`: its tensors read into memory
+            _read_from(report.served[0], work)
         if report.written:
             say(f"measuring the {weights} model's distance from the fp32 input")
             report.weights["distance"] = weights_distance(model_path, out_path, report.caches_read(), provider)
@@ -155,6 +159,15 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
     if json_path is not None:
         write_json_atomic(json_path, report.to_dict())
     return report
+
+
+def _read_from(model: ir.Model, folder: str) -> None:
+    """Each initializer of `model` that a data file in `folder` holds read into memory (the folder is about to go)."""
+    folder = os.path.abspath(folder)
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and os.path.abspath(tensor.path).startswith(folder + os.sep):
+            value.const_value = ir.tensor(tensor.numpy(), name=name)
 
 
 def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | None = None,
