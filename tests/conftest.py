@@ -6,6 +6,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import sys
 import tempfile
 
 import pytest
@@ -45,6 +46,40 @@ def pytest_unconfigure(config):
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(TRACE_CACHE_ENV, None)
+
+
+# torch.onnx builds its registry of torchlib functions afresh in every export (ONNXRegistry.from_torchlib: onnxscript
+# parses the source of each of ~500 functions to read its domain): 0.7 s of CPU a trace after the first in a process,
+# 1.4 s the first (measurements/ci_time/README.md). The registry is a function of the installed torch and onnxscript
+# and the opset: a worker builds it once per opset, and each export gets its own copy of the table (an export adds to
+# it only a custom_translation_table, which attnx never passes). Installed before the first test that runs once torch.onnx's
+# exporter is imported (a run that never exports never imports it for this); the attnx processes the tests start
+# build their own, as a user's do.
+_REGISTRIES: dict[int, object] = {}
+_REGISTRATION = "torch.onnx._internal.exporter._registration"
+_registry_shared: list[bool] = []
+
+
+def pytest_runtest_setup(item):
+    if not _registry_shared and _REGISTRATION in sys.modules:
+        _share_registry(sys.modules[_REGISTRATION])
+        _registry_shared.append(True)
+
+
+def _share_registry(registration) -> None:
+    from torch.onnx._internal.exporter import _constants
+
+    build = registration.ONNXRegistry.from_torchlib
+
+    def from_torchlib(cls, opset_version=_constants.TORCHLIB_OPSET):
+        if opset_version not in _REGISTRIES:
+            _REGISTRIES[opset_version] = build(opset_version)
+        built, registry = _REGISTRIES[opset_version], cls()
+        registry._opset_version = built._opset_version
+        registry.functions = {target: list(decomps) for target, decomps in built.functions.items()}
+        return registry
+
+    registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
 
 
 @pytest.fixture
