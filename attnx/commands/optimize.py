@@ -39,8 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="OUT.onnx", help="the ONNX file to write, once its parity check passes")
     p.add_argument(
         "--attention", type=renamed("--attention"), choices=OPTIMIZE_ATTENTIONS, default=None,
-        help="a model attnx wrote: " + attention_help(OPTIMIZE_ATTENTIONS, "ort-fused")
-        + f" ({MEASURE} measures each on --provider)",
+        help=attention_help(OPTIMIZE_ATTENTIONS, "ort-fused") + f" ({MEASURE} measures each on --provider); a whole "
+        "model's blocks are written in that lowering's cores (default: ort-fused's, else decomposed for a block no "
+        f"fused core computes; {MEASURE}: every measured lowering's)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=(*MODEL_DTYPES, "bf16"), default=None,
                    help="a model attnx wrote: the precision it is written in (default: the model's; int8 and int4 "
