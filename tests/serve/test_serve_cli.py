@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import openai
-
 from attnx.runtimes.package import load
 from attnx.workflows import build_model_package
 
@@ -39,6 +37,8 @@ def test_attnx_serve_verifies_serves_text_and_drains_on_sigterm(tmp_path):
         assert listening, "".join(said)
         assert any("verified" in line for line in said[:-1])  # before it listened
         port = int(listening.group(1))
+        import openai  # at the test, not the top: every worker imported it at collection (1 s)
+
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         answer = client.completions.create(model="fx", prompt="t5 t6 t7", max_tokens=8, temperature=0)
         with load(pkg) as model:

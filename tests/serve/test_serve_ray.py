@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from attnx.errors import CheckFailed, UsageError
@@ -91,6 +90,8 @@ def test_replicas_on_a_local_ray_cluster_answer_the_same_text_and_share_the_load
         listening = re.search(r"serving http://127\.0\.0\.1:(\d+)/v1 on Ray Serve", said[-1] if said else "")
         assert listening, text
         assert "verified and loaded: 2 replicas" in said[-2]  # announced once every replica verified
+        import openai  # at the test, not the top: every worker imported it at collection (1 s)
+
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{listening.group(1)}/v1", api_key="none", max_retries=0,
                                timeout=60)  # fmt: skip
 
