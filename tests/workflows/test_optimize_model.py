@@ -660,3 +660,21 @@ def test_a_block_splits_into_what_the_model_shares_and_its_own_part(core):
         outputs = second.run(None, {i.name: both[i.name] for i in second.get_inputs()})
         for a, b in zip(outputs, whole.run(None, feeds)):
             assert np.array_equal(a, b)
+
+
+def test_a_block_whose_mask_reads_an_input_the_rewrite_does_not_bind_is_kept(tmp_path):
+    """A graph whose padding mask is an input of its own (attnx's key_padding_mask), not transformers' attention_mask:
+    a core written without it would drop the mask (the written model differed by 0.43 while every proof held); the
+    block is kept, the input named."""
+    import onnx
+
+    from attnx.export import build_model
+    from attnx.model import AttentionConfig, init_weights
+    from attnx.workflows.audit.whole import open_whole_model
+    from attnx.workflows.rewrite import _optimize_model
+
+    config = AttentionConfig(d_model=32, n_heads=4, causal=True, key_padding_mask=True)
+    onnx.save(build_model(config, init_weights(config, 0), "decomposed", "full"), tmp_path / "in.onnx")
+    report = _optimize_model(open_whole_model(str(tmp_path / "in.onnx")), str(tmp_path / "out.onnx"))
+    assert [b.written for b in report.blocks] == [None] and not (tmp_path / "out.onnx").exists()
+    assert "its mask reads the graph input key_padding_mask" in report.blocks[0].kept

@@ -130,6 +130,11 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
                 plan.rope_positions = max(rows) if rows else None
     else:
         plan.form = "growing" if cached else "full"
+        unbound = _unbound_mask_inputs(block, graph)
+        if unbound:
+            rewrite.kept = (f"its mask reads the graph input {unbound[0]}, which the rewrite does not bind (it binds "
+                            "transformers' attention_mask as the padding mask): kept")  # fmt: skip
+            return None
         plan.config = dataclasses.replace(config, kv_cache=cached, key_padding_mask="attention_mask" in inputs)
         if config.rope is not None and not _bind_positions(block, plan, graph, inputs, rewrite):
             return None
@@ -145,6 +150,28 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         return plan
     rewrite.kept = reasons[0]  # the fused lowering's reasons: what a reader compares against first
     return None
+
+
+# the graph inputs a block's mask may be computed from that the rewrite binds or computes alike (the padding mask,
+# the positions and lengths the grid is counted from, the cache whose length offsets it)
+_MASK_INPUTS = ("attention_mask", "input_ids", "position_ids", "past_key_values")
+
+
+def _unbound_mask_inputs(block: Any, graph: AuditGraph) -> list[str]:
+    """The graph inputs the block's mask tensors are computed from that the rewrite would not bind (attnx's own
+    key_padding_mask input, a mask of another tool's): a core written without them would drop the mask."""
+    seen, found, queue = set(), [], [graph_value(graph.model, name) for name, _ in block.masks]
+    while queue:
+        value = queue.pop()
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value.is_graph_input():
+            if not value.name.startswith(_MASK_INPUTS):
+                found.append(value.name)
+        elif (node := value.producer()) is not None:
+            queue += [i for i in node.inputs if i is not None]
+    return found
 
 
 def projections_said(block: Any) -> str:
