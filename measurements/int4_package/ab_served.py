@@ -3,16 +3,22 @@ of 32 new tokens, 4 rounds (stop 59: the buffer form served from the plans again
 
     python ab_served.py BEFORE_PKG AFTER_PKG
 """
-import json, sys, time, statistics
+import json
+import statistics
+import sys
+import time
+
 import numpy as np
+
 import attnx
+
 pk = {"before (stop 58, BufferForm pass)": sys.argv[1], "after (served from the plans)": sys.argv[2]}
 models = {k: attnx.load(v) for k, v in pk.items()}
 rng = np.random.default_rng(0)
 prompts = [[int(t) for t in rng.integers(100, 20000, n)] for n in (40, 17, 64, 9, 33, 25, 50, 12)]
 res = {k: {1: [], 8: []} for k in pk}
 tokens = {}
-for r in range(4):
+for _r in range(4):
     for k, m in models.items():
         for n in (1, 8):
             t = time.perf_counter()
