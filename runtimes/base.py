@@ -210,7 +210,9 @@ class Runner:
         return config
 
     def _float_dtype(self) -> np.dtype:
-        spec = next((s for s in self.inputs if s.name in ("past_key", "past_latent")), None)
+        config = self.source.config
+        caches = {spec.name for spec in config.cache_specs()} if config is not None and config.kv_cache else set()
+        spec = next((s for s in self.inputs if s.name in caches), None)  # the cache's first tensor, as its core lays it
         name = spec.dtype if spec is not None else self.source.dtype
         return np.dtype(DTYPES[name].numpy or "float32")
 
