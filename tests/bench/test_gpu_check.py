@@ -93,9 +93,11 @@ def test_the_decode_step_on_the_cpu_backends(tmp_path, capsys):
         ("ort-fused growing", "fp32", ["ort-cpu", "torch"], "done"),
         ("ort-fused growing", "fp16", ["ort-cpu", "torch"], "done"),
         ("ort-fused buffer", "fp32", ["ort-cpu"], "done"),
+        ("decomposed buffer", "fp32", ["ort-cpu"], "done"),  # the decomposed core's own buffer form (7e36977)
         ("ort-fused buffer grouped-mha", "fp32", ["ort-cpu"], "done"),
         ("ort-fused buffer switch", "fp32", ["ort-cpu"], "done"),
         ("ort-fused buffer", "fp16", ["ort-cpu"], "done"),
+        ("decomposed buffer", "fp16", ["ort-cpu"], "done"),
         ("ort-fused buffer grouped-mha", "fp16", ["ort-cpu"], "skipped"),  # the grouped cores: no fp16
         ("ort-fused buffer switch", "fp16", ["ort-cpu"], "skipped"),
     ]  # fmt: skip
