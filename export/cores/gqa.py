@@ -136,13 +136,10 @@ def _gqa_buffer(e: Emit, qkv: str | None = None) -> str:
 
 
 def _read_gqa(node: ir.Node) -> dict[str, Any]:
-    stated: dict[str, Any] = {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
-                              "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
-                              **read_attributes(node, "gqa"), **read_inputs(node, "gqa")[0],
-                              "kv_cache": present(node, 3)}  # fmt: skip
-    if int_attr(node, "do_rotary", 0):
-        stated["rope_interleaved"] = bool(int_attr(node, "rotary_interleaved", 0))
-    return stated
+    """The config keys a GroupQueryAttention node states (its rotary is read with its block: _read_gqa_block)."""
+    return {"n_heads": int_attr(node, "num_heads"), "n_kv_heads": int_attr(node, "kv_num_heads"),
+            "scale": float_attr(node, "scale") or None, "causal": bool(int_attr(node, "causal", 1)),
+            **read_attributes(node, "gqa"), **read_inputs(node, "gqa")[0], "kv_cache": present(node, 3)}  # fmt: skip
 
 
 def _read_gqa_block(index: int, node: ir.Node, keep_weights: bool = True) -> Block:

@@ -74,6 +74,8 @@ def test_each_core_is_the_one_its_measured_times_choose(tmp_path):
         for b in report.blocks:
             assert set(b.choice.times) == cores and b.choice.before is not None
             assert (b.written, b.kept or b.choice.reason) == pick(b.choice.before, b.choice.times)
+            # the report heads the times with the rule's own words, not the reason's text cut at a colon
+            assert b.choice.head in ("the fastest", "none is faster") and b.choice.reason.startswith(b.choice.head)
             assert b.choice.fastest == (b.written is None), report.lines()
         assert report.passed and report.written and out.exists(), report.lines()
 

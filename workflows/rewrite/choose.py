@@ -85,6 +85,9 @@ class CoreChoice:
     # kept because the graph's own block is already the fastest core for its I/O (own_is_fastest, or its core the
     # only one that computes it there): a pass, never a failure to rewrite
     fastest: bool = False
+    # the rule that chose in a few words, as the report heads the block's times ("the fastest", "asked (--core gqa)");
+    # `reason` says it with its numbers. Both are for people: code branches on core and fastest
+    head: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"core": self.core, "reason": self.reason, "shape": self.shape, "fastest": self.fastest,
@@ -107,22 +110,30 @@ def pick(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_S
     """The rule (the module doc): the candidate of the lowest cost, unless the graph's own block costs less (then
     None: kept); (core or None, the reason in words). Candidates not timed are passed over; none timed: kept.
     own=False: the graph's block computes another formula (a repaired one): timed for the report, never kept."""
+    core, _, reason = _pick_rule(before, times, steps, own)
+    return core, reason
+
+
+def _pick_rule(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_SHAPE["steps"],
+              own: bool = True) -> tuple[str | None, str, str]:  # fmt: skip
+    """pick's (core or None, the rule that chose in a few words: CoreChoice.head, the reason)."""
     timed = {name: t.cost(steps) for name, t in times.items() if t.cost(steps) is not None}
     if not timed:
         errors = "; ".join(f"{n}: {t.error}" for n, t in times.items()) or "no core computes it"
-        return None, f"no core was timed ({errors})"
+        return None, "no core was timed", f"no core was timed ({errors})"
     best = min(timed, key=timed.__getitem__)
     others = ", ".join(f"{n} {c:.4g}" for n, c in timed.items() if n != best)
     own_cost = before.cost(steps) if before is not None else None
     if not own and own_cost is not None:
-        return best, (f"the fastest that computes the repaired formula: {timed[best]:.4g} ms a request (the graph's "
-                      f"own {own_cost:.4g} ms computes another)" + (f"; {others}" if others else ""))  # fmt: skip
+        head = "the fastest that computes the repaired formula"
+        return best, head, (f"{head}: {timed[best]:.4g} ms a request (the graph's own {own_cost:.4g} ms computes "
+                            "another)" + (f"; {others}" if others else ""))  # fmt: skip
     own = own_cost
     if own_is_fastest(before, times, steps):
-        return None, (f"none is faster: the graph's own block costs {own:.4g} ms a request, the fastest core "
-                      f"({best}) {timed[best]:.4g} ms")  # fmt: skip
+        return None, "none is faster", (f"none is faster: the graph's own block costs {own:.4g} ms a request, the "
+                                        f"fastest core ({best}) {timed[best]:.4g} ms")  # fmt: skip
     versus = f" (the graph's own {own:.4g} ms)" if own is not None else ""
-    return best, f"the fastest: {timed[best]:.4g} ms a request{versus}" + (f"; {others}" if others else "")
+    return best, "the fastest", f"the fastest: {timed[best]:.4g} ms a request{versus}" + (f"; {others}" if others else "")
 
 
 def own_is_fastest(before: Timing | None, times: Mapping[str, Timing], steps: int = TIME_SHAPE["steps"]) -> bool:
@@ -328,7 +339,7 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
             why += [f"{c} does not read each row's length (seqlens_k), which this model's GroupQueryAttention takes"
                     for c in pool if c not in plan.cores]  # fmt: skip
         return CoreChoice(None, f"no core of the {lowering} lowering computes it: {'; '.join(dict.fromkeys(why))}",
-                          shape)  # fmt: skip
+                          shape, head=f"no core of the {lowering} lowering computes it")  # fmt: skip
     # the rewrite would be the block itself: the same fused node (standard ops, the fallback core's, are the graph's
     # own structure, which attnx's emitter writes otherwise: multi-head latent attention's absorbed step)
     itself = names == [block.core] and not CORES[block.core].fallback and not repaired and asked is None
@@ -359,15 +370,17 @@ def choose_core(plan: Any, graph: AuditGraph, provider: str, lowering: str, *, c
             choice.times[name] = time_block(path, config, core_inputs, provider, shape, cached, dtype, repeat=repeat,
                                             shared_by=shared_by)  # fmt: skip
     if itself:
-        choice.fastest = True
-        choice.reason = (f"its own core ({block.core}) is the one that computes it under its inputs: the rewrite "
-                         "would be the block itself")  # fmt: skip
+        choice.fastest, choice.head = True, f"its own core ({block.core})"
+        choice.reason = (f"{choice.head} is the one that computes it under its inputs: the rewrite would be the block "
+                         "itself")  # fmt: skip
     elif core == AUTO_CORE:
-        choice.core, choice.reason = pick(choice.before, choice.times, shape["steps"], own=not repaired)
+        choice.core, choice.head, choice.reason = _pick_rule(choice.before, choice.times, shape["steps"],
+                                                            own=not repaired)  # fmt: skip
         choice.fastest = choice.core is None and not repaired and own_is_fastest(choice.before, choice.times,
                                                                                  shape["steps"])  # fmt: skip
     else:
-        choice.core, choice.reason = core, f"asked (--core {core})"
+        choice.core, choice.head = core, f"asked (--core {core})"
+        choice.reason = choice.head
     if memo is not None:
         memo[key] = choice
     return choice

@@ -64,7 +64,7 @@ class BlockRewrite:
             cells = [("the graph's", c.before)] + list(c.times.items())
             said = ", ".join(f"{name} {t.cost(steps):.4g}" if t.cost(steps) is not None else f"{name} {t.said()}"
                              for name, t in cells if t is not None)  # fmt: skip
-            head = c.reason.split(":")[0] if self.written is not None else "timed"
+            head = c.head if self.written is not None else "timed"
             out.append(f"block {self.index}: {head}; a request (ms): {said}")
         if self.written is None:  # kept: what the checkpoint states otherwise stays as the graph has it
             return out + [f"block {self.index} not repaired: {r}" for r in self.repairs]
