@@ -22,20 +22,10 @@ import numpy as np
 import onnx_ir as ir
 
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection
-from attnx.export.cores._latent_block import (
-    _bias,
-    _columns,
-    _norm_of,
-    _other_part,
-    _part_columns,
-    _projection_of,
-    read_q,
-    rope_tables,
-)
+from attnx.export.cores._latent_block import read_compressed_kv, read_q, rope_tables
 from attnx.export.passes._base import const_array
-from attnx.export.passes.walk import NotRead, is_op, last_axis_slice, projection, projection_node
-from attnx.model.config import COMPRESSED_KV, ROPE_KEY, AttentionConfig, Latent
-from attnx.model.rope import Rope
+from attnx.export.passes.walk import NotRead, is_op, last_axis_slice, projection
+from attnx.model.config import COMPRESSED_KV, ROPE_KEY
 
 __all__ = ["absorbed_latents", "read_absorbed_block"]
 
@@ -64,44 +54,31 @@ def read_absorbed_block(block: Block, latents: ir.Value, qk: ir.Node, pv: ir.Nod
     joined = _back(new).producer()
     if not is_op(joined, "Concat") or len(joined.inputs) != 2:
         raise NotRead(f"{latents.name}: the latents are not [rope key | compressed kv] joined")
-    normed = joined.inputs[1]  # [rope key | compressed kv]: the rope key is found from kv_a_proj_with_mqa
-    kv_norm, eps, compressed = _norm_of(normed, "kv_a_layernorm")
-    split, kv_a_value = _columns(compressed)
-    w_kva, b_kva = _projection_of(kv_a_value, "kv_a_proj_with_mqa")
-    R = int(kv_norm.shape[0])
-    r = w_kva.shape[1] - R
-    if _part_columns(split, compressed) != (0, R) or r <= 0 or r % 2:
-        raise NotRead(f"{compressed.name}: not the first {R} columns of kv_a_proj_with_mqa ({w_kva.shape[1]} wide) "
-                      "with an even rope part after them")  # fmt: skip
-    rope_part = _other_part(split, compressed, (R, R + r))
-    x = projection_node(kv_a_value).inputs[0]
+    # [rope key | compressed kv]: the rope key is found from kv_a_proj_with_mqa
+    kv = read_compressed_kv(joined.inputs[1])
+    R, r = kv.rank, kv.rope_dim
     q_rope, q_lat = _absorbed_q(qk.inputs[0])
     w_uk = const_array(q_lat.inputs[1])  # [H, nope, R]
     if w_uk is None or w_uk.ndim != 3 or w_uk.shape[2] != R:
         raise NotRead(f"{q_lat.name}: q_nope's W_uk is not a constant [heads, nope, {R}]")
     n_heads, nope = int(w_uk.shape[0]), int(w_uk.shape[1])
     q_value = _q_projection(q_lat.inputs[0])
-    q_lora, weights, first = read_q(q_value, x, eps)
+    q_lora, weights, first = read_q(q_value, kv.x, kv.eps)
     finish = _finish(pv, r, R)
     w_uv = const_array(finish.inputs[1])  # [H, R, v_head_dim]
     if w_uv is None or w_uv.ndim != 3 or w_uv.shape[:2] != (n_heads, R):
         raise NotRead(f"{finish.name}: W_uv is not a constant [{n_heads}, {R}, v_head_dim]")
     v_head_dim = int(w_uv.shape[2])
     kv_b = np.concatenate([w_uk, np.asarray(w_uv).transpose(0, 2, 1)], axis=1).reshape(n_heads * (nope + v_head_dim), R)
-    weights.update({"kv_a_proj_with_mqa.weight": w_kva.T, "kv_a_proj_with_mqa.bias": _bias(b_kva, w_kva),
-                    "kv_a_layernorm.weight": kv_norm, "kv_b_proj.weight": kv_b})  # fmt: skip
+    weights.update(kv.weights(kv_b))
     hidden_state(block, first)
     block.outputs["y"] = output_projection(finish.outputs[0], weights, block).name
-    block.reading.rope = rope_tables(rope_part, q_rope)
+    block.reading.rope = rope_tables(kv.rope_part, q_rope)
     interleaved = block.reading.rope.interleaved
     if past is not None:
         _cache(block, past, present, r, R)
         block.cache_sizes = ((1, R), (1, r))  # (heads, size) of the key cache and the value cache
-    config = AttentionConfig(
-        d_model=w_kva.shape[0], n_heads=n_heads, head_dim=nope + r, v_head_dim=v_head_dim, n_kv_heads=n_heads,
-        bias=True, causal=False, scale=scale, rope=Rope(10000.0, r, interleaved),
-        latent=Latent(R, q_lora, eps),
-    )  # fmt: skip
+    config = kv.config(n_heads, nope + r, v_head_dim, scale, interleaved, q_lora)
     return keep(block, config, weights, keep_weights)
 
 

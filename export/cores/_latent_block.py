@@ -20,6 +20,8 @@ sizes in Block.cache_sizes. What does not fit raises NotRead naming it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
@@ -39,7 +41,7 @@ from attnx.export.terms import RopeReading
 from attnx.model.config import COMPRESSED_KV, ROPE_KEY, AttentionConfig, Latent
 from attnx.model.rope import Rope
 
-__all__ = ["read_latent_block"]
+__all__ = ["CompressedKv", "read_compressed_kv", "read_latent_block"]
 
 _LAYOUT = ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Cast")
 
@@ -52,19 +54,10 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
     if b_kvb is not None and np.any(b_kvb):
         raise NotRead(f"{kv_b.name}: kv_b_proj with a bias, which the latent term has not")
     normed, past_kv, present_kv = _through_cache(kv_b.inputs[0])
-    kv_norm, eps, compressed = _norm_of(normed, "kv_a_layernorm")
-    split, kv_a_value = _columns(compressed)
-    w_kva, b_kva = _projection_of(kv_a_value, "kv_a_proj_with_mqa")
-    R = int(kv_norm.shape[0])
-    r = w_kva.shape[1] - R
-    if _part_columns(split, compressed) != (0, R) or r <= 0 or r % 2:
-        raise NotRead(f"{compressed.name}: not the first {R} columns of kv_a_proj_with_mqa ({w_kva.shape[1]} wide) "
-                      "with an even rope part after them")  # fmt: skip
-    rope_part = _other_part(split, compressed, (R, R + r))
-    x = projection_node(kv_a_value).inputs[0]
-    q_lora, weights, first = read_q(q_value, x, eps)
-    weights.update({"kv_a_proj_with_mqa.weight": w_kva.T, "kv_a_proj_with_mqa.bias": _bias(b_kva, w_kva),
-                    "kv_a_layernorm.weight": kv_norm, "kv_b_proj.weight": w_kvb.T})  # fmt: skip
+    kv = read_compressed_kv(normed)
+    R, r, rope_part = kv.rank, kv.rope_dim, kv.rope_part
+    q_lora, weights, first = read_q(q_value, kv.x, kv.eps)
+    weights.update(kv.weights(w_kvb.T))
     q_width = next(w for k, w in weights.items() if k in ("q_proj.weight", "q_b_proj.weight")).shape[0]
     if q_width % head_dim or head_dim <= r:
         raise NotRead(f"q {q_width} wide is not heads of {head_dim} with a rope part of {r} in each")
@@ -85,14 +78,61 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
         block.cache_sizes = ((1, R), (1, r))  # (heads, size) of the key cache and the value cache
         block.cache_parts = {COMPRESSED_KV: (past_kv.name, present_kv.name),
                              ROPE_KEY: (past_rope.name, present_rope.name)}  # fmt: skip
-    # the rope's frequencies are read from the graph's tables by running them (the audit's read_computed_terms),
-    # which replaces this one (theta unread: 10000 until then); every head's k and v expanded from the one latent
-    config = AttentionConfig(
-        d_model=w_kva.shape[0], n_heads=n_heads, head_dim=head_dim, v_head_dim=v_head_dim, n_kv_heads=n_heads,
-        bias=True, causal=False, scale=scale, rope=Rope(10000.0, r, interleaved),
-        latent=Latent(R, q_lora, eps),
-    )  # fmt: skip
+    config = kv.config(n_heads, head_dim, v_head_dim, scale, interleaved, q_lora)
     return keep(block, config, weights, keep_weights)
+
+
+class CompressedKv(NamedTuple):
+    """kv_a_proj_with_mqa and kv_a_layernorm as read back from the norm's output (read_compressed_kv): the norm's
+    weight and eps, the projection's weight [d_model, kv_lora_rank + rope dim] and bias, the rope key's columns of its
+    output, and the hidden state it projects."""
+
+    norm: np.ndarray
+    eps: float
+    weight: np.ndarray
+    bias: np.ndarray | None
+    rope_part: ir.Value
+    x: ir.Value
+
+    @property
+    def rank(self) -> int:
+        """kv_lora_rank: the compressed kv's columns."""
+        return int(self.norm.shape[0])
+
+    @property
+    def rope_dim(self) -> int:
+        return self.weight.shape[1] - self.rank
+
+    def weights(self, kv_b: np.ndarray) -> dict[str, np.ndarray]:
+        """Its weights and kv_b_proj's ([heads x (k_nope + v), kv_lora_rank]) under transformers' names."""
+        return {"kv_a_proj_with_mqa.weight": self.weight.T, "kv_a_proj_with_mqa.bias": _bias(self.bias, self.weight),
+                "kv_a_layernorm.weight": self.norm, "kv_b_proj.weight": kv_b}  # fmt: skip
+
+    def config(self, n_heads: int, head_dim: int, v_head_dim: int, scale: float, interleaved: bool | None,
+               q_lora: int | None) -> AttentionConfig:  # fmt: skip
+        """The block's config: every head's k and v from the one latent. The rope's frequencies are read from the
+        graph's tables by running them (the audit's read_computed_terms), which replaces this one (theta unread:
+        10000 until then)."""
+        return AttentionConfig(
+            d_model=self.weight.shape[0], n_heads=n_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+            n_kv_heads=n_heads, bias=True, causal=False, scale=scale, rope=Rope(10000.0, self.rope_dim, interleaved),
+            latent=Latent(self.rank, q_lora, self.eps),
+        )  # fmt: skip
+
+
+def read_compressed_kv(normed: ir.Value) -> CompressedKv:
+    """Back from `normed` (kv_a_layernorm's output) to the RMS norm, the first kv_lora_rank columns of
+    kv_a_proj_with_mqa it normalizes, the projection, and the rope key's columns after them."""
+    norm, eps, compressed = _norm_of(normed, "kv_a_layernorm")
+    split, kv_a_value = _columns(compressed)
+    weight, bias = _projection_of(kv_a_value, "kv_a_proj_with_mqa")
+    R = int(norm.shape[0])
+    r = weight.shape[1] - R
+    if _part_columns(split, compressed) != (0, R) or r <= 0 or r % 2:
+        raise NotRead(f"{compressed.name}: not the first {R} columns of kv_a_proj_with_mqa ({weight.shape[1]} wide) "
+                      "with an even rope part after them")  # fmt: skip
+    rope_part = _other_part(split, compressed, (R, R + r))
+    return CompressedKv(norm, eps, weight, bias, rope_part, projection_node(kv_a_value).inputs[0])
 
 
 def read_q(q_value: ir.Value, x: ir.Value, eps: float) -> tuple[int | None, dict[str, np.ndarray], ir.Node]:
