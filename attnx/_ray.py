@@ -64,11 +64,16 @@ class RayConnection:
     def local(self) -> bool:
         return self.address == "local"
 
-    def prepare(self) -> None:
-        """Before ray is imported: a local cluster's own token in the environment (unless the user set a mode)."""
-        if self.local and "RAY_AUTH_MODE" not in os.environ and not self._env:
+    def prepare(self, settings: dict[str, str] | None = None) -> None:
+        """Before ray is imported: a local cluster's own token in the environment (unless the user set a mode), and
+        `settings` (Ray's environment variables, for the processes of a local cluster this command starts: they
+        inherit this process's environment), each where the user did not set it. Taken out again by close()."""
+        if not self.local or self._env:
+            return
+        if "RAY_AUTH_MODE" not in os.environ:
             self._env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-            os.environ.update(self._env)
+        self._env.update({k: v for k, v in (settings or {}).items() if k not in os.environ})
+        os.environ.update(self._env)
 
     def init(self, ray: Any, resources: dict[str, float] | None = None) -> None:
         """Start the local cluster (with `resources` declared on its node) or join the one at the address;

@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 APP_NAME = "attnx"  # the Serve application's name on the cluster
 INSTALL_HINT = "pip install 'attnx[serve-ray]'"
 SHUTDOWN_MARGIN_S = 20.0  # past the grace period: the time deleting the app and stopping a local cluster may take
+# Ray Serve's own settings for a local cluster this command starts (a user's own values are kept). Serve's
+# controller kills an HTTP proxy that is not ready within 5 s, and serve.start then fails with ActorDiedError: on a
+# loaded 2-core host the proxy's start took longer (3 of 3 tries, load 5, 2026-12-04). serve.start itself waits
+# up to 60 s for the proxy; so may the check.
+LOCAL_SERVE_SETTINGS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 
 def need_ray() -> None:
@@ -105,7 +110,7 @@ def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus:
 
             progress(f"Ray cluster {address}: {_cpus(ray)} CPUs; deploying {replicas} replicas of {package} "
                      f"({replica_cpus:g} CPUs each), each verifying it where it lands")  # fmt: skip
-            serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+            _start_serve(ray, serve, address, host, port)
             if address != "local" and APP_NAME in serve.status().applications:  # serve.run would replace it
                 raise UsageError(f"--ray {address}: the cluster already serves an app named {APP_NAME!r} (another "
                                  "attnx serve --ray); a cluster holds one")  # fmt: skip
@@ -127,6 +132,18 @@ def serve_on_ray(package: str, address: str, *, replicas: int = 1, replica_cpus:
         except BaseException:
             shut_down(interrupted=False)
             raise
+
+
+def _start_serve(ray: Any, serve: Any, address: str, host: str, port: int) -> None:
+    """Ray Serve's controller and HTTP proxy at host:port; UsageError naming why not (a proxy killed or not ready in
+    time is the machine's or the cluster's state, as a cluster that cannot start is: RayConnection.init)."""
+    try:
+        serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    except (TimeoutError, ray.exceptions.RayError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = "Ray could not start on this machine" if address == "local" else "Ray Serve could not start there"
+        raise UsageError(f"--ray {address}: {where}: Serve's HTTP proxy did not start ({type(e).__name__}: "
+                         f"{first})") from None  # fmt: skip
 
 
 def _deployment_messages(serve: Any) -> str:
@@ -172,7 +189,7 @@ class _Cluster:
 
     def start(self) -> tuple[Any, Any]:
         """(ray, ray.serve), connected."""
-        self.connection.prepare()
+        self.connection.prepare(LOCAL_SERVE_SETTINGS)
         self.ray, self.serve = _import_serve()
         self.connection.init(self.ray)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines are not the command's

@@ -115,3 +115,48 @@ def test_replicas_on_a_local_ray_cluster_answer_the_same_text_and_share_the_load
     assert proc.returncode == 143, stderr[-2000:]
     assert "the Serve app and its 2 replicas shut down, the local Ray cluster stopped" in stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("address", "where"), [("local", "Ray could not start on this machine"),
+                                                 ("10.0.0.9:6379", "Ray Serve could not start there")])  # fmt: skip
+def test_a_proxy_that_does_not_start_is_said_by_name(address, where):
+    """Serve's controller kills an HTTP proxy not ready in time (a loaded host: ActorDiedError) and serve.start
+    gives up after 60 s (TimeoutError): one UsageError naming the proxy, not an internal error."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (the serve-ray extra)")
+    from attnx.serve._ray import _start_serve
+
+    class Serve:
+        def __init__(self, error):
+            self.error = error
+
+        def start(self, **_):
+            raise self.error
+
+    for error in (TimeoutError("HTTP proxies not available after 60s."), ray.exceptions.RayError("killed")):
+        with pytest.raises(UsageError) as raised:
+            _start_serve(ray, Serve(error), address, "127.0.0.1", 8000)
+        assert str(raised.value).startswith(f"--ray {address}: {where}: Serve's HTTP proxy did not start (")
+        assert type(error).__name__ in str(raised.value)
+
+
+def test_a_local_cluster_gives_the_proxy_time_and_keeps_a_users_setting(monkeypatch):
+    """The ready check's 5 s is raised for a local cluster's processes (they inherit the environment), a value the
+    user set is kept, and both are gone from the environment once the cluster is closed."""
+    import os
+
+    from attnx._ray import RayConnection
+    from attnx.serve._ray import LOCAL_SERVE_SETTINGS
+
+    key = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    local = RayConnection("local")
+    local.prepare(LOCAL_SERVE_SETTINGS)
+    assert os.environ[key] == "60" and os.environ["RAY_AUTH_MODE"] == "token"
+    local.close(None)
+    assert key not in os.environ and "RAY_AUTH_MODE" not in os.environ
+    monkeypatch.setenv(key, "7")
+    local.prepare(LOCAL_SERVE_SETTINGS)
+    assert os.environ[key] == "7"
+    local.close(None)
+    assert os.environ[key] == "7"
