@@ -103,6 +103,12 @@ NOT_EXPRESSIBLE = {
     # (trust_remote_code) that transformers 5.24 does not have: no class to read the config with or check against
     "kimi_k2": ("model_type kimi_k2 is a class of Kimi K2's own code (trust_remote_code), not transformers': its "
                 "attention is DeepSeek-V3's (import a copy whose config.json says model_type deepseek_v3)"),
+    # models/deepseek_v32: DeepSeek Sparse Attention, MLA over the keys a lightning indexer picks per query
+    "deepseek_v32": ("each query attends only to the index_topk keys its lightning indexer scores highest (DeepSeek "
+                     "Sparse Attention), a selection attnx's formula does not include"),
+    # models/longcat_flash: LongcatFlashMLA scales q and the compressed kv by sqrt(hidden / rank), two attentions a layer
+    "longcat_flash": ("its MLA scales q by sqrt(hidden_size / q_lora_rank) and the compressed kv by sqrt(hidden_size / "
+                      "kv_lora_rank), and each layer holds two attentions, which attnx's latent term does not read"),
 }  # fmt: skip
 
 
@@ -238,6 +244,13 @@ ROTARY_FAMILIES: dict[str, RotaryFamily] = {
                                  "max_position_embeddings": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
                                  "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128},
                                 latent=True, interleaved=True),
+    # models/glm4_moe_lite (GLM-4.7-Flash): Glm4MoeLiteAttention is DeepseekV3Attention (its modular file derives it),
+    # under its own config defaults
+    "glm4_moe_lite": RotaryFamily({**_COMMON, "hidden_size": 2048, "num_attention_heads": 20,
+                                   "num_key_value_heads": 20, "max_position_embeddings": 202752, "rms_norm_eps": 1e-5,
+                                   "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256,
+                                   "qk_nope_head_dim": 192, "rope_interleave": True},
+                                  latent=True, interleave_key="rope_interleave"),
     # models/minicpm3: MiniCPM3Attention, DeepSeek-V2's MLA with half-split rope pairs; v_head_dim null is
     # hidden_size / heads (its config's rule)
     "minicpm3": RotaryFamily({**_COMMON, "hidden_size": 2560, "num_attention_heads": 40, "num_key_value_heads": 40,

@@ -104,6 +104,8 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
     ("config", "tensors", "kwargs", "error", "message"),
     [({"model_type": "electra"}, {}, {}, UsageError, "unknown architecture 'electra' (known: bert"),
      ({"model_type": "kimi_k2"}, {}, {}, UsageError, "its attention is DeepSeek-V3's"),
+     ({"model_type": "deepseek_v32"}, {}, {}, UsageError, "index_topk keys its lightning indexer scores highest"),
+     ({"model_type": "longcat_flash"}, {}, {}, UsageError, "scales q by sqrt(hidden_size / q_lora_rank)"),
      ({"model_type": "falcon", "alibi": True}, {}, {}, UsageError, "falcon with alibi: transformers' Falcon adds its "
       "ALiBi bias before the scale"),
      ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, {}, {}, UsageError, "qk_ln True: a LayerNorm of q and k"),

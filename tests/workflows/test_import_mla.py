@@ -1,6 +1,7 @@
-"""attnx import of DeepSeek's multi-head latent attention (MLA; the config's `latent`): tiny random DeepSeek-V3, V2 and
-MiniCPM3 checkpoints (transformers, dense MLP layers), imported and checked against transformers' own
-DeepseekV3Attention, DeepseekV2Attention and MiniCPM3Attention on a left-padded batch with Hugging Face's position_ids, full-sequence and as a prefill then
+"""attnx import of DeepSeek's multi-head latent attention (MLA; the config's `latent`): tiny random DeepSeek-V3, V2,
+GLM-4.7-Flash (glm4_moe_lite) and MiniCPM3 checkpoints (transformers, dense MLP layers), imported and checked against
+transformers' own DeepseekV3Attention, Glm4MoeLiteAttention, DeepseekV2Attention and MiniCPM3Attention on a
+left-padded batch with Hugging Face's position_ids, full-sequence and as a prefill then
 single-token steps: q through q_lora_rank and from a plain q_proj, v_head_dim unlike the qk head size, interleaved
 and half-split rope pairs, a yarn rope whose mscale enters the softmax scale; the decomposed lowering's step model
 over the latent cache too. Every lowering that cannot build a form refuses it naming the term; a planted fault
@@ -44,6 +45,10 @@ def _models():
         "v3-yarn": lambda: t.DeepseekV3Model(t.DeepseekV3Config(**SMALL, q_lora_rank=32, max_position_embeddings=64,
                                                                 rope_parameters=YARN)),
         "v2": lambda: t.DeepseekV2Model(t.DeepseekV2Config(**SMALL, q_lora_rank=32)),
+        # GLM-4.7-Flash: DeepseekV3Attention under glm4_moe_lite's config (its MLP layers by mlp_layer_types)
+        "glm4-lite": lambda: t.Glm4MoeLiteModel(t.Glm4MoeLiteConfig(**{k: v for k, v in SMALL.items()
+                                                                      if k != "first_k_dense_replace"},
+                                                                   q_lora_rank=32, mlp_layer_types=["dense"] * 2)),
         # DeepSeek-V2's MLA with half-split pairs; v_head_dim null: hidden_size / heads (16)
         "minicpm3": lambda: t.MiniCPM3Model(t.MiniCPM3Config(**{k: v for k, v in SMALL.items()
                                                                 if k not in ("first_k_dense_replace", "v_head_dim")},
