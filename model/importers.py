@@ -105,6 +105,14 @@ def _import(source: Any, layer: int, attention: str, stack: str | None, key_padd
         raise UsageError(f"model_type {model_type!r}: {NOT_EXPRESSIBLE[model_type]}: not imported")
     if model_type == "falcon" and hf.get("alibi"):
         raise UsageError(f"falcon with alibi: {_FALCON_ALIBI}: not imported")
+    if isinstance(quantized := hf.get("quantization_config"), dict):  # before any tensor is read
+        method = quantized.get("quant_method", "unnamed")
+        block = quantized.get("weight_block_size")
+        raise UsageError(f"{folder}: its weights are quantized (quantization_config: quant_method {method!r}"
+                         + (f", blocks of {block[0]}x{block[1]}" if isinstance(block, list) and len(block) == 2 else "")
+                         + "): attnx imports float weights (F32, F16, BF16); save a dequantized copy and import it "
+                         "(DeepSeek-V3's FP8: its inference/fp8_cast_bf16.py; transformers: load with the "
+                         "quantizer's dequantize=True, then save_pretrained)")  # fmt: skip
     multimodal = {"gemma3": ("Gemma 3", "gemma3_text", "Gemma 3 1B, or the text model saved on its own"),
                   "llama4": ("Llama 4", "llama4_text", "Llama4ForCausalLM's text model saved on its own")}
     if model_type in multimodal:
