@@ -180,3 +180,16 @@ def test_build_model_serves_the_latent_in_the_buffer_form_and_generate_writes_it
             engine.run(requests)
         tokens[name] = [r.tokens for r in requests]
     assert tokens["decode.onnx"] == tokens["model.onnx"] and all(len(t) == 6 for t in tokens["model.onnx"])
+
+
+def test_an_mla_block_with_int4_projections_is_kept_and_named(tmp_path):
+    """--weights int4: the block's projections become MatMulNBits, which the latent core (it writes its own
+    projections) does not write: each block is kept, saying so, never bound at the per-head tensors a reading of its
+    k and v met (which computed other numbers: a proof failing by 3.9e-4 on a tiny GLM-4.7-Flash)."""
+    from attnx.workflows import optimize_model
+
+    report = optimize_model(MODEL, tmp_path / "out.onnx", weights="int4")
+    assert [b.kept for b in report.blocks] == ["multi-head latent attention whose projections are MatMulNBits 4-bit: "
+                                               "its core writes its own projections (the absorbed step folds kv_b_proj "
+                                               "into q and the output), in float32 alone in this version: kept"] * 2
+    assert not report.written and not (tmp_path / "out.onnx").exists()

@@ -80,6 +80,11 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         rewrite.kept = f"a {block.dtype} block: attnx proves fp32 and fp16 blocks"
         return None
     kept_projections = block.quantization is not None or block.dtype != "fp32"
+    if kept_projections and block.config is not None and block.config.latent is not None:
+        rewrite.kept = (f"multi-head latent attention whose projections are {projections_said(block)}: its core "
+                        "writes its own projections (the absorbed step folds kv_b_proj into q and the output), in "
+                        "float32 alone in this version: kept")  # fmt: skip
+        return None
     config, weights = block.config, block.weights
     rope_repaired = False
     if source is not None:
