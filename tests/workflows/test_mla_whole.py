@@ -193,3 +193,44 @@ def test_an_mla_block_with_int4_projections_is_kept_and_named(tmp_path):
                                                "its core writes its own projections (the absorbed step folds kv_b_proj "
                                                "into q and the output), in float32 alone in this version: kept"] * 2
     assert not report.written and not (tmp_path / "out.onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def int4_model(tmp_path_factory):
+    from attnx.export import save_model
+    from attnx.workflows.rewrite.weights import quantize_weights_file
+
+    path, _ = quantize_weights_file(MODEL, MODEL, "int4", str(tmp_path_factory.mktemp("int4")), save_model)
+    return path
+
+
+def test_an_int4_mla_export_audits_as_its_float32_twin_and_says_so(int4_model):
+    """At accuracy_level 4 MatMulNBits also rounds q_b_proj's and kv_b_proj's inputs to int8, which no error model
+    follows yet (held as the per-head blocks' x and z are, each block failed by 3-6x its bound): each block is
+    checked with float32 compute, the gap named; against the checkpoint each weight, kv_a_proj_with_mqa's too, within
+    its 4-bit step."""
+    for checkpoint in (None, CHECKPOINT):
+        report = audit_model(int4_model, checkpoint=checkpoint)
+        assert report.passed and [b.index for b in report.blocks] == [0, 1]
+        for block in report.blocks:
+            assert all(block.checks) and not block.findings
+            assert len(block.not_checked) == 1 and "checked with its MatMulNBits computing in float32" in \
+                block.not_checked[0]
+
+
+def test_an_int4_mla_weight_off_by_more_than_its_step_is_found_against_the_checkpoint(int4_model, tmp_path):
+    model = onnx.load(int4_model)
+    widths = {n.name: next(a.i for a in n.attribute if a.name == "N") for n in model.graph.node
+              if n.op_type == "MatMulNBits"}  # fmt: skip
+    # layer 0's kv_a_proj_with_mqa: [compressed kv (16) | rope key (8)], the one projection 24 wide
+    node = next(n for n in model.graph.node if widths.get(n.name) == 24)
+    scales = next(t for t in model.graph.initializer if t.name == node.input[2])
+    values = onnx.numpy_helper.to_array(scales).copy()
+    values.flat[0] *= 2  # one block of one output channel twice as large
+    scales.CopyFrom(onnx.numpy_helper.from_array(values, scales.name))
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    report = audit_model(str(path), checkpoint=CHECKPOINT, layers=[0])
+    assert not report.passed
+    assert any("kv_a_proj_with_mqa.weight differs from the checkpoint's by more than its 4-bit step" in f
+               for f in report.blocks[0].findings)

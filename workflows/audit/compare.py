@@ -23,6 +23,12 @@ def compare_terms(block: Any, config: AttentionConfig, weights: dict[str, np.nda
     return found + list(compare_weights(block, config, weights, layer, source).values())
 
 
+def is_projection_weight(name: str) -> bool:
+    """A projection's weight, which a quantized graph holds in MatMulNBits blocks (the latent's kv_a_proj_with_mqa
+    among them)."""
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
 def compare_weights(block: Any, config: AttentionConfig, weights: dict[str, np.ndarray], layer: int,
                     source: str = "the checkpoint") -> dict[str, str]:  # fmt: skip
     """Each weight of the graph (dequantized where quantized) that differs from the source layer's, by name, with
@@ -48,7 +54,7 @@ def compare_weights(block: Any, config: AttentionConfig, weights: dict[str, np.n
             continue
         ref = np.asarray(theirs, np.float64)
         diff = np.abs(ours - ref)
-        if quantized and name.endswith("_proj.weight"):
+        if quantized and is_projection_weight(name):
             # b-bit blocks along the input: each weight within one step of its block (|w| max of the block / levels)
             n, bits = int(block.quantization.get("block_size", 32)), int(block.quantization.get("bits", 4))
             levels = 2 ** (bits - 1) - 1
