@@ -185,14 +185,19 @@ def test_build_model_serves_the_latent_in_the_buffer_form_and_generate_writes_it
 def test_an_mla_block_with_int4_projections_is_kept_and_named(tmp_path):
     """--weights int4: the block's projections become MatMulNBits, which the latent core (it writes its own
     projections) does not write: each block is kept, saying so, never bound at the per-head tensors a reading of its
-    k and v met (which computed other numbers: a proof failing by 3.9e-4 on a tiny GLM-4.7-Flash)."""
+    k and v met (which computed other numbers: a proof failing by 3.9e-4 on a tiny GLM-4.7-Flash); the int4 model
+    is written."""
     from attnx.workflows import optimize_model
 
     report = optimize_model(MODEL, tmp_path / "out.onnx", weights="int4")
     assert [b.kept for b in report.blocks] == ["multi-head latent attention whose projections are MatMulNBits 4-bit: "
                                                "its core writes its own projections (the absorbed step folds kv_b_proj "
                                                "into q and the output), in float32 alone in this version: kept"] * 2
-    assert not report.written and not (tmp_path / "out.onnx").exists()
+    # the weights are what changed: the int4 model is written, its blocks as they are, its distance said
+    assert report.passed and report.written and (tmp_path / "out.onnx").exists()
+    assert any(str(p).startswith("pass: no block rewritten: the model written with its MatMul weights quantized")
+               for p in report.proofs)
+    assert "distance" in report.weights
 
 
 @pytest.fixture(scope="module")

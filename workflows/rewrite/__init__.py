@@ -146,7 +146,7 @@ def optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str | 
         quantized, record = quantize_weights_file(whole.model, model_path, weights, work, save_model, say)
         report = _optimize_model(quantized, out_path, checkpoint=checkpoint, provider=provider, core=core,
                                  progress=progress, source=source, serve=serve, lowerings=lowerings,
-                                 measure_lowerings=lowering == MEASURE)  # fmt: skip
+                                 measure_lowerings=lowering == MEASURE, quantized=True)  # fmt: skip
         report.model = model_path
         report.weights = record.to_dict()
         report.proofs.insert(0, Proof(ProofStatus.SAID, record.said()))
@@ -174,7 +174,7 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
                     json_path: str | None = None, provider: str = "cpu", core: str = AUTO_CORE,
                     progress: Callable[[str], None] | None = None, source: CheckpointLayers | None = None,
                     serve: bool = False, lowerings: tuple[str, ...] = LOWERINGS_TRIED,
-                    measure_lowerings: bool = False) -> ModelOptimizeReport:  # fmt: skip
+                    measure_lowerings: bool = False, quantized: bool = False) -> ModelOptimizeReport:  # fmt: skip
     say = progress or (lambda _m: None)
     check_choice("--provider", provider, PROVIDERS)
     unavailable = backend_unavailable_reason(PROVIDERS[provider].backend)  # asked for it: never another in its place
@@ -238,7 +238,8 @@ def _optimize_model(model: str | WholeModel, out_path: str, *, checkpoint: str |
     with output_lock(out_path), Staging(out_path) as stage:
         say(f"writing {len(plans)} rewritten block(s) to a staging file")
         save_model(whole.model, stage.path())
-        report.passed = prove(report, whole, stage.path(), checkpoint, plans, say, provider, caches, source)
+        report.passed = prove(report, whole, stage.path(), checkpoint, plans, say, provider, caches, source,
+                              quantized)  # fmt: skip
         if report.passed and plans:  # with no block rewritten, before and after are one graph
             say(f"timing the whole model before and after on {provider}")
             # the whole model's within every block's positions (a block's own rotary table may be shorter)
