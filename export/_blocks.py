@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import onnx_ir as ir
 
 from attnx.export.cores import GRAPH_CORES, Block, core_of_node
+from attnx.export.cores._block import IF_OF_BRANCH, mark_branches
 from attnx.export.passes.walk import NotRead
 
 __all__ = ["Block", "Blocks", "block_cores", "block_nodes", "iter_blocks", "read_blocks", "release_external"]
@@ -50,6 +51,7 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if id(node.graph) in read_whole:
             continue
+        mark_branches(node)  # a block read in one branch of an If is its block: its other branches not read again
         core = core_of_node(node)
         if core is None:
             continue
@@ -74,6 +76,9 @@ def iter_blocks(model: ir.Model, unread: list[str], wanted: Callable[[int], bool
         except Exception as e:  # noqa: BLE001 - an untrusted graph's values (heads 0, sizes that do not add up)
             why = f"{type(e).__name__}: {e}"
         release_external(model)  # after the exception and its traceback (views of the mapped data) are gone
+        owner = node.graph.meta.get(IF_OF_BRANCH) if node.graph is not None else None
+        if owner is not None:  # attnx's latent step: its block read in the branch met first (or named there)
+            read_whole.update(id(graph) for graph in mark_branches(owner))
         if block is None:
             unread.append(f"node {name}: not read as attention: {why}")
             continue

@@ -110,15 +110,40 @@ def quantization(node: ir.Node) -> dict[str, Any] | None:
             "accuracy_level": a.get_int("accuracy_level", 0), "zero_points": zero_points}  # fmt: skip
 
 
+# the If a branch graph belongs to, in the branch's meta (mark_branches: onnx-ir's graphs know no parent)
+IF_OF_BRANCH = "attnx.if_of_branch"
+
+
+def mark_branches(node: ir.Node) -> list[ir.Graph]:
+    """An If's branch graphs, each marked as `node`'s (IF_OF_BRANCH); [] for any other node."""
+    if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+        return []
+    graphs = [a.value for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH]
+    for graph in graphs:
+        graph.meta[IF_OF_BRANCH] = node
+    return graphs
+
+
+def out_of_branch(value: ir.Value) -> ir.Value:
+    """Where `value`, an output of an If's branch (marked: mark_branches), leaves it: the If's output of its index
+    (attnx's latent step, an If between its prompt's and its step's heads); `value` itself otherwise."""
+    node = value.producer()
+    graph = node.graph if node is not None else None
+    owner = graph.meta.get(IF_OF_BRANCH) if graph is not None else None
+    if owner is None or value not in graph.outputs:
+        return value
+    return owner.outputs[list(graph.outputs).index(value)]
+
+
 def output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Block) -> ir.Value:
     """The MatMul (with its bias Add) reading a core's output, through the Reshape/Transpose that merge the
     heads: its weights into `weights` (out_proj.*); returns the block's output value."""
-    value = out
+    value = out_of_branch(out)
     while (users := [u for u, _ in value.uses()]) and len(users) == 1 and users[0].domain in ("", "ai.onnx") and (
         users[0].op_type in ("Reshape", "Transpose")
         or (users[0].op_type == "Where" and users[0].inputs[1] is value and const_array(users[0].inputs[2]) is not None)
-    ):  # the heads merged; a row no key may see set to a constant
-        value = users[0].outputs[0]
+    ):  # the heads merged; a row no key may see set to a constant; an If's branch left by its output
+        value = out_of_branch(users[0].outputs[0])
     o_node = next((u for u in users if is_op(u, "MatMul") or is_op(u, "MatMulNBits", (MS_DOMAIN,))
                    or flat_gemm(u) is not None), None)  # fmt: skip
     if o_node is None:

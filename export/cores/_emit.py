@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from attnx.export._graph import Graph, heads, linear
 from attnx.export._llm import norm_and_rotate
@@ -181,6 +181,30 @@ class Emit:
         g.op("TensorScatter", past, new, span.write, axis=2, name=present)
         end = g.op("Unsqueeze", span.total, g.ints("axis0", [0]))
         return g.op("Slice", present, g.ints("zero1", [0]), end, g.ints("axis2", [2]))
+
+
+def branches_of(e: Emit, builds: dict[str, Callable[[], str]],
+                outputs: tuple[str, ...] = ("present_key", "present_value")) -> dict[str, object]:  # fmt: skip
+    """Each build's nodes moved out of the main graph into a branch graph of its own (an If's), its values renamed
+    with the build's name (q/grouped-mha, ...), so that no name is made twice; its outputs the value the build
+    returns (z), then `outputs` (the caches a branch writes). The constants stay in the main graph, which every
+    branch reads; the branches' stages are not the main graph's."""
+    g = e.g
+    made, main_stages = {}, set(g.stages)
+    for core, build in builds.items():
+        start = len(g.nodes)
+        z = build()
+        nodes, g.nodes[start:] = g.nodes[start:], []
+        renamed = {out: f"{out}/{core}" for node in nodes for out in node.output if out}
+        for node in nodes:
+            node.input[:] = [renamed.get(i, i) for i in node.input]
+            node.output[:] = [renamed.get(o, o) for o in node.output]
+            node.name = f"{node.name}/{core}"
+        values = [helper.make_tensor_value_info(renamed[v], TensorProto.FLOAT, None) for v in (z, *outputs)]
+        made[core] = helper.make_graph(nodes, core, [], values)
+    for name in set(g.stages) - main_stages:
+        del g.stages[name]
+    return made
 
 
 Emitter = Callable[[Emit], str]

@@ -5,16 +5,15 @@ core, which masks each row as its padding asks)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from attnx.export._graph import call_seq, call_tokens, span
 from attnx.export.cores._block import Block, read_separate
-from attnx.export.cores._emit import Emit, packed_projection
+from attnx.export.cores._emit import Emit, branches_of, packed_projection
 from attnx.export.cores._registry import CoreGraph, float_attr, int_attr, present, register
 from attnx.export.cores.gqa import _gqa_buffer, gqa_attend
 from attnx.export.cores.grouped_mha import _grouped_mha, grouped_mha_attend, rows_bias_grid
@@ -27,29 +26,6 @@ def _auto(e: Emit) -> str:
     if e.form == "growing":
         return _auto_growing(e)
     return _auto_buffer(e)
-
-
-def _branches(e: Emit, builds: dict[str, Callable[[], str]]) -> dict[str, object]:
-    """Each build's nodes moved out of the main graph into a branch graph of its own, its values renamed with the
-    core's name (q/grouped-mha, ...), so that no name is made twice; its outputs z, present_key and present_value.
-    The constants stay in the main graph, which every branch reads; the branches' stages are not the main graph's."""
-    g = e.g
-    branches, main_stages = {}, set(g.stages)
-    for core, build in builds.items():
-        start = len(g.nodes)
-        z = build()
-        nodes, g.nodes[start:] = g.nodes[start:], []
-        renamed = {out: f"{out}/{core}" for node in nodes for out in node.output if out}
-        for node in nodes:
-            node.input[:] = [renamed.get(i, i) for i in node.input]
-            node.output[:] = [renamed.get(o, o) for o in node.output]
-            node.name = f"{node.name}/{core}"
-        outputs = [helper.make_tensor_value_info(renamed[v], TensorProto.FLOAT, None)
-                   for v in (z, "present_key", "present_value")]  # fmt: skip
-        branches[core] = helper.make_graph(nodes, core, [], outputs)
-    for name in set(g.stages) - main_stages:
-        del g.stages[name]
-    return branches
 
 
 def _auto_growing(e: Emit) -> str:
@@ -74,7 +50,7 @@ def _auto_growing(e: Emit) -> str:
         grouped = g.op("Or", grouped, g.op("Cast", padded, to=TensorProto.BOOL))
     unpadded = dataclasses.replace(e, c=dataclasses.replace(c, key_padding_mask=False))  # the same graph, no mask
     seen = visibility(g, c, e.kpm, True)  # the grouped branch's grid, outside the If: what the audit reads and runs
-    branches = _branches(e, {"grouped-mha": lambda: grouped_mha_attend(e, q, k, v, seen),
+    branches = branches_of(e, {"grouped-mha": lambda: grouped_mha_attend(e, q, k, v, seen),
                              "gqa": lambda: gqa_attend(unpadded, q, k, v)})  # fmt: skip
     g.op("If", grouped, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])
     g.nodes[-1].output[:] = [z := g.stage("z"), "present_key", "present_value"]
@@ -89,7 +65,7 @@ def _auto_buffer(e: Emit) -> str:
     which both branches read."""
     g = e.g
     qkv = packed_projection(e)
-    branches = _branches(e, {"grouped-mha": lambda: _grouped_mha(e, qkv), "gqa": lambda: _gqa_buffer(e, qkv)})
+    branches = branches_of(e, {"grouped-mha": lambda: _grouped_mha(e, qkv), "gqa": lambda: _gqa_buffer(e, qkv)})
     tokens = call_tokens(g)  # [1]: the call's token count
     one_token = g.op("Squeeze", g.op("Equal", tokens, g.ints("one_token", [1])), g.ints("axis0", [0]))
     g.op("If", one_token, outputs=3, then_branch=branches["grouped-mha"], else_branch=branches["gqa"])

@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._latent import latent_heads
+from attnx.export._latent import LatentHeads, absorbed, expanded, latent_heads, latent_parts, prompt_expands
 from attnx.export.cores._absorbed_block import absorbed_latents, read_absorbed_block
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
-from attnx.export.cores._emit import Emit, cache_heads
+from attnx.export.cores._emit import Emit, branches_of, cache_heads
 from attnx.export.cores._latent_block import read_latent_block
 from attnx.export.cores._registry import CoreGraph, register
 from attnx.export.passes._masks import classify_hidden
@@ -35,22 +35,41 @@ def _decomposed(e: Emit) -> str:
     logit column dropped after the softmax (each term's entry in attnx.export.terms). The buffer form: each row's
     positions from seqlens_k (Emit.buffer_span), its new tokens written into the cache buffer by TensorScatter-24 and
     the buffer's first total_sequence_length positions read (Emit.cached), the masks at each row's
-    own positions."""
+    own positions. A latent step: the cache written once, then an If on the call between the expanded heads (a
+    prompt) and the absorbed ones (a step), attnx.export._latent."""
     c, g = e.c, e.g
-    H, Hkv, G, hd, vhd = c.n_heads, c.n_kv_heads, c.group_size, c.head_dim, c.v_head_dim
     span = e.buffer_span() if e.form == "buffer" else None  # before the rope, which reads its positions
-    finish = None  # what makes the heads' outputs each head's z (the latent's absorbed form: W_uv)
-    if c.latent is not None:  # the heads of the cached latents: expanded, or absorbed in a step (attnx.export._latent)
-        q, present_k, present_v, Hkv, hd, vhd, finish = latent_heads(e)
-        G = H // Hkv
+    if c.latent is not None and e.step:
+        q, latents = latent_parts(e)
+        latents = e.cached("past_latent", latents, "present_latent")  # growing: joined; buffer: written in place
+        seen = visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None)
+        expands = prompt_expands(e, latents)
+        if expands is None:
+            return _attend(e, absorbed(e, q, latents), seen)
+        # the absorbed branch is the If's else_branch, which a reader meets first (attributes in name order)
+        made = branches_of(e, {"expanded": lambda: _attend(e, expanded(e, q, latents), seen),
+                               "absorbed": lambda: _attend(e, absorbed(e, q, latents), seen)}, ())  # fmt: skip
+        return g.op("If", expands, then_branch=made["expanded"], else_branch=made["absorbed"], name=g.stage("z"))
+    if c.latent is not None:  # the full-sequence graph: the expanded heads (attnx.export._latent)
+        heads = latent_heads(e)
     else:
         q, k, v = e.projections()
         q, k = e.scored(q, k)
         present_k, present_v = cache_heads(e, k, v)
-    hidden, visible = visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None)
+        heads = LatentHeads(q, present_k, present_v, c.n_kv_heads, c.head_dim, c.v_head_dim)
+    return _attend(e, heads, visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None))
+
+
+def _attend(e: Emit, heads: LatentHeads, seen: tuple[str | None, str | None]) -> str:
+    """z [B, S, H*vhd] of q scored against the keys and values `heads` holds (per-head, or the latent's), the masks'
+    grid `seen` (hidden, visible: attnx.export.visibility)."""
+    c, g = e.c, e.g
+    q, present_k, present_v, Hkv, hd, vhd, finish = heads
+    H, G = c.n_heads, c.n_heads // Hkv
+    hidden, visible = seen
     # q [B, S, H*hd] -> [B, S, Hkv, G, hd] -> [B, Hkv, G, S, hd] -> [B, Hkv, G*S, hd]
-    q5 = g.op("Transpose", g.op("Reshape", q, g.ints("q_shape", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
-    qg = g.op("Reshape", q5, g.ints("qg_shape", [0, 0, -1, hd]))
+    q5 = g.op("Transpose", g.op("Reshape", q, g.ints(f"q_shape_{Hkv}_{hd}", [0, 0, Hkv, G, hd])), perm=[0, 2, 3, 1, 4])
+    qg = g.op("Reshape", q5, g.ints(f"qg_shape_{hd}", [0, 0, -1, hd]))
     scores = g.op("MatMul", qg, g.op("Transpose", present_k, perm=[0, 1, 3, 2]))  # [B, Hkv, G*S, T]
     scores = g.op("Mul", scores, g.const("scale", np.asarray(c.softmax_scale, np.float32)))
     scores = emit_scores(g, c, scores)  # the terms on the scores after the scale, before the masks (a softcap)
@@ -62,8 +81,8 @@ def _decomposed(e: Emit) -> str:
     if hidden is not None:
         scores = g.op("Where", hidden, e.lowest(), scores)
     p = emit_softmax(g, c, e.weights, scores, g.stage("probs", "b h t s"))  # with a sink's column, dropped after
-    p = g.op("Reshape", p, g.ints("bkgst", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
-    z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints("bhsv", [0, H, -1, vhd]))  # [B, H, S, vhd]
+    p = g.op("Reshape", p, g.ints(f"bkgst_{Hkv}", [0, Hkv, -1, 0]))  # [B, Hkv, G*S, T]
+    z = g.op("Reshape", g.op("MatMul", p, present_v), g.ints(f"bhsv_{vhd}", [0, H, -1, vhd]))  # [B, H, S, vhd]
     if finish is not None:
         z = finish(z)  # [B, H, S, v_head_dim]
     if visible is not None:

@@ -172,3 +172,62 @@ def test_what_a_cached_token_costs_is_read_from_the_cache_layout():
     assert plain.cache_values() == 4 * (24 + 16)
     assert cache_bytes(step, 2, 10) == 2 * 10 * 40 * 4
     assert step_bytes(step, 99) - step_bytes(step, 49) == 50 * 40 * 4  # 50 more cached tokens read
+
+
+@pytest.mark.parametrize(("calls", "expands"), [
+    ((16, 0), True),  # a prompt: expanded, always
+    ((1, 0), True),  # a one-token prompt: either (no key to spare), expanded
+    ((1, 100), False),  # a step: absorbed
+    ((4, 4096), False),  # a short chunk after a long cache: expanding 4100 keys costs more than 4 rows absorbed
+    ((512, 2048), True),  # DeepSeek-V3's own sizes: S (P + S) 832 > P 131072
+])  # fmt: skip
+def test_the_step_model_expands_a_prompt_and_absorbs_a_step(calls, expands):
+    """The latent step model's If (attnx.export._latent.prompt_expands) at DeepSeek-V3's head sizes (rope 64, kv rank
+    512, nope 128, v 128; 2 heads): the expanded heads where they cost fewer multiply-adds, the absorbed ones
+    otherwise; the cache written once, outside it."""
+    import onnx
+    import onnxruntime as ort
+
+    config = AttentionConfig(d_model=64, n_heads=2, head_dim=192, v_head_dim=128, causal=True, kv_cache=True,
+                             rope={"theta": 10000.0, "dim": 64, "interleaved": True},
+                             latent={"kv_lora_rank": 512, "q_lora_rank": None, "eps": 1e-6})  # fmt: skip
+    from attnx.export._emit import build_model
+
+    model = build_model(config, init_weights(config, seed=0), "decomposed")
+    (switch,) = [n for n in model.graph.node if n.op_type == "If"]
+    assert sorted(a.g.name for a in switch.attribute) == ["absorbed", "expanded"]
+    assert {n.op_type for n in model.graph.node} >= {"Concat"} and "present_latent" in {o.name for o in
+                                                                                         model.graph.output}
+    model.graph.output.append(onnx.helper.make_tensor_value_info(switch.input[0], onnx.TensorProto.BOOL, []))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    seq, past = calls
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((1, seq, 64), dtype=np.float32),
+             "past_latent": rng.standard_normal((1, 1, past, 576), dtype=np.float32),
+             "position_ids": np.arange(past, past + seq, dtype=np.int64)[None]}  # fmt: skip
+    assert bool(session.run([switch.input[0]], feeds)[0]) is expands
+
+
+def test_a_chunk_after_the_cache_through_either_branch_agrees_with_the_reference():
+    """A prefill, then a chunk that the If expands (8 tokens after 1) and one it absorbs (2 after 9), then steps,
+    against the float64 formula: both branches compute it."""
+    import onnxruntime as ort
+
+    from attnx.export._emit import build_model
+    from attnx.model.tolerance import problem_size, tolerance_for
+    from attnx.runtimes.compare import compare_arrays
+
+    step = dataclasses.replace(MLA, kv_cache=True, key_padding_mask=False)
+    weights = init_weights(step, seed=3)
+    x = np.random.default_rng(5).standard_normal((2, 14, 64)).astype(np.float32)
+    full, positions = dataclasses.replace(step, kv_cache=False), np.tile(np.arange(14), (2, 1))
+    ref = reference_attention(full, weights, x, position_ids=positions)
+    session = ort.InferenceSession(build_model(step, weights, "decomposed").SerializeToString(),
+                                   providers=["CPUExecutionProvider"])  # fmt: skip
+    past, ys = np.zeros((2, 1, 0, 40), np.float32), []
+    for start, end in ((0, 1), (1, 9), (9, 11), (11, 12), (12, 14)):
+        y, past = session.run(["y", "present_latent"], {"x": x[:, start:end], "past_latent": past,
+                                                         "position_ids": np.tile(np.arange(start, end), (2, 1))})
+        ys.append(y)
+    size = problem_size(full, weights, {"x": x, "position_ids": positions})
+    assert compare_arrays("chunks", np.concatenate(ys, axis=1), ref, tolerance_for("fp32"), size)
