@@ -124,6 +124,7 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
      ({"model_type": "bloom", "n_embed": 30, "n_head": 4}, {}, {}, UsageError, "hidden size 30 is not divisible by 4"),
      ({"model_type": "mpt"}, {}, {"attention": "cross"}, UsageError, "decoder self-attention only"),
      ({"model_type": "gemma3"}, {}, {}, UsageError, "a gemma3_text checkpoint"),
+     ({"model_type": "kimi_k25"}, {}, {}, UsageError, "is Kimi K2.5's multimodal checkpoint"),
      ({"model_type": "llama", "num_hidden_layers": 2}, {}, {"layer": 5}, UsageError, "llama has 2 layers: no layer 5"),
      ({"model_type": "qwen2"}, {}, {"attention": "cross"}, UsageError, "decoder self-attention only"),
      ({"model_type": "t5", "d_model": 24, "num_heads": 3, "d_kv": 8}, {}, {}, UsageError, "relative position bias"),
