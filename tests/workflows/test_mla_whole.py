@@ -145,6 +145,28 @@ def test_a_written_absorbed_block_whose_w_uv_differs_is_found_against_the_checkp
     assert not found.blocks[0].findings and any("kv_b_proj" in f for f in found.blocks[1].findings)
 
 
+def test_a_fault_in_the_prompts_branch_alone_is_found(optimized, tmp_path):
+    """The written step takes an If: the expanded heads for a prompt, the absorbed ones for a step. The reader reads
+    the absorbed branch, and the block's checks run both: W_uv 1% off in block 1's expanded branch alone (the
+    absorbed one reads the true W_uv) fails its full-sequence check; block 0 passes."""
+    model = onnx.load(optimized["sdpa"][1])
+    (switch,) = [n for n in model.graph.node if n.op_type == "If" and n.name.startswith("attnx/block1/")]
+    expanded = next(a.g for a in switch.attribute if a.name == "then_branch")
+    assert expanded.name == "expanded"
+    w_uv = next(t for t in model.graph.initializer if t.name.startswith("attnx/block1/") and "v_half" in t.name)
+    faulty = onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(w_uv) * 1.01, f"{w_uv.name}/faulty")
+    model.graph.initializer.append(faulty)
+    uses = [n for n in expanded.node if w_uv.name in n.input]
+    assert len(uses) == 1
+    uses[0].input[list(uses[0].input).index(w_uv.name)] = faulty.name
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    found = audit_model(str(path))
+    assert found.blocks[0].passed and not found.blocks[1].passed
+    failing = [c.name for c in found.blocks[1].checks if not c]
+    assert any(name.startswith("full sequence") for name in failing), failing
+
+
 def test_build_model_serves_the_latent_in_the_buffer_form_and_generate_writes_it_in_place(tmp_path):
     """attnx build --model of the DeepSeek-V3 export: each block written again in the buffer form by the decomposed
     core's emitter (no fused core computes the latent), its cache one latent buffer a layer, written in place by
