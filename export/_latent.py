@@ -33,10 +33,10 @@ from attnx.export._llm import _rope_cos_sin, _rotate
 if TYPE_CHECKING:  # (export.cores' decomposed emitter imports this module)
     from attnx.export.cores._emit import Emit
 
-__all__ = ["LatentHeads", "absorbed", "expanded", "latent_heads", "latent_parts", "prompt_expands"]
+__all__ = ["Heads", "absorbed", "expanded", "latent_heads", "latent_parts", "prompt_expands"]
 
 
-class LatentHeads(NamedTuple):
+class Heads(NamedTuple):
     """What the core scores (the module doc's two forms): q [B, S, H * qk_dim], k [B, kv_heads, T, qk_dim], v
     [B, kv_heads, T, v_dim], and `finish`, which makes the heads' outputs [B, H, S, v_dim] each head's z [B, H, S,
     v_head_dim] (None: they are)."""
@@ -86,7 +86,7 @@ def latent_parts(e: Emit) -> tuple[str, str]:
     return q, g.op("Unsqueeze", latent, g.ints("latent_axis_1", [1]))  # [B, 1, S, r + R]: one "head"
 
 
-def latent_heads(e: Emit) -> LatentHeads:
+def latent_heads(e: Emit) -> Heads:
     """The heads the decomposed core scores for a latent config's full-sequence graph: the expanded form, kv_b_proj
     one MatMul over this call's latents (what the latent block reader reads back)."""
     c, g, w = e.c, e.g, e.weights
@@ -97,7 +97,7 @@ def latent_heads(e: Emit) -> LatentHeads:
               perm=[0, 2, 1, 3])  # [B, H, T, nope + vhd]  # fmt: skip
     k_rot = g.op("Expand", _cut(g, latent, 0, r), g.ints("latent_heads", [1, H, 1, 1]))  # [B, H, T, r]
     k = g.op("Concat", k_rot, _cut(g, kv, 0, nope), axis=-1)
-    return LatentHeads(q, k, _cut(g, kv, nope, nope + c.v_head_dim), H, c.head_dim, c.v_head_dim)
+    return Heads(q, k, _cut(g, kv, nope, nope + c.v_head_dim), H, c.head_dim, c.v_head_dim)
 
 
 def _halves(e: Emit) -> tuple[str, str]:
@@ -109,7 +109,7 @@ def _halves(e: Emit) -> tuple[str, str]:
             g.const("kv_b_proj.v_half.T", np.ascontiguousarray(w_kv[:, nope:].transpose(0, 2, 1))))  # fmt: skip
 
 
-def absorbed(e: Emit, q: str, latents: str) -> LatentHeads:
+def absorbed(e: Emit, q: str, latents: str) -> Heads:
     """The absorbed form (the module doc) of q [B, S, H*hd] ([rope | nope] heads) and the latents [B, 1, T, r + R]."""
     c, g = e.c, e.g
     H, r, R, hd = c.n_heads, c.rope.dim, c.latent.kv_lora_rank, c.head_dim
@@ -124,10 +124,10 @@ def absorbed(e: Emit, q: str, latents: str) -> LatentHeads:
 
     # v: the latents whole, so that the cache is read as it is (a Slice of its compressed kv would copy the cache a
     # step: measurements/mla_decode_gpu); the rope key's columns of p.v are dropped from the small output instead
-    return LatentHeads(q_abs, latents, latents, 1, r + R, r + R, finish)
+    return Heads(q_abs, latents, latents, 1, r + R, r + R, finish)
 
 
-def expanded(e: Emit, q: str, latents: str) -> LatentHeads:
+def expanded(e: Emit, q: str, latents: str) -> Heads:
     """The expanded form over the latents [B, 1, T, r + R] from kv_b_proj's halves (the step's constants, stored
     once): k_nope^T = W_uk latent_kv^T per head, v = latent_kv W_uv^T."""
     c, g = e.c, e.g
@@ -138,7 +138,7 @@ def expanded(e: Emit, q: str, latents: str) -> LatentHeads:
                               g.ints("latent_heads", [1, H, 1, 1])),
                g.op("MatMul", w_uk, kv_t), axis=2)  # [B, H, hd, T]: each head's keys [rope | nope], transposed
     v = g.op("MatMul", _cut(g, latents, r, r + R), w_uv)  # [B, H, T, vhd]
-    return LatentHeads(q, g.op("Transpose", k_t, perm=[0, 1, 3, 2]), v, H, hd, vhd)
+    return Heads(q, g.op("Transpose", k_t, perm=[0, 1, 3, 2]), v, H, hd, vhd)
 
 
 def prompt_expands(e: Emit, latents: str) -> str | None:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export._latent import LatentHeads, absorbed, expanded, latent_heads, latent_parts, prompt_expands
+from attnx.export._latent import Heads, absorbed, expanded, latent_heads, latent_parts, prompt_expands
 from attnx.export.cores._absorbed_block import absorbed_latents, read_absorbed_block
 from attnx.export.cores._block import Block, hidden_state, keep, output_projection, path_cache
 from attnx.export.cores._emit import Emit, branches_of, cache_heads
@@ -56,11 +56,11 @@ def _decomposed(e: Emit) -> str:
         q, k, v = e.projections()
         q, k = e.scored(q, k)
         present_k, present_v = cache_heads(e, k, v)
-        heads = LatentHeads(q, present_k, present_v, c.n_kv_heads, c.head_dim, c.v_head_dim)
+        heads = Heads(q, present_k, present_v, c.n_kv_heads, c.head_dim, c.v_head_dim)
     return _attend(e, heads, visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None))
 
 
-def _attend(e: Emit, heads: LatentHeads, seen: tuple[str | None, str | None]) -> str:
+def _attend(e: Emit, heads: Heads, seen: tuple[str | None, str | None]) -> str:
     """z [B, S, H*vhd] of q scored against the keys and values `heads` holds (per-head, or the latent's), the masks'
     grid `seen` (hidden, visible: attnx.export.visibility)."""
     c, g = e.c, e.g

@@ -1,7 +1,8 @@
 """The absorbed step before and after the change that reads v as the latents whole (the rope columns dropped from
 p.v instead of a Slice that copies the cache a step), in one run on the CPU: a DeepSeek-shaped layer of 16 heads
 (d_model 1024, qk head 192, v head 128, rope 64, kv_lora_rank 512, q_lora_rank 256), fp32, batch 4, 8192 cached
-tokens; the old form rebuilt by wrapping attnx.export._latent._absorbed.
+tokens; the old form rebuilt by wrapping attnx.export._latent._absorbed. It wraps that commit's internals: run it
+at 5c049d2 (the step model has since become an If of the expanded and absorbed forms).
 
     python ab_cpu.py [ROUNDS]
 """
