@@ -91,6 +91,9 @@ class Block:
     # a cache the graph keeps as several tensors that one core's cache joins (CacheSpec.parts): part -> (past input,
     # present output); per-head keys and values are inputs["past_key"] and outputs["present_key"] and the like
     cache_parts: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # each quantized projection a core that writes its own projections takes as it is (the latent's): its weight's
+    # name -> the MatMulNBits's inputs after x (the graph's tensors, by name) and attributes (nbits_of)
+    nbits: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "node": self.node, "core": self.core,
@@ -133,6 +136,15 @@ def out_of_branch(value: ir.Value) -> ir.Value:
     if owner is None or value not in graph.outputs:
         return value
     return owner.outputs[list(graph.outputs).index(value)]
+
+
+def nbits_of(node: ir.Node) -> dict[str, Any] | None:
+    """A MatMulNBits projection as a core may write it again: its inputs after x by name (None: absent) and its
+    attributes; None for any other node."""
+    if not is_op(node, "MatMulNBits", (MS_DOMAIN,)):
+        return None
+    return {"inputs": [v.name if v is not None else None for v in node.inputs[1:]],
+            "attributes": {name: attr.value for name, attr in node.attributes.items()}}  # fmt: skip
 
 
 def output_projection(out: ir.Value, weights: dict[str, np.ndarray], block: Block) -> ir.Value:

@@ -20,12 +20,13 @@ sizes in Block.cache_sizes. What does not fit raises NotRead naming it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
 
-from attnx.export.cores._block import Block, hidden_state, keep, output_projection
+from attnx.export.cores._block import Block, hidden_state, keep, nbits_of, output_projection
 from attnx.export.passes._base import const_array
 from attnx.export.passes.walk import (
     NotRead,
@@ -66,7 +67,8 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
     if w_kvb.shape[1] % n_heads or v_head_dim <= 0:
         raise NotRead(f"kv_b_proj {w_kvb.shape[1]} wide is not {n_heads} heads' k_nope ({nope}) and v")
     hidden_state(block, first)
-    block.outputs["y"] = output_projection(pv.outputs[0], weights, block).name
+    y = output_projection(pv.outputs[0], weights, block)
+    block.outputs["y"] = y.name
     block.reading.rope = _rope_tables(rope_part, q_value)
     interleaved = block.reading.rope.interleaved
     past_rope, present_rope = _rope_cache(rope_part)
@@ -79,6 +81,14 @@ def read_latent_block(block: Block, q_value: ir.Value, kv_b: ir.Node, pv: ir.Nod
         block.cache_parts = {COMPRESSED_KV: (past_kv.name, present_kv.name),
                              ROPE_KEY: (past_rope.name, present_rope.name)}  # fmt: skip
     config = kv.config(n_heads, head_dim, v_head_dim, scale, interleaved, q_lora)
+    # the quantized projections as they are, for a core that writes its own projections (plan_block, splice)
+    projections = {"kv_b_proj": kv_b, "kv_a_proj_with_mqa": kv.node, "q_b_proj" if q_lora is not None else "q_proj":
+                   projection_node(q_value), **({"q_a_proj": first} if q_lora is not None else {})}  # fmt: skip
+    with contextlib.suppress(NotRead):  # an output projection of torch's addmm (a Gemm): none to take as it is
+        projections["out_proj"] = projection_node(y)
+    for name, node in projections.items():
+        if node is not None and (nbits := nbits_of(node)) is not None:
+            block.nbits[f"{name}.weight"] = nbits
     return keep(block, config, weights, keep_weights)
 
 
@@ -93,6 +103,7 @@ class CompressedKv(NamedTuple):
     bias: np.ndarray | None
     rope_part: ir.Value
     x: ir.Value
+    node: ir.Node | None = None  # kv_a_proj_with_mqa's MatMul (or MatMulNBits)
 
     @property
     def rank(self) -> int:
@@ -132,7 +143,8 @@ def read_compressed_kv(normed: ir.Value) -> CompressedKv:
         raise NotRead(f"{compressed.name}: not the first {R} columns of kv_a_proj_with_mqa ({weight.shape[1]} wide) "
                       "with an even rope part after them")  # fmt: skip
     rope_part = _other_part(split, compressed, (R, R + r))
-    return CompressedKv(norm, eps, weight, bias, rope_part, projection_node(kv_a_value).inputs[0])
+    node = projection_node(kv_a_value)
+    return CompressedKv(norm, eps, weight, bias, rope_part, node.inputs[0], node)
 
 
 def read_q(q_value: ir.Value, x: ir.Value, eps: float) -> tuple[int | None, dict[str, np.ndarray], ir.Node]:

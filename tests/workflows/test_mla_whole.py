@@ -204,22 +204,47 @@ def test_build_model_serves_the_latent_in_the_buffer_form_and_generate_writes_it
     assert tokens["decode.onnx"] == tokens["model.onnx"] and all(len(t) == 6 for t in tokens["model.onnx"])
 
 
-def test_an_mla_block_with_int4_projections_is_kept_and_named(tmp_path):
-    """--weights int4: the block's projections become MatMulNBits, which the latent core (it writes its own
-    projections) does not write: each block is kept, saying so, never bound at the per-head tensors a reading of its
-    k and v met (which computed other numbers: a proof failing by 3.9e-4 on a tiny GLM-4.7-Flash); the int4 model
-    is written."""
+def test_an_mla_block_with_int4_projections_takes_them_as_they_are(tmp_path):
+    """--weights int4: the latent core writes its own projections, so it takes the graph's MatMulNBits of each as
+    they are (the same tensors and attributes; kv_b_proj folded into the absorbed halves from its dequantized
+    weights), never bound at the per-head tensors a reading of its k and v met (which computed other numbers: a
+    proof failing by 3.9e-4 on a tiny GLM-4.7-Flash). Proven against float64 and the whole model's twins."""
     from attnx.workflows import optimize_model
 
-    report = optimize_model(MODEL, tmp_path / "out.onnx", weights="int4")
-    assert [b.kept for b in report.blocks] == ["multi-head latent attention whose projections are MatMulNBits 4-bit: "
-                                               "its core writes its own projections (the absorbed step folds kv_b_proj "
-                                               "into q and the output), in float32 alone in this version: kept"] * 2
-    # the weights are what changed: the int4 model is written, its blocks as they are, its distance said
-    assert report.passed and report.written and (tmp_path / "out.onnx").exists()
-    assert any(str(p).startswith("pass: no block rewritten: the model written with its MatMul weights quantized")
-               for p in report.proofs)
-    assert "distance" in report.weights
+    out = tmp_path / "out.onnx"
+    report = optimize_model(MODEL, out, weights="int4", checkpoint=CHECKPOINT)
+    assert report.passed and report.written, [str(p) for p in report.proofs]
+    assert [(b.written, b.kept) for b in report.blocks] == [("decomposed", None)] * 2
+    said = [str(p) for p in report.proofs]
+    assert sum(line.startswith("pass: block") for line in said) == 2
+    assert any(line.startswith("pass: the whole model (each with its MatMulNBits computing in float32") for line in said)
+    written = onnx.load(out, load_external_data=False)
+    ops = [n.op_type for n in written.graph.node]
+    # per layer: q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj as int4 (kv_b_proj folded), 3 MLP; and the LM head
+    assert ops.count("MatMulNBits") == 2 * (4 + 3) + 1 and "MatMul" not in ops and ops.count("If") == 2
+    floats = {t.name for t in written.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) > 1
+              and not t.name.endswith("_scales")}  # the blocks' scales: MatMulNBits's and the embeddings'  # fmt: skip
+    assert floats == {f"attnx/block{i}/kv_b_proj.{half}" for i in (0, 1) for half in ("k_half", "v_half.T")}
+
+
+def test_build_model_weights_int4_serves_the_latent_with_its_int4_projections(tmp_path):
+    """build --model --weights int4: the buffer form written with the graph's MatMulNBits (q_a and kv_a packed, as
+    the served form packs what reads one input), its tensors the package's own entries; verify replays the golden
+    generations."""
+    import json
+
+    from attnx.runtimes.package import verify_package
+    from attnx.workflows import build_model_package
+
+    out = tmp_path / "pkg"
+    build_model_package(MODEL, out, checkpoint=CHECKPOINT, weights="int4")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["decode"]["cores"] == ["decomposed", "decomposed"] and manifest["optimize"]["weights"]
+    graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
+    assert sum(n.op_type == "TensorScatter" for n in graph.node) == 2 and any(n.op_type == "MatMulNBits"
+                                                                              for n in graph.node)  # fmt: skip
+    assert not [t.name for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) > 4096]
+    assert verify_package(str(out)).passed
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from attnx.export.terms import GRAPH_TERMS, Context
 from attnx.export.terms import compare_terms as compare_graph_terms
 from attnx.model.config import AttentionConfig
 from attnx.model.cores import CORES, LENGTHS_CORES, LOWERING_OF_CORE, core_for
-from attnx.workflows.audit.compare import compare_weights
+from attnx.model.weights import weight_shapes
+from attnx.workflows.audit.compare import compare_weights, is_projection_weight
 from attnx.workflows.audit.cut import NP_DTYPES, AuditGraph, graph_value
 from attnx.workflows.rewrite.report import BlockRewrite
 
@@ -61,6 +62,9 @@ class Plan:
     rope_positions: int | None = None  # the rows of a cos/sin table of its own (not bound to the graph's)
     positions_expand: bool = False  # the graph's positions are not [batch, seq]: expanded to it
     core: str | None = None
+    # a core that writes its own projections (the latent's) takes the graph's quantized ones as they are: weight
+    # name -> the MatMulNBits's tensors and attributes (Block.nbits), which the splice writes in place of its MatMul
+    nbits: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def cores(self) -> tuple[str, ...] | None:
@@ -80,11 +84,17 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         rewrite.kept = f"a {block.dtype} block: attnx proves fp32 and fp16 blocks"
         return None
     kept_projections = block.quantization is not None or block.dtype != "fp32"
+    nbits: dict[str, dict[str, Any]] = {}  # the latent core's own projections, as the graph quantized them
     if kept_projections and block.config is not None and block.config.latent is not None:
-        rewrite.kept = (f"multi-head latent attention whose projections are {projections_said(block)}: its core "
-                        "writes its own projections (the absorbed step folds kv_b_proj into q and the output), in "
-                        "float32 alone in this version: kept")  # fmt: skip
-        return None
+        own = [name for name in weight_shapes(block.config) if is_projection_weight(name)]
+        missing = [name for name in own if name not in block.nbits]
+        if block.dtype != "fp32" or missing:
+            rewrite.kept = (f"multi-head latent attention whose projections are {projections_said(block)}: its core "
+                            "writes its own projections, and takes quantized ones as they are only where every one "
+                            f"is a MatMulNBits of a float32 block ({', '.join(missing) or block.dtype} not): "
+                            "kept")  # fmt: skip
+            return None
+        nbits, kept_projections = block.nbits, False
     config, weights = block.config, block.weights
     rope_repaired = False
     if source is not None:
@@ -97,16 +107,18 @@ def plan_block(block: Any, rewrite: BlockRewrite, source: Any, graph: AuditGraph
         terms = compare_graph_terms(block.config, block.reading, paired.config, ctx)
         differ = compare_weights(block, paired.config, paired.weights, rewrite.layer, source.label)
         rewrite.repairs = terms + list(differ.values())  # written as the checkpoint states, unless kept
-        fixed = [name for name in differ if name in PROJECTIONS]
-        if kept_projections and fixed:
+        fixed = [name for name in differ if name in PROJECTIONS or (nbits and is_projection_weight(name))]
+        if (kept_projections or nbits) and fixed:
             rewrite.kept = (f"{', '.join(fixed)} differ from the checkpoint's, and its projections "
                             f"({projections_said(block)}) are kept as they are: not repaired")  # fmt: skip
             return None
         rope_repaired = bool(GRAPH_TERMS["rope"].compare(block.config, block.reading, paired.config, ctx))
         config, weights = paired.config, paired.weights
+        if nbits:  # the projections compute with the file's own weights: the halves folded from them too
+            weights = {**weights, **{k: v for k, v in block.weights.items() if is_projection_weight(k)}}
     inputs = {v.name for v in graph.model.graph.inputs}
     binds = {"x": block.inputs["x"]}
-    plan = Plan(block, config, weights, "full", block.dtype, "x", binds)
+    plan = Plan(block, config, weights, "full", block.dtype, "x", binds, nbits=nbits)
     if kept_projections and not _bind_projections(block, plan, rewrite):
         return None
     cached = "past_key" in block.inputs

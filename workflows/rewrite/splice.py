@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -12,6 +13,7 @@ import onnx_ir as ir
 from attnx.export import build_model
 from attnx.export.passes.share import ShareRepeated
 from attnx.model.config import CacheSpec
+from attnx.model.contract import MS_DOMAIN
 from attnx.workflows.rewrite.plan import Plan
 
 __all__ = ["splice_blocks"]
@@ -95,6 +97,9 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> list[ir.Node]:
                 value.name = prefix + value.name
         for node in nodes:
             g.append(node)
+        if plan.nbits:
+            nodes, taken = _take_nbits(g, nodes, prefix, plan.nbits)
+            outputs = {name: taken.get(id(value), value) for name, value in outputs.items()}
         written += nodes + inner  # an If's branches read the cache too (the switch core)
         if plan.bound == "x":
             y = outputs["y"]
@@ -143,6 +148,33 @@ def splice_blocks(model: ir.Model, plans: list[Plan]) -> list[ir.Node]:
     # from the padding mask and the lengths): computed once, the rest of the graph untouched
     ShareRepeated(prefix="attnx/")(model)
     return written
+
+
+def _take_nbits(g: ir.Graph, nodes: list[ir.Node], prefix: str,
+                nbits: dict[str, dict[str, Any]]) -> tuple[list[ir.Node], dict[int, ir.Value]]:  # fmt: skip
+    """`nodes` with each projection MatMul of a weight `nbits` names (the core wrote it in float32, from the graph's
+    dequantized weights) replaced by the graph's own MatMulNBits of it: the same tensors, by name, and attributes;
+    and each replaced output's replacement, by id (the core's y where no bias follows its output projection)."""
+    out, taken = [], {}
+    for node in nodes:
+        weight = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
+        name = weight.name.removeprefix(prefix).removesuffix(".T") if weight is not None else None
+        if name not in nbits:
+            out.append(node)
+            continue
+        taken = nbits[name]
+        inputs = [node.inputs[0], *(g.initializers[n] if n is not None else None for n in taken["inputs"])]
+        new = ir.node("MatMulNBits", inputs, taken["attributes"], domain=MS_DOMAIN, name=f"{node.name}/MatMulNBits")
+        new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+        g.insert_before(node, new)
+        node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+        new.outputs[0].name, node.outputs[0].name = node.outputs[0].name, f"{node.outputs[0].name}/float"
+        g.remove(node, safe=True)
+        if not weight.uses() and weight.name in g.initializers:
+            del g.initializers[weight.name]
+        out.append(new)
+        taken[id(node.outputs[0])] = new.outputs[0]
+    return out, taken
 
 
 def _common(names: Iterable[str]) -> str:
