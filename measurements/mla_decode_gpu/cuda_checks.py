@@ -4,7 +4,8 @@
              per-head and latent configs, against the float64 reference: prefills 0 and 5 then 4 steps, batch 2, and
              rows of 5, 2 and 7 tokens in one call (runtimes.decode.run_buffer_parity on ort-cuda)
     optimize attnx optimize --provider cuda of the tiny DeepSeek-V3 export (tests/fixtures/.../deepseek_v3, carried
-             beside this run): each MLA block rewritten into the absorbed latent step, proven on CUDA
+             beside this run): each MLA block rewritten into the absorbed latent step, proven on CUDA; again with
+             --weights int4 (stop 60: the blocks written at the graph's MatMulNBits)
 
     python cuda_checks.py OUT.json MODEL.onnx CHECKPOINT_DIR [cuda|cpu]    (cpu: tries the script here)
 """
@@ -38,7 +39,7 @@ def main(out: str, model: str, checkpoint: str, provider: str = "cuda") -> int:
     from attnx.export import build_model
     from attnx.workflows.rewrite import optimize_model
 
-    result = {"buffer": {}, "optimize": None}
+    result = {"buffer": {}, "optimize": None, "optimize_int4": None}
     with tempfile.TemporaryDirectory() as folder:
         for name, config in CONFIGS.items():
             weights = init_weights(config, 0)
@@ -50,11 +51,13 @@ def main(out: str, model: str, checkpoint: str, provider: str = "cuda") -> int:
                 cases = [(c.status, c.reason) for c in report.cases]
                 result["buffer"][f"{name} {backend}"] = cases
                 print(name, backend, cases, flush=True)
-        report = optimize_model(model, f"{folder}/out.onnx", checkpoint=checkpoint, provider=provider)
-        result["optimize"] = {"passed": report.passed, "written": [b.written for b in report.blocks],
-                              "proofs": [str(p) for p in report.proofs],
-                              "model_times": {k: dataclasses.asdict(t) for k, t in report.model_times.items()}}  # fmt: skip
-        print("\n".join(report.lines()), flush=True)
+        for key, weights in (("optimize", None), ("optimize_int4", "int4")):  # int4: stop 60's MatMulNBits taken
+            report = optimize_model(model, f"{folder}/{key}.onnx", checkpoint=checkpoint, provider=provider,
+                                    weights=weights)  # fmt: skip
+            result[key] = {"passed": report.passed, "written": [b.written for b in report.blocks],
+                           "proofs": [str(p) for p in report.proofs],
+                           "model_times": {k: dataclasses.asdict(t) for k, t in report.model_times.items()}}  # fmt: skip
+            print("\n".join(report.lines()), flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
