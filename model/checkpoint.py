@@ -15,7 +15,8 @@ import numpy as np
 
 from attnx.errors import UsageError, WeightsError
 
-__all__ = ["Checkpoint", "MAX_HEADER_BYTES", "checkpoint_files", "read_checkpoint_config", "read_tensor", "weight_files"]
+__all__ = ["Checkpoint", "MAX_HEADER_BYTES", "checkpoint_files", "fp8_blocks", "read_checkpoint_config", "read_tensor",
+           "weight_files"]
 
 MAX_HEADER_BYTES = 100 * 1024**2  # a safetensors header past this is not one
 
@@ -88,8 +89,21 @@ def _header(path: str) -> dict[str, Any]:
     return header
 
 
-# numpy types of the safetensors dtypes a weight may have (BF16 is widened by hand: numpy has none).
-_SAFETENSORS_TYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+# numpy types of the safetensors dtypes a weight may have (BF16 is widened by hand: numpy has none; F8_E4M3 read
+# through ml_dtypes' float8_e4m3fn, and scaled by its blocks' weight_scale_inv: Checkpoint.get).
+_SAFETENSORS_TYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8}
+
+
+def fp8_blocks(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The [rows, columns] of the FP8 blocks each weight_scale_inv entry scales (DeepSeek-V3's and Kimi K2's
+    published weights: quantization_config quant_method fp8, fmt e4m3, weight_block_size), or None: not that scheme."""
+    q = config.get("quantization_config")
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+        return None
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return None
+    return block[0], block[1]
 
 
 def read_tensor(path: str, name: str, entry: Mapping[str, Any], converted: set[str],
@@ -123,6 +137,10 @@ def read_tensor(path: str, name: str, entry: Mapping[str, Any], converted: set[s
         raise WeightsError(f"{os.path.basename(path)}: tensor {name!r} is truncated")
     if dtype == "BF16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E4M3":  # exact in float32; its scale applied by the caller (Checkpoint.get)
+        import ml_dtypes
+
+        array = array.view(ml_dtypes.float8_e4m3fn)
     if dtype != "F32":
         converted.add(dtype)
     return np.array(array, dtype=np.float32).reshape(shape)
@@ -137,6 +155,7 @@ class Checkpoint:
         self.files = weight_files(folder)
         self.headers: dict[str, dict[str, Any]] = {}
         self.converted: set[str] = set()
+        self.fp8_blocks = fp8_blocks(read_checkpoint_config(folder))
 
     def find(self, name: str) -> str | None:
         hits = [k for k in self.files if k == name or k.endswith("." + name)]
@@ -163,4 +182,25 @@ class Checkpoint:
             self.headers[path] = _header(path)
         if key not in self.headers[path]:
             raise WeightsError(f"{os.path.basename(path)} has no tensor {key!r}, which its index names")
-        return key, read_tensor(path, key, self.headers[path][key], self.converted, rows)
+        entry = self.headers[path][key]
+        if entry.get("dtype") != "F8_E4M3":
+            return key, read_tensor(path, key, entry, self.converted, rows)
+        return key, self._fp8(path, key, entry, rows)
+
+    def _fp8(self, path: str, key: str, entry: Mapping[str, Any], rows: Sequence[int] | None) -> np.ndarray:
+        """An FP8 weight times its blocks' scales (`key`_scale_inv, float32 [ceil(rows / b0), ceil(cols / b1)]), in
+        float64 and rounded once to float32, as the block quantization defines it."""
+        if self.fp8_blocks is None:
+            raise WeightsError(f"{os.path.basename(path)}: tensor {key!r} is F8_E4M3, and config.json states no fp8 "
+                               "block quantization (quantization_config: quant_method fp8, weight_block_size)")  # fmt: skip
+        weight = read_tensor(path, key, entry, self.converted)
+        if weight.ndim != 2:
+            raise WeightsError(f"{os.path.basename(path)}: tensor {key!r} is F8_E4M3 of {weight.ndim} dims, not a matrix")
+        _, scale = self.get(f"{key}_scale_inv")
+        (b0, b1), (n, k) = self.fp8_blocks, weight.shape
+        if scale.shape != (-(-n // b0), -(-k // b1)):
+            raise WeightsError(f"{key}_scale_inv has shape {list(scale.shape)}, expected {[-(-n // b0), -(-k // b1)]} "
+                               f"for {key} [{n}, {k}] in blocks of {b0}x{b1}")  # fmt: skip
+        full = np.repeat(np.repeat(scale.astype(np.float64), b0, axis=0)[:n], b1, axis=1)[:, :k]
+        dequantized = (weight.astype(np.float64) * full).astype(np.float32)
+        return dequantized if rows is None else dequantized[list(rows)]

@@ -36,7 +36,7 @@ import numpy as np
 from attnx._io import Staging, output_lock
 from attnx.errors import UsageError, WeightsError
 from attnx.model._import_llm import import_alibi, import_rotary, rotary_widths
-from attnx.model.checkpoint import Checkpoint, checkpoint_files, read_checkpoint_config
+from attnx.model.checkpoint import Checkpoint, checkpoint_files, fp8_blocks, read_checkpoint_config
 from attnx.model.config import AttentionConfig
 from attnx.model.families import (
     _FALCON_ALIBI,
@@ -105,14 +105,14 @@ def _import(source: Any, layer: int, attention: str, stack: str | None, key_padd
         raise UsageError(f"model_type {model_type!r}: {NOT_EXPRESSIBLE[model_type]}: not imported")
     if model_type == "falcon" and hf.get("alibi"):
         raise UsageError(f"falcon with alibi: {_FALCON_ALIBI}: not imported")
-    if isinstance(quantized := hf.get("quantization_config"), dict):  # before any tensor is read
+    if isinstance(quantized := hf.get("quantization_config"), dict) and fp8_blocks(hf) is None:  # before any read
         method = quantized.get("quant_method", "unnamed")
         block = quantized.get("weight_block_size")
         raise UsageError(f"{folder}: its weights are quantized (quantization_config: quant_method {method!r}"
                          + (f", blocks of {block[0]}x{block[1]}" if isinstance(block, list) and len(block) == 2 else "")
-                         + "): attnx imports float weights (F32, F16, BF16); save a dequantized copy and import it "
-                         "(DeepSeek-V3's FP8: its inference/fp8_cast_bf16.py; transformers: load with the "
-                         "quantizer's dequantize=True, then save_pretrained)")  # fmt: skip
+                         + "): attnx imports float weights (F32, F16, BF16) and FP8 blocks (quant_method fp8 with "
+                         "weight_block_size, as DeepSeek-V3 publishes them); save a dequantized copy and import it "
+                         "(transformers: load with the quantizer's dequantize=True, then save_pretrained)")  # fmt: skip
     multimodal = {"gemma3": ("Gemma 3", "gemma3_text", "Gemma 3 1B, or the text model saved on its own"),
                   "llama4": ("Llama 4", "llama4_text", "Llama4ForCausalLM's text model saved on its own"),
                   "kimi_k25": ("Kimi K2.5", "deepseek_v3", "its text model saved on its own, as transformers reads "

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import CheckFailed, UsageError
+from attnx.model.checkpoint import Checkpoint, fp8_blocks
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import REFERENCE
 from attnx.model.cores import core_for
@@ -311,6 +312,29 @@ def _alibi_slopes_check(config: AttentionConfig, family: str, theirs: np.ndarray
                           TERMS["alibi"].table(config), tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
 
 
+def _source_model(transformers: Any, torch: Any, folder: str, hf_config: Any) -> Any:
+    """transformers' model of the checkpoint in float32, eager attention. FP8 blocks (DeepSeek-V3's published
+    weights): transformers loads them only through accelerate, and on a CPU into bfloat16, so its model is made from
+    the config without the quantization and given the weights dequantized as the import reads them (Checkpoint):
+    the check then holds transformers' attention to attnx's, over the same weights."""
+    if fp8_blocks(hf_config.to_dict()) is None:
+        return transformers.AutoModel.from_pretrained(folder, config=hf_config, attn_implementation="eager",
+                                                      dtype=torch.float32).eval()  # fmt: skip
+    del hf_config.quantization_config
+    hf_config._attn_implementation = "eager"
+    model = transformers.AutoModel.from_config(hf_config, dtype=torch.float32).eval()
+    ckpt = Checkpoint(folder)
+    state = {}
+    for name in model.state_dict():
+        if ckpt.find(name) is not None:
+            state[name] = torch.from_numpy(ckpt.get(name)[1])
+    missing = [name for name in model.state_dict() if name not in state and "rotary" not in name]
+    if missing:
+        raise UsageError(f"{folder}: the checkpoint has no tensor {missing[0]!r} that transformers' model takes")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
 def _hugging_face_alibi(model: Any, family: str) -> np.ndarray:
     """The slopes the transformers model's forward builds its ALiBi bias with, read back from the bias
     itself: BLOOM's build_alibi_tensor of a mask of two tokens (key 1: the slope), MPT's
@@ -354,8 +378,7 @@ def _hugging_face_decoder(
     if getattr(hf_config, "layer_types", None) is not None:
         hf_config.layer_types = hf_config.layer_types[: n + 1]
     with _quiet_transformers(transformers):  # its load report would name every tensor of the layers dropped
-        model = transformers.AutoModel.from_pretrained(folder, config=hf_config, attn_implementation="eager",
-                                                       dtype=torch.float32).eval()  # fmt: skip
+        model = _source_model(transformers, torch, folder, hf_config)
     family = result.architecture
     stack, name, residual = _ATTENTION_MODULES.get(family, ("layers", "self_attn", None))
     attention = getattr(getattr(model, stack)[n], name)

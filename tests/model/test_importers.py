@@ -105,9 +105,11 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
     [({"model_type": "electra"}, {}, {}, UsageError, "unknown architecture 'electra' (known: bert"),
      ({"model_type": "kimi_k2"}, {}, {}, UsageError, "its attention is DeepSeek-V3's"),
      ({"model_type": "deepseek_v32"}, {}, {}, UsageError, "index_topk keys its lightning indexer scores highest"),
-     ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-      {}, {}, UsageError, "its weights are quantized (quantization_config: quant_method 'fp8', blocks of 128x128): "
-      "attnx imports float weights"),
+     ({"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}}, {}, {}, UsageError,
+      "its weights are quantized (quantization_config: quant_method 'gptq'): attnx imports float weights"),
+     ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "fmt": "e5m2",
+                                                            "weight_block_size": [128, 128]}},
+      {}, {}, UsageError, "quant_method 'fp8', blocks of 128x128): attnx imports float weights"),
      ({"model_type": "longcat_flash"}, {}, {}, UsageError, "scales q by sqrt(hidden_size / q_lora_rank)"),
      ({"model_type": "falcon", "alibi": True}, {}, {}, UsageError, "falcon with alibi: transformers' Falcon adds its "
       "ALiBi bias before the scale"),

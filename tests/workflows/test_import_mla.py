@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -127,6 +128,54 @@ def test_a_planted_fault_in_the_latent_fails_the_check(checkpoints):
     _, result.weights = TERMS["latent"].fault(result.config, result.weights)  # kv_b_proj's heads rolled
     checks = check_against_source(result, checkpoints["v3"], (), forms=())
     assert checks[0] and not checks[1] and not checks[2], [str(c) for c in checks]
+
+
+def _fp8_copy(folder: str, out, block=(16, 8)) -> str:
+    """The checkpoint as DeepSeek-V3 publishes its weights: each projection and MLP matrix in FP8 (e4m3) blocks of
+    `block`, each block's scale (its max |w| / 448) as `name`_scale_inv, config.json's quantization_config saying so."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{folder}/model.safetensors")
+    stored = {}
+    for name, w in tensors.items():
+        if w.ndim != 2 or "embed" in name or "norm" in name:
+            stored[name] = w
+            continue
+        n, k = w.shape
+        b0, b1 = block
+        blocks = torch.nn.functional.pad(w, (0, (-k) % b1, 0, (-n) % b0)).reshape(-(-n // b0), b0, -(-k // b1), b1)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        full = scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
+        stored[name] = (w / full).to(torch.float8_e4m3fn)
+        stored[f"{name}_scale_inv"] = scale.to(torch.float32)
+    out.mkdir()
+    save_file(stored, str(out / "model.safetensors"))
+    config = json.loads(open(f"{folder}/config.json").read())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_deepseeks_fp8_blocks_are_read_dequantized_and_checked(checkpoints, tmp_path):
+    """DeepSeek-V3's published weights are FP8 blocks with their scales (weight_scale_inv): the import reads each as
+    its blocks times their scales (rounded once to float32: transformers' own dequantization of the same tensors,
+    bit for bit), and --check holds transformers' attention over them to attnx's (transformers loads FP8 only through
+    accelerate, and on a CPU into bfloat16: its model is given the weights as attnx reads them)."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    folder = _fp8_copy(checkpoints["v3"], tmp_path / "fp8")
+    result = import_weights(folder, layer=1)
+    from safetensors.torch import load_file
+
+    stored = load_file(f"{folder}/model.safetensors")
+    for ours, theirs in (("q_b_proj", "q_b_proj"), ("kv_b_proj", "kv_b_proj"), ("out_proj", "o_proj")):
+        name = f"layers.1.self_attn.{theirs}.weight"
+        expected = _dequantize_fp8_weight(stored[name], stored[f"{name}_scale_inv"], [16, 8], torch.float32)
+        assert np.array_equal(result.weights[f"{ours}.weight"], expected.numpy())
+    checks = check_against_source(result, folder, ("decomposed",), forms=("step",))
+    assert all(checks), [str(c) for c in checks if not c]
+    assert max(c.max_abs for c in checks[1:]) <= 1e-4
 
 
 def test_what_the_latent_import_does_not_take_is_refused_by_name(checkpoints, tmp_path):
