@@ -14,7 +14,7 @@ import numpy as np
 from attnx.model.config import AttentionConfig
 
 __all__ = ["ALIBI_FAMILIES", "ARCHITECTURES", "AlibiFamily", "CHUNKED", "FULL", "ImportResult", "KNOWN_ARCHITECTURES", "Layout",
-           "NOT_EXPRESSIBLE", "ROTARY_FAMILIES", "RotaryFamily", "SLIDING"]
+           "NOT_EXPRESSIBLE", "READ_AS", "ROTARY_FAMILIES", "RotaryFamily", "SLIDING"]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -99,10 +99,6 @@ _FALCON_ALIBI = ("transformers' Falcon adds its ALiBi bias before the scale (slo
 
 # Architectures whose layers attnx cannot import, and why (checked before anything is read).
 NOT_EXPRESSIBLE = {
-    # Kimi K2's checkpoints name DeepseekV3ForCausalLM with model_type kimi_k2, a class of their own code
-    # (trust_remote_code) that transformers 5.24 does not have: no class to read the config with or check against
-    "kimi_k2": ("model_type kimi_k2 is a class of Kimi K2's own code (trust_remote_code), not transformers': its "
-                "attention is DeepSeek-V3's (import a copy whose config.json says model_type deepseek_v3)"),
     # models/deepseek_v32: DeepSeek Sparse Attention, MLA over the keys a lightning indexer picks per query
     "deepseek_v32": ("each query attends only to the index_topk keys its lightning indexer scores highest (DeepSeek "
                      "Sparse Attention), a selection attnx's formula does not include"),
@@ -258,6 +254,12 @@ ROTARY_FAMILIES: dict[str, RotaryFamily] = {
                               "q_lora_rank": 768, "qk_rope_head_dim": 32, "v_head_dim": None,
                               "qk_nope_head_dim": 64}, latent=True),
 }  # fmt: skip
+# model_types of a checkpoint's own code (trust_remote_code) whose attention is a family's of transformers: read with
+# that family's row and, for --check, that family's transformers class, never the checkpoint's code. Kimi K2 names
+# DeepseekV3ForCausalLM with model_type kimi_k2, and transformers 5.24 itself reads a kimi_k2 text config as
+# deepseek_v3 (Kimi K2.5's config class)
+READ_AS = {"kimi_k2": "deepseek_v3"}
+ROTARY_FAMILIES.update({alias: ROTARY_FAMILIES[family] for alias, family in READ_AS.items()})
 _LATENT_EPS = 1e-6  # DeepseekV3RMSNorm's and DeepseekV2RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
 
 

@@ -115,8 +115,7 @@ def _import(source: Any, layer: int, attention: str, stack: str | None, key_padd
                          "(transformers: load with the quantizer's dequantize=True, then save_pretrained)")  # fmt: skip
     multimodal = {"gemma3": ("Gemma 3", "gemma3_text", "Gemma 3 1B, or the text model saved on its own"),
                   "llama4": ("Llama 4", "llama4_text", "Llama4ForCausalLM's text model saved on its own"),
-                  "kimi_k25": ("Kimi K2.5", "deepseek_v3", "its text model saved on its own, as transformers reads "
-                               "it")}  # fmt: skip
+                  "kimi_k25": ("Kimi K2.5", "deepseek_v3 or kimi_k2", "its text model saved on its own")}  # fmt: skip
     if model_type in multimodal:
         name, text, how = multimodal[model_type]
         raise UsageError(f"model_type {model_type!r} is {name}'s multimodal checkpoint (its text model's config "

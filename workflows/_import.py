@@ -33,10 +33,11 @@ from typing import Any
 import numpy as np
 
 from attnx.errors import CheckFailed, UsageError
-from attnx.model.checkpoint import Checkpoint, fp8_blocks
+from attnx.model.checkpoint import Checkpoint, fp8_blocks, read_checkpoint_config
 from attnx.model.config import AttentionConfig
 from attnx.model.contract import REFERENCE
 from attnx.model.cores import core_for
+from attnx.model.families import READ_AS
 from attnx.model.importers import (
     ALIBI_FAMILIES,
     ROTARY_FAMILIES,
@@ -312,6 +313,16 @@ def _alibi_slopes_check(config: AttentionConfig, family: str, theirs: np.ndarray
                           TERMS["alibi"].table(config), tolerance_for("fp32"), ProblemSize(1))  # fmt: skip
 
 
+def _source_config(transformers: Any, folder: str, architecture: str) -> Any:
+    """transformers' config of the checkpoint; a model_type read as a transformers family's (READ_AS: Kimi K2's
+    kimi_k2) by that family's config class, from config.json's keys, its own code never run."""
+    if architecture not in READ_AS:
+        return transformers.AutoConfig.from_pretrained(folder)
+    stated = {k: v for k, v in read_checkpoint_config(folder).items()
+              if k not in ("model_type", "auto_map", "architectures", "transformers_version")}  # fmt: skip
+    return transformers.AutoConfig.for_model(READ_AS[architecture], **stated)
+
+
 def _source_model(transformers: Any, torch: Any, folder: str, hf_config: Any) -> Any:
     """transformers' model of the checkpoint in float32, eager attention. FP8 blocks (DeepSeek-V3's published
     weights): transformers loads them only through accelerate, and on a CPU into bfloat16, so its model is made from
@@ -373,7 +384,7 @@ def _hugging_face_decoder(
         raise UsageError("--check runs the source model, which needs transformers: pip install transformers") from None
     n = result.layer
     with _quiet_transformers(transformers):
-        hf_config = transformers.AutoConfig.from_pretrained(folder)
+        hf_config = _source_config(transformers, folder, result.architecture)
     hf_config.num_hidden_layers = n + 1  # the layers above n are not needed, nor loaded
     if getattr(hf_config, "layer_types", None) is not None:
         hf_config.layer_types = hf_config.layer_types[: n + 1]

@@ -103,7 +103,6 @@ def _write_bf16(path, tensors: dict[str, np.ndarray]) -> None:
 @pytest.mark.parametrize(
     ("config", "tensors", "kwargs", "error", "message"),
     [({"model_type": "electra"}, {}, {}, UsageError, "unknown architecture 'electra' (known: bert"),
-     ({"model_type": "kimi_k2"}, {}, {}, UsageError, "its attention is DeepSeek-V3's"),
      ({"model_type": "deepseek_v32"}, {}, {}, UsageError, "index_topk keys its lightning indexer scores highest"),
      ({"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}}, {}, {}, UsageError,
       "its weights are quantized (quantization_config: quant_method 'gptq'): attnx imports float weights"),

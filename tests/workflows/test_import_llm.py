@@ -285,7 +285,7 @@ def test_what_the_formula_does_not_express_is_refused_by_name(decoders, tmp_path
     cases = {
         "dynamic": ("llama", lambda d: d.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                   "rope_theta": 10000.0})),
-        "trust_remote_code": ("llama", lambda d: d.update(model_type="kimi_k2")),
+        "index_topk keys": ("llama", lambda d: d.update(model_type="deepseek_v32")),
         "ALiBi": ("llama", lambda d: d.update(model_type="falcon", alibi=True)),
         "not causal": ("gemma3_text", lambda d: d.update(use_bidirectional_attention=True)),
         "partial_rotary_factor": ("llama", lambda d: d["rope_parameters"].update(partial_rotary_factor=0.5)),

@@ -178,6 +178,24 @@ def test_deepseeks_fp8_blocks_are_read_dequantized_and_checked(checkpoints, tmp_
     assert max(c.max_abs for c in checks[1:]) <= 1e-4
 
 
+def test_kimi_k2s_own_model_type_is_read_as_deepseek_v3_and_checked(checkpoints, tmp_path):
+    """Kimi K2 names DeepseekV3ForCausalLM with model_type kimi_k2 and an auto_map to its own code: read with
+    DeepSeek-V3's row, and --check builds transformers' DeepseekV3 from config.json's keys, the checkpoint's code
+    never run (a planted configuration file that would raise is not imported)."""
+    folder = tmp_path / "kimi"
+    shutil.copytree(checkpoints["v3"], folder)
+    data = json.loads((folder / "config.json").read_text())
+    data.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(data))
+    (folder / "configuration_deepseek.py").write_text("raise SystemExit('the checkpoint's own code ran')\n")
+    result = import_weights(str(folder), layer=1)
+    _expected("v3", result.config)
+    checks = check_against_source(result, str(folder), ("decomposed",), forms=("step",))
+    assert all(checks), [str(c) for c in checks if not c]
+    assert max(c.max_abs for c in checks[1:]) <= 1e-4
+
+
 def test_what_the_latent_import_does_not_take_is_refused_by_name(checkpoints, tmp_path):
     def edited(name, change):
         target = tmp_path / name
@@ -188,7 +206,7 @@ def test_what_the_latent_import_does_not_take_is_refused_by_name(checkpoints, tm
         return str(target)
 
     cases = {"num_key_value_heads 2": lambda d: d.update(num_key_value_heads=2),
-             "trust_remote_code": lambda d: d.update(model_type="kimi_k2")}  # fmt: skip
+             "index_topk keys": lambda d: d.update(model_type="deepseek_v32")}  # fmt: skip
     for i, (needle, change) in enumerate(cases.items()):
         with pytest.raises(UsageError, match=needle):
             import_weights(edited(f"c{i}", change), layer=0)
