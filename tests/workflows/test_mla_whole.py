@@ -212,8 +212,13 @@ def test_an_mla_block_with_int4_projections_takes_them_as_they_are(tmp_path):
     from attnx.workflows import optimize_model
 
     out = tmp_path / "out.onnx"
-    report = optimize_model(MODEL, out, weights="int4", checkpoint=CHECKPOINT)
+    report = optimize_model(MODEL, out, weights="int4", checkpoint=CHECKPOINT, serve=True)
     assert report.passed and report.written, [str(p) for p in report.proofs]
+    # what the form served is written from again: each plan's MatMulNBits as read, the splice leaving them as they are
+    for plan in report.served[1]:
+        assert sorted(plan.nbits) == ["kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "out_proj.weight",
+                                      "q_a_proj.weight", "q_b_proj.weight"]  # fmt: skip
+        assert all(sorted(own) == ["attributes", "inputs"] for own in plan.nbits.values())
     assert [(b.written, b.kept) for b in report.blocks] == [("decomposed", None)] * 2
     said = [str(p) for p in report.proofs]
     assert sum(line.startswith("pass: block") for line in said) == 2

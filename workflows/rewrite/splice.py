@@ -162,9 +162,9 @@ def _take_nbits(g: ir.Graph, nodes: list[ir.Node], prefix: str,
         if name not in nbits:
             out.append(node)
             continue
-        taken = nbits[name]
-        inputs = [node.inputs[0], *(g.initializers[n] if n is not None else None for n in taken["inputs"])]
-        new = ir.node("MatMulNBits", inputs, taken["attributes"], domain=MS_DOMAIN, name=f"{node.name}/MatMulNBits")
+        own = nbits[name]  # the graph's own MatMulNBits of it: its tensors by name, its attributes
+        inputs = [node.inputs[0], *(g.initializers[n] if n is not None else None for n in own["inputs"])]
+        new = ir.node("MatMulNBits", inputs, own["attributes"], domain=MS_DOMAIN, name=f"{node.name}/MatMulNBits")
         new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
         g.insert_before(node, new)
         node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
