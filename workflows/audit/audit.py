@@ -155,7 +155,11 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     try:
         cut = cut_block(graph, block)
         if twin:
-            cut = float32_compute(cut)
+            import onnx
+
+            model = onnx.load_from_string(cut)
+            float32_compute(model)
+            cut = model.SerializeToString()
     except UsageError:
         raise  # too large for this machine (check_cut_fits): said, exit 2
     except Exception as e:  # noqa: BLE001 - onnx's error types, on an untrusted graph
@@ -187,14 +191,11 @@ def audit_block(graph: AuditGraph, block: Any, source: Any, backends: Sequence[s
     return audit
 
 
-def float32_compute(cut: bytes) -> bytes:
-    """The cut with every MatMulNBits at accuracy_level 1 (float32 compute), every other byte of it the same."""
-    import onnx
-
-    model = onnx.load_from_string(cut)
+def float32_compute(model: Any) -> None:
+    """Every MatMulNBits of `model` (a ModelProto) at accuracy_level 1 (float32 compute), in place; every other byte
+    the same (the audit's twin of an int4 MLA block, the proof's float32 twins)."""
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
             for attribute in node.attribute:
                 if attribute.name == "accuracy_level":
                     attribute.i = 1
-    return model.SerializeToString()

@@ -17,6 +17,7 @@ from attnx.runtimes.base import Runner
 from attnx.runtimes.compare import compare_arrays
 from attnx.workflows._proof import Proof, ProofStats, ProofStatus
 from attnx.workflows.audit import audit_model
+from attnx.workflows.audit.audit import float32_compute
 from attnx.workflows.audit.cut import NP_DTYPES, graph_feeds, runner_for
 from attnx.workflows.audit.run import first_line
 from attnx.workflows.audit.sources import CheckpointLayers
@@ -168,10 +169,7 @@ def float32_twins(paths: Sequence[str], near: str, protos: Sequence[Any] | None 
             else:
                 model = onnx.ModelProto()
                 model.CopyFrom(protos[i])
-            for node in model.graph.node:
-                for attribute in node.attribute:
-                    if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
-                        attribute.i = 1
+            float32_compute(model)
             twins.append(os.path.join(folder, os.path.basename(path)))
             onnx.save(model, twins[-1])
         yield twins
