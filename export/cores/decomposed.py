@@ -39,25 +39,27 @@ def _decomposed(e: Emit) -> str:
     prompt) and the absorbed ones (a step), attnx.export._latent."""
     c, g = e.c, e.g
     span = e.buffer_span() if e.form == "buffer" else None  # before the rope, which reads its positions
-    if c.latent is not None and e.step:
+    latent_step = c.latent is not None and e.step
+    if latent_step:
         q, latents = latent_parts(e)
         latents = e.cached("past_latent", latents, "present_latent")  # growing: joined; buffer: written in place
-        seen = visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None)
-        expands = prompt_expands(e, latents)
-        if expands is None:
-            return _attend(e, absorbed(e, q, latents), seen)
-        # the absorbed branch is the If's else_branch, which a reader meets first (attributes in name order)
-        made = branches_of(e, {"expanded": lambda: _attend(e, expanded(e, q, latents), seen),
-                               "absorbed": lambda: _attend(e, absorbed(e, q, latents), seen)}, ())  # fmt: skip
-        return g.op("If", expands, then_branch=made["expanded"], else_branch=made["absorbed"], name=g.stage("z"))
-    if c.latent is not None:  # the full-sequence graph: the expanded heads (attnx.export._latent)
+    elif c.latent is not None:  # the full-sequence graph: the expanded heads (attnx.export._latent)
         heads = latent_heads(e)
     else:
         q, k, v = e.projections()
         q, k = e.scored(q, k)
         present_k, present_v = cache_heads(e, k, v)
         heads = Heads(q, present_k, present_v, c.n_kv_heads, c.head_dim, c.v_head_dim)
-    return _attend(e, heads, visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None))
+    seen = visibility(g, c, e.kpm, e.step, indices=span[2:] if span is not None else None)
+    if not latent_step:
+        return _attend(e, heads, seen)
+    expands = prompt_expands(e, latents)
+    if expands is None:
+        return _attend(e, absorbed(e, q, latents), seen)
+    # the absorbed branch is the If's else_branch, which a reader meets first (attributes in name order)
+    made = branches_of(e, {"expanded": lambda: _attend(e, expanded(e, q, latents), seen),
+                           "absorbed": lambda: _attend(e, absorbed(e, q, latents), seen)}, ())  # fmt: skip
+    return g.op("If", expands, then_branch=made["expanded"], else_branch=made["absorbed"], name=g.stage("z"))
 
 
 def _attend(e: Emit, heads: Heads, seen: tuple[str | None, str | None]) -> str:
