@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 from attnx._signals import critical, forget, reclaim, system_tempdir, track_folder
 from attnx.errors import UsageError
 
-__all__ = ["RayConnection", "check_address"]
+__all__ = ["RayConnection", "check_address", "first_line"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -47,6 +47,11 @@ def check_address(address: str) -> None:
         socket.create_connection((url.hostname, port), timeout=10).close()
     except OSError as e:
         raise UsageError(f"--ray {address}: no Ray cluster answers there ({e})") from None
+
+
+def first_line(e: BaseException) -> str:
+    """A Ray error in one line: its message's first, else its type's name."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class RayConnection:
@@ -95,8 +100,7 @@ class RayConnection:
             try:
                 ray.init(address=self.address, **common, **extra)
             except (ConnectionError, RuntimeError, ValueError, ImportError) as e:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first}") from None
+                raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster there: {first_line(e)}") from None
         reclaim()
 
     def close(self, ray: Any | None, remove_folder: bool = True) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import errors
-from attnx._ray import RayConnection
+from attnx._ray import RayConnection, first_line
 from attnx._signals import on_interrupt
 from attnx.errors import AttnxError, CheckFailed, UsageError
 from attnx.runtimes.engine_loop import PREFILL_CHUNK
@@ -48,9 +48,9 @@ APP_NAME = "attnx"  # the Serve application's name on the cluster
 INSTALL_HINT = "pip install 'attnx[serve-ray]'"
 SHUTDOWN_MARGIN_S = 20.0  # past the grace period: the time deleting the app and stopping a local cluster may take
 # Ray Serve's own settings for a local cluster this command starts (a user's own values are kept). Serve's
-# controller kills an HTTP proxy that is not ready within 5 s, and serve.start then fails with ActorDiedError: on a
-# loaded 2-core host the proxy's start took longer (3 of 3 tries, load 5, 2026-12-04). serve.start itself waits
-# up to 60 s for the proxy; so may the check.
+# controller kills an HTTP proxy that is not ready within 5 s, and serve.start then fails with ActorDiedError; a
+# loaded host starts it slower than that (b0b5735 says how it was seen). serve.start itself waits up to 60 s for
+# the proxy; so may the check.
 LOCAL_SERVE_SETTINGS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 
@@ -140,10 +140,9 @@ def _start_serve(ray: Any, serve: Any, address: str, host: str, port: int) -> No
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     except (TimeoutError, ray.exceptions.RayError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         where = "Ray could not start on this machine" if address == "local" else "Ray Serve could not start there"
         raise UsageError(f"--ray {address}: {where}: Serve's HTTP proxy did not start ({type(e).__name__}: "
-                         f"{first})") from None  # fmt: skip
+                         f"{first_line(e)})") from None  # fmt: skip
 
 
 def _deployment_messages(serve: Any) -> str:
